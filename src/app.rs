@@ -1,0 +1,166 @@
+//! The one place where the layers are ordered.
+//!
+//! A proxied request passes, outer → inner:
+//! 1. [`EdgeLayer`]: request id, in-flight gauge, the request's log line and metrics.
+//! 2. [`RespondLayer`]: typed errors and panics become responses in the caller's API shape;
+//!    everything above it is infallible.
+//! 3. [`DeadlineLayer`]: `server.request_timeout` over the whole request.
+//! 4. [`AuthLayer`]: tenant key → [`Tenant`](crate::layers::auth::Tenant), else 401.
+//! 5. [`ContextLayer`]: body read once within the size limit, parsed, routed.
+//! 6. [`Forward`]: the upstream attempt (leaf).
+//!
+//! Later concerns (budgets, session guard, validation, retry, breakers) slot in between
+//! 5 and 6, each as its own layer, in the order PRODUCT.md gives.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+};
+
+use axum::{
+    body::Body,
+    extract::State,
+    http::{header, HeaderMap, Request, StatusCode},
+    response::{IntoResponse, Response},
+    routing::{get, post_service},
+    Router,
+};
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde_json::json;
+use tower::{util::BoxCloneSyncService, ServiceBuilder};
+
+use crate::{
+    api::Endpoint,
+    config::Config,
+    error::{respond::error_response, GatewayError},
+    layers::{
+        auth::{AuthLayer, TenantKeys},
+        context::ContextLayer,
+        deadline::DeadlineLayer,
+        edge::EdgeLayer,
+        respond::RespondLayer,
+    },
+    routing::RouteTable,
+    telemetry,
+    upstream::{self, Forward, Upstream},
+};
+
+type HttpService = BoxCloneSyncService<Request<Body>, Response, std::convert::Infallible>;
+
+/// Everything built from the config once at start-up.
+#[derive(Clone)]
+pub struct AppState {
+    pub config: Arc<Config>,
+    pub routes: Arc<RouteTable>,
+    pub upstreams: Arc<HashMap<String, Arc<Upstream>>>,
+    pub tenants: Arc<TenantKeys>,
+    pub metrics: PrometheusHandle,
+    /// False while starting and once shutdown has begun: `/readyz` answers 503.
+    pub ready: Arc<AtomicBool>,
+}
+
+impl AppState {
+    pub fn new(config: Config) -> Self {
+        let upstreams = upstream::build_all(&config);
+        let routes = RouteTable::new(&config, &upstreams);
+        AppState {
+            tenants: Arc::new(TenantKeys::new(&config)),
+            routes: Arc::new(routes),
+            upstreams: Arc::new(upstreams),
+            config: Arc::new(config),
+            metrics: telemetry::metrics_handle(),
+            ready: Arc::new(AtomicBool::new(false)),
+        }
+    }
+}
+
+/// The proxy stack for `/v1/chat/completions`, `/v1/messages` and `/v1/embeddings`.
+fn proxy_stack(state: &AppState) -> HttpService {
+    let server = &state.config.server;
+    let stack = ServiceBuilder::new()
+        .layer(EdgeLayer)
+        .layer(RespondLayer)
+        .layer(DeadlineLayer::new(server.request_timeout))
+        .layer(AuthLayer::new(state.tenants.clone()))
+        .layer(ContextLayer::new(state.routes.clone(), server.max_body_bytes))
+        .service(Forward::new(upstream::client()));
+    BoxCloneSyncService::new(stack)
+}
+
+/// `GET /v1/models`: the same edge, error and auth layers over a listing of the routes.
+fn models_stack(state: &AppState) -> HttpService {
+    let routes = state.routes.clone();
+    let list = tower::service_fn(move |req: Request<Body>| {
+        let routes = routes.clone();
+        async move { Ok::<_, GatewayError>(list_models(&routes, req.headers())) }
+    });
+    let stack = ServiceBuilder::new()
+        .layer(EdgeLayer)
+        .layer(RespondLayer)
+        .layer(AuthLayer::new(state.tenants.clone()))
+        .service(list);
+    BoxCloneSyncService::new(stack)
+}
+
+/// Route patterns as a model list, in the Anthropic shape when the caller sent
+/// `anthropic-version` (the Anthropic SDK always does), else the OpenAI shape.
+fn list_models(routes: &RouteTable, headers: &HeaderMap) -> Response {
+    let names = routes.model_names();
+    let body = if headers.contains_key("anthropic-version") {
+        let data: Vec<_> = names
+            .iter()
+            .map(|id| json!({"type": "model", "id": id, "display_name": id, "created_at": "1970-01-01T00:00:00Z"}))
+            .collect();
+        json!({"data": data, "has_more": false, "first_id": names.first(), "last_id": names.last()})
+    } else {
+        let data: Vec<_> = names
+            .iter()
+            .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "backstop"}))
+            .collect();
+        json!({"object": "list", "data": data})
+    };
+    ([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+}
+
+/// The full HTTP surface.
+pub fn router(state: AppState) -> Router {
+    let proxy = proxy_stack(&state);
+    let models = models_stack(&state);
+    Router::new()
+        .route_service(Endpoint::ChatCompletions.path(), post_service(proxy.clone()))
+        .route_service(Endpoint::Messages.path(), post_service(proxy.clone()))
+        .route_service(Endpoint::Embeddings.path(), post_service(proxy))
+        .route_service("/v1/models", axum::routing::get_service(models))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
+    if state.ready.load(Ordering::Relaxed) {
+        (StatusCode::OK, "ready")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready")
+    }
+}
+
+async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+}
+
+async fn not_found(req: Request<Body>) -> Response {
+    let api = Endpoint::api_for_path(req.uri().path());
+    let err = GatewayError::NotFound {
+        method: req.method().to_string(),
+        path: req.uri().path().to_string(),
+    };
+    error_response(&err, api)
+}

@@ -1,0 +1,175 @@
+//! Typed configuration: TOML file → `${ENV}` interpolation → strict deserialisation →
+//! [`Config::validate`]. Nothing is served until every check here has passed, and every
+//! error names the key path that is wrong (`upstreams[1].base_url`).
+
+mod env;
+mod route;
+mod server;
+mod tenant;
+mod upstream;
+
+use std::{collections::HashSet, fmt, path::Path};
+
+use serde::Deserialize;
+
+pub use route::{RouteConfig, TargetConfig};
+pub use server::{LogConfig, LogFormat, MockConfig, ServerConfig};
+pub use tenant::TenantConfig;
+pub use upstream::{ApiKind, UpstreamConfig};
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub server: ServerConfig,
+    #[serde(default)]
+    pub log: LogConfig,
+    /// When present, `serve` also runs the built-in mock upstream in-process.
+    #[serde(default)]
+    pub mock: Option<MockConfig>,
+    #[serde(default)]
+    pub upstreams: Vec<UpstreamConfig>,
+    #[serde(default)]
+    pub routes: Vec<RouteConfig>,
+    #[serde(default)]
+    pub tenants: Vec<TenantConfig>,
+}
+
+/// Why a configuration was refused. `key` is the path of the offending key.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("invalid TOML: {0}")]
+    Syntax(String),
+    #[error("{key}: environment variable {var} is not set")]
+    MissingEnv { key: String, var: String },
+    #[error("{key}: {message}")]
+    Invalid { key: String, message: String },
+}
+
+impl ConfigError {
+    pub(crate) fn invalid(key: impl Into<String>, message: impl fmt::Display) -> Self {
+        ConfigError::Invalid {
+            key: key.into(),
+            message: message.to_string(),
+        }
+    }
+}
+
+impl Config {
+    /// Reads, interpolates, parses and validates a config file.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_toml_with_env(&text, |var| std::env::var(var).ok())
+    }
+
+    /// Parses config text, resolving `${VAR}` through `lookup` (the process environment in
+    /// production, a map in tests), then validates it.
+    pub fn from_toml_with_env(
+        text: &str,
+        lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        let mut value: toml::Value =
+            toml::from_str(text).map_err(|e| ConfigError::Syntax(e.message().to_string()))?;
+        env::interpolate(&mut value, "", &lookup)?;
+        let config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
+            let key = e.path().to_string();
+            ConfigError::Invalid {
+                key: if key == "." { "(root)".into() } else { key },
+                message: e.into_inner().to_string(),
+            }
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Cross-field checks that the type system cannot express.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.server.validate()?;
+        if self.upstreams.is_empty() {
+            return Err(ConfigError::invalid("upstreams", "at least one upstream is required"));
+        }
+        let mut names = HashSet::new();
+        for (i, upstream) in self.upstreams.iter().enumerate() {
+            upstream.validate(&format!("upstreams[{i}]"))?;
+            if !names.insert(upstream.name.as_str()) {
+                return Err(ConfigError::invalid(
+                    format!("upstreams[{i}].name"),
+                    format_args!("duplicate upstream name {:?}", upstream.name),
+                ));
+            }
+        }
+        if self.routes.is_empty() {
+            return Err(ConfigError::invalid("routes", "at least one route is required"));
+        }
+        let mut patterns = HashSet::new();
+        for (i, route) in self.routes.iter().enumerate() {
+            route.validate(&format!("routes[{i}]"), &names)?;
+            if !patterns.insert(route.model.as_str()) {
+                return Err(ConfigError::invalid(
+                    format!("routes[{i}].model"),
+                    format_args!("duplicate route model {:?}", route.model),
+                ));
+            }
+        }
+        if self.tenants.is_empty() {
+            return Err(ConfigError::invalid("tenants", "at least one tenant is required"));
+        }
+        let mut tenant_names = HashSet::new();
+        let mut keys = HashSet::new();
+        for (i, tenant) in self.tenants.iter().enumerate() {
+            tenant.validate(&format!("tenants[{i}]"))?;
+            if !tenant_names.insert(tenant.name.as_str()) {
+                return Err(ConfigError::invalid(
+                    format!("tenants[{i}].name"),
+                    format_args!("duplicate tenant name {:?}", tenant.name),
+                ));
+            }
+            for (k, key) in tenant.api_keys.iter().enumerate() {
+                if !keys.insert(key.expose()) {
+                    return Err(ConfigError::invalid(
+                        format!("tenants[{i}].api_keys[{k}]"),
+                        "this key is already used by another tenant entry",
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn upstream(&self, name: &str) -> Option<&UpstreamConfig> {
+        self.upstreams.iter().find(|u| u.name == name)
+    }
+}
+
+/// A string that must never be printed: provider keys and tenant keys.
+#[derive(Clone, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+#[cfg(test)]
+mod tests;

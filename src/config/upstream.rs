@@ -1,0 +1,102 @@
+use std::{collections::HashSet, time::Duration};
+
+use serde::Deserialize;
+
+use super::{ConfigError, Secret};
+
+/// The wire API an upstream speaks; it decides the credential header and error shape.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum ApiKind {
+    #[serde(rename = "openai")]
+    OpenAi,
+    Anthropic,
+}
+
+impl ApiKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApiKind::OpenAi => "openai",
+            ApiKind::Anthropic => "anthropic",
+        }
+    }
+}
+
+/// `[[upstreams]]`: one model provider.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamConfig {
+    pub name: String,
+    pub api: ApiKind,
+    /// An origin with an optional path prefix; the client's path (`/v1/...`) is appended.
+    pub base_url: String,
+    /// The provider key Backstop injects. May be empty for keyless upstreams (the mock).
+    #[serde(default = "empty_secret")]
+    pub api_key: Secret,
+    /// One upstream attempt: until the whole body for non-streaming calls, until the
+    /// response head and then between chunks for streams.
+    #[serde(default = "default_attempt_timeout", with = "humantime_serde")]
+    pub attempt_timeout: Duration,
+    /// `anthropic-version` sent when the client sent none (Anthropic upstreams only).
+    #[serde(default = "default_anthropic_version")]
+    pub anthropic_version: String,
+}
+
+fn empty_secret() -> Secret {
+    Secret::new("")
+}
+
+fn default_attempt_timeout() -> Duration {
+    Duration::from_secs(60)
+}
+
+fn default_anthropic_version() -> String {
+    "2023-06-01".into()
+}
+
+impl UpstreamConfig {
+    pub(super) fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        if self.name.trim().is_empty() {
+            return Err(ConfigError::invalid(format!("{key}.name"), "must not be empty"));
+        }
+        let url = self.base_url.as_str();
+        let rest = url
+            .strip_prefix("http://")
+            .or_else(|| url.strip_prefix("https://"))
+            .ok_or_else(|| {
+                ConfigError::invalid(
+                    format!("{key}.base_url"),
+                    format_args!("{url:?} must start with http:// or https://"),
+                )
+            })?;
+        let host = rest.split('/').next().unwrap_or("");
+        if host.is_empty() || url.contains(['?', '#']) || url.parse::<http::Uri>().is_err() {
+            return Err(ConfigError::invalid(
+                format!("{key}.base_url"),
+                format_args!("{url:?} is not an origin with an optional path prefix"),
+            ));
+        }
+        if self.attempt_timeout.is_zero() {
+            return Err(ConfigError::invalid(
+                format!("{key}.attempt_timeout"),
+                "must be greater than 0",
+            ));
+        }
+        if http::HeaderValue::from_str(self.api_key.expose()).is_err() {
+            return Err(ConfigError::invalid(
+                format!("{key}.api_key"),
+                "contains characters not allowed in an HTTP header",
+            ));
+        }
+        Ok(())
+    }
+
+    /// `base_url` without a trailing slash, ready for a `/v1/...` path to be appended.
+    pub fn origin(&self) -> &str {
+        self.base_url.trim_end_matches('/')
+    }
+}
+
+pub(super) fn known<'a>(names: &HashSet<&'a str>, name: &str) -> bool {
+    names.contains(name)
+}

@@ -1,0 +1,79 @@
+//! Typed errors raised by the layers. They travel as `Err` through the tower stack and
+//! become HTTP responses in exactly one place, [`respond`].
+
+pub mod respond;
+
+use std::time::Duration;
+
+/// Everything Backstop itself can answer with instead of an upstream response.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error("missing or invalid API key: pass a Backstop tenant key as `Authorization: Bearer` or `x-api-key`")]
+    Unauthorized,
+    #[error("request body is not valid JSON: {0}")]
+    InvalidJson(String),
+    #[error("request body must be a JSON object")]
+    NotAnObject,
+    #[error("`model` is required and must be a non-empty string")]
+    MissingModel,
+    #[error("the model `{0}` does not exist or you do not have access to it")]
+    ModelNotFound(String),
+    #[error("model `{model}` is served by an {upstream_api} upstream; call it through {path}")]
+    ApiMismatch {
+        model: String,
+        upstream_api: &'static str,
+        path: &'static str,
+    },
+    #[error("request body exceeds the limit of {limit} bytes")]
+    BodyTooLarge { limit: usize },
+    #[error("could not read the request body: {0}")]
+    BodyRead(String),
+    #[error("the upstream `{upstream}` could not be reached")]
+    UpstreamUnavailable { upstream: String },
+    #[error("the upstream `{upstream}` did not answer within {timeout:?}")]
+    UpstreamTimeout { upstream: String, timeout: Duration },
+    #[error("the request did not complete within {0:?}")]
+    RequestTimeout(Duration),
+    #[error("no such endpoint: {method} {path}")]
+    NotFound { method: String, path: String },
+    #[error("internal error")]
+    Internal,
+}
+
+/// The HTTP-facing identity of an error: status, category and the exact code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ErrorKind {
+    pub status: u16,
+    pub category: &'static str,
+    pub code: &'static str,
+    pub anthropic_type: &'static str,
+}
+
+impl GatewayError {
+    pub fn kind(&self) -> ErrorKind {
+        use GatewayError::*;
+        let (status, category, code, anthropic_type) = match self {
+            Unauthorized => (401, "authentication_error", "invalid_api_key", "authentication_error"),
+            InvalidJson(_) | NotAnObject => (400, "invalid_request_error", "invalid_json", "invalid_request_error"),
+            MissingModel => (400, "invalid_request_error", "missing_model", "invalid_request_error"),
+            ModelNotFound(_) => (404, "invalid_request_error", "model_not_found", "not_found_error"),
+            ApiMismatch { .. } => (400, "invalid_request_error", "api_mismatch", "invalid_request_error"),
+            BodyTooLarge { .. } => (413, "invalid_request_error", "request_too_large", "request_too_large"),
+            BodyRead(_) => (400, "invalid_request_error", "body_read_error", "invalid_request_error"),
+            UpstreamUnavailable { .. } => (502, "upstream_error", "upstream_unavailable", "upstream_unavailable"),
+            UpstreamTimeout { .. } => (504, "upstream_error", "upstream_timeout", "upstream_timeout"),
+            RequestTimeout(_) => (504, "timeout_error", "request_timeout", "request_timeout"),
+            NotFound { .. } => (404, "invalid_request_error", "unknown_endpoint", "not_found_error"),
+            Internal => (500, "internal_error", "internal_error", "api_error"),
+        };
+        ErrorKind { status, category, code, anthropic_type }
+    }
+
+    /// The request parameter at fault, when there is one.
+    pub fn param(&self) -> Option<&'static str> {
+        match self {
+            GatewayError::MissingModel | GatewayError::ModelNotFound(_) => Some("model"),
+            _ => None,
+        }
+    }
+}

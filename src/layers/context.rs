@@ -1,0 +1,164 @@
+//! Context layer (step 3): reads the body once, within `max_body_bytes`, parses it, and
+//! resolves the route. Everything after reads [`RequestContext`] from the extensions
+//! instead of touching the body again. Refuses with 413 (too large), 400 (not JSON, not
+//! an object, no `model`) or 404 `model_not_found`, all before any upstream call.
+
+use std::{
+    sync::Arc,
+    task::{Context, Poll},
+};
+
+use axum::body::Body;
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+use http::{header, Request, Response};
+use http_body_util::{BodyExt, Limited};
+use serde_json::{Map, Value};
+use tower::{Layer, Service};
+
+use crate::{
+    api::Endpoint,
+    error::GatewayError,
+    routing::{Route, RouteTable},
+    telemetry::RequestLog,
+};
+
+/// The parsed request, shared by every inner layer.
+#[derive(Debug)]
+pub struct RequestContext {
+    pub endpoint: Endpoint,
+    pub model: String,
+    pub stream: bool,
+    /// The agent run this call belongs to (`x-session-id`), if the caller named one.
+    pub session_id: Option<String>,
+    /// The body exactly as the client sent it.
+    pub body: Bytes,
+    /// The same body, parsed once.
+    pub json: Map<String, Value>,
+    pub route: Arc<Route>,
+}
+
+impl RequestContext {
+    /// The body with `model` replaced, for targets that rewrite the model.
+    pub fn body_with_model(&self, model: &str) -> Bytes {
+        let mut json = self.json.clone();
+        json.insert("model".into(), Value::String(model.into()));
+        Bytes::from(serde_json::to_vec(&json).expect("a JSON map serialises"))
+    }
+}
+
+#[derive(Clone)]
+pub struct ContextLayer {
+    routes: Arc<RouteTable>,
+    max_body_bytes: usize,
+}
+
+impl ContextLayer {
+    pub fn new(routes: Arc<RouteTable>, max_body_bytes: usize) -> Self {
+        ContextLayer { routes, max_body_bytes }
+    }
+}
+
+impl<S> Layer<S> for ContextLayer {
+    type Service = ContextService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        ContextService { inner, layer: self.clone() }
+    }
+}
+
+#[derive(Clone)]
+pub struct ContextService<S> {
+    inner: S,
+    layer: ContextLayer,
+}
+
+impl<S> Service<Request<Body>> for ContextService<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = GatewayError;
+    type Future = BoxFuture<'static, Result<Response<Body>, GatewayError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), GatewayError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        // The clone is ready (tower's "clone, then swap" idiom for services that must
+        // be called after an await).
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let layer = self.layer.clone();
+        Box::pin(async move {
+            let (mut parts, body) = req.into_parts();
+            let endpoint = Endpoint::from_path(parts.uri.path()).ok_or_else(|| {
+                GatewayError::NotFound {
+                    method: parts.method.to_string(),
+                    path: parts.uri.path().to_string(),
+                }
+            })?;
+            let declared = parts
+                .headers
+                .get(header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<usize>().ok());
+            let limit = layer.max_body_bytes;
+            if declared.is_some_and(|n| n > limit) {
+                return Err(GatewayError::BodyTooLarge { limit });
+            }
+            let bytes = Limited::new(body, limit)
+                .collect()
+                .await
+                .map_err(|e| {
+                    if e.is::<http_body_util::LengthLimitError>() {
+                        GatewayError::BodyTooLarge { limit }
+                    } else {
+                        GatewayError::BodyRead(e.to_string())
+                    }
+                })?
+                .to_bytes();
+            let session_id = parts
+                .headers
+                .get("x-session-id")
+                .and_then(|v| v.to_str().ok())
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned);
+            let ctx = parse(endpoint, bytes, session_id, &layer.routes)?;
+            if let Some(log) = parts.extensions.get::<Arc<RequestLog>>() {
+                log.update(|f| {
+                    f.model = Some(ctx.model.clone());
+                    f.session = ctx.session_id.clone();
+                });
+            }
+            parts.extensions.insert(Arc::new(ctx));
+            inner.call(Request::from_parts(parts, Body::empty())).await
+        })
+    }
+}
+
+/// Parses and routes one body. Pure: no I/O, so it is unit-tested directly.
+pub fn parse(
+    endpoint: Endpoint,
+    body: Bytes,
+    session_id: Option<String>,
+    routes: &RouteTable,
+) -> Result<RequestContext, GatewayError> {
+    let value: Value =
+        serde_json::from_slice(&body).map_err(|e| GatewayError::InvalidJson(e.to_string()))?;
+    let Value::Object(json) = value else {
+        return Err(GatewayError::NotAnObject);
+    };
+    let model = match json.get("model") {
+        Some(Value::String(m)) if !m.trim().is_empty() => m.clone(),
+        _ => return Err(GatewayError::MissingModel),
+    };
+    let stream = matches!(json.get("stream"), Some(Value::Bool(true)));
+    let route = routes
+        .resolve(&model)
+        .cloned()
+        .ok_or_else(|| GatewayError::ModelNotFound(model.clone()))?;
+    Ok(RequestContext { endpoint, model, stream, session_id, body, json, route })
+}

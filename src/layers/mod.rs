@@ -1,0 +1,7 @@
+//! One tower layer per concern. Their order is set in one place: [`crate::app`].
+
+pub mod auth;
+pub mod context;
+pub mod deadline;
+pub mod edge;
+pub mod respond;

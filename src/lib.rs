@@ -1,0 +1,16 @@
+//! Backstop: a reverse proxy between AI agents and model APIs that keeps agent failures
+//! cheap. The request pipeline is ordered in [`app`]; each concern is a tower layer in
+//! [`layers`]; errors become responses in [`error::respond`].
+#![forbid(unsafe_code)]
+#![warn(rust_2018_idioms)]
+
+pub mod api;
+pub mod app;
+pub mod config;
+pub mod error;
+pub mod layers;
+pub mod mock;
+pub mod routing;
+pub mod server;
+pub mod telemetry;
+pub mod upstream;

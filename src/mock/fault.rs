@@ -1,0 +1,100 @@
+use std::time::Duration;
+
+/// What the mock does for one attempt. Parsed from one step of `x-mock-fault`, whose
+/// tokens are `;`-separated:
+///
+/// | token | effect |
+/// |---|---|
+/// | `ok` | a normal answer (the default) |
+/// | `status=503` | an error with that status, body in the API's error shape |
+/// | `code=insufficient_quota` | the error code/type in that body |
+/// | `retry_after=1` / `retry_after_ms=500` | `Retry-After` / `retry-after-ms` headers |
+/// | `delay=200ms` | wait before answering |
+/// | `hang` | never answer |
+/// | `reset` | drop the connection before any response |
+/// | `invalid_json` | 200 with a body that is not JSON |
+/// | `content=TEXT` | the answer's text instead of the echo (no `,` or `;` inside) |
+/// | `cut=N` | a stream that breaks after N chunks |
+/// | `usage=IN/OUT` | the token usage reported |
+/// | `chunks=N` / `chunk_delay=50ms` | how a stream is cut up and paced |
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Step {
+    pub status: Option<u16>,
+    pub code: Option<String>,
+    pub retry_after: Option<String>,
+    pub retry_after_ms: Option<u64>,
+    pub delay: Option<Duration>,
+    pub hang: bool,
+    pub reset: bool,
+    pub invalid_json: bool,
+    pub content: Option<String>,
+    pub cut: Option<usize>,
+    pub usage: Option<(u64, u64)>,
+    pub chunks: Option<usize>,
+    pub chunk_delay: Option<Duration>,
+}
+
+impl Step {
+    /// The step for the `attempt`-th (0-based) call of a scenario; the last step repeats.
+    pub fn for_attempt(script: &str, attempt: u64) -> Step {
+        let steps: Vec<&str> = script.split(',').collect();
+        let index = (attempt as usize).min(steps.len().saturating_sub(1));
+        Step::parse(steps.get(index).copied().unwrap_or(""))
+    }
+
+    /// Unknown tokens are ignored, so a typo degrades to a normal answer rather than
+    /// a mock that cannot answer.
+    pub fn parse(step: &str) -> Step {
+        let mut out = Step::default();
+        for token in step.split(';').map(str::trim).filter(|t| !t.is_empty()) {
+            let (key, value) = token.split_once('=').unwrap_or((token, ""));
+            match key {
+                "status" => out.status = value.parse().ok(),
+                "code" => out.code = Some(value.to_string()),
+                "retry_after" => out.retry_after = Some(value.to_string()),
+                "retry_after_ms" => out.retry_after_ms = value.parse().ok(),
+                "delay" => out.delay = humantime::parse_duration(value).ok(),
+                "hang" => out.hang = true,
+                "reset" => out.reset = true,
+                "invalid_json" => out.invalid_json = true,
+                "content" => out.content = Some(value.to_string()),
+                "cut" => out.cut = value.parse().ok(),
+                "usage" => {
+                    out.usage = value
+                        .split_once('/')
+                        .and_then(|(i, o)| Some((i.parse().ok()?, o.parse().ok()?)))
+                }
+                "chunks" => out.chunks = value.parse().ok().filter(|n| *n > 0),
+                "chunk_delay" => out.chunk_delay = humantime::parse_duration(value).ok(),
+                _ => {}
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn steps_follow_attempts_and_the_last_repeats() {
+        let script = "status=503;retry_after=1,reset,ok";
+        assert_eq!(Step::for_attempt(script, 0).status, Some(503));
+        assert_eq!(Step::for_attempt(script, 0).retry_after.as_deref(), Some("1"));
+        assert!(Step::for_attempt(script, 1).reset);
+        assert_eq!(Step::for_attempt(script, 2), Step::default());
+        assert_eq!(Step::for_attempt(script, 9), Step::default());
+    }
+
+    #[test]
+    fn tokens_parse() {
+        let s = Step::parse("delay=150ms; usage=10/20; cut=2; chunks=7; code=insufficient_quota; hang");
+        assert_eq!(s.delay, Some(Duration::from_millis(150)));
+        assert_eq!(s.usage, Some((10, 20)));
+        assert_eq!(s.cut, Some(2));
+        assert_eq!(s.chunks, Some(7));
+        assert_eq!(s.code.as_deref(), Some("insufficient_quota"));
+        assert!(s.hang);
+    }
+}

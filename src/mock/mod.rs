@@ -1,0 +1,246 @@
+//! The fault-injecting mock upstream: speaks the OpenAI and Anthropic APIs (streaming
+//! and not) on one port, with faults scripted per request. It is part of the product:
+//! the default config, the tests, the demo and the load tests all run against it.
+//!
+//! Scripting, by request header:
+//! - `x-mock-scenario: NAME` groups attempts; each scenario counts the attempts it got.
+//! - `x-mock-fault: STEP,STEP,...`: attempt k of the scenario plays step k (the last step
+//!   repeats). A step is `;`-separated tokens, see [`fault::Step`].
+//!
+//! Introspection: `GET /mock/stats`, `GET /mock/last?scenario=NAME`, `POST /mock/reset`.
+//! It logs nothing per request, so it is never the bottleneck of a load test.
+
+mod fault;
+mod responses;
+
+use std::{
+    collections::HashMap,
+    convert::Infallible,
+    net::SocketAddr,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
+};
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::{header, HeaderMap, Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::{body::Incoming, server::conn::http1, service::service_fn};
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use tokio::{net::TcpListener, task::JoinHandle};
+
+pub use fault::Step;
+
+/// Most scenarios remembered; beyond it the oldest data is dropped wholesale.
+const MAX_SCENARIOS: usize = 100_000;
+
+#[derive(Default)]
+struct Scenario {
+    attempts: u64,
+    last: Option<Value>,
+}
+
+#[derive(Default)]
+pub struct MockState {
+    total: AtomicU64,
+    scenarios: Mutex<HashMap<String, Scenario>>,
+}
+
+impl MockState {
+    /// Counts an attempt and returns its 0-based index within the scenario.
+    fn record(&self, scenario: Option<&str>, last: impl FnOnce() -> Value) -> u64 {
+        self.total.fetch_add(1, Ordering::Relaxed);
+        let name = scenario.unwrap_or("default");
+        let mut map = self.scenarios.lock().unwrap_or_else(|e| e.into_inner());
+        if map.len() >= MAX_SCENARIOS && !map.contains_key(name) {
+            map.clear();
+        }
+        let entry = map.entry(name.to_string()).or_default();
+        entry.attempts += 1;
+        if scenario.is_some() {
+            entry.last = Some(last());
+        }
+        entry.attempts - 1
+    }
+
+    fn stats(&self) -> Value {
+        let map = self.scenarios.lock().unwrap_or_else(|e| e.into_inner());
+        let scenarios: serde_json::Map<String, Value> =
+            map.iter().map(|(k, v)| (k.clone(), json!(v.attempts))).collect();
+        json!({"total": self.total.load(Ordering::Relaxed), "scenarios": scenarios})
+    }
+
+    fn last(&self, scenario: &str) -> Option<Value> {
+        let map = self.scenarios.lock().unwrap_or_else(|e| e.into_inner());
+        map.get(scenario).and_then(|s| s.last.clone())
+    }
+
+    fn reset(&self) {
+        self.total.store(0, Ordering::Relaxed);
+        self.scenarios.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+}
+
+/// A running mock upstream.
+pub struct MockHandle {
+    pub addr: SocketAddr,
+    pub state: Arc<MockState>,
+    task: JoinHandle<()>,
+}
+
+impl MockHandle {
+    pub fn shutdown(self) {
+        self.task.abort();
+    }
+
+    /// Attempts received in a scenario so far.
+    pub fn attempts(&self, scenario: &str) -> u64 {
+        let map = self.state.scenarios.lock().unwrap_or_else(|e| e.into_inner());
+        map.get(scenario).map_or(0, |s| s.attempts)
+    }
+
+    /// The last request seen in a scenario (method, path, headers, body).
+    pub fn last_request(&self, scenario: &str) -> Option<Value> {
+        self.state.last(scenario)
+    }
+}
+
+/// Marker error: drop the connection without answering (the `reset` fault).
+#[derive(Debug)]
+struct Reset;
+
+impl std::fmt::Display for Reset {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("mock reset")
+    }
+}
+
+impl std::error::Error for Reset {}
+
+/// Serves the mock on an already-bound listener.
+pub fn spawn(listener: TcpListener) -> MockHandle {
+    let addr = listener.local_addr().expect("bound listener has an address");
+    let state = Arc::new(MockState::default());
+    let shared = state.clone();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let state = shared.clone();
+            tokio::spawn(async move {
+                let service = service_fn(move |req| handle(state.clone(), req));
+                let _ = http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    MockHandle { addr, state, task }
+}
+
+async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Response<Body>, Reset> {
+    let (parts, body) = req.into_parts();
+    let path = parts.uri.path().to_string();
+    match (&parts.method, path.as_str()) {
+        (&Method::GET, "/mock/stats") => return Ok(json_response(StatusCode::OK, &state.stats())),
+        (&Method::POST, "/mock/reset") => {
+            state.reset();
+            return Ok(json_response(StatusCode::OK, &json!({"ok": true})));
+        }
+        (&Method::GET, "/mock/last") => {
+            let scenario = query_param(parts.uri.query(), "scenario").unwrap_or_default();
+            return Ok(match state.last(&scenario) {
+                Some(v) => json_response(StatusCode::OK, &v),
+                None => json_response(StatusCode::NOT_FOUND, &json!({"error": "no request seen"})),
+            });
+        }
+        (&Method::GET, "/v1/models") | (&Method::GET, "/healthz") => {
+            return Ok(json_response(StatusCode::OK, &json!({"object": "list", "data": []})));
+        }
+        _ => {}
+    }
+    let api = match path.as_str() {
+        "/v1/chat/completions" | "/v1/embeddings" => responses::Api::OpenAi,
+        "/v1/messages" => responses::Api::Anthropic,
+        _ => return Ok(json_response(StatusCode::NOT_FOUND, &json!({"error": {"message": "unknown path", "type": "invalid_request_error"}}))),
+    };
+    let bytes = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let request: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    let scenario = header_str(&parts.headers, "x-mock-scenario");
+    let attempt = state.record(scenario, || {
+        json!({
+            "method": parts.method.as_str(),
+            "path": path,
+            "headers": headers_json(&parts.headers),
+            "body": if request.is_null() { Value::String(String::from_utf8_lossy(&bytes).into_owned()) } else { request.clone() },
+        })
+    });
+    let step = header_str(&parts.headers, "x-mock-fault")
+        .map(|s| Step::for_attempt(s, attempt))
+        .unwrap_or_default();
+
+    if let Some(delay) = step.delay {
+        tokio::time::sleep(delay).await;
+    }
+    if step.hang {
+        std::future::pending::<()>().await;
+    }
+    if step.reset {
+        return Err(Reset);
+    }
+    if let Some(status) = step.status.filter(|s| *s >= 400) {
+        return Ok(responses::error(api, status, &step));
+    }
+    if step.invalid_json {
+        return Ok(Response::builder()
+            .status(StatusCode::OK)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(Bytes::from_static(b"{\"id\": \"broken\", \"choices\": [")))
+            .expect("static response"));
+    }
+    Ok(match path.as_str() {
+        "/v1/embeddings" => responses::embeddings(&request, &step),
+        _ => responses::completion(api, &request, &step),
+    })
+}
+
+fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+fn headers_json(headers: &HeaderMap) -> Value {
+    let map: serde_json::Map<String, Value> = headers
+        .iter()
+        .map(|(k, v)| (k.as_str().to_string(), Value::String(String::from_utf8_lossy(v.as_bytes()).into_owned())))
+        .collect();
+    Value::Object(map)
+}
+
+fn query_param(query: Option<&str>, key: &str) -> Option<String> {
+    query?
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .find(|(k, _)| *k == key)
+        .map(|(_, v)| v.replace("%20", " "))
+}
+
+fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(value.to_string()))
+        .expect("valid response parts")
+}
+
+/// Convenience for `main`: bind and serve until the process ends.
+pub async fn run(addr: SocketAddr) -> std::io::Result<Infallible> {
+    let handle = spawn(TcpListener::bind(addr).await?);
+    tracing::info!(addr = %handle.addr, "mock upstream listening");
+    let _ = handle.task.await;
+    std::future::pending().await
+}

@@ -1,0 +1,109 @@
+//! Model name → route. Exact names win; otherwise the first glob in config order.
+
+use std::{collections::HashMap, sync::Arc};
+
+use wildmatch::WildMatch;
+
+use crate::{config::Config, upstream::Upstream};
+
+/// One target of a route, resolved to its upstream.
+#[derive(Debug)]
+pub struct Target {
+    pub upstream: Arc<Upstream>,
+    /// The model to ask this upstream for; `None` keeps the client's.
+    pub model: Option<String>,
+}
+
+#[derive(Debug)]
+pub struct Route {
+    pub pattern: String,
+    pub targets: Vec<Target>,
+}
+
+#[derive(Debug, Default)]
+pub struct RouteTable {
+    exact: HashMap<String, Arc<Route>>,
+    globs: Vec<(WildMatch, Arc<Route>)>,
+    /// Route patterns in config order, for `GET /v1/models`.
+    names: Vec<String>,
+}
+
+impl RouteTable {
+    /// Builds the table from a validated config; `upstreams` holds one entry per
+    /// `[[upstreams]]`, by name.
+    pub fn new(config: &Config, upstreams: &HashMap<String, Arc<Upstream>>) -> Self {
+        let mut table = RouteTable::default();
+        for route in &config.routes {
+            let targets = route
+                .targets
+                .iter()
+                .map(|t| Target {
+                    upstream: upstreams[&t.upstream].clone(),
+                    model: t.model.clone(),
+                })
+                .collect();
+            let resolved = Arc::new(Route {
+                pattern: route.model.clone(),
+                targets,
+            });
+            table.names.push(route.model.clone());
+            if route.is_glob() {
+                table.globs.push((WildMatch::new(&route.model), resolved));
+            } else {
+                table.exact.insert(route.model.clone(), resolved);
+            }
+        }
+        table
+    }
+
+    pub fn resolve(&self, model: &str) -> Option<&Arc<Route>> {
+        self.exact
+            .get(model)
+            .or_else(|| self.globs.iter().find(|(glob, _)| glob.matches(model)).map(|(_, r)| r))
+    }
+
+    pub fn model_names(&self) -> &[String] {
+        &self.names
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table() -> RouteTable {
+        let config = crate::config::Config::from_toml_with_env(
+            r#"
+            [[upstreams]]
+            name = "a"
+            api = "openai"
+            base_url = "http://127.0.0.1:1"
+            [[routes]]
+            model = "gpt-*"
+            targets = [{ upstream = "a" }]
+            [[routes]]
+            model = "gpt-4o"
+            targets = [{ upstream = "a", model = "exact" }]
+            [[routes]]
+            model = "*"
+            targets = [{ upstream = "a", model = "catch-all" }]
+            [[tenants]]
+            name = "t"
+            api_keys = ["bk-test-key"]
+            "#,
+            |_| None,
+        )
+        .unwrap();
+        let upstreams = crate::upstream::build_all(&config);
+        RouteTable::new(&config, &upstreams)
+    }
+
+    #[test]
+    fn exact_beats_glob_and_globs_go_in_order() {
+        let t = table();
+        assert_eq!(t.resolve("gpt-4o").unwrap().targets[0].model.as_deref(), Some("exact"));
+        assert_eq!(t.resolve("gpt-4o-mini").unwrap().pattern, "gpt-*");
+        assert_eq!(t.resolve("claude").unwrap().pattern, "*");
+        assert_eq!(t.model_names(), ["gpt-*", "gpt-4o", "*"]);
+    }
+}

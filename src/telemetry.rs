@@ -1,0 +1,92 @@
+//! Logs and metrics: the tracing subscriber, the Prometheus recorder, and the per-request
+//! record that every layer fills in and the edge layer writes out as one log line.
+
+use std::{
+    sync::{Arc, Mutex, OnceLock},
+    time::Duration,
+};
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tracing_subscriber::{filter::Targets, prelude::*};
+
+use crate::config::{LogConfig, LogFormat};
+
+/// Installs the global tracing subscriber once; later calls (tests) are no-ops.
+pub fn init_logging(config: &LogConfig) {
+    static DONE: OnceLock<()> = OnceLock::new();
+    DONE.get_or_init(|| {
+        let filter: Targets = config
+            .level
+            .parse()
+            .unwrap_or_else(|_| Targets::new().with_default(tracing::Level::INFO));
+        let registry = tracing_subscriber::registry().with(filter);
+        let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+        let _ = match config.format {
+            LogFormat::Json => registry.with(fmt.json().flatten_event(true)).try_init(),
+            LogFormat::Text => registry.with(fmt).try_init(),
+        };
+    });
+}
+
+/// The process-wide Prometheus recorder. One per process: metrics are global in the
+/// `metrics` crate, so every server in a test process shares it.
+pub fn metrics_handle() -> PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let latency = [
+                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+            ];
+            let recorder = PrometheusBuilder::new()
+                .set_buckets(&latency)
+                .expect("static bucket list is non-empty")
+                .build_recorder();
+            let handle = recorder.handle();
+            // Another recorder may already be installed (embedding apps); then ours
+            // renders an empty page rather than failing the server.
+            let _ = metrics::set_global_recorder(recorder);
+            describe();
+            handle
+        })
+        .clone()
+}
+
+fn describe() {
+    metrics::describe_counter!("backstop_requests_total", "Client requests by endpoint, tenant and status class");
+    metrics::describe_histogram!("backstop_request_duration_seconds", "Client request latency until the response head");
+    metrics::describe_histogram!("backstop_upstream_duration_seconds", "Upstream attempt latency by upstream");
+    metrics::describe_histogram!("backstop_overhead_seconds", "Time spent in Backstop outside upstream calls");
+    metrics::describe_gauge!("backstop_in_flight_requests", "Client requests being served");
+    metrics::describe_counter!("backstop_upstream_attempts_total", "Upstream attempts by upstream and outcome");
+}
+
+/// What one request did, filled in by the layers that learn it and logged once by the
+/// edge layer. Shared through request extensions, so errors raised deep in the stack
+/// still produce a complete log line.
+#[derive(Default)]
+pub struct RequestLog {
+    fields: Mutex<LogFields>,
+}
+
+#[derive(Default, Clone)]
+pub struct LogFields {
+    pub tenant: Option<Arc<str>>,
+    pub session: Option<String>,
+    pub model: Option<String>,
+    pub upstream: Option<Arc<str>>,
+    pub attempts: u32,
+    pub upstream_time: Duration,
+    pub error: Option<&'static str>,
+}
+
+impl RequestLog {
+    pub fn update(&self, f: impl FnOnce(&mut LogFields)) {
+        let mut fields = self.fields.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut fields);
+    }
+
+    pub fn snapshot(&self) -> LogFields {
+        self.fields.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}

@@ -1,0 +1,284 @@
+"""Shared helpers for the Backstop end-to-end tests (imported by conftest and the tests).
+
+Nothing here starts processes; see conftest.py for the session fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The openai / anthropic SDKs ship either `httpx` or its successor `httpx2`
+# (openai>=3 / anthropic>=2 depend on `httpx2`). Use whichever is installed, so
+# that the raw-HTTP tests speak the same client stack as the SDKs.
+try:  # pragma: no cover - depends on the installed SDK generation
+    import httpx2 as httpx  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover
+    import httpx  # type: ignore[no-redef]
+
+__all__ = [
+    "httpx",
+    "TENANT_A_KEY",
+    "TENANT_B_KEY",
+    "PROVIDER_OPENAI_KEY",
+    "PROVIDER_ANTHROPIC_KEY",
+    "MAX_BODY_BYTES",
+    "Backstop",
+    "free_port",
+    "scenario_name",
+    "assert_openai_error",
+    "assert_anthropic_error",
+    "assert_no_tenant_key",
+]
+
+TENANT_A_KEY = "bk-test-a"
+TENANT_B_KEY = "bk-test-b"
+PROVIDER_OPENAI_KEY = "sk-provider-openai"
+PROVIDER_ANTHROPIC_KEY = "sk-provider-anthropic"
+MAX_BODY_BYTES = 65536
+
+# Models that appear literally (no wildcard) in the routes of the test config.
+EXACT_ROUTE_MODELS = ["rewrite-me", "dead-model", "dead-claude", "slow-model", "slow-claude"]
+WILDCARD_ROUTE_MODELS = ["gpt-*", "text-embedding-*", "claude-*"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind port 0, then close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scenario_name(nodeid: str) -> str:
+    """A unique, header-safe mock scenario name derived from a pytest node id."""
+    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", nodeid.split("::")[-1]).strip("-")[:60]
+    return f"{base}-{uuid.uuid4().hex[:8]}"
+
+
+def render_config(*, port: int, mock_port: int, dead_port: int) -> str:
+    mock = f"http://127.0.0.1:{mock_port}"
+    dead = f"http://127.0.0.1:{dead_port}"
+    return f"""\
+[server]
+listen = "127.0.0.1:{port}"
+max_body_bytes = {MAX_BODY_BYTES}
+request_timeout = "30s"
+
+[log]
+format = "json"
+level = "warn"
+
+[[upstreams]]
+name = "mock-openai"
+api = "openai"
+base_url = "{mock}"
+api_key = "{PROVIDER_OPENAI_KEY}"
+attempt_timeout = "5s"
+
+[[upstreams]]
+name = "mock-anthropic"
+api = "anthropic"
+base_url = "{mock}"
+api_key = "{PROVIDER_ANTHROPIC_KEY}"
+attempt_timeout = "5s"
+
+[[upstreams]]
+name = "dead"
+api = "openai"
+base_url = "{dead}"
+api_key = "x"
+attempt_timeout = "2s"
+
+[[upstreams]]
+name = "dead-anthropic"
+api = "anthropic"
+base_url = "{dead}"
+api_key = "x"
+attempt_timeout = "2s"
+
+[[upstreams]]
+name = "slow"
+api = "openai"
+base_url = "{mock}"
+api_key = "x"
+attempt_timeout = "300ms"
+
+[[upstreams]]
+name = "slow-anthropic"
+api = "anthropic"
+base_url = "{mock}"
+api_key = "x"
+attempt_timeout = "300ms"
+
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "mock-openai" }}]
+
+[[routes]]
+model = "rewrite-me"
+targets = [{{ upstream = "mock-openai", model = "gpt-4o-mini" }}]
+
+[[routes]]
+model = "text-embedding-*"
+targets = [{{ upstream = "mock-openai" }}]
+
+[[routes]]
+model = "claude-*"
+targets = [{{ upstream = "mock-anthropic" }}]
+
+[[routes]]
+model = "dead-model"
+targets = [{{ upstream = "dead" }}]
+
+[[routes]]
+model = "dead-claude"
+targets = [{{ upstream = "dead-anthropic" }}]
+
+[[routes]]
+model = "slow-model"
+targets = [{{ upstream = "slow" }}]
+
+[[routes]]
+model = "slow-claude"
+targets = [{{ upstream = "slow-anthropic" }}]
+
+[[tenants]]
+name = "team-a"
+api_keys = ["{TENANT_A_KEY}"]
+
+[[tenants]]
+name = "team-b"
+api_keys = ["{TENANT_B_KEY}"]
+"""
+
+
+@dataclass
+class Backstop:
+    """Handle on the running gateway + mock upstream (yielded by the session fixture)."""
+
+    binary: Path
+    port: int
+    mock_port: int
+    dead_port: int
+    config_path: Path
+    server_log: Path
+    mock_log: Path
+    _http: Any = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def openai_base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    @property
+    def anthropic_base_url(self) -> str:
+        return self.url
+
+    @property
+    def mock_url(self) -> str:
+        return f"http://127.0.0.1:{self.mock_port}"
+
+    @property
+    def http(self):
+        if self._http is None:
+            self._http = httpx.Client(timeout=30.0)
+        return self._http
+
+    # --- mock upstream introspection -------------------------------------------------
+    def mock_stats(self) -> dict:
+        r = self.http.get(f"{self.mock_url}/mock/stats")
+        assert r.status_code == 200, f"GET /mock/stats -> {r.status_code}: {r.text}"
+        return r.json()
+
+    def attempts(self, scenario: str) -> int:
+        """How many requests the mock upstream received in `scenario`."""
+        return int(self.mock_stats().get("scenarios", {}).get(scenario, 0))
+
+    def last_upstream_request(self, scenario: str) -> dict:
+        r = self.http.get(f"{self.mock_url}/mock/last", params={"scenario": scenario})
+        assert r.status_code == 200, f"GET /mock/last?scenario={scenario} -> {r.status_code}: {r.text}"
+        data = r.json()
+        # Normalise header names to lower case (the contract says they are already).
+        data["headers"] = {k.lower(): v for k, v in (data.get("headers") or {}).items()}
+        if isinstance(data.get("body"), str):
+            try:
+                data["body"] = json.loads(data["body"])
+            except ValueError:
+                pass
+        return data
+
+    # --- raw HTTP to the gateway ------------------------------------------------------
+    def post(self, path: str, *, json_body: Any = None, content: bytes | None = None,
+             headers: dict | None = None, timeout: float = 30.0):
+        hdrs = {"content-type": "application/json"}
+        hdrs.update(headers or {})
+        if content is None:
+            content = json.dumps(json_body).encode()
+        return self.http.post(f"{self.url}{path}", content=content, headers=hdrs, timeout=timeout)
+
+    def get(self, path: str, *, headers: dict | None = None):
+        return self.http.get(f"{self.url}{path}", headers=headers or {})
+
+    def tail_logs(self, lines: int = 60) -> str:
+        out = []
+        for label, path in (("backstop serve", self.server_log), ("backstop mock-upstream", self.mock_log)):
+            try:
+                text = path.read_text(errors="replace").splitlines()
+            except OSError as exc:
+                text = [f"<cannot read {path}: {exc}>"]
+            out.append(f"----- {label} ({path}), last {lines} lines -----")
+            out.extend(text[-lines:])
+        return "\n".join(out)
+
+
+# --- assertion helpers --------------------------------------------------------------------
+
+def _json(resp) -> Any:
+    try:
+        return resp.json()
+    except ValueError as exc:  # pragma: no cover - diagnostic path
+        raise AssertionError(f"response body is not JSON ({resp.status_code}): {resp.text!r}") from exc
+
+
+def assert_openai_error(resp, *, status: int, type_: str, code: str | None = None,
+                        param: str | None = None) -> dict:
+    """Assert an OpenAI-shaped error: {"error": {"message", "type", "code", "param"}}."""
+    body = _json(resp)
+    assert resp.status_code == status, f"expected HTTP {status}, got {resp.status_code}: {body}"
+    assert isinstance(body, dict) and isinstance(body.get("error"), dict), f"not OpenAI-shaped: {body}"
+    err = body["error"]
+    assert isinstance(err.get("message"), str) and err["message"], f"error.message missing/empty: {body}"
+    assert err.get("type") == type_, f"error.type: expected {type_!r}, body {body}"
+    if code is not None:
+        assert err.get("code") == code, f"error.code: expected {code!r}, body {body}"
+    if param is not None:
+        assert err.get("param") == param, f"error.param: expected {param!r}, body {body}"
+    assert "type" not in body or body.get("type") != "error", f"OpenAI route answered in Anthropic shape: {body}"
+    return body
+
+
+def assert_anthropic_error(resp, *, status: int, type_: str) -> dict:
+    """Assert an Anthropic-shaped error: {"type": "error", "error": {"type", "message"}}."""
+    body = _json(resp)
+    assert resp.status_code == status, f"expected HTTP {status}, got {resp.status_code}: {body}"
+    assert isinstance(body, dict) and body.get("type") == "error", f"not Anthropic-shaped: {body}"
+    err = body.get("error")
+    assert isinstance(err, dict), f"not Anthropic-shaped: {body}"
+    assert err.get("type") == type_, f"error.type: expected {type_!r}, body {body}"
+    assert isinstance(err.get("message"), str) and err["message"], f"error.message missing/empty: {body}"
+    return body
+
+
+def assert_no_tenant_key(upstream_request: dict) -> None:
+    """The upstream must never see a tenant (Backstop) key in any header."""
+    for name, value in upstream_request["headers"].items():
+        for key in (TENANT_A_KEY, TENANT_B_KEY):
+            assert key not in str(value), f"tenant key leaked upstream in header {name!r}: {value!r}"
