@@ -1,0 +1,101 @@
+use std::collections::HashMap;
+
+use super::*;
+
+const BASE: &str = r#"
+[server]
+listen = "127.0.0.1:0"
+request_timeout = "2m"
+
+[[upstreams]]
+name = "openai"
+api = "openai"
+base_url = "https://api.openai.com"
+api_key = "${OPENAI_API_KEY}"
+attempt_timeout = "250ms"
+
+[[routes]]
+model = "gpt-*"
+targets = [{ upstream = "openai" }, { upstream = "openai", model = "gpt-4.1-mini" }]
+
+[[tenants]]
+name = "team-a"
+api_keys = ["${TEAM_A_KEY}"]
+"#;
+
+fn env() -> HashMap<&'static str, &'static str> {
+    HashMap::from([("OPENAI_API_KEY", "sk-live"), ("TEAM_A_KEY", "bk-team-a-key")])
+}
+
+fn load(text: &str) -> Result<Config, ConfigError> {
+    let env = env();
+    Config::from_toml_with_env(text, |v| env.get(v).map(|s| s.to_string()))
+}
+
+fn error_of(text: &str) -> String {
+    load(text).expect_err("config should be refused").to_string()
+}
+
+#[test]
+fn the_contract_example_loads_with_env_and_durations() {
+    let c = load(BASE).unwrap();
+    assert_eq!(c.server.request_timeout, std::time::Duration::from_secs(120));
+    assert_eq!(c.server.max_body_bytes, 10 * 1024 * 1024);
+    assert_eq!(c.upstreams[0].attempt_timeout, std::time::Duration::from_millis(250));
+    assert_eq!(c.upstreams[0].api_key.expose(), "sk-live");
+    assert_eq!(c.tenants[0].api_keys[0].expose(), "bk-team-a-key");
+    assert_eq!(c.routes[0].targets[1].model.as_deref(), Some("gpt-4.1-mini"));
+}
+
+#[test]
+fn unknown_keys_are_named_with_their_path() {
+    let err = error_of(&BASE.replace("attempt_timeout = \"250ms\"", "attempt_timeout = \"250ms\"\nretries = 3"));
+    assert!(err.contains("upstreams[0]") && err.contains("retries"), "{err}");
+    let err = error_of(&BASE.replace("[server]", "[server]\nlisten_port = 1"));
+    assert!(err.contains("server") && err.contains("listen_port"), "{err}");
+    let err = error_of(&format!("{BASE}\n[surprise]\nx = 1\n"));
+    assert!(err.contains("surprise"), "{err}");
+}
+
+#[test]
+fn a_missing_env_var_is_named_with_its_key() {
+    let err = Config::from_toml_with_env(BASE, |v| (v == "TEAM_A_KEY").then(|| "bk-team-a-key".into()))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("OPENAI_API_KEY") && err.contains("upstreams[0].api_key"), "{err}");
+}
+
+#[test]
+fn bad_values_are_refused_by_key() {
+    let cases = [
+        (BASE.replace("https://api.openai.com", "ftp://x"), "upstreams[0].base_url"),
+        (BASE.replace("https://api.openai.com", "https://x/v1?y=1"), "upstreams[0].base_url"),
+        (BASE.replace("{ upstream = \"openai\" }, ", "{ upstream = \"nope\" }, "), "routes[0].targets[0].upstream"),
+        (BASE.replace("\"250ms\"", "\"0s\""), "upstreams[0].attempt_timeout"),
+        (BASE.replace("\"250ms\"", "\"soon\""), "upstreams[0].attempt_timeout"),
+        (BASE.replace("request_timeout = \"2m\"", "request_timeout = \"2m\"\nmax_body_bytes = 0"), "server.max_body_bytes"),
+        (BASE.replace("api = \"openai\"", "api = \"gemini\""), "upstreams[0].api"),
+        (BASE.replace("targets = [{ upstream = \"openai\" }, { upstream = \"openai\", model = \"gpt-4.1-mini\" }]", "targets = []"), "routes[0].targets"),
+        (format!("{BASE}\n[[tenants]]\nname = \"team-b\"\napi_keys = [\"${{TEAM_A_KEY}}\"]\n"), "tenants[1].api_keys[0]"),
+        (BASE.replace("name = \"team-a\"", "name = \"team-a\"\napi_keys_typo = []"), "tenants[0]"),
+    ];
+    for (text, key) in cases {
+        let err = error_of(&text);
+        assert!(err.contains(key), "expected {key} in: {err}");
+    }
+}
+
+#[test]
+fn secrets_do_not_show_in_debug_output() {
+    let c = load(BASE).unwrap();
+    let debug = format!("{c:?}");
+    assert!(!debug.contains("sk-live") && !debug.contains("bk-team-a-key"), "{debug}");
+}
+
+#[test]
+fn shipped_configs_are_valid() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    Config::load(format!("{root}/config/backstop.toml")).unwrap();
+    let example = std::fs::read_to_string(format!("{root}/config/backstop.example.toml")).unwrap();
+    Config::from_toml_with_env(&example, |v| Some(format!("{v}-value-for-test"))).unwrap();
+}

@@ -173,6 +173,9 @@ fn sse(events: Vec<Bytes>, step: &Step) -> Response<Body> {
     let items = events.into_iter().enumerate().map(move |(i, e)| (i, e));
     let body = stream::iter(items).then(move |(i, event)| async move {
         if cut.is_some_and(|n| i >= n) {
+            // Let the connection flush what was sent, so the cut lands mid-stream
+            // rather than before the response head.
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
             return Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "mock cut"));
         }
         if let Some(d) = delay.filter(|_| i > 0) {

@@ -1,0 +1,146 @@
+//! Test harness: the real gateway on 127.0.0.1:0 in front of the real mock upstream.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+
+use backstop::{config::Config, mock, server};
+use serde_json::Value;
+use tokio::net::TcpListener;
+
+pub const KEY_A: &str = "bk-test-a-key";
+pub const KEY_B: &str = "bk-test-b-key";
+
+pub struct Gateway {
+    pub url: String,
+    pub mock: mock::MockHandle,
+    pub server: server::ServerHandle,
+    pub http: reqwest::Client,
+}
+
+/// A free port nothing listens on.
+pub async fn dead_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// Config text for a gateway in front of the mock at `mock`; `extra` is appended.
+pub fn config_text(mock: SocketAddr, dead: u16, extra: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+max_body_bytes = 4096
+request_timeout = "10s"
+shutdown_grace = "5s"
+
+[log]
+level = "warn"
+
+[[upstreams]]
+name = "mock-openai"
+api = "openai"
+base_url = "http://{mock}"
+api_key = "sk-provider-openai"
+attempt_timeout = "5s"
+
+[[upstreams]]
+name = "mock-anthropic"
+api = "anthropic"
+base_url = "http://{mock}/"
+api_key = "sk-provider-anthropic"
+attempt_timeout = "5s"
+
+[[upstreams]]
+name = "dead"
+api = "openai"
+base_url = "http://127.0.0.1:{dead}"
+api_key = "x"
+attempt_timeout = "2s"
+
+[[upstreams]]
+name = "slow"
+api = "openai"
+base_url = "http://{mock}"
+api_key = "x"
+attempt_timeout = "200ms"
+
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "mock-openai" }}]
+
+[[routes]]
+model = "rewrite-me"
+targets = [{{ upstream = "mock-openai", model = "gpt-4o-mini" }}]
+
+[[routes]]
+model = "claude-*"
+targets = [{{ upstream = "mock-anthropic" }}]
+
+[[routes]]
+model = "dead-model"
+targets = [{{ upstream = "dead" }}]
+
+[[routes]]
+model = "slow-model"
+targets = [{{ upstream = "slow" }}]
+
+[[tenants]]
+name = "team-a"
+api_keys = ["{KEY_A}"]
+
+[[tenants]]
+name = "team-b"
+api_keys = ["{KEY_B}"]
+{extra}
+"#
+    )
+}
+
+pub async fn start() -> Gateway {
+    start_with(|text| text).await
+}
+
+/// Starts the mock and a gateway whose config text `edit` may change.
+pub async fn start_with(edit: impl FnOnce(String) -> String) -> Gateway {
+    let mock = mock::spawn(TcpListener::bind("127.0.0.1:0").await.unwrap());
+    let text = edit(config_text(mock.addr, dead_port().await, ""));
+    let config = Config::from_toml_with_env(&text, |_| None).expect("test config is valid");
+    let server = server::spawn(config).await.expect("gateway starts");
+    Gateway {
+        url: format!("http://{}", server.addr),
+        mock,
+        server,
+        http: reqwest::Client::new(),
+    }
+}
+
+impl Gateway {
+    /// POSTs `body` to `path` with the tenant key and extra headers.
+    pub async fn post(&self, path: &str, key: Option<&str>, headers: &[(&str, &str)], body: impl Into<reqwest::Body>) -> reqwest::Response {
+        let mut req = self.http.post(format!("{}{path}", self.url)).body(body);
+        if let Some(key) = key {
+            req = if path == "/v1/messages" {
+                req.header("x-api-key", key)
+            } else {
+                req.bearer_auth(key)
+            };
+        }
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        req.send().await.unwrap()
+    }
+
+    pub async fn chat(&self, scenario: &str, fault: &str, body: Value) -> reqwest::Response {
+        let mut headers = vec![("x-mock-scenario", scenario)];
+        if !fault.is_empty() {
+            headers.push(("x-mock-fault", fault));
+        }
+        self.post("/v1/chat/completions", Some(KEY_A), &headers, body.to_string()).await
+    }
+}
+
+pub async fn json(resp: reqwest::Response) -> Value {
+    let text = resp.text().await.unwrap();
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
