@@ -40,7 +40,7 @@ use crate::{
         auth::{AuthLayer, TenantKeys},
         context::ContextLayer,
         deadline::DeadlineLayer,
-        edge::EdgeLayer,
+        edge::{EdgeLayer, X_REQUEST_ID},
         respond::RespondLayer,
     },
     routing::RouteTable,
@@ -139,6 +139,22 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .with_state(state)
+        .layer(axum::middleware::from_fn(ensure_request_id))
+}
+
+/// Responses that did not pass the edge layer (health, metrics, 404s) still carry an
+/// id: the client's, or a new one.
+async fn ensure_request_id(req: Request<Body>, next: axum::middleware::Next) -> Response {
+    let sent = req.headers().get(&X_REQUEST_ID).cloned();
+    let mut response = next.run(req).await;
+    if !response.headers().contains_key(&X_REQUEST_ID) {
+        let id = sent.unwrap_or_else(|| {
+            http::HeaderValue::from_str(&uuid::Uuid::new_v4().simple().to_string())
+                .expect("hex is a valid header value")
+        });
+        response.headers_mut().insert(X_REQUEST_ID.clone(), id);
+    }
+    response
 }
 
 async fn readyz(State(state): State<AppState>) -> impl IntoResponse {

@@ -10,6 +10,7 @@ pub mod config;
 pub mod error;
 pub mod layers;
 pub mod mock;
+pub mod policy;
 pub mod routing;
 pub mod server;
 pub mod telemetry;

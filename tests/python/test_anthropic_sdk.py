@@ -151,8 +151,10 @@ def test_tenant_b_key_works(backstop, anth_b, scenario):
     _assert_upstream_auth(backstop.last_upstream_request(scenario))
 
 
-def test_x_api_key_header_auth(backstop, scenario):
+def test_x_api_key_header_auth(backstop, scenario, monkeypatch):
     """The classic Anthropic auth header `x-api-key` (sent by curl users and older SDKs)."""
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    monkeypatch.delenv("ANTHROPIC_AUTH_TOKEN", raising=False)
     client = anthropic.Anthropic(
         api_key=None, auth_token=None, base_url=backstop.anthropic_base_url, max_retries=0,
         default_headers={"x-api-key": TENANT_B_KEY},

@@ -186,7 +186,15 @@ def test_request_id_echoed_raw_anthropic(backstop, scenario):
 def test_health_endpoints(backstop, path):
     r = backstop.get(path)
     assert r.status_code == 200
-    assert r.headers.get("x-request-id")
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics"])
+def test_every_response_carries_request_id(backstop, path):
+    r = backstop.get(path)
+    assert r.status_code == 200
+    assert r.headers.get("x-request-id"), f"GET {path}: no x-request-id; headers {dict(r.headers)}"
+    echoed = backstop.get(path, headers={"x-request-id": "abc-123"})
+    assert echoed.headers.get("x-request-id") == "abc-123"
 
 
 _SAMPLE = re.compile(r"^(backstop_requests_total)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN|\+Inf)(\s+\d+)?$")

@@ -1,0 +1,170 @@
+//! Backstop's added latency, measured against a direct call to the same upstream in the
+//! same run. Starts the mock upstream and a gateway as separate processes from a
+//! (release) `backstop` binary, then drives both with the same closed-loop client.
+//!
+//!     cargo build --release && cargo run --release --example overhead -- [REQUESTS]
+//!
+//! Prints p50/p99 for concurrency 1 and 32, direct and through Backstop, and the time to
+//! first chunk of a stream.
+
+use std::{
+    process::{Child, Command, Stdio},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use futures_util::StreamExt;
+
+const KEY: &str = "bk-bench-key-0001";
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+async fn wait_up(http: &reqwest::Client, url: &str) {
+    for _ in 0..200 {
+        if http.get(url).send().await.is_ok_and(|r| r.status().is_success()) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{url} did not come up");
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx].as_secs_f64() * 1e3
+}
+
+/// `total` requests spread over `concurrency` closed-loop workers; latencies sorted.
+async fn run(http: &reqwest::Client, url: &str, auth: bool, total: usize, concurrency: usize) -> (Vec<Duration>, f64) {
+    let body = r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"What is the capital of France? Answer in one word."}]}"#;
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency {
+        let http = http.clone();
+        let url = url.to_string();
+        let next = next.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < total {
+                let t = Instant::now();
+                let mut req = http.post(&url).header("content-type", "application/json").body(body);
+                if auth {
+                    req = req.bearer_auth(KEY);
+                }
+                let resp = req.send().await.unwrap();
+                assert!(resp.status().is_success(), "{}", resp.status());
+                resp.bytes().await.unwrap();
+                lat.push(t.elapsed());
+            }
+            lat
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    let rps = all.len() as f64 / started.elapsed().as_secs_f64();
+    all.sort();
+    (all, rps)
+}
+
+async fn first_chunk(http: &reqwest::Client, url: &str, auth: bool, n: usize) -> Vec<Duration> {
+    let body = r#"{"model":"gpt-4o-mini","stream":true,"messages":[{"role":"user","content":"stream please"}]}"#;
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let t = Instant::now();
+        let mut req = http.post(url).header("content-type", "application/json").body(body);
+        if auth {
+            req = req.bearer_auth(KEY);
+        }
+        let resp = req.send().await.unwrap();
+        let mut stream = resp.bytes_stream();
+        stream.next().await.unwrap().unwrap();
+        out.push(t.elapsed());
+        while stream.next().await.is_some() {}
+    }
+    out.sort();
+    out
+}
+
+#[tokio::main]
+async fn main() {
+    let total: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(2000);
+    let bin = std::env::var("BACKSTOP_BIN").unwrap_or_else(|_| "target/release/backstop".into());
+    let (mock_port, gw_port) = (free_port(), free_port());
+    let dir = std::env::temp_dir().join(format!("backstop-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("bench.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[server]
+listen = "127.0.0.1:{gw_port}"
+[log]
+format = "json"
+level = "info"
+[[upstreams]]
+name = "mock"
+api = "openai"
+base_url = "http://127.0.0.1:{mock_port}"
+api_key = "sk-bench"
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "mock" }}]
+[[tenants]]
+name = "bench"
+api_keys = ["{KEY}"]
+"#
+        ),
+    )
+    .unwrap();
+    let _mock = Proc(Command::new(&bin).args(["mock-upstream", "--listen", &format!("127.0.0.1:{mock_port}")]).stderr(Stdio::null()).spawn().expect("run the backstop binary (cargo build --release)"));
+    // The gateway logs one JSON line per request, as in production, to /dev/null.
+    let _gw = Proc(Command::new(&bin).args(["serve", "--config", config.to_str().unwrap()]).stderr(Stdio::null()).spawn().unwrap());
+    let http = reqwest::Client::builder().pool_max_idle_per_host(256).tcp_nodelay(true).build().unwrap();
+    wait_up(&http, &format!("http://127.0.0.1:{mock_port}/mock/stats")).await;
+    wait_up(&http, &format!("http://127.0.0.1:{gw_port}/readyz")).await;
+    let direct = format!("http://127.0.0.1:{mock_port}/v1/chat/completions");
+    let through = format!("http://127.0.0.1:{gw_port}/v1/chat/completions");
+
+    // Warm both paths (connection pools, allocator) before measuring.
+    run(&http, &direct, false, 500, 32).await;
+    run(&http, &through, true, 500, 32).await;
+
+    println!("{total} non-streaming requests per row, closed loop, release build, same run\n");
+    println!("| path | concurrency | p50 ms | p99 ms | req/s |");
+    println!("|---|---|---|---|---|");
+    for concurrency in [1, 32] {
+        let (d, drps) = run(&http, &direct, false, total, concurrency).await;
+        let (b, brps) = run(&http, &through, true, total, concurrency).await;
+        println!("| direct | {concurrency} | {:.3} | {:.3} | {drps:.0} |", percentile(&d, 0.5), percentile(&d, 0.99));
+        println!("| backstop | {concurrency} | {:.3} | {:.3} | {brps:.0} |", percentile(&b, 0.5), percentile(&b, 0.99));
+        println!(
+            "| added | {concurrency} | {:+.3} | {:+.3} | {:.0}% of direct |",
+            percentile(&b, 0.5) - percentile(&d, 0.5),
+            percentile(&b, 0.99) - percentile(&d, 0.99),
+            brps / drps * 100.0
+        );
+    }
+    let n = 200;
+    let d = first_chunk(&http, &direct, false, n).await;
+    let b = first_chunk(&http, &through, true, n).await;
+    println!("\nTime to first stream chunk, {n} sequential streams:");
+    println!("| path | p50 ms | p99 ms |\n|---|---|---|");
+    println!("| direct | {:.3} | {:.3} |", percentile(&d, 0.5), percentile(&d, 0.99));
+    println!("| backstop | {:.3} | {:.3} |", percentile(&b, 0.5), percentile(&b, 0.99));
+    let _ = std::fs::remove_dir_all(&dir);
+}

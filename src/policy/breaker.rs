@@ -1,0 +1,207 @@
+//! The per-upstream circuit breaker: closed → open → half-open → closed (or back to
+//! open). Fed only by failures that are the upstream's fault; the caller's own faults and
+//! malformed answers are neutral, so one tenant's bad requests cannot cut everyone off.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+#[derive(Debug, Clone, Copy)]
+pub struct BreakerConfig {
+    /// Consecutive upstream-fault failures (429s count half) that open it.
+    pub failure_threshold: u32,
+    pub open_for: Duration,
+    /// Requests admitted at once while half-open.
+    pub half_open_probes: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum State {
+    Closed { failures: f64 },
+    Open { until: Instant },
+    HalfOpen { probes: u32 },
+}
+
+/// How a request got in: normally, or as one of the half-open probes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    Normal,
+    Probe,
+}
+
+/// What an attempt says about the upstream's health.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Verdict {
+    Healthy,
+    /// An upstream fault, weighted (1.0, or less for rate limits).
+    Failed(f64),
+    /// Credentials or quota refused: open at once.
+    Fatal,
+    /// Says nothing about the upstream (caller fault, malformed output).
+    Neutral,
+    /// A probe whose request was dropped before it finished.
+    Abandoned,
+}
+
+/// A state change, for metrics and logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transition {
+    Opened,
+    HalfOpened,
+    Closed,
+}
+
+#[derive(Debug)]
+pub struct Breaker {
+    config: BreakerConfig,
+    state: State,
+}
+
+impl Breaker {
+    pub fn new(config: BreakerConfig) -> Self {
+        Breaker { config, state: State::Closed { failures: 0.0 } }
+    }
+
+    pub fn state(&self) -> State {
+        self.state
+    }
+
+    /// 0 closed, 1 open, 2 half-open (the metrics gauge).
+    pub fn gauge(&self) -> f64 {
+        match self.state {
+            State::Closed { .. } => 0.0,
+            State::Open { .. } => 1.0,
+            State::HalfOpen { .. } => 2.0,
+        }
+    }
+
+    /// Admits a request, or says how long until it could be.
+    pub fn admit(&mut self, now: Instant) -> (Result<Admission, Duration>, Option<Transition>) {
+        match self.state {
+            State::Closed { .. } => (Ok(Admission::Normal), None),
+            State::Open { until } if now < until => (Err(until - now), None),
+            State::Open { .. } => {
+                self.state = State::HalfOpen { probes: 1 };
+                (Ok(Admission::Probe), Some(Transition::HalfOpened))
+            }
+            State::HalfOpen { probes } if probes < self.config.half_open_probes => {
+                self.state = State::HalfOpen { probes: probes + 1 };
+                (Ok(Admission::Probe), None)
+            }
+            // Probes are out; the next verdict comes soon, so ask for a short wait.
+            State::HalfOpen { .. } => (Err(Duration::from_secs(1)), None),
+        }
+    }
+
+    /// Records an attempt's verdict.
+    pub fn record(&mut self, admission: Admission, verdict: Verdict, now: Instant) -> Option<Transition> {
+        let open = State::Open { until: now + self.config.open_for };
+        match (self.state, admission, verdict) {
+            (State::Closed { .. }, _, Verdict::Healthy) => {
+                self.state = State::Closed { failures: 0.0 };
+                None
+            }
+            (State::Closed { failures }, _, Verdict::Failed(weight)) => {
+                let failures = failures + weight;
+                if failures >= f64::from(self.config.failure_threshold) {
+                    self.state = open;
+                    Some(Transition::Opened)
+                } else {
+                    self.state = State::Closed { failures };
+                    None
+                }
+            }
+            (State::Closed { .. }, _, Verdict::Fatal) => {
+                self.state = open;
+                Some(Transition::Opened)
+            }
+            (State::HalfOpen { .. }, Admission::Probe, Verdict::Healthy | Verdict::Neutral) => {
+                self.state = State::Closed { failures: 0.0 };
+                Some(Transition::Closed)
+            }
+            (State::HalfOpen { .. }, Admission::Probe, Verdict::Failed(_) | Verdict::Fatal) => {
+                self.state = open;
+                Some(Transition::Opened)
+            }
+            (State::HalfOpen { probes }, Admission::Probe, Verdict::Abandoned) => {
+                self.state = State::HalfOpen { probes: probes.saturating_sub(1) };
+                None
+            }
+            // Late verdicts from requests admitted before the state changed, and neutral
+            // verdicts while closed, leave the state as it is.
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn breaker() -> Breaker {
+        Breaker::new(BreakerConfig { failure_threshold: 3, open_for: Duration::from_secs(30), half_open_probes: 1 })
+    }
+
+    #[test]
+    fn lifecycle_closed_open_half_open_closed() {
+        let t0 = Instant::now();
+        let mut b = breaker();
+        for _ in 0..2 {
+            assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), t0), None);
+        }
+        assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), t0), Some(Transition::Opened));
+        assert_eq!(b.admit(t0 + Duration::from_secs(10)).0, Err(Duration::from_secs(20)));
+        let (admitted, transition) = b.admit(t0 + Duration::from_secs(30));
+        assert_eq!((admitted, transition), (Ok(Admission::Probe), Some(Transition::HalfOpened)));
+        // One probe at a time.
+        assert!(b.admit(t0 + Duration::from_secs(30)).0.is_err());
+        assert_eq!(b.record(Admission::Probe, Verdict::Healthy, t0), Some(Transition::Closed));
+        assert_eq!(b.admit(t0).0, Ok(Admission::Normal));
+    }
+
+    #[test]
+    fn a_failed_probe_reopens_for_a_full_period() {
+        let t0 = Instant::now();
+        let mut b = breaker();
+        b.record(Admission::Normal, Verdict::Fatal, t0);
+        let t1 = t0 + Duration::from_secs(30);
+        assert_eq!(b.admit(t1).0, Ok(Admission::Probe));
+        assert_eq!(b.record(Admission::Probe, Verdict::Failed(1.0), t1), Some(Transition::Opened));
+        assert_eq!(b.admit(t1 + Duration::from_secs(29)).0, Err(Duration::from_secs(1)));
+    }
+
+    #[test]
+    fn caller_faults_neither_count_nor_reset_and_successes_reset() {
+        let t0 = Instant::now();
+        let mut b = breaker();
+        b.record(Admission::Normal, Verdict::Failed(1.0), t0);
+        b.record(Admission::Normal, Verdict::Failed(1.0), t0);
+        for _ in 0..100 {
+            assert_eq!(b.record(Admission::Normal, Verdict::Neutral, t0), None);
+        }
+        assert_eq!(b.state(), State::Closed { failures: 2.0 });
+        b.record(Admission::Normal, Verdict::Healthy, t0);
+        assert_eq!(b.state(), State::Closed { failures: 0.0 });
+    }
+
+    #[test]
+    fn rate_limits_count_lightly() {
+        let t0 = Instant::now();
+        let mut b = breaker();
+        for _ in 0..5 {
+            assert_eq!(b.record(Admission::Normal, Verdict::Failed(0.5), t0), None);
+        }
+        assert_eq!(b.record(Admission::Normal, Verdict::Failed(0.5), t0), Some(Transition::Opened));
+    }
+
+    #[test]
+    fn an_abandoned_probe_frees_its_slot() {
+        let t0 = Instant::now();
+        let mut b = breaker();
+        b.record(Admission::Normal, Verdict::Fatal, t0);
+        let t1 = t0 + Duration::from_secs(31);
+        assert_eq!(b.admit(t1).0, Ok(Admission::Probe));
+        b.record(Admission::Probe, Verdict::Abandoned, t1);
+        assert_eq!(b.admit(t1).0, Ok(Admission::Probe));
+    }
+}

@@ -1,0 +1,245 @@
+//! The error taxonomy of PRODUCT.md as one pure function: what an upstream attempt's
+//! outcome *is*. The class alone decides what recovery does with it.
+
+use std::time::{Duration, SystemTime};
+
+use http::HeaderMap;
+use serde::Deserialize;
+
+/// How an attempt failed before any response head arrived.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportFailure {
+    /// Could not connect (refused, DNS, TLS).
+    Connect,
+    /// The connection dropped before a complete response (reset, EOF, broken stream
+    /// before its first byte).
+    Reset,
+    /// The attempt exceeded its timeout.
+    Timeout,
+}
+
+impl TransportFailure {
+    pub fn label(self) -> &'static str {
+        match self {
+            TransportFailure::Connect => "connect",
+            TransportFailure::Reset => "reset",
+            TransportFailure::Timeout => "timeout",
+        }
+    }
+}
+
+/// What the classifier looks at.
+#[derive(Debug, Clone, Copy)]
+pub enum Observed<'a> {
+    Response {
+        status: u16,
+        headers: &'a HeaderMap,
+        /// The whole body for non-streaming answers and for error statuses; empty for a
+        /// successful stream (its head is all there is to judge).
+        body: &'a [u8],
+        /// A successful stream is not checked for JSON.
+        streaming: bool,
+    },
+    Transport(TransportFailure),
+}
+
+/// The classes of PRODUCT.md's error taxonomy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Class {
+    Success,
+    /// Worth a backoff retry (429, 5xx, 529, connect/reset/timeout).
+    Transient {
+        retry_after: Option<Duration>,
+        /// 429: counts only lightly against the upstream's breaker.
+        rate_limited: bool,
+    },
+    /// A 2xx whose body is not what was asked for (not JSON, or not the schema).
+    Malformed,
+    /// The caller's own mistake: never retried on the same target.
+    CallerFault { context_length: bool },
+    /// The provider refused Backstop's credentials or quota: that upstream is out.
+    CredentialOrQuota,
+}
+
+impl Class {
+    pub fn label(&self) -> &'static str {
+        match self {
+            Class::Success => "success",
+            Class::Transient { .. } => "transient",
+            Class::Malformed => "malformed",
+            Class::CallerFault { .. } => "caller_fault",
+            Class::CredentialOrQuota => "credential_or_quota",
+        }
+    }
+}
+
+#[derive(Deserialize, Default)]
+struct ErrorEnvelope {
+    #[serde(default)]
+    error: Option<ErrorFields>,
+}
+
+#[derive(Deserialize, Default)]
+struct ErrorFields {
+    #[serde(default)]
+    code: Option<serde_json::Value>,
+    #[serde(default, rename = "type")]
+    kind: Option<String>,
+    #[serde(default)]
+    message: Option<String>,
+}
+
+/// The error code, type and message of an OpenAI or Anthropic error body, lower-cased.
+fn error_fields(body: &[u8]) -> (String, String, String) {
+    let fields = serde_json::from_slice::<ErrorEnvelope>(body)
+        .ok()
+        .and_then(|e| e.error)
+        .unwrap_or_default();
+    let code = match fields.code {
+        Some(serde_json::Value::String(s)) => s.to_ascii_lowercase(),
+        _ => String::new(),
+    };
+    (
+        code,
+        fields.kind.unwrap_or_default().to_ascii_lowercase(),
+        fields.message.unwrap_or_default().to_ascii_lowercase(),
+    )
+}
+
+/// Classifies one attempt. `now` resolves an HTTP-date `Retry-After`.
+pub fn classify(observed: Observed<'_>, now: SystemTime) -> Class {
+    let (status, headers, body, streaming) = match observed {
+        Observed::Transport(_) => return Class::Transient { retry_after: None, rate_limited: false },
+        Observed::Response { status, headers, body, streaming } => (status, headers, body, streaming),
+    };
+    if (200..300).contains(&status) {
+        let valid = streaming || serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok();
+        return if valid { Class::Success } else { Class::Malformed };
+    }
+    let (code, kind, message) = error_fields(body);
+    let says = |needle: &str| code == needle || kind == needle;
+    let transient = |rate_limited| Class::Transient { retry_after: retry_after(headers, now), rate_limited };
+    if says("insufficient_quota") || says("billing_hard_limit_reached") {
+        return Class::CredentialOrQuota;
+    }
+    if says("context_length_exceeded")
+        || message.contains("maximum context length")
+        || message.contains("prompt is too long")
+    {
+        return Class::CallerFault { context_length: true };
+    }
+    match status {
+        429 => transient(true),
+        401 | 402 | 403 => Class::CredentialOrQuota,
+        408 | 500..=599 => transient(false),
+        _ => Class::CallerFault { context_length: false },
+    }
+}
+
+/// `retry-after-ms` (OpenAI), else `Retry-After` as seconds or an HTTP date.
+pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::trim);
+    if let Some(ms) = header("retry-after-ms").and_then(|v| v.parse::<f64>().ok()) {
+        if ms.is_finite() && ms >= 0.0 {
+            return Some(Duration::from_secs_f64(ms / 1000.0));
+        }
+    }
+    let value = header("retry-after")?;
+    if let Ok(secs) = value.parse::<f64>() {
+        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs));
+    }
+    let date = httpdate::parse_http_date(value).ok()?;
+    Some(date.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    fn response(status: u16, body: &str) -> Class {
+        let h = HeaderMap::new();
+        classify(Observed::Response { status, headers: &h, body: body.as_bytes(), streaming: false }, SystemTime::UNIX_EPOCH)
+    }
+
+    const TRANSIENT: Class = Class::Transient { retry_after: None, rate_limited: false };
+    const RATE: Class = Class::Transient { retry_after: None, rate_limited: true };
+    const CALLER: Class = Class::CallerFault { context_length: false };
+    const CONTEXT: Class = Class::CallerFault { context_length: true };
+
+    /// Every row of PRODUCT.md's taxonomy, with the body cases the issue names.
+    #[test]
+    fn the_taxonomy_table() {
+        let openai_quota = r#"{"error":{"message":"You exceeded your current quota","type":"insufficient_quota","code":"insufficient_quota"}}"#;
+        let openai_rate = r#"{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit_exceeded"}}"#;
+        let openai_context = r#"{"error":{"message":"This model's maximum context length is 128000 tokens","type":"invalid_request_error","code":"context_length_exceeded"}}"#;
+        let anthropic_overloaded = r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#;
+        let anthropic_context = r#"{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long: 210000 tokens > 200000 maximum"}}"#;
+        let policy = r#"{"error":{"message":"flagged","type":"invalid_request_error","code":"content_policy_violation"}}"#;
+        let rows: &[(u16, &str, Class)] = &[
+            (200, r#"{"choices":[]}"#, Class::Success),
+            (200, "{\"choices\": [", Class::Malformed),
+            (200, "", Class::Malformed),
+            (429, openai_rate, RATE),
+            (429, "", RATE),
+            (429, openai_quota, Class::CredentialOrQuota),
+            (500, "", TRANSIENT),
+            (502, "<html>bad gateway</html>", TRANSIENT),
+            (503, "", TRANSIENT),
+            (504, "", TRANSIENT),
+            (529, anthropic_overloaded, TRANSIENT),
+            (408, "", TRANSIENT),
+            (400, r#"{"error":{"message":"bad","type":"invalid_request_error"}}"#, CALLER),
+            (400, openai_context, CONTEXT),
+            (400, anthropic_context, CONTEXT),
+            (400, policy, CALLER),
+            (404, "", CALLER),
+            (409, "", CALLER),
+            (413, "", CALLER),
+            (422, "", CALLER),
+            (401, "", Class::CredentialOrQuota),
+            (403, r#"{"type":"error","error":{"type":"permission_error","message":"no"}}"#, Class::CredentialOrQuota),
+            (402, "", Class::CredentialOrQuota),
+        ];
+        for (status, body, class) in rows {
+            assert_eq!(response(*status, body), *class, "status {status} body {body}");
+        }
+        for failure in [TransportFailure::Connect, TransportFailure::Reset, TransportFailure::Timeout] {
+            assert_eq!(classify(Observed::Transport(failure), SystemTime::UNIX_EPOCH), TRANSIENT);
+        }
+    }
+
+    #[test]
+    fn a_successful_stream_is_not_parsed() {
+        let h = HeaderMap::new();
+        let class = classify(Observed::Response { status: 200, headers: &h, body: b"", streaming: true }, SystemTime::UNIX_EPOCH);
+        assert_eq!(class, Class::Success);
+    }
+
+    #[test]
+    fn retry_after_in_all_its_forms() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000_000);
+        assert_eq!(retry_after(&headers(&[("retry-after", "7")]), now), Some(Duration::from_secs(7)));
+        assert_eq!(retry_after(&headers(&[("retry-after", "1.5")]), now), Some(Duration::from_millis(1500)));
+        assert_eq!(retry_after(&headers(&[("retry-after-ms", "250"), ("retry-after", "9")]), now), Some(Duration::from_millis(250)));
+        let date = httpdate::fmt_http_date(now + Duration::from_secs(30));
+        assert_eq!(retry_after(&headers(&[("retry-after", &date)]), now), Some(Duration::from_secs(30)));
+        let past = httpdate::fmt_http_date(now - Duration::from_secs(30));
+        assert_eq!(retry_after(&headers(&[("retry-after", &past)]), now), Some(Duration::ZERO));
+        assert_eq!(retry_after(&headers(&[("retry-after", "soon")]), now), None);
+        assert_eq!(retry_after(&headers(&[("retry-after", "-3")]), now), None);
+        assert_eq!(retry_after(&HeaderMap::new(), now), None);
+
+        let h = headers(&[("retry-after", "2")]);
+        let class = classify(Observed::Response { status: 503, headers: &h, body: b"", streaming: false }, now);
+        assert_eq!(class, Class::Transient { retry_after: Some(Duration::from_secs(2)), rate_limited: false });
+    }
+}

@@ -1,0 +1,8 @@
+//! Pure policy: the decisions of the recovery path as plain functions and state machines
+//! that take `now` as an argument. No sockets, no sleeps: the layers call these, and the
+//! tests drive them directly.
+
+pub mod backoff;
+pub mod breaker;
+pub mod classify;
+pub mod retry_budget;
