@@ -7,10 +7,12 @@
 //! 3. [`DeadlineLayer`]: `server.request_timeout` over the whole request.
 //! 4. [`AuthLayer`]: tenant key → [`Tenant`](crate::layers::auth::Tenant), else 401.
 //! 5. [`ContextLayer`]: body read once within the size limit, parsed, routed.
-//! 6. [`Forward`]: the upstream attempt (leaf).
+//! 6. [`RecoveryLayer`]: target selection, classification, retry with backoff and
+//!    Retry-After, retry budget, per-upstream circuit breakers, failover.
+//! 7. [`Forward`]: one upstream attempt (leaf).
 //!
-//! Later concerns (budgets, session guard, validation, retry, breakers) slot in between
-//! 5 and 6, each as its own layer, in the order PRODUCT.md gives.
+//! Later concerns (budgets, session guard, validation) slot in between 5 and 6, each as
+//! its own layer, in the order PRODUCT.md gives.
 
 use std::{
     collections::HashMap,
@@ -41,11 +43,12 @@ use crate::{
         context::ContextLayer,
         deadline::DeadlineLayer,
         edge::{EdgeLayer, X_REQUEST_ID},
+        recovery::{RecoveryLayer, RetryPolicy},
         respond::RespondLayer,
     },
     routing::RouteTable,
     telemetry,
-    upstream::{self, Forward, Upstream},
+    upstream::{self, health::HealthRegistry, Forward, Upstream},
 };
 
 type HttpService = BoxCloneSyncService<Request<Body>, Response, std::convert::Infallible>;
@@ -57,6 +60,7 @@ pub struct AppState {
     pub routes: Arc<RouteTable>,
     pub upstreams: Arc<HashMap<String, Arc<Upstream>>>,
     pub tenants: Arc<TenantKeys>,
+    pub health: Arc<HealthRegistry>,
     pub metrics: PrometheusHandle,
     /// False while starting and once shutdown has begun: `/readyz` answers 503.
     pub ready: Arc<AtomicBool>,
@@ -68,6 +72,7 @@ impl AppState {
         let routes = RouteTable::new(&config, &upstreams);
         AppState {
             tenants: Arc::new(TenantKeys::new(&config)),
+            health: Arc::new(HealthRegistry::new(&config)),
             routes: Arc::new(routes),
             upstreams: Arc::new(upstreams),
             config: Arc::new(config),
@@ -86,6 +91,7 @@ fn proxy_stack(state: &AppState) -> HttpService {
         .layer(DeadlineLayer::new(server.request_timeout))
         .layer(AuthLayer::new(state.tenants.clone()))
         .layer(ContextLayer::new(state.routes.clone(), server.max_body_bytes))
+        .layer(RecoveryLayer::new(RetryPolicy::from_config(&state.config.retry), state.health.clone()))
         .service(Forward::new(upstream::client()));
     BoxCloneSyncService::new(stack)
 }
@@ -134,6 +140,7 @@ pub fn router(state: AppState) -> Router {
         .route_service(Endpoint::Messages.path(), post_service(proxy.clone()))
         .route_service(Endpoint::Embeddings.path(), post_service(proxy))
         .route_service("/v1/models", axum::routing::get_service(models))
+        .route("/admin/upstreams", get(admin_upstreams))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -155,6 +162,38 @@ async fn ensure_request_id(req: Request<Body>, next: axum::middleware::Next) -> 
         response.headers_mut().insert(X_REQUEST_ID.clone(), id);
     }
     response
+}
+
+/// `GET /admin/upstreams`: each upstream's breaker (admin token required).
+async fn admin_upstreams(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    if let Err(response) = admin_auth(&state, &headers) {
+        return response;
+    }
+    let now = tokio::time::Instant::now();
+    let upstreams: Vec<_> = state
+        .health
+        .snapshot(now)
+        .into_iter()
+        .map(|(name, breaker)| {
+            let api = state.upstreams.get(&name).map(|u| u.api.as_str());
+            json!({"name": name, "api": api, "breaker": breaker})
+        })
+        .collect();
+    ([(header::CONTENT_TYPE, "application/json")], json!({"upstreams": upstreams}).to_string()).into_response()
+}
+
+/// The admin token, compared in constant time; the admin API is off without one.
+fn admin_auth(state: &AppState, headers: &HeaderMap) -> Result<(), Response> {
+    use subtle::ConstantTimeEq;
+    let Some(token) = &state.config.admin.token else {
+        return Err(error_response(&GatewayError::AdminDisabled, crate::config::ApiKind::OpenAi));
+    };
+    let presented = crate::layers::auth::presented_key(headers).unwrap_or_default();
+    if bool::from(token.expose().as_bytes().ct_eq(presented)) {
+        Ok(())
+    } else {
+        Err(error_response(&GatewayError::Unauthorized, crate::config::ApiKind::OpenAi))
+    }
 }
 
 async fn readyz(State(state): State<AppState>) -> impl IntoResponse {

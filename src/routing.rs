@@ -18,6 +18,8 @@ pub struct Target {
 pub struct Route {
     pub pattern: String,
     pub targets: Vec<Target>,
+    /// Takes requests that a target refused with `context_length_exceeded`.
+    pub context_fallback: Option<Target>,
 }
 
 #[derive(Debug, Default)]
@@ -34,17 +36,14 @@ impl RouteTable {
     pub fn new(config: &Config, upstreams: &HashMap<String, Arc<Upstream>>) -> Self {
         let mut table = RouteTable::default();
         for route in &config.routes {
-            let targets = route
-                .targets
-                .iter()
-                .map(|t| Target {
-                    upstream: upstreams[&t.upstream].clone(),
-                    model: t.model.clone(),
-                })
-                .collect();
+            let target = |t: &crate::config::TargetConfig| Target {
+                upstream: upstreams[&t.upstream].clone(),
+                model: t.model.clone(),
+            };
             let resolved = Arc::new(Route {
                 pattern: route.model.clone(),
-                targets,
+                targets: route.targets.iter().map(target).collect(),
+                context_fallback: route.context_fallback.as_ref().map(target),
             });
             table.names.push(route.model.clone());
             if route.is_glob() {

@@ -78,6 +78,8 @@ pub struct LogFields {
     pub attempts: u32,
     pub upstream_time: Duration,
     pub error: Option<&'static str>,
+    /// What recovery did, e.g. `retry:503,ok` (the `x-backstop-recovery` header).
+    pub recovery: String,
 }
 
 impl RequestLog {

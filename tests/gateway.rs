@@ -183,8 +183,10 @@ async fn an_unreachable_upstream_is_502_and_a_slow_one_504() {
 
     let resp = gw.chat("reset", "reset", chat_body("gpt-4o")).await;
     assert_eq!(resp.status(), 502);
+    assert_eq!(resp.headers()["x-backstop-attempts"], "3");
+    assert_eq!(resp.headers()["x-should-retry"], "false");
     assert_eq!(json(resp).await["error"]["code"], "upstream_unavailable");
-    assert_eq!(gw.mock.attempts("reset"), 1);
+    assert_eq!(gw.mock.attempts("reset"), 3);
 }
 
 #[tokio::test]

@@ -3,6 +3,7 @@
 //! error names the key path that is wrong (`upstreams[1].base_url`).
 
 mod env;
+mod recovery;
 mod route;
 mod server;
 mod tenant;
@@ -12,6 +13,7 @@ use std::{collections::HashSet, fmt, path::Path};
 
 use serde::Deserialize;
 
+pub use recovery::{AdminConfig, BreakerConfig, RetryConfig};
 pub use route::{RouteConfig, TargetConfig};
 pub use server::{LogConfig, LogFormat, MockConfig, ServerConfig};
 pub use tenant::TenantConfig;
@@ -28,6 +30,12 @@ pub struct Config {
     /// When present, `serve` also runs the built-in mock upstream in-process.
     #[serde(default)]
     pub mock: Option<MockConfig>,
+    #[serde(default)]
+    pub retry: RetryConfig,
+    #[serde(default)]
+    pub breaker: BreakerConfig,
+    #[serde(default)]
+    pub admin: AdminConfig,
     #[serde(default)]
     pub upstreams: Vec<UpstreamConfig>,
     #[serde(default)]
@@ -95,6 +103,11 @@ impl Config {
     /// Cross-field checks that the type system cannot express.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.server.validate()?;
+        self.retry.validate()?;
+        self.breaker.validate()?;
+        if self.admin.token.as_ref().is_some_and(|t| t.expose().len() < 16) {
+            return Err(ConfigError::invalid("admin.token", "must be at least 16 characters"));
+        }
         if self.upstreams.is_empty() {
             return Err(ConfigError::invalid("upstreams", "at least one upstream is required"));
         }

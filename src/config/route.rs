@@ -10,6 +10,10 @@ use super::{upstream::known, ConfigError};
 pub struct RouteConfig {
     pub model: String,
     pub targets: Vec<TargetConfig>,
+    /// Where a request goes when a target answers `context_length_exceeded`
+    /// (typically a model with a larger context window).
+    #[serde(default)]
+    pub context_fallback: Option<TargetConfig>,
 }
 
 /// One target of a route: an upstream, and optionally the model to ask it for.
@@ -33,23 +37,30 @@ impl RouteConfig {
             ));
         }
         for (i, target) in self.targets.iter().enumerate() {
-            if !known(upstreams, &target.upstream) {
-                return Err(ConfigError::invalid(
-                    format!("{key}.targets[{i}].upstream"),
-                    format_args!("no upstream named {:?}", target.upstream),
-                ));
-            }
-            if target.model.as_deref().is_some_and(|m| m.trim().is_empty()) {
-                return Err(ConfigError::invalid(
-                    format!("{key}.targets[{i}].model"),
-                    "must not be empty when given",
-                ));
-            }
+            target.validate(&format!("{key}.targets[{i}]"), upstreams)?;
+        }
+        if let Some(fallback) = &self.context_fallback {
+            fallback.validate(&format!("{key}.context_fallback"), upstreams)?;
         }
         Ok(())
     }
 
     pub fn is_glob(&self) -> bool {
         self.model.contains(['*', '?'])
+    }
+}
+
+impl TargetConfig {
+    fn validate(&self, key: &str, upstreams: &HashSet<&str>) -> Result<(), ConfigError> {
+        if !known(upstreams, &self.upstream) {
+            return Err(ConfigError::invalid(
+                format!("{key}.upstream"),
+                format_args!("no upstream named {:?}", self.upstream),
+            ));
+        }
+        if self.model.as_deref().is_some_and(|m| m.trim().is_empty()) {
+            return Err(ConfigError::invalid(format!("{key}.model"), "must not be empty when given"));
+        }
+        Ok(())
     }
 }

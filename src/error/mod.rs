@@ -32,10 +32,18 @@ pub enum GatewayError {
     UpstreamUnavailable { upstream: String },
     #[error("the upstream `{upstream}` did not answer within {timeout:?}")]
     UpstreamTimeout { upstream: String, timeout: Duration },
+    #[error("the upstream `{upstream}` refused Backstop's credentials (HTTP {status}); an operator must fix its api_key")]
+    UpstreamAuth { upstream: String, status: u16 },
+    #[error("the upstream `{upstream}` answered with a body that is not valid JSON")]
+    UpstreamMalformed { upstream: String },
+    #[error("every upstream for this model is failing and its circuit breaker is open; retry after {retry_after:?}")]
+    CircuitOpen { retry_after: Duration },
     #[error("the request did not complete within {0:?}")]
     RequestTimeout(Duration),
     #[error("no such endpoint: {method} {path}")]
     NotFound { method: String, path: String },
+    #[error("the admin API is disabled: set [admin] token in the config")]
+    AdminDisabled,
     #[error("internal error")]
     Internal,
 }
@@ -62,11 +70,23 @@ impl GatewayError {
             BodyRead(_) => (400, "invalid_request_error", "body_read_error", "invalid_request_error"),
             UpstreamUnavailable { .. } => (502, "upstream_error", "upstream_unavailable", "upstream_unavailable"),
             UpstreamTimeout { .. } => (504, "upstream_error", "upstream_timeout", "upstream_timeout"),
+            UpstreamAuth { .. } => (502, "upstream_error", "upstream_auth_failed", "upstream_auth_failed"),
+            UpstreamMalformed { .. } => (502, "upstream_error", "output_invalid", "output_invalid"),
+            CircuitOpen { .. } => (503, "upstream_error", "circuit_open", "circuit_open"),
             RequestTimeout(_) => (504, "timeout_error", "request_timeout", "request_timeout"),
             NotFound { .. } => (404, "invalid_request_error", "unknown_endpoint", "not_found_error"),
+            AdminDisabled => (403, "permission_error", "admin_disabled", "permission_error"),
             Internal => (500, "internal_error", "internal_error", "api_error"),
         };
         ErrorKind { status, category, code, anthropic_type }
+    }
+
+    /// How long the client should wait before trying again, when Backstop knows.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            GatewayError::CircuitOpen { retry_after } => Some(*retry_after),
+            _ => None,
+        }
     }
 
     /// The request parameter at fault, when there is one.

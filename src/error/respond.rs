@@ -29,5 +29,22 @@ pub fn error_response(err: &GatewayError, api: ApiKind) -> Response<Body> {
     response
         .headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if let Some(wait) = err.retry_after() {
+        // Whole seconds, rounded up: a client must not come back before the breaker
+        // half-opens.
+        let secs = wait.as_millis().div_ceil(1000).max(1);
+        response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs as u64));
+    }
     response
+}
+
+/// Marks a response the client should not retry on its own: Backstop already applied
+/// its retry policy to it, or refused on purpose. The official SDKs obey this header,
+/// so their retries do not multiply Backstop's.
+pub fn mark_no_retry(response: &mut Response<Body>) {
+    if response.status().as_u16() >= 400 {
+        response
+            .headers_mut()
+            .insert("x-should-retry", HeaderValue::from_static("false"));
+    }
 }

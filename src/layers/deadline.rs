@@ -15,9 +15,12 @@ use tower::{Layer, Service};
 
 use crate::error::GatewayError;
 
-/// When the client request must be answered by.
+/// When the client request must be answered by, and the timeout that set it.
 #[derive(Clone, Copy, Debug)]
-pub struct Deadline(pub Instant);
+pub struct Deadline {
+    pub at: Instant,
+    pub timeout: Duration,
+}
 
 #[derive(Clone)]
 pub struct DeadlineLayer {
@@ -58,7 +61,7 @@ where
 
     fn call(&mut self, mut req: Request<Body>) -> Self::Future {
         let deadline = Instant::now() + self.timeout;
-        req.extensions_mut().insert(Deadline(deadline));
+        req.extensions_mut().insert(Deadline { at: deadline, timeout: self.timeout });
         let future = self.inner.call(req);
         let timeout = self.timeout;
         Box::pin(async move {

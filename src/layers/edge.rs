@@ -93,9 +93,19 @@ where
         Box::pin(async move {
             let mut response = future.await?;
             drop(guard);
-            response.headers_mut().insert(X_REQUEST_ID.clone(), id.clone());
             let elapsed = started.elapsed();
             let fields = log.snapshot();
+            let headers = response.headers_mut();
+            headers.insert(X_REQUEST_ID.clone(), id.clone());
+            headers.insert("x-backstop-attempts", HeaderValue::from(fields.attempts));
+            let recovery = match (&fields.recovery, fields.error) {
+                (r, _) if !r.is_empty() => HeaderValue::from_str(r).ok(),
+                (_, Some(code)) => HeaderValue::from_str(&format!("refused:{code}")).ok(),
+                _ => None,
+            };
+            if let Some(recovery) = recovery {
+                headers.insert("x-backstop-recovery", recovery);
+            }
             let status = response.status().as_u16();
             let tenant = fields.tenant.as_deref().unwrap_or("-");
             metrics::counter!(
@@ -121,6 +131,7 @@ where
                 status,
                 error = fields.error.unwrap_or("-"),
                 attempts = fields.attempts,
+                recovery = fields.recovery.as_str(),
                 latency_ms = elapsed.as_secs_f64() * 1e3,
                 upstream_ms = fields.upstream_time.as_secs_f64() * 1e3,
                 "request"

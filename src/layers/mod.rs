@@ -4,4 +4,5 @@ pub mod auth;
 pub mod context;
 pub mod deadline;
 pub mod edge;
+pub mod recovery;
 pub mod respond;

@@ -16,7 +16,10 @@ use tower::{Layer, Service};
 
 use crate::{
     api::Endpoint,
-    error::{respond::error_response, GatewayError},
+    error::{
+        respond::{error_response, mark_no_retry},
+        GatewayError,
+    },
     telemetry::RequestLog,
 };
 
@@ -66,12 +69,14 @@ where
                     }),
                 Err(_) => Err(GatewayError::Internal),
             };
-            Ok(result.unwrap_or_else(|err| {
+            let mut response = result.unwrap_or_else(|err| {
                 if let Some(log) = &log {
                     log.update(|f| f.error = Some(err.kind().code));
                 }
                 error_response(&err, api)
-            }))
+            });
+            mark_no_retry(&mut response);
+            Ok(response)
         })
     }
 }

@@ -1,12 +1,15 @@
 //! The leaf of the stack: one HTTP attempt against one upstream, over a pooled client,
 //! with the provider's credential injected and the client's own credentials removed.
+//! It judges nothing: the recovery layer above classifies what it returns.
 //!
-//! Non-streaming bodies are read whole within `attempt_timeout` (later layers classify
-//! and validate them); streams are passed on chunk by chunk as they arrive, with
-//! `attempt_timeout` as the longest silence allowed between chunks. A stream that breaks
-//! after its first byte is ended with a well-formed error event in the caller's API.
+//! Non-streaming bodies (and error bodies) are read whole within the attempt timeout,
+//! so they can be classified and replayed. A successful stream is held back only until
+//! its first chunk arrives (so a stream that dies before its first byte is still
+//! retryable), then relayed chunk by chunk, with `attempt_timeout` as the longest
+//! silence allowed between chunks.
 
 mod headers;
+pub mod health;
 mod stream;
 
 use std::{
@@ -18,14 +21,13 @@ use std::{
 
 use axum::body::Body;
 use bytes::Bytes;
-use futures_util::future::BoxFuture;
-use http::{HeaderMap, HeaderValue, Request, Response};
+use futures_util::{future::BoxFuture, StreamExt};
+use http::{HeaderMap, HeaderValue, Response, StatusCode};
 
 use crate::{
     config::{ApiKind, Config},
-    error::GatewayError,
     layers::context::RequestContext,
-    telemetry::RequestLog,
+    policy::classify::TransportFailure,
 };
 
 /// A configured upstream, ready to call.
@@ -84,7 +86,58 @@ pub fn client() -> reqwest::Client {
         .expect("TLS backend initialises")
 }
 
-/// The leaf service: forwards the parsed request to its route's first target.
+/// One attempt to make: which upstream, which model, how long it may take.
+#[derive(Clone)]
+pub struct Attempt {
+    pub ctx: Arc<RequestContext>,
+    pub upstream: Arc<Upstream>,
+    /// The model to ask for instead of the client's.
+    pub model: Option<Arc<str>>,
+    /// The client's request headers (credentials are dropped on the way out).
+    pub headers: Arc<HeaderMap>,
+    pub timeout: Duration,
+}
+
+/// An upstream's answer.
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: ReplyBody,
+}
+
+pub enum ReplyBody {
+    /// Read whole: non-streaming answers and every error.
+    Full(Bytes),
+    /// A stream whose first chunk has arrived.
+    Stream(Body),
+}
+
+impl Reply {
+    /// The whole body, or empty for a stream.
+    pub fn bytes(&self) -> &[u8] {
+        match &self.body {
+            ReplyBody::Full(b) => b,
+            ReplyBody::Stream(_) => &[],
+        }
+    }
+
+    pub fn is_stream(&self) -> bool {
+        matches!(self.body, ReplyBody::Stream(_))
+    }
+
+    pub fn into_response(self) -> Response<Body> {
+        let body = match self.body {
+            ReplyBody::Full(b) => Body::from(b),
+            ReplyBody::Stream(s) => s,
+        };
+        let mut out = Response::new(body);
+        *out.status_mut() = self.status;
+        *out.headers_mut() = self.headers;
+        out
+    }
+}
+
+/// The leaf service: makes one [`Attempt`].
 #[derive(Clone)]
 pub struct Forward {
     client: reqwest::Client,
@@ -96,94 +149,55 @@ impl Forward {
     }
 }
 
-impl tower::Service<Request<Body>> for Forward {
-    type Response = Response<Body>;
-    type Error = GatewayError;
-    type Future = BoxFuture<'static, Result<Response<Body>, GatewayError>>;
+impl tower::Service<Attempt> for Forward {
+    type Response = Reply;
+    type Error = TransportFailure;
+    type Future = BoxFuture<'static, Result<Reply, TransportFailure>>;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, req: Request<Body>) -> Self::Future {
+    fn call(&mut self, attempt: Attempt) -> Self::Future {
         let client = self.client.clone();
         Box::pin(async move {
-            let (parts, _) = req.into_parts();
-            let ctx = parts
-                .extensions
-                .get::<Arc<RequestContext>>()
-                .cloned()
-                .ok_or(GatewayError::Internal)?;
-            let log = parts.extensions.get::<Arc<RequestLog>>().cloned();
-            let target = &ctx.route.targets[0];
-            let upstream = &target.upstream;
-            if upstream.api != ctx.endpoint.api() {
-                return Err(GatewayError::ApiMismatch {
-                    model: ctx.model.clone(),
-                    upstream_api: upstream.api.as_str(),
-                    path: match upstream.api {
-                        ApiKind::OpenAi => "/v1/chat/completions",
-                        ApiKind::Anthropic => "/v1/messages",
-                    },
-                });
-            }
-            let body = match &target.model {
-                Some(model) => ctx.body_with_model(model),
-                None => ctx.body.clone(),
-            };
             let started = Instant::now();
-            let result = attempt(&client, upstream, &ctx, &parts.headers, body).await;
-            let elapsed = started.elapsed();
-            let outcome = match &result {
-                Ok(r) => r.status().as_str().to_owned(),
-                Err(e) => e.kind().code.to_owned(),
-            };
-            metrics::histogram!("backstop_upstream_duration_seconds", "upstream" => upstream.name.to_string())
-                .record(elapsed.as_secs_f64());
-            metrics::counter!("backstop_upstream_attempts_total", "upstream" => upstream.name.to_string(), "outcome" => outcome)
-                .increment(1);
-            if let Some(log) = log {
-                log.update(|f| {
-                    f.upstream = Some(upstream.name.clone());
-                    f.attempts += 1;
-                    f.upstream_time += elapsed;
-                });
-            }
+            let result = send(&client, &attempt).await;
+            metrics::histogram!("backstop_upstream_duration_seconds", "upstream" => attempt.upstream.name.to_string())
+                .record(started.elapsed().as_secs_f64());
             result
         })
     }
 }
 
-/// One attempt: send, then read the body whole or wrap the stream.
-async fn attempt(
-    client: &reqwest::Client,
-    upstream: &Upstream,
-    ctx: &RequestContext,
-    client_headers: &HeaderMap,
-    body: Bytes,
-) -> Result<Response<Body>, GatewayError> {
+fn transport(err: &reqwest::Error) -> TransportFailure {
+    if err.is_timeout() {
+        TransportFailure::Timeout
+    } else if err.is_connect() {
+        TransportFailure::Connect
+    } else {
+        TransportFailure::Reset
+    }
+}
+
+async fn send(client: &reqwest::Client, attempt: &Attempt) -> Result<Reply, TransportFailure> {
+    let (ctx, upstream) = (&attempt.ctx, &attempt.upstream);
     let url = format!("{}{}", upstream.origin, ctx.endpoint.path());
-    let headers = headers::upstream_request_headers(client_headers, upstream);
-    let deadline = tokio::time::Instant::now() + upstream.attempt_timeout;
-    let timed_out = || GatewayError::UpstreamTimeout {
-        upstream: upstream.name.to_string(),
-        timeout: upstream.attempt_timeout,
+    let body = match &attempt.model {
+        Some(model) => ctx.body_with_model(model),
+        None => ctx.body.clone(),
     };
-    let unavailable = |err: reqwest::Error| {
+    let headers = headers::upstream_request_headers(&attempt.headers, upstream);
+    let deadline = tokio::time::Instant::now() + attempt.timeout;
+    let log_err = |err: reqwest::Error| {
         tracing::debug!(upstream = %upstream.name, error = %err, "upstream transport error");
-        if err.is_timeout() {
-            timed_out()
-        } else {
-            GatewayError::UpstreamUnavailable {
-                upstream: upstream.name.to_string(),
-            }
-        }
+        transport(&err)
     };
     let send = client.post(url).headers(headers).body(body).send();
     let response = tokio::time::timeout_at(deadline, send)
         .await
-        .map_err(|_| timed_out())?
-        .map_err(unavailable)?;
+        .map_err(|_| TransportFailure::Timeout)?
+        .map_err(log_err)?;
 
     let status = response.status();
     let headers = headers::client_response_headers(response.headers());
@@ -194,16 +208,23 @@ async fn attempt(
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
 
     let body = if ctx.stream && is_sse && status.is_success() {
-        stream::relay(response, ctx.endpoint.api(), upstream.attempt_timeout)
+        let mut chunks = response.bytes_stream().boxed();
+        let first = loop {
+            match tokio::time::timeout_at(deadline, chunks.next()).await {
+                Err(_) => return Err(TransportFailure::Timeout),
+                Ok(None) => return Err(TransportFailure::Reset),
+                Ok(Some(Err(err))) => return Err(log_err(err)),
+                Ok(Some(Ok(chunk))) if chunk.is_empty() => continue,
+                Ok(Some(Ok(chunk))) => break chunk,
+            }
+        };
+        ReplyBody::Stream(stream::relay(first, chunks, ctx.endpoint.api(), upstream.attempt_timeout))
     } else {
         let bytes = tokio::time::timeout_at(deadline, response.bytes())
             .await
-            .map_err(|_| timed_out())?
-            .map_err(unavailable)?;
-        Body::from(bytes)
+            .map_err(|_| TransportFailure::Timeout)?
+            .map_err(log_err)?;
+        ReplyBody::Full(bytes)
     };
-    let mut out = Response::new(body);
-    *out.status_mut() = status;
-    *out.headers_mut() = headers;
-    Ok(out)
+    Ok(Reply { status, headers, body })
 }

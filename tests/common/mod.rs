@@ -36,6 +36,11 @@ shutdown_grace = "5s"
 [log]
 level = "warn"
 
+[retry]
+base_delay = "1ms"
+max_delay = "5ms"
+max_retry_after = "2s"
+
 [[upstreams]]
 name = "mock-openai"
 api = "openai"

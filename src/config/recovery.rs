@@ -1,0 +1,97 @@
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::{ConfigError, Secret};
+
+/// `[retry]`: how transient failures are retried on one target.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    /// Attempts per target, the first included.
+    pub max_attempts: u32,
+    #[serde(with = "humantime_serde")]
+    pub base_delay: Duration,
+    #[serde(with = "humantime_serde")]
+    pub max_delay: Duration,
+    /// A longer `Retry-After` (or one past the deadline) is not waited: fail fast.
+    #[serde(with = "humantime_serde")]
+    pub max_retry_after: Duration,
+    /// Retries may add at most this fraction over first attempts (rolling window).
+    pub budget_ratio: f64,
+    /// Retries always allowed per window per upstream, however quiet it is.
+    pub budget_floor: u32,
+    #[serde(with = "humantime_serde")]
+    pub budget_window: Duration,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        RetryConfig {
+            max_attempts: 3,
+            base_delay: Duration::from_millis(200),
+            max_delay: Duration::from_secs(5),
+            max_retry_after: Duration::from_secs(10),
+            budget_ratio: 0.2,
+            budget_floor: 10,
+            budget_window: Duration::from_secs(10),
+        }
+    }
+}
+
+impl RetryConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_attempts == 0 {
+            return Err(ConfigError::invalid("retry.max_attempts", "must be at least 1 (the first attempt)"));
+        }
+        if self.max_delay < self.base_delay {
+            return Err(ConfigError::invalid("retry.max_delay", "must not be less than retry.base_delay"));
+        }
+        if !(0.0..=10.0).contains(&self.budget_ratio) || self.budget_ratio.is_nan() {
+            return Err(ConfigError::invalid("retry.budget_ratio", "must be between 0 and 10"));
+        }
+        if self.budget_window.is_zero() {
+            return Err(ConfigError::invalid("retry.budget_window", "must be greater than 0"));
+        }
+        Ok(())
+    }
+}
+
+/// `[breaker]`: one circuit breaker per upstream.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BreakerConfig {
+    /// Consecutive upstream-fault failures that open it (a 429 counts half).
+    pub failure_threshold: u32,
+    #[serde(with = "humantime_serde")]
+    pub open_for: Duration,
+    pub half_open_probes: u32,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        BreakerConfig { failure_threshold: 5, open_for: Duration::from_secs(30), half_open_probes: 1 }
+    }
+}
+
+impl BreakerConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if self.failure_threshold == 0 {
+            return Err(ConfigError::invalid("breaker.failure_threshold", "must be at least 1"));
+        }
+        if self.open_for.is_zero() {
+            return Err(ConfigError::invalid("breaker.open_for", "must be greater than 0"));
+        }
+        if self.half_open_probes == 0 {
+            return Err(ConfigError::invalid("breaker.half_open_probes", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// `[admin]`: the operator API (`/admin/...`), off unless a token is set.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminConfig {
+    pub token: Option<Secret>,
+}

@@ -1,0 +1,117 @@
+//! Per-upstream health shared by every request: the circuit breaker and the retry
+//! budget, behind small locks, with their metrics. The decisions live in
+//! [`crate::policy`]; this only keeps the state and reports transitions.
+
+use std::{collections::HashMap, sync::Mutex, time::Duration};
+
+use serde_json::{json, Value};
+use tokio::time::Instant;
+
+use crate::{
+    config::Config,
+    policy::{
+        breaker::{Admission, Breaker, BreakerConfig, State, Transition, Verdict},
+        retry_budget::RetryBudget,
+    },
+};
+
+pub struct UpstreamHealth {
+    name: String,
+    breaker: Mutex<Breaker>,
+    budget: Mutex<RetryBudget>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl UpstreamHealth {
+    pub fn new(name: &str, breaker: BreakerConfig, budget: RetryBudget) -> Self {
+        metrics::gauge!("backstop_breaker_state", "upstream" => name.to_string()).set(0.0);
+        UpstreamHealth { name: name.to_string(), breaker: Mutex::new(Breaker::new(breaker)), budget: Mutex::new(budget) }
+    }
+
+    /// Admits an attempt, or returns how long until the breaker half-opens.
+    pub fn admit(&self, now: Instant) -> Result<Admission, Duration> {
+        let mut breaker = lock(&self.breaker);
+        let (admitted, transition) = breaker.admit(now);
+        self.report(transition, breaker.gauge());
+        admitted
+    }
+
+    pub fn record(&self, admission: Admission, verdict: Verdict, now: Instant) -> Option<Transition> {
+        let mut breaker = lock(&self.breaker);
+        let transition = breaker.record(admission, verdict, now);
+        self.report(transition, breaker.gauge());
+        transition
+    }
+
+    fn report(&self, transition: Option<Transition>, gauge: f64) {
+        let Some(transition) = transition else { return };
+        let to = match transition {
+            Transition::Opened => "open",
+            Transition::HalfOpened => "half_open",
+            Transition::Closed => "closed",
+        };
+        tracing::warn!(upstream = %self.name, to, "circuit breaker transition");
+        metrics::counter!("backstop_breaker_transitions_total", "upstream" => self.name.clone(), "to" => to).increment(1);
+        metrics::gauge!("backstop_breaker_state", "upstream" => self.name.clone()).set(gauge);
+    }
+
+    pub fn deposit(&self, now: Instant) {
+        lock(&self.budget).deposit(now);
+    }
+
+    pub fn withdraw(&self, now: Instant) -> bool {
+        let granted = lock(&self.budget).withdraw(now);
+        if !granted {
+            metrics::counter!("backstop_retry_budget_exhausted_total", "upstream" => self.name.clone()).increment(1);
+        }
+        granted
+    }
+
+    /// The breaker as the admin API shows it.
+    pub fn snapshot(&self, now: Instant) -> Value {
+        match lock(&self.breaker).state() {
+            State::Closed { failures } => json!({"state": "closed", "consecutive_failures": failures}),
+            State::Open { until } => json!({"state": "open", "half_open_in_ms": until.saturating_duration_since(now).as_millis() as u64}),
+            State::HalfOpen { probes } => json!({"state": "half_open", "probes_in_flight": probes}),
+        }
+    }
+}
+
+/// Health of every configured upstream, by name.
+pub struct HealthRegistry {
+    upstreams: HashMap<String, UpstreamHealth>,
+}
+
+impl HealthRegistry {
+    pub fn new(config: &Config) -> Self {
+        let now = Instant::now();
+        let breaker = BreakerConfig {
+            failure_threshold: config.breaker.failure_threshold,
+            open_for: config.breaker.open_for,
+            half_open_probes: config.breaker.half_open_probes,
+        };
+        let r = &config.retry;
+        let upstreams = config
+            .upstreams
+            .iter()
+            .map(|u| {
+                let budget = RetryBudget::new(r.budget_ratio, r.budget_floor, r.budget_window, now);
+                (u.name.clone(), UpstreamHealth::new(&u.name, breaker, budget))
+            })
+            .collect();
+        HealthRegistry { upstreams }
+    }
+
+    pub fn get(&self, upstream: &str) -> Option<&UpstreamHealth> {
+        self.upstreams.get(upstream)
+    }
+
+    pub fn snapshot(&self, now: Instant) -> Vec<(String, Value)> {
+        let mut all: Vec<_> = self.upstreams.iter().map(|(n, h)| (n.clone(), h.snapshot(now))).collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
+    }
+}

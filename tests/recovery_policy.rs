@@ -1,0 +1,380 @@
+//! The recovery layer on a paused tokio clock, over a scripted leaf: exact attempt
+//! counts for every row of the taxonomy, Retry-After, the deadline, the retry budget and
+//! the breaker lifecycle, with virtual time (no real sleeps).
+
+use std::{
+    collections::VecDeque,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use axum::body::Body;
+use backstop::{
+    api::Endpoint,
+    config::Config,
+    error::GatewayError,
+    layers::{
+        context::parse,
+        deadline::Deadline,
+        recovery::{RecoveryLayer, RetryPolicy},
+    },
+    policy::classify::TransportFailure,
+    routing::RouteTable,
+    telemetry::RequestLog,
+    upstream::{build_all, health::HealthRegistry, Attempt, Reply, ReplyBody},
+};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use tokio::time::Instant;
+use tower::{Layer, Service, ServiceExt};
+
+const CONFIG: &str = r#"
+[retry]
+max_attempts = 3
+base_delay = "200ms"
+max_delay = "5s"
+max_retry_after = "10s"
+budget_ratio = 0.2
+budget_floor = 10
+
+[breaker]
+failure_threshold = 5
+open_for = "30s"
+half_open_probes = 1
+
+[[upstreams]]
+name = "primary"
+api = "openai"
+base_url = "http://primary.invalid"
+
+[[upstreams]]
+name = "backup"
+api = "openai"
+base_url = "http://backup.invalid"
+
+[[upstreams]]
+name = "big"
+api = "openai"
+base_url = "http://big.invalid"
+
+[[routes]]
+model = "two"
+targets = [{ upstream = "primary" }, { upstream = "backup", model = "backup-model" }]
+context_fallback = { upstream = "big", model = "big-context" }
+
+[[routes]]
+model = "one"
+targets = [{ upstream = "primary" }]
+
+[[tenants]]
+name = "t"
+api_keys = ["bk-test-key"]
+"#;
+
+/// One scripted upstream outcome.
+#[derive(Clone)]
+enum Play {
+    Status(u16, &'static str, &'static [(&'static str, &'static str)]),
+    Fail(TransportFailure),
+}
+
+use Play::*;
+
+const OK: Play = Status(200, r#"{"choices":[]}"#, &[]);
+const E503: Play = Status(503, "", &[]);
+
+/// The scripted leaf: plays `script` in order (the last entry repeats), records calls.
+#[derive(Clone)]
+struct Script {
+    plays: Arc<Mutex<VecDeque<Play>>>,
+    calls: Arc<Mutex<Vec<(String, Option<String>, Duration)>>>,
+    t0: Instant,
+}
+
+impl Script {
+    fn new(plays: &[Play]) -> Self {
+        Script { plays: Arc::new(Mutex::new(plays.iter().cloned().collect())), calls: Arc::default(), t0: Instant::now() }
+    }
+    fn calls(&self) -> Vec<(String, Option<String>, Duration)> {
+        self.calls.lock().unwrap().clone()
+    }
+    fn upstreams(&self) -> Vec<String> {
+        self.calls().into_iter().map(|c| c.0).collect()
+    }
+}
+
+impl Service<Attempt> for Script {
+    type Response = Reply;
+    type Error = TransportFailure;
+    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Reply, TransportFailure>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), TransportFailure>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, attempt: Attempt) -> Self::Future {
+        self.calls.lock().unwrap().push((attempt.upstream.name.to_string(), attempt.model.as_deref().map(str::to_owned), self.t0.elapsed()));
+        let play = {
+            let mut plays = self.plays.lock().unwrap();
+            if plays.len() > 1 { plays.pop_front().unwrap() } else { plays.front().cloned().unwrap() }
+        };
+        Box::pin(async move {
+            match play {
+                Fail(TransportFailure::Timeout) => {
+                    tokio::time::sleep(attempt.timeout).await;
+                    Err(TransportFailure::Timeout)
+                }
+                Fail(f) => Err(f),
+                Status(status, body, headers) => {
+                    let mut map = HeaderMap::new();
+                    for (k, v) in headers {
+                        map.insert(*k, HeaderValue::from_static(v));
+                    }
+                    Ok(Reply { status: StatusCode::from_u16(status).unwrap(), headers: map, body: ReplyBody::Full(Bytes::from_static(body.as_bytes())) })
+                }
+            }
+        })
+    }
+}
+
+struct Harness {
+    routes: RouteTable,
+    health: Arc<HealthRegistry>,
+    policy: RetryPolicy,
+}
+
+fn harness(edit: impl FnOnce(String) -> String) -> Harness {
+    let config = Config::from_toml_with_env(&edit(CONFIG.to_string()), |_| None).unwrap();
+    let upstreams = build_all(&config);
+    let mut policy = RetryPolicy::from_config(&config.retry);
+    // Jitter pinned to the top of its range, so backoff waits are exact.
+    policy.jitter = || 0.999_999_999;
+    Harness { routes: RouteTable::new(&config, &upstreams), health: Arc::new(HealthRegistry::new(&config)), policy }
+}
+
+struct Outcome {
+    status: u16,
+    error: Option<GatewayError>,
+    headers: HeaderMap,
+    recovery: String,
+    attempts: u32,
+    elapsed: Duration,
+}
+
+impl Harness {
+    async fn send(&self, model: &str, script: &Script, deadline: Duration) -> Outcome {
+        let body = Bytes::from(format!(r#"{{"model":"{model}","messages":[]}}"#));
+        let ctx = parse(Endpoint::ChatCompletions, body, None, &self.routes).unwrap();
+        let log = Arc::new(RequestLog::default());
+        let mut req = Request::new(Body::empty());
+        req.extensions_mut().insert(Arc::new(ctx));
+        req.extensions_mut().insert(Deadline { at: Instant::now() + deadline, timeout: deadline });
+        req.extensions_mut().insert(log.clone());
+        let service = RecoveryLayer::new(self.policy.clone(), self.health.clone()).layer(script.clone());
+        let started = Instant::now();
+        let result: Result<Response<Body>, GatewayError> = service.oneshot(req).await;
+        let fields = log.snapshot();
+        let (status, error, headers) = match result {
+            Ok(r) => (r.status().as_u16(), None, r.headers().clone()),
+            Err(e) => (e.kind().status, Some(e), HeaderMap::new()),
+        };
+        Outcome { status, error, headers, recovery: fields.recovery, attempts: fields.attempts, elapsed: started.elapsed() }
+    }
+}
+
+const LONG: Duration = Duration::from_secs(120);
+
+#[tokio::test(start_paused = true)]
+async fn transient_errors_are_retried_with_capped_backoff_then_succeed() {
+    let h = harness(|c| c);
+    let script = Script::new(&[E503, E503, OK]);
+    let out = h.send("two", &script, LONG).await;
+    assert_eq!(out.status, 200);
+    assert_eq!(out.recovery, "retry:503,retry:503,ok");
+    assert_eq!(out.attempts, 3);
+    let at: Vec<_> = script.calls().iter().map(|c| c.2.as_millis()).collect();
+    // Full-jitter ceilings 200 ms then 400 ms (jitter pinned at the top of its range;
+    // tokio's timer rounds up to the millisecond).
+    assert_eq!(at, [0, 200, 600]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn each_taxonomy_row_makes_the_exact_attempts() {
+    let quota: &'static str = r#"{"error":{"type":"insufficient_quota","code":"insufficient_quota","message":"quota"}}"#;
+    let context: &'static str = r#"{"error":{"type":"invalid_request_error","code":"context_length_exceeded","message":"too long"}}"#;
+    let rows: Vec<(&str, Vec<Play>, u16, &str, Vec<&str>)> = vec![
+        // transient everywhere: max_attempts on each of the two targets
+        ("503", vec![E503], 503, "retry:503,retry:503,giveup:503,failover:backup,retry:503,retry:503,giveup:503", vec!["primary"; 3].into_iter().chain(vec!["backup"; 3]).collect()),
+        ("529", vec![Status(529, r#"{"type":"error","error":{"type":"overloaded_error","message":"x"}}"#, &[]), OK], 200, "retry:529,ok", vec!["primary", "primary"]),
+        ("reset", vec![Fail(TransportFailure::Reset), OK], 200, "retry:reset,ok", vec!["primary", "primary"]),
+        ("connect", vec![Fail(TransportFailure::Connect), Fail(TransportFailure::Connect), Fail(TransportFailure::Connect), OK], 200, "retry:connect,retry:connect,giveup:connect,failover:backup,ok", vec!["primary", "primary", "primary", "backup"]),
+        ("timeout", vec![Fail(TransportFailure::Timeout), OK], 200, "retry:timeout,ok", vec!["primary", "primary"]),
+        // caller fault: one attempt, passed through
+        ("400", vec![Status(400, r#"{"error":{"type":"invalid_request_error","message":"bad"}}"#, &[])], 400, "pass:400", vec!["primary"]),
+        ("422", vec![Status(422, "{}", &[])], 422, "pass:422", vec!["primary"]),
+        // credential/quota: never retried on that upstream, straight to the next target
+        ("quota", vec![Status(429, quota, &[]), OK], 200, "giveup:429,failover:backup,ok", vec!["primary", "backup"]),
+        ("401", vec![Status(401, "{}", &[]), OK], 200, "giveup:401,failover:backup,ok", vec!["primary", "backup"]),
+        // malformed 200: next target
+        ("malformed", vec![Status(200, "{\"choices\": [", &[]), OK], 200, "giveup:malformed,failover:backup,ok", vec!["primary", "backup"]),
+        // context too long: the context_fallback target takes it
+        ("context", vec![Status(400, context, &[]), OK], 200, "fallback:big,failover:big,ok", vec!["primary", "big"]),
+    ];
+    for (name, plays, status, recovery, upstreams) in rows {
+        let h = harness(|c| c);
+        let script = Script::new(&plays);
+        let out = h.send("two", &script, LONG).await;
+        assert_eq!(out.status, status, "{name}: {:?}", out.error);
+        assert_eq!(out.recovery, recovery, "{name}");
+        assert_eq!(script.upstreams(), upstreams, "{name}");
+        assert_eq!(out.attempts as usize, upstreams.len(), "{name}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn failover_and_fallback_ask_for_the_targets_model() {
+    let h = harness(|c| c);
+    let script = Script::new(&[E503, E503, E503, OK]);
+    h.send("two", &script, LONG).await;
+    let models: Vec<_> = script.calls().into_iter().map(|c| c.1).collect();
+    assert_eq!(models, [None, None, None, Some("backup-model".to_string())]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn final_failures_become_the_right_answer() {
+    let h = harness(|c| c);
+    let out = h.send("one", &Script::new(&[Status(401, "{}", &[])]), LONG).await;
+    assert_eq!((out.status, out.error.unwrap().kind().code), (502, "upstream_auth_failed"));
+    let h = harness(|c| c);
+    let out = h.send("one", &Script::new(&[Fail(TransportFailure::Connect)]), LONG).await;
+    assert_eq!((out.status, out.error.unwrap().kind().code), (502, "upstream_unavailable"));
+    assert_eq!(out.attempts, 3);
+    let h = harness(|c| c);
+    let out = h.send("one", &Script::new(&[Fail(TransportFailure::Timeout)]), LONG).await;
+    assert_eq!((out.status, out.error.unwrap().kind().code), (504, "upstream_timeout"));
+    let h = harness(|c| c);
+    let out = h.send("one", &Script::new(&[Status(200, "not json", &[])]), LONG).await;
+    assert_eq!((out.status, out.error.unwrap().kind().code), (502, "output_invalid"));
+    assert_eq!(out.attempts, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn retry_after_inside_the_cap_is_waited_in_virtual_time() {
+    let h = harness(|c| c);
+    let script = Script::new(&[Status(429, "", &[("retry-after", "2")]), OK]);
+    let out = h.send("one", &script, LONG).await;
+    assert_eq!(out.status, 200);
+    assert_eq!(out.recovery, "retry:429,ok");
+    assert_eq!(out.elapsed, Duration::from_secs(2));
+    assert_eq!(script.calls()[1].2, Duration::from_secs(2));
+
+    let h = harness(|c| c);
+    let script = Script::new(&[Status(503, "", &[("retry-after-ms", "750")]), OK]);
+    let out = h.send("one", &script, LONG).await;
+    assert_eq!(out.elapsed, Duration::from_millis(750));
+}
+
+#[tokio::test(start_paused = true)]
+async fn retry_after_beyond_the_cap_fails_fast_with_the_upstreams_answer() {
+    let h = harness(|c| c);
+    let script = Script::new(&[Status(429, r#"{"error":{"code":"rate_limit_exceeded"}}"#, &[("retry-after", "30")])]);
+    let out = h.send("one", &script, LONG).await;
+    assert_eq!(out.status, 429);
+    assert_eq!(out.headers["retry-after"], "30");
+    assert_eq!(out.elapsed, Duration::ZERO);
+    assert_eq!(out.attempts, 1);
+    assert_eq!(out.recovery, "giveup:429");
+    // With a second target, that target is tried at once instead.
+    let h = harness(|c| c);
+    let script = Script::new(&[Status(503, "", &[("retry-after", "30")]), OK]);
+    let out = h.send("two", &script, LONG).await;
+    assert_eq!((out.status, out.elapsed), (200, Duration::ZERO));
+    assert_eq!(out.recovery, "giveup:503,failover:backup,ok");
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_wait_ever_runs_past_the_deadline() {
+    // A 5 s Retry-After is within the cap but not within a 3 s deadline.
+    let h = harness(|c| c);
+    let script = Script::new(&[Status(503, "", &[("retry-after", "5")])]);
+    let out = h.send("one", &script, Duration::from_secs(3)).await;
+    assert_eq!((out.status, out.attempts, out.elapsed), (503, 1, Duration::ZERO));
+    // Timeouts: attempts are cut to the time left, and the loop stops at the deadline.
+    let h = harness(|c| c.replace("base_url = \"http://primary.invalid\"", "base_url = \"http://primary.invalid\"\nattempt_timeout = \"2s\""));
+    let script = Script::new(&[Fail(TransportFailure::Timeout)]);
+    let out = h.send("one", &script, Duration::from_secs(3)).await;
+    // Attempt 1 times out at 2 s; after a 200 ms backoff, attempt 2 gets only the 800 ms
+    // left, and the answer comes exactly at the deadline.
+    assert_eq!(out.elapsed, Duration::from_secs(3));
+    assert_eq!((out.status, out.attempts), (504, 2));
+    assert_eq!(out.error.unwrap().kind().code, "request_timeout");
+    let starts: Vec<_> = script.calls().into_iter().map(|c| c.2.as_millis()).collect();
+    assert_eq!(starts, [0, 2200]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_breaker_opens_skips_then_probes_and_closes() {
+    let h = harness(|c| c.replace("max_attempts = 3", "max_attempts = 1"));
+    let down = Script::new(&[E503]);
+    for _ in 0..5 {
+        assert_eq!(h.send("one", &down, LONG).await.status, 503);
+    }
+    assert_eq!(down.calls().len(), 5);
+    // Open: no network, 503 circuit_open with the time until half-open.
+    tokio::time::advance(Duration::from_secs(10)).await;
+    let out = h.send("one", &down, LONG).await;
+    assert_eq!(out.status, 503);
+    assert!(matches!(out.error, Some(GatewayError::CircuitOpen { retry_after }) if retry_after == Duration::from_secs(20)));
+    assert_eq!(out.recovery, "open:primary");
+    assert_eq!(down.calls().len(), 5, "an open breaker touched the network");
+    // With a second target, the open upstream is skipped and the backup answers.
+    let up = Script::new(&[OK]);
+    let out = h.send("two", &up, LONG).await;
+    assert_eq!((out.status, out.recovery.as_str()), (200, "open:primary,failover:backup,ok"));
+    assert_eq!(up.upstreams(), ["backup"]);
+    // Half-open after open_for: one probe; its failure reopens.
+    tokio::time::advance(Duration::from_secs(20)).await;
+    assert_eq!(h.send("one", &down, LONG).await.status, 503);
+    assert_eq!(down.calls().len(), 6);
+    assert_eq!(h.send("one", &down, LONG).await.recovery, "open:primary");
+    // Next probe succeeds: closed again, traffic flows.
+    tokio::time::advance(Duration::from_secs(30)).await;
+    let healthy = Script::new(&[OK]);
+    assert_eq!(h.send("one", &healthy, LONG).await.status, 200);
+    assert_eq!(h.send("one", &healthy, LONG).await.status, 200);
+    assert_eq!(healthy.calls().len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn caller_faults_never_open_the_breaker() {
+    let h = harness(|c| c);
+    let bad = Script::new(&[Status(400, "{}", &[])]);
+    for _ in 0..50 {
+        assert_eq!(h.send("one", &bad, LONG).await.status, 400);
+    }
+    assert_eq!(bad.calls().len(), 50, "every caller fault reached the upstream exactly once");
+    let ok = Script::new(&[OK]);
+    assert_eq!(h.send("one", &ok, LONG).await.recovery, "ok");
+}
+
+#[tokio::test(start_paused = true)]
+async fn credential_failures_open_the_breaker_at_once() {
+    let h = harness(|c| c);
+    let script = Script::new(&[Status(401, "{}", &[]), OK]);
+    h.send("one", &script, LONG).await;
+    let out = h.send("one", &script, LONG).await;
+    assert_eq!(out.recovery, "open:primary");
+    assert_eq!(script.calls().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_retry_budget_caps_retries_during_an_outage() {
+    // Floor 2, ratio 0.2, threshold high enough that the breaker stays out of it.
+    let h = harness(|c| c.replace("budget_floor = 10", "budget_floor = 2").replace("failure_threshold = 5", "failure_threshold = 100000"));
+    let down = Script::new(&[E503]);
+    for _ in 0..100 {
+        h.send("one", &down, LONG).await;
+    }
+    // 100 first attempts, at most 2 + 0.2 × 100 = 22 retries.
+    assert_eq!(down.calls().len(), 100 + 22);
+}
