@@ -43,7 +43,7 @@ PROVIDER_ANTHROPIC_KEY = "sk-provider-anthropic"
 MAX_BODY_BYTES = 65536
 
 # Models that appear literally (no wildcard) in the routes of the test config.
-EXACT_ROUTE_MODELS = ["rewrite-me", "dead-model", "dead-claude", "slow-model", "slow-claude"]
+EXACT_ROUTE_MODELS = ["quota-gpt", "storm-gpt", "storm-claude", "rewrite-me", "dead-model", "dead-claude", "slow-model", "slow-claude"]
 WILDCARD_ROUTE_MODELS = ["gpt-*", "text-embedding-*", "claude-*"]
 
 
@@ -72,6 +72,18 @@ request_timeout = "30s"
 [log]
 format = "json"
 level = "warn"
+
+# Small delays keep the suite fast. One server is shared by every test, so breakers
+# must not open across tests: the breaker lifecycle is tested in Rust, per gateway.
+[retry]
+max_attempts = 3
+base_delay = "5ms"
+max_delay = "20ms"
+max_retry_after = "2s"
+budget_floor = 100000
+
+[breaker]
+failure_threshold = 100000
 
 [[upstreams]]
 name = "mock-openai"
@@ -114,6 +126,54 @@ api = "anthropic"
 base_url = "{mock}"
 api_key = "x"
 attempt_timeout = "300ms"
+
+[[upstreams]]
+name = "storm-a"
+api = "openai"
+base_url = "{mock}"
+attempt_timeout = "5s"
+
+[[upstreams]]
+name = "storm-b"
+api = "openai"
+base_url = "{mock}"
+attempt_timeout = "5s"
+
+[[upstreams]]
+name = "storm-anthropic-a"
+api = "anthropic"
+base_url = "{mock}"
+attempt_timeout = "5s"
+
+[[upstreams]]
+name = "storm-anthropic-b"
+api = "anthropic"
+base_url = "{mock}"
+attempt_timeout = "5s"
+
+# A quota fault opens a breaker at once, whatever the threshold: its own pair.
+[[upstreams]]
+name = "quota-a"
+api = "openai"
+base_url = "{mock}"
+
+[[upstreams]]
+name = "quota-b"
+api = "openai"
+base_url = "{mock}"
+
+[[routes]]
+model = "quota-gpt"
+targets = [{{ upstream = "quota-a" }}, {{ upstream = "quota-b" }}]
+
+# Two targets on the same mock: attempts are counted per scenario across both.
+[[routes]]
+model = "storm-gpt"
+targets = [{{ upstream = "storm-a" }}, {{ upstream = "storm-b" }}]
+
+[[routes]]
+model = "storm-claude"
+targets = [{{ upstream = "storm-anthropic-a" }}, {{ upstream = "storm-anthropic-b" }}]
 
 [[routes]]
 model = "gpt-*"
