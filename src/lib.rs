@@ -7,6 +7,7 @@
 pub mod api;
 pub mod app;
 pub mod config;
+pub mod demo;
 pub mod error;
 pub mod layers;
 pub mod mock;

@@ -28,6 +28,18 @@ enum Command {
     MockUpstream {
         #[arg(long, default_value = "127.0.0.1:9090")]
         listen: SocketAddr,
+        /// Random faults for unscripted requests, e.g. "status=503@0.2|reset@0.05".
+        #[arg(long, default_value = "")]
+        fault_mix: String,
+    },
+    /// Run a fault storm through Backstop against the mock and print what happened.
+    Demo {
+        /// Client requests in the storm.
+        #[arg(long, default_value_t = 1000)]
+        requests: usize,
+        /// Concurrent clients.
+        #[arg(long, default_value_t = 32)]
+        concurrency: usize,
     },
 }
 
@@ -73,11 +85,22 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             })
         }
-        Command::MockUpstream { listen } => {
+        Command::Demo { requests, concurrency } => {
+            runtime().block_on(backstop::demo::run(requests, concurrency));
+            ExitCode::SUCCESS
+        }
+        Command::MockUpstream { listen, fault_mix } => {
+            let mix = match backstop::mock::FaultMix::parse(&fault_mix) {
+                Ok(mix) => mix,
+                Err(err) => {
+                    eprintln!("--fault-mix: {err}");
+                    return ExitCode::from(2);
+                }
+            };
             telemetry::init_logging(&Default::default());
             runtime().block_on(async move {
                 tokio::select! {
-                    result = backstop::mock::run(listen) => {
+                    result = backstop::mock::run(listen, mix) => {
                         let Err(err) = result;
                         eprintln!("mock upstream: {err}");
                         ExitCode::FAILURE

@@ -73,6 +73,50 @@ impl Step {
     }
 }
 
+/// A random mix of steps for fault storms: `STEP@P|STEP@P|...`, e.g.
+/// `status=503@0.2|status=429;retry_after=1@0.1|reset@0.05|hang@0.05`. Whatever
+/// probability is left over plays a normal answer.
+#[derive(Debug, Default, Clone)]
+pub struct FaultMix {
+    /// (cumulative probability, step), ascending.
+    steps: Vec<(f64, Step)>,
+}
+
+impl FaultMix {
+    pub fn parse(spec: &str) -> Result<FaultMix, String> {
+        let mut steps = Vec::new();
+        let mut total = 0.0;
+        for entry in spec.split('|').map(str::trim).filter(|e| !e.is_empty()) {
+            let (step, p) = entry
+                .rsplit_once('@')
+                .ok_or_else(|| format!("{entry:?}: expected STEP@PROBABILITY"))?;
+            let p: f64 = p.parse().map_err(|_| format!("{entry:?}: bad probability"))?;
+            if !(0.0..=1.0).contains(&p) {
+                return Err(format!("{entry:?}: probability must be within 0..=1"));
+            }
+            total += p;
+            steps.push((total, Step::parse(step)));
+        }
+        if total > 1.0 + 1e-9 {
+            return Err(format!("probabilities add up to {total}, more than 1"));
+        }
+        Ok(FaultMix { steps })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.steps.is_empty()
+    }
+
+    /// The step for a draw `unit` ∈ [0, 1).
+    pub fn pick(&self, unit: f64) -> Step {
+        self.steps
+            .iter()
+            .find(|(cumulative, _)| unit < *cumulative)
+            .map(|(_, s)| s.clone())
+            .unwrap_or_default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -85,6 +129,18 @@ mod tests {
         assert!(Step::for_attempt(script, 1).reset);
         assert_eq!(Step::for_attempt(script, 2), Step::default());
         assert_eq!(Step::for_attempt(script, 9), Step::default());
+    }
+
+    #[test]
+    fn a_mix_picks_by_cumulative_probability() {
+        let mix = FaultMix::parse("status=503@0.2|status=429;retry_after=1@0.1|reset@0.05").unwrap();
+        assert_eq!(mix.pick(0.0).status, Some(503));
+        assert_eq!(mix.pick(0.19).status, Some(503));
+        assert_eq!(mix.pick(0.2).retry_after.as_deref(), Some("1"));
+        assert!(mix.pick(0.31).reset);
+        assert_eq!(mix.pick(0.35), Step::default());
+        assert!(FaultMix::parse("reset@0.7|hang@0.7").is_err());
+        assert!(FaultMix::parse("reset").is_err());
     }
 
     #[test]

@@ -6,6 +6,8 @@
 //! - `x-mock-scenario: NAME` groups attempts; each scenario counts the attempts it got.
 //! - `x-mock-fault: STEP,STEP,...`: attempt k of the scenario plays step k (the last step
 //!   repeats). A step is `;`-separated tokens, see [`fault::Step`].
+//! - Without a script, a random [`FaultMix`] plays: `x-mock-fault-mix: STEP@P|...` per
+//!   request, else the one the mock was started with (`--fault-mix`), for fault storms.
 //!
 //! Introspection: `GET /mock/stats`, `GET /mock/last?scenario=NAME`, `POST /mock/reset`.
 //! It logs nothing per request, so it is never the bottleneck of a load test.
@@ -32,7 +34,7 @@ use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 use tokio::{net::TcpListener, task::JoinHandle};
 
-pub use fault::Step;
+pub use fault::{FaultMix, Step};
 
 /// Most scenarios remembered; beyond it the oldest data is dropped wholesale.
 const MAX_SCENARIOS: usize = 100_000;
@@ -47,6 +49,8 @@ struct Scenario {
 pub struct MockState {
     total: AtomicU64,
     scenarios: Mutex<HashMap<String, Scenario>>,
+    /// Faults for requests that script none (`--fault-mix`).
+    mix: FaultMix,
 }
 
 impl MockState {
@@ -96,6 +100,11 @@ impl MockHandle {
         self.task.abort();
     }
 
+    /// Attempts received in all, every scenario included.
+    pub fn state_total(&self) -> u64 {
+        self.state.total.load(Ordering::Relaxed)
+    }
+
     /// Attempts received in a scenario so far.
     pub fn attempts(&self, scenario: &str) -> u64 {
         let map = self.state.scenarios.lock().unwrap_or_else(|e| e.into_inner());
@@ -122,8 +131,13 @@ impl std::error::Error for Reset {}
 
 /// Serves the mock on an already-bound listener.
 pub fn spawn(listener: TcpListener) -> MockHandle {
+    spawn_with(listener, FaultMix::default())
+}
+
+/// Serves the mock, playing `mix` for requests that script no fault of their own.
+pub fn spawn_with(listener: TcpListener, mix: FaultMix) -> MockHandle {
     let addr = listener.local_addr().expect("bound listener has an address");
-    let state = Arc::new(MockState::default());
+    let state = Arc::new(MockState { mix, ..MockState::default() });
     let shared = state.clone();
     let task = tokio::spawn(async move {
         loop {
@@ -180,9 +194,14 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
             "body": if request.is_null() { Value::String(String::from_utf8_lossy(&bytes).into_owned()) } else { request.clone() },
         })
     });
-    let step = header_str(&parts.headers, "x-mock-fault")
-        .map(|s| Step::for_attempt(s, attempt))
-        .unwrap_or_default();
+    let step = match header_str(&parts.headers, "x-mock-fault") {
+        Some(script) => Step::for_attempt(script, attempt),
+        None => match header_str(&parts.headers, "x-mock-fault-mix").map(FaultMix::parse) {
+            Some(Ok(mix)) => mix.pick(fastrand::f64()),
+            _ if !state.mix.is_empty() => state.mix.pick(fastrand::f64()),
+            _ => Step::default(),
+        },
+    };
 
     if let Some(delay) = step.delay {
         tokio::time::sleep(delay).await;
@@ -238,8 +257,8 @@ fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
 }
 
 /// Convenience for `main`: bind and serve until the process ends.
-pub async fn run(addr: SocketAddr) -> std::io::Result<Infallible> {
-    let handle = spawn(TcpListener::bind(addr).await?);
+pub async fn run(addr: SocketAddr, mix: FaultMix) -> std::io::Result<Infallible> {
+    let handle = spawn_with(TcpListener::bind(addr).await?, mix);
     tracing::info!(addr = %handle.addr, "mock upstream listening");
     let _ = handle.task.await;
     std::future::pending().await

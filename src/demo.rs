@@ -1,0 +1,186 @@
+//! `backstop demo`: a fault storm through a real Backstop against real mock upstreams,
+//! printed as a table a person can read. Everything runs in this process on loopback.
+//!
+//! Phase 1, the storm: two targets whose mocks both fail 20% with 503, 10% with 429 and
+//! `Retry-After: 1`, 5% with a connection reset and 5% by hanging past `attempt_timeout`.
+//! Phase 2, hard down: one upstream that always answers 503, until its breaker opens,
+//! then the latency of requests refused while it is open.
+
+use std::{
+    collections::BTreeMap,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use tokio::net::TcpListener;
+
+use crate::{
+    config::Config,
+    mock::{self, FaultMix},
+    server, telemetry,
+};
+
+const KEY: &str = "bk-demo-storm-key";
+pub const STORM: &str = "status=503@0.2|status=429;retry_after=1@0.1|reset@0.05|hang@0.05";
+
+fn config(primary: std::net::SocketAddr, backup: std::net::SocketAddr, down: std::net::SocketAddr) -> Config {
+    let text = format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+request_timeout = "30s"
+[log]
+level = "error"
+[retry]
+max_attempts = 3
+base_delay = "200ms"
+max_delay = "5s"
+max_retry_after = "10s"
+budget_ratio = 0.2
+[breaker]
+failure_threshold = 5
+open_for = "30s"
+[[upstreams]]
+name = "primary"
+api = "openai"
+base_url = "http://{primary}"
+attempt_timeout = "1s"
+[[upstreams]]
+name = "backup"
+api = "openai"
+base_url = "http://{backup}"
+attempt_timeout = "1s"
+[[upstreams]]
+name = "down"
+api = "openai"
+base_url = "http://{down}"
+attempt_timeout = "1s"
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "primary" }}, {{ upstream = "backup" }}]
+[[routes]]
+model = "down-model"
+targets = [{{ upstream = "down" }}]
+[[tenants]]
+name = "demo"
+api_keys = ["{KEY}"]
+"#
+    );
+    Config::from_toml_with_env(&text, |_| None).expect("demo config is valid")
+}
+
+fn pct(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3
+}
+
+/// Sums a Prometheus counter's samples per value of `label`, from the rendered page.
+fn sum_by(page: &str, metric: &str, label: &str) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    for line in page.lines().filter(|l| l.starts_with(metric) && l[metric.len()..].starts_with('{')) {
+        let Some((labels, value)) = line.rsplit_once(' ') else { continue };
+        let needle = format!("{label}=\"");
+        let Some(start) = labels.find(&needle) else { continue };
+        let rest = &labels[start + needle.len()..];
+        let key = rest.split('"').next().unwrap_or("").to_string();
+        *out.entry(key).or_insert(0.0) += value.parse::<f64>().unwrap_or(0.0);
+    }
+    out
+}
+
+async fn call(http: &reqwest::Client, url: &str, model: &str) -> (u16, Duration, String) {
+    let started = Instant::now();
+    let body = format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"hello"}}]}}"#);
+    match http.post(url).bearer_auth(KEY).header("content-type", "application/json").body(body).send().await {
+        Ok(resp) => {
+            let status = resp.status().as_u16();
+            let recovery = resp.headers().get("x-backstop-recovery").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+            let _ = resp.bytes().await;
+            (status, started.elapsed(), recovery)
+        }
+        Err(_) => (0, started.elapsed(), String::new()),
+    }
+}
+
+pub async fn run(requests: usize, concurrency: usize) {
+    let mix = FaultMix::parse(STORM).expect("storm mix parses");
+    let bind = || TcpListener::bind("127.0.0.1:0");
+    let primary = mock::spawn_with(bind().await.expect("bind"), mix.clone());
+    let backup = mock::spawn_with(bind().await.expect("bind"), mix);
+    let down = mock::spawn_with(bind().await.expect("bind"), FaultMix::parse("status=503@1").expect("parses"));
+    let gateway = server::spawn(config(primary.addr, backup.addr, down.addr)).await.expect("gateway starts");
+    let url = format!("http://{}/v1/chat/completions", gateway.addr);
+    let http = reqwest::Client::builder().pool_max_idle_per_host(256).build().expect("client");
+
+    println!("Fault storm: {requests} requests, {concurrency} concurrent clients, route with 2 targets");
+    println!("each upstream: 20% 503, 10% 429 (Retry-After 1 s), 5% reset, 5% hang past attempt_timeout (1 s)\n");
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency {
+        let (http, url, next) = (http.clone(), url.clone(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < requests {
+                out.push(call(&http, &url, "gpt-4o").await);
+            }
+            out
+        }));
+    }
+    let mut results = Vec::new();
+    for t in tasks {
+        results.extend(t.await.unwrap_or_default());
+    }
+    let wall = started.elapsed();
+    let ok = results.iter().filter(|r| r.0 == 200).count();
+    let attempts = primary.state_total() + backup.state_total();
+    let mut latencies: Vec<Duration> = results.iter().map(|r| r.1).collect();
+    latencies.sort();
+    let mut statuses: BTreeMap<u16, usize> = BTreeMap::new();
+    for r in &results {
+        *statuses.entry(r.0).or_default() += 1;
+    }
+    let page = telemetry::metrics_handle().render();
+    let classes = sum_by(&page, "backstop_upstream_attempts_total", "class");
+    let trips = sum_by(&page, "backstop_breaker_transitions_total", "to").get("open").copied().unwrap_or(0.0);
+
+    println!("| figure | value |\n|---|---|");
+    println!("| client requests | {} |", results.len());
+    println!("| client-visible success | {ok} ({:.1}%) |", ok as f64 * 100.0 / results.len().max(1) as f64);
+    println!("| client statuses | {} |", statuses.iter().map(|(s, n)| format!("{s}: {n}")).collect::<Vec<_>>().join(", "));
+    println!("| upstream attempts | {attempts} |");
+    println!("| amplification (attempts / request) | {:.2} |", attempts as f64 / results.len().max(1) as f64);
+    println!("| latency p50 / p99 | {:.0} ms / {:.0} ms |", pct(&latencies, 0.5), pct(&latencies, 0.99));
+    println!("| breaker trips (to open) | {trips} |");
+    println!("| wall time | {:.1} s |", wall.as_secs_f64());
+    for (class, n) in &classes {
+        println!("| attempts classified {class} | {n} |");
+    }
+
+    println!("\nHard down: one upstream answering 503 to everything (breaker threshold 5)\n");
+    let mut before_open = 0;
+    let mut opened_after = None;
+    for i in 0..20 {
+        let (_, _, recovery) = call(&http, &url, "down-model").await;
+        if recovery.starts_with("open:") {
+            opened_after = Some(i);
+            break;
+        }
+        before_open = down.state_total();
+    }
+    let mut open_latency = Vec::new();
+    for _ in 0..200 {
+        let (status, took, _) = call(&http, &url, "down-model").await;
+        debug_assert_eq!(status, 503);
+        open_latency.push(took);
+    }
+    open_latency.sort();
+    println!("| figure | value |\n|---|---|");
+    println!("| upstream attempts until the breaker opened | {before_open} |");
+    println!("| client requests until the first refusal | {} |", opened_after.map_or("never".into(), |n| (n + 1).to_string()));
+    println!("| upstream attempts while open (200 requests) | {} |", down.state_total() - before_open);
+    println!("| latency while open p50 / p99 | {:.3} ms / {:.3} ms |", pct(&open_latency, 0.5), pct(&open_latency, 0.99));
+    gateway.shutdown().await;
+}
