@@ -249,7 +249,9 @@ async fn final_failures_become_the_right_answer() {
     let out = h.send("one", &Script::new(&[Fail(TransportFailure::Connect)]), LONG).await;
     assert_eq!((out.status, out.error.unwrap().kind().code), (502, "upstream_unavailable"));
     assert_eq!(out.attempts, 3);
-    let h = harness(|c| c);
+    // Three 1 s attempt timeouts fit the deadline: the upstream was slow, not the client's
+    // deadline short.
+    let h = harness(|c| c.replace("base_url = \"http://primary.invalid\"", "base_url = \"http://primary.invalid\"\nattempt_timeout = \"1s\""));
     let out = h.send("one", &Script::new(&[Fail(TransportFailure::Timeout)]), LONG).await;
     assert_eq!((out.status, out.error.unwrap().kind().code), (504, "upstream_timeout"));
     let h = harness(|c| c);

@@ -66,11 +66,22 @@ pub struct BreakerConfig {
     #[serde(with = "humantime_serde")]
     pub open_for: Duration,
     pub half_open_probes: u32,
+    /// And at least this share of recent attempts failed (0 = consecutive count alone).
+    pub failure_rate: f64,
+    /// "Recent", for `failure_rate`.
+    #[serde(with = "humantime_serde")]
+    pub window: Duration,
 }
 
 impl Default for BreakerConfig {
     fn default() -> Self {
-        BreakerConfig { failure_threshold: 5, open_for: Duration::from_secs(30), half_open_probes: 1 }
+        BreakerConfig {
+            failure_threshold: 5,
+            open_for: Duration::from_secs(30),
+            half_open_probes: 1,
+            failure_rate: 0.5,
+            window: Duration::from_secs(10),
+        }
     }
 }
 
@@ -81,6 +92,12 @@ impl BreakerConfig {
         }
         if self.open_for.is_zero() {
             return Err(ConfigError::invalid("breaker.open_for", "must be greater than 0"));
+        }
+        if !(0.0..=1.0).contains(&self.failure_rate) {
+            return Err(ConfigError::invalid("breaker.failure_rate", "must be between 0 and 1"));
+        }
+        if self.window.is_zero() {
+            return Err(ConfigError::invalid("breaker.window", "must be greater than 0"));
         }
         if self.half_open_probes == 0 {
             return Err(ConfigError::invalid("breaker.half_open_probes", "must be at least 1"));

@@ -138,7 +138,7 @@ mod tests {
         assert_eq!(mix.pick(0.19).status, Some(503));
         assert_eq!(mix.pick(0.2).retry_after.as_deref(), Some("1"));
         assert!(mix.pick(0.31).reset);
-        assert_eq!(mix.pick(0.35), Step::default());
+        assert_eq!(mix.pick(0.36), Step::default());
         assert!(FaultMix::parse("reset@0.7|hang@0.7").is_err());
         assert!(FaultMix::parse("reset").is_err());
     }

@@ -1,10 +1,20 @@
 //! The per-upstream circuit breaker: closed → open → half-open → closed (or back to
 //! open). Fed only by failures that are the upstream's fault; the caller's own faults and
 //! malformed answers are neutral, so one tenant's bad requests cannot cut everyone off.
+//!
+//! It opens on `failure_threshold` consecutive failures *while* the failure rate over
+//! the recent window is at least `failure_rate`. The second condition is there because
+//! consecutive counting alone, shared by concurrent requests, trips on a flaky upstream:
+//! at a 40% failure rate five failures in a row come up within a few hundred attempts,
+//! and an open breaker then refuses the 60% that would have succeeded for `open_for`.
+//! A hard-down upstream still opens after exactly `failure_threshold` failures when
+//! nothing succeeded recently.
 
 use std::time::Duration;
 
 use tokio::time::Instant;
+
+use super::window::RollingPair;
 
 #[derive(Debug, Clone, Copy)]
 pub struct BreakerConfig {
@@ -13,6 +23,9 @@ pub struct BreakerConfig {
     pub open_for: Duration,
     /// Requests admitted at once while half-open.
     pub half_open_probes: u32,
+    /// Share of weighted failures among attempts in `window` needed to open (0 = off).
+    pub failure_rate: f64,
+    pub window: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -55,11 +68,18 @@ pub enum Transition {
 pub struct Breaker {
     config: BreakerConfig,
     state: State,
+    /// (attempts, weighted failures) over `config.window`, while closed.
+    recent: RollingPair,
 }
 
 impl Breaker {
-    pub fn new(config: BreakerConfig) -> Self {
-        Breaker { config, state: State::Closed { failures: 0.0 } }
+    pub fn new(config: BreakerConfig, now: Instant) -> Self {
+        Breaker { config, state: State::Closed { failures: 0.0 }, recent: RollingPair::new(config.window, now) }
+    }
+
+    fn failing_enough(&self, now: Instant) -> bool {
+        let (attempts, failures) = self.recent.totals(now);
+        attempts > 0.0 && failures / attempts >= self.config.failure_rate
     }
 
     pub fn state(&self) -> State {
@@ -98,12 +118,15 @@ impl Breaker {
         let open = State::Open { until: now + self.config.open_for };
         match (self.state, admission, verdict) {
             (State::Closed { .. }, _, Verdict::Healthy) => {
+                self.recent.add(now, 1.0, 0.0);
                 self.state = State::Closed { failures: 0.0 };
                 None
             }
             (State::Closed { failures }, _, Verdict::Failed(weight)) => {
+                self.recent.add(now, 1.0, weight);
                 let failures = failures + weight;
-                if failures >= f64::from(self.config.failure_threshold) {
+                if failures >= f64::from(self.config.failure_threshold) && self.failing_enough(now) {
+                    self.recent.clear();
                     self.state = open;
                     Some(Transition::Opened)
                 } else {
@@ -112,6 +135,7 @@ impl Breaker {
                 }
             }
             (State::Closed { .. }, _, Verdict::Fatal) => {
+                self.recent.clear();
                 self.state = open;
                 Some(Transition::Opened)
             }
@@ -138,8 +162,59 @@ impl Breaker {
 mod tests {
     use super::*;
 
+    fn config() -> BreakerConfig {
+        BreakerConfig {
+            failure_threshold: 3,
+            open_for: Duration::from_secs(30),
+            half_open_probes: 1,
+            failure_rate: 0.5,
+            window: Duration::from_secs(10),
+        }
+    }
+
     fn breaker() -> Breaker {
-        Breaker::new(BreakerConfig { failure_threshold: 3, open_for: Duration::from_secs(30), half_open_probes: 1 })
+        Breaker::new(config(), Instant::now())
+    }
+
+    #[test]
+    fn a_flaky_upstream_stays_closed_but_a_failing_one_opens() {
+        let t0 = Instant::now();
+        let mut b = breaker();
+        // 60% success: seven successes, then three failures in a row.
+        for _ in 0..7 {
+            b.record(Admission::Normal, Verdict::Healthy, t0);
+        }
+        for _ in 0..3 {
+            assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), t0), None);
+        }
+        // Two more failures: 5 of 12 recent attempts failed, still under half.
+        assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), t0), None);
+        assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), t0), None);
+        // Once failures are the majority of the window, it opens.
+        assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), t0), None);
+        assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), t0), Some(Transition::Opened));
+        // And once the old successes have left the window, three in a row are enough.
+        let mut b = breaker();
+        for _ in 0..7 {
+            b.record(Admission::Normal, Verdict::Healthy, t0);
+        }
+        let later = t0 + Duration::from_secs(11);
+        for _ in 0..2 {
+            assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), later), None);
+        }
+        assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), later), Some(Transition::Opened));
+    }
+
+    #[test]
+    fn a_zero_failure_rate_means_consecutive_failures_alone() {
+        let t0 = Instant::now();
+        let mut b = Breaker::new(BreakerConfig { failure_rate: 0.0, ..config() }, t0);
+        for _ in 0..50 {
+            b.record(Admission::Normal, Verdict::Healthy, t0);
+        }
+        b.record(Admission::Normal, Verdict::Failed(1.0), t0);
+        b.record(Admission::Normal, Verdict::Failed(1.0), t0);
+        assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), t0), Some(Transition::Opened));
     }
 
     #[test]

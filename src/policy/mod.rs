@@ -6,3 +6,4 @@ pub mod backoff;
 pub mod breaker;
 pub mod classify;
 pub mod retry_budget;
+pub mod window;

@@ -6,64 +6,33 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-const BUCKETS: usize = 10;
+use super::window::RollingPair;
 
 #[derive(Debug)]
 pub struct RetryBudget {
     ratio: f64,
     floor: u32,
-    bucket: Duration,
-    origin: Instant,
-    /// (epoch, first attempts, retries) per bucket; stale epochs count as empty.
-    slots: [(u64, u32, u32); BUCKETS],
+    /// (first attempts, retries).
+    window: RollingPair,
 }
 
 impl RetryBudget {
-    /// A budget over `window`, split in ten buckets.
     pub fn new(ratio: f64, floor: u32, window: Duration, now: Instant) -> Self {
-        RetryBudget {
-            ratio,
-            floor,
-            bucket: (window / BUCKETS as u32).max(Duration::from_millis(1)),
-            origin: now,
-            slots: [(u64::MAX, 0, 0); BUCKETS],
-        }
-    }
-
-    fn epoch(&self, now: Instant) -> u64 {
-        (now.saturating_duration_since(self.origin).as_nanos() / self.bucket.as_nanos()) as u64
-    }
-
-    fn slot(&mut self, now: Instant) -> &mut (u64, u32, u32) {
-        let epoch = self.epoch(now);
-        let slot = &mut self.slots[(epoch % BUCKETS as u64) as usize];
-        if slot.0 != epoch {
-            *slot = (epoch, 0, 0);
-        }
-        slot
-    }
-
-    fn totals(&self, now: Instant) -> (u32, u32) {
-        let epoch = self.epoch(now);
-        self.slots
-            .iter()
-            .filter(|(e, _, _)| *e <= epoch && epoch - *e < BUCKETS as u64)
-            .fold((0, 0), |(f, r), (_, fs, rs)| (f + fs, r + rs))
+        RetryBudget { ratio, floor, window: RollingPair::new(window, now) }
     }
 
     /// A first attempt was made: it deposits `ratio` of a retry.
     pub fn deposit(&mut self, now: Instant) {
-        self.slot(now).1 += 1;
+        self.window.add(now, 1.0, 0.0);
     }
 
     /// Takes one retry from the budget if there is one left.
     pub fn withdraw(&mut self, now: Instant) -> bool {
-        let (firsts, retries) = self.totals(now);
-        let allowed = f64::from(self.floor) + self.ratio * f64::from(firsts);
-        if f64::from(retries) + 1.0 > allowed {
+        let (firsts, retries) = self.window.totals(now);
+        if retries + 1.0 > f64::from(self.floor) + self.ratio * firsts {
             return false;
         }
-        self.slot(now).2 += 1;
+        self.window.add(now, 0.0, 1.0);
         true
     }
 }

@@ -26,9 +26,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl UpstreamHealth {
-    pub fn new(name: &str, breaker: BreakerConfig, budget: RetryBudget) -> Self {
+    pub fn new(name: &str, breaker: BreakerConfig, budget: RetryBudget, now: Instant) -> Self {
         metrics::gauge!("backstop_breaker_state", "upstream" => name.to_string()).set(0.0);
-        UpstreamHealth { name: name.to_string(), breaker: Mutex::new(Breaker::new(breaker)), budget: Mutex::new(budget) }
+        UpstreamHealth { name: name.to_string(), breaker: Mutex::new(Breaker::new(breaker, now)), budget: Mutex::new(budget) }
     }
 
     /// Admits an attempt, or returns how long until the breaker half-opens.
@@ -92,6 +92,8 @@ impl HealthRegistry {
             failure_threshold: config.breaker.failure_threshold,
             open_for: config.breaker.open_for,
             half_open_probes: config.breaker.half_open_probes,
+            failure_rate: config.breaker.failure_rate,
+            window: config.breaker.window,
         };
         let r = &config.retry;
         let upstreams = config
@@ -99,7 +101,7 @@ impl HealthRegistry {
             .iter()
             .map(|u| {
                 let budget = RetryBudget::new(r.budget_ratio, r.budget_floor, r.budget_window, now);
-                (u.name.clone(), UpstreamHealth::new(&u.name, breaker, budget))
+                (u.name.clone(), UpstreamHealth::new(&u.name, breaker, budget, now))
             })
             .collect();
         HealthRegistry { upstreams }
