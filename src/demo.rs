@@ -145,6 +145,7 @@ pub async fn run(requests: usize, concurrency: usize) {
     let page = telemetry::metrics_handle().render();
     let classes = sum_by(&page, "backstop_upstream_attempts_total", "class");
     let trips = sum_by(&page, "backstop_breaker_transitions_total", "to").get("open").copied().unwrap_or(0.0);
+    let budget: f64 = sum_by(&page, "backstop_retry_budget_exhausted_total", "upstream").values().sum();
 
     println!("| figure | value |\n|---|---|");
     println!("| client requests | {} |", results.len());
@@ -152,12 +153,25 @@ pub async fn run(requests: usize, concurrency: usize) {
     println!("| client statuses | {} |", statuses.iter().map(|(s, n)| format!("{s}: {n}")).collect::<Vec<_>>().join(", "));
     println!("| upstream attempts | {attempts} |");
     println!("| amplification (attempts / request) | {:.2} |", attempts as f64 / results.len().max(1) as f64);
-    println!("| latency p50 / p99 | {:.0} ms / {:.0} ms |", pct(&latencies, 0.5), pct(&latencies, 0.99));
+    println!("| latency p50 / p99 | {:.1} ms / {:.1} ms |", pct(&latencies, 0.5), pct(&latencies, 0.99));
     println!("| breaker trips (to open) | {trips} |");
+    println!("| retries refused by the retry budget | {budget} |");
     println!("| wall time | {:.1} s |", wall.as_secs_f64());
     for (class, n) in &classes {
         println!("| attempts classified {class} | {n} |");
     }
+
+    // The same storm without Backstop: one attempt straight at one upstream.
+    let direct_url = format!("http://{}/v1/chat/completions", primary.addr);
+    let direct_http = reqwest::Client::builder().timeout(Duration::from_secs(1)).build().expect("client");
+    let mut direct_ok = 0;
+    for _ in 0..200 {
+        let body = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello"}]}"#;
+        if let Ok(r) = direct_http.post(&direct_url).body(body).send().await {
+            direct_ok += usize::from(r.status().is_success());
+        }
+    }
+    println!("| for comparison: 200 calls straight to one upstream, no Backstop | {:.1}% success |", direct_ok as f64 / 2.0);
 
     println!("\nHard down: one upstream answering 503 to everything (breaker threshold 5)\n");
     let mut before_open = 0;
