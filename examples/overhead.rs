@@ -107,6 +107,8 @@ async fn main() {
     let dir = std::env::temp_dir().join(format!("backstop-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("bench.toml");
+    let store = dir.join("bench.db");
+    let store = store.display();
     std::fs::write(
         &config,
         format!(
@@ -116,6 +118,8 @@ listen = "127.0.0.1:{gw_port}"
 [log]
 format = "json"
 level = "info"
+[store]
+path = "{store}"
 [[upstreams]]
 name = "mock"
 api = "openai"

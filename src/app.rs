@@ -7,12 +7,15 @@
 //! 3. [`DeadlineLayer`]: `server.request_timeout` over the whole request.
 //! 4. [`AuthLayer`]: tenant key → [`Tenant`](crate::layers::auth::Tenant), else 401.
 //! 5. [`ContextLayer`]: body read once within the size limit, parsed, routed.
-//! 6. [`RecoveryLayer`]: target selection, classification, retry with backoff and
+//! 6. [`LimitsLayer`]: tenant and session request rates, session concurrency.
+//! 7. [`RecoveryLayer`]: target selection, classification, retry with backoff and
 //!    Retry-After, retry budget, per-upstream circuit breakers, failover.
-//! 7. [`Forward`]: one upstream attempt (leaf).
+//! 8. [`MeterLayer`]: per upstream call (retries included), reserve against the
+//!    session's and tenant's caps, settle to reported usage.
+//! 9. [`Forward`]: one upstream attempt (leaf).
 //!
-//! Later concerns (budgets, session guard, validation) slot in between 5 and 6, each as
-//! its own layer, in the order PRODUCT.md gives.
+//! Later concerns (session guard, validation) slot in between 6 and 7, each as its own
+//! layer, in the order PRODUCT.md gives.
 
 use std::{
     collections::HashMap,
@@ -36,6 +39,9 @@ use tower::{util::BoxCloneSyncService, ServiceBuilder};
 
 use crate::{
     api::Endpoint,
+    budgets::Budgets,
+    policy::budget::Prices,
+    store::{Store, StoreError},
     config::Config,
     error::{respond::error_response, GatewayError},
     layers::{
@@ -43,6 +49,8 @@ use crate::{
         context::ContextLayer,
         deadline::DeadlineLayer,
         edge::{EdgeLayer, X_REQUEST_ID},
+        limits::LimitsLayer,
+        meter::MeterLayer,
         recovery::{RecoveryLayer, RetryPolicy},
         respond::RespondLayer,
     },
@@ -61,16 +69,20 @@ pub struct AppState {
     pub upstreams: Arc<HashMap<String, Arc<Upstream>>>,
     pub tenants: Arc<TenantKeys>,
     pub health: Arc<HealthRegistry>,
+    pub budgets: Arc<Budgets>,
     pub metrics: PrometheusHandle,
     /// False while starting and once shutdown has begun: `/readyz` answers 503.
     pub ready: Arc<AtomicBool>,
 }
 
 impl AppState {
-    pub fn new(config: Config) -> Self {
+    pub fn new(config: Config) -> Result<Self, StoreError> {
         let upstreams = upstream::build_all(&config);
         let routes = RouteTable::new(&config, &upstreams);
-        AppState {
+        let store = Arc::new(Store::open(&config.store.path)?);
+        warn_unpriced(&config);
+        Ok(AppState {
+            budgets: Arc::new(Budgets::new(&config, store, config.store.session_idle)),
             tenants: Arc::new(TenantKeys::new(&config)),
             health: Arc::new(HealthRegistry::new(&config)),
             routes: Arc::new(routes),
@@ -78,6 +90,20 @@ impl AppState {
             config: Arc::new(config),
             metrics: telemetry::metrics_handle(),
             ready: Arc::new(AtomicBool::new(false)),
+        })
+    }
+}
+
+/// Models that routes may call but no `[[prices]]` entry covers: their USD cost is zero
+/// (or they are refused under a USD budget, per `billing.unpriced`).
+fn warn_unpriced(config: &Config) {
+    let prices = Prices::new(&config.prices);
+    for route in &config.routes {
+        for target in route.targets.iter().chain(&route.context_fallback) {
+            let model = target.model.as_deref().unwrap_or(&route.model);
+            if prices.cost(model, 0, 0).is_none() {
+                tracing::warn!(route = %route.model, model, unpriced = ?config.billing.unpriced, "no [[prices]] entry matches this model");
+            }
         }
     }
 }
@@ -91,7 +117,9 @@ fn proxy_stack(state: &AppState) -> HttpService {
         .layer(DeadlineLayer::new(server.request_timeout))
         .layer(AuthLayer::new(state.tenants.clone()))
         .layer(ContextLayer::new(state.routes.clone(), server.max_body_bytes))
+        .layer(LimitsLayer::new(state.budgets.clone()))
         .layer(RecoveryLayer::new(RetryPolicy::from_config(&state.config.retry), state.health.clone()))
+        .layer(MeterLayer::new(state.budgets.clone()))
         .service(Forward::new(upstream::client()));
     BoxCloneSyncService::new(stack)
 }
@@ -140,7 +168,7 @@ pub fn router(state: AppState) -> Router {
         .route_service(Endpoint::Messages.path(), post_service(proxy.clone()))
         .route_service(Endpoint::Embeddings.path(), post_service(proxy))
         .route_service("/v1/models", axum::routing::get_service(models))
-        .route("/admin/upstreams", get(admin_upstreams))
+        .merge(crate::admin::routes())
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -162,38 +190,6 @@ async fn ensure_request_id(req: Request<Body>, next: axum::middleware::Next) -> 
         response.headers_mut().insert(X_REQUEST_ID.clone(), id);
     }
     response
-}
-
-/// `GET /admin/upstreams`: each upstream's breaker (admin token required).
-async fn admin_upstreams(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    if let Err(response) = admin_auth(&state, &headers) {
-        return response;
-    }
-    let now = tokio::time::Instant::now();
-    let upstreams: Vec<_> = state
-        .health
-        .snapshot(now)
-        .into_iter()
-        .map(|(name, breaker)| {
-            let api = state.upstreams.get(&name).map(|u| u.api.as_str());
-            json!({"name": name, "api": api, "breaker": breaker})
-        })
-        .collect();
-    ([(header::CONTENT_TYPE, "application/json")], json!({"upstreams": upstreams}).to_string()).into_response()
-}
-
-/// The admin token, compared in constant time; the admin API is off without one.
-fn admin_auth(state: &AppState, headers: &HeaderMap) -> Result<(), Response> {
-    use subtle::ConstantTimeEq;
-    let Some(token) = &state.config.admin.token else {
-        return Err(error_response(&GatewayError::AdminDisabled, crate::config::ApiKind::OpenAi));
-    };
-    let presented = crate::layers::auth::presented_key(headers).unwrap_or_default();
-    if bool::from(token.expose().as_bytes().ct_eq(presented)) {
-        Ok(())
-    } else {
-        Err(error_response(&GatewayError::Unauthorized, crate::config::ApiKind::OpenAi))
-    }
 }
 
 async fn readyz(State(state): State<AppState>) -> impl IntoResponse {

@@ -31,6 +31,8 @@ listen = "127.0.0.1:0"
 request_timeout = "30s"
 [log]
 level = "error"
+[store]
+path = ":memory:"
 [retry]
 max_attempts = 3
 base_delay = "200ms"

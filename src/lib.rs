@@ -4,8 +4,10 @@
 #![forbid(unsafe_code)]
 #![warn(rust_2018_idioms)]
 
+pub mod admin;
 pub mod api;
 pub mod app;
+pub mod budgets;
 pub mod config;
 pub mod demo;
 pub mod error;
@@ -14,5 +16,6 @@ pub mod mock;
 pub mod policy;
 pub mod routing;
 pub mod server;
+pub mod store;
 pub mod telemetry;
 pub mod upstream;

@@ -53,7 +53,7 @@ pub async fn spawn(config: Config) -> std::io::Result<ServerHandle> {
     let listener = TcpListener::bind(config.server.listen).await?;
     let addr = listener.local_addr()?;
     let grace = config.server.shutdown_grace;
-    let state = AppState::new(config);
+    let state = AppState::new(config).map_err(std::io::Error::other)?;
     let ready = state.ready.clone();
     let app = router(state);
     let (tx, mut rx) = watch::channel(false);

@@ -80,6 +80,8 @@ pub struct LogFields {
     pub error: Option<&'static str>,
     /// What recovery did, e.g. `retry:503,ok` (the `x-backstop-recovery` header).
     pub recovery: String,
+    /// What the session has left (the `x-backstop-budget-remaining` header).
+    pub budget_remaining: Option<String>,
 }
 
 impl RequestLog {

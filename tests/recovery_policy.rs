@@ -130,7 +130,7 @@ impl Service<Attempt> for Script {
                     for (k, v) in headers {
                         map.insert(*k, HeaderValue::from_static(v));
                     }
-                    Ok(Reply { status: StatusCode::from_u16(status).unwrap(), headers: map, body: ReplyBody::Full(Bytes::from_static(body.as_bytes())) })
+                    Ok(Reply { status: StatusCode::from_u16(status).unwrap(), headers: map, body: ReplyBody::Full(Bytes::from_static(body.as_bytes())), stream_usage: None })
                 }
             }
         })

@@ -2,6 +2,7 @@
 //! [`Config::validate`]. Nothing is served until every check here has passed, and every
 //! error names the key path that is wrong (`upstreams[1].base_url`).
 
+mod budget;
 mod env;
 mod recovery;
 mod route;
@@ -13,6 +14,7 @@ use std::{collections::HashSet, fmt, path::Path};
 
 use serde::Deserialize;
 
+pub use budget::{BillingConfig, PriceConfig, SessionLimitsConfig, StoreConfig, TenantBudgetConfig, Unpriced};
 pub use recovery::{AdminConfig, BreakerConfig, RetryConfig};
 pub use route::{RouteConfig, TargetConfig};
 pub use server::{LogConfig, LogFormat, MockConfig, ServerConfig};
@@ -36,6 +38,12 @@ pub struct Config {
     pub breaker: BreakerConfig,
     #[serde(default)]
     pub admin: AdminConfig,
+    #[serde(default)]
+    pub store: StoreConfig,
+    #[serde(default)]
+    pub billing: BillingConfig,
+    #[serde(default)]
+    pub prices: Vec<PriceConfig>,
     #[serde(default)]
     pub upstreams: Vec<UpstreamConfig>,
     #[serde(default)]
@@ -107,6 +115,15 @@ impl Config {
         self.breaker.validate()?;
         if self.admin.token.as_ref().is_some_and(|t| t.expose().len() < 16) {
             return Err(ConfigError::invalid("admin.token", "must be at least 16 characters"));
+        }
+        for (i, price) in self.prices.iter().enumerate() {
+            price.validate(&format!("prices[{i}]"))?;
+        }
+        if self.billing.default_max_tokens == 0 {
+            return Err(ConfigError::invalid("billing.default_max_tokens", "must be greater than 0"));
+        }
+        if self.store.path.trim().is_empty() {
+            return Err(ConfigError::invalid("store.path", "must not be empty"));
         }
         if self.upstreams.is_empty() {
             return Err(ConfigError::invalid("upstreams", "at least one upstream is required"));

@@ -1,13 +1,25 @@
 use serde::Deserialize;
 
-use super::{ConfigError, Secret};
+use super::{
+    budget::{positive_int, SessionLimitsConfig, TenantBudgetConfig},
+    ConfigError, Secret,
+};
 
-/// `[[tenants]]`: who may call Backstop, and with which keys.
+/// `[[tenants]]`: who may call Backstop, with which keys, and within which limits.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TenantConfig {
     pub name: String,
     pub api_keys: Vec<Secret>,
+    /// Client requests per minute for the whole tenant (GCRA).
+    #[serde(default)]
+    pub requests_per_minute: Option<u32>,
+    /// Limits on each of the tenant's sessions (`x-session-id`).
+    #[serde(default)]
+    pub session: SessionLimitsConfig,
+    /// The tenant's spend per UTC day.
+    #[serde(default)]
+    pub budget: TenantBudgetConfig,
 }
 
 impl TenantConfig {
@@ -21,6 +33,9 @@ impl TenantConfig {
                 "at least one key is required",
             ));
         }
+        positive_int(&format!("{key}.requests_per_minute"), self.requests_per_minute.map(u64::from))?;
+        self.session.validate(&format!("{key}.session"))?;
+        self.budget.validate(&format!("{key}.budget"))?;
         for (i, api_key) in self.api_keys.iter().enumerate() {
             if api_key.expose().len() < 8 {
                 return Err(ConfigError::invalid(

@@ -42,6 +42,16 @@ pub enum GatewayError {
     RequestTimeout(Duration),
     #[error("no such endpoint: {method} {path}")]
     NotFound { method: String, path: String },
+    #[error("rate limited: {detail}")]
+    RateLimited { detail: String, retry_after: Duration },
+    #[error("budget exceeded: {detail}")]
+    BudgetExceeded { budget: &'static str, detail: String },
+    #[error("{detail}")]
+    TooManyConcurrent { detail: String },
+    #[error("{detail}")]
+    Unpriced { detail: String },
+    #[error("no such {what}")]
+    NotFoundAdmin { what: &'static str },
     #[error("the admin API is disabled: set [admin] token in the config")]
     AdminDisabled,
     #[error("internal error")]
@@ -75,6 +85,11 @@ impl GatewayError {
             CircuitOpen { .. } => (503, "upstream_error", "circuit_open", "circuit_open"),
             RequestTimeout(_) => (504, "timeout_error", "request_timeout", "request_timeout"),
             NotFound { .. } => (404, "invalid_request_error", "unknown_endpoint", "not_found_error"),
+            RateLimited { .. } => (429, "rate_limit_error", "rate_limited", "rate_limited"),
+            BudgetExceeded { .. } => (402, "budget_error", "budget_exceeded", "budget_exceeded"),
+            TooManyConcurrent { .. } => (429, "rate_limit_error", "too_many_concurrent", "too_many_concurrent"),
+            Unpriced { .. } => (402, "budget_error", "unpriced_model", "unpriced_model"),
+            NotFoundAdmin { .. } => (404, "invalid_request_error", "not_found", "not_found_error"),
             AdminDisabled => (403, "permission_error", "admin_disabled", "permission_error"),
             Internal => (500, "internal_error", "internal_error", "api_error"),
         };
@@ -84,7 +99,15 @@ impl GatewayError {
     /// How long the client should wait before trying again, when Backstop knows.
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
-            GatewayError::CircuitOpen { retry_after } => Some(*retry_after),
+            GatewayError::CircuitOpen { retry_after } | GatewayError::RateLimited { retry_after, .. } => Some(*retry_after),
+            _ => None,
+        }
+    }
+
+    /// Which budget refused (for `budget_exceeded`), as the OpenAI `param`.
+    pub fn budget(&self) -> Option<&'static str> {
+        match self {
+            GatewayError::BudgetExceeded { budget, .. } => Some(budget),
             _ => None,
         }
     }
@@ -93,7 +116,7 @@ impl GatewayError {
     pub fn param(&self) -> Option<&'static str> {
         match self {
             GatewayError::MissingModel | GatewayError::ModelNotFound(_) => Some("model"),
-            _ => None,
+            _ => self.budget(),
         }
     }
 }

@@ -31,6 +31,12 @@ pub struct RequestContext {
     pub stream: bool,
     /// The agent run this call belongs to (`x-session-id`), if the caller named one.
     pub session_id: Option<String>,
+    /// The authenticated tenant (from the auth layer).
+    pub tenant: Arc<str>,
+    /// The completion cap the caller set (`max_tokens` / `max_completion_tokens`).
+    pub max_output_tokens: Option<u64>,
+    /// An OpenAI stream for which the caller itself asked usage to be reported.
+    pub client_wants_stream_usage: bool,
     /// The body exactly as the client sent it.
     pub body: Bytes,
     /// The same body, parsed once.
@@ -39,10 +45,22 @@ pub struct RequestContext {
 }
 
 impl RequestContext {
-    /// The body with `model` replaced, for targets that rewrite the model.
-    pub fn body_with_model(&self, model: &str) -> Bytes {
+    /// The body to send upstream: as received, unless the model is rewritten or stream
+    /// usage must be asked for (then re-serialised from the parsed body).
+    pub fn upstream_body(&self, model: Option<&str>, ask_stream_usage: bool) -> Bytes {
+        if model.is_none() && !ask_stream_usage {
+            return self.body.clone();
+        }
         let mut json = self.json.clone();
-        json.insert("model".into(), Value::String(model.into()));
+        if let Some(model) = model {
+            json.insert("model".into(), Value::String(model.into()));
+        }
+        if ask_stream_usage {
+            let options = json.entry("stream_options").or_insert_with(|| Value::Object(Map::new()));
+            if let Value::Object(options) = options {
+                options.insert("include_usage".into(), Value::Bool(true));
+            }
+        }
         Bytes::from(serde_json::to_vec(&json).expect("a JSON map serialises"))
     }
 }
@@ -126,7 +144,12 @@ where
                 .map(str::trim)
                 .filter(|s| !s.is_empty())
                 .map(str::to_owned);
-            let ctx = parse(endpoint, bytes, session_id, &layer.routes)?;
+            let tenant = parts
+                .extensions
+                .get::<Arc<crate::layers::auth::Tenant>>()
+                .map_or_else(|| Arc::from("-"), |t| t.name.clone());
+            let mut ctx = parse(endpoint, bytes, session_id, &layer.routes)?;
+            ctx.tenant = tenant;
             if let Some(log) = parts.extensions.get::<Arc<RequestLog>>() {
                 log.update(|f| {
                     f.model = Some(ctx.model.clone());
@@ -156,9 +179,22 @@ pub fn parse(
         _ => return Err(GatewayError::MissingModel),
     };
     let stream = matches!(json.get("stream"), Some(Value::Bool(true)));
+    let max_output_tokens = ["max_completion_tokens", "max_tokens"].iter().find_map(|k| json.get(*k).and_then(Value::as_u64));
+    let client_wants_stream_usage = json.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool) == Some(true);
     let route = routes
         .resolve(&model)
         .cloned()
         .ok_or_else(|| GatewayError::ModelNotFound(model.clone()))?;
-    Ok(RequestContext { endpoint, model, stream, session_id, body, json, route })
+    Ok(RequestContext {
+        endpoint,
+        model,
+        stream,
+        session_id,
+        tenant: Arc::from("-"),
+        max_output_tokens,
+        client_wants_stream_usage,
+        body,
+        json,
+        route,
+    })
 }

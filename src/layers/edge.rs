@@ -106,6 +106,9 @@ where
             if let Some(recovery) = recovery {
                 headers.insert("x-backstop-recovery", recovery);
             }
+            if let Some(remaining) = fields.budget_remaining.as_deref().and_then(|r| HeaderValue::from_str(r).ok()) {
+                headers.insert("x-backstop-budget-remaining", remaining);
+            }
             let status = response.status().as_u16();
             let tenant = fields.tenant.as_deref().unwrap_or("-");
             metrics::counter!(

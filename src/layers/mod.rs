@@ -4,5 +4,7 @@ pub mod auth;
 pub mod context;
 pub mod deadline;
 pub mod edge;
+pub mod limits;
+pub mod meter;
 pub mod recovery;
 pub mod respond;

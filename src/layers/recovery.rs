@@ -43,7 +43,7 @@ use crate::{
     telemetry::RequestLog,
     upstream::{
         health::{HealthRegistry, UpstreamHealth},
-        Attempt, Reply,
+        Attempt, AttemptError, Reply,
     },
 };
 
@@ -96,7 +96,8 @@ pub struct Recovery<S> {
 
 impl<S> Service<Request<Body>> for Recovery<S>
 where
-    S: Service<Attempt, Response = Reply, Error = TransportFailure> + Clone + Send + 'static,
+    S: Service<Attempt, Response = Reply> + Clone + Send + 'static,
+    S::Error: Into<AttemptError>,
     S::Future: Send + 'static,
 {
     type Response = Response<Body>;
@@ -196,7 +197,8 @@ fn verdict(class: &Class) -> Verdict {
 
 impl<S> Run<S>
 where
-    S: Service<Attempt, Response = Reply, Error = TransportFailure> + Clone + Send + 'static,
+    S: Service<Attempt, Response = Reply> + Clone + Send + 'static,
+    S::Error: Into<AttemptError>,
     S::Future: Send + 'static,
 {
     async fn recover(
@@ -289,9 +291,18 @@ where
                 return Next::Failover;
             }
             let timeout = upstream.attempt_timeout.min(remaining);
-            let attempt = Attempt { ctx: ctx.clone(), upstream: upstream.clone(), model: model.clone(), headers: headers.clone(), timeout };
+            let attempt = Attempt { ctx: ctx.clone(), upstream: upstream.clone(), model: model.clone(), headers: headers.clone(), timeout, stream_usage: false };
             let started = std::time::Instant::now();
-            let outcome = self.inner.clone().oneshot(attempt).await;
+            let outcome = match self.inner.clone().oneshot(attempt).await.map_err(Into::into) {
+                Ok(reply) => Ok(reply),
+                Err(AttemptError::Transport(failure)) => Err(failure),
+                Err(AttemptError::Refused(refusal)) => {
+                    // Refused before any network: no verdict on the upstream.
+                    drop(admitted);
+                    self.trail.steps.push(format!("refused:{}", refusal.kind().code));
+                    return Next::Answer(Err(refusal));
+                }
+            };
             self.trail.attempts += 1;
             self.trail.upstream = Some(upstream.name.clone());
             self.trail.upstream_time += started.elapsed();

@@ -4,6 +4,7 @@
 
 pub mod backoff;
 pub mod breaker;
+pub mod budget;
 pub mod classify;
 pub mod retry_budget;
 pub mod window;

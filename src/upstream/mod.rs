@@ -10,7 +10,7 @@
 
 mod headers;
 pub mod health;
-mod stream;
+pub mod stream;
 
 use std::{
     collections::HashMap,
@@ -96,6 +96,24 @@ pub struct Attempt {
     /// The client's request headers (credentials are dropped on the way out).
     pub headers: Arc<HeaderMap>,
     pub timeout: Duration,
+    /// Ask an OpenAI stream to report usage, and hide that report from the client
+    /// (set by the meter when the client did not ask for it).
+    pub stream_usage: bool,
+}
+
+/// Why an attempt produced no upstream answer.
+#[derive(Debug)]
+pub enum AttemptError {
+    /// The network failed (classified transient).
+    Transport(TransportFailure),
+    /// A layer refused to make the call (a budget): not retried.
+    Refused(crate::error::GatewayError),
+}
+
+impl From<TransportFailure> for AttemptError {
+    fn from(failure: TransportFailure) -> Self {
+        AttemptError::Transport(failure)
+    }
 }
 
 /// An upstream's answer.
@@ -103,6 +121,8 @@ pub struct Reply {
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub body: ReplyBody,
+    /// For streams: the usage the stream reports, delivered when it ends.
+    pub stream_usage: Option<Arc<stream::StreamUsage>>,
 }
 
 pub enum ReplyBody {
@@ -183,10 +203,7 @@ fn transport(err: &reqwest::Error) -> TransportFailure {
 async fn send(client: &reqwest::Client, attempt: &Attempt) -> Result<Reply, TransportFailure> {
     let (ctx, upstream) = (&attempt.ctx, &attempt.upstream);
     let url = format!("{}{}", upstream.origin, ctx.endpoint.path());
-    let body = match &attempt.model {
-        Some(model) => ctx.body_with_model(model),
-        None => ctx.body.clone(),
-    };
+    let body = ctx.upstream_body(attempt.model.as_deref(), attempt.stream_usage && ctx.endpoint.api() == ApiKind::OpenAi);
     let headers = headers::upstream_request_headers(&attempt.headers, upstream);
     let deadline = tokio::time::Instant::now() + attempt.timeout;
     let log_err = |err: reqwest::Error| {
@@ -218,7 +235,14 @@ async fn send(client: &reqwest::Client, attempt: &Attempt) -> Result<Reply, Tran
                 Ok(Some(Ok(chunk))) => break chunk,
             }
         };
-        ReplyBody::Stream(stream::relay(first, chunks, ctx.endpoint.api(), upstream.attempt_timeout))
+        let usage = Arc::new(stream::StreamUsage::default());
+        let relay = stream::Relay {
+            api: ctx.endpoint.api(),
+            idle: upstream.attempt_timeout,
+            usage: usage.clone(),
+            strip_usage_chunk: attempt.stream_usage,
+        };
+        return Ok(Reply { status, headers, body: ReplyBody::Stream(relay.body(first, chunks)), stream_usage: Some(usage) });
     } else {
         let bytes = tokio::time::timeout_at(deadline, response.bytes())
             .await
@@ -226,5 +250,5 @@ async fn send(client: &reqwest::Client, attempt: &Attempt) -> Result<Reply, Tran
             .map_err(log_err)?;
         ReplyBody::Full(bytes)
     };
-    Ok(Reply { status, headers, body })
+    Ok(Reply { status, headers, body, stream_usage: None })
 }

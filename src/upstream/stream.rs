@@ -1,44 +1,289 @@
-//! SSE relay: each upstream chunk is handed to the client as soon as it arrives.
+//! SSE relay: upstream events are handed to the client as they arrive. Chunks are cut at
+//! event boundaries (an upstream chunk normally ends on one, so this adds no delay) so
+//! that the events can be read for token usage, and the usage-only chunk Backstop asked
+//! for on a client's behalf can be removed.
 
-use std::time::Duration;
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use axum::body::Body;
-use bytes::Bytes;
-use futures_util::{stream::{self, BoxStream}, StreamExt};
+use bytes::{Bytes, BytesMut};
+use futures_util::{
+    stream::{self, BoxStream},
+    StreamExt,
+};
+use serde_json::Value;
 
 use crate::{api::stream_error_event, config::ApiKind};
 
-enum State {
-    First(Bytes, BoxStream<'static, reqwest::Result<Bytes>>),
-    Streaming(BoxStream<'static, reqwest::Result<Bytes>>),
-    Done,
+type OnEnd = Box<dyn FnOnce(Option<(u64, u64)>) + Send>;
+
+#[derive(Default)]
+struct UsageState {
+    input: Option<u64>,
+    output: Option<u64>,
+    ended: bool,
+    on_end: Option<OnEnd>,
 }
 
-/// The client-side body of a stream whose `first` chunk has already arrived. A transport
-/// error or a silence longer than `idle` afterwards ends the stream with one error event
-/// in the caller's API, instead of a silently cut connection.
-pub(super) fn relay(first: Bytes, rest: BoxStream<'static, reqwest::Result<Bytes>>, api: ApiKind, idle: Duration) -> Body {
-    let chunks = stream::unfold(State::First(first, rest), move |state| async move {
-        let mut upstream = match state {
-            State::First(first, rest) => return Some((Ok::<Bytes, std::io::Error>(first), State::Streaming(rest))),
-            State::Streaming(upstream) => upstream,
-            State::Done => return None,
-        };
-        let event = match tokio::time::timeout(idle, upstream.next()).await {
-            Ok(Some(Ok(chunk))) => return Some((Ok(chunk), State::Streaming(upstream))),
-            Ok(None) => return None,
-            Ok(Some(Err(err))) => {
-                tracing::warn!(error = %err, "upstream stream broke after the first byte");
-                metrics::counter!("backstop_stream_errors_total", "reason" => "broken").increment(1);
-                stream_error_event(api, "upstream_stream_error", "the upstream stream ended unexpectedly")
+/// The token usage a stream reported, delivered once when it ends (or is dropped).
+#[derive(Default)]
+pub struct StreamUsage {
+    state: Mutex<UsageState>,
+}
+
+impl StreamUsage {
+    fn lock(&self) -> std::sync::MutexGuard<'_, UsageState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn reported(state: &UsageState) -> Option<(u64, u64)> {
+        match (state.input, state.output) {
+            (None, None) => None,
+            (i, o) => Some((i.unwrap_or(0), o.unwrap_or(0))),
+        }
+    }
+
+    /// Calls `f` with (input, output) tokens when the stream ends; `None` if the stream
+    /// reported none.
+    pub fn on_end(&self, f: impl FnOnce(Option<(u64, u64)>) + Send + 'static) {
+        let mut state = self.lock();
+        if state.ended {
+            let usage = Self::reported(&state);
+            drop(state);
+            f(usage);
+        } else {
+            state.on_end = Some(Box::new(f));
+        }
+    }
+
+    fn finish(&self) {
+        let mut state = self.lock();
+        if state.ended {
+            return;
+        }
+        state.ended = true;
+        let usage = Self::reported(&state);
+        let callback = state.on_end.take();
+        drop(state);
+        if let Some(f) = callback {
+            f(usage);
+        }
+    }
+
+    /// Reads usage from one event's JSON, in either API's format.
+    fn observe(&self, api: ApiKind, event: &Value) {
+        let mut state = self.lock();
+        match api {
+            ApiKind::OpenAi => {
+                if let Some(usage) = event.get("usage").filter(|u| u.is_object()) {
+                    state.input = usage.get("prompt_tokens").and_then(Value::as_u64).or(state.input);
+                    state.output = usage.get("completion_tokens").and_then(Value::as_u64).or(state.output);
+                }
             }
-            Err(_) => {
-                tracing::warn!(idle_ms = idle.as_millis() as u64, "upstream stream went silent");
-                metrics::counter!("backstop_stream_errors_total", "reason" => "idle").increment(1);
-                stream_error_event(api, "upstream_timeout", "the upstream stream went silent")
+            ApiKind::Anthropic => {
+                let usage = event.pointer("/message/usage").or_else(|| event.get("usage"));
+                if let Some(usage) = usage {
+                    state.input = usage.get("input_tokens").and_then(Value::as_u64).or(state.input);
+                    state.output = usage.get("output_tokens").and_then(Value::as_u64).or(state.output);
+                }
             }
-        };
-        Some((Ok(event), State::Done))
-    });
-    Body::from_stream(chunks)
+        }
+    }
+}
+
+/// Ends the usage report however the stream ends, dropped bodies included.
+struct Finish(Arc<StreamUsage>);
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        self.0.finish();
+    }
+}
+
+/// The end of the last complete event in `buf`, if any.
+fn last_boundary(buf: &[u8]) -> Option<usize> {
+    let lf = buf.windows(2).rposition(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = buf.windows(4).rposition(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    lf.max(crlf)
+}
+
+/// The JSON payload of an event's `data:` lines, when it may carry usage.
+fn event_json(event: &[u8]) -> Option<Value> {
+    if !event.windows(7).any(|w| w == b"\"usage\"") {
+        return None;
+    }
+    let text = std::str::from_utf8(event).ok()?;
+    let data: String = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(str::trim_start)
+        .collect::<Vec<_>>()
+        .join("\n");
+    serde_json::from_str(&data).ok()
+}
+
+/// What the relay does with the events it passes.
+pub(super) struct Relay {
+    pub api: ApiKind,
+    pub idle: Duration,
+    /// Read usage into this.
+    pub usage: Arc<StreamUsage>,
+    /// Remove OpenAI's usage-only chunk (Backstop asked for it, the client did not).
+    pub strip_usage_chunk: bool,
+}
+
+impl Relay {
+    /// Complete events, read for usage and filtered; copies only when an event is removed.
+    fn pass(&self, complete: Bytes) -> Bytes {
+        // Some(..) once an event has been removed: what is kept so far.
+        let mut kept: Option<BytesMut> = None;
+        let mut offset = 0;
+        while let Some(len) = first_boundary(&complete[offset..]) {
+            let event = &complete[offset..offset + len];
+            let mut remove = false;
+            if let Some(json) = event_json(event) {
+                self.usage.observe(self.api, &json);
+                let usage_only = json.get("choices").and_then(Value::as_array).is_some_and(Vec::is_empty);
+                remove = self.strip_usage_chunk && self.api == ApiKind::OpenAi && usage_only;
+            }
+            if remove {
+                kept.get_or_insert_with(|| BytesMut::from(&complete[..offset]));
+            } else if let Some(kept) = kept.as_mut() {
+                kept.extend_from_slice(event);
+            }
+            offset += len;
+        }
+        match kept {
+            Some(mut kept) => {
+                kept.extend_from_slice(&complete[offset..]);
+                kept.freeze()
+            }
+            None => complete,
+        }
+    }
+
+    /// The client-side body of a stream whose `first` chunk has already arrived. A
+    /// transport error or a silence longer than `idle` afterwards ends the stream with one
+    /// error event in the caller's API, instead of a silently cut connection.
+    pub(super) fn body(self, first: Bytes, rest: BoxStream<'static, reqwest::Result<Bytes>>) -> Body {
+        struct State {
+            relay: Relay,
+            upstream: Option<BoxStream<'static, reqwest::Result<Bytes>>>,
+            pending: BytesMut,
+            first: Option<Bytes>,
+            _finish: Finish,
+        }
+        let finish = Finish(self.usage.clone());
+        let state = State { relay: self, upstream: Some(rest), pending: BytesMut::new(), first: Some(first), _finish: finish };
+        let chunks = stream::unfold(state, |mut st| async move {
+            loop {
+                let chunk = match st.first.take() {
+                    Some(first) => Some(Ok(first)),
+                    None => {
+                        let upstream = st.upstream.as_mut()?;
+                        match tokio::time::timeout(st.relay.idle, upstream.next()).await {
+                            Ok(next) => next,
+                            Err(_) => {
+                                tracing::warn!(idle_ms = st.relay.idle.as_millis() as u64, "upstream stream went silent");
+                                metrics::counter!("backstop_stream_errors_total", "reason" => "idle").increment(1);
+                                st.upstream = None;
+                                let event = stream_error_event(st.relay.api, "upstream_timeout", "the upstream stream went silent");
+                                return Some((Ok::<Bytes, std::io::Error>(event), st));
+                            }
+                        }
+                    }
+                };
+                match chunk {
+                    Some(Ok(chunk)) => {
+                        st.pending.extend_from_slice(&chunk);
+                        let Some(end) = last_boundary(&st.pending) else { continue };
+                        let complete = st.pending.split_to(end).freeze();
+                        let out = st.relay.pass(complete);
+                        if out.is_empty() {
+                            continue;
+                        }
+                        return Some((Ok(out), st));
+                    }
+                    None => {
+                        st.upstream = None;
+                        if st.pending.is_empty() {
+                            return None;
+                        }
+                        let tail = st.pending.split().freeze();
+                        return Some((Ok(tail), st));
+                    }
+                    Some(Err(err)) => {
+                        tracing::warn!(error = %err, "upstream stream broke after the first byte");
+                        metrics::counter!("backstop_stream_errors_total", "reason" => "broken").increment(1);
+                        st.upstream = None;
+                        let mut out = st.pending.split();
+                        out.extend_from_slice(&stream_error_event(st.relay.api, "upstream_stream_error", "the upstream stream ended unexpectedly"));
+                        return Some((Ok(out.freeze()), st));
+                    }
+                }
+            }
+        });
+        Body::from_stream(chunks)
+    }
+}
+
+/// The end of the first complete event in `buf`.
+fn first_boundary(buf: &[u8]) -> Option<usize> {
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn relay(strip: bool, api: ApiKind) -> Relay {
+        Relay { api, idle: Duration::from_secs(1), usage: Arc::default(), strip_usage_chunk: strip }
+    }
+
+    #[test]
+    fn the_injected_usage_chunk_is_removed_and_read() {
+        let r = relay(true, ApiKind::OpenAi);
+        let input = Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n");
+        let out = r.pass(input);
+        assert_eq!(&out[..], b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n");
+        let seen = Arc::new(Mutex::new(None));
+        let s = seen.clone();
+        r.usage.on_end(move |u| *s.lock().unwrap() = u);
+        r.usage.finish();
+        assert_eq!(*seen.lock().unwrap(), Some((7, 3)));
+    }
+
+    #[test]
+    fn a_client_requested_usage_chunk_is_kept() {
+        let r = relay(false, ApiKind::OpenAi);
+        let input = Bytes::from_static(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\n");
+        assert_eq!(r.pass(input.clone()), input);
+    }
+
+    #[test]
+    fn anthropic_usage_comes_from_start_and_delta() {
+        let r = relay(false, ApiKind::Anthropic);
+        r.pass(Bytes::from_static(b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":11,\"output_tokens\":1}}}\n\n"));
+        r.pass(Bytes::from_static(b"event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":42}}\n\n"));
+        let seen = Arc::new(Mutex::new(None));
+        let s = seen.clone();
+        r.usage.finish();
+        r.usage.on_end(move |u| *s.lock().unwrap() = u);
+        assert_eq!(*seen.lock().unwrap(), Some((11, 42)));
+    }
+
+    #[test]
+    fn boundaries() {
+        assert_eq!(last_boundary(b"data: a\n\ndata: b\n\ndata: c"), Some(18));
+        assert_eq!(last_boundary(b"data: a\r\n\r\nx"), Some(11));
+        assert_eq!(last_boundary(b"data: a"), None);
+    }
 }

@@ -36,6 +36,9 @@ shutdown_grace = "5s"
 [log]
 level = "warn"
 
+[store]
+path = ":memory:"
+
 [retry]
 base_delay = "1ms"
 max_delay = "5ms"

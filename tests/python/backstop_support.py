@@ -60,10 +60,13 @@ def scenario_name(nodeid: str) -> str:
     return f"{base}-{uuid.uuid4().hex[:8]}"
 
 
-def render_config(*, port: int, mock_port: int, dead_port: int) -> str:
+def render_config(*, port: int, mock_port: int, dead_port: int, store_path: str = ":memory:") -> str:
     mock = f"http://127.0.0.1:{mock_port}"
     dead = f"http://127.0.0.1:{dead_port}"
     return f"""\
+[store]
+path = "{store_path}"
+
 [server]
 listen = "127.0.0.1:{port}"
 max_body_bytes = {MAX_BODY_BYTES}

@@ -1,0 +1,113 @@
+//! The operator API, behind `[admin] token`: upstream breakers, tenant spend and
+//! budgets, session figures and reset. Plus one tenant-facing read: a tenant key may read
+//! its own sessions' budgets (`GET /v1/sessions/{id}`), and nothing of other tenants.
+
+use axum::{
+    extract::{Path, State},
+    http::{header, HeaderMap},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+    Router,
+};
+use serde_json::{json, Value};
+use subtle::ConstantTimeEq;
+
+use crate::{
+    app::AppState,
+    config::ApiKind,
+    error::{respond::error_response, GatewayError},
+    layers::auth::presented_key,
+};
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/admin/upstreams", get(upstreams))
+        .route("/admin/tenants/{tenant}", get(tenant))
+        .route("/admin/tenants/{tenant}/sessions/{session}", get(session))
+        .route("/admin/tenants/{tenant}/sessions/{session}/reset", post(reset_session))
+        .route("/v1/sessions/{session}", get(own_session))
+}
+
+fn json_response(value: Value) -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], value.to_string()).into_response()
+}
+
+fn refuse(err: GatewayError) -> Response {
+    error_response(&err, ApiKind::OpenAi)
+}
+
+/// The admin token, compared in constant time; the admin API is off without one.
+fn admin_auth(state: &AppState, headers: &HeaderMap) -> Result<(), Response> {
+    let Some(token) = &state.config.admin.token else {
+        return Err(refuse(GatewayError::AdminDisabled));
+    };
+    let presented = presented_key(headers).unwrap_or_default();
+    if bool::from(token.expose().as_bytes().ct_eq(presented)) {
+        Ok(())
+    } else {
+        Err(refuse(GatewayError::Unauthorized))
+    }
+}
+
+/// `GET /admin/upstreams`: each upstream's breaker.
+async fn upstreams(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    if let Err(r) = admin_auth(&state, &headers) {
+        return r;
+    }
+    let now = tokio::time::Instant::now();
+    let upstreams: Vec<_> = state
+        .health
+        .snapshot(now)
+        .into_iter()
+        .map(|(name, breaker)| {
+            let api = state.upstreams.get(&name).map(|u| u.api.as_str());
+            json!({"name": name, "api": api, "breaker": breaker})
+        })
+        .collect();
+    json_response(json!({"upstreams": upstreams}))
+}
+
+/// `GET /admin/tenants/{tenant}`: today's spend, by model, and what is left.
+async fn tenant(State(state): State<AppState>, headers: HeaderMap, Path(tenant): Path<String>) -> Response {
+    if let Err(r) = admin_auth(&state, &headers) {
+        return r;
+    }
+    match state.budgets.tenant_report(&tenant) {
+        Some(report) => json_response(report),
+        None => refuse(GatewayError::NotFoundAdmin { what: "tenant" }),
+    }
+}
+
+/// `GET /admin/tenants/{tenant}/sessions/{session}`.
+async fn session(State(state): State<AppState>, headers: HeaderMap, Path((tenant, session)): Path<(String, String)>) -> Response {
+    if let Err(r) = admin_auth(&state, &headers) {
+        return r;
+    }
+    match state.budgets.session_report(&tenant, &session) {
+        Some(report) => json_response(report),
+        None => refuse(GatewayError::NotFoundAdmin { what: "tenant" }),
+    }
+}
+
+/// `POST /admin/tenants/{tenant}/sessions/{session}/reset`: the session starts over.
+async fn reset_session(State(state): State<AppState>, headers: HeaderMap, Path((tenant, session)): Path<(String, String)>) -> Response {
+    if let Err(r) = admin_auth(&state, &headers) {
+        return r;
+    }
+    if !state.budgets.reset_session(&tenant, &session).await {
+        return refuse(GatewayError::NotFoundAdmin { what: "tenant" });
+    }
+    tracing::info!(%tenant, %session, "session reset by an operator");
+    json_response(state.budgets.session_report(&tenant, &session).unwrap_or(Value::Null))
+}
+
+/// `GET /v1/sessions/{session}` with a tenant key: that tenant's own session only.
+async fn own_session(State(state): State<AppState>, headers: HeaderMap, Path(session): Path<String>) -> Response {
+    let Some(tenant) = presented_key(&headers).and_then(|k| state.tenants.lookup(k)) else {
+        return refuse(GatewayError::Unauthorized);
+    };
+    match state.budgets.session_report(&tenant.name, &session) {
+        Some(report) => json_response(report),
+        None => refuse(GatewayError::NotFoundAdmin { what: "session" }),
+    }
+}

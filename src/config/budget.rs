@@ -1,0 +1,115 @@
+use serde::Deserialize;
+
+use super::ConfigError;
+
+/// `[store]`: the embedded store for the spend ledger and budget windows.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    /// SQLite file (WAL mode). `":memory:"` keeps nothing across restarts.
+    pub path: String,
+    /// A session unused this long leaves memory (its ledger stays in the store).
+    #[serde(with = "humantime_serde")]
+    pub session_idle: std::time::Duration,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig { path: "backstop.db".into(), session_idle: std::time::Duration::from_secs(900) }
+    }
+}
+
+/// `[[prices]]`: USD per million tokens for the upstream models matching `model`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PriceConfig {
+    /// Exact name or glob over the model actually asked of the upstream.
+    pub model: String,
+    pub input_per_mtok: f64,
+    pub output_per_mtok: f64,
+}
+
+/// `[billing]`: how spend is estimated and what an unpriced model costs.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BillingConfig {
+    /// A model with no `[[prices]]` entry: `free` (charged zero USD) or `refuse`
+    /// (requests under a USD budget are refused).
+    pub unpriced: Unpriced,
+    /// Completion tokens reserved when a request names no `max_tokens`.
+    pub default_max_tokens: u64,
+}
+
+impl Default for BillingConfig {
+    fn default() -> Self {
+        BillingConfig { unpriced: Unpriced::Free, default_max_tokens: 4096 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Unpriced {
+    Free,
+    Refuse,
+}
+
+/// `[tenants.session]`: limits on each `x-session-id` of a tenant.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SessionLimitsConfig {
+    pub requests_per_minute: Option<u32>,
+    /// Upstream calls charged to the session, retries and corrections included.
+    pub max_calls: Option<u64>,
+    pub max_tokens: Option<u64>,
+    pub max_usd: Option<f64>,
+    pub max_concurrent: Option<u32>,
+}
+
+/// `[tenants.budget]`: the whole tenant, per UTC day.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantBudgetConfig {
+    pub usd_per_day: Option<f64>,
+    pub tokens_per_day: Option<u64>,
+}
+
+pub(super) fn positive_f64(key: &str, value: Option<f64>) -> Result<(), ConfigError> {
+    match value {
+        Some(v) if !(v.is_finite() && v > 0.0) => Err(ConfigError::invalid(key, format_args!("must be a positive number, got {v}"))),
+        _ => Ok(()),
+    }
+}
+
+pub(super) fn positive_int(key: &str, value: Option<u64>) -> Result<(), ConfigError> {
+    match value {
+        Some(0) => Err(ConfigError::invalid(key, "must be greater than 0")),
+        _ => Ok(()),
+    }
+}
+
+impl SessionLimitsConfig {
+    pub(super) fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        positive_int(&format!("{key}.requests_per_minute"), self.requests_per_minute.map(u64::from))?;
+        positive_int(&format!("{key}.max_calls"), self.max_calls)?;
+        positive_int(&format!("{key}.max_tokens"), self.max_tokens)?;
+        positive_f64(&format!("{key}.max_usd"), self.max_usd)?;
+        positive_int(&format!("{key}.max_concurrent"), self.max_concurrent.map(u64::from))
+    }
+}
+
+impl TenantBudgetConfig {
+    pub(super) fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        positive_f64(&format!("{key}.usd_per_day"), self.usd_per_day)?;
+        positive_int(&format!("{key}.tokens_per_day"), self.tokens_per_day)
+    }
+}
+
+impl PriceConfig {
+    pub(super) fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        if self.model.trim().is_empty() {
+            return Err(ConfigError::invalid(format!("{key}.model"), "must not be empty"));
+        }
+        positive_f64(&format!("{key}.input_per_mtok"), Some(self.input_per_mtok))?;
+        positive_f64(&format!("{key}.output_per_mtok"), Some(self.output_per_mtok))
+    }
+}

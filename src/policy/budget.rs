@@ -1,0 +1,222 @@
+//! Budget arithmetic: usage, limits, and reservations that make concurrent calls unable
+//! to overshoot a cap. A call reserves its worst case before it is made and settles to
+//! what the upstream reported after; a check counts what is settled *and* reserved.
+
+use wildmatch::WildMatch;
+
+use crate::config::PriceConfig;
+
+/// What calls consumed (or may consume).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Usage {
+    pub calls: u64,
+    pub tokens: u64,
+    pub usd: f64,
+}
+
+impl Usage {
+    pub fn add(&mut self, other: Usage) {
+        self.calls += other.calls;
+        self.tokens += other.tokens;
+        self.usd += other.usd;
+    }
+
+    pub fn sub(&mut self, other: Usage) {
+        self.calls = self.calls.saturating_sub(other.calls);
+        self.tokens = self.tokens.saturating_sub(other.tokens);
+        self.usd = (self.usd - other.usd).max(0.0);
+    }
+}
+
+/// Caps on a scope (a session, or a tenant's day); `None` is unlimited.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Limits {
+    pub calls: Option<u64>,
+    pub tokens: Option<u64>,
+    pub usd: Option<f64>,
+}
+
+impl Limits {
+    pub fn is_unlimited(&self) -> bool {
+        self.calls.is_none() && self.tokens.is_none() && self.usd.is_none()
+    }
+}
+
+/// A budget that refused, named as configured (`session.max_calls`, ...).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Exceeded {
+    pub budget: &'static str,
+    pub limit: f64,
+    /// Settled plus reserved when the call was refused.
+    pub used: f64,
+    /// What this call would have added.
+    pub requested: f64,
+}
+
+/// Names of a scope's three caps, for refusals.
+#[derive(Debug, Clone, Copy)]
+pub struct CapNames {
+    pub calls: &'static str,
+    pub tokens: &'static str,
+    pub usd: &'static str,
+}
+
+pub const SESSION: CapNames = CapNames { calls: "session.max_calls", tokens: "session.max_tokens", usd: "session.max_usd" };
+pub const TENANT_DAY: CapNames = CapNames { calls: "tenant.calls_per_day", tokens: "tenant.tokens_per_day", usd: "tenant.usd_per_day" };
+
+/// One scope's account: what is settled, and what in-flight calls have reserved.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Account {
+    pub settled: Usage,
+    pub reserved: Usage,
+}
+
+impl Account {
+    pub fn committed(&self) -> Usage {
+        let mut u = self.settled;
+        u.add(self.reserved);
+        u
+    }
+
+    /// Would `want` fit under `limits`? Checks every cap, calls first.
+    pub fn check(&self, want: Usage, limits: &Limits, names: CapNames) -> Result<(), Exceeded> {
+        let used = self.committed();
+        if let Some(limit) = limits.calls {
+            if used.calls + want.calls > limit {
+                return Err(Exceeded { budget: names.calls, limit: limit as f64, used: used.calls as f64, requested: want.calls as f64 });
+            }
+        }
+        if let Some(limit) = limits.tokens {
+            if used.tokens + want.tokens > limit {
+                return Err(Exceeded { budget: names.tokens, limit: limit as f64, used: used.tokens as f64, requested: want.tokens as f64 });
+            }
+        }
+        if let Some(limit) = limits.usd {
+            // A tolerance keeps float rounding from refusing a call that fits exactly.
+            if used.usd + want.usd > limit + 1e-9 {
+                return Err(Exceeded { budget: names.usd, limit, used: used.usd, requested: want.usd });
+            }
+        }
+        Ok(())
+    }
+
+    pub fn reserve(&mut self, want: Usage) {
+        self.reserved.add(want);
+    }
+
+    /// Replaces a reservation by what the call actually used.
+    pub fn settle(&mut self, reserved: Usage, actual: Usage) {
+        self.reserved.sub(reserved);
+        self.settled.add(actual);
+    }
+
+    /// What is left under `limits` (unlimited caps are `None`).
+    pub fn remaining(&self, limits: &Limits) -> (Option<u64>, Option<u64>, Option<f64>) {
+        let used = self.committed();
+        (
+            limits.calls.map(|l| l.saturating_sub(used.calls)),
+            limits.tokens.map(|l| l.saturating_sub(used.tokens)),
+            limits.usd.map(|l| (l - used.usd).max(0.0)),
+        )
+    }
+}
+
+/// USD per million tokens, by model glob, first match wins.
+#[derive(Debug, Default)]
+pub struct Prices {
+    entries: Vec<(WildMatch, f64, f64)>,
+}
+
+impl Prices {
+    pub fn new(prices: &[PriceConfig]) -> Self {
+        Prices { entries: prices.iter().map(|p| (WildMatch::new(&p.model), p.input_per_mtok, p.output_per_mtok)).collect() }
+    }
+
+    /// The cost of a call, or `None` when the model has no price.
+    pub fn cost(&self, model: &str, input_tokens: u64, output_tokens: u64) -> Option<f64> {
+        self.entries
+            .iter()
+            .find(|(glob, _, _)| glob.matches(model))
+            .map(|(_, i, o)| (input_tokens as f64 * i + output_tokens as f64 * o) / 1e6)
+    }
+}
+
+/// Prompt tokens estimated from the request body: about four bytes a token, rounded up.
+/// An over-estimate for JSON (keys and punctuation count too), which is the safe side
+/// for a reservation.
+pub fn estimate_prompt_tokens(body_len: usize) -> u64 {
+    (body_len as u64).div_ceil(4).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn reservations_count_against_the_cap_until_settled() {
+        let limits = Limits { calls: Some(2), tokens: None, usd: Some(1.0) };
+        let mut a = Account::default();
+        let call = Usage { calls: 1, tokens: 100, usd: 0.4 };
+        a.check(call, &limits, SESSION).unwrap();
+        a.reserve(call);
+        a.check(call, &limits, SESSION).unwrap();
+        a.reserve(call);
+        let refused = a.check(call, &limits, SESSION).unwrap_err();
+        assert_eq!(refused.budget, "session.max_calls");
+        assert_eq!((refused.limit, refused.used), (2.0, 2.0));
+        // The upstream reported less than reserved: the difference is released.
+        a.settle(call, Usage { calls: 1, tokens: 10, usd: 0.1 });
+        assert_eq!(a.committed(), Usage { calls: 2, tokens: 110, usd: 0.5 });
+        assert_eq!(a.remaining(&limits), (Some(0), None, Some(0.5)));
+    }
+
+    #[test]
+    fn usd_caps_name_themselves() {
+        let limits = Limits { calls: None, tokens: Some(1000), usd: Some(0.5) };
+        let a = Account { settled: Usage { calls: 3, tokens: 10, usd: 0.45 }, reserved: Usage::default() };
+        let e = a.check(Usage { calls: 1, tokens: 10, usd: 0.1 }, &limits, TENANT_DAY).unwrap_err();
+        assert_eq!(e.budget, "tenant.usd_per_day");
+        assert!(a.check(Usage { calls: 1, tokens: 10, usd: 0.05 }, &limits, TENANT_DAY).is_ok());
+    }
+
+    #[test]
+    fn prices_match_the_first_glob() {
+        let p = Prices::new(&[
+            PriceConfig { model: "gpt-4o-mini*".into(), input_per_mtok: 0.15, output_per_mtok: 0.6 },
+            PriceConfig { model: "gpt-4o*".into(), input_per_mtok: 2.5, output_per_mtok: 10.0 },
+        ]);
+        assert_eq!(p.cost("gpt-4o-mini", 1_000_000, 0), Some(0.15));
+        assert_eq!(p.cost("gpt-4o-2024", 1000, 1000), Some(0.0125));
+        assert_eq!(p.cost("claude", 1, 1), None);
+    }
+
+    proptest! {
+        /// However calls interleave, settled + reserved never exceeds a cap, and once
+        /// every reservation is settled nothing stays reserved.
+        #[test]
+        fn no_interleaving_overshoots(ops in proptest::collection::vec((0u64..3, 0u64..500, any::<bool>()), 1..200)) {
+            let limits = Limits { calls: Some(20), tokens: Some(3000), usd: None };
+            let mut a = Account::default();
+            let mut open: Vec<Usage> = Vec::new();
+            for (calls, tokens, settle_one) in ops {
+                if settle_one && !open.is_empty() {
+                    let r = open.remove(0);
+                    a.settle(r, Usage { calls: r.calls, tokens: r.tokens / 2, usd: 0.0 });
+                } else {
+                    let want = Usage { calls, tokens, usd: 0.0 };
+                    if a.check(want, &limits, SESSION).is_ok() {
+                        a.reserve(want);
+                        open.push(want);
+                    }
+                }
+                let c = a.committed();
+                prop_assert!(c.calls <= 20 && c.tokens <= 3000);
+            }
+            for r in open.drain(..) {
+                a.settle(r, r);
+            }
+            prop_assert_eq!(a.reserved, Usage::default());
+        }
+    }
+}
