@@ -423,3 +423,83 @@ fn fmt_num(v: f64) -> String {
         format!("{v:.4}")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn budgets(tenant_extra: &str) -> Arc<Budgets> {
+        let text = format!(
+            r#"
+            [[prices]]
+            model = "gpt-4o*"
+            input_per_mtok = 2.5
+            output_per_mtok = 10.0
+            [[upstreams]]
+            name = "u"
+            api = "openai"
+            base_url = "http://127.0.0.1:1"
+            [[routes]]
+            model = "*"
+            targets = [{{ upstream = "u" }}]
+            [[tenants]]
+            name = "t"
+            api_keys = ["bk-test-key"]
+            {tenant_extra}
+            "#
+        );
+        let config = Config::from_toml_with_env(&text, |_| None).unwrap();
+        let store = Arc::new(Store::open(":memory:").unwrap());
+        Arc::new(Budgets::new(&config, store, Duration::from_secs(600)))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn rate_limits_refuse_with_the_limiters_wait_and_recover_on_time() {
+        let b = budgets("requests_per_minute = 2\n[tenants.session]\nrequests_per_minute = 60");
+        assert!(b.check_rate("t", Some("s")).is_ok());
+        assert!(b.check_rate("t", Some("s")).is_ok());
+        let Err(Refusal::RateLimited { scope, retry_after }) = b.check_rate("t", Some("s")) else { panic!("not limited") };
+        assert_eq!(scope, "tenant.requests_per_minute");
+        assert_eq!(retry_after, Duration::from_secs(30), "GCRA: one request per 30 s");
+        tokio::time::advance(Duration::from_secs(30)).await;
+        assert!(b.check_rate("t", Some("s")).is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn session_rate_limits_are_per_session() {
+        let b = budgets("[tenants.session]\nrequests_per_minute = 1");
+        assert!(b.check_rate("t", Some("a")).is_ok());
+        assert!(matches!(b.check_rate("t", Some("a")), Err(Refusal::RateLimited { scope: "session.requests_per_minute", .. })));
+        assert!(b.check_rate("t", Some("b")).is_ok(), "another session has its own limit");
+        assert!(b.check_rate("t", None).is_ok(), "no session: tenant limits only");
+    }
+
+    #[tokio::test]
+    async fn a_refused_reservation_touches_neither_account() {
+        let b = budgets("[tenants.session]\nmax_calls = 1\n[tenants.budget]\ntokens_per_day = 1000");
+        let r = b.reserve("t", Some("s"), "gpt-4o", 100, 100).unwrap();
+        let Err(e) = b.reserve("t", Some("s"), "gpt-4o", 100, 100) else { panic!("over the cap") };
+        assert!(matches!(e, Refusal::Exceeded(Exceeded { budget: "session.max_calls", .. })));
+        // The tenant's day only holds the one reservation.
+        assert_eq!(b.tenant_report("t").unwrap()["reserved"]["tokens"], 200);
+        r.settle(Some((10, 20))).await;
+        let report = b.session_report("t", "s").unwrap();
+        assert_eq!(report["used"]["tokens"], 30);
+        assert_eq!(report["reserved"]["tokens"], 0);
+        assert_eq!(b.tenant_report("t").unwrap()["used_today"]["usd"], 0.000225);
+    }
+
+    #[tokio::test]
+    async fn unpriced_models_are_refused_under_a_usd_cap_when_configured() {
+        let b = budgets("[tenants.session]\nmax_usd = 1.0");
+        assert!(b.reserve("t", Some("s"), "mystery", 1, 1).is_ok(), "free by default");
+        let config = Config::from_toml_with_env(
+            "[billing]\nunpriced = \"refuse\"\n[[upstreams]]\nname = \"u\"\napi = \"openai\"\nbase_url = \"http://x\"\n[[routes]]\nmodel = \"*\"\ntargets = [{ upstream = \"u\" }]\n[[tenants]]\nname = \"t\"\napi_keys = [\"bk-test-key\"]\n[tenants.session]\nmax_usd = 1.0",
+            |_| None,
+        )
+        .unwrap();
+        let b = Arc::new(Budgets::new(&config, Arc::new(Store::open(":memory:").unwrap()), Duration::from_secs(60)));
+        assert!(matches!(b.reserve("t", Some("s"), "mystery", 1, 1), Err(Refusal::Unpriced { .. })));
+        assert!(b.reserve("t", None, "mystery", 1, 1).is_ok(), "no USD cap applies without a session");
+    }
+}

@@ -99,3 +99,30 @@ fn shipped_configs_are_valid() {
     let example = std::fs::read_to_string(format!("{root}/config/backstop.example.toml")).unwrap();
     Config::from_toml_with_env(&example, |v| Some(format!("{v}-value-for-test"))).unwrap();
 }
+
+#[test]
+fn budget_values_must_be_positive_and_are_named_by_key() {
+    let cases = [
+        ("[tenants.session]\nmax_calls = 0", "tenants[0].session.max_calls"),
+        ("[tenants.session]\nmax_usd = -1.0", "tenants[0].session.max_usd"),
+        ("[tenants.session]\nmax_tokens = -5", "tenants[0].session.max_tokens"),
+        ("[tenants.session]\nmax_concurrent = 0", "tenants[0].session.max_concurrent"),
+        ("[tenants.budget]\nusd_per_day = 0.0", "tenants[0].budget.usd_per_day"),
+        ("requests_per_minute = 0", "tenants[0].requests_per_minute"),
+        ("[tenants.session]\nmax_cals = 3", "tenants[0].session"),
+    ];
+    for (extra, key) in cases {
+        let err = error_of(&format!("{BASE}{extra}\n"));
+        assert!(err.contains(key), "expected {key} in: {err}");
+    }
+    let prices = [
+        ("input_per_mtok = 0.0\noutput_per_mtok = 1.0", "prices[0].input_per_mtok"),
+        ("input_per_mtok = 1.0\noutput_per_mtok = -2.0", "prices[0].output_per_mtok"),
+    ];
+    for (price, key) in prices {
+        let err = error_of(&format!("[[prices]]\nmodel = \"gpt-*\"\n{price}\n{BASE}"));
+        assert!(err.contains(key), "expected {key} in: {err}");
+    }
+    let err = error_of(&format!("[billing]\nunpriced = \"maybe\"\n{BASE}"));
+    assert!(err.contains("billing.unpriced"), "{err}");
+}

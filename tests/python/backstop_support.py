@@ -38,6 +38,8 @@ __all__ = [
 
 TENANT_A_KEY = "bk-test-a"
 TENANT_B_KEY = "bk-test-b"
+CAPPED_KEY = "bk-test-capped"
+THROTTLED_KEY = "bk-test-throttled"
 PROVIDER_OPENAI_KEY = "sk-provider-openai"
 PROVIDER_ANTHROPIC_KEY = "sk-provider-anthropic"
 MAX_BODY_BYTES = 65536
@@ -217,6 +219,17 @@ api_keys = ["{TENANT_A_KEY}"]
 [[tenants]]
 name = "team-b"
 api_keys = ["{TENANT_B_KEY}"]
+
+[[tenants]]
+name = "capped"
+api_keys = ["{CAPPED_KEY}"]
+[tenants.session]
+max_calls = 2
+
+[[tenants]]
+name = "throttled"
+api_keys = ["{THROTTLED_KEY}"]
+requests_per_minute = 1
 """
 
 

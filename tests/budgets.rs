@@ -1,0 +1,349 @@
+//! Budgets end to end: caps exact to the call, the concurrency race, retries charged,
+//! streaming usage, tenant isolation, and the ledger surviving SIGKILL.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::json;
+
+const CAPPED: &str = "bk-capped-key-01";
+const OTHER: &str = "bk-other-key-001";
+const ADMIN: &str = "admin-token-0123456789";
+
+/// A gateway with a `capped` tenant whose session limits are `session`.
+async fn capped(session: &str, budget: &str) -> Gateway {
+    let session = session.to_string();
+    let budget = budget.to_string();
+    start_with(move |text| {
+        format!(
+            r#"{text}
+[admin]
+token = "{ADMIN}"
+
+[[prices]]
+model = "gpt-4o*"
+input_per_mtok = 2.5
+output_per_mtok = 10.0
+
+[[tenants]]
+name = "capped"
+api_keys = ["{CAPPED}"]
+[tenants.session]
+{session}
+[tenants.budget]
+{budget}
+
+[[tenants]]
+name = "other"
+api_keys = ["{OTHER}"]
+"#
+        )
+    })
+    .await
+}
+
+async fn call(gw: &Gateway, key: &str, session: &str, scenario: &str, fault: &str, body: serde_json::Value) -> reqwest::Response {
+    let mut headers = vec![("x-session-id", session), ("x-mock-scenario", scenario)];
+    if !fault.is_empty() {
+        headers.push(("x-mock-fault", fault));
+    }
+    gw.post("/v1/chat/completions", Some(key), &headers, body.to_string()).await
+}
+
+fn chat(max_tokens: u64) -> serde_json::Value {
+    json!({"model": "gpt-4o", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hello"}]})
+}
+
+async fn refusal(resp: reqwest::Response) -> serde_json::Value {
+    assert_eq!(resp.status(), 402);
+    assert_eq!(resp.headers()["x-should-retry"], "false");
+    let body = json(resp).await;
+    assert_eq!(body["error"]["code"], "budget_exceeded");
+    body
+}
+
+#[tokio::test]
+async fn max_calls_is_exact_and_says_what_is_left() {
+    let gw = capped("max_calls = 3", "").await;
+    for left in [2, 1, 0] {
+        let resp = call(&gw, CAPPED, "s", "calls", "", chat(16)).await;
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["x-backstop-budget-remaining"], format!("calls={left}"));
+    }
+    let body = refusal(call(&gw, CAPPED, "s", "calls", "", chat(16)).await).await;
+    assert_eq!(body["error"]["param"], "session.max_calls");
+    assert!(body["error"]["message"].as_str().unwrap().contains("limit 3, used 3"), "{body}");
+    assert_eq!(gw.mock.attempts("calls"), 3, "the refused call never reached the upstream");
+    // Another session of the same tenant is untouched.
+    assert_eq!(call(&gw, CAPPED, "s2", "calls", "", chat(16)).await.status(), 200);
+}
+
+#[tokio::test]
+async fn retries_are_charged_like_any_call() {
+    let gw = capped("max_calls = 3", "").await;
+    let resp = call(&gw, CAPPED, "s", "retried", "status=503,status=503,ok", chat(16)).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-backstop-budget-remaining"], "calls=0");
+    refusal(call(&gw, CAPPED, "s", "retried-2", "", chat(16)).await).await;
+    // A retry that would exceed the cap is refused too: 2 calls left, 3 attempts wanted.
+    let gw = capped("max_calls = 2", "").await;
+    let resp = call(&gw, CAPPED, "s", "cut-short", "status=503", chat(16)).await;
+    assert_eq!(resp.status(), 402);
+    assert_eq!(resp.headers()["x-backstop-recovery"], "retry:503,retry:503,refused:budget_exceeded");
+    assert_eq!(gw.mock.attempts("cut-short"), 2);
+}
+
+#[tokio::test]
+async fn forty_concurrent_calls_against_ten_let_exactly_ten_through() {
+    let gw = capped("max_calls = 10", "").await;
+    let mut tasks = Vec::new();
+    for _ in 0..40 {
+        let http = gw.http.clone();
+        let url = format!("{}/v1/chat/completions", gw.url);
+        tasks.push(tokio::spawn(async move {
+            http.post(url)
+                .bearer_auth(CAPPED)
+                .header("x-session-id", "race")
+                .header("x-mock-scenario", "race")
+                .header("x-mock-fault", "delay=100ms")
+                .body(chat(16).to_string())
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }));
+    }
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap());
+    }
+    assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 10);
+    assert_eq!(statuses.iter().filter(|s| **s == 402).count(), 30);
+    assert_eq!(gw.mock.attempts("race"), 10);
+}
+
+#[tokio::test]
+async fn max_tokens_is_exact_with_reservations() {
+    // Each call reserves ~its prompt estimate + max_tokens 100 and settles to 100 tokens.
+    let gw = capped("max_tokens = 1000", "").await;
+    let body = chat(100);
+    let prompt_estimate = (body.to_string().len() as u64).div_ceil(4);
+    let mut passed = 0;
+    loop {
+        let resp = call(&gw, CAPPED, "s", "tokens", "usage=50/50", body.clone()).await;
+        if resp.status() != 200 {
+            let body = refusal(resp).await;
+            assert_eq!(body["error"]["param"], "session.max_tokens");
+            break;
+        }
+        passed += 1;
+    }
+    // Refused once 100·n + estimate + 100 > 1000.
+    let expected = (0..).find(|n| 100 * n + prompt_estimate + 100 > 1000).unwrap();
+    assert_eq!(passed, expected);
+    assert_eq!(gw.mock.attempts("tokens"), expected);
+}
+
+#[tokio::test]
+async fn max_usd_is_exact_with_prices() {
+    // 1000 in + 1000 out at $2.50/$10 per Mtok = $0.0125 a call; the reservation is the
+    // prompt estimate + 1000 output tokens, about $0.0100.
+    let gw = capped("max_usd = 0.05", "").await;
+    let mut passed = 0;
+    while call(&gw, CAPPED, "s", "usd", "usage=1000/1000", chat(1000)).await.status() == 200 {
+        passed += 1;
+    }
+    assert_eq!(passed, 4, "0.0375 + 0.0100 fits, 0.0500 + 0.0100 does not");
+    let report = gw.http.get(format!("{}/admin/tenants/capped/sessions/s", gw.url)).bearer_auth(ADMIN).send().await.unwrap();
+    let report = json(report).await;
+    assert_eq!(report["used"]["calls"], 4);
+    assert!((report["used"]["usd"].as_f64().unwrap() - 0.05).abs() < 1e-9, "{report}");
+}
+
+#[tokio::test]
+async fn tenant_day_budgets_cover_calls_without_a_session() {
+    let gw = capped("", "tokens_per_day = 300").await;
+    const HEADERS: &[(&str, &str)] = &[("x-mock-scenario", "day"), ("x-mock-fault", "usage=50/50")];
+    let no_session = || gw.post("/v1/chat/completions", Some(CAPPED), HEADERS, chat(50).to_string());
+    // Each call settles 100 tokens; one more fits while 100·n + its reservation ≤ 300.
+    let reservation = (chat(50).to_string().len() as u64).div_ceil(4) + 50;
+    let expected = (0..).find(|n| 100 * n + reservation > 300).unwrap();
+    for _ in 0..expected {
+        assert_eq!(no_session().await.status(), 200);
+    }
+    let body = refusal(no_session().await).await;
+    assert_eq!(body["error"]["param"], "tenant.tokens_per_day");
+    assert_eq!(gw.mock.attempts("day"), expected);
+}
+
+#[tokio::test]
+async fn max_concurrent_refuses_the_extra_request_while_others_run() {
+    let gw = capped("max_concurrent = 2", "").await;
+    let slow = |scenario: &'static str| {
+        let http = gw.http.clone();
+        let url = format!("{}/v1/chat/completions", gw.url);
+        tokio::spawn(async move {
+            http.post(url).bearer_auth(CAPPED).header("x-session-id", "c").header("x-mock-scenario", scenario).header("x-mock-fault", "delay=600ms").body(chat(16).to_string()).send().await.unwrap().status().as_u16()
+        })
+    };
+    let (a, b) = (slow("conc"), slow("conc"));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let resp = call(&gw, CAPPED, "c", "conc", "", chat(16)).await;
+    assert_eq!(resp.status(), 429);
+    assert_eq!(json(resp).await["error"]["code"], "too_many_concurrent");
+    assert_eq!((a.await.unwrap(), b.await.unwrap()), (200, 200));
+    assert_eq!(call(&gw, CAPPED, "c", "conc", "", chat(16)).await.status(), 200, "slots are freed");
+}
+
+#[tokio::test]
+async fn rate_limits_refuse_with_retry_after_and_no_upstream_call() {
+    let gw = start_with(|text| format!("{text}\n[[tenants]]\nname = \"limited\"\napi_keys = [\"{CAPPED}\"]\nrequests_per_minute = 2\n")).await;
+    for _ in 0..2 {
+        assert_eq!(call(&gw, CAPPED, "s", "rpm", "", chat(16)).await.status(), 200);
+    }
+    let resp = call(&gw, CAPPED, "s", "rpm", "", chat(16)).await;
+    assert_eq!(resp.status(), 429);
+    let retry_after: u64 = resp.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((29..=30).contains(&retry_after), "{retry_after}");
+    assert_eq!(resp.headers()["x-should-retry"], "false");
+    assert_eq!(json(resp).await["error"]["code"], "rate_limited");
+    assert_eq!(gw.mock.attempts("rpm"), 2);
+}
+
+#[tokio::test]
+async fn stream_usage_is_counted_and_the_injected_chunk_hidden() {
+    let gw = capped("max_tokens = 100000", "").await;
+    let stream = json!({"model": "gpt-4o", "stream": true, "max_tokens": 10, "messages": [{"role": "user", "content": "hello"}]});
+    let resp = call(&gw, CAPPED, "st", "stream-usage", "usage=120/30", stream.clone()).await;
+    let text = resp.text().await.unwrap();
+    assert!(!text.contains("\"usage\""), "the client did not ask for usage: {text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"));
+    let seen = gw.mock.last_request("stream-usage").unwrap();
+    assert_eq!(seen["body"]["stream_options"]["include_usage"], true, "Backstop asked for usage");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let report = json(gw.http.get(format!("{}/v1/sessions/st", gw.url)).bearer_auth(CAPPED).send().await.unwrap()).await;
+    assert_eq!(report["used"]["tokens"], 150);
+
+    // A client that asked for usage still gets it.
+    let mut asked = stream.clone();
+    asked["stream_options"] = json!({"include_usage": true});
+    let text = call(&gw, CAPPED, "st", "stream-usage-2", "usage=1/2", asked).await.text().await.unwrap();
+    assert!(text.contains("\"usage\""), "{text}");
+
+    // Anthropic streams report usage in message_start and message_delta.
+    let body = json!({"model": "claude-x", "stream": true, "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]});
+    let resp = gw.post("/v1/messages", Some(CAPPED), &[("x-session-id", "st"), ("x-mock-fault", "usage=7/3")], body.to_string()).await;
+    resp.text().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let report = json(gw.http.get(format!("{}/v1/sessions/st", gw.url)).bearer_auth(CAPPED).send().await.unwrap()).await;
+    assert_eq!(report["used"]["tokens"], 150 + 3 + 10);
+}
+
+#[tokio::test]
+async fn tenants_see_only_their_own_sessions() {
+    let gw = capped("max_calls = 5", "").await;
+    call(&gw, CAPPED, "shared-name", "iso", "", chat(16)).await;
+    let mine = json(gw.http.get(format!("{}/v1/sessions/shared-name", gw.url)).bearer_auth(CAPPED).send().await.unwrap()).await;
+    assert_eq!((mine["tenant"].as_str(), mine["used"]["calls"].as_u64()), (Some("capped"), Some(1)));
+    let theirs = json(gw.http.get(format!("{}/v1/sessions/shared-name", gw.url)).bearer_auth(OTHER).send().await.unwrap()).await;
+    assert_eq!((theirs["tenant"].as_str(), theirs["used"]["calls"].as_u64()), (Some("other"), Some(0)), "{theirs}");
+    let denied = gw.http.get(format!("{}/admin/tenants/capped", gw.url)).bearer_auth(CAPPED).send().await.unwrap();
+    assert_eq!(denied.status(), 401, "a tenant key is not the admin token");
+    let admin = json(gw.http.get(format!("{}/admin/tenants/capped", gw.url)).bearer_auth(ADMIN).send().await.unwrap()).await;
+    assert_eq!(admin["used_today"]["calls"], 1);
+    assert_eq!(admin["by_model"][0]["model"], "gpt-4o");
+}
+
+#[tokio::test]
+async fn an_operator_reset_starts_a_session_over() {
+    let gw = capped("max_calls = 1", "").await;
+    assert_eq!(call(&gw, CAPPED, "r", "reset", "", chat(16)).await.status(), 200);
+    refusal(call(&gw, CAPPED, "r", "reset", "", chat(16)).await).await;
+    let reset = gw.http.post(format!("{}/admin/tenants/capped/sessions/r/reset", gw.url)).bearer_auth(ADMIN).send().await.unwrap();
+    assert_eq!(reset.status(), 200);
+    assert_eq!(call(&gw, CAPPED, "r", "reset", "", chat(16)).await.status(), 200);
+}
+
+/// The real binary, killed with SIGKILL and restarted on the same store.
+#[tokio::test]
+async fn settled_spend_survives_sigkill() {
+    let dir = std::env::temp_dir().join(format!("backstop-kill-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let store = dir.join("ledger.db");
+    let port = dead_port().await;
+    let mock_port = dead_port().await;
+    let config = dir.join("backstop.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[server]
+listen = "127.0.0.1:{port}"
+[log]
+level = "warn"
+[store]
+path = "{store}"
+[admin]
+token = "{ADMIN}"
+[mock]
+listen = "127.0.0.1:{mock_port}"
+[[prices]]
+model = "gpt-*"
+input_per_mtok = 1.0
+output_per_mtok = 2.0
+[[upstreams]]
+name = "mock"
+api = "openai"
+base_url = "http://127.0.0.1:{mock_port}"
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "mock" }}]
+[[tenants]]
+name = "capped"
+api_keys = ["{CAPPED}"]
+[tenants.session]
+max_calls = 5
+"#,
+            store = store.display()
+        ),
+    )
+    .unwrap();
+    let http = reqwest::Client::new();
+    let url = format!("http://127.0.0.1:{port}");
+    let spawn = || std::process::Command::new(env!("CARGO_BIN_EXE_backstop")).args(["serve", "--config", config.to_str().unwrap()]).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let wait_ready = || async {
+        for _ in 0..100 {
+            if http.get(format!("{url}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("backstop did not start");
+    };
+    let mut child = spawn();
+    wait_ready().await;
+    for _ in 0..3 {
+        let resp = http.post(format!("{url}/v1/chat/completions")).bearer_auth(CAPPED).header("x-session-id", "k").header("x-mock-fault", "usage=1000/500").body(chat(500).to_string()).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+
+    let mut child = spawn();
+    wait_ready().await;
+    let report = json(http.get(format!("{url}/admin/tenants/capped/sessions/k")).bearer_auth(ADMIN).send().await.unwrap()).await;
+    assert_eq!(report["used"]["calls"], 3, "{report}");
+    assert_eq!(report["used"]["tokens"], 4500);
+    assert!((report["used"]["usd"].as_f64().unwrap() - 0.006).abs() < 1e-9, "{report}");
+    let day = json(http.get(format!("{url}/admin/tenants/capped")).bearer_auth(ADMIN).send().await.unwrap()).await;
+    assert_eq!(day["used_today"]["calls"], 3);
+    // The cap still counts what was spent before the crash: two calls left.
+    let resp = http.post(format!("{url}/v1/chat/completions")).bearer_auth(CAPPED).header("x-session-id", "k").body(chat(16).to_string()).send().await.unwrap();
+    assert_eq!(resp.headers()["x-backstop-budget-remaining"], "calls=1");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let _ = std::fs::remove_dir_all(dir);
+}
