@@ -16,6 +16,7 @@ use std::{
 use futures_util::StreamExt;
 
 const KEY: &str = "bk-bench-key-0001";
+const BUDGETED: &str = "bk-bench-budgeted-0001";
 
 struct Proc(Child);
 
@@ -47,6 +48,11 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 
 /// `total` requests spread over `concurrency` closed-loop workers; latencies sorted.
 async fn run(http: &reqwest::Client, url: &str, auth: bool, total: usize, concurrency: usize) -> (Vec<Duration>, f64) {
+    run_as(http, url, auth.then_some((KEY, None)), total, concurrency).await
+}
+
+/// Like `run`, as a given tenant key and optional session.
+async fn run_as(http: &reqwest::Client, url: &str, auth: Option<(&'static str, Option<&'static str>)>, total: usize, concurrency: usize) -> (Vec<Duration>, f64) {
     let body = r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"What is the capital of France? Answer in one word."}]}"#;
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let started = Instant::now();
@@ -60,8 +66,11 @@ async fn run(http: &reqwest::Client, url: &str, auth: bool, total: usize, concur
             while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < total {
                 let t = Instant::now();
                 let mut req = http.post(&url).header("content-type", "application/json").body(body);
-                if auth {
-                    req = req.bearer_auth(KEY);
+                if let Some((key, session)) = auth {
+                    req = req.bearer_auth(key);
+                    if let Some(session) = session {
+                        req = req.header("x-session-id", session);
+                    }
                 }
                 let resp = req.send().await.unwrap();
                 assert!(resp.status().is_success(), "{}", resp.status());
@@ -128,9 +137,26 @@ api_key = "sk-bench"
 [[routes]]
 model = "gpt-*"
 targets = [{{ upstream = "mock" }}]
+[[prices]]
+model = "gpt-*"
+input_per_mtok = 2.5
+output_per_mtok = 10.0
 [[tenants]]
 name = "bench"
 api_keys = ["{KEY}"]
+[[tenants]]
+name = "budgeted"
+api_keys = ["{BUDGETED}"]
+requests_per_minute = 100000000
+[tenants.session]
+requests_per_minute = 100000000
+max_calls = 100000000
+max_tokens = 100000000000
+max_usd = 100000000.0
+max_concurrent = 1000
+[tenants.budget]
+usd_per_day = 100000000.0
+tokens_per_day = 100000000000
 "#
         ),
     )
@@ -163,6 +189,17 @@ api_keys = ["{KEY}"]
             brps / drps * 100.0
         );
     }
+    // The budget layers: a tenant with rate limits, session caps and a day budget (and a
+    // session header) against one with none; both are metered into the ledger.
+    println!("\nBudgets: same gateway, {total} requests per row, concurrency 32\n");
+    println!("| tenant | p50 ms | p99 ms | req/s |\n|---|---|---|---|");
+    for _ in 0..2 {
+        let (p, prps) = run_as(&http, &through, Some((KEY, None)), total, 32).await;
+        let (b, brps) = run_as(&http, &through, Some((BUDGETED, Some("bench-session"))), total, 32).await;
+        println!("| no limits | {:.3} | {:.3} | {prps:.0} |", percentile(&p, 0.5), percentile(&p, 0.99));
+        println!("| all limits + session | {:.3} | {:.3} | {brps:.0} |", percentile(&b, 0.5), percentile(&b, 0.99));
+    }
+
     let n = 200;
     let d = first_chunk(&http, &direct, false, n).await;
     let b = first_chunk(&http, &through, true, n).await;

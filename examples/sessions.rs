@@ -1,0 +1,150 @@
+//! Budget scale: how many reserve+settle round trips per second the store sustains, and
+//! Backstop's memory after 100,000 distinct sessions.
+//!
+//!     cargo build --release && cargo run --release --example sessions -- [SESSIONS]
+
+use std::{
+    process::{Command, Stdio},
+    sync::{atomic::{AtomicUsize, Ordering}, Arc},
+    time::{Duration, Instant},
+};
+
+use backstop::{budgets::Budgets, config::Config, store::Store};
+
+const KEY: &str = "bk-bench-sessions-01";
+
+fn rss_kb(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[tokio::main]
+async fn main() {
+    let sessions: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(100_000);
+    let dir = std::env::temp_dir().join(format!("backstop-sessions-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (port, mock_port) = (free_port(), free_port());
+    let config_text = format!(
+        r#"
+[server]
+listen = "127.0.0.1:{port}"
+[log]
+level = "warn"
+[store]
+path = "{store}"
+[mock]
+listen = "127.0.0.1:{mock_port}"
+[[prices]]
+model = "gpt-*"
+input_per_mtok = 2.5
+output_per_mtok = 10.0
+[[upstreams]]
+name = "mock"
+api = "openai"
+base_url = "http://127.0.0.1:{mock_port}"
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "mock" }}]
+[[tenants]]
+name = "t"
+api_keys = ["{KEY}"]
+[tenants.session]
+max_calls = 1000
+max_usd = 10.0
+max_concurrent = 8
+[tenants.budget]
+usd_per_day = 100000.0
+"#,
+        store = dir.join("sessions.db").display()
+    );
+
+    // 1. The store alone: reserve + settle (settle waits for the commit), 32 at a time.
+    let config = Config::from_toml_with_env(&config_text, |_| None).unwrap();
+    let store = Arc::new(Store::open(dir.join("reserve.db").to_str().unwrap()).unwrap());
+    let budgets = Arc::new(Budgets::new(&config, store, Duration::from_secs(600)));
+    let ops = 100_000;
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..32 {
+        let (budgets, next) = (budgets.clone(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= ops {
+                    break;
+                }
+                // 500 calls per session, well under its 1,000-call cap.
+                let session = format!("s{}", i / 500);
+                let Ok(r) = budgets.reserve("t", Some(&session), "gpt-4o", 100, 100) else { panic!("refused") };
+                r.settle(Some((50, 50))).await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let secs = started.elapsed().as_secs_f64();
+    println!("| reservations (reserve + settle + ledger commit), 32 concurrent | {:.0} per second ({ops} in {secs:.2} s) |", ops as f64 / secs);
+
+    // 2. The real binary: RSS after `sessions` distinct sessions went through it.
+    let config_path = dir.join("sessions.toml");
+    std::fs::write(&config_path, &config_text).unwrap();
+    let bin = std::env::var("BACKSTOP_BIN").unwrap_or_else(|_| "target/release/backstop".into());
+    let mut child = Command::new(bin).args(["serve", "--config", config_path.to_str().unwrap()]).stderr(Stdio::null()).spawn().unwrap();
+    let http = reqwest::Client::builder().pool_max_idle_per_host(64).build().unwrap();
+    let url = format!("http://127.0.0.1:{port}");
+    for _ in 0..100 {
+        if http.get(format!("{url}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pid = child.id();
+    println!("| RSS at start | {} MB |", rss_kb(pid, "VmRSS:") / 1024);
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let (http, url, next) = (http.clone(), url.clone(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= sessions {
+                    break;
+                }
+                let resp = http
+                    .post(format!("{url}/v1/chat/completions"))
+                    .bearer_auth(KEY)
+                    .header("x-session-id", format!("session-{i:08}"))
+                    .body(r#"{"model":"gpt-4o","max_tokens":64,"messages":[{"role":"user","content":"hi"}]}"#)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(resp.status(), 200);
+                let _ = resp.bytes().await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    println!(
+        "| RSS after {sessions} distinct sessions ({:.1} s) | {} MB (peak {} MB) |",
+        started.elapsed().as_secs_f64(),
+        rss_kb(pid, "VmRSS:") / 1024,
+        rss_kb(pid, "VmHWM:") / 1024
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+}
