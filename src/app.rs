@@ -8,14 +8,15 @@
 //! 4. [`AuthLayer`]: tenant key → [`Tenant`](crate::layers::auth::Tenant), else 401.
 //! 5. [`ContextLayer`]: body read once within the size limit, parsed, routed.
 //! 6. [`LimitsLayer`]: tenant and session request rates, session concurrency.
-//! 7. [`RecoveryLayer`]: target selection, classification, retry with backoff and
+//! 7. [`ValidateLayer`]: structured output checked; corrective retries with the
+//!    validator's errors; strategy switch to the next target; 502 `output_invalid`.
+//! 8. [`RecoveryLayer`]: target selection, classification, retry with backoff and
 //!    Retry-After, retry budget, per-upstream circuit breakers, failover.
-//! 8. [`MeterLayer`]: per upstream call (retries included), reserve against the
-//!    session's and tenant's caps, settle to reported usage.
-//! 9. [`Forward`]: one upstream attempt (leaf).
+//! 9. [`MeterLayer`]: per upstream call (retries and corrections included), reserve
+//!    against the session's and tenant's caps, settle to reported usage.
+//! 10. [`Forward`]: one upstream attempt (leaf).
 //!
-//! Later concerns (session guard, validation) slot in between 6 and 7, each as its own
-//! layer, in the order PRODUCT.md gives.
+//! The session guard slots in between 6 and 7, as its own layer.
 
 use std::{
     collections::HashMap,
@@ -53,10 +54,12 @@ use crate::{
         meter::MeterLayer,
         recovery::{RecoveryLayer, RetryPolicy},
         respond::RespondLayer,
+        validate::ValidateLayer,
     },
     routing::RouteTable,
     telemetry,
     upstream::{self, health::HealthRegistry, Forward, Upstream},
+    validation::Schemas,
 };
 
 type HttpService = BoxCloneSyncService<Request<Body>, Response, std::convert::Infallible>;
@@ -70,6 +73,7 @@ pub struct AppState {
     pub tenants: Arc<TenantKeys>,
     pub health: Arc<HealthRegistry>,
     pub budgets: Arc<Budgets>,
+    pub schemas: Arc<Schemas>,
     pub metrics: PrometheusHandle,
     /// False while starting and once shutdown has begun: `/readyz` answers 503.
     pub ready: Arc<AtomicBool>,
@@ -83,6 +87,7 @@ impl AppState {
         warn_unpriced(&config);
         Ok(AppState {
             budgets: Arc::new(Budgets::new(&config, store, config.store.session_idle)),
+            schemas: Arc::new(Schemas::new(config.validation.schema_cache_size)),
             tenants: Arc::new(TenantKeys::new(&config)),
             health: Arc::new(HealthRegistry::new(&config)),
             routes: Arc::new(routes),
@@ -118,6 +123,7 @@ fn proxy_stack(state: &AppState) -> HttpService {
         .layer(AuthLayer::new(state.tenants.clone()))
         .layer(ContextLayer::new(state.routes.clone(), server.max_body_bytes))
         .layer(LimitsLayer::new(state.budgets.clone()))
+        .layer(ValidateLayer::new(state.schemas.clone(), state.config.validation.clone()))
         .layer(RecoveryLayer::new(RetryPolicy::from_config(&state.config.retry), state.health.clone()))
         .layer(MeterLayer::new(state.budgets.clone()))
         .service(Forward::new(upstream::client()));

@@ -19,3 +19,4 @@ pub mod server;
 pub mod store;
 pub mod telemetry;
 pub mod upstream;
+pub mod validation;

@@ -20,6 +20,8 @@ pub struct Route {
     pub targets: Vec<Target>,
     /// Takes requests that a target refused with `context_length_exceeded`.
     pub context_fallback: Option<Target>,
+    /// The schema every answer must match (`response_schema`), if the route sets one.
+    pub response_schema: Option<Arc<serde_json::Value>>,
 }
 
 #[derive(Debug, Default)]
@@ -44,6 +46,7 @@ impl RouteTable {
                 pattern: route.model.clone(),
                 targets: route.targets.iter().map(target).collect(),
                 context_fallback: route.context_fallback.as_ref().map(target),
+                response_schema: route.response_schema_value.clone(),
             });
             table.names.push(route.model.clone());
             if route.is_glob() {

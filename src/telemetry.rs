@@ -90,6 +90,16 @@ impl RequestLog {
         f(&mut fields);
     }
 
+    /// Appends one step to the recovery trail (`x-backstop-recovery`).
+    pub fn push_step(&self, step: &str) {
+        self.update(|f| {
+            if !f.recovery.is_empty() {
+                f.recovery.push(',');
+            }
+            f.recovery.push_str(step);
+        });
+    }
+
     pub fn snapshot(&self) -> LogFields {
         self.fields.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }

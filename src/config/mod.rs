@@ -9,6 +9,7 @@ mod route;
 mod server;
 mod tenant;
 mod upstream;
+mod validation;
 
 use std::{collections::HashSet, fmt, path::Path};
 
@@ -20,6 +21,7 @@ pub use route::{RouteConfig, TargetConfig};
 pub use server::{LogConfig, LogFormat, MockConfig, ServerConfig};
 pub use tenant::TenantConfig;
 pub use upstream::{ApiKind, UpstreamConfig};
+pub use validation::{ValidationConfig, ValidationMode};
 
 /// The whole configuration file.
 #[derive(Debug, Clone, Deserialize)]
@@ -38,6 +40,8 @@ pub struct Config {
     pub breaker: BreakerConfig,
     #[serde(default)]
     pub admin: AdminConfig,
+    #[serde(default)]
+    pub validation: ValidationConfig,
     #[serde(default)]
     pub store: StoreConfig,
     #[serde(default)]
@@ -85,7 +89,8 @@ impl Config {
             path: path.display().to_string(),
             source,
         })?;
-        Self::from_toml_with_env(&text, |var| std::env::var(var).ok())
+        let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        Self::from_toml_in(&text, |var| std::env::var(var).ok(), &base)
     }
 
     /// Parses config text, resolving `${VAR}` through `lookup` (the process environment in
@@ -93,6 +98,16 @@ impl Config {
     pub fn from_toml_with_env(
         text: &str,
         lookup: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, ConfigError> {
+        Self::from_toml_in(text, lookup, Path::new(""))
+    }
+
+    /// As [`Config::from_toml_with_env`], with relative file paths in the config (route
+    /// schemas) resolved against `base`.
+    pub fn from_toml_in(
+        text: &str,
+        lookup: impl Fn(&str) -> Option<String>,
+        base: &Path,
     ) -> Result<Self, ConfigError> {
         let mut value: toml::Value =
             toml::from_str(text).map_err(|e| ConfigError::Syntax(e.message().to_string()))?;
@@ -104,6 +119,10 @@ impl Config {
                 message: e.into_inner().to_string(),
             }
         })?;
+        let mut config = config;
+        for (i, route) in config.routes.iter_mut().enumerate() {
+            route.load_schema(&format!("routes[{i}].response_schema"), base)?;
+        }
         config.validate()?;
         Ok(config)
     }
@@ -113,6 +132,7 @@ impl Config {
         self.server.validate()?;
         self.retry.validate()?;
         self.breaker.validate()?;
+        self.validation.validate()?;
         if self.admin.token.as_ref().is_some_and(|t| t.expose().len() < 16) {
             return Err(ConfigError::invalid("admin.token", "must be at least 16 characters"));
         }

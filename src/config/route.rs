@@ -14,6 +14,13 @@ pub struct RouteConfig {
     /// (typically a model with a larger context window).
     #[serde(default)]
     pub context_fallback: Option<TargetConfig>,
+    /// A JSON Schema file every answer on this route must match, even when the client
+    /// asked for no format (agents that must always answer in a fixed envelope).
+    #[serde(default)]
+    pub response_schema: Option<String>,
+    /// The schema, loaded from `response_schema` and checked to compile.
+    #[serde(skip)]
+    pub response_schema_value: Option<std::sync::Arc<serde_json::Value>>,
 }
 
 /// One target of a route: an upstream, and optionally the model to ask it for.
@@ -47,6 +54,22 @@ impl RouteConfig {
 
     pub fn is_glob(&self) -> bool {
         self.model.contains(['*', '?'])
+    }
+}
+
+impl RouteConfig {
+    /// Reads and compiles `response_schema` (relative paths against `base`).
+    pub(super) fn load_schema(&mut self, key: &str, base: &std::path::Path) -> Result<(), ConfigError> {
+        let Some(path) = &self.response_schema else { return Ok(()) };
+        let full = base.join(path);
+        let text = std::fs::read_to_string(&full)
+            .map_err(|e| ConfigError::invalid(key, format_args!("cannot read {}: {e}", full.display())))?;
+        let schema: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| ConfigError::invalid(key, format_args!("{} is not JSON: {e}", full.display())))?;
+        jsonschema::validator_for(&schema)
+            .map_err(|e| ConfigError::invalid(key, format_args!("{} is not a valid JSON Schema: {e}", full.display())))?;
+        self.response_schema_value = Some(std::sync::Arc::new(schema));
+        Ok(())
     }
 }
 

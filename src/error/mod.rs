@@ -42,6 +42,10 @@ pub enum GatewayError {
     RequestTimeout(Duration),
     #[error("no such endpoint: {method} {path}")]
     NotFound { method: String, path: String },
+    #[error("the request's JSON schema is invalid: {0}")]
+    InvalidSchema(String),
+    #[error("the model's output did not validate after {attempts} attempts: {}", errors.join("; "))]
+    OutputInvalid { errors: Vec<String>, attempts: u32 },
     #[error("rate limited: {detail}")]
     RateLimited { detail: String, retry_after: Duration },
     #[error("budget exceeded: {detail}")]
@@ -85,6 +89,8 @@ impl GatewayError {
             CircuitOpen { .. } => (503, "upstream_error", "circuit_open", "circuit_open"),
             RequestTimeout(_) => (504, "timeout_error", "request_timeout", "request_timeout"),
             NotFound { .. } => (404, "invalid_request_error", "unknown_endpoint", "not_found_error"),
+            InvalidSchema(_) => (400, "invalid_request_error", "invalid_schema", "invalid_request_error"),
+            OutputInvalid { .. } => (502, "upstream_error", "output_invalid", "output_invalid"),
             RateLimited { .. } => (429, "rate_limit_error", "rate_limited", "rate_limited"),
             BudgetExceeded { .. } => (402, "budget_error", "budget_exceeded", "budget_exceeded"),
             TooManyConcurrent { .. } => (429, "rate_limit_error", "too_many_concurrent", "too_many_concurrent"),

@@ -24,7 +24,7 @@ use crate::{
 };
 
 /// The parsed request, shared by every inner layer.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct RequestContext {
     pub endpoint: Endpoint,
     pub model: String,
@@ -45,6 +45,13 @@ pub struct RequestContext {
 }
 
 impl RequestContext {
+    /// The same request with a different body (a corrective retry, a non-streaming
+    /// fetch for validation); `stream` follows the new body.
+    pub fn with_json(&self, json: Map<String, Value>) -> RequestContext {
+        let body = Bytes::from(serde_json::to_vec(&json).expect("a JSON map serialises"));
+        RequestContext { stream: matches!(json.get("stream"), Some(Value::Bool(true))), body, json, ..self.clone() }
+    }
+
     /// The body to send upstream: as received, unless the model is rewritten or stream
     /// usage must be asked for (then re-serialised from the parsed body).
     pub fn upstream_body(&self, model: Option<&str>, ask_stream_usage: bool) -> Bytes {

@@ -8,3 +8,4 @@ pub mod limits;
 pub mod meter;
 pub mod recovery;
 pub mod respond;
+pub mod validate;

@@ -47,6 +47,15 @@ use crate::{
     },
 };
 
+/// Asks recovery to start at this target index (a strategy switch by an outer layer).
+#[derive(Clone, Copy, Debug)]
+pub struct StartAt(pub usize);
+
+/// Put on a successful response: the index of the target that answered
+/// (`usize::MAX` for the context fallback).
+#[derive(Clone, Copy, Debug)]
+pub struct AnsweredBy(pub usize);
+
 /// How transient failures are retried.
 #[derive(Clone, Debug)]
 pub struct RetryPolicy {
@@ -123,7 +132,8 @@ where
                 timeout: Duration::from_secs(3600),
             });
             let log = parts.extensions.get::<Arc<RequestLog>>().cloned();
-            run.recover(ctx, Arc::new(parts.headers), deadline, log).await
+            let start = parts.extensions.get::<StartAt>().map_or(0, |s| s.0);
+            run.recover(ctx, Arc::new(parts.headers), deadline, log, start).await
         })
     }
 }
@@ -207,17 +217,21 @@ where
         headers: Arc<HeaderMap>,
         deadline: Deadline,
         log: Option<Arc<RequestLog>>,
+        start: usize,
     ) -> Result<Response<Body>, GatewayError> {
         let request_timeout = deadline.timeout;
         let deadline = deadline.at;
         let api = ctx.endpoint.api();
         let route = ctx.route.clone();
-        let mut queue: VecDeque<&Target> = route.targets.iter().filter(|t| t.upstream.api == api).collect();
+        let mut queue: VecDeque<(usize, &Target)> =
+            route.targets.iter().enumerate().skip(start).filter(|(_, t)| t.upstream.api == api).collect();
         if queue.is_empty() {
+            // Nothing past `start` speaks the caller's API: a route/endpoint mismatch.
+            let other = route.targets[0].upstream.api;
             return Err(GatewayError::ApiMismatch {
                 model: ctx.model.clone(),
-                upstream_api: route.targets[0].upstream.api.as_str(),
-                path: match route.targets[0].upstream.api {
+                upstream_api: other.as_str(),
+                path: match other {
                     ApiKind::OpenAi => "/v1/chat/completions",
                     ApiKind::Anthropic => "/v1/messages",
                 },
@@ -226,19 +240,24 @@ where
         let mut last: Option<Failure> = None;
         let mut open_for: Option<Duration> = None;
         let mut first = true;
-        while let Some(target) = queue.pop_front() {
+        while let Some((index, target)) = queue.pop_front() {
             if !first {
                 self.trail.steps.push(format!("failover:{}", target.upstream.name));
                 metrics::counter!("backstop_failovers_total", "to" => target.upstream.name.to_string()).increment(1);
             }
             first = false;
             match self.try_target(&ctx, target, &headers, deadline, &mut last, &mut open_for).await {
-                Next::Answer(result) => return self.finish(result, log),
+                Next::Answer(mut result) => {
+                    if let Ok(response) = &mut result {
+                        response.extensions_mut().insert(AnsweredBy(index));
+                    }
+                    return self.finish(result, log);
+                }
                 Next::Failover => {}
                 Next::ContextFallback => match route.context_fallback.as_ref().filter(|f| f.upstream.api == api) {
                     Some(fallback) => {
                         queue.clear();
-                        queue.push_back(fallback);
+                        queue.push_back((usize::MAX, fallback));
                     }
                     None => break,
                 },
@@ -403,11 +422,19 @@ where
     fn finish(self, result: Result<Response<Body>, GatewayError>, log: Option<Arc<RequestLog>>) -> Result<Response<Body>, GatewayError> {
         if let Some(log) = log {
             let trail = self.trail;
+            // Appended: an outer layer (validation) may run recovery more than once.
             log.update(|f| {
-                f.attempts = trail.attempts;
-                f.upstream_time = trail.upstream_time;
-                f.recovery = trail.steps.join(",");
-                f.upstream = trail.upstream;
+                f.attempts += trail.attempts;
+                f.upstream_time += trail.upstream_time;
+                if !trail.steps.is_empty() {
+                    if !f.recovery.is_empty() {
+                        f.recovery.push(',');
+                    }
+                    f.recovery.push_str(&trail.steps.join(","));
+                }
+                if trail.upstream.is_some() {
+                    f.upstream = trail.upstream;
+                }
             });
         }
         result

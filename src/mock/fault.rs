@@ -14,6 +14,8 @@ use std::time::Duration;
 /// | `reset` | drop the connection before any response |
 /// | `invalid_json` | 200 with a body that is not JSON |
 /// | `content=TEXT` | the answer's text instead of the echo (no `,` or `;` inside) |
+/// | `content_b64=B64` | the answer's text, base64 (for JSON answers) |
+/// | `tool=NAME` / `tool_args_b64=B64` | answer with a call to tool NAME with these arguments |
 /// | `cut=N` | a stream that breaks after N chunks |
 /// | `usage=IN/OUT` | the token usage reported |
 /// | `chunks=N` / `chunk_delay=50ms` | how a stream is cut up and paced |
@@ -28,6 +30,8 @@ pub struct Step {
     pub reset: bool,
     pub invalid_json: bool,
     pub content: Option<String>,
+    pub tool: Option<String>,
+    pub tool_args: Option<String>,
     pub cut: Option<usize>,
     pub usage: Option<(u64, u64)>,
     pub chunks: Option<usize>,
@@ -58,6 +62,9 @@ impl Step {
                 "reset" => out.reset = true,
                 "invalid_json" => out.invalid_json = true,
                 "content" => out.content = Some(value.to_string()),
+                "content_b64" => out.content = decode_b64(value),
+                "tool" => out.tool = Some(value.to_string()),
+                "tool_args_b64" => out.tool_args = decode_b64(value),
                 "cut" => out.cut = value.parse().ok(),
                 "usage" => {
                     out.usage = value
@@ -117,6 +124,13 @@ impl FaultMix {
     }
 }
 
+fn decode_b64(value: &str) -> Option<String> {
+    use base64::Engine;
+    let engine = base64::engine::general_purpose::STANDARD;
+    let bytes = engine.decode(value).or_else(|_| base64::engine::general_purpose::URL_SAFE.decode(value)).ok()?;
+    String::from_utf8(bytes).ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -141,6 +155,14 @@ mod tests {
         assert_eq!(mix.pick(0.36), Step::default());
         assert!(FaultMix::parse("reset@0.7|hang@0.7").is_err());
         assert!(FaultMix::parse("reset").is_err());
+    }
+
+    #[test]
+    fn scripted_json_content_and_tool_calls() {
+        let s = Step::parse("content_b64=eyJhIjogMSwgImIiOiAyfQ==;tool=get_weather;tool_args_b64=eyJjaXR5IjoiUGFyaXMifQ==");
+        assert_eq!(s.content.as_deref(), Some(r#"{"a": 1, "b": 2}"#));
+        assert_eq!(s.tool.as_deref(), Some("get_weather"));
+        assert_eq!(s.tool_args.as_deref(), Some(r#"{"city":"Paris"}"#));
     }
 
     #[test]

@@ -89,8 +89,9 @@ pub fn completion(api: Api, request: &Value, step: &Step) -> Response<Body> {
     let streaming = request.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let id = next_id();
     if !streaming {
-        let body = match api {
-            Api::OpenAi => json!({
+        let tool_args = step.tool_args.clone().unwrap_or_else(|| "{}".into());
+        let body = match (api, &step.tool) {
+            (Api::OpenAi, None) => json!({
                 "id": format!("chatcmpl-mock-{id}"),
                 "object": "chat.completion",
                 "created": now_secs(),
@@ -98,13 +99,34 @@ pub fn completion(api: Api, request: &Value, step: &Step) -> Response<Body> {
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": input, "completion_tokens": output, "total_tokens": input + output},
             }),
-            Api::Anthropic => json!({
+            (Api::OpenAi, Some(tool)) => json!({
+                "id": format!("chatcmpl-mock-{id}"),
+                "object": "chat.completion",
+                "created": now_secs(),
+                "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": null, "tool_calls": [
+                    {"id": format!("call_mock_{id}"), "type": "function", "function": {"name": tool, "arguments": tool_args}}
+                ]}, "finish_reason": "tool_calls"}],
+                "usage": {"prompt_tokens": input, "completion_tokens": output, "total_tokens": input + output},
+            }),
+            (Api::Anthropic, None) => json!({
                 "id": format!("msg_mock_{id}"),
                 "type": "message",
                 "role": "assistant",
                 "model": model,
                 "content": [{"type": "text", "text": text}],
                 "stop_reason": "end_turn",
+                "stop_sequence": null,
+                "usage": {"input_tokens": input, "output_tokens": output},
+            }),
+            (Api::Anthropic, Some(tool)) => json!({
+                "id": format!("msg_mock_{id}"),
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": [{"type": "tool_use", "id": format!("toolu_mock_{id}"), "name": tool,
+                             "input": serde_json::from_str::<Value>(&tool_args).unwrap_or(Value::String(tool_args.clone()))}],
+                "stop_reason": "tool_use",
                 "stop_sequence": null,
                 "usage": {"input_tokens": input, "output_tokens": output},
             }),

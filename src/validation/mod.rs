@@ -1,0 +1,332 @@
+//! Structured output: what a request expects of its answer, whether an answer meets it,
+//! and the corrective follow-up that tells the model exactly what was wrong.
+//!
+//! Checked: OpenAI `response_format` (`json_schema`, `json_object`), each tool call's
+//! arguments against that tool's `parameters` (OpenAI) or each `tool_use.input` against
+//! `input_schema` (Anthropic), and a route's `response_schema`. A request that asks for
+//! none of these is never parsed for output.
+
+pub mod replay;
+mod schemas;
+
+use std::{collections::HashMap, sync::Arc};
+
+use jsonschema::{error::ValidationErrorKind, Validator};
+use serde_json::{json, Map, Value};
+
+pub use schemas::Schemas;
+
+use crate::config::ApiKind;
+
+/// What was wrong, by kind (the `x-backstop-recovery` token and metric label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Problem {
+    /// The answer is not JSON (or not a JSON object) where JSON was required.
+    Json,
+    /// The answer is JSON but breaks the schema.
+    Schema,
+    /// A tool call's arguments are not JSON or break the tool's schema.
+    ToolArgs,
+}
+
+impl Problem {
+    pub fn label(self) -> &'static str {
+        match self {
+            Problem::Json => "json",
+            Problem::Schema => "schema",
+            Problem::ToolArgs => "tool_args",
+        }
+    }
+}
+
+/// An answer that failed its checks.
+#[derive(Debug, Clone)]
+pub struct Invalid {
+    pub problem: Problem,
+    /// `path: message` lines, e.g. `/temp_c: "temp_c" is a required property`.
+    pub errors: Vec<String>,
+    /// The model's output as it should be shown back to it.
+    pub output: String,
+    /// The tool whose call was wrong, for tool-argument problems.
+    pub tool: Option<String>,
+}
+
+enum ContentRule {
+    Schema(Arc<Validator>),
+    JsonObject,
+}
+
+/// What one request's answers must satisfy.
+pub struct Expectations {
+    api: ApiKind,
+    content: Option<ContentRule>,
+    tools: HashMap<String, Arc<Validator>>,
+}
+
+/// A schema in the request that does not compile: the caller's mistake.
+#[derive(Debug)]
+pub struct BadSchema(pub String);
+
+impl Expectations {
+    /// The request's expectations, or `None` when nothing is to be validated.
+    pub fn from_request(api: ApiKind, request: &Map<String, Value>, route_schema: Option<&Arc<Value>>, schemas: &Schemas) -> Result<Option<Self>, BadSchema> {
+        let mut content = None;
+        if let Some(format) = request.get("response_format") {
+            match format.get("type").and_then(Value::as_str) {
+                Some("json_schema") => {
+                    let schema = format.pointer("/json_schema/schema").ok_or_else(|| BadSchema("response_format.json_schema.schema is missing".into()))?;
+                    content = Some(ContentRule::Schema(schemas.get(schema).map_err(|e| BadSchema(format!("response_format.json_schema.schema: {e}")))?));
+                }
+                Some("json_object") => content = Some(ContentRule::JsonObject),
+                _ => {}
+            }
+        }
+        if content.is_none() {
+            if let Some(schema) = route_schema {
+                content = Some(ContentRule::Schema(schemas.get(schema).map_err(BadSchema)?));
+            }
+        }
+        let mut tools = HashMap::new();
+        for tool in request.get("tools").and_then(Value::as_array).into_iter().flatten() {
+            let (name, schema) = match api {
+                ApiKind::OpenAi => (tool.pointer("/function/name"), tool.pointer("/function/parameters")),
+                ApiKind::Anthropic => (tool.get("name"), tool.get("input_schema")),
+            };
+            if let (Some(Value::String(name)), Some(schema)) = (name, schema) {
+                let validator = schemas.get(schema).map_err(|e| BadSchema(format!("tool {name}: {e}")))?;
+                tools.insert(name.clone(), validator);
+            }
+        }
+        if content.is_none() && tools.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(Expectations { api, content, tools }))
+    }
+
+    /// Checks one (non-streaming) answer body.
+    pub fn check(&self, answer: &Value) -> Result<(), Invalid> {
+        let calls = tool_calls(self.api, answer);
+        for (name, args) in &calls {
+            let Some(validator) = self.tools.get(name) else {
+                if self.tools.is_empty() {
+                    continue;
+                }
+                return Err(Invalid { problem: Problem::ToolArgs, errors: vec![format!("there is no tool named `{name}`")], output: args.to_string(), tool: Some(name.clone()) });
+            };
+            let parsed = match args {
+                ToolArgs::Raw(text) => match serde_json::from_str::<Value>(text) {
+                    Ok(v) => v,
+                    Err(e) => return Err(Invalid { problem: Problem::ToolArgs, errors: vec![format!("arguments are not valid JSON: {e}")], output: text.clone(), tool: Some(name.clone()) }),
+                },
+                ToolArgs::Parsed(v) => v.clone(),
+            };
+            let errors = schema_errors(validator, &parsed);
+            if !errors.is_empty() {
+                return Err(Invalid { problem: Problem::ToolArgs, errors, output: parsed.to_string(), tool: Some(name.clone()) });
+            }
+        }
+        // A tool-calling answer carries no content to check.
+        let Some(rule) = self.content.as_ref().filter(|_| calls.is_empty()) else { return Ok(()) };
+        let text = content_text(self.api, answer);
+        let parsed = match serde_json::from_str::<Value>(strip_fences(&text)) {
+            Ok(v) => v,
+            Err(e) => return Err(Invalid { problem: Problem::Json, errors: vec![format!("the answer is not valid JSON: {e}")], output: text, tool: None }),
+        };
+        match rule {
+            ContentRule::JsonObject if !parsed.is_object() => Err(Invalid { problem: Problem::Json, errors: vec!["the answer must be a JSON object".into()], output: text, tool: None }),
+            ContentRule::JsonObject => Ok(()),
+            ContentRule::Schema(validator) => {
+                let errors = schema_errors(validator, &parsed);
+                if errors.is_empty() {
+                    Ok(())
+                } else {
+                    Err(Invalid { problem: Problem::Schema, errors, output: text, tool: None })
+                }
+            }
+        }
+    }
+}
+
+/// Models sometimes wrap JSON in a Markdown fence; that alone is not worth a retry.
+fn strip_fences(text: &str) -> &str {
+    let t = text.trim();
+    t.strip_prefix("```json")
+        .or_else(|| t.strip_prefix("```"))
+        .and_then(|rest| rest.strip_suffix("```"))
+        .map_or(t, str::trim)
+}
+
+/// `path: message` for each schema violation; a missing property is shown at its own path.
+fn schema_errors(validator: &Validator, instance: &Value) -> Vec<String> {
+    validator
+        .iter_errors(instance)
+        .take(20)
+        .map(|e| {
+            let mut path = e.instance_path.to_string();
+            if let ValidationErrorKind::Required { property } = &e.kind {
+                if let Some(p) = property.as_str() {
+                    path = format!("{path}/{p}");
+                }
+            }
+            if path.is_empty() {
+                path = "/".into();
+            }
+            format!("{path}: {e}")
+        })
+        .collect()
+}
+
+enum ToolArgs {
+    /// OpenAI: a string that should hold JSON.
+    Raw(String),
+    /// Anthropic: already a JSON value.
+    Parsed(Value),
+}
+
+impl std::fmt::Display for ToolArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ToolArgs::Raw(s) => f.write_str(s),
+            ToolArgs::Parsed(v) => write!(f, "{v}"),
+        }
+    }
+}
+
+fn tool_calls(api: ApiKind, answer: &Value) -> Vec<(String, ToolArgs)> {
+    match api {
+        ApiKind::OpenAi => answer
+            .pointer("/choices/0/message/tool_calls")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(|c| {
+                let name = c.pointer("/function/name")?.as_str()?.to_string();
+                let args = c.pointer("/function/arguments").and_then(Value::as_str).unwrap_or("").to_string();
+                Some((name, ToolArgs::Raw(args)))
+            })
+            .collect(),
+        ApiKind::Anthropic => answer
+            .get("content")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
+            .filter_map(|b| Some((b.get("name")?.as_str()?.to_string(), ToolArgs::Parsed(b.get("input").cloned().unwrap_or(Value::Null)))))
+            .collect(),
+    }
+}
+
+/// The answer's text: OpenAI `message.content`, Anthropic's text blocks joined.
+fn content_text(api: ApiKind, answer: &Value) -> String {
+    match api {
+        ApiKind::OpenAi => answer.pointer("/choices/0/message/content").and_then(Value::as_str).unwrap_or("").to_string(),
+        ApiKind::Anthropic => answer
+            .get("content")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(|b| b.get("text").and_then(Value::as_str))
+            .collect(),
+    }
+}
+
+/// The request for the next attempt: the invalid output appended as the assistant's turn,
+/// then a user turn listing the errors by path and asking for the format only.
+pub fn corrective_request(request: &Map<String, Value>, invalid: &Invalid) -> Map<String, Value> {
+    let mut next = request.clone();
+    let what = match (&invalid.problem, &invalid.tool) {
+        (Problem::ToolArgs, Some(tool)) => format!("Your call to the tool `{tool}` had invalid arguments"),
+        (Problem::Json, _) => "Your previous answer was not valid JSON".to_string(),
+        _ => "Your previous answer did not match the required JSON schema".to_string(),
+    };
+    let ask = match invalid.problem {
+        Problem::ToolArgs => "Call the tool again with arguments that match its schema exactly.",
+        _ => "Answer again with only the corrected JSON, in the required format, and nothing else.",
+    };
+    let feedback = format!("{what}. Errors:\n{}\n{ask}", invalid.errors.iter().map(|e| format!("- {e}")).collect::<Vec<_>>().join("\n"));
+    let messages = next.entry("messages").or_insert_with(|| Value::Array(Vec::new()));
+    if let Value::Array(messages) = messages {
+        messages.push(json!({"role": "assistant", "content": invalid.output}));
+        messages.push(json!({"role": "user", "content": feedback}));
+    }
+    next
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn weather_schema() -> Value {
+        json!({"type": "object", "properties": {"city": {"type": "string"}, "temp_c": {"type": "number"}}, "required": ["city", "temp_c"], "additionalProperties": false})
+    }
+
+    fn openai_answer(content: &str) -> Value {
+        json!({"choices": [{"message": {"role": "assistant", "content": content}}]})
+    }
+
+    fn expectations(request: Value) -> Expectations {
+        let Value::Object(request) = request else { panic!() };
+        Expectations::from_request(ApiKind::OpenAi, &request, None, &Schemas::new(16)).unwrap().unwrap()
+    }
+
+    #[test]
+    fn schema_errors_are_listed_by_path() {
+        let e = expectations(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": weather_schema(), "strict": true}}}));
+        assert!(e.check(&openai_answer(r#"{"city": "Paris", "temp_c": 21.5}"#)).is_ok());
+        let invalid = e.check(&openai_answer(r#"{"city": "Paris"}"#)).unwrap_err();
+        assert_eq!(invalid.problem, Problem::Schema);
+        assert_eq!(invalid.errors, [r#"/temp_c: "temp_c" is a required property"#]);
+        let invalid = e.check(&openai_answer(r#"{"city": 3, "temp_c": "hot"}"#)).unwrap_err();
+        assert_eq!(invalid.errors.len(), 2, "{:?}", invalid.errors);
+        assert!(invalid.errors.iter().any(|e| e.starts_with("/city: ")));
+        let invalid = e.check(&openai_answer("It is sunny.")).unwrap_err();
+        assert_eq!(invalid.problem, Problem::Json);
+        assert!(e.check(&openai_answer("```json\n{\"city\": \"Oslo\", \"temp_c\": -3}\n```")).is_ok());
+    }
+
+    #[test]
+    fn json_object_mode_wants_an_object() {
+        let e = expectations(json!({"response_format": {"type": "json_object"}}));
+        assert!(e.check(&openai_answer(r#"{"a": 1}"#)).is_ok());
+        assert_eq!(e.check(&openai_answer("[1, 2]")).unwrap_err().problem, Problem::Json);
+    }
+
+    #[test]
+    fn tool_arguments_are_checked_per_tool_for_both_apis() {
+        let e = expectations(json!({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": weather_schema()}}]}));
+        let call = |args: &str| json!({"choices": [{"message": {"tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": args}}]}}]});
+        assert!(e.check(&call(r#"{"city": "Rome", "temp_c": 30}"#)).is_ok());
+        let invalid = e.check(&call(r#"{"city": "Rome"}"#)).unwrap_err();
+        assert_eq!((invalid.problem, invalid.tool.as_deref()), (Problem::ToolArgs, Some("get_weather")));
+        assert_eq!(e.check(&call("{city: Rome")).unwrap_err().problem, Problem::ToolArgs);
+        assert!(e.check(&openai_answer("plain text is fine when no format is required")).is_ok());
+
+        let Value::Object(request) = json!({"tools": [{"name": "get_weather", "input_schema": weather_schema()}]}) else { panic!() };
+        let e = Expectations::from_request(ApiKind::Anthropic, &request, None, &Schemas::new(4)).unwrap().unwrap();
+        let answer = json!({"content": [{"type": "text", "text": "calling"}, {"type": "tool_use", "name": "get_weather", "input": {"city": "Rome", "temp_c": "warm"}}]});
+        let invalid = e.check(&answer).unwrap_err();
+        assert_eq!(invalid.errors.len(), 1);
+        assert!(invalid.errors[0].starts_with("/temp_c: "), "{:?}", invalid.errors);
+    }
+
+    #[test]
+    fn no_format_means_no_validation() {
+        let Value::Object(request) = json!({"model": "m", "messages": []}) else { panic!() };
+        assert!(Expectations::from_request(ApiKind::OpenAi, &request, None, &Schemas::new(4)).unwrap().is_none());
+        let route = Arc::new(weather_schema());
+        assert!(Expectations::from_request(ApiKind::OpenAi, &request, Some(&route), &Schemas::new(4)).unwrap().is_some());
+    }
+
+    #[test]
+    fn the_corrective_request_holds_the_output_and_the_errors() {
+        let Value::Object(request) = json!({"model": "m", "messages": [{"role": "user", "content": "weather?"}]}) else { panic!() };
+        let invalid = Invalid { problem: Problem::Schema, errors: vec![r#"/temp_c: "temp_c" is a required property"#.into()], output: r#"{"city":"Paris"}"#.into(), tool: None };
+        let next = corrective_request(&request, &invalid);
+        let messages = next["messages"].as_array().unwrap();
+        assert_eq!(messages.len(), 3);
+        assert_eq!(messages[1], json!({"role": "assistant", "content": r#"{"city":"Paris"}"#}));
+        let feedback = messages[2]["content"].as_str().unwrap();
+        assert!(feedback.contains(r#"- /temp_c: "temp_c" is a required property"#), "{feedback}");
+        assert_eq!(request["messages"].as_array().unwrap().len(), 1, "the original is untouched");
+    }
+}
