@@ -25,6 +25,7 @@ pub fn routes() -> Router<AppState> {
         .route("/admin/tenants/{tenant}", get(tenant))
         .route("/admin/tenants/{tenant}/sessions/{session}", get(session))
         .route("/admin/tenants/{tenant}/sessions/{session}/reset", post(reset_session))
+        .route("/admin/tenants/{tenant}/sessions/{session}/close", post(close_session))
         .route("/v1/sessions/{session}", get(own_session))
 }
 
@@ -83,10 +84,30 @@ async fn session(State(state): State<AppState>, headers: HeaderMap, Path((tenant
     if let Err(r) = admin_auth(&state, &headers) {
         return r;
     }
-    match state.budgets.session_report(&tenant, &session) {
+    match session_view(&state, &tenant, &session) {
         Some(report) => json_response(report),
         None => refuse(GatewayError::NotFoundAdmin { what: "tenant" }),
     }
+}
+
+/// Budgets, and for guarded tenants the guard's signals and the recovery trace.
+fn session_view(state: &AppState, tenant: &str, session: &str) -> Option<Value> {
+    let mut report = state.budgets.session_report(tenant, session)?;
+    if let Some(guard) = state.guards.report(tenant, session, state.budgets.session_usd(tenant, session)) {
+        report["guard"] = guard;
+    }
+    Some(report)
+}
+
+/// `POST /admin/tenants/{tenant}/sessions/{session}/close`: refuse the session for good.
+async fn close_session(State(state): State<AppState>, headers: HeaderMap, Path((tenant, session)): Path<(String, String)>) -> Response {
+    if let Err(r) = admin_auth(&state, &headers) {
+        return r;
+    }
+    if !state.guards.close(&tenant, &session) {
+        return refuse(GatewayError::NotFoundAdmin { what: "guarded tenant" });
+    }
+    json_response(session_view(&state, &tenant, &session).unwrap_or(Value::Null))
 }
 
 /// `POST /admin/tenants/{tenant}/sessions/{session}/reset`: the session starts over.
@@ -97,8 +118,9 @@ async fn reset_session(State(state): State<AppState>, headers: HeaderMap, Path((
     if !state.budgets.reset_session(&tenant, &session).await {
         return refuse(GatewayError::NotFoundAdmin { what: "tenant" });
     }
+    state.guards.reset(&tenant, &session);
     tracing::info!(%tenant, %session, "session reset by an operator");
-    json_response(state.budgets.session_report(&tenant, &session).unwrap_or(Value::Null))
+    json_response(session_view(&state, &tenant, &session).unwrap_or(Value::Null))
 }
 
 /// `GET /v1/sessions/{session}` with a tenant key: that tenant's own session only.

@@ -8,6 +8,7 @@
 //! 4. [`AuthLayer`]: tenant key → [`Tenant`](crate::layers::auth::Tenant), else 401.
 //! 5. [`ContextLayer`]: body read once within the size limit, parsed, routed.
 //! 6. [`LimitsLayer`]: tenant and session request rates, session concurrency.
+//! 6½. [`GuardLayer`]: the session guard: loops, repeats, failures, spend velocity.
 //! 7. [`ValidateLayer`]: structured output checked; corrective retries with the
 //!    validator's errors; strategy switch to the next target; 502 `output_invalid`.
 //! 8. [`RecoveryLayer`]: target selection, classification, retry with backoff and
@@ -15,8 +16,7 @@
 //! 9. [`MeterLayer`]: per upstream call (retries and corrections included), reserve
 //!    against the session's and tenant's caps, settle to reported usage.
 //! 10. [`Forward`]: one upstream attempt (leaf).
-//!
-//! The session guard slots in between 6 and 7, as its own layer.
+
 
 use std::{
     collections::HashMap,
@@ -41,6 +41,7 @@ use tower::{util::BoxCloneSyncService, ServiceBuilder};
 use crate::{
     api::Endpoint,
     budgets::Budgets,
+    guard::Guards,
     policy::budget::Prices,
     store::{Store, StoreError},
     config::Config,
@@ -50,6 +51,7 @@ use crate::{
         context::ContextLayer,
         deadline::DeadlineLayer,
         edge::{EdgeLayer, X_REQUEST_ID},
+        guard::GuardLayer,
         limits::LimitsLayer,
         meter::MeterLayer,
         recovery::{RecoveryLayer, RetryPolicy},
@@ -74,6 +76,7 @@ pub struct AppState {
     pub health: Arc<HealthRegistry>,
     pub budgets: Arc<Budgets>,
     pub schemas: Arc<Schemas>,
+    pub guards: Arc<Guards>,
     pub metrics: PrometheusHandle,
     /// False while starting and once shutdown has begun: `/readyz` answers 503.
     pub ready: Arc<AtomicBool>,
@@ -88,6 +91,7 @@ impl AppState {
         Ok(AppState {
             budgets: Arc::new(Budgets::new(&config, store, config.store.session_idle)),
             schemas: Arc::new(Schemas::new(config.validation.schema_cache_size)),
+            guards: Arc::new(Guards::new(&config, config.store.session_idle)),
             tenants: Arc::new(TenantKeys::new(&config)),
             health: Arc::new(HealthRegistry::new(&config)),
             routes: Arc::new(routes),
@@ -123,6 +127,7 @@ fn proxy_stack(state: &AppState) -> HttpService {
         .layer(AuthLayer::new(state.tenants.clone()))
         .layer(ContextLayer::new(state.routes.clone(), server.max_body_bytes))
         .layer(LimitsLayer::new(state.budgets.clone()))
+        .layer(GuardLayer::new(state.guards.clone(), state.budgets.clone()))
         .layer(ValidateLayer::new(state.schemas.clone(), state.config.validation.clone()))
         .layer(RecoveryLayer::new(RetryPolicy::from_config(&state.config.retry), state.health.clone()))
         .layer(MeterLayer::new(state.budgets.clone()))

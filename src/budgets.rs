@@ -236,6 +236,11 @@ impl Budgets {
         Some(parts.join("; "))
     }
 
+    /// A session's settled spend in USD (0 for unknown tenants).
+    pub fn session_usd(&self, tenant: &str, session: &str) -> f64 {
+        self.tenant(tenant).map_or(0.0, |book| lock(&self.session(&book.name, session).account).settled.usd)
+    }
+
     /// A session's figures for the admin API and the tenant's own view.
     pub fn session_report(&self, tenant: &str, session: &str) -> Option<serde_json::Value> {
         let book = self.tenant(tenant)?;

@@ -11,6 +11,7 @@ pub mod budgets;
 pub mod config;
 pub mod demo;
 pub mod error;
+pub mod guard;
 pub mod layers;
 pub mod mock;
 pub mod policy;

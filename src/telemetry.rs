@@ -82,6 +82,8 @@ pub struct LogFields {
     pub recovery: String,
     /// What the session has left (the `x-backstop-budget-remaining` header).
     pub budget_remaining: Option<String>,
+    /// The session guard's state after this request (`x-backstop-session-state`).
+    pub session_state: Option<&'static str>,
 }
 
 impl RequestLog {

@@ -19,7 +19,7 @@ pub use budget::{BillingConfig, PriceConfig, SessionLimitsConfig, StoreConfig, T
 pub use recovery::{AdminConfig, BreakerConfig, RetryConfig};
 pub use route::{RouteConfig, TargetConfig};
 pub use server::{LogConfig, LogFormat, MockConfig, ServerConfig};
-pub use tenant::TenantConfig;
+pub use tenant::{GuardConfig, TenantConfig};
 pub use upstream::{ApiKind, UpstreamConfig};
 pub use validation::{ValidationConfig, ValidationMode};
 

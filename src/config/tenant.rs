@@ -20,6 +20,67 @@ pub struct TenantConfig {
     /// The tenant's spend per UTC day.
     #[serde(default)]
     pub budget: TenantBudgetConfig,
+    /// The session guard; off unless this table is present.
+    #[serde(default)]
+    pub guard: Option<GuardConfig>,
+}
+
+/// `[tenants.guard]`: what trips one of the tenant's sessions.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GuardConfig {
+    /// Client requests in a row that failed after Backstop's own recovery.
+    pub max_consecutive_failures: u32,
+    /// The same request (model + messages + tools) at most this many times per window.
+    pub identical_request_limit: u32,
+    #[serde(with = "humantime_serde")]
+    pub identical_request_window: std::time::Duration,
+    /// The same tool call answered by the same result this many times in the history.
+    pub tool_loop_limit: u32,
+    /// Spend velocity; unset means no velocity rule.
+    pub max_usd_per_minute: Option<f64>,
+    #[serde(with = "humantime_serde")]
+    pub cool_down: std::time::Duration,
+}
+
+impl Default for GuardConfig {
+    fn default() -> Self {
+        GuardConfig {
+            max_consecutive_failures: 5,
+            identical_request_limit: 3,
+            identical_request_window: std::time::Duration::from_secs(600),
+            tool_loop_limit: 3,
+            max_usd_per_minute: None,
+            cool_down: std::time::Duration::from_secs(60),
+        }
+    }
+}
+
+impl GuardConfig {
+    fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        positive_int(&format!("{key}.max_consecutive_failures"), Some(u64::from(self.max_consecutive_failures)))?;
+        positive_int(&format!("{key}.identical_request_limit"), Some(u64::from(self.identical_request_limit)))?;
+        positive_int(&format!("{key}.tool_loop_limit"), Some(u64::from(self.tool_loop_limit)))?;
+        super::budget::positive_f64(&format!("{key}.max_usd_per_minute"), self.max_usd_per_minute)?;
+        if self.identical_request_window.is_zero() {
+            return Err(ConfigError::invalid(format!("{key}.identical_request_window"), "must be greater than 0"));
+        }
+        if self.cool_down.is_zero() {
+            return Err(ConfigError::invalid(format!("{key}.cool_down"), "must be greater than 0"));
+        }
+        Ok(())
+    }
+
+    pub fn policy(&self) -> crate::policy::guard::GuardConfig {
+        crate::policy::guard::GuardConfig {
+            max_consecutive_failures: self.max_consecutive_failures,
+            identical_request_limit: self.identical_request_limit,
+            identical_request_window: self.identical_request_window,
+            tool_loop_limit: self.tool_loop_limit,
+            max_usd_per_minute: self.max_usd_per_minute,
+            cool_down: self.cool_down,
+        }
+    }
 }
 
 impl TenantConfig {
@@ -36,6 +97,9 @@ impl TenantConfig {
         positive_int(&format!("{key}.requests_per_minute"), self.requests_per_minute.map(u64::from))?;
         self.session.validate(&format!("{key}.session"))?;
         self.budget.validate(&format!("{key}.budget"))?;
+        if let Some(guard) = &self.guard {
+            guard.validate(&format!("{key}.guard"))?;
+        }
         for (i, api_key) in self.api_keys.iter().enumerate() {
             if api_key.expose().len() < 8 {
                 return Err(ConfigError::invalid(

@@ -46,6 +46,8 @@ pub enum GatewayError {
     InvalidSchema(String),
     #[error("the model's output did not validate after {attempts} attempts: {}", errors.join("; "))]
     OutputInvalid { errors: Vec<String>, attempts: u32 },
+    #[error("{detail}")]
+    SessionRefused { code: &'static str, detail: String, retry_after: Duration },
     #[error("rate limited: {detail}")]
     RateLimited { detail: String, retry_after: Duration },
     #[error("budget exceeded: {detail}")]
@@ -91,6 +93,7 @@ impl GatewayError {
             NotFound { .. } => (404, "invalid_request_error", "unknown_endpoint", "not_found_error"),
             InvalidSchema(_) => (400, "invalid_request_error", "invalid_schema", "invalid_request_error"),
             OutputInvalid { .. } => (502, "upstream_error", "output_invalid", "output_invalid"),
+            SessionRefused { code, .. } => (429, "session_error", *code, *code),
             RateLimited { .. } => (429, "rate_limit_error", "rate_limited", "rate_limited"),
             BudgetExceeded { .. } => (402, "budget_error", "budget_exceeded", "budget_exceeded"),
             TooManyConcurrent { .. } => (429, "rate_limit_error", "too_many_concurrent", "too_many_concurrent"),
@@ -105,9 +108,24 @@ impl GatewayError {
     /// How long the client should wait before trying again, when Backstop knows.
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
-            GatewayError::CircuitOpen { retry_after } | GatewayError::RateLimited { retry_after, .. } => Some(*retry_after),
+            GatewayError::CircuitOpen { retry_after }
+            | GatewayError::RateLimited { retry_after, .. }
+            | GatewayError::SessionRefused { retry_after, .. } => Some(*retry_after),
             _ => None,
         }
+    }
+
+    /// Backstop refused on purpose (limits, budgets, the session guard): says nothing
+    /// about whether the session's work is failing.
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            GatewayError::RateLimited { .. }
+                | GatewayError::BudgetExceeded { .. }
+                | GatewayError::TooManyConcurrent { .. }
+                | GatewayError::Unpriced { .. }
+                | GatewayError::SessionRefused { .. }
+        )
     }
 
     /// Which budget refused (for `budget_exceeded`), as the OpenAI `param`.

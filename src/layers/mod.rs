@@ -4,6 +4,7 @@ pub mod auth;
 pub mod context;
 pub mod deadline;
 pub mod edge;
+pub mod guard;
 pub mod limits;
 pub mod meter;
 pub mod recovery;

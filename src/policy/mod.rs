@@ -6,5 +6,6 @@ pub mod backoff;
 pub mod breaker;
 pub mod budget;
 pub mod classify;
+pub mod guard;
 pub mod retry_budget;
 pub mod window;

@@ -1,0 +1,143 @@
+//! Session-guard layer (pipeline step 5): stops one agent's own loops, which upstream
+//! breakers cannot see. For a guarded tenant's session it fingerprints the request,
+//! admits or refuses it ([`SessionGuard::admit`]), records how it ended, and keeps the
+//! session's recovery trace. Refuses with 429 `session_tripped` or `loop_detected`,
+//! Retry-After until the probe, and a message naming the rule and its evidence — before
+//! any upstream call. Every response of a guarded session carries
+//! `x-backstop-session-state`.
+//!
+//! [`SessionGuard::admit`]: crate::policy::guard::SessionGuard::admit
+
+use std::{
+    sync::Arc,
+    task::{Context, Poll},
+    time::Instant,
+};
+
+use axum::body::Body;
+use futures_util::future::BoxFuture;
+use http::{Request, Response};
+use serde_json::json;
+use tower::{Layer, Service};
+
+use crate::{
+    budgets::Budgets,
+    error::GatewayError,
+    guard::{lock, Guards},
+    layers::{context::RequestContext, edge::RequestId},
+    policy::guard::fingerprint,
+    telemetry::RequestLog,
+};
+
+#[derive(Clone)]
+pub struct GuardLayer {
+    guards: Arc<Guards>,
+    budgets: Arc<Budgets>,
+}
+
+impl GuardLayer {
+    pub fn new(guards: Arc<Guards>, budgets: Arc<Budgets>) -> Self {
+        GuardLayer { guards, budgets }
+    }
+}
+
+impl<S> Layer<S> for GuardLayer {
+    type Service = Guard<S>;
+    fn layer(&self, inner: S) -> Guard<S> {
+        Guard { inner, layer: self.clone() }
+    }
+}
+
+#[derive(Clone)]
+pub struct Guard<S> {
+    inner: S,
+    layer: GuardLayer,
+}
+
+fn transition(tenant: &str, session: &str, change: Option<(&'static str, &'static str)>, request_id: &str) {
+    if let Some((from, to)) = change {
+        tracing::warn!(tenant, session, from, to, request_id, "session state transition");
+        metrics::counter!("backstop_session_transitions_total", "from" => from, "to" => to).increment(1);
+    }
+}
+
+impl<S> Service<Request<Body>> for Guard<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = GatewayError;
+    type Future = BoxFuture<'static, Result<Response<Body>, GatewayError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), GatewayError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let layer = self.layer.clone();
+        Box::pin(async move {
+            let ctx = req.extensions().get::<Arc<RequestContext>>().cloned().ok_or(GatewayError::Internal)?;
+            let entry = ctx.session_id.as_deref().and_then(|s| layer.guards.entry(&ctx.tenant, s));
+            let (Some(entry), Some(session)) = (entry, ctx.session_id.clone()) else {
+                return inner.call(req).await;
+            };
+            let log = req.extensions().get::<Arc<RequestLog>>().cloned();
+            let request_id = req.extensions().get::<RequestId>().and_then(|r| r.0.to_str().ok().map(str::to_owned)).unwrap_or_default();
+            let tenant = ctx.tenant.clone();
+            let fp = fingerprint(&ctx.json);
+            let usd_before = layer.budgets.session_usd(&tenant, &session);
+            let admitted = {
+                let mut e = lock(&entry);
+                let (admitted, change) = e.guard.admit(tokio::time::Instant::now(), &fp, usd_before);
+                transition(&tenant, &session, change, &request_id);
+                if let Err(refused) = &admitted {
+                    e.trace(json!({"request_id": request_id, "action": format!("refused:{}", refused.trip.code), "rule": refused.trip.rule, "evidence": refused.trip.evidence}));
+                }
+                let state = e.guard.state().label();
+                if let Some(log) = &log {
+                    log.update(|f| f.session_state = Some(state));
+                }
+                admitted
+            };
+            if let Err(refused) = admitted {
+                metrics::counter!("backstop_refusals_total", "reason" => refused.trip.code).increment(1);
+                return Err(GatewayError::SessionRefused {
+                    code: refused.trip.code,
+                    detail: format!("{} ({}): {}", refused.trip.code, refused.trip.rule, refused.trip.evidence),
+                    retry_after: refused.retry_after,
+                });
+            }
+            let started = Instant::now();
+            let result = inner.call(req).await;
+            let (status, failed) = match &result {
+                Ok(r) => (r.status().as_u16(), r.status().as_u16() >= 400),
+                Err(e) => (e.kind().status, !e.is_refusal()),
+            };
+            let usd_after = layer.budgets.session_usd(&tenant, &session);
+            let fields = log.as_ref().map(|l| l.snapshot()).unwrap_or_default();
+            let mut e = lock(&entry);
+            let change = e.guard.record(tokio::time::Instant::now(), failed);
+            transition(&tenant, &session, change, &request_id);
+            let state = e.guard.state().label();
+            e.trace(json!({
+                "request_id": request_id,
+                "status": status,
+                "class": if failed { "failed" } else { "ok" },
+                "action": fields.recovery,
+                "attempts": fields.attempts,
+                "upstream": fields.upstream.as_deref(),
+                "latency_ms": started.elapsed().as_secs_f64() * 1e3,
+                "cost_usd": (usd_after - usd_before).max(0.0),
+                "tool_loop": fp.tool_loop.as_ref().map_or(0, |(_, n)| *n),
+                "state": state,
+            }));
+            if let Some(log) = &log {
+                log.update(|f| f.session_state = Some(state));
+            }
+            result
+        })
+    }
+}

@@ -1,0 +1,449 @@
+//! The session guard's state machine and trip rules, with the clock passed in.
+//!
+//! active → recovering (a request failed; Backstop's own recovery could not save it)
+//!        → tripped (a rule fired: refusing until `cool_down`)
+//!        → probing (cool-down over: one request admitted)
+//!        → active on success, or tripped again on failure; closed by an operator.
+//!
+//! Rules: consecutive failed requests; the identical request (model + messages + tools)
+//! too often in a window; the same tool call answered by the same result too often in the
+//! conversation; spend velocity.
+
+use std::{collections::VecDeque, time::Duration};
+
+use serde_json::{json, Value};
+use tokio::time::Instant;
+
+#[derive(Debug, Clone)]
+pub struct GuardConfig {
+    pub max_consecutive_failures: u32,
+    pub identical_request_limit: u32,
+    pub identical_request_window: Duration,
+    pub tool_loop_limit: u32,
+    pub max_usd_per_minute: Option<f64>,
+    pub cool_down: Duration,
+}
+
+/// Which rule tripped the session, with the evidence an operator can act on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Trip {
+    /// `session_tripped` (failures, velocity) or `loop_detected` (repeats, tool loops).
+    pub code: &'static str,
+    pub rule: &'static str,
+    pub evidence: String,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum State {
+    Active,
+    Recovering,
+    Tripped { until: Instant, trip: Trip },
+    Probing { trip: Trip },
+    Closed,
+}
+
+impl State {
+    pub fn label(&self) -> &'static str {
+        match self {
+            State::Active => "active",
+            State::Recovering => "recovering",
+            State::Tripped { .. } => "tripped",
+            State::Probing { .. } => "probing",
+            State::Closed => "closed",
+        }
+    }
+}
+
+/// A refused request: the trip behind it and when to come back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refused {
+    pub trip: Trip,
+    pub retry_after: Duration,
+}
+
+/// What a request looks like to the rules.
+#[derive(Debug, Clone, Default)]
+pub struct Fingerprint {
+    /// Hash of the normalised model + messages + tools.
+    pub request: u64,
+    /// The most repeated (tool call, result) pair in the conversation, with its count.
+    pub tool_loop: Option<(String, u32)>,
+}
+
+#[derive(Debug, Clone)]
+pub struct SessionGuard {
+    config: GuardConfig,
+    state: State,
+    consecutive_failures: u32,
+    recent: VecDeque<(Instant, u64)>,
+    /// (when, session spend total in USD at that time), oldest first.
+    spend: VecDeque<(Instant, f64)>,
+    transitions: u64,
+}
+
+impl SessionGuard {
+    pub fn new(config: GuardConfig) -> Self {
+        SessionGuard { config, state: State::Active, consecutive_failures: 0, recent: VecDeque::new(), spend: VecDeque::new(), transitions: 0 }
+    }
+
+    pub fn state(&self) -> &State {
+        &self.state
+    }
+
+    fn set(&mut self, state: State) -> Option<(&'static str, &'static str)> {
+        let from = self.state.label();
+        let to = state.label();
+        self.state = state;
+        if from != to {
+            self.transitions += 1;
+            Some((from, to))
+        } else {
+            None
+        }
+    }
+
+    fn trip(&mut self, now: Instant, trip: Trip) -> Option<(&'static str, &'static str)> {
+        self.set(State::Tripped { until: now + self.config.cool_down, trip })
+    }
+
+    fn usd_last_minute(&self, now: Instant, total: f64) -> f64 {
+        let minute_ago = now.checked_sub(Duration::from_secs(60));
+        let base = self
+            .spend
+            .iter()
+            .rev()
+            .find(|(t, _)| minute_ago.is_none_or(|m| *t <= m))
+            .or_else(|| self.spend.front())
+            .map_or(0.0, |(_, usd)| *usd);
+        (total - base).max(0.0)
+    }
+
+    /// Admits a request or refuses it; may trip the session. `session_usd` is the
+    /// session's settled spend so far. Returns the state change, if any, for logging.
+    pub fn admit(&mut self, now: Instant, fp: &Fingerprint, session_usd: f64) -> (Result<(), Refused>, Option<(&'static str, &'static str)>) {
+        let window = self.config.identical_request_window;
+        while self.recent.front().is_some_and(|(t, _)| now.saturating_duration_since(*t) > window) {
+            self.recent.pop_front();
+        }
+        while self.spend.len() > 1 && self.spend.get(1).is_some_and(|(t, _)| now.saturating_duration_since(*t) >= Duration::from_secs(60)) {
+            self.spend.pop_front();
+        }
+        self.spend.push_back((now, session_usd));
+        match &self.state {
+            State::Closed => {
+                let trip = Trip { code: "session_tripped", rule: "closed", evidence: "an operator closed this session".into() };
+                return (Err(Refused { trip, retry_after: Duration::from_secs(3600) }), None);
+            }
+            State::Tripped { until, trip } if now < *until => {
+                return (Err(Refused { trip: trip.clone(), retry_after: *until - now }), None);
+            }
+            State::Tripped { trip, .. } => {
+                let trip = trip.clone();
+                let change = self.set(State::Probing { trip });
+                self.recent.push_back((now, fp.request));
+                return (Ok(()), change);
+            }
+            State::Probing { trip } => {
+                // One probe at a time; its outcome decides.
+                return (Err(Refused { trip: trip.clone(), retry_after: Duration::from_secs(1) }), None);
+            }
+            State::Active | State::Recovering => {}
+        }
+        let repeats = self.recent.iter().filter(|(_, h)| *h == fp.request).count() as u32;
+        let rule = if repeats >= self.config.identical_request_limit {
+            Some(Trip {
+                code: "loop_detected",
+                rule: "identical_request_limit",
+                evidence: format!("the same request was sent {} times within {}", repeats + 1, humantime::format_duration(window)),
+            })
+        } else if let Some((call, n)) = fp.tool_loop.as_ref().filter(|(_, n)| *n >= self.config.tool_loop_limit) {
+            Some(Trip { code: "loop_detected", rule: "tool_loop_limit", evidence: format!("{call} {n} times") })
+        } else {
+            self.config.max_usd_per_minute.and_then(|limit| {
+                let spent = self.usd_last_minute(now, session_usd);
+                (spent >= limit).then(|| Trip { code: "session_tripped", rule: "max_usd_per_minute", evidence: format!("spent ${spent:.4} in the last minute (limit ${limit:.4})") })
+            })
+        };
+        self.recent.push_back((now, fp.request));
+        match rule {
+            Some(trip) => {
+                let change = self.trip(now, trip.clone());
+                (Err(Refused { trip, retry_after: self.config.cool_down }), change)
+            }
+            None => (Ok(()), None),
+        }
+    }
+
+    /// Records how an admitted request ended.
+    pub fn record(&mut self, now: Instant, failed: bool) -> Option<(&'static str, &'static str)> {
+        if !failed {
+            self.consecutive_failures = 0;
+            return self.set(State::Active);
+        }
+        self.consecutive_failures += 1;
+        if let State::Probing { trip } = &self.state {
+            let trip = Trip { evidence: format!("{}; the probe after the cool-down failed too", trip.evidence), ..trip.clone() };
+            return self.trip(now, trip);
+        }
+        if self.consecutive_failures >= self.config.max_consecutive_failures {
+            let trip = Trip {
+                code: "session_tripped",
+                rule: "max_consecutive_failures",
+                evidence: format!("{} requests in a row failed after Backstop's own recovery", self.consecutive_failures),
+            };
+            return self.trip(now, trip);
+        }
+        self.set(State::Recovering)
+    }
+
+    pub fn close(&mut self) -> Option<(&'static str, &'static str)> {
+        self.set(State::Closed)
+    }
+
+    pub fn reset(&mut self) {
+        *self = SessionGuard::new(self.config.clone());
+    }
+
+    /// The counters behind the rules and a risk score in [0, 1]: how close the nearest
+    /// rule is to firing.
+    pub fn signals(&self, now: Instant, session_usd: f64, last_tool_loop: u32) -> Value {
+        let max_repeat = {
+            let mut counts: std::collections::HashMap<u64, u32> = std::collections::HashMap::new();
+            for (_, h) in &self.recent {
+                *counts.entry(*h).or_default() += 1;
+            }
+            counts.values().copied().max().unwrap_or(0)
+        };
+        let velocity = self.usd_last_minute(now, session_usd);
+        let ratios = [
+            f64::from(self.consecutive_failures) / f64::from(self.config.max_consecutive_failures.max(1)),
+            f64::from(max_repeat) / f64::from(self.config.identical_request_limit.max(1) + 1),
+            f64::from(last_tool_loop) / f64::from(self.config.tool_loop_limit.max(1)),
+            self.config.max_usd_per_minute.map_or(0.0, |l| velocity / l),
+        ];
+        let risk = ratios.iter().copied().fold(0.0, f64::max).min(1.0);
+        let mut out = json!({
+            "state": self.state.label(),
+            "consecutive_failures": self.consecutive_failures,
+            "max_identical_requests_in_window": max_repeat,
+            "tool_loop_count": last_tool_loop,
+            "usd_last_minute": velocity,
+            "risk": (risk * 100.0).round() / 100.0,
+            "transitions": self.transitions,
+        });
+        match &self.state {
+            State::Tripped { until, trip } => {
+                out["trip"] = json!({"code": trip.code, "rule": trip.rule, "evidence": trip.evidence, "probe_in_ms": until.saturating_duration_since(now).as_millis() as u64});
+            }
+            State::Probing { trip } => out["trip"] = json!({"code": trip.code, "rule": trip.rule, "evidence": trip.evidence}),
+            _ => {}
+        }
+        out
+    }
+}
+
+/// Canonical JSON of a value's parse (so key order and spacing do not matter).
+fn canonical(text: &str) -> String {
+    serde_json::from_str::<Value>(text).map_or_else(|_| text.trim().to_string(), |v| v.to_string())
+}
+
+fn text_of(content: Option<&Value>) -> String {
+    match content {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect::<Vec<_>>().join(""),
+        Some(other) => other.to_string(),
+        None => String::new(),
+    }
+}
+
+/// The request's fingerprint: a hash of its normalised model + messages + tools, and the
+/// most repeated (tool call, tool result) pair in its history.
+pub fn fingerprint(json: &serde_json::Map<String, Value>) -> Fingerprint {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    for key in ["model", "system", "messages", "tools"] {
+        json.get(key).map(Value::to_string).hash(&mut hasher);
+    }
+    let messages = json.get("messages").and_then(Value::as_array).map_or(&[][..], Vec::as_slice);
+    // Tool calls by id: "name(args)".
+    let mut calls: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    let mut pairs: std::collections::HashMap<(String, String), (u32, bool)> = std::collections::HashMap::new();
+    for m in messages {
+        for c in m.get("tool_calls").and_then(Value::as_array).into_iter().flatten() {
+            if let (Some(id), Some(name)) = (c.get("id").and_then(Value::as_str), c.pointer("/function/name").and_then(Value::as_str)) {
+                let args = canonical(c.pointer("/function/arguments").and_then(Value::as_str).unwrap_or(""));
+                calls.insert(id.to_string(), format!("{name}({args})"));
+            }
+        }
+        if m.get("role").and_then(Value::as_str) == Some("tool") {
+            if let Some(call) = m.get("tool_call_id").and_then(Value::as_str).and_then(|id| calls.get(id)) {
+                let result = text_of(m.get("content"));
+                let error = result.to_ascii_lowercase().contains("error");
+                let entry = pairs.entry((call.clone(), result)).or_insert((0, error));
+                entry.0 += 1;
+            }
+        }
+        for block in m.get("content").and_then(Value::as_array).into_iter().flatten() {
+            match block.get("type").and_then(Value::as_str) {
+                Some("tool_use") => {
+                    if let (Some(id), Some(name)) = (block.get("id").and_then(Value::as_str), block.get("name").and_then(Value::as_str)) {
+                        let input = block.get("input").map(Value::to_string).unwrap_or_default();
+                        calls.insert(id.to_string(), format!("{name}({input})"));
+                    }
+                }
+                Some("tool_result") => {
+                    if let Some(call) = block.get("tool_use_id").and_then(Value::as_str).and_then(|id| calls.get(id)) {
+                        let result = text_of(block.get("content"));
+                        let error = block.get("is_error").and_then(Value::as_bool).unwrap_or(false) || result.to_ascii_lowercase().contains("error");
+                        let entry = pairs.entry((call.clone(), result)).or_insert((0, error));
+                        entry.0 += 1;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    let tool_loop = pairs
+        .into_iter()
+        .max_by_key(|(_, (n, _))| *n)
+        .map(|((call, _), (n, error))| (format!("{call} returned the same {}", if error { "error" } else { "result" }), n));
+    Fingerprint { request: hasher.finish(), tool_loop }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> GuardConfig {
+        GuardConfig {
+            max_consecutive_failures: 5,
+            identical_request_limit: 3,
+            identical_request_window: Duration::from_secs(600),
+            tool_loop_limit: 3,
+            max_usd_per_minute: Some(1.0),
+            cool_down: Duration::from_secs(60),
+        }
+    }
+
+    fn fp(request: u64) -> Fingerprint {
+        Fingerprint { request, tool_loop: None }
+    }
+
+    #[test]
+    fn consecutive_failures_trip_then_cool_down_probe_and_recover() {
+        let t0 = Instant::now();
+        let mut g = SessionGuard::new(config());
+        for i in 0..5 {
+            assert!(g.admit(t0, &fp(i), 0.0).0.is_ok());
+            g.record(t0, true);
+        }
+        assert_eq!(g.state().label(), "tripped");
+        let refused = g.admit(t0 + Duration::from_secs(10), &fp(99), 0.0).0.unwrap_err();
+        assert_eq!((refused.trip.rule, refused.retry_after), ("max_consecutive_failures", Duration::from_secs(50)));
+        // Cool-down over: one probe; a second request meanwhile is refused.
+        let t1 = t0 + Duration::from_secs(60);
+        assert!(g.admit(t1, &fp(100), 0.0).0.is_ok());
+        assert_eq!(g.state().label(), "probing");
+        assert!(g.admit(t1, &fp(101), 0.0).0.is_err());
+        g.record(t1, false);
+        assert_eq!(g.state().label(), "active");
+        assert!(g.admit(t1, &fp(102), 0.0).0.is_ok());
+    }
+
+    #[test]
+    fn a_failed_probe_trips_again() {
+        let t0 = Instant::now();
+        let mut g = SessionGuard::new(config());
+        for i in 0..5 {
+            assert!(g.admit(t0, &fp(i), 0.0).0.is_ok());
+            g.record(t0, true);
+        }
+        let t1 = t0 + Duration::from_secs(61);
+        assert!(g.admit(t1, &fp(7), 0.0).0.is_ok());
+        g.record(t1, true);
+        assert_eq!(g.state().label(), "tripped");
+        assert!(g.admit(t1 + Duration::from_secs(59), &fp(8), 0.0).0.is_err());
+    }
+
+    #[test]
+    fn the_fourth_identical_request_in_the_window_is_a_loop() {
+        let t0 = Instant::now();
+        let mut g = SessionGuard::new(config());
+        for _ in 0..3 {
+            assert!(g.admit(t0, &fp(42), 0.0).0.is_ok());
+            g.record(t0, false);
+        }
+        let refused = g.admit(t0, &fp(42), 0.0).0.unwrap_err();
+        assert_eq!((refused.trip.code, refused.trip.rule), ("loop_detected", "identical_request_limit"));
+        assert!(refused.trip.evidence.contains("4 times"), "{}", refused.trip.evidence);
+        // Outside the window the old repeats do not count.
+        let mut g = SessionGuard::new(config());
+        for k in 0..3 {
+            assert!(g.admit(t0 + Duration::from_secs(k * 400), &fp(42), 0.0).0.is_ok());
+        }
+        assert!(g.admit(t0 + Duration::from_secs(1200), &fp(42), 0.0).0.is_ok());
+    }
+
+    #[test]
+    fn tool_loops_and_spend_velocity_trip() {
+        let t0 = Instant::now();
+        let mut g = SessionGuard::new(config());
+        let looping = Fingerprint { request: 1, tool_loop: Some((r#"get_weather({"city":"Atlantis"}) returned the same error"#.into(), 3)) };
+        let refused = g.admit(t0, &looping, 0.0).0.unwrap_err();
+        assert_eq!(refused.trip.rule, "tool_loop_limit");
+        assert!(refused.trip.evidence.contains("Atlantis") && refused.trip.evidence.contains("3 times"));
+
+        let mut g = SessionGuard::new(config());
+        assert!(g.admit(t0, &fp(1), 0.0).0.is_ok());
+        assert!(g.admit(t0 + Duration::from_secs(20), &fp(2), 0.6).0.is_ok());
+        let refused = g.admit(t0 + Duration::from_secs(40), &fp(3), 1.1).0.unwrap_err();
+        assert_eq!(refused.trip.rule, "max_usd_per_minute");
+        // The same total spread over more than a minute is fine.
+        let mut g = SessionGuard::new(config());
+        assert!(g.admit(t0, &fp(1), 0.0).0.is_ok());
+        assert!(g.admit(t0 + Duration::from_secs(61), &fp(2), 0.9).0.is_ok());
+        assert!(g.admit(t0 + Duration::from_secs(122), &fp(3), 1.8).0.is_ok());
+    }
+
+    #[test]
+    fn fingerprints_see_tool_loops_in_both_apis_and_ignore_key_order() {
+        let openai = |n: usize| {
+            let mut messages = vec![json!({"role": "user", "content": "weather in Atlantis"})];
+            for i in 0..n {
+                messages.push(json!({"role": "assistant", "tool_calls": [{"id": format!("c{i}"), "type": "function", "function": {"name": "get_weather", "arguments": if i % 2 == 0 { r#"{"city":"Atlantis"}"# } else { r#"{ "city" : "Atlantis" }"# }}}]}));
+                messages.push(json!({"role": "tool", "tool_call_id": format!("c{i}"), "content": "Error: city not found"}));
+            }
+            let Value::Object(m) = json!({"model": "gpt-4o", "messages": messages}) else { unreachable!() };
+            m
+        };
+        let fp = fingerprint(&openai(3));
+        assert_eq!(fp.tool_loop, Some((r#"get_weather({"city":"Atlantis"}) returned the same error"#.to_string(), 3)));
+        assert_ne!(fingerprint(&openai(3)).request, fingerprint(&openai(2)).request);
+
+        let Value::Object(anthropic) = json!({"model": "claude", "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "search", "input": {"q": "x"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "nothing", "is_error": true}]},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t2", "name": "search", "input": {"q": "x"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": "nothing", "is_error": true}]},
+        ]}) else { unreachable!() };
+        assert_eq!(fingerprint(&anthropic).tool_loop, Some((r#"search({"q":"x"}) returned the same error"#.to_string(), 2)));
+
+        let a: serde_json::Map<String, Value> = serde_json::from_str(r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":1}"#).unwrap();
+        let b: serde_json::Map<String, Value> = serde_json::from_str(r#"{"temperature":0.2,"messages":[{"content":"hi","role":"user"}],"model":"m"}"#).unwrap();
+        assert_eq!(fingerprint(&a).request, fingerprint(&b).request, "same model + messages + tools");
+    }
+
+    #[test]
+    fn a_healthy_twelve_step_agent_is_never_tripped() {
+        let t0 = Instant::now();
+        let mut g = SessionGuard::new(config());
+        for step in 0..12u64 {
+            let now = t0 + Duration::from_secs(step * 5);
+            assert!(g.admit(now, &fp(step), step as f64 * 0.01).0.is_ok(), "step {step}");
+            // One transient-looking failure midway, recovered on the next step.
+            g.record(now, step == 6);
+        }
+        assert_eq!(g.state().label(), "active");
+    }
+}
