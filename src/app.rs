@@ -7,15 +7,16 @@
 //! 3. [`DeadlineLayer`]: `server.request_timeout` over the whole request.
 //! 4. [`AuthLayer`]: tenant key → [`Tenant`](crate::layers::auth::Tenant), else 401.
 //! 5. [`ContextLayer`]: body read once within the size limit, parsed, routed.
-//! 6. [`LimitsLayer`]: tenant and session request rates, session concurrency.
-//! 6½. [`GuardLayer`]: the session guard: loops, repeats, failures, spend velocity.
-//! 7. [`ValidateLayer`]: structured output checked; corrective retries with the
+//! 6. [`IdempotencyLayer`]: `Idempotency-Key` replays, with no call and no charge.
+//! 7. [`LimitsLayer`]: tenant and session request rates, session concurrency.
+//! 8. [`GuardLayer`]: the session guard: loops, repeats, failures, spend velocity.
+//! 9. [`ValidateLayer`]: structured output checked; corrective retries with the
 //!    validator's errors; strategy switch to the next target; 502 `output_invalid`.
-//! 8. [`RecoveryLayer`]: target selection, classification, retry with backoff and
-//!    Retry-After, retry budget, per-upstream circuit breakers, failover.
-//! 9. [`MeterLayer`]: per upstream call (retries and corrections included), reserve
-//!    against the session's and tenant's caps, settle to reported usage.
-//! 10. [`Forward`]: one upstream attempt (leaf).
+//! 10. [`RecoveryLayer`]: target selection, classification, retry with backoff and
+//!     Retry-After, retry budget, per-upstream circuit breakers, failover.
+//! 11. [`MeterLayer`]: per upstream call (retries and corrections included), reserve
+//!     against the session's and tenant's caps, settle to reported usage.
+//! 12. [`Forward`]: one upstream attempt (leaf).
 
 
 use std::{
@@ -52,6 +53,7 @@ use crate::{
         deadline::DeadlineLayer,
         edge::{EdgeLayer, X_REQUEST_ID},
         guard::GuardLayer,
+        idempotency::IdempotencyLayer,
         limits::LimitsLayer,
         meter::MeterLayer,
         recovery::{RecoveryLayer, RetryPolicy},
@@ -126,6 +128,7 @@ fn proxy_stack(state: &AppState) -> HttpService {
         .layer(DeadlineLayer::new(server.request_timeout))
         .layer(AuthLayer::new(state.tenants.clone()))
         .layer(ContextLayer::new(state.routes.clone(), server.max_body_bytes))
+        .layer(IdempotencyLayer::new(state.budgets.store().clone(), state.config.store.idempotency_ttl))
         .layer(LimitsLayer::new(state.budgets.clone()))
         .layer(GuardLayer::new(state.guards.clone(), state.budgets.clone()))
         .layer(ValidateLayer::new(state.schemas.clone(), state.config.validation.clone()))

@@ -270,12 +270,10 @@ async fn an_operator_reset_starts_a_session_over() {
 /// The real binary, killed with SIGKILL and restarted on the same store.
 #[tokio::test]
 async fn settled_spend_survives_sigkill() {
-    let dir = std::env::temp_dir().join(format!("backstop-kill-{}", uuid::Uuid::new_v4().simple()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let store = dir.join("ledger.db");
+    let dir = TempDir::new("backstop-kill");
     let port = dead_port().await;
     let mock_port = dead_port().await;
-    let config = dir.join("backstop.toml");
+    let config = dir.0.join("backstop.toml");
     std::fs::write(
         &config,
         format!(
@@ -307,33 +305,20 @@ api_keys = ["{CAPPED}"]
 [tenants.session]
 max_calls = 5
 "#,
-            store = store.display()
+            store = dir.0.join("ledger.db").display()
         ),
     )
     .unwrap();
     let http = reqwest::Client::new();
-    let url = format!("http://127.0.0.1:{port}");
-    let spawn = || std::process::Command::new(env!("CARGO_BIN_EXE_backstop")).args(["serve", "--config", config.to_str().unwrap()]).stderr(std::process::Stdio::null()).spawn().unwrap();
-    let wait_ready = || async {
-        for _ in 0..100 {
-            if http.get(format!("{url}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("backstop did not start");
-    };
-    let mut child = spawn();
-    wait_ready().await;
+    let gw = Binary::start(&config, port).await;
     for _ in 0..3 {
-        let resp = http.post(format!("{url}/v1/chat/completions")).bearer_auth(CAPPED).header("x-session-id", "k").header("x-mock-fault", "usage=1000/500").body(chat(500).to_string()).send().await.unwrap();
+        let resp = http.post(format!("{}/v1/chat/completions", gw.url)).bearer_auth(CAPPED).header("x-session-id", "k").header("x-mock-fault", "usage=1000/500").body(chat(500).to_string()).send().await.unwrap();
         assert_eq!(resp.status(), 200);
     }
-    child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
+    gw.kill();
 
-    let mut child = spawn();
-    wait_ready().await;
+    let gw = Binary::start(&config, port).await;
+    let url = &gw.url;
     let report = json(http.get(format!("{url}/admin/tenants/capped/sessions/k")).bearer_auth(ADMIN).send().await.unwrap()).await;
     assert_eq!(report["used"]["calls"], 3, "{report}");
     assert_eq!(report["used"]["tokens"], 4500);
@@ -343,7 +328,4 @@ max_calls = 5
     // The cap still counts what was spent before the crash: two calls left.
     let resp = http.post(format!("{url}/v1/chat/completions")).bearer_auth(CAPPED).header("x-session-id", "k").body(chat(16).to_string()).send().await.unwrap();
     assert_eq!(resp.headers()["x-backstop-budget-remaining"], "calls=1");
-    child.kill().unwrap();
-    child.wait().unwrap();
-    let _ = std::fs::remove_dir_all(dir);
 }

@@ -11,11 +11,18 @@ pub struct StoreConfig {
     /// A session unused this long leaves memory (its ledger stays in the store).
     #[serde(with = "humantime_serde")]
     pub session_idle: std::time::Duration,
+    /// How long a response is kept for `Idempotency-Key` replays.
+    #[serde(with = "humantime_serde")]
+    pub idempotency_ttl: std::time::Duration,
 }
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        StoreConfig { path: "backstop.db".into(), session_idle: std::time::Duration::from_secs(900) }
+        StoreConfig {
+            path: "backstop.db".into(),
+            session_idle: std::time::Duration::from_secs(900),
+            idempotency_ttl: std::time::Duration::from_secs(24 * 3600),
+        }
     }
 }
 

@@ -46,6 +46,8 @@ pub enum GatewayError {
     InvalidSchema(String),
     #[error("the model's output did not validate after {attempts} attempts: {}", errors.join("; "))]
     OutputInvalid { errors: Vec<String>, attempts: u32 },
+    #[error("this Idempotency-Key was already used with a different request body")]
+    IdempotencyKeyReused,
     #[error("{detail}")]
     SessionRefused { code: &'static str, detail: String, retry_after: Duration },
     #[error("rate limited: {detail}")]
@@ -93,6 +95,7 @@ impl GatewayError {
             NotFound { .. } => (404, "invalid_request_error", "unknown_endpoint", "not_found_error"),
             InvalidSchema(_) => (400, "invalid_request_error", "invalid_schema", "invalid_request_error"),
             OutputInvalid { .. } => (502, "upstream_error", "output_invalid", "output_invalid"),
+            IdempotencyKeyReused => (422, "invalid_request_error", "idempotency_key_reused", "invalid_request_error"),
             SessionRefused { code, .. } => (429, "session_error", *code, *code),
             RateLimited { .. } => (429, "rate_limit_error", "rate_limited", "rate_limited"),
             BudgetExceeded { .. } => (402, "budget_error", "budget_exceeded", "budget_exceeded"),

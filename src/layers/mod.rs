@@ -5,6 +5,7 @@ pub mod context;
 pub mod deadline;
 pub mod edge;
 pub mod guard;
+pub mod idempotency;
 pub mod limits;
 pub mod meter;
 pub mod recovery;

@@ -32,9 +32,23 @@ pub struct Charge {
     pub usd: f64,
 }
 
+/// A completed response kept for `Idempotency-Key` replays.
+#[derive(Debug, Clone)]
+pub struct StoredResponse {
+    pub tenant: String,
+    pub key: String,
+    /// Hash of the request body: the same key with another body is refused.
+    pub body_hash: String,
+    pub status: u16,
+    pub content_type: String,
+    pub body: Vec<u8>,
+    pub expires_ms: i64,
+}
+
 enum Op {
     Charge(Charge),
     ResetSession { tenant: String, session: String, at_ms: i64 },
+    Remember(StoredResponse),
 }
 
 struct Write {
@@ -68,6 +82,16 @@ CREATE TABLE IF NOT EXISTS ledger (
 );
 CREATE INDEX IF NOT EXISTS ledger_by_session ON ledger (tenant, session, ts_ms);
 CREATE INDEX IF NOT EXISTS ledger_by_day ON ledger (tenant, day);
+CREATE TABLE IF NOT EXISTS idempotency (
+    tenant TEXT NOT NULL,
+    key TEXT NOT NULL,
+    body_hash TEXT NOT NULL,
+    status INTEGER NOT NULL,
+    content_type TEXT NOT NULL,
+    body BLOB NOT NULL,
+    expires_ms INTEGER NOT NULL,
+    PRIMARY KEY (tenant, key)
+);
 CREATE TABLE IF NOT EXISTS session_resets (
     tenant TEXT NOT NULL,
     session TEXT NOT NULL,
@@ -125,6 +149,36 @@ impl Store {
         if self.writer.send(Write { op, ack: Some(ack) }).is_ok() {
             let _ = done.await;
         }
+    }
+
+    /// Keeps a response for replay and waits until it is committed.
+    pub async fn remember(&self, response: StoredResponse) {
+        let (ack, done) = oneshot::channel();
+        if self.writer.send(Write { op: Op::Remember(response), ack: Some(ack) }).is_ok() {
+            let _ = done.await;
+        }
+    }
+
+    /// A kept response that has not expired.
+    pub fn recall(&self, tenant: &str, key: &str, now_ms: i64) -> Result<Option<StoredResponse>, StoreError> {
+        Ok(self.read(|c| {
+            c.query_row(
+                "SELECT body_hash, status, content_type, body, expires_ms FROM idempotency WHERE tenant = ?1 AND key = ?2 AND expires_ms > ?3",
+                params![tenant, key, now_ms],
+                |r| {
+                    Ok(StoredResponse {
+                        tenant: tenant.to_string(),
+                        key: key.to_string(),
+                        body_hash: r.get(0)?,
+                        status: r.get::<_, i64>(1)? as u16,
+                        content_type: r.get(2)?,
+                        body: r.get(3)?,
+                        expires_ms: r.get(4)?,
+                    })
+                },
+            )
+            .optional()
+        })?)
     }
 
     fn read<T>(&self, f: impl FnOnce(&Connection) -> rusqlite::Result<T>) -> rusqlite::Result<T> {
@@ -212,8 +266,16 @@ fn commit(conn: &mut Connection, batch: &[Write]) -> rusqlite::Result<()> {
             "INSERT INTO session_resets (tenant, session, at_ms) VALUES (?1, ?2, ?3)
              ON CONFLICT (tenant, session) DO UPDATE SET at_ms = excluded.at_ms",
         )?;
+        let mut remember = tx.prepare_cached(
+            "INSERT INTO idempotency (tenant, key, body_hash, status, content_type, body, expires_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+             ON CONFLICT (tenant, key) DO UPDATE SET body_hash = excluded.body_hash, status = excluded.status,
+                 content_type = excluded.content_type, body = excluded.body, expires_ms = excluded.expires_ms",
+        )?;
         for w in batch {
             match &w.op {
+                Op::Remember(r) => {
+                    remember.execute(params![r.tenant, r.key, r.body_hash, i64::from(r.status), r.content_type, r.body, r.expires_ms])?;
+                }
                 Op::Charge(c) => {
                     insert.execute(params![c.ts_ms, c.day, c.tenant, c.session, c.model, c.calls as i64, c.input_tokens as i64, c.output_tokens as i64, c.usd])?;
                 }

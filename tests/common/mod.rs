@@ -152,3 +152,60 @@ pub async fn json(resp: reqwest::Response) -> Value {
     let text = resp.text().await.unwrap();
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
 }
+
+/// The real `backstop` binary, serving a config file (with its built-in mock).
+pub struct Binary {
+    pub url: String,
+    pub config: std::path::PathBuf,
+    child: std::process::Child,
+}
+
+impl Binary {
+    /// Starts the binary on `config` and waits until it is ready.
+    pub async fn start(config: &std::path::Path, port: u16) -> Binary {
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_backstop"))
+            .args(["serve", "--config", config.to_str().unwrap()])
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let url = format!("http://127.0.0.1:{port}");
+        let http = reqwest::Client::new();
+        for _ in 0..200 {
+            if http.get(format!("{url}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {
+                return Binary { url, config: config.to_path_buf(), child };
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        panic!("backstop did not start");
+    }
+
+    /// SIGKILL: no graceful shutdown, no flushing.
+    pub fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A temporary folder, removed on drop.
+pub struct TempDir(pub std::path::PathBuf);
+
+impl TempDir {
+    pub fn new(prefix: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!("{prefix}-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

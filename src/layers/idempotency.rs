@@ -1,0 +1,241 @@
+//! Idempotency layer (right after the request context, before limits, budgets and the
+//! guard): a request with an `Idempotency-Key` has its completed 2xx response kept in the
+//! store for `store.idempotency_ttl`; a later request with the same key and tenant gets
+//! it replayed (`x-backstop-replayed: true`) without an upstream call or a charge, across
+//! restarts too. Concurrent duplicates wait for the first instead of calling twice. The
+//! same key with a different body is 422 `idempotency_key_reused`. Failed responses are
+//! not kept, so the key can be retried.
+
+use std::{
+    collections::HashMap,
+    pin::Pin,
+    sync::{Arc, Mutex},
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use axum::body::Body;
+use bytes::{Bytes, BytesMut};
+use futures_util::future::BoxFuture;
+use http::{header, HeaderValue, Request, Response, StatusCode};
+use http_body::Frame;
+use tokio::sync::watch;
+use tower::{Layer, Service};
+
+use crate::{
+    budgets::now_ms,
+    error::GatewayError,
+    layers::context::RequestContext,
+    store::{Store, StoredResponse},
+};
+
+/// Largest response kept for replay.
+const MAX_KEPT: usize = 8 * 1024 * 1024;
+
+type Key = (Arc<str>, String);
+
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    store: Arc<Store>,
+    ttl: Duration,
+    in_flight: Arc<Mutex<HashMap<Key, watch::Receiver<()>>>>,
+}
+
+impl IdempotencyLayer {
+    pub fn new(store: Arc<Store>, ttl: Duration) -> Self {
+        IdempotencyLayer { store, ttl, in_flight: Arc::default() }
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+    fn layer(&self, inner: S) -> Idempotency<S> {
+        Idempotency { inner, layer: self.clone() }
+    }
+}
+
+#[derive(Clone)]
+pub struct Idempotency<S> {
+    inner: S,
+    layer: IdempotencyLayer,
+}
+
+/// FNV-1a: stable across builds and restarts, unlike std's hasher.
+fn body_hash(body: &[u8]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in body {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}-{}", body.len())
+}
+
+/// While alive, this request is the one making the call for its key; dropping it lets
+/// the waiting duplicates look again.
+struct Leader {
+    key: Key,
+    in_flight: Arc<Mutex<HashMap<Key, watch::Receiver<()>>>>,
+    _done: watch::Sender<()>,
+}
+
+impl Drop for Leader {
+    fn drop(&mut self) {
+        self.in_flight.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.key);
+    }
+}
+
+fn replay(stored: StoredResponse) -> Response<Body> {
+    let mut response = Response::new(Body::from(stored.body));
+    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+    if let Ok(ct) = HeaderValue::from_str(&stored.content_type) {
+        response.headers_mut().insert(header::CONTENT_TYPE, ct);
+    }
+    response.headers_mut().insert("x-backstop-replayed", HeaderValue::from_static("true"));
+    metrics::counter!("backstop_idempotent_replays_total").increment(1);
+    response
+}
+
+/// A response body that is kept as it passes, and remembered once it has ended whole.
+struct Keeping {
+    body: Body,
+    kept: Option<BytesMut>,
+    record: Option<StoredResponse>,
+    store: Arc<Store>,
+    leader: Option<Leader>,
+}
+
+impl Keeping {
+    /// The body ended whole: remember it, then let waiting duplicates look again.
+    fn finish(&mut self) {
+        if let (Some(kept), Some(mut record)) = (self.kept.take(), self.record.take()) {
+            record.body = kept.to_vec();
+            let store = self.store.clone();
+            let leader = self.leader.take();
+            tokio::spawn(async move {
+                store.remember(record).await;
+                drop(leader);
+            });
+        }
+    }
+}
+
+impl http_body::Body for Keeping {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(kept), Some(data)) = (this.kept.as_mut(), frame.data_ref()) {
+                    if kept.len() + data.len() > MAX_KEPT {
+                        this.kept = None;
+                    } else {
+                        kept.extend_from_slice(data);
+                    }
+                }
+                // A sized body may not be polled again once it reports its end.
+                if this.body.is_end_stream() {
+                    this.finish();
+                }
+            }
+            Poll::Ready(None) => this.finish(),
+            Poll::Ready(Some(Err(_))) => this.kept = None,
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl<S> Service<Request<Body>> for Idempotency<S>
+where
+    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Response = Response<Body>;
+    type Error = GatewayError;
+    type Future = BoxFuture<'static, Result<Response<Body>, GatewayError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), GatewayError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let layer = self.layer.clone();
+        Box::pin(async move {
+            let key = req
+                .headers()
+                .get("idempotency-key")
+                .and_then(|v| v.to_str().ok())
+                .map(str::trim)
+                .filter(|k| !k.is_empty() && k.len() <= 255)
+                .map(str::to_owned);
+            let Some(key) = key else { return inner.call(req).await };
+            let ctx = req.extensions().get::<Arc<RequestContext>>().cloned().ok_or(GatewayError::Internal)?;
+            let hash = body_hash(&ctx.body);
+            let id: Key = (ctx.tenant.clone(), key.clone());
+            let leader = loop {
+                match layer.store.recall(&ctx.tenant, &key, now_ms()) {
+                    Ok(Some(stored)) if stored.body_hash != hash => return Err(GatewayError::IdempotencyKeyReused),
+                    Ok(Some(stored)) => return Ok(replay(stored)),
+                    Ok(None) => {}
+                    Err(err) => {
+                        tracing::error!(error = %err, "idempotency lookup failed; serving without replay");
+                        return inner.call(req).await;
+                    }
+                }
+                let waiting = {
+                    let mut map = layer.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+                    match map.get(&id) {
+                        Some(rx) => Some(rx.clone()),
+                        None => {
+                            let (tx, rx) = watch::channel(());
+                            map.insert(id.clone(), rx);
+                            break Leader { key: id.clone(), in_flight: layer.in_flight.clone(), _done: tx };
+                        }
+                    }
+                };
+                if let Some(mut rx) = waiting {
+                    // Resolves when the leader is done (its sender dropped); then look again.
+                    let _ = rx.changed().await;
+                }
+            };
+            let response = inner.call(req).await?;
+            if !response.status().is_success() {
+                return Ok(response);
+            }
+            let content_type = response.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("application/json").to_string();
+            let record = StoredResponse {
+                tenant: ctx.tenant.to_string(),
+                key,
+                body_hash: hash,
+                status: response.status().as_u16(),
+                content_type,
+                body: Vec::new(),
+                expires_ms: now_ms() + layer.ttl.as_millis() as i64,
+            };
+            Ok(response.map(|body| {
+                Body::new(Keeping { body, kept: Some(BytesMut::new()), record: Some(record), store: layer.store.clone(), leader: Some(leader) })
+            }))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn body_hashes_are_stable() {
+        assert_eq!(super::body_hash(b"hello"), "a430d84680aabd0b-5");
+    }
+}
