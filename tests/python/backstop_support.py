@@ -40,6 +40,7 @@ TENANT_A_KEY = "bk-test-a"
 TENANT_B_KEY = "bk-test-b"
 CAPPED_KEY = "bk-test-capped"
 THROTTLED_KEY = "bk-test-throttled"
+GUARDED_KEY = "bk-test-guarded"
 PROVIDER_OPENAI_KEY = "sk-provider-openai"
 PROVIDER_ANTHROPIC_KEY = "sk-provider-anthropic"
 MAX_BODY_BYTES = 65536
@@ -225,6 +226,12 @@ name = "capped"
 api_keys = ["{CAPPED_KEY}"]
 [tenants.session]
 max_calls = 2
+
+[[tenants]]
+name = "guarded"
+api_keys = ["{GUARDED_KEY}"]
+[tenants.guard]
+max_consecutive_failures = 3
 
 [[tenants]]
 name = "throttled"

@@ -10,7 +10,7 @@ import anthropic
 import openai
 import pytest
 
-from backstop_support import CAPPED_KEY, THROTTLED_KEY
+from backstop_support import CAPPED_KEY, GUARDED_KEY, THROTTLED_KEY
 
 
 def _user(text):
@@ -61,4 +61,31 @@ def test_rate_limit_is_429_with_retry_after_and_the_sdk_does_not_retry(backstop,
     assert 1 <= int(err.value.response.headers["retry-after"]) <= 60
     assert err.value.response.headers["x-should-retry"] == "false"
     assert backstop.attempts(scenario) == 1
+    client.close()
+
+
+def test_idempotency_key_replays_through_the_sdk(backstop, oai, scenario):
+    headers = {"x-mock-scenario": scenario, "Idempotency-Key": f"idem-{scenario}"}
+    first = oai.chat.completions.with_raw_response.create(model="gpt-4o", messages=_user("once"), extra_headers=headers)
+    second = oai.chat.completions.with_raw_response.create(model="gpt-4o", messages=_user("once"), extra_headers=headers)
+    assert second.headers["x-backstop-replayed"] == "true"
+    assert second.parse().id == first.parse().id
+    assert backstop.attempts(scenario) == 1
+    with pytest.raises(openai.UnprocessableEntityError) as err:
+        oai.chat.completions.create(model="gpt-4o", messages=_user("something else"), extra_headers=headers)
+    assert err.value.code == "idempotency_key_reused"
+
+
+def test_a_stuck_loop_is_stopped_with_a_typed_error(backstop, scenario):
+    client = openai.OpenAI(api_key=GUARDED_KEY, base_url=backstop.openai_base_url, timeout=20)
+    headers = {"x-mock-scenario": scenario, "x-session-id": scenario, "x-mock-fault": "status=400;code=context_length_exceeded"}
+    for i in range(3):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="gpt-4o", messages=_user(f"compact {i}"), extra_headers=headers)
+    with pytest.raises(openai.RateLimitError) as err:
+        client.chat.completions.create(model="gpt-4o", messages=_user("compact again"), extra_headers=headers)
+    assert err.value.code == "session_tripped"
+    assert "3 requests in a row failed" in err.value.message
+    assert err.value.response.headers["x-should-retry"] == "false"
+    assert backstop.attempts(scenario) == 3
     client.close()
