@@ -1,0 +1,289 @@
+//! The benchmark runner: the mock upstream alone, then direct vs through a release
+//! Backstop with its whole policy stack on, at a fixed 1,000 RPS (open loop) and at
+//! saturation (closed loop, 32 connections), with validation off and on; Backstop's peak
+//! RSS under that load and after 100,000 distinct sessions. Writes docs/benchmarks.md.
+//!
+//!     cargo build --release && cargo run --release --example bench
+//!     cargo run --release --example bench -- --seconds 5 --out /tmp/bench.md
+
+#[path = "common/mod.rs"]
+mod common;
+
+use std::{
+    fmt::Write as _,
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc, Mutex,
+    },
+    time::{Duration, Instant},
+};
+
+use base64::Engine;
+use common::*;
+use serde_json::json;
+
+const KEY: &str = "bk-bench-full-stack";
+
+#[derive(Clone)]
+struct Call {
+    url: String,
+    auth: bool,
+    body: String,
+    headers: Vec<(&'static str, String)>,
+}
+
+impl Call {
+    fn request(&self, http: &reqwest::Client, session: Option<String>) -> reqwest::RequestBuilder {
+        let mut req = http.post(&self.url).header("content-type", "application/json").body(self.body.clone());
+        if self.auth {
+            req = req.bearer_auth(KEY);
+        }
+        for (k, v) in &self.headers {
+            req = req.header(*k, v);
+        }
+        if let Some(s) = session {
+            req = req.header("x-session-id", s);
+        }
+        req
+    }
+}
+
+struct Figures {
+    p50: f64,
+    p90: f64,
+    p99: f64,
+    rps: f64,
+    errors: usize,
+}
+
+fn figures(mut lat: Vec<Duration>, elapsed: Duration, errors: usize) -> Figures {
+    lat.sort();
+    Figures { p50: pct(&lat, 0.5), p90: pct(&lat, 0.9), p99: pct(&lat, 0.99), rps: lat.len() as f64 / elapsed.as_secs_f64(), errors }
+}
+
+async fn send(http: &reqwest::Client, call: &Call, session: Option<String>) -> bool {
+    match call.request(http, session).send().await {
+        Ok(r) => {
+            let ok = r.status().is_success();
+            let _ = r.bytes().await;
+            ok
+        }
+        Err(_) => false,
+    }
+}
+
+/// Closed loop: `conns` workers, each sending back to back, for `secs`.
+async fn closed(http: &reqwest::Client, call: &Call, conns: usize, secs: u64) -> Figures {
+    let stop = Instant::now() + Duration::from_secs(secs);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..conns {
+        let (http, call) = (http.clone(), call.clone());
+        tasks.push(tokio::spawn(async move {
+            let (mut lat, mut errors) = (Vec::new(), 0);
+            while Instant::now() < stop {
+                let t = Instant::now();
+                if send(&http, &call, Some(format!("bench-{w}"))).await {
+                    lat.push(t.elapsed());
+                } else {
+                    errors += 1;
+                }
+            }
+            (lat, errors)
+        }));
+    }
+    let (mut lat, mut errors) = (Vec::new(), 0);
+    for t in tasks {
+        let (l, e) = t.await.unwrap();
+        lat.extend(l);
+        errors += e;
+    }
+    figures(lat, started.elapsed(), errors)
+}
+
+/// Open loop at a fixed rate: each request is timed from when it was due, so a stall
+/// shows up in the tail instead of lowering the rate (no coordinated omission).
+async fn open(http: &reqwest::Client, call: &Call, rate: u64, secs: u64) -> Figures {
+    let lat = Arc::new(Mutex::new(Vec::new()));
+    let errors = Arc::new(AtomicUsize::new(0));
+    let interval = Duration::from_nanos(1_000_000_000 / rate);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..rate * secs {
+        let due = started + interval * i as u32;
+        tokio::time::sleep_until(due.into()).await;
+        let (http, call, lat, errors) = (http.clone(), call.clone(), lat.clone(), errors.clone());
+        tasks.push(tokio::spawn(async move {
+            if send(&http, &call, Some(format!("bench-{}", i % 64))).await {
+                lat.lock().unwrap().push(due.elapsed());
+            } else {
+                errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let lat = std::mem::take(&mut *lat.lock().unwrap());
+    figures(lat, started.elapsed(), errors.load(Ordering::Relaxed))
+}
+
+fn config(port: u16, mock_port: u16, store: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:{port}"
+[log]
+format = "json"
+level = "info"
+[store]
+path = "{store}"
+[retry]
+max_attempts = 3
+[breaker]
+failure_threshold = 5
+[[prices]]
+model = "gpt-*"
+input_per_mtok = 2.5
+output_per_mtok = 10.0
+[[upstreams]]
+name = "mock"
+api = "openai"
+base_url = "http://127.0.0.1:{mock_port}"
+[[upstreams]]
+name = "mock-backup"
+api = "openai"
+base_url = "http://127.0.0.1:{mock_port}"
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "mock" }}, {{ upstream = "mock-backup" }}]
+[[tenants]]
+name = "bench"
+api_keys = ["{KEY}"]
+requests_per_minute = 100000000
+[tenants.session]
+requests_per_minute = 100000000
+max_calls = 1000000000
+max_tokens = 1000000000000
+max_usd = 1000000000.0
+max_concurrent = 100000
+[tenants.budget]
+usd_per_day = 1000000000.0
+tokens_per_day = 1000000000000
+[tenants.guard]
+max_consecutive_failures = 5
+identical_request_limit = 1000000000
+"#
+    )
+}
+
+fn row(out: &mut String, name: &str, f: &Figures) {
+    let _ = writeln!(out, "| {name} | {:.3} | {:.3} | {:.3} | {:.0} | {} |", f.p50, f.p90, f.p99, f.rps, f.errors);
+}
+
+fn arg(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
+}
+
+#[tokio::main]
+async fn main() {
+    let secs: u64 = arg("--seconds").and_then(|s| s.parse().ok()).unwrap_or(10);
+    let out_path = arg("--out").unwrap_or_else(|| "docs/benchmarks.md".into());
+    let sessions: usize = arg("--sessions").and_then(|s| s.parse().ok()).unwrap_or(100_000);
+    let bin = backstop_bin();
+    let dir = std::env::temp_dir().join(format!("backstop-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (port, mock_port) = (free_port(), free_port());
+    let _mock = Proc::spawn(&bin, &["mock-upstream", "--listen", &format!("127.0.0.1:{mock_port}")]);
+    let config_path = dir.join("bench.toml");
+    std::fs::write(&config_path, config(port, mock_port, &dir.join("bench.db").display().to_string())).unwrap();
+    let gw = Proc::spawn(&bin, &["serve", "--config", config_path.to_str().unwrap()]);
+    let http = reqwest::Client::builder().pool_max_idle_per_host(512).tcp_nodelay(true).build().unwrap();
+    wait_up(&http, &format!("http://127.0.0.1:{mock_port}/mock/stats")).await;
+    wait_up(&http, &format!("http://127.0.0.1:{port}/readyz")).await;
+
+    let prompt = "What is the capital of France? Answer in one word.";
+    let plain = json!({"model": "gpt-4o-mini", "max_tokens": 64, "messages": [{"role": "user", "content": prompt}]}).to_string();
+    let schema = json!({"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"], "additionalProperties": false});
+    let structured = json!({"model": "gpt-4o-mini", "max_tokens": 64, "messages": [{"role": "user", "content": prompt}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": true}}}).to_string();
+    let valid = base64::engine::general_purpose::STANDARD.encode(r#"{"capital": "Paris"}"#);
+    let direct = Call { url: format!("http://127.0.0.1:{mock_port}/v1/chat/completions"), auth: false, body: plain.clone(), headers: vec![] };
+    let through = Call { url: format!("http://127.0.0.1:{port}/v1/chat/completions"), auth: true, body: plain, headers: vec![] };
+    let validated = Call { body: structured, headers: vec![("x-mock-fault", format!("content_b64={valid}"))], ..through.clone() };
+    let direct_json = Call { headers: vec![("x-mock-fault", format!("content_b64={valid}"))], ..direct.clone() };
+
+    eprintln!("warming up");
+    closed(&http, &direct, 32, 2).await;
+    closed(&http, &through, 32, 2).await;
+
+    let mut out = String::new();
+    let cpu = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default().lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()).unwrap_or_default();
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let _ = writeln!(out, "# Benchmarks\n");
+    let _ = writeln!(out, "Measured by `cargo run --release --example bench` (this file is its output), on {cores} cores ({cpu}), with the load generator, the mock upstream and Backstop on the same machine over loopback. Each row ran for {secs} s. Latencies in milliseconds.\n");
+    let _ = writeln!(out, "Backstop ran with its whole policy stack on: tenant auth, tenant and session rate limits, session caps and a tenant day budget with reservations settled into the SQLite ledger (a file, WAL), the session guard, two-target routes with breakers and retry, metrics, and one JSON log line per request (to /dev/null). \"validation on\" adds a `response_format` JSON schema that every answer is checked against.\n");
+
+    eprintln!("mock alone");
+    let mock_alone = closed(&http, &direct, 32, secs).await;
+    let _ = writeln!(out, "## The mock upstream alone (closed loop, 32 connections)\n\n| path | p50 | p90 | p99 | req/s | errors |\n|---|---|---|---|---|---|");
+    row(&mut out, "mock", &mock_alone);
+
+    eprintln!("fixed rate");
+    let d = open(&http, &direct, 1000, secs).await;
+    let b = open(&http, &through, 1000, secs).await;
+    let dv = open(&http, &direct_json, 1000, secs).await;
+    let bv = open(&http, &validated, 1000, secs).await;
+    let _ = writeln!(out, "\n## Fixed 1,000 RPS (open loop)\n\n| path | p50 | p90 | p99 | req/s | errors |\n|---|---|---|---|---|---|");
+    row(&mut out, "direct", &d);
+    row(&mut out, "Backstop, validation off", &b);
+    row(&mut out, "direct (JSON answer)", &dv);
+    row(&mut out, "Backstop, validation on", &bv);
+    let _ = writeln!(out, "\nAdded by Backstop at p50 / p99: validation off {:+.3} / {:+.3} ms; validation on {:+.3} / {:+.3} ms.", b.p50 - d.p50, b.p99 - d.p99, bv.p50 - dv.p50, bv.p99 - dv.p99);
+
+    eprintln!("saturation");
+    let ds = closed(&http, &direct, 32, secs).await;
+    let bs = closed(&http, &through, 32, secs).await;
+    let bvs = closed(&http, &validated, 32, secs).await;
+    let peak = proc_kb(gw.pid(), "VmHWM:");
+    let _ = writeln!(out, "\n## Saturation (closed loop, 32 connections)\n\n| path | p50 | p90 | p99 | req/s | errors |\n|---|---|---|---|---|---|");
+    row(&mut out, "direct", &ds);
+    row(&mut out, "Backstop, validation off", &bs);
+    row(&mut out, "Backstop, validation on", &bvs);
+    let _ = writeln!(out, "\nBackstop's saturation throughput: {:.0}% of direct (validation off), {:.0}% (validation on).", bs.rps / ds.rps * 100.0, bvs.rps / ds.rps * 100.0);
+
+    eprintln!("sessions");
+    let before = proc_kb(gw.pid(), "VmRSS:");
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let (http, call, next) = (http.clone(), through.clone(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= sessions {
+                    break;
+                }
+                send(&http, &call, Some(format!("distinct-{i:08}"))).await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let after = proc_kb(gw.pid(), "VmRSS:");
+    let _ = writeln!(out, "\n## Memory\n\n| figure | MB |\n|---|---|");
+    let _ = writeln!(out, "| Backstop peak RSS through the load above | {:.1} |", peak as f64 / 1024.0);
+    let _ = writeln!(out, "| RSS before the sessions run | {:.1} |", before as f64 / 1024.0);
+    let _ = writeln!(out, "| RSS after {sessions} distinct sessions | {:.1} |", after as f64 / 1024.0);
+    let _ = writeln!(out, "| peak RSS overall | {:.1} |", proc_kb(gw.pid(), "VmHWM:") as f64 / 1024.0);
+    drop(gw);
+    let _ = std::fs::remove_dir_all(&dir);
+    print!("{out}");
+    if let Some(parent) = std::path::Path::new(&out_path).parent() {
+        let _ = std::fs::create_dir_all(parent);
+    }
+    std::fs::write(&out_path, &out).unwrap();
+    eprintln!("wrote {out_path}");
+}

@@ -1,0 +1,64 @@
+//! Helpers shared by the benchmark examples: child processes, ports, percentiles, RSS.
+#![allow(dead_code)]
+
+use std::{
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+/// A child process killed on drop.
+pub struct Proc(pub Child);
+
+impl Proc {
+    pub fn spawn(bin: &str, args: &[&str]) -> Proc {
+        Proc(Command::new(bin).args(args).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap_or_else(|e| panic!("{bin}: {e} (cargo build --release first)")))
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+pub fn backstop_bin() -> String {
+    std::env::var("BACKSTOP_BIN").unwrap_or_else(|_| "target/release/backstop".into())
+}
+
+pub async fn wait_up(http: &reqwest::Client, url: &str) {
+    for _ in 0..200 {
+        if http.get(url).send().await.is_ok_and(|r| r.status().is_success()) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{url} did not come up");
+}
+
+/// The `p` quantile of sorted latencies, in milliseconds.
+pub fn pct(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3
+}
+
+/// A `/proc/PID/status` figure in kB (`VmRSS:`, `VmHWM:`).
+pub fn proc_kb(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
