@@ -20,13 +20,44 @@ use crate::{
 /// Trace entries kept per session.
 const TRACE_LEN: usize = 100;
 
+/// One line of a session's recovery trace. Kept as a small struct (not JSON) because
+/// every live session holds up to [`TRACE_LEN`] of them.
+#[derive(Debug, Clone)]
+pub struct TraceEntry {
+    pub request_id: String,
+    /// 0 for a request the guard refused.
+    pub status: u16,
+    pub failed: bool,
+    /// Recovery's trail (`retry:503,ok`), or `refused:<code>`.
+    pub action: String,
+    /// The rule and evidence, for refusals.
+    pub detail: Option<String>,
+    pub attempts: u32,
+    pub upstream: Option<Arc<str>>,
+    pub latency_ms: f32,
+    pub cost_usd: f64,
+    pub tool_loop: u32,
+    pub state: &'static str,
+}
+
+impl TraceEntry {
+    fn to_json(&self) -> Value {
+        json!({
+            "request_id": self.request_id, "status": self.status,
+            "class": if self.status == 0 { "refused" } else if self.failed { "failed" } else { "ok" },
+            "action": self.action, "detail": self.detail, "attempts": self.attempts, "upstream": self.upstream.as_deref(),
+            "latency_ms": self.latency_ms, "cost_usd": self.cost_usd, "tool_loop": self.tool_loop, "state": self.state,
+        })
+    }
+}
+
 pub struct Entry {
     pub guard: SessionGuard,
-    trace: VecDeque<Value>,
+    trace: VecDeque<TraceEntry>,
 }
 
 impl Entry {
-    pub fn trace(&mut self, item: Value) {
+    pub fn trace(&mut self, item: TraceEntry) {
         if self.trace.len() == TRACE_LEN {
             self.trace.pop_front();
         }
@@ -66,10 +97,10 @@ impl Guards {
         let tenant: Arc<str> = tenant.into();
         let entry = self.entry(&tenant, session)?;
         let entry = lock(&entry);
-        let tool_loop = entry.trace.back().and_then(|t| t.get("tool_loop")).and_then(Value::as_u64).unwrap_or(0) as u32;
+        let tool_loop = entry.trace.back().map_or(0, |t| t.tool_loop);
         Some(json!({
             "signals": entry.guard.signals(Instant::now(), session_usd, tool_loop),
-            "trace": entry.trace.iter().collect::<Vec<_>>(),
+            "trace": entry.trace.iter().map(TraceEntry::to_json).collect::<Vec<_>>(),
         }))
     }
 

@@ -17,13 +17,12 @@ use std::{
 use axum::body::Body;
 use futures_util::future::BoxFuture;
 use http::{Request, Response};
-use serde_json::json;
 use tower::{Layer, Service};
 
 use crate::{
     budgets::Budgets,
     error::GatewayError,
-    guard::{lock, Guards},
+    guard::{lock, Guards, TraceEntry},
     layers::{context::RequestContext, edge::RequestId},
     policy::guard::fingerprint,
     telemetry::RequestLog,
@@ -94,7 +93,20 @@ where
                 let (admitted, change) = e.guard.admit(tokio::time::Instant::now(), &fp, usd_before);
                 transition(&tenant, &session, change, &request_id);
                 if let Err(refused) = &admitted {
-                    e.trace(json!({"request_id": request_id, "action": format!("refused:{}", refused.trip.code), "rule": refused.trip.rule, "evidence": refused.trip.evidence}));
+                    let state = e.guard.state().label();
+                    e.trace(TraceEntry {
+                        request_id: request_id.clone(),
+                        status: 0,
+                        failed: false,
+                        action: format!("refused:{}", refused.trip.code),
+                        detail: Some(format!("{}: {}", refused.trip.rule, refused.trip.evidence)),
+                        attempts: 0,
+                        upstream: None,
+                        latency_ms: 0.0,
+                        cost_usd: 0.0,
+                        tool_loop: fp.tool_loop.as_ref().map_or(0, |(_, n)| *n),
+                        state,
+                    });
                 }
                 let state = e.guard.state().label();
                 if let Some(log) = &log {
@@ -122,18 +134,19 @@ where
             let change = e.guard.record(tokio::time::Instant::now(), failed);
             transition(&tenant, &session, change, &request_id);
             let state = e.guard.state().label();
-            e.trace(json!({
-                "request_id": request_id,
-                "status": status,
-                "class": if failed { "failed" } else { "ok" },
-                "action": fields.recovery,
-                "attempts": fields.attempts,
-                "upstream": fields.upstream.as_deref(),
-                "latency_ms": started.elapsed().as_secs_f64() * 1e3,
-                "cost_usd": (usd_after - usd_before).max(0.0),
-                "tool_loop": fp.tool_loop.as_ref().map_or(0, |(_, n)| *n),
-                "state": state,
-            }));
+            e.trace(TraceEntry {
+                request_id,
+                status,
+                failed,
+                action: fields.recovery,
+                detail: None,
+                attempts: fields.attempts,
+                upstream: fields.upstream,
+                latency_ms: (started.elapsed().as_secs_f64() * 1e3) as f32,
+                cost_usd: (usd_after - usd_before).max(0.0),
+                tool_loop: fp.tool_loop.as_ref().map_or(0, |(_, n)| *n),
+                state,
+            });
             if let Some(log) = &log {
                 log.update(|f| f.session_state = Some(state));
             }

@@ -259,11 +259,26 @@ fn text_of(content: Option<&Value>) -> String {
 /// The request's fingerprint: a hash of its normalised model + messages + tools, and the
 /// most repeated (tool call, tool result) pair in its history.
 pub fn fingerprint(json: &serde_json::Map<String, Value>) -> Fingerprint {
-    use std::hash::{Hash, Hasher};
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    for key in ["model", "system", "messages", "tools"] {
-        json.get(key).map(Value::to_string).hash(&mut hasher);
+    use std::hash::Hasher;
+    /// Feeds serialised JSON straight into the hasher, without building a string.
+    struct HashWriter(std::collections::hash_map::DefaultHasher);
+    impl std::io::Write for HashWriter {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.write(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
     }
+    let mut hasher = HashWriter(std::collections::hash_map::DefaultHasher::new());
+    for key in ["model", "system", "messages", "tools"] {
+        hasher.0.write(key.as_bytes());
+        if let Some(value) = json.get(key) {
+            let _ = serde_json::to_writer(&mut hasher, value);
+        }
+    }
+    let hasher = hasher.0;
     let messages = json.get("messages").and_then(Value::as_array).map_or(&[][..], Vec::as_slice);
     // Tool calls by id: "name(args)".
     let mut calls: std::collections::HashMap<String, String> = std::collections::HashMap::new();

@@ -8,7 +8,7 @@
 //! Reads use their own connection, which WAL lets run beside the writer.
 
 use std::{
-    sync::{mpsc, Mutex},
+    sync::{mpsc, Arc, Mutex},
     thread,
 };
 
@@ -59,6 +59,8 @@ struct Write {
 pub struct Store {
     writer: mpsc::Sender<Write>,
     reader: Mutex<Connection>,
+    /// The checkpointer thread runs while this lives.
+    _alive: Arc<()>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -120,13 +122,33 @@ impl Store {
         };
         let writer_conn = open(&path)?;
         writer_conn.execute_batch(SCHEMA)?;
+        // Checkpoints copy the WAL into the database and sync it: slow, and on the commit
+        // path they would stall every request waiting for its ledger write. They run on
+        // their own connection and thread instead, without blocking the writer.
+        let alive = Arc::new(());
+        if !path.starts_with("file:backstop-") {
+            writer_conn.pragma_update(None, "wal_autocheckpoint", 0)?;
+            let checkpointer = open(&path)?;
+            let alive = Arc::downgrade(&alive);
+            thread::Builder::new()
+                .name("backstop-checkpoint".into())
+                .spawn(move || {
+                    while alive.upgrade().is_some() {
+                        thread::sleep(std::time::Duration::from_millis(500));
+                        if let Err(err) = checkpointer.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
+                            tracing::warn!(error = %err, "store checkpoint failed");
+                        }
+                    }
+                })
+                .expect("spawn store checkpointer");
+        }
         let reader = open(&path)?;
         let (tx, rx) = mpsc::channel::<Write>();
         thread::Builder::new()
             .name("backstop-store".into())
             .spawn(move || write_loop(writer_conn, rx))
             .expect("spawn store writer");
-        Ok(Store { writer: tx, reader: Mutex::new(reader) })
+        Ok(Store { writer: tx, reader: Mutex::new(reader), _alive: alive })
     }
 
     /// Appends a charge and waits until it is committed.
