@@ -70,7 +70,8 @@ impl UpstreamConfig {
                 )
             })?;
         let host = rest.split('/').next().unwrap_or("");
-        if host.is_empty() || url.contains(['?', '#']) || url.parse::<http::Uri>().is_err() {
+        let parses = reqwest::Url::parse(&format!("{}/v1/chat/completions", url.trim_end_matches('/'))).is_ok();
+        if host.is_empty() || url.contains(['?', '#']) || url.parse::<http::Uri>().is_err() || !parses {
             return Err(ConfigError::invalid(
                 format!("{key}.base_url"),
                 format_args!("{url:?} is not an origin with an optional path prefix"),

@@ -25,6 +25,7 @@ use futures_util::{future::BoxFuture, StreamExt};
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 
 use crate::{
+    api::Endpoint,
     config::{ApiKind, Config},
     layers::context::RequestContext,
     policy::classify::TransportFailure,
@@ -35,7 +36,9 @@ use crate::{
 pub struct Upstream {
     pub name: Arc<str>,
     pub api: ApiKind,
-    origin: String,
+    /// The upstream URL per endpoint, parsed once (parsing, IDNA included, showed up
+    /// in profiles when done per request).
+    urls: HashMap<Endpoint, reqwest::Url>,
     credential: Option<HeaderValue>,
     pub attempt_timeout: Duration,
     anthropic_version: HeaderValue,
@@ -54,10 +57,18 @@ impl Upstream {
             value.set_sensitive(true);
             value
         });
+        let urls = [Endpoint::ChatCompletions, Endpoint::Messages, Endpoint::Embeddings]
+            .into_iter()
+            .map(|e| {
+                let url = format!("{}{}", config.origin(), e.path());
+                // Validated by `UpstreamConfig::validate`.
+                (e, reqwest::Url::parse(&url).expect("validated base_url"))
+            })
+            .collect();
         Upstream {
             name: config.name.as_str().into(),
             api: config.api,
-            origin: config.origin().to_string(),
+            urls,
             credential,
             attempt_timeout: config.attempt_timeout,
             anthropic_version: HeaderValue::from_str(&config.anthropic_version)
@@ -202,7 +213,7 @@ fn transport(err: &reqwest::Error) -> TransportFailure {
 
 async fn send(client: &reqwest::Client, attempt: &Attempt) -> Result<Reply, TransportFailure> {
     let (ctx, upstream) = (&attempt.ctx, &attempt.upstream);
-    let url = format!("{}{}", upstream.origin, ctx.endpoint.path());
+    let url = upstream.urls[&ctx.endpoint].clone();
     let body = ctx.upstream_body(attempt.model.as_deref(), attempt.stream_usage && ctx.endpoint.api() == ApiKind::OpenAi);
     let headers = headers::upstream_request_headers(&attempt.headers, upstream);
     let deadline = tokio::time::Instant::now() + attempt.timeout;
