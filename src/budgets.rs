@@ -290,6 +290,18 @@ impl Budgets {
         true
     }
 
+    /// Drops rate-limiter state for sessions whose limit has fully replenished (they
+    /// behave as new), so idle sessions do not hold memory forever. Run periodically.
+    pub fn forget_idle_limiters(&self) {
+        for book in self.tenants.values() {
+            if let Some(limiter) = &book.session_rate {
+                limiter.retain_recent();
+                limiter.shrink_to_fit();
+            }
+        }
+        self.sessions.run_pending_tasks();
+    }
+
     /// Sessions currently held in memory (for memory reports).
     pub fn live_sessions(&self) -> u64 {
         self.sessions.run_pending_tasks();

@@ -66,7 +66,7 @@ impl Entry {
 }
 
 pub struct Guards {
-    configs: HashMap<String, GuardConfig>,
+    configs: HashMap<String, Arc<GuardConfig>>,
     sessions: Cache<(Arc<str>, String), Arc<Mutex<Entry>>>,
 }
 
@@ -76,7 +76,7 @@ pub fn lock(entry: &Mutex<Entry>) -> MutexGuard<'_, Entry> {
 
 impl Guards {
     pub fn new(config: &Config, idle: Duration) -> Self {
-        let configs = config.tenants.iter().filter_map(|t| t.guard.as_ref().map(|g| (t.name.clone(), g.policy()))).collect();
+        let configs = config.tenants.iter().filter_map(|t| t.guard.as_ref().map(|g| (t.name.clone(), Arc::new(g.policy())))).collect();
         Guards { configs, sessions: Cache::builder().time_to_idle(idle).max_capacity(1_000_000).build() }
     }
 
@@ -88,7 +88,7 @@ impl Guards {
     pub fn entry(&self, tenant: &Arc<str>, session: &str) -> Option<Arc<Mutex<Entry>>> {
         let config = self.configs.get(&**tenant)?;
         Some(self.sessions.get_with((tenant.clone(), session.to_string()), || {
-            Arc::new(Mutex::new(Entry { guard: SessionGuard::new(config.clone()), trace: VecDeque::new() }))
+            Arc::new(Mutex::new(Entry { guard: SessionGuard::new(config.clone()), trace: VecDeque::with_capacity(1) }))
         }))
     }
 

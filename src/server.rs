@@ -54,6 +54,14 @@ pub async fn spawn(config: Config) -> std::io::Result<ServerHandle> {
     let addr = listener.local_addr()?;
     let grace = config.server.shutdown_grace;
     let state = AppState::new(config).map_err(std::io::Error::other)?;
+    let budgets = state.budgets.clone();
+    let housekeeping = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(60));
+        loop {
+            tick.tick().await;
+            budgets.forget_idle_limiters();
+        }
+    });
     let ready = state.ready.clone();
     let app = router(state);
     let (tx, mut rx) = watch::channel(false);
@@ -73,6 +81,7 @@ pub async fn spawn(config: Config) -> std::io::Result<ServerHandle> {
             tracing::info!(grace_ms = grace.as_millis() as u64, "shutting down: draining in-flight requests");
             tokio::time::sleep(grace).await;
         };
+        let _housekeeping = AbortOnDrop(housekeeping);
         tokio::select! {
             result = serve => {
                 if let Err(err) = result {
@@ -85,6 +94,15 @@ pub async fn spawn(config: Config) -> std::io::Result<ServerHandle> {
     ready.store(true, Ordering::Relaxed);
     tracing::info!(%addr, "backstop listening");
     Ok(ServerHandle { addr, shutdown: tx, task, mock })
+}
+
+/// Stops a background task when its owner ends.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Resolves on SIGTERM or SIGINT.

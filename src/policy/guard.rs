@@ -72,7 +72,8 @@ pub struct Fingerprint {
 
 #[derive(Debug, Clone)]
 pub struct SessionGuard {
-    config: GuardConfig,
+    /// Shared by every session of the tenant.
+    config: std::sync::Arc<GuardConfig>,
     state: State,
     consecutive_failures: u32,
     recent: VecDeque<(Instant, u64)>,
@@ -82,8 +83,17 @@ pub struct SessionGuard {
 }
 
 impl SessionGuard {
-    pub fn new(config: GuardConfig) -> Self {
-        SessionGuard { config, state: State::Active, consecutive_failures: 0, recent: VecDeque::new(), spend: VecDeque::new(), transitions: 0 }
+    pub fn new(config: impl Into<std::sync::Arc<GuardConfig>>) -> Self {
+        // Most sessions are short: start the windows small (a live session costs memory
+        // for as long as it stays in the cache).
+        SessionGuard {
+            config: config.into(),
+            state: State::Active,
+            consecutive_failures: 0,
+            recent: VecDeque::with_capacity(1),
+            spend: VecDeque::with_capacity(1),
+            transitions: 0,
+        }
     }
 
     pub fn state(&self) -> &State {

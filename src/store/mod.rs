@@ -108,6 +108,9 @@ fn open(path: &str) -> rusqlite::Result<Connection> {
     conn.busy_timeout(std::time::Duration::from_secs(5))?;
     conn.pragma_update(None, "journal_mode", "WAL")?;
     conn.pragma_update(None, "synchronous", "NORMAL")?;
+    // The ledger is append-mostly and read by index: a small page cache is enough, and
+    // three connections of the default 2 MB each showed in Backstop's RSS.
+    conn.pragma_update(None, "cache_size", -256)?;
     Ok(conn)
 }
 
