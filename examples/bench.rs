@@ -34,7 +34,10 @@ struct Call {
 
 impl Call {
     fn request(&self, http: &reqwest::Client, session: Option<String>) -> reqwest::RequestBuilder {
-        let mut req = http.post(&self.url).header("content-type", "application/json").body(self.body.clone());
+        let mut req = http
+            .post(&self.url)
+            .header("content-type", "application/json")
+            .body(self.body.clone());
         if self.auth {
             req = req.bearer_auth(KEY);
         }
@@ -58,7 +61,13 @@ struct Figures {
 
 fn figures(mut lat: Vec<Duration>, elapsed: Duration, errors: usize) -> Figures {
     lat.sort();
-    Figures { p50: pct(&lat, 0.5), p90: pct(&lat, 0.9), p99: pct(&lat, 0.99), rps: lat.len() as f64 / elapsed.as_secs_f64(), errors }
+    Figures {
+        p50: pct(&lat, 0.5),
+        p90: pct(&lat, 0.9),
+        p99: pct(&lat, 0.99),
+        rps: lat.len() as f64 / elapsed.as_secs_f64(),
+        errors,
+    }
 }
 
 async fn send(http: &reqwest::Client, call: &Call, session: Option<String>) -> bool {
@@ -181,28 +190,52 @@ identical_request_limit = 1000000000
 }
 
 fn row(out: &mut String, name: &str, f: &Figures) {
-    let _ = writeln!(out, "| {name} | {:.3} | {:.3} | {:.3} | {:.0} | {} |", f.p50, f.p90, f.p99, f.rps, f.errors);
+    let _ = writeln!(
+        out,
+        "| {name} | {:.3} | {:.3} | {:.3} | {:.0} | {} |",
+        f.p50, f.p90, f.p99, f.rps, f.errors
+    );
 }
 
 fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
 }
 
 #[tokio::main]
 async fn main() {
     let secs: u64 = arg("--seconds").and_then(|s| s.parse().ok()).unwrap_or(10);
     let out_path = arg("--out").unwrap_or_else(|| "docs/benchmarks.md".into());
-    let sessions: usize = arg("--sessions").and_then(|s| s.parse().ok()).unwrap_or(100_000);
+    let sessions: usize = arg("--sessions")
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(100_000);
     let bin = backstop_bin();
     let dir = std::env::temp_dir().join(format!("backstop-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (port, mock_port) = (free_port(), free_port());
-    let _mock = Proc::spawn(&bin, &["mock-upstream", "--listen", &format!("127.0.0.1:{mock_port}")]);
+    let _mock = Proc::spawn(
+        &bin,
+        &[
+            "mock-upstream",
+            "--listen",
+            &format!("127.0.0.1:{mock_port}"),
+        ],
+    );
     let config_path = dir.join("bench.toml");
-    std::fs::write(&config_path, config(port, mock_port, &dir.join("bench.db").display().to_string())).unwrap();
+    std::fs::write(
+        &config_path,
+        config(port, mock_port, &dir.join("bench.db").display().to_string()),
+    )
+    .unwrap();
     let gw = Proc::spawn(&bin, &["serve", "--config", config_path.to_str().unwrap()]);
-    let http = reqwest::Client::builder().pool_max_idle_per_host(512).tcp_nodelay(true).build().unwrap();
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(512)
+        .tcp_nodelay(true)
+        .build()
+        .unwrap();
     wait_up(&http, &format!("http://127.0.0.1:{mock_port}/mock/stats")).await;
     wait_up(&http, &format!("http://127.0.0.1:{port}/readyz")).await;
 
@@ -212,17 +245,39 @@ async fn main() {
     let structured = json!({"model": "gpt-4o-mini", "max_tokens": 64, "messages": [{"role": "user", "content": prompt}],
         "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": true}}}).to_string();
     let valid = base64::engine::general_purpose::STANDARD.encode(r#"{"capital": "Paris"}"#);
-    let direct = Call { url: format!("http://127.0.0.1:{mock_port}/v1/chat/completions"), auth: false, body: plain.clone(), headers: vec![] };
-    let through = Call { url: format!("http://127.0.0.1:{port}/v1/chat/completions"), auth: true, body: plain, headers: vec![] };
-    let validated = Call { body: structured, headers: vec![("x-mock-fault", format!("content_b64={valid}"))], ..through.clone() };
-    let direct_json = Call { headers: vec![("x-mock-fault", format!("content_b64={valid}"))], ..direct.clone() };
+    let direct = Call {
+        url: format!("http://127.0.0.1:{mock_port}/v1/chat/completions"),
+        auth: false,
+        body: plain.clone(),
+        headers: vec![],
+    };
+    let through = Call {
+        url: format!("http://127.0.0.1:{port}/v1/chat/completions"),
+        auth: true,
+        body: plain,
+        headers: vec![],
+    };
+    let validated = Call {
+        body: structured,
+        headers: vec![("x-mock-fault", format!("content_b64={valid}"))],
+        ..through.clone()
+    };
+    let direct_json = Call {
+        headers: vec![("x-mock-fault", format!("content_b64={valid}"))],
+        ..direct.clone()
+    };
 
     eprintln!("warming up");
     closed(&http, &direct, 32, 2).await;
     closed(&http, &through, 32, 2).await;
 
     let mut out = String::new();
-    let cpu = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default().lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()).unwrap_or_default();
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        .unwrap_or_default();
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let _ = writeln!(out, "# Benchmarks\n");
     let _ = writeln!(out, "Measured by `cargo run --release --example bench` (this file is its output), on {cores} cores ({cpu}), with the load generator, the mock upstream and Backstop on the same machine over loopback. Each row ran for {secs} s. Latencies in milliseconds.\n");
@@ -277,10 +332,26 @@ async fn main() {
     }
     let after = proc_kb(gw.pid(), "VmRSS:");
     let _ = writeln!(out, "\n## Memory\n\n| figure | MB |\n|---|---|");
-    let _ = writeln!(out, "| Backstop peak RSS through the load above | {:.1} |", peak as f64 / 1024.0);
-    let _ = writeln!(out, "| RSS before the sessions run | {:.1} |", before as f64 / 1024.0);
-    let _ = writeln!(out, "| RSS after {sessions} distinct sessions | {:.1} |", after as f64 / 1024.0);
-    let _ = writeln!(out, "| peak RSS overall | {:.1} |", proc_kb(gw.pid(), "VmHWM:") as f64 / 1024.0);
+    let _ = writeln!(
+        out,
+        "| Backstop peak RSS through the load above | {:.1} |",
+        peak as f64 / 1024.0
+    );
+    let _ = writeln!(
+        out,
+        "| RSS before the sessions run | {:.1} |",
+        before as f64 / 1024.0
+    );
+    let _ = writeln!(
+        out,
+        "| RSS after {sessions} distinct sessions | {:.1} |",
+        after as f64 / 1024.0
+    );
+    let _ = writeln!(
+        out,
+        "| peak RSS overall | {:.1} |",
+        proc_kb(gw.pid(), "VmHWM:") as f64 / 1024.0
+    );
     drop(gw);
     let _ = std::fs::remove_dir_all(&dir);
     print!("{out}");

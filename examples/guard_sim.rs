@@ -5,7 +5,10 @@
 //!     cargo run --release --example guard_sim
 
 use std::{
-    sync::{atomic::{AtomicUsize, Ordering}, Arc},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
     time::Instant,
 };
 
@@ -20,12 +23,26 @@ struct Script {
     fault: Option<&'static str>,
 }
 
-async fn session(http: reqwest::Client, url: String, id: String, script: &Script, tripped: Arc<AtomicUsize>, refused: Arc<AtomicUsize>) {
+async fn session(
+    http: reqwest::Client,
+    url: String,
+    id: String,
+    script: &Script,
+    tripped: Arc<AtomicUsize>,
+    refused: Arc<AtomicUsize>,
+) {
     let mut was_tripped = false;
     for step in 0..script.steps {
         // Each call differs (a growing history), so only the failure rule can stop a loop.
-        let body = format!(r#"{{"model":"{}","messages":[{{"role":"user","content":"{id} step {step}"}}]}}"#, script.model);
-        let mut req = http.post(&url).bearer_auth(KEY).header("x-session-id", &id).body(body);
+        let body = format!(
+            r#"{{"model":"{}","messages":[{{"role":"user","content":"{id} step {step}"}}]}}"#,
+            script.model
+        );
+        let mut req = http
+            .post(&url)
+            .bearer_auth(KEY)
+            .header("x-session-id", &id)
+            .body(body);
         if let Some(fault) = script.fault {
             req = req.header("x-mock-fault", fault);
         }
@@ -33,7 +50,11 @@ async fn session(http: reqwest::Client, url: String, id: String, script: &Script
         if resp.status() == 429 {
             refused.fetch_add(1, Ordering::Relaxed);
         }
-        if resp.headers().get("x-backstop-session-state").is_some_and(|s| s == "tripped") {
+        if resp
+            .headers()
+            .get("x-backstop-session-state")
+            .is_some_and(|s| s == "tripped")
+        {
             was_tripped = true;
         }
         let _ = resp.bytes().await;
@@ -43,7 +64,13 @@ async fn session(http: reqwest::Client, url: String, id: String, script: &Script
     }
 }
 
-async fn run(http: &reqwest::Client, url: &str, prefix: &str, sessions: usize, script: Script) -> (usize, usize, f64) {
+async fn run(
+    http: &reqwest::Client,
+    url: &str,
+    prefix: &str,
+    sessions: usize,
+    script: Script,
+) -> (usize, usize, f64) {
     let script = Arc::new(script);
     let tripped = Arc::new(AtomicUsize::new(0));
     let refused = Arc::new(AtomicUsize::new(0));
@@ -51,7 +78,13 @@ async fn run(http: &reqwest::Client, url: &str, prefix: &str, sessions: usize, s
     let started = Instant::now();
     let mut workers = Vec::new();
     for _ in 0..64 {
-        let (http, url, next, tripped, refused) = (http.clone(), url.to_string(), next.clone(), tripped.clone(), refused.clone());
+        let (http, url, next, tripped, refused) = (
+            http.clone(),
+            url.to_string(),
+            next.clone(),
+            tripped.clone(),
+            refused.clone(),
+        );
         let (prefix, script) = (prefix.to_string(), script.clone());
         workers.push(tokio::spawn(async move {
             loop {
@@ -59,21 +92,36 @@ async fn run(http: &reqwest::Client, url: &str, prefix: &str, sessions: usize, s
                 if i >= sessions {
                     break;
                 }
-                session(http.clone(), url.clone(), format!("{prefix}-{i}"), &script, tripped.clone(), refused.clone()).await;
+                session(
+                    http.clone(),
+                    url.clone(),
+                    format!("{prefix}-{i}"),
+                    &script,
+                    tripped.clone(),
+                    refused.clone(),
+                )
+                .await;
             }
         }));
     }
     for w in workers {
         w.await.unwrap();
     }
-    (tripped.load(Ordering::Relaxed), refused.load(Ordering::Relaxed), started.elapsed().as_secs_f64())
+    (
+        tripped.load(Ordering::Relaxed),
+        refused.load(Ordering::Relaxed),
+        started.elapsed().as_secs_f64(),
+    )
 }
 
 #[tokio::main]
 async fn main() {
     let failing = mock::spawn(TcpListener::bind("127.0.0.1:0").await.unwrap());
     // Healthy upstream with a 5% transient 503 that Backstop's retries absorb.
-    let flaky = mock::spawn_with(TcpListener::bind("127.0.0.1:0").await.unwrap(), mock::FaultMix::parse("status=503@0.05").unwrap());
+    let flaky = mock::spawn_with(
+        TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        mock::FaultMix::parse("status=503@0.05").unwrap(),
+    );
     let text = format!(
         r#"
 [server]
@@ -113,26 +161,46 @@ cool_down = "60s"
         failing = failing.addr,
         flaky = flaky.addr
     );
-    let gw = server::spawn(Config::from_toml_with_env(&text, |_| None).unwrap()).await.unwrap();
+    let gw = server::spawn(Config::from_toml_with_env(&text, |_| None).unwrap())
+        .await
+        .unwrap();
     let url = format!("http://{}/v1/chat/completions", gw.addr);
-    let http = reqwest::Client::builder().pool_max_idle_per_host(128).build().unwrap();
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(128)
+        .build()
+        .unwrap();
 
-    let stuck = Script { model: "gpt-4o", steps: 50, fault: Some("status=400;code=context_length_exceeded") };
+    let stuck = Script {
+        model: "gpt-4o",
+        steps: 50,
+        fault: Some("status=400;code=context_length_exceeded"),
+    };
     let (tripped, refused, secs) = run(&http, &url, "stuck", 1000, stuck).await;
     let calls = failing.state_total();
     println!("| stuck loops: 1,000 sessions x 50 failing calls | |\n|---|---|");
     println!("| client calls | 50000 |");
-    println!("| upstream calls with Backstop | {calls} ({:.2}% of 50,000; {:.1} per session) |", calls as f64 / 500.0, calls as f64 / 1000.0);
+    println!(
+        "| upstream calls with Backstop | {calls} ({:.2}% of 50,000; {:.1} per session) |",
+        calls as f64 / 500.0,
+        calls as f64 / 1000.0
+    );
     println!("| calls refused before the upstream | {refused} |");
     println!("| sessions tripped | {tripped} of 1000 |");
     println!("| wall time | {secs:.1} s |");
 
-    let healthy = Script { model: "gpt-4o-healthy", steps: 12, fault: None };
+    let healthy = Script {
+        model: "gpt-4o-healthy",
+        steps: 12,
+        fault: None,
+    };
     let (tripped, refused, secs) = run(&http, &url, "healthy", 1000, healthy).await;
     println!("\n| healthy: 1,000 sessions x 12 distinct steps, 5% transient 503s upstream | |\n|---|---|");
     println!("| false trips | {tripped} of 1000 sessions |");
     println!("| requests refused | {refused} of 12000 |");
-    println!("| upstream calls | {} (retries included) |", flaky.state_total());
+    println!(
+        "| upstream calls | {} (retries included) |",
+        flaky.state_total()
+    );
     println!("| wall time | {secs:.1} s |");
     gw.shutdown().await;
 }

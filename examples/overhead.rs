@@ -28,12 +28,21 @@ impl Drop for Proc {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 async fn wait_up(http: &reqwest::Client, url: &str) {
     for _ in 0..200 {
-        if http.get(url).send().await.is_ok_and(|r| r.status().is_success()) {
+        if http
+            .get(url)
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
+        {
             return;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -47,12 +56,24 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 }
 
 /// `total` requests spread over `concurrency` closed-loop workers; latencies sorted.
-async fn run(http: &reqwest::Client, url: &str, auth: bool, total: usize, concurrency: usize) -> (Vec<Duration>, f64) {
+async fn run(
+    http: &reqwest::Client,
+    url: &str,
+    auth: bool,
+    total: usize,
+    concurrency: usize,
+) -> (Vec<Duration>, f64) {
     run_as(http, url, auth.then_some((KEY, None)), total, concurrency).await
 }
 
 /// Like `run`, as a given tenant key and optional session.
-async fn run_as(http: &reqwest::Client, url: &str, auth: Option<(&'static str, Option<&'static str>)>, total: usize, concurrency: usize) -> (Vec<Duration>, f64) {
+async fn run_as(
+    http: &reqwest::Client,
+    url: &str,
+    auth: Option<(&'static str, Option<&'static str>)>,
+    total: usize,
+    concurrency: usize,
+) -> (Vec<Duration>, f64) {
     let body = r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"What is the capital of France? Answer in one word."}]}"#;
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let started = Instant::now();
@@ -65,7 +86,10 @@ async fn run_as(http: &reqwest::Client, url: &str, auth: Option<(&'static str, O
             let mut lat = Vec::new();
             while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < total {
                 let t = Instant::now();
-                let mut req = http.post(&url).header("content-type", "application/json").body(body);
+                let mut req = http
+                    .post(&url)
+                    .header("content-type", "application/json")
+                    .body(body);
                 if let Some((key, session)) = auth {
                     req = req.bearer_auth(key);
                     if let Some(session) = session {
@@ -94,7 +118,10 @@ async fn first_chunk(http: &reqwest::Client, url: &str, auth: bool, n: usize) ->
     let mut out = Vec::new();
     for _ in 0..n {
         let t = Instant::now();
-        let mut req = http.post(url).header("content-type", "application/json").body(body);
+        let mut req = http
+            .post(url)
+            .header("content-type", "application/json")
+            .body(body);
         if auth {
             req = req.bearer_auth(KEY);
         }
@@ -110,7 +137,10 @@ async fn first_chunk(http: &reqwest::Client, url: &str, auth: bool, n: usize) ->
 
 #[tokio::main]
 async fn main() {
-    let total: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(2000);
+    let total: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2000);
     let bin = std::env::var("BACKSTOP_BIN").unwrap_or_else(|_| "target/release/backstop".into());
     let (mock_port, gw_port) = (free_port(), free_port());
     let dir = std::env::temp_dir().join(format!("backstop-bench-{}", std::process::id()));
@@ -161,10 +191,30 @@ tokens_per_day = 100000000000
         ),
     )
     .unwrap();
-    let _mock = Proc(Command::new(&bin).args(["mock-upstream", "--listen", &format!("127.0.0.1:{mock_port}")]).stderr(Stdio::null()).spawn().expect("run the backstop binary (cargo build --release)"));
+    let _mock = Proc(
+        Command::new(&bin)
+            .args([
+                "mock-upstream",
+                "--listen",
+                &format!("127.0.0.1:{mock_port}"),
+            ])
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("run the backstop binary (cargo build --release)"),
+    );
     // The gateway logs one JSON line per request, as in production, to /dev/null.
-    let _gw = Proc(Command::new(&bin).args(["serve", "--config", config.to_str().unwrap()]).stderr(Stdio::null()).spawn().unwrap());
-    let http = reqwest::Client::builder().pool_max_idle_per_host(256).tcp_nodelay(true).build().unwrap();
+    let _gw = Proc(
+        Command::new(&bin)
+            .args(["serve", "--config", config.to_str().unwrap()])
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(256)
+        .tcp_nodelay(true)
+        .build()
+        .unwrap();
     wait_up(&http, &format!("http://127.0.0.1:{mock_port}/mock/stats")).await;
     wait_up(&http, &format!("http://127.0.0.1:{gw_port}/readyz")).await;
     let direct = format!("http://127.0.0.1:{mock_port}/v1/chat/completions");
@@ -180,8 +230,16 @@ tokens_per_day = 100000000000
     for concurrency in [1, 32] {
         let (d, drps) = run(&http, &direct, false, total, concurrency).await;
         let (b, brps) = run(&http, &through, true, total, concurrency).await;
-        println!("| direct | {concurrency} | {:.3} | {:.3} | {drps:.0} |", percentile(&d, 0.5), percentile(&d, 0.99));
-        println!("| backstop | {concurrency} | {:.3} | {:.3} | {brps:.0} |", percentile(&b, 0.5), percentile(&b, 0.99));
+        println!(
+            "| direct | {concurrency} | {:.3} | {:.3} | {drps:.0} |",
+            percentile(&d, 0.5),
+            percentile(&d, 0.99)
+        );
+        println!(
+            "| backstop | {concurrency} | {:.3} | {:.3} | {brps:.0} |",
+            percentile(&b, 0.5),
+            percentile(&b, 0.99)
+        );
         println!(
             "| added | {concurrency} | {:+.3} | {:+.3} | {:.0}% of direct |",
             percentile(&b, 0.5) - percentile(&d, 0.5),
@@ -195,9 +253,24 @@ tokens_per_day = 100000000000
     println!("| tenant | p50 ms | p99 ms | req/s |\n|---|---|---|---|");
     for _ in 0..2 {
         let (p, prps) = run_as(&http, &through, Some((KEY, None)), total, 32).await;
-        let (b, brps) = run_as(&http, &through, Some((BUDGETED, Some("bench-session"))), total, 32).await;
-        println!("| no limits | {:.3} | {:.3} | {prps:.0} |", percentile(&p, 0.5), percentile(&p, 0.99));
-        println!("| all limits + session | {:.3} | {:.3} | {brps:.0} |", percentile(&b, 0.5), percentile(&b, 0.99));
+        let (b, brps) = run_as(
+            &http,
+            &through,
+            Some((BUDGETED, Some("bench-session"))),
+            total,
+            32,
+        )
+        .await;
+        println!(
+            "| no limits | {:.3} | {:.3} | {prps:.0} |",
+            percentile(&p, 0.5),
+            percentile(&p, 0.99)
+        );
+        println!(
+            "| all limits + session | {:.3} | {:.3} | {brps:.0} |",
+            percentile(&b, 0.5),
+            percentile(&b, 0.99)
+        );
     }
 
     let n = 200;
@@ -205,7 +278,15 @@ tokens_per_day = 100000000000
     let b = first_chunk(&http, &through, true, n).await;
     println!("\nTime to first stream chunk, {n} sequential streams:");
     println!("| path | p50 ms | p99 ms |\n|---|---|---|");
-    println!("| direct | {:.3} | {:.3} |", percentile(&d, 0.5), percentile(&d, 0.99));
-    println!("| backstop | {:.3} | {:.3} |", percentile(&b, 0.5), percentile(&b, 0.99));
+    println!(
+        "| direct | {:.3} | {:.3} |",
+        percentile(&d, 0.5),
+        percentile(&d, 0.99)
+    );
+    println!(
+        "| backstop | {:.3} | {:.3} |",
+        percentile(&b, 0.5),
+        percentile(&b, 0.99)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -5,7 +5,10 @@
 
 use std::{
     process::{Command, Stdio},
-    sync::{atomic::{AtomicUsize, Ordering}, Arc},
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
     time::{Duration, Instant},
 };
 
@@ -24,12 +27,19 @@ fn rss_kb(pid: u32, field: &str) -> u64 {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 #[tokio::main]
 async fn main() {
-    let sessions: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(100_000);
+    let sessions: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(100_000);
     let dir = std::env::temp_dir().join(format!("backstop-sessions-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (port, mock_port) = (free_port(), free_port());
@@ -85,7 +95,9 @@ usd_per_day = 100000.0
                 }
                 // 500 calls per session, well under its 1,000-call cap.
                 let session = format!("s{}", i / 500);
-                let Ok(r) = budgets.reserve("t", Some(&session), "gpt-4o", 100, 100) else { panic!("refused") };
+                let Ok(r) = budgets.reserve("t", Some(&session), "gpt-4o", 100, 100) else {
+                    panic!("refused")
+                };
                 r.settle(Some((50, 50))).await;
             }
         }));
@@ -100,11 +112,23 @@ usd_per_day = 100000.0
     let config_path = dir.join("sessions.toml");
     std::fs::write(&config_path, &config_text).unwrap();
     let bin = std::env::var("BACKSTOP_BIN").unwrap_or_else(|_| "target/release/backstop".into());
-    let mut child = Command::new(bin).args(["serve", "--config", config_path.to_str().unwrap()]).stderr(Stdio::null()).spawn().unwrap();
-    let http = reqwest::Client::builder().pool_max_idle_per_host(64).build().unwrap();
+    let mut child = Command::new(bin)
+        .args(["serve", "--config", config_path.to_str().unwrap()])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(64)
+        .build()
+        .unwrap();
     let url = format!("http://127.0.0.1:{port}");
     for _ in 0..100 {
-        if http.get(format!("{url}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {
+        if http
+            .get(format!("{url}/readyz"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200)
+        {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -23,7 +23,11 @@ impl Drop for Proc {
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 fn pct(sorted: &[Duration], p: f64) -> f64 {
@@ -53,12 +57,24 @@ fn answer(variant: usize) -> String {
     json!({"report": "x".repeat(460), "variant": variant, "items": items}).to_string()
 }
 
-async fn run(http: &reqwest::Client, url: &str, bodies: &[(String, String)], n: usize) -> Vec<Duration> {
+async fn run(
+    http: &reqwest::Client,
+    url: &str,
+    bodies: &[(String, String)],
+    n: usize,
+) -> Vec<Duration> {
     let mut lat = Vec::with_capacity(n);
     for i in 0..n {
         let (body, fault) = &bodies[i % bodies.len()];
         let t = Instant::now();
-        let resp = http.post(url).bearer_auth(KEY).header("x-mock-fault", fault).body(body.clone()).send().await.unwrap();
+        let resp = http
+            .post(url)
+            .bearer_auth(KEY)
+            .header("x-mock-fault", fault)
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap();
         assert_eq!(resp.status(), 200);
         resp.bytes().await.unwrap();
         lat.push(t.elapsed());
@@ -69,7 +85,10 @@ async fn run(http: &reqwest::Client, url: &str, bodies: &[(String, String)], n: 
 
 #[tokio::main]
 async fn main() {
-    let n: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(10_000);
+    let n: usize = std::env::args()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10_000);
     let (port, mock_port) = (free_port(), free_port());
     let dir = std::env::temp_dir().join(format!("backstop-validation-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -84,11 +103,22 @@ async fn main() {
     )
     .unwrap();
     let bin = std::env::var("BACKSTOP_BIN").unwrap_or_else(|_| "target/release/backstop".into());
-    let _gw = Proc(Command::new(bin).args(["serve", "--config", config.to_str().unwrap()]).stderr(Stdio::null()).spawn().unwrap());
+    let _gw = Proc(
+        Command::new(bin)
+            .args(["serve", "--config", config.to_str().unwrap()])
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let http = reqwest::Client::new();
     let url = format!("http://127.0.0.1:{port}");
     for _ in 0..100 {
-        if http.get(format!("{url}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {
+        if http
+            .get(format!("{url}/readyz"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200)
+        {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -103,7 +133,13 @@ async fn main() {
         })
         .collect();
     let without: Vec<(String, String)> = (0..3)
-        .map(|v| (json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "report"}]}).to_string(), format!("content_b64={}", b64(&answer(v)))))
+        .map(|v| {
+            (
+                json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "report"}]})
+                    .to_string(),
+                format!("content_b64={}", b64(&answer(v))),
+            )
+        })
         .collect();
     println!("answer size: {} bytes of JSON content", answer(0).len());
     run(&http, &chat, &without, 500).await; // warm-up
@@ -111,14 +147,36 @@ async fn main() {
     let on = run(&http, &chat, &with, n).await;
     println!("\n{n} sequential requests each, release build, same run\n");
     println!("| validation | p50 ms | p99 ms |\n|---|---|---|");
-    println!("| off (no response_format) | {:.3} | {:.3} |", pct(&off, 0.5), pct(&off, 0.99));
-    println!("| on (json_schema, valid answer) | {:.3} | {:.3} |", pct(&on, 0.5), pct(&on, 0.99));
-    println!("| added | {:+.3} | {:+.3} |", pct(&on, 0.5) - pct(&off, 0.5), pct(&on, 0.99) - pct(&off, 0.99));
-    let metrics = http.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
+    println!(
+        "| off (no response_format) | {:.3} | {:.3} |",
+        pct(&off, 0.5),
+        pct(&off, 0.99)
+    );
+    println!(
+        "| on (json_schema, valid answer) | {:.3} | {:.3} |",
+        pct(&on, 0.5),
+        pct(&on, 0.99)
+    );
+    println!(
+        "| added | {:+.3} | {:+.3} |",
+        pct(&on, 0.5) - pct(&off, 0.5),
+        pct(&on, 0.99) - pct(&off, 0.99)
+    );
+    let metrics = http
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     let count = |result: &str| -> f64 {
         metrics
             .lines()
-            .find(|l| l.starts_with("backstop_schema_cache_total") && l.contains(&format!("result=\"{result}\"")))
+            .find(|l| {
+                l.starts_with("backstop_schema_cache_total")
+                    && l.contains(&format!("result=\"{result}\""))
+            })
             .and_then(|l| l.rsplit(' ').next())
             .and_then(|v| v.parse().ok())
             .unwrap_or(0.0)

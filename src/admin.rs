@@ -24,13 +24,23 @@ pub fn routes() -> Router<AppState> {
         .route("/admin/upstreams", get(upstreams))
         .route("/admin/tenants/{tenant}", get(tenant))
         .route("/admin/tenants/{tenant}/sessions/{session}", get(session))
-        .route("/admin/tenants/{tenant}/sessions/{session}/reset", post(reset_session))
-        .route("/admin/tenants/{tenant}/sessions/{session}/close", post(close_session))
+        .route(
+            "/admin/tenants/{tenant}/sessions/{session}/reset",
+            post(reset_session),
+        )
+        .route(
+            "/admin/tenants/{tenant}/sessions/{session}/close",
+            post(close_session),
+        )
         .route("/v1/sessions/{session}", get(own_session))
 }
 
 fn json_response(value: Value) -> Response {
-    ([(header::CONTENT_TYPE, "application/json")], value.to_string()).into_response()
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        value.to_string(),
+    )
+        .into_response()
 }
 
 fn refuse(err: GatewayError) -> Response {
@@ -38,22 +48,22 @@ fn refuse(err: GatewayError) -> Response {
 }
 
 /// The admin token, compared in constant time; the admin API is off without one.
-fn admin_auth(state: &AppState, headers: &HeaderMap) -> Result<(), Response> {
+fn admin_auth(state: &AppState, headers: &HeaderMap) -> Result<(), Box<Response>> {
     let Some(token) = &state.config.admin.token else {
-        return Err(refuse(GatewayError::AdminDisabled));
+        return Err(Box::new(refuse(GatewayError::AdminDisabled)));
     };
     let presented = presented_key(headers).unwrap_or_default();
     if bool::from(token.expose().as_bytes().ct_eq(presented)) {
         Ok(())
     } else {
-        Err(refuse(GatewayError::Unauthorized))
+        Err(Box::new(refuse(GatewayError::Unauthorized)))
     }
 }
 
 /// `GET /admin/upstreams`: each upstream's breaker.
 async fn upstreams(State(state): State<AppState>, headers: HeaderMap) -> Response {
     if let Err(r) = admin_auth(&state, &headers) {
-        return r;
+        return *r;
     }
     let now = tokio::time::Instant::now();
     let upstreams: Vec<_> = state
@@ -69,9 +79,13 @@ async fn upstreams(State(state): State<AppState>, headers: HeaderMap) -> Respons
 }
 
 /// `GET /admin/tenants/{tenant}`: today's spend, by model, and what is left.
-async fn tenant(State(state): State<AppState>, headers: HeaderMap, Path(tenant): Path<String>) -> Response {
+async fn tenant(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(tenant): Path<String>,
+) -> Response {
     if let Err(r) = admin_auth(&state, &headers) {
-        return r;
+        return *r;
     }
     match state.budgets.tenant_report(&tenant) {
         Some(report) => json_response(report),
@@ -80,9 +94,13 @@ async fn tenant(State(state): State<AppState>, headers: HeaderMap, Path(tenant):
 }
 
 /// `GET /admin/tenants/{tenant}/sessions/{session}`.
-async fn session(State(state): State<AppState>, headers: HeaderMap, Path((tenant, session)): Path<(String, String)>) -> Response {
+async fn session(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path((tenant, session)): Path<(String, String)>,
+) -> Response {
     if let Err(r) = admin_auth(&state, &headers) {
-        return r;
+        return *r;
     }
     match session_view(&state, &tenant, &session) {
         Some(report) => json_response(report),
@@ -93,27 +111,41 @@ async fn session(State(state): State<AppState>, headers: HeaderMap, Path((tenant
 /// Budgets, and for guarded tenants the guard's signals and the recovery trace.
 fn session_view(state: &AppState, tenant: &str, session: &str) -> Option<Value> {
     let mut report = state.budgets.session_report(tenant, session)?;
-    if let Some(guard) = state.guards.report(tenant, session, state.budgets.session_usd(tenant, session)) {
+    if let Some(guard) =
+        state
+            .guards
+            .report(tenant, session, state.budgets.session_usd(tenant, session))
+    {
         report["guard"] = guard;
     }
     Some(report)
 }
 
 /// `POST /admin/tenants/{tenant}/sessions/{session}/close`: refuse the session for good.
-async fn close_session(State(state): State<AppState>, headers: HeaderMap, Path((tenant, session)): Path<(String, String)>) -> Response {
+async fn close_session(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path((tenant, session)): Path<(String, String)>,
+) -> Response {
     if let Err(r) = admin_auth(&state, &headers) {
-        return r;
+        return *r;
     }
     if !state.guards.close(&tenant, &session) {
-        return refuse(GatewayError::NotFoundAdmin { what: "guarded tenant" });
+        return refuse(GatewayError::NotFoundAdmin {
+            what: "guarded tenant",
+        });
     }
     json_response(session_view(&state, &tenant, &session).unwrap_or(Value::Null))
 }
 
 /// `POST /admin/tenants/{tenant}/sessions/{session}/reset`: the session starts over.
-async fn reset_session(State(state): State<AppState>, headers: HeaderMap, Path((tenant, session)): Path<(String, String)>) -> Response {
+async fn reset_session(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path((tenant, session)): Path<(String, String)>,
+) -> Response {
     if let Err(r) = admin_auth(&state, &headers) {
-        return r;
+        return *r;
     }
     if !state.budgets.reset_session(&tenant, &session).await {
         return refuse(GatewayError::NotFoundAdmin { what: "tenant" });
@@ -124,7 +156,11 @@ async fn reset_session(State(state): State<AppState>, headers: HeaderMap, Path((
 }
 
 /// `GET /v1/sessions/{session}` with a tenant key: that tenant's own session only.
-async fn own_session(State(state): State<AppState>, headers: HeaderMap, Path(session): Path<String>) -> Response {
+async fn own_session(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(session): Path<String>,
+) -> Response {
     let Some(tenant) = presented_key(&headers).and_then(|k| state.tenants.lookup(k)) else {
         return refuse(GatewayError::Unauthorized);
     };

@@ -18,7 +18,6 @@
 //!     against the session's and tenant's caps, settle to reported usage.
 //! 12. [`Forward`]: one upstream attempt (leaf).
 
-
 use std::{
     collections::HashMap,
     sync::{
@@ -42,11 +41,9 @@ use tower::{util::BoxCloneSyncService, ServiceBuilder};
 use crate::{
     api::Endpoint,
     budgets::Budgets,
-    guard::Guards,
-    policy::budget::Prices,
-    store::{Store, StoreError},
     config::Config,
     error::{respond::error_response, GatewayError},
+    guard::Guards,
     layers::{
         auth::{AuthLayer, TenantKeys},
         context::ContextLayer,
@@ -60,7 +57,9 @@ use crate::{
         respond::RespondLayer,
         validate::ValidateLayer,
     },
+    policy::budget::Prices,
     routing::RouteTable,
+    store::{Store, StoreError},
     telemetry,
     upstream::{self, health::HealthRegistry, Forward, Upstream},
     validation::Schemas,
@@ -127,12 +126,24 @@ fn proxy_stack(state: &AppState) -> HttpService {
         .layer(RespondLayer)
         .layer(DeadlineLayer::new(server.request_timeout))
         .layer(AuthLayer::new(state.tenants.clone()))
-        .layer(ContextLayer::new(state.routes.clone(), server.max_body_bytes))
-        .layer(IdempotencyLayer::new(state.budgets.store().clone(), state.config.store.idempotency_ttl))
+        .layer(ContextLayer::new(
+            state.routes.clone(),
+            server.max_body_bytes,
+        ))
+        .layer(IdempotencyLayer::new(
+            state.budgets.store().clone(),
+            state.config.store.idempotency_ttl,
+        ))
         .layer(LimitsLayer::new(state.budgets.clone()))
         .layer(GuardLayer::new(state.guards.clone(), state.budgets.clone()))
-        .layer(ValidateLayer::new(state.schemas.clone(), state.config.validation.clone()))
-        .layer(RecoveryLayer::new(RetryPolicy::from_config(&state.config.retry), state.health.clone()))
+        .layer(ValidateLayer::new(
+            state.schemas.clone(),
+            state.config.validation.clone(),
+        ))
+        .layer(RecoveryLayer::new(
+            RetryPolicy::from_config(&state.config.retry),
+            state.health.clone(),
+        ))
         .layer(MeterLayer::new(state.budgets.clone()))
         .service(Forward::new(upstream::client()));
     BoxCloneSyncService::new(stack)
@@ -170,7 +181,11 @@ fn list_models(routes: &RouteTable, headers: &HeaderMap) -> Response {
             .collect();
         json!({"object": "list", "data": data})
     };
-    ([(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
 }
 
 /// The full HTTP surface.
@@ -178,7 +193,10 @@ pub fn router(state: AppState) -> Router {
     let proxy = proxy_stack(&state);
     let models = models_stack(&state);
     Router::new()
-        .route_service(Endpoint::ChatCompletions.path(), post_service(proxy.clone()))
+        .route_service(
+            Endpoint::ChatCompletions.path(),
+            post_service(proxy.clone()),
+        )
         .route_service(Endpoint::Messages.path(), post_service(proxy.clone()))
         .route_service(Endpoint::Embeddings.path(), post_service(proxy))
         .route_service("/v1/models", axum::routing::get_service(models))

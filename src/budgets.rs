@@ -35,7 +35,9 @@ pub struct TokioClock {
 
 impl Default for TokioClock {
     fn default() -> Self {
-        TokioClock { origin: tokio::time::Instant::now() }
+        TokioClock {
+            origin: tokio::time::Instant::now(),
+        }
     }
 }
 
@@ -52,10 +54,17 @@ type Keyed = RateLimiter<String, DashMapStateStore<String>, TokioClock, NoOpMidd
 /// Why a call may not go ahead.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Refusal {
-    RateLimited { scope: &'static str, retry_after: Duration },
+    RateLimited {
+        scope: &'static str,
+        retry_after: Duration,
+    },
     Exceeded(Exceeded),
-    TooManyConcurrent { limit: u32 },
-    Unpriced { model: String },
+    TooManyConcurrent {
+        limit: u32,
+    },
+    Unpriced {
+        model: String,
+    },
 }
 
 struct TenantBook {
@@ -90,7 +99,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 pub fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
 }
 
 pub fn today() -> i64 {
@@ -128,7 +139,10 @@ impl Budgets {
             .collect();
         Budgets {
             tenants,
-            sessions: Cache::builder().time_to_idle(session_idle).max_capacity(1_000_000).build(),
+            sessions: Cache::builder()
+                .time_to_idle(session_idle)
+                .max_capacity(1_000_000)
+                .build(),
             store,
             prices: Prices::new(&config.prices),
             unpriced: config.billing.unpriced,
@@ -158,25 +172,42 @@ impl Budgets {
 
     /// Rate limits (tenant, then session) for one client request.
     pub fn check_rate(&self, tenant: &str, session: Option<&str>) -> Result<(), Refusal> {
-        let Some(book) = self.tenant(tenant) else { return Ok(()) };
+        let Some(book) = self.tenant(tenant) else {
+            return Ok(());
+        };
         let now = self.clock.now();
         if let Some(limiter) = &book.rate {
-            limiter.check().map_err(|not_until| Refusal::RateLimited { scope: "tenant.requests_per_minute", retry_after: not_until.wait_time_from(now) })?;
+            limiter.check().map_err(|not_until| Refusal::RateLimited {
+                scope: "tenant.requests_per_minute",
+                retry_after: not_until.wait_time_from(now),
+            })?;
         }
         if let (Some(limiter), Some(session)) = (&book.session_rate, session) {
             limiter
                 .check_key(&session.to_string())
-                .map_err(|not_until| Refusal::RateLimited { scope: "session.requests_per_minute", retry_after: not_until.wait_time_from(now) })?;
+                .map_err(|not_until| Refusal::RateLimited {
+                    scope: "session.requests_per_minute",
+                    retry_after: not_until.wait_time_from(now),
+                })?;
         }
         Ok(())
     }
 
     /// Admits one more in-flight request for the session, up to `max_concurrent`.
     pub fn enter(&self, tenant: &str, session: &str) -> Result<Option<InFlight>, Refusal> {
-        let Some(book) = self.tenant(tenant) else { return Ok(None) };
-        let Some(limit) = book.max_concurrent else { return Ok(None) };
+        let Some(book) = self.tenant(tenant) else {
+            return Ok(None);
+        };
+        let Some(limit) = book.max_concurrent else {
+            return Ok(None);
+        };
         let live = self.session(&book.name, session);
-        let admitted = live.in_flight.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < limit).then_some(n + 1)).is_ok();
+        let admitted = live
+            .in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .is_ok();
         if admitted {
             Ok(Some(InFlight(live)))
         } else {
@@ -186,32 +217,67 @@ impl Budgets {
 
     /// Reserves one upstream call's worst case against the session and the tenant's
     /// day, atomically: both fit, or neither is touched.
-    pub fn reserve(self: &Arc<Self>, tenant: &str, session: Option<&str>, model: &str, prompt_tokens: u64, max_output: u64) -> Result<Reservation, Refusal> {
+    pub fn reserve(
+        self: &Arc<Self>,
+        tenant: &str,
+        session: Option<&str>,
+        model: &str,
+        prompt_tokens: u64,
+        max_output: u64,
+    ) -> Result<Reservation, Refusal> {
         let Some(book) = self.tenant(tenant).cloned() else {
-            return Err(Refusal::Unpriced { model: model.into() });
+            return Err(Refusal::Unpriced {
+                model: model.into(),
+            });
         };
         let live = session.map(|s| (s.to_string(), self.session(&book.name, s)));
-        let usd_capped = book.day_limits.usd.is_some() || (live.is_some() && book.session_limits.usd.is_some());
+        let usd_capped =
+            book.day_limits.usd.is_some() || (live.is_some() && book.session_limits.usd.is_some());
         let usd = match self.prices.cost(model, prompt_tokens, max_output) {
             Some(usd) => usd,
-            None if usd_capped && self.unpriced == Unpriced::Refuse => return Err(Refusal::Unpriced { model: model.into() }),
+            None if usd_capped && self.unpriced == Unpriced::Refuse => {
+                return Err(Refusal::Unpriced {
+                    model: model.into(),
+                })
+            }
             None => 0.0,
         };
-        let want = Usage { calls: 1, tokens: prompt_tokens + max_output, usd };
+        let want = Usage {
+            calls: 1,
+            tokens: prompt_tokens + max_output,
+            usd,
+        };
         let mut day = lock(&book.day);
         let today = today();
         if day.0 != today {
-            *day = (today, Account { settled: Usage::default(), reserved: day.1.reserved });
+            *day = (
+                today,
+                Account {
+                    settled: Usage::default(),
+                    reserved: day.1.reserved,
+                },
+            );
         }
-        day.1.check(want, &book.day_limits, TENANT_DAY).map_err(Refusal::Exceeded)?;
+        day.1
+            .check(want, &book.day_limits, TENANT_DAY)
+            .map_err(Refusal::Exceeded)?;
         if let Some((_, s)) = &live {
             let mut account = lock(&s.account);
-            account.check(want, &book.session_limits, SESSION).map_err(Refusal::Exceeded)?;
+            account
+                .check(want, &book.session_limits, SESSION)
+                .map_err(Refusal::Exceeded)?;
             account.reserve(want);
         }
         day.1.reserve(want);
         drop(day);
-        Ok(Reservation { budgets: self.clone(), tenant: book, session: live, model: model.to_string(), amount: want, settled: false })
+        Ok(Reservation {
+            budgets: self.clone(),
+            tenant: book,
+            session: live,
+            model: model.to_string(),
+            amount: want,
+            settled: false,
+        })
     }
 
     /// What a session has left, formatted for `x-backstop-budget-remaining`; `None` when
@@ -238,7 +304,9 @@ impl Budgets {
 
     /// A session's settled spend in USD (0 for unknown tenants).
     pub fn session_usd(&self, tenant: &str, session: &str) -> f64 {
-        self.tenant(tenant).map_or(0.0, |book| lock(&self.session(&book.name, session).account).settled.usd)
+        self.tenant(tenant).map_or(0.0, |book| {
+            lock(&self.session(&book.name, session).account).settled.usd
+        })
     }
 
     /// A session's figures for the admin API and the tenant's own view.
@@ -283,7 +351,9 @@ impl Budgets {
 
     /// Starts a session over: its usage counts from now (the tenant's spend is kept).
     pub async fn reset_session(&self, tenant: &str, session: &str) -> bool {
-        let Some(book) = self.tenant(tenant) else { return false };
+        let Some(book) = self.tenant(tenant) else {
+            return false;
+        };
         self.store.reset_session(tenant, session, now_ms()).await;
         let live = self.session(&book.name, session);
         lock(&live.account).settled = Usage::default();
@@ -342,7 +412,11 @@ impl Reservation {
             Some((i, o)) => self.budgets.prices.cost(&self.model, i, o).unwrap_or(0.0),
             None => self.amount.usd,
         };
-        let actual = Usage { calls: 1, tokens: input + output, usd };
+        let actual = Usage {
+            calls: 1,
+            tokens: input + output,
+            usd,
+        };
         let charge = Charge {
             ts_ms: now_ms(),
             day: today(),
@@ -371,7 +445,8 @@ impl Reservation {
         metrics::counter!("backstop_tokens_total", "tenant" => tenant.clone(), "model" => self.model.clone()).increment(actual.tokens);
         if let Some(limit) = self.tenant.day_limits.usd {
             let used = lock(&self.tenant.day).1.committed().usd;
-            metrics::gauge!("backstop_tenant_budget_remaining_usd", "tenant" => tenant).set((limit - used).max(0.0));
+            metrics::gauge!("backstop_tenant_budget_remaining_usd", "tenant" => tenant)
+                .set((limit - used).max(0.0));
         }
     }
 
@@ -414,8 +489,14 @@ impl From<Refusal> for crate::error::GatewayError {
         };
         metrics::counter!("backstop_refusals_total", "reason" => reason).increment(1);
         match refusal {
-            Refusal::RateLimited { retry_after, .. } => GatewayError::RateLimited { detail, retry_after },
-            Refusal::Exceeded(e) => GatewayError::BudgetExceeded { budget: e.budget, detail },
+            Refusal::RateLimited { retry_after, .. } => GatewayError::RateLimited {
+                detail,
+                retry_after,
+            },
+            Refusal::Exceeded(e) => GatewayError::BudgetExceeded {
+                budget: e.budget,
+                detail,
+            },
             Refusal::TooManyConcurrent { .. } => GatewayError::TooManyConcurrent { detail },
             Refusal::Unpriced { .. } => GatewayError::Unpriced { detail },
         }
@@ -425,10 +506,22 @@ impl From<Refusal> for crate::error::GatewayError {
 impl Refusal {
     pub fn describe(&self) -> String {
         match self {
-            Refusal::RateLimited { scope, retry_after } => format!("{scope} exceeded; retry after {retry_after:?}"),
-            Refusal::Exceeded(e) => format!("{} exhausted: limit {}, used {}, this call needs {}", e.budget, fmt_num(e.limit), fmt_num(e.used), fmt_num(e.requested)),
-            Refusal::TooManyConcurrent { limit } => format!("session.max_concurrent exceeded: {limit} requests already in flight"),
-            Refusal::Unpriced { model } => format!("model `{model}` has no price and billing.unpriced = \"refuse\""),
+            Refusal::RateLimited { scope, retry_after } => {
+                format!("{scope} exceeded; retry after {retry_after:?}")
+            }
+            Refusal::Exceeded(e) => format!(
+                "{} exhausted: limit {}, used {}, this call needs {}",
+                e.budget,
+                fmt_num(e.limit),
+                fmt_num(e.used),
+                fmt_num(e.requested)
+            ),
+            Refusal::TooManyConcurrent { limit } => {
+                format!("session.max_concurrent exceeded: {limit} requests already in flight")
+            }
+            Refusal::Unpriced { model } => {
+                format!("model `{model}` has no price and billing.unpriced = \"refuse\"")
+            }
         }
     }
 }
@@ -475,9 +568,15 @@ mod tests {
         let b = budgets("requests_per_minute = 2\n[tenants.session]\nrequests_per_minute = 60");
         assert!(b.check_rate("t", Some("s")).is_ok());
         assert!(b.check_rate("t", Some("s")).is_ok());
-        let Err(Refusal::RateLimited { scope, retry_after }) = b.check_rate("t", Some("s")) else { panic!("not limited") };
+        let Err(Refusal::RateLimited { scope, retry_after }) = b.check_rate("t", Some("s")) else {
+            panic!("not limited")
+        };
         assert_eq!(scope, "tenant.requests_per_minute");
-        assert_eq!(retry_after, Duration::from_secs(30), "GCRA: one request per 30 s");
+        assert_eq!(
+            retry_after,
+            Duration::from_secs(30),
+            "GCRA: one request per 30 s"
+        );
         tokio::time::advance(Duration::from_secs(30)).await;
         assert!(b.check_rate("t", Some("s")).is_ok());
     }
@@ -486,17 +585,38 @@ mod tests {
     async fn session_rate_limits_are_per_session() {
         let b = budgets("[tenants.session]\nrequests_per_minute = 1");
         assert!(b.check_rate("t", Some("a")).is_ok());
-        assert!(matches!(b.check_rate("t", Some("a")), Err(Refusal::RateLimited { scope: "session.requests_per_minute", .. })));
-        assert!(b.check_rate("t", Some("b")).is_ok(), "another session has its own limit");
-        assert!(b.check_rate("t", None).is_ok(), "no session: tenant limits only");
+        assert!(matches!(
+            b.check_rate("t", Some("a")),
+            Err(Refusal::RateLimited {
+                scope: "session.requests_per_minute",
+                ..
+            })
+        ));
+        assert!(
+            b.check_rate("t", Some("b")).is_ok(),
+            "another session has its own limit"
+        );
+        assert!(
+            b.check_rate("t", None).is_ok(),
+            "no session: tenant limits only"
+        );
     }
 
     #[tokio::test]
     async fn a_refused_reservation_touches_neither_account() {
-        let b = budgets("[tenants.session]\nmax_calls = 1\n[tenants.budget]\ntokens_per_day = 1000");
+        let b =
+            budgets("[tenants.session]\nmax_calls = 1\n[tenants.budget]\ntokens_per_day = 1000");
         let r = b.reserve("t", Some("s"), "gpt-4o", 100, 100).unwrap();
-        let Err(e) = b.reserve("t", Some("s"), "gpt-4o", 100, 100) else { panic!("over the cap") };
-        assert!(matches!(e, Refusal::Exceeded(Exceeded { budget: "session.max_calls", .. })));
+        let Err(e) = b.reserve("t", Some("s"), "gpt-4o", 100, 100) else {
+            panic!("over the cap")
+        };
+        assert!(matches!(
+            e,
+            Refusal::Exceeded(Exceeded {
+                budget: "session.max_calls",
+                ..
+            })
+        ));
         // The tenant's day only holds the one reservation.
         assert_eq!(b.tenant_report("t").unwrap()["reserved"]["tokens"], 200);
         r.settle(Some((10, 20))).await;
@@ -509,14 +629,27 @@ mod tests {
     #[tokio::test]
     async fn unpriced_models_are_refused_under_a_usd_cap_when_configured() {
         let b = budgets("[tenants.session]\nmax_usd = 1.0");
-        assert!(b.reserve("t", Some("s"), "mystery", 1, 1).is_ok(), "free by default");
+        assert!(
+            b.reserve("t", Some("s"), "mystery", 1, 1).is_ok(),
+            "free by default"
+        );
         let config = Config::from_toml_with_env(
             "[billing]\nunpriced = \"refuse\"\n[[upstreams]]\nname = \"u\"\napi = \"openai\"\nbase_url = \"http://x\"\n[[routes]]\nmodel = \"*\"\ntargets = [{ upstream = \"u\" }]\n[[tenants]]\nname = \"t\"\napi_keys = [\"bk-test-key\"]\n[tenants.session]\nmax_usd = 1.0",
             |_| None,
         )
         .unwrap();
-        let b = Arc::new(Budgets::new(&config, Arc::new(Store::open(":memory:").unwrap()), Duration::from_secs(60)));
-        assert!(matches!(b.reserve("t", Some("s"), "mystery", 1, 1), Err(Refusal::Unpriced { .. })));
-        assert!(b.reserve("t", None, "mystery", 1, 1).is_ok(), "no USD cap applies without a session");
+        let b = Arc::new(Budgets::new(
+            &config,
+            Arc::new(Store::open(":memory:").unwrap()),
+            Duration::from_secs(60),
+        ));
+        assert!(matches!(
+            b.reserve("t", Some("s"), "mystery", 1, 1),
+            Err(Refusal::Unpriced { .. })
+        ));
+        assert!(
+            b.reserve("t", None, "mystery", 1, 1).is_ok(),
+            "no USD cap applies without a session"
+        );
     }
 }

@@ -23,7 +23,11 @@ use crate::{
 const KEY: &str = "bk-demo-storm-key";
 pub const STORM: &str = "status=503@0.2|status=429;retry_after=1@0.1|reset@0.05|hang@0.05";
 
-fn config(primary: std::net::SocketAddr, backup: std::net::SocketAddr, down: std::net::SocketAddr) -> Config {
+fn config(
+    primary: std::net::SocketAddr,
+    backup: std::net::SocketAddr,
+    down: std::net::SocketAddr,
+) -> Config {
     let text = format!(
         r#"
 [server]
@@ -81,10 +85,17 @@ fn pct(sorted: &[Duration], p: f64) -> f64 {
 /// Sums a Prometheus counter's samples per value of `label`, from the rendered page.
 fn sum_by(page: &str, metric: &str, label: &str) -> BTreeMap<String, f64> {
     let mut out = BTreeMap::new();
-    for line in page.lines().filter(|l| l.starts_with(metric) && l[metric.len()..].starts_with('{')) {
-        let Some((labels, value)) = line.rsplit_once(' ') else { continue };
+    for line in page
+        .lines()
+        .filter(|l| l.starts_with(metric) && l[metric.len()..].starts_with('{'))
+    {
+        let Some((labels, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
         let needle = format!("{label}=\"");
-        let Some(start) = labels.find(&needle) else { continue };
+        let Some(start) = labels.find(&needle) else {
+            continue;
+        };
         let rest = &labels[start + needle.len()..];
         let key = rest.split('"').next().unwrap_or("").to_string();
         *out.entry(key).or_insert(0.0) += value.parse::<f64>().unwrap_or(0.0);
@@ -95,10 +106,22 @@ fn sum_by(page: &str, metric: &str, label: &str) -> BTreeMap<String, f64> {
 async fn call(http: &reqwest::Client, url: &str, model: &str) -> (u16, Duration, String) {
     let started = Instant::now();
     let body = format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"hello"}}]}}"#);
-    match http.post(url).bearer_auth(KEY).header("content-type", "application/json").body(body).send().await {
+    match http
+        .post(url)
+        .bearer_auth(KEY)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+    {
         Ok(resp) => {
             let status = resp.status().as_u16();
-            let recovery = resp.headers().get("x-backstop-recovery").and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
+            let recovery = resp
+                .headers()
+                .get("x-backstop-recovery")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string();
             let _ = resp.bytes().await;
             (status, started.elapsed(), recovery)
         }
@@ -111,12 +134,22 @@ pub async fn run(requests: usize, concurrency: usize) {
     let bind = || TcpListener::bind("127.0.0.1:0");
     let primary = mock::spawn_with(bind().await.expect("bind"), mix.clone());
     let backup = mock::spawn_with(bind().await.expect("bind"), mix);
-    let down = mock::spawn_with(bind().await.expect("bind"), FaultMix::parse("status=503@1").expect("parses"));
-    let gateway = server::spawn(config(primary.addr, backup.addr, down.addr)).await.expect("gateway starts");
+    let down = mock::spawn_with(
+        bind().await.expect("bind"),
+        FaultMix::parse("status=503@1").expect("parses"),
+    );
+    let gateway = server::spawn(config(primary.addr, backup.addr, down.addr))
+        .await
+        .expect("gateway starts");
     let url = format!("http://{}/v1/chat/completions", gateway.addr);
-    let http = reqwest::Client::builder().pool_max_idle_per_host(256).build().expect("client");
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(256)
+        .build()
+        .expect("client");
 
-    println!("Fault storm: {requests} requests, {concurrency} concurrent clients, route with 2 targets");
+    println!(
+        "Fault storm: {requests} requests, {concurrency} concurrent clients, route with 2 targets"
+    );
     println!("each upstream: 20% 503, 10% 429 (Retry-After 1 s), 5% reset, 5% hang past attempt_timeout (1 s)\n");
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let started = Instant::now();
@@ -146,16 +179,38 @@ pub async fn run(requests: usize, concurrency: usize) {
     }
     let page = telemetry::metrics_handle().render();
     let classes = sum_by(&page, "backstop_upstream_attempts_total", "class");
-    let trips = sum_by(&page, "backstop_breaker_transitions_total", "to").get("open").copied().unwrap_or(0.0);
-    let budget: f64 = sum_by(&page, "backstop_retry_budget_exhausted_total", "upstream").values().sum();
+    let trips = sum_by(&page, "backstop_breaker_transitions_total", "to")
+        .get("open")
+        .copied()
+        .unwrap_or(0.0);
+    let budget: f64 = sum_by(&page, "backstop_retry_budget_exhausted_total", "upstream")
+        .values()
+        .sum();
 
     println!("| figure | value |\n|---|---|");
     println!("| client requests | {} |", results.len());
-    println!("| client-visible success | {ok} ({:.1}%) |", ok as f64 * 100.0 / results.len().max(1) as f64);
-    println!("| client statuses | {} |", statuses.iter().map(|(s, n)| format!("{s}: {n}")).collect::<Vec<_>>().join(", "));
+    println!(
+        "| client-visible success | {ok} ({:.1}%) |",
+        ok as f64 * 100.0 / results.len().max(1) as f64
+    );
+    println!(
+        "| client statuses | {} |",
+        statuses
+            .iter()
+            .map(|(s, n)| format!("{s}: {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     println!("| upstream attempts | {attempts} |");
-    println!("| amplification (attempts / request) | {:.2} |", attempts as f64 / results.len().max(1) as f64);
-    println!("| latency p50 / p99 | {:.1} ms / {:.1} ms |", pct(&latencies, 0.5), pct(&latencies, 0.99));
+    println!(
+        "| amplification (attempts / request) | {:.2} |",
+        attempts as f64 / results.len().max(1) as f64
+    );
+    println!(
+        "| latency p50 / p99 | {:.1} ms / {:.1} ms |",
+        pct(&latencies, 0.5),
+        pct(&latencies, 0.99)
+    );
     println!("| breaker trips (to open) | {trips} |");
     println!("| retries refused by the retry budget | {budget} |");
     println!("| wall time | {:.1} s |", wall.as_secs_f64());
@@ -165,7 +220,10 @@ pub async fn run(requests: usize, concurrency: usize) {
 
     // The same storm without Backstop: one attempt straight at one upstream.
     let direct_url = format!("http://{}/v1/chat/completions", primary.addr);
-    let direct_http = reqwest::Client::builder().timeout(Duration::from_secs(1)).build().expect("client");
+    let direct_http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(1))
+        .build()
+        .expect("client");
     let mut direct_ok = 0;
     for _ in 0..200 {
         let body = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello"}]}"#;
@@ -173,7 +231,10 @@ pub async fn run(requests: usize, concurrency: usize) {
             direct_ok += usize::from(r.status().is_success());
         }
     }
-    println!("| for comparison: 200 calls straight to one upstream, no Backstop | {:.1}% success |", direct_ok as f64 / 2.0);
+    println!(
+        "| for comparison: 200 calls straight to one upstream, no Backstop | {:.1}% success |",
+        direct_ok as f64 / 2.0
+    );
 
     println!("\nHard down: one upstream answering 503 to everything (breaker threshold 5)\n");
     let mut before_open = 0;
@@ -195,8 +256,18 @@ pub async fn run(requests: usize, concurrency: usize) {
     open_latency.sort();
     println!("| figure | value |\n|---|---|");
     println!("| upstream attempts until the breaker opened | {before_open} |");
-    println!("| client requests until the first refusal | {} |", opened_after.map_or("never".into(), |n| (n + 1).to_string()));
-    println!("| upstream attempts while open (200 requests) | {} |", down.state_total() - before_open);
-    println!("| latency while open p50 / p99 | {:.3} ms / {:.3} ms |", pct(&open_latency, 0.5), pct(&open_latency, 0.99));
+    println!(
+        "| client requests until the first refusal | {} |",
+        opened_after.map_or("never".into(), |n| (n + 1).to_string())
+    );
+    println!(
+        "| upstream attempts while open (200 requests) | {} |",
+        down.state_total() - before_open
+    );
+    println!(
+        "| latency while open p50 / p99 | {:.3} ms / {:.3} ms |",
+        pct(&open_latency, 0.5),
+        pct(&open_latency, 0.99)
+    );
     gateway.shutdown().await;
 }

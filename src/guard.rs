@@ -76,8 +76,22 @@ pub fn lock(entry: &Mutex<Entry>) -> MutexGuard<'_, Entry> {
 
 impl Guards {
     pub fn new(config: &Config, idle: Duration) -> Self {
-        let configs = config.tenants.iter().filter_map(|t| t.guard.as_ref().map(|g| (t.name.clone(), Arc::new(g.policy())))).collect();
-        Guards { configs, sessions: Cache::builder().time_to_idle(idle).max_capacity(1_000_000).build() }
+        let configs = config
+            .tenants
+            .iter()
+            .filter_map(|t| {
+                t.guard
+                    .as_ref()
+                    .map(|g| (t.name.clone(), Arc::new(g.policy())))
+            })
+            .collect();
+        Guards {
+            configs,
+            sessions: Cache::builder()
+                .time_to_idle(idle)
+                .max_capacity(1_000_000)
+                .build(),
+        }
     }
 
     pub fn is_guarded(&self, tenant: &str) -> bool {
@@ -87,9 +101,15 @@ impl Guards {
     /// The session's guard, created on first use; `None` when the tenant has no guard.
     pub fn entry(&self, tenant: &Arc<str>, session: &str) -> Option<Arc<Mutex<Entry>>> {
         let config = self.configs.get(&**tenant)?;
-        Some(self.sessions.get_with((tenant.clone(), session.to_string()), || {
-            Arc::new(Mutex::new(Entry { guard: SessionGuard::new(config.clone()), trace: VecDeque::with_capacity(1) }))
-        }))
+        Some(
+            self.sessions
+                .get_with((tenant.clone(), session.to_string()), || {
+                    Arc::new(Mutex::new(Entry {
+                        guard: SessionGuard::new(config.clone()),
+                        trace: VecDeque::with_capacity(1),
+                    }))
+                }),
+        )
     }
 
     /// Signals (counters, risk) and the trace, for the admin API.
@@ -106,7 +126,9 @@ impl Guards {
 
     pub fn close(&self, tenant: &str, session: &str) -> bool {
         let tenant: Arc<str> = tenant.into();
-        let Some(entry) = self.entry(&tenant, session) else { return false };
+        let Some(entry) = self.entry(&tenant, session) else {
+            return false;
+        };
         if let Some((from, to)) = lock(&entry).guard.close() {
             tracing::warn!(%tenant, session, from, to, "session closed by an operator");
         }

@@ -6,7 +6,11 @@ use backstop::{config::Config, server, telemetry};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "backstop", version, about = "A reverse proxy that keeps AI agent failures cheap")]
+#[command(
+    name = "backstop",
+    version,
+    about = "A reverse proxy that keeps AI agent failures cheap"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -85,7 +89,10 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             })
         }
-        Command::Demo { requests, concurrency } => {
+        Command::Demo {
+            requests,
+            concurrency,
+        } => {
             runtime().block_on(backstop::demo::run(requests, concurrency));
             ExitCode::SUCCESS
         }

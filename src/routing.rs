@@ -59,9 +59,12 @@ impl RouteTable {
     }
 
     pub fn resolve(&self, model: &str) -> Option<&Arc<Route>> {
-        self.exact
-            .get(model)
-            .or_else(|| self.globs.iter().find(|(glob, _)| glob.matches(model)).map(|(_, r)| r))
+        self.exact.get(model).or_else(|| {
+            self.globs
+                .iter()
+                .find(|(glob, _)| glob.matches(model))
+                .map(|(_, r)| r)
+        })
     }
 
     pub fn model_names(&self) -> &[String] {
@@ -103,7 +106,10 @@ mod tests {
     #[test]
     fn exact_beats_glob_and_globs_go_in_order() {
         let t = table();
-        assert_eq!(t.resolve("gpt-4o").unwrap().targets[0].model.as_deref(), Some("exact"));
+        assert_eq!(
+            t.resolve("gpt-4o").unwrap().targets[0].model.as_deref(),
+            Some("exact")
+        );
         assert_eq!(t.resolve("gpt-4o-mini").unwrap().pattern, "gpt-*");
         assert_eq!(t.resolve("claude").unwrap().pattern, "*");
         assert_eq!(t.model_names(), ["gpt-*", "gpt-4o", "*"]);

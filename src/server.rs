@@ -78,7 +78,10 @@ pub async fn spawn(config: Config) -> std::io::Result<ServerHandle> {
         let bounded = async {
             let _ = grace_rx.wait_for(|stop| *stop).await;
             stopping.store(false, Ordering::Relaxed);
-            tracing::info!(grace_ms = grace.as_millis() as u64, "shutting down: draining in-flight requests");
+            tracing::info!(
+                grace_ms = grace.as_millis() as u64,
+                "shutting down: draining in-flight requests"
+            );
             tokio::time::sleep(grace).await;
         };
         let _housekeeping = AbortOnDrop(housekeeping);
@@ -93,7 +96,12 @@ pub async fn spawn(config: Config) -> std::io::Result<ServerHandle> {
     });
     ready.store(true, Ordering::Relaxed);
     tracing::info!(%addr, "backstop listening");
-    Ok(ServerHandle { addr, shutdown: tx, task, mock })
+    Ok(ServerHandle {
+        addr,
+        shutdown: tx,
+        task,
+        mock,
+    })
 }
 
 /// Stops a background task when its owner ends.
@@ -126,4 +134,3 @@ pub async fn shutdown_signal() {
         () = term => {},
     }
 }
-

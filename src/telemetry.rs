@@ -53,12 +53,30 @@ pub fn metrics_handle() -> PrometheusHandle {
 }
 
 fn describe() {
-    metrics::describe_counter!("backstop_requests_total", "Client requests by endpoint, tenant and status class");
-    metrics::describe_histogram!("backstop_request_duration_seconds", "Client request latency until the response head");
-    metrics::describe_histogram!("backstop_upstream_duration_seconds", "Upstream attempt latency by upstream");
-    metrics::describe_histogram!("backstop_overhead_seconds", "Time spent in Backstop outside upstream calls");
-    metrics::describe_gauge!("backstop_in_flight_requests", "Client requests being served");
-    metrics::describe_counter!("backstop_upstream_attempts_total", "Upstream attempts by upstream and outcome");
+    metrics::describe_counter!(
+        "backstop_requests_total",
+        "Client requests by endpoint, tenant and status class"
+    );
+    metrics::describe_histogram!(
+        "backstop_request_duration_seconds",
+        "Client request latency until the response head"
+    );
+    metrics::describe_histogram!(
+        "backstop_upstream_duration_seconds",
+        "Upstream attempt latency by upstream"
+    );
+    metrics::describe_histogram!(
+        "backstop_overhead_seconds",
+        "Time spent in Backstop outside upstream calls"
+    );
+    metrics::describe_gauge!(
+        "backstop_in_flight_requests",
+        "Client requests being served"
+    );
+    metrics::describe_counter!(
+        "backstop_upstream_attempts_total",
+        "Upstream attempts by upstream and outcome"
+    );
 }
 
 /// What one request did, filled in by the layers that learn it and logged once by the
@@ -103,6 +121,9 @@ impl RequestLog {
     }
 
     pub fn snapshot(&self) -> LogFields {
-        self.fields.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.fields
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }

@@ -44,12 +44,25 @@ api_keys = ["{OTHER}"]
     .await
 }
 
-async fn call(gw: &Gateway, key: &str, session: &str, scenario: &str, fault: &str, body: serde_json::Value) -> reqwest::Response {
+async fn call(
+    gw: &Gateway,
+    key: &str,
+    session: &str,
+    scenario: &str,
+    fault: &str,
+    body: serde_json::Value,
+) -> reqwest::Response {
     let mut headers = vec![("x-session-id", session), ("x-mock-scenario", scenario)];
     if !fault.is_empty() {
         headers.push(("x-mock-fault", fault));
     }
-    gw.post("/v1/chat/completions", Some(key), &headers, body.to_string()).await
+    gw.post(
+        "/v1/chat/completions",
+        Some(key),
+        &headers,
+        body.to_string(),
+    )
+    .await
 }
 
 fn chat(max_tokens: u64) -> serde_json::Value {
@@ -70,20 +83,46 @@ async fn max_calls_is_exact_and_says_what_is_left() {
     for left in [2, 1, 0] {
         let resp = call(&gw, CAPPED, "s", "calls", "", chat(16)).await;
         assert_eq!(resp.status(), 200);
-        assert_eq!(resp.headers()["x-backstop-budget-remaining"], format!("calls={left}"));
+        assert_eq!(
+            resp.headers()["x-backstop-budget-remaining"],
+            format!("calls={left}")
+        );
     }
     let body = refusal(call(&gw, CAPPED, "s", "calls", "", chat(16)).await).await;
     assert_eq!(body["error"]["param"], "session.max_calls");
-    assert!(body["error"]["message"].as_str().unwrap().contains("limit 3, used 3"), "{body}");
-    assert_eq!(gw.mock.attempts("calls"), 3, "the refused call never reached the upstream");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("limit 3, used 3"),
+        "{body}"
+    );
+    assert_eq!(
+        gw.mock.attempts("calls"),
+        3,
+        "the refused call never reached the upstream"
+    );
     // Another session of the same tenant is untouched.
-    assert_eq!(call(&gw, CAPPED, "s2", "calls", "", chat(16)).await.status(), 200);
+    assert_eq!(
+        call(&gw, CAPPED, "s2", "calls", "", chat(16))
+            .await
+            .status(),
+        200
+    );
 }
 
 #[tokio::test]
 async fn retries_are_charged_like_any_call() {
     let gw = capped("max_calls = 3", "").await;
-    let resp = call(&gw, CAPPED, "s", "retried", "status=503,status=503,ok", chat(16)).await;
+    let resp = call(
+        &gw,
+        CAPPED,
+        "s",
+        "retried",
+        "status=503,status=503,ok",
+        chat(16),
+    )
+    .await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-backstop-budget-remaining"], "calls=0");
     refusal(call(&gw, CAPPED, "s", "retried-2", "", chat(16)).await).await;
@@ -91,7 +130,10 @@ async fn retries_are_charged_like_any_call() {
     let gw = capped("max_calls = 2", "").await;
     let resp = call(&gw, CAPPED, "s", "cut-short", "status=503", chat(16)).await;
     assert_eq!(resp.status(), 402);
-    assert_eq!(resp.headers()["x-backstop-recovery"], "retry:503,retry:503,refused:budget_exceeded");
+    assert_eq!(
+        resp.headers()["x-backstop-recovery"],
+        "retry:503,retry:503,refused:budget_exceeded"
+    );
     assert_eq!(gw.mock.attempts("cut-short"), 2);
 }
 
@@ -142,7 +184,9 @@ async fn max_tokens_is_exact_with_reservations() {
         passed += 1;
     }
     // Refused once 100·n + estimate + 100 > 1000.
-    let expected = (0..).find(|n| 100 * n + prompt_estimate + 100 > 1000).unwrap();
+    let expected = (0..)
+        .find(|n| 100 * n + prompt_estimate + 100 > 1000)
+        .unwrap();
     assert_eq!(passed, expected);
     assert_eq!(gw.mock.attempts("tokens"), expected);
 }
@@ -153,21 +197,41 @@ async fn max_usd_is_exact_with_prices() {
     // prompt estimate + 1000 output tokens, about $0.0100.
     let gw = capped("max_usd = 0.05", "").await;
     let mut passed = 0;
-    while call(&gw, CAPPED, "s", "usd", "usage=1000/1000", chat(1000)).await.status() == 200 {
+    while call(&gw, CAPPED, "s", "usd", "usage=1000/1000", chat(1000))
+        .await
+        .status()
+        == 200
+    {
         passed += 1;
     }
     assert_eq!(passed, 4, "0.0375 + 0.0100 fits, 0.0500 + 0.0100 does not");
-    let report = gw.http.get(format!("{}/admin/tenants/capped/sessions/s", gw.url)).bearer_auth(ADMIN).send().await.unwrap();
+    let report = gw
+        .http
+        .get(format!("{}/admin/tenants/capped/sessions/s", gw.url))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
     let report = json(report).await;
     assert_eq!(report["used"]["calls"], 4);
-    assert!((report["used"]["usd"].as_f64().unwrap() - 0.05).abs() < 1e-9, "{report}");
+    assert!(
+        (report["used"]["usd"].as_f64().unwrap() - 0.05).abs() < 1e-9,
+        "{report}"
+    );
 }
 
 #[tokio::test]
 async fn tenant_day_budgets_cover_calls_without_a_session() {
     let gw = capped("", "tokens_per_day = 300").await;
     const HEADERS: &[(&str, &str)] = &[("x-mock-scenario", "day"), ("x-mock-fault", "usage=50/50")];
-    let no_session = || gw.post("/v1/chat/completions", Some(CAPPED), HEADERS, chat(50).to_string());
+    let no_session = || {
+        gw.post(
+            "/v1/chat/completions",
+            Some(CAPPED),
+            HEADERS,
+            chat(50).to_string(),
+        )
+    };
     // Each call settles 100 tokens; one more fits while 100·n + its reservation ≤ 300.
     let reservation = (chat(50).to_string().len() as u64).div_ceil(4) + 50;
     let expected = (0..).find(|n| 100 * n + reservation > 300).unwrap();
@@ -186,7 +250,17 @@ async fn max_concurrent_refuses_the_extra_request_while_others_run() {
         let http = gw.http.clone();
         let url = format!("{}/v1/chat/completions", gw.url);
         tokio::spawn(async move {
-            http.post(url).bearer_auth(CAPPED).header("x-session-id", "c").header("x-mock-scenario", scenario).header("x-mock-fault", "delay=600ms").body(chat(16).to_string()).send().await.unwrap().status().as_u16()
+            http.post(url)
+                .bearer_auth(CAPPED)
+                .header("x-session-id", "c")
+                .header("x-mock-scenario", scenario)
+                .header("x-mock-fault", "delay=600ms")
+                .body(chat(16).to_string())
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
         })
     };
     let (a, b) = (slow("conc"), slow("conc"));
@@ -195,18 +269,29 @@ async fn max_concurrent_refuses_the_extra_request_while_others_run() {
     assert_eq!(resp.status(), 429);
     assert_eq!(json(resp).await["error"]["code"], "too_many_concurrent");
     assert_eq!((a.await.unwrap(), b.await.unwrap()), (200, 200));
-    assert_eq!(call(&gw, CAPPED, "c", "conc", "", chat(16)).await.status(), 200, "slots are freed");
+    assert_eq!(
+        call(&gw, CAPPED, "c", "conc", "", chat(16)).await.status(),
+        200,
+        "slots are freed"
+    );
 }
 
 #[tokio::test]
 async fn rate_limits_refuse_with_retry_after_and_no_upstream_call() {
     let gw = start_with(|text| format!("{text}\n[[tenants]]\nname = \"limited\"\napi_keys = [\"{CAPPED}\"]\nrequests_per_minute = 2\n")).await;
     for _ in 0..2 {
-        assert_eq!(call(&gw, CAPPED, "s", "rpm", "", chat(16)).await.status(), 200);
+        assert_eq!(
+            call(&gw, CAPPED, "s", "rpm", "", chat(16)).await.status(),
+            200
+        );
     }
     let resp = call(&gw, CAPPED, "s", "rpm", "", chat(16)).await;
     assert_eq!(resp.status(), 429);
-    let retry_after: u64 = resp.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    let retry_after: u64 = resp.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!((29..=30).contains(&retry_after), "{retry_after}");
     assert_eq!(resp.headers()["x-should-retry"], "false");
     assert_eq!(json(resp).await["error"]["code"], "rate_limited");
@@ -217,28 +302,69 @@ async fn rate_limits_refuse_with_retry_after_and_no_upstream_call() {
 async fn stream_usage_is_counted_and_the_injected_chunk_hidden() {
     let gw = capped("max_tokens = 100000", "").await;
     let stream = json!({"model": "gpt-4o", "stream": true, "max_tokens": 10, "messages": [{"role": "user", "content": "hello"}]});
-    let resp = call(&gw, CAPPED, "st", "stream-usage", "usage=120/30", stream.clone()).await;
+    let resp = call(
+        &gw,
+        CAPPED,
+        "st",
+        "stream-usage",
+        "usage=120/30",
+        stream.clone(),
+    )
+    .await;
     let text = resp.text().await.unwrap();
-    assert!(!text.contains("\"usage\""), "the client did not ask for usage: {text}");
+    assert!(
+        !text.contains("\"usage\""),
+        "the client did not ask for usage: {text}"
+    );
     assert!(text.trim_end().ends_with("data: [DONE]"));
     let seen = gw.mock.last_request("stream-usage").unwrap();
-    assert_eq!(seen["body"]["stream_options"]["include_usage"], true, "Backstop asked for usage");
+    assert_eq!(
+        seen["body"]["stream_options"]["include_usage"], true,
+        "Backstop asked for usage"
+    );
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let report = json(gw.http.get(format!("{}/v1/sessions/st", gw.url)).bearer_auth(CAPPED).send().await.unwrap()).await;
+    let report = json(
+        gw.http
+            .get(format!("{}/v1/sessions/st", gw.url))
+            .bearer_auth(CAPPED)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!(report["used"]["tokens"], 150);
 
     // A client that asked for usage still gets it.
     let mut asked = stream.clone();
     asked["stream_options"] = json!({"include_usage": true});
-    let text = call(&gw, CAPPED, "st", "stream-usage-2", "usage=1/2", asked).await.text().await.unwrap();
+    let text = call(&gw, CAPPED, "st", "stream-usage-2", "usage=1/2", asked)
+        .await
+        .text()
+        .await
+        .unwrap();
     assert!(text.contains("\"usage\""), "{text}");
 
     // Anthropic streams report usage in message_start and message_delta.
     let body = json!({"model": "claude-x", "stream": true, "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]});
-    let resp = gw.post("/v1/messages", Some(CAPPED), &[("x-session-id", "st"), ("x-mock-fault", "usage=7/3")], body.to_string()).await;
+    let resp = gw
+        .post(
+            "/v1/messages",
+            Some(CAPPED),
+            &[("x-session-id", "st"), ("x-mock-fault", "usage=7/3")],
+            body.to_string(),
+        )
+        .await;
     resp.text().await.unwrap();
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let report = json(gw.http.get(format!("{}/v1/sessions/st", gw.url)).bearer_auth(CAPPED).send().await.unwrap()).await;
+    let report = json(
+        gw.http
+            .get(format!("{}/v1/sessions/st", gw.url))
+            .bearer_auth(CAPPED)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!(report["used"]["tokens"], 150 + 3 + 10);
 }
 
@@ -246,13 +372,50 @@ async fn stream_usage_is_counted_and_the_injected_chunk_hidden() {
 async fn tenants_see_only_their_own_sessions() {
     let gw = capped("max_calls = 5", "").await;
     call(&gw, CAPPED, "shared-name", "iso", "", chat(16)).await;
-    let mine = json(gw.http.get(format!("{}/v1/sessions/shared-name", gw.url)).bearer_auth(CAPPED).send().await.unwrap()).await;
-    assert_eq!((mine["tenant"].as_str(), mine["used"]["calls"].as_u64()), (Some("capped"), Some(1)));
-    let theirs = json(gw.http.get(format!("{}/v1/sessions/shared-name", gw.url)).bearer_auth(OTHER).send().await.unwrap()).await;
-    assert_eq!((theirs["tenant"].as_str(), theirs["used"]["calls"].as_u64()), (Some("other"), Some(0)), "{theirs}");
-    let denied = gw.http.get(format!("{}/admin/tenants/capped", gw.url)).bearer_auth(CAPPED).send().await.unwrap();
+    let mine = json(
+        gw.http
+            .get(format!("{}/v1/sessions/shared-name", gw.url))
+            .bearer_auth(CAPPED)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        (mine["tenant"].as_str(), mine["used"]["calls"].as_u64()),
+        (Some("capped"), Some(1))
+    );
+    let theirs = json(
+        gw.http
+            .get(format!("{}/v1/sessions/shared-name", gw.url))
+            .bearer_auth(OTHER)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        (theirs["tenant"].as_str(), theirs["used"]["calls"].as_u64()),
+        (Some("other"), Some(0)),
+        "{theirs}"
+    );
+    let denied = gw
+        .http
+        .get(format!("{}/admin/tenants/capped", gw.url))
+        .bearer_auth(CAPPED)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(denied.status(), 401, "a tenant key is not the admin token");
-    let admin = json(gw.http.get(format!("{}/admin/tenants/capped", gw.url)).bearer_auth(ADMIN).send().await.unwrap()).await;
+    let admin = json(
+        gw.http
+            .get(format!("{}/admin/tenants/capped", gw.url))
+            .bearer_auth(ADMIN)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!(admin["used_today"]["calls"], 1);
     assert_eq!(admin["by_model"][0]["model"], "gpt-4o");
 }
@@ -260,11 +423,23 @@ async fn tenants_see_only_their_own_sessions() {
 #[tokio::test]
 async fn an_operator_reset_starts_a_session_over() {
     let gw = capped("max_calls = 1", "").await;
-    assert_eq!(call(&gw, CAPPED, "r", "reset", "", chat(16)).await.status(), 200);
+    assert_eq!(
+        call(&gw, CAPPED, "r", "reset", "", chat(16)).await.status(),
+        200
+    );
     refusal(call(&gw, CAPPED, "r", "reset", "", chat(16)).await).await;
-    let reset = gw.http.post(format!("{}/admin/tenants/capped/sessions/r/reset", gw.url)).bearer_auth(ADMIN).send().await.unwrap();
+    let reset = gw
+        .http
+        .post(format!("{}/admin/tenants/capped/sessions/r/reset", gw.url))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(reset.status(), 200);
-    assert_eq!(call(&gw, CAPPED, "r", "reset", "", chat(16)).await.status(), 200);
+    assert_eq!(
+        call(&gw, CAPPED, "r", "reset", "", chat(16)).await.status(),
+        200
+    );
 }
 
 /// The real binary, killed with SIGKILL and restarted on the same store.
@@ -312,20 +487,52 @@ max_calls = 5
     let http = reqwest::Client::new();
     let gw = Binary::start(&config, port).await;
     for _ in 0..3 {
-        let resp = http.post(format!("{}/v1/chat/completions", gw.url)).bearer_auth(CAPPED).header("x-session-id", "k").header("x-mock-fault", "usage=1000/500").body(chat(500).to_string()).send().await.unwrap();
+        let resp = http
+            .post(format!("{}/v1/chat/completions", gw.url))
+            .bearer_auth(CAPPED)
+            .header("x-session-id", "k")
+            .header("x-mock-fault", "usage=1000/500")
+            .body(chat(500).to_string())
+            .send()
+            .await
+            .unwrap();
         assert_eq!(resp.status(), 200);
     }
     gw.kill();
 
     let gw = Binary::start(&config, port).await;
     let url = &gw.url;
-    let report = json(http.get(format!("{url}/admin/tenants/capped/sessions/k")).bearer_auth(ADMIN).send().await.unwrap()).await;
+    let report = json(
+        http.get(format!("{url}/admin/tenants/capped/sessions/k"))
+            .bearer_auth(ADMIN)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!(report["used"]["calls"], 3, "{report}");
     assert_eq!(report["used"]["tokens"], 4500);
-    assert!((report["used"]["usd"].as_f64().unwrap() - 0.006).abs() < 1e-9, "{report}");
-    let day = json(http.get(format!("{url}/admin/tenants/capped")).bearer_auth(ADMIN).send().await.unwrap()).await;
+    assert!(
+        (report["used"]["usd"].as_f64().unwrap() - 0.006).abs() < 1e-9,
+        "{report}"
+    );
+    let day = json(
+        http.get(format!("{url}/admin/tenants/capped"))
+            .bearer_auth(ADMIN)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!(day["used_today"]["calls"], 3);
     // The cap still counts what was spent before the crash: two calls left.
-    let resp = http.post(format!("{url}/v1/chat/completions")).bearer_auth(CAPPED).header("x-session-id", "k").body(chat(16).to_string()).send().await.unwrap();
+    let resp = http
+        .post(format!("{url}/v1/chat/completions"))
+        .bearer_auth(CAPPED)
+        .header("x-session-id", "k")
+        .body(chat(16).to_string())
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.headers()["x-backstop-budget-remaining"], "calls=1");
 }

@@ -16,7 +16,16 @@ fn chat_body(model: &str) -> serde_json::Value {
 async fn chat_is_forwarded_with_the_provider_key_and_never_the_tenant_key() {
     let gw = start().await;
     let resp = gw
-        .post("/v1/chat/completions", Some(KEY_A), &[("x-mock-scenario", "fwd"), ("x-request-id", "req-42"), ("x-session-id", "s-1")], chat_body("gpt-4o").to_string())
+        .post(
+            "/v1/chat/completions",
+            Some(KEY_A),
+            &[
+                ("x-mock-scenario", "fwd"),
+                ("x-request-id", "req-42"),
+                ("x-session-id", "s-1"),
+            ],
+            chat_body("gpt-4o").to_string(),
+        )
         .await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-request-id"], "req-42");
@@ -26,10 +35,16 @@ async fn chat_is_forwarded_with_the_provider_key_and_never_the_tenant_key() {
 
     let seen = gw.mock.last_request("fwd").unwrap();
     assert_eq!(seen["path"], "/v1/chat/completions");
-    assert_eq!(seen["headers"]["authorization"], "Bearer sk-provider-openai");
+    assert_eq!(
+        seen["headers"]["authorization"],
+        "Bearer sk-provider-openai"
+    );
     assert_eq!(seen["headers"]["x-session-id"], "s-1");
     assert_eq!(seen["headers"]["x-request-id"], "req-42");
-    assert!(!seen["headers"].to_string().contains(KEY_A), "tenant key leaked upstream: {seen}");
+    assert!(
+        !seen["headers"].to_string().contains(KEY_A),
+        "tenant key leaked upstream: {seen}"
+    );
     assert_eq!(seen["body"]["model"], "gpt-4o");
 }
 
@@ -37,7 +52,14 @@ async fn chat_is_forwarded_with_the_provider_key_and_never_the_tenant_key() {
 async fn anthropic_gets_x_api_key_and_a_default_version() {
     let gw = start().await;
     let body = json!({"model": "claude-3-5-haiku", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]});
-    let resp = gw.post("/v1/messages", Some(KEY_B), &[("x-mock-scenario", "anth"), ("anthropic-beta", "b1")], body.to_string()).await;
+    let resp = gw
+        .post(
+            "/v1/messages",
+            Some(KEY_B),
+            &[("x-mock-scenario", "anth"), ("anthropic-beta", "b1")],
+            body.to_string(),
+        )
+        .await;
     assert_eq!(resp.status(), 200);
     assert_eq!(json(resp).await["content"][0]["text"], "mock: hi");
     let seen = gw.mock.last_request("anth").unwrap();
@@ -52,7 +74,10 @@ async fn a_target_model_rewrites_the_request_model() {
     let gw = start().await;
     let resp = gw.chat("rewrite", "", chat_body("rewrite-me")).await;
     assert_eq!(resp.status(), 200);
-    assert_eq!(gw.mock.last_request("rewrite").unwrap()["body"]["model"], "gpt-4o-mini");
+    assert_eq!(
+        gw.mock.last_request("rewrite").unwrap()["body"]["model"],
+        "gpt-4o-mini"
+    );
 }
 
 #[tokio::test]
@@ -61,7 +86,9 @@ async fn streams_are_relayed_before_the_upstream_finishes() {
     // The upstream sends its first event, then holds the rest for 30 s: a buffering proxy
     // would show the client nothing until then.
     let body = json!({"model": "gpt-4o", "stream": true, "messages": [{"role": "user", "content": "hello"}]});
-    let resp = gw.chat("stream-first", "chunks=2;chunk_delay=30s", body).await;
+    let resp = gw
+        .chat("stream-first", "chunks=2;chunk_delay=30s", body)
+        .await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
     let mut chunks = resp.bytes_stream();
@@ -71,20 +98,32 @@ async fn streams_are_relayed_before_the_upstream_finishes() {
         .unwrap()
         .unwrap();
     let first = String::from_utf8_lossy(&first);
-    assert!(first.starts_with("data: ") && first.contains("\"role\":\"assistant\""), "{first}");
+    assert!(
+        first.starts_with("data: ") && first.contains("\"role\":\"assistant\""),
+        "{first}"
+    );
 }
 
 #[tokio::test]
 async fn a_whole_stream_arrives_intact() {
     let gw = start().await;
     let body = json!({"model": "gpt-4o", "stream": true, "stream_options": {"include_usage": true}, "messages": [{"role": "user", "content": "hello world"}]});
-    let text = gw.chat("stream-all", "chunks=3", body).await.text().await.unwrap();
+    let text = gw
+        .chat("stream-all", "chunks=3", body)
+        .await
+        .text()
+        .await
+        .unwrap();
     let content: String = text
         .lines()
         .filter_map(|l| l.strip_prefix("data: "))
         .filter(|d| *d != "[DONE]")
         .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
-        .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
         .collect();
     assert_eq!(content, "mock: hello world");
     assert!(text.contains("\"usage\""));
@@ -95,13 +134,26 @@ async fn a_whole_stream_arrives_intact() {
 async fn a_stream_cut_after_its_first_byte_ends_with_an_error_event() {
     let gw = start().await;
     let body = json!({"model": "gpt-4o", "stream": true, "messages": [{"role": "user", "content": "hello"}]});
-    let text = gw.chat("cut-openai", "cut=2", body).await.text().await.unwrap();
+    let text = gw
+        .chat("cut-openai", "cut=2", body)
+        .await
+        .text()
+        .await
+        .unwrap();
     let last = text.trim_end().lines().last().unwrap().to_string();
-    let event: serde_json::Value = serde_json::from_str(last.strip_prefix("data: ").unwrap()).unwrap();
+    let event: serde_json::Value =
+        serde_json::from_str(last.strip_prefix("data: ").unwrap()).unwrap();
     assert_eq!(event["error"]["code"], "upstream_stream_error", "{text}");
 
     let body = json!({"model": "claude-x", "stream": true, "max_tokens": 5, "messages": [{"role": "user", "content": "hello"}]});
-    let resp = gw.post("/v1/messages", Some(KEY_A), &[("x-mock-scenario", "cut-anth"), ("x-mock-fault", "cut=3")], body.to_string()).await;
+    let resp = gw
+        .post(
+            "/v1/messages",
+            Some(KEY_A),
+            &[("x-mock-scenario", "cut-anth"), ("x-mock-fault", "cut=3")],
+            body.to_string(),
+        )
+        .await;
     let text = resp.text().await.unwrap();
     assert!(text.contains("event: message_start"));
     assert!(text.trim_end().ends_with(r#"data: {"error":{"message":"the upstream stream ended unexpectedly","type":"upstream_stream_error"},"type":"error"}"#), "{text}");
@@ -112,13 +164,22 @@ async fn a_stream_cut_after_its_first_byte_ends_with_an_error_event() {
 async fn missing_and_wrong_keys_get_401_in_each_api_shape() {
     let gw = start().await;
     for key in [None, Some("bk-wrong-key")] {
-        let resp = gw.post("/v1/chat/completions", key, &[("x-mock-scenario", "auth")], chat_body("gpt-4o").to_string()).await;
+        let resp = gw
+            .post(
+                "/v1/chat/completions",
+                key,
+                &[("x-mock-scenario", "auth")],
+                chat_body("gpt-4o").to_string(),
+            )
+            .await;
         assert_eq!(resp.status(), 401);
         let body = json(resp).await;
         assert_eq!(body["error"]["type"], "authentication_error");
         assert_eq!(body["error"]["code"], "invalid_api_key");
 
-        let resp = gw.post("/v1/messages", key, &[("x-mock-scenario", "auth")], "{}").await;
+        let resp = gw
+            .post("/v1/messages", key, &[("x-mock-scenario", "auth")], "{}")
+            .await;
         assert_eq!(resp.status(), 401);
         let body = json(resp).await;
         assert_eq!(body["type"], "error");
@@ -130,27 +191,66 @@ async fn missing_and_wrong_keys_get_401_in_each_api_shape() {
 #[tokio::test]
 async fn bad_input_is_refused_before_any_upstream_call() {
     let gw = start().await;
-    let big = json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "x".repeat(5000)}]}).to_string();
+    let big =
+        json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "x".repeat(5000)}]})
+            .to_string();
     let cases: [(&str, String, u16, &str); 5] = [
-        ("/v1/chat/completions", "{\"model\":".into(), 400, "invalid_json"),
+        (
+            "/v1/chat/completions",
+            "{\"model\":".into(),
+            400,
+            "invalid_json",
+        ),
         ("/v1/chat/completions", "[1,2]".into(), 400, "invalid_json"),
-        ("/v1/chat/completions", json!({"messages": []}).to_string(), 400, "missing_model"),
-        ("/v1/chat/completions", chat_body("llama-3").to_string(), 404, "model_not_found"),
-        ("/v1/chat/completions", big.clone(), 413, "request_too_large"),
+        (
+            "/v1/chat/completions",
+            json!({"messages": []}).to_string(),
+            400,
+            "missing_model",
+        ),
+        (
+            "/v1/chat/completions",
+            chat_body("llama-3").to_string(),
+            404,
+            "model_not_found",
+        ),
+        (
+            "/v1/chat/completions",
+            big.clone(),
+            413,
+            "request_too_large",
+        ),
     ];
     for (path, body, status, code) in cases {
-        let resp = gw.post(path, Some(KEY_A), &[("x-mock-scenario", "bad")], body).await;
+        let resp = gw
+            .post(path, Some(KEY_A), &[("x-mock-scenario", "bad")], body)
+            .await;
         assert_eq!(resp.status(), status, "{code}");
         assert_eq!(json(resp).await["error"]["code"], code);
     }
     let anthropic: [(String, u16, &str); 4] = [
         ("not json".into(), 400, "invalid_request_error"),
-        (json!({"max_tokens": 1}).to_string(), 400, "invalid_request_error"),
-        (json!({"model": "llama-3"}).to_string(), 404, "not_found_error"),
+        (
+            json!({"max_tokens": 1}).to_string(),
+            400,
+            "invalid_request_error",
+        ),
+        (
+            json!({"model": "llama-3"}).to_string(),
+            404,
+            "not_found_error",
+        ),
         (big, 413, "request_too_large"),
     ];
     for (body, status, kind) in anthropic {
-        let resp = gw.post("/v1/messages", Some(KEY_A), &[("x-mock-scenario", "bad")], body).await;
+        let resp = gw
+            .post(
+                "/v1/messages",
+                Some(KEY_A),
+                &[("x-mock-scenario", "bad")],
+                body,
+            )
+            .await;
         assert_eq!(resp.status(), status, "{kind}");
         let body = json(resp).await;
         assert_eq!(body["type"], "error");
@@ -191,7 +291,8 @@ async fn an_unreachable_upstream_is_502_and_a_slow_one_504() {
 
 #[tokio::test]
 async fn the_request_deadline_covers_the_whole_request() {
-    let gw = start_with(|t| t.replace("request_timeout = \"10s\"", "request_timeout = \"300ms\"")).await;
+    let gw =
+        start_with(|t| t.replace("request_timeout = \"10s\"", "request_timeout = \"300ms\"")).await;
     let resp = gw.chat("deadline", "delay=3s", chat_body("gpt-4o")).await;
     assert_eq!(resp.status(), 504);
     assert_eq!(json(resp).await["error"]["code"], "request_timeout");
@@ -200,10 +301,22 @@ async fn the_request_deadline_covers_the_whole_request() {
 #[tokio::test]
 async fn upstream_errors_pass_through_with_their_body() {
     let gw = start().await;
-    let resp = gw.chat("passthrough", "status=400;code=context_length_exceeded", chat_body("gpt-4o")).await;
+    let resp = gw
+        .chat(
+            "passthrough",
+            "status=400;code=context_length_exceeded",
+            chat_body("gpt-4o"),
+        )
+        .await;
     assert_eq!(resp.status(), 400);
     assert_eq!(json(resp).await["error"]["code"], "context_length_exceeded");
-    let resp = gw.chat("passthrough-429", "status=429;retry_after=7", chat_body("gpt-4o")).await;
+    let resp = gw
+        .chat(
+            "passthrough-429",
+            "status=429;retry_after=7",
+            chat_body("gpt-4o"),
+        )
+        .await;
     assert_eq!(resp.status(), 429);
     assert_eq!(resp.headers()["retry-after"], "7");
 }
@@ -211,24 +324,76 @@ async fn upstream_errors_pass_through_with_their_body() {
 #[tokio::test]
 async fn models_health_and_metrics() {
     let gw = start().await;
-    let models = gw.http.get(format!("{}/v1/models", gw.url)).bearer_auth(KEY_A).send().await.unwrap();
+    let models = gw
+        .http
+        .get(format!("{}/v1/models", gw.url))
+        .bearer_auth(KEY_A)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(models.status(), 200);
-    let ids: Vec<String> = json(models).await["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap().to_owned()).collect();
-    assert_eq!(ids, ["gpt-*", "rewrite-me", "claude-*", "dead-model", "slow-model"]);
-    let unauth = gw.http.get(format!("{}/v1/models", gw.url)).send().await.unwrap();
+    let ids: Vec<String> = json(models).await["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        ids,
+        [
+            "gpt-*",
+            "rewrite-me",
+            "claude-*",
+            "dead-model",
+            "slow-model"
+        ]
+    );
+    let unauth = gw
+        .http
+        .get(format!("{}/v1/models", gw.url))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(unauth.status(), 401);
 
     for path in ["/healthz", "/readyz"] {
-        assert_eq!(gw.http.get(format!("{}{path}", gw.url)).send().await.unwrap().status(), 200);
+        assert_eq!(
+            gw.http
+                .get(format!("{}{path}", gw.url))
+                .send()
+                .await
+                .unwrap()
+                .status(),
+            200
+        );
     }
     gw.chat("metrics", "", chat_body("gpt-4o")).await;
-    let text = gw.http.get(format!("{}/metrics", gw.url)).send().await.unwrap().text().await.unwrap();
+    let text = gw
+        .http
+        .get(format!("{}/metrics", gw.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert!(text.contains("backstop_requests_total{"), "{text}");
     assert!(text.contains("backstop_overhead_seconds_bucket"), "{text}");
-    assert!(text.contains("backstop_upstream_duration_seconds_bucket{upstream=\"mock-openai\""), "{text}");
-    assert!(!text.contains("sk-provider"), "a provider key leaked into metrics");
+    assert!(
+        text.contains("backstop_upstream_duration_seconds_bucket{upstream=\"mock-openai\""),
+        "{text}"
+    );
+    assert!(
+        !text.contains("sk-provider"),
+        "a provider key leaked into metrics"
+    );
 
-    let unknown = gw.http.get(format!("{}/v2/nothing", gw.url)).send().await.unwrap();
+    let unknown = gw
+        .http
+        .get(format!("{}/v2/nothing", gw.url))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(unknown.status(), 404);
     assert_eq!(json(unknown).await["error"]["code"], "unknown_endpoint");
 }
@@ -253,7 +418,14 @@ async fn shutdown_lets_in_flight_requests_finish_then_stops_accepting() {
     });
     tokio::time::sleep(Duration::from_millis(100)).await;
     gw.server.shutdown().await;
-    assert_eq!(in_flight.await.unwrap(), 200, "the in-flight request was cut");
-    let after = reqwest::Client::new().get(format!("{url}/healthz")).send().await;
+    assert_eq!(
+        in_flight.await.unwrap(),
+        200,
+        "the in-flight request was cut"
+    );
+    let after = reqwest::Client::new()
+        .get(format!("{url}/healthz"))
+        .send()
+        .await;
     assert!(after.is_err(), "still accepting after shutdown");
 }

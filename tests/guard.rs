@@ -47,12 +47,25 @@ api_keys = ["{ALSO}"]
     .await
 }
 
-async fn send(gw: &Gateway, key: &str, session: &str, scenario: &str, fault: &str, body: &Value) -> reqwest::Response {
+async fn send(
+    gw: &Gateway,
+    key: &str,
+    session: &str,
+    scenario: &str,
+    fault: &str,
+    body: &Value,
+) -> reqwest::Response {
     let mut headers = vec![("x-session-id", session), ("x-mock-scenario", scenario)];
     if !fault.is_empty() {
         headers.push(("x-mock-fault", fault));
     }
-    gw.post("/v1/chat/completions", Some(key), &headers, body.to_string()).await
+    gw.post(
+        "/v1/chat/completions",
+        Some(key),
+        &headers,
+        body.to_string(),
+    )
+    .await
 }
 
 fn step(n: usize) -> Value {
@@ -64,37 +77,83 @@ async fn the_compaction_loop_in_miniature_is_tripped_at_the_configured_count() {
     let gw = guarded("60s", "").await;
     // An agent retrying a compaction that fails every time (each attempt slightly different).
     for i in 0..5 {
-        let resp = send(&gw, GUARDED, "compaction", "compaction", "status=400;code=context_length_exceeded", &step(i)).await;
+        let resp = send(
+            &gw,
+            GUARDED,
+            "compaction",
+            "compaction",
+            "status=400;code=context_length_exceeded",
+            &step(i),
+        )
+        .await;
         assert_eq!(resp.status(), 400);
         let state = if i < 4 { "recovering" } else { "tripped" };
-        assert_eq!(resp.headers()["x-backstop-session-state"], state, "after failure {}", i + 1);
+        assert_eq!(
+            resp.headers()["x-backstop-session-state"],
+            state,
+            "after failure {}",
+            i + 1
+        );
     }
     for i in 5..50 {
-        let resp = send(&gw, GUARDED, "compaction", "compaction", "status=400;code=context_length_exceeded", &step(i)).await;
+        let resp = send(
+            &gw,
+            GUARDED,
+            "compaction",
+            "compaction",
+            "status=400;code=context_length_exceeded",
+            &step(i),
+        )
+        .await;
         assert_eq!(resp.status(), 429);
         if i == 5 {
             assert_eq!(resp.headers()["x-should-retry"], "false");
-            let retry_after: u64 = resp.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+            let retry_after: u64 = resp.headers()["retry-after"]
+                .to_str()
+                .unwrap()
+                .parse()
+                .unwrap();
             assert!((59..=60).contains(&retry_after));
             let body = json(resp).await;
             assert_eq!(body["error"]["code"], "session_tripped");
-            assert!(body["error"]["message"].as_str().unwrap().contains("5 requests in a row failed"), "{body}");
+            assert!(
+                body["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("5 requests in a row failed"),
+                "{body}"
+            );
         }
     }
-    assert_eq!(gw.mock.attempts("compaction"), 5, "45 of 50 loop calls never reached the upstream");
+    assert_eq!(
+        gw.mock.attempts("compaction"),
+        5,
+        "45 of 50 loop calls never reached the upstream"
+    );
 }
 
 #[tokio::test]
 async fn the_same_request_a_fourth_time_is_a_loop() {
     let gw = guarded("60s", "").await;
     for _ in 0..3 {
-        assert_eq!(send(&gw, GUARDED, "same", "same", "", &step(1)).await.status(), 200);
+        assert_eq!(
+            send(&gw, GUARDED, "same", "same", "", &step(1))
+                .await
+                .status(),
+            200
+        );
     }
     let resp = send(&gw, GUARDED, "same", "same", "", &step(1)).await;
     assert_eq!(resp.status(), 429);
     let body = json(resp).await;
     assert_eq!(body["error"]["code"], "loop_detected");
-    assert!(body["error"]["message"].as_str().unwrap().contains("the same request was sent 4 times"), "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("the same request was sent 4 times"),
+        "{body}"
+    );
     assert_eq!(gw.mock.attempts("same"), 3);
 }
 
@@ -112,7 +171,10 @@ async fn a_tool_loop_is_named_with_its_evidence() {
     let body = json(resp).await;
     assert_eq!(body["error"]["code"], "loop_detected");
     let message = body["error"]["message"].as_str().unwrap();
-    assert!(message.contains(r#"get_weather({"city":"Atlantis"}) returned the same error 3 times"#), "{message}");
+    assert!(
+        message.contains(r#"get_weather({"city":"Atlantis"}) returned the same error 3 times"#),
+        "{message}"
+    );
     assert_eq!(gw.mock.attempts("tools"), 0);
 }
 
@@ -121,13 +183,39 @@ async fn spend_velocity_trips_the_session() {
     let gw = guarded("60s", "max_usd_per_minute = 0.02").await;
     // Each call costs $0.0125 (1000 in, 1000 out): the third sees $0.025 in the minute.
     for i in 0..2 {
-        assert_eq!(send(&gw, GUARDED, "velocity", "velocity", "usage=1000/1000", &step(i)).await.status(), 200);
+        assert_eq!(
+            send(
+                &gw,
+                GUARDED,
+                "velocity",
+                "velocity",
+                "usage=1000/1000",
+                &step(i)
+            )
+            .await
+            .status(),
+            200
+        );
     }
-    let resp = send(&gw, GUARDED, "velocity", "velocity", "usage=1000/1000", &step(2)).await;
+    let resp = send(
+        &gw,
+        GUARDED,
+        "velocity",
+        "velocity",
+        "usage=1000/1000",
+        &step(2),
+    )
+    .await;
     assert_eq!(resp.status(), 429);
     let body = json(resp).await;
     assert_eq!(body["error"]["code"], "session_tripped");
-    assert!(body["error"]["message"].as_str().unwrap().contains("max_usd_per_minute"), "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_usd_per_minute"),
+        "{body}"
+    );
     assert_eq!(gw.mock.attempts("velocity"), 2);
 }
 
@@ -137,17 +225,44 @@ async fn after_the_cool_down_one_probe_decides() {
     for i in 0..5 {
         send(&gw, GUARDED, "probe", "probe", "status=400", &step(i)).await;
     }
-    assert_eq!(send(&gw, GUARDED, "probe", "probe", "", &step(10)).await.status(), 429);
+    assert_eq!(
+        send(&gw, GUARDED, "probe", "probe", "", &step(10))
+            .await
+            .status(),
+        429
+    );
     tokio::time::sleep(Duration::from_millis(400)).await;
     // The probe fails: tripped again.
     let resp = send(&gw, GUARDED, "probe", "probe", "status=400", &step(11)).await;
-    assert_eq!((resp.status().as_u16(), resp.headers()["x-backstop-session-state"].to_str().unwrap()), (400, "tripped"));
-    assert_eq!(send(&gw, GUARDED, "probe", "probe", "", &step(12)).await.status(), 429);
+    assert_eq!(
+        (
+            resp.status().as_u16(),
+            resp.headers()["x-backstop-session-state"].to_str().unwrap()
+        ),
+        (400, "tripped")
+    );
+    assert_eq!(
+        send(&gw, GUARDED, "probe", "probe", "", &step(12))
+            .await
+            .status(),
+        429
+    );
     tokio::time::sleep(Duration::from_millis(400)).await;
     // The next probe succeeds: active again.
     let resp = send(&gw, GUARDED, "probe", "probe", "", &step(13)).await;
-    assert_eq!((resp.status().as_u16(), resp.headers()["x-backstop-session-state"].to_str().unwrap()), (200, "active"));
-    assert_eq!(send(&gw, GUARDED, "probe", "probe", "", &step(14)).await.status(), 200);
+    assert_eq!(
+        (
+            resp.status().as_u16(),
+            resp.headers()["x-backstop-session-state"].to_str().unwrap()
+        ),
+        (200, "active")
+    );
+    assert_eq!(
+        send(&gw, GUARDED, "probe", "probe", "", &step(14))
+            .await
+            .status(),
+        200
+    );
     assert_eq!(gw.mock.attempts("probe"), 5 + 1 + 2);
 }
 
@@ -158,9 +273,22 @@ async fn a_healthy_twelve_step_agent_is_never_tripped() {
     for i in 0..12 {
         // A transient failure in step 6 is recovered by Backstop's retries.
         let fault = if i == 6 { "status=503,ok" } else { "" };
-        let resp = send(&gw, GUARDED, "healthy", &format!("healthy-run-{i}"), fault, &step(i)).await;
+        let resp = send(
+            &gw,
+            GUARDED,
+            "healthy",
+            &format!("healthy-run-{i}"),
+            fault,
+            &step(i),
+        )
+        .await;
         assert_eq!(resp.status(), 200, "step {i}");
-        states.push(resp.headers()["x-backstop-session-state"].to_str().unwrap().to_string());
+        states.push(
+            resp.headers()["x-backstop-session-state"]
+                .to_str()
+                .unwrap()
+                .to_string(),
+        );
     }
     assert!(states.iter().all(|s| s == "active"), "{states:?}");
 }
@@ -171,15 +299,35 @@ async fn sessions_are_per_tenant_and_operators_see_the_trace() {
     for i in 0..5 {
         send(&gw, GUARDED, "shared", "per-tenant", "status=400", &step(i)).await;
     }
-    assert_eq!(send(&gw, GUARDED, "shared", "per-tenant", "", &step(9)).await.status(), 429);
+    assert_eq!(
+        send(&gw, GUARDED, "shared", "per-tenant", "", &step(9))
+            .await
+            .status(),
+        429
+    );
     let other = send(&gw, ALSO, "shared", "per-tenant", "", &step(9)).await;
-    assert_eq!(other.status(), 200, "the same session id under another tenant is another session");
+    assert_eq!(
+        other.status(),
+        200,
+        "the same session id under another tenant is another session"
+    );
 
-    let report = json(gw.http.get(format!("{}/admin/tenants/guarded/sessions/shared", gw.url)).bearer_auth(ADMIN).send().await.unwrap()).await;
+    let report = json(
+        gw.http
+            .get(format!("{}/admin/tenants/guarded/sessions/shared", gw.url))
+            .bearer_auth(ADMIN)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!(report["guard"]["signals"]["state"], "tripped");
     assert_eq!(report["guard"]["signals"]["consecutive_failures"], 5);
     assert_eq!(report["guard"]["signals"]["risk"], 1.0);
-    assert_eq!(report["guard"]["signals"]["trip"]["rule"], "max_consecutive_failures");
+    assert_eq!(
+        report["guard"]["signals"]["trip"]["rule"],
+        "max_consecutive_failures"
+    );
     let trace = report["guard"]["trace"].as_array().unwrap();
     assert_eq!(trace.len(), 6);
     assert_eq!(trace[0]["status"], 400);
@@ -188,14 +336,40 @@ async fn sessions_are_per_tenant_and_operators_see_the_trace() {
     assert_eq!(trace[0]["upstream"], "mock-openai");
     assert_eq!(trace[5]["action"], "refused:session_tripped");
 
-    let close = gw.http.post(format!("{}/admin/tenants/also-guarded/sessions/shared/close", gw.url)).bearer_auth(ADMIN).send().await.unwrap();
+    let close = gw
+        .http
+        .post(format!(
+            "{}/admin/tenants/also-guarded/sessions/shared/close",
+            gw.url
+        ))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(close.status(), 200);
     let resp = send(&gw, ALSO, "shared", "per-tenant", "", &step(10)).await;
     assert_eq!(resp.status(), 429);
-    assert!(json(resp).await["error"]["message"].as_str().unwrap().contains("closed"));
+    assert!(json(resp).await["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("closed"));
 
     // An operator reset brings a tripped session back.
-    let reset = gw.http.post(format!("{}/admin/tenants/guarded/sessions/shared/reset", gw.url)).bearer_auth(ADMIN).send().await.unwrap();
+    let reset = gw
+        .http
+        .post(format!(
+            "{}/admin/tenants/guarded/sessions/shared/reset",
+            gw.url
+        ))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(reset.status(), 200);
-    assert_eq!(send(&gw, GUARDED, "shared", "per-tenant", "", &step(11)).await.status(), 200);
+    assert_eq!(
+        send(&gw, GUARDED, "shared", "per-tenant", "", &step(11))
+            .await
+            .status(),
+        200
+    );
 }

@@ -17,7 +17,17 @@ async fn gateway() -> Gateway {
 }
 
 async fn keyed(gw: &Gateway, key: &str, scenario: &str, body: String) -> reqwest::Response {
-    gw.post("/v1/chat/completions", Some(BUDGETED), &[("idempotency-key", key), ("x-mock-scenario", scenario), ("x-session-id", "idem")], body).await
+    gw.post(
+        "/v1/chat/completions",
+        Some(BUDGETED),
+        &[
+            ("idempotency-key", key),
+            ("x-mock-scenario", scenario),
+            ("x-session-id", "idem"),
+        ],
+        body,
+    )
+    .await
 }
 
 #[tokio::test]
@@ -34,10 +44,22 @@ async fn a_repeated_key_is_replayed_without_a_call_or_a_charge() {
     assert_eq!(second.headers()["x-backstop-attempts"], "0");
     assert_eq!(second.text().await.unwrap(), first_body);
     assert_eq!(gw.mock.attempts("replay"), 1);
-    let report = json(gw.http.get(format!("{}/admin/tenants/budgeted/sessions/idem", gw.url)).bearer_auth(ADMIN).send().await.unwrap()).await;
+    let report = json(
+        gw.http
+            .get(format!("{}/admin/tenants/budgeted/sessions/idem", gw.url))
+            .bearer_auth(ADMIN)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!(report["used"]["calls"], 1, "the replay was not charged");
     // Another key is another request.
-    assert!(keyed(&gw, "k-2", "replay", chat("once")).await.headers().get("x-backstop-replayed").is_none());
+    assert!(keyed(&gw, "k-2", "replay", chat("once"))
+        .await
+        .headers()
+        .get("x-backstop-replayed")
+        .is_none());
     assert_eq!(gw.mock.attempts("replay"), 2);
 }
 
@@ -70,7 +92,11 @@ async fn concurrent_duplicates_wait_for_the_first() {
                 .send()
                 .await
                 .unwrap();
-            (resp.status().as_u16(), resp.headers().contains_key("x-backstop-replayed"), resp.text().await.unwrap())
+            (
+                resp.status().as_u16(),
+                resp.headers().contains_key("x-backstop-replayed"),
+                resp.text().await.unwrap(),
+            )
         }));
     }
     let mut results = Vec::new();
@@ -78,17 +104,46 @@ async fn concurrent_duplicates_wait_for_the_first() {
         results.push(t.await.unwrap());
     }
     assert!(results.iter().all(|r| r.0 == 200));
-    assert_eq!(results.iter().filter(|r| !r.1).count(), 1, "exactly one made the call");
-    assert!(results.iter().all(|r| r.2 == results[0].2), "all got the same answer");
+    assert_eq!(
+        results.iter().filter(|r| !r.1).count(),
+        1,
+        "exactly one made the call"
+    );
+    assert!(
+        results.iter().all(|r| r.2 == results[0].2),
+        "all got the same answer"
+    );
     assert_eq!(gw.mock.attempts("concurrent"), 1);
 }
 
 #[tokio::test]
 async fn failures_are_not_kept() {
     let gw = gateway().await;
-    let resp = gw.post("/v1/chat/completions", Some(BUDGETED), &[("idempotency-key", "f"), ("x-mock-scenario", "fail"), ("x-mock-fault", "status=400,ok")], chat("x")).await;
+    let resp = gw
+        .post(
+            "/v1/chat/completions",
+            Some(BUDGETED),
+            &[
+                ("idempotency-key", "f"),
+                ("x-mock-scenario", "fail"),
+                ("x-mock-fault", "status=400,ok"),
+            ],
+            chat("x"),
+        )
+        .await;
     assert_eq!(resp.status(), 400);
-    let resp = gw.post("/v1/chat/completions", Some(BUDGETED), &[("idempotency-key", "f"), ("x-mock-scenario", "fail"), ("x-mock-fault", "status=400,ok")], chat("x")).await;
+    let resp = gw
+        .post(
+            "/v1/chat/completions",
+            Some(BUDGETED),
+            &[
+                ("idempotency-key", "f"),
+                ("x-mock-scenario", "fail"),
+                ("x-mock-fault", "status=400,ok"),
+            ],
+            chat("x"),
+        )
+        .await;
     assert_eq!(resp.status(), 200);
     assert_eq!(gw.mock.attempts("fail"), 2);
 }
@@ -111,7 +166,15 @@ async fn replays_survive_a_restart() {
     let http = reqwest::Client::new();
     let send = |url: String| {
         let http = http.clone();
-        async move { http.post(format!("{url}/v1/chat/completions")).bearer_auth(KEY_A).header("idempotency-key", "survivor").body(chat("persist me")).send().await.unwrap() }
+        async move {
+            http.post(format!("{url}/v1/chat/completions"))
+                .bearer_auth(KEY_A)
+                .header("idempotency-key", "survivor")
+                .body(chat("persist me"))
+                .send()
+                .await
+                .unwrap()
+        }
     };
     let gw = Binary::start(&config, port).await;
     let first = send(gw.url.clone()).await;
@@ -122,6 +185,15 @@ async fn replays_survive_a_restart() {
     let again = send(gw.url.clone()).await;
     assert_eq!(again.headers()["x-backstop-replayed"], "true");
     assert_eq!(again.text().await.unwrap(), first_body);
-    let stats = json(http.get(format!("http://127.0.0.1:{mock_port}/mock/stats")).send().await.unwrap()).await;
-    assert_eq!(stats["total"], 0, "the restarted gateway's mock never saw the replayed request");
+    let stats = json(
+        http.get(format!("http://127.0.0.1:{mock_port}/mock/stats"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        stats["total"], 0,
+        "the restarted gateway's mock never saw the replayed request"
+    );
 }

@@ -45,7 +45,13 @@ base_url = "http://{backup_addr}"
 model = "pair-*"
 targets = [{{ upstream = "primary" }}, {{ upstream = "backup", model = "backup-model" }}]
 "#,
-            primary = text.split("base_url = \"http://").nth(1).unwrap().split('"').next().unwrap(),
+            primary = text
+                .split("base_url = \"http://")
+                .nth(1)
+                .unwrap()
+                .split('"')
+                .next()
+                .unwrap(),
         )
     })
     .await;
@@ -59,12 +65,20 @@ fn body(model: &str) -> serde_json::Value {
 #[tokio::test]
 async fn transient_failures_are_retried_and_reported() {
     let gw = start().await;
-    let resp = gw.chat("retry", "status=503,status=503,ok", body("gpt-4o")).await;
+    let resp = gw
+        .chat("retry", "status=503,status=503,ok", body("gpt-4o"))
+        .await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-backstop-attempts"], "3");
-    assert_eq!(resp.headers()["x-backstop-recovery"], "retry:503,retry:503,ok");
+    assert_eq!(
+        resp.headers()["x-backstop-recovery"],
+        "retry:503,retry:503,ok"
+    );
     assert_eq!(gw.mock.attempts("retry"), 3);
-    assert_eq!(json(resp).await["choices"][0]["message"]["content"], "mock: hello");
+    assert_eq!(
+        json(resp).await["choices"][0]["message"]["content"],
+        "mock: hello"
+    );
 }
 
 #[tokio::test]
@@ -72,11 +86,25 @@ async fn an_exhausted_target_fails_over_with_the_targets_model() {
     let p = pair(100).await;
     // Both mocks reset every connection: max_attempts on each, in order.
     let resp = p.gw.chat("failover-reset", "reset", body("pair-x")).await;
-    assert_eq!(p.gw.mock.attempts("failover-reset"), 3, "all attempts on the primary");
-    assert_eq!(p.backup.attempts("failover-reset"), 3, "then all on the backup");
+    assert_eq!(
+        p.gw.mock.attempts("failover-reset"),
+        3,
+        "all attempts on the primary"
+    );
+    assert_eq!(
+        p.backup.attempts("failover-reset"),
+        3,
+        "then all on the backup"
+    );
     assert_eq!(resp.status(), 502);
-    assert_eq!(resp.headers()["x-backstop-recovery"], "retry:reset,retry:reset,giveup:reset,failover:backup,retry:reset,retry:reset,giveup:reset");
-    assert_eq!(p.backup.last_request("failover-reset").unwrap()["body"]["model"], "backup-model");
+    assert_eq!(
+        resp.headers()["x-backstop-recovery"],
+        "retry:reset,retry:reset,giveup:reset,failover:backup,retry:reset,retry:reset,giveup:reset"
+    );
+    assert_eq!(
+        p.backup.last_request("failover-reset").unwrap()["body"]["model"],
+        "backup-model"
+    );
 }
 
 #[tokio::test]
@@ -86,7 +114,10 @@ async fn failover_reaches_a_healthy_backup() {
     // only the primary fails on: a 1 s delay against its 300 ms attempt_timeout.
     let resp = p.gw.chat("failover-slow", "delay=1s", body("pair-x")).await;
     assert_eq!(resp.status(), 200, "{:?}", resp.headers());
-    assert_eq!(resp.headers()["x-backstop-recovery"], "retry:timeout,retry:timeout,giveup:timeout,failover:backup,ok");
+    assert_eq!(
+        resp.headers()["x-backstop-recovery"],
+        "retry:timeout,retry:timeout,giveup:timeout,failover:backup,ok"
+    );
     assert_eq!(resp.headers()["x-backstop-attempts"], "4");
     assert_eq!(p.gw.mock.attempts("failover-slow"), 3);
     assert_eq!(p.backup.attempts("failover-slow"), 1);
@@ -99,31 +130,79 @@ async fn the_breaker_opens_and_then_skips_the_network() {
     // Three 500s open the primary (threshold 3), three more open the backup.
     assert_eq!(resp.status(), 500);
     assert_eq!(resp.headers()["x-should-retry"], "false");
-    assert_eq!(p.gw.mock.attempts("hard-down") + p.backup.attempts("hard-down"), 6);
+    assert_eq!(
+        p.gw.mock.attempts("hard-down") + p.backup.attempts("hard-down"),
+        6
+    );
 
     let resp = p.gw.chat("hard-down", "status=500", body("pair-x")).await;
     assert_eq!(resp.status(), 503);
-    assert_eq!(resp.headers()["x-backstop-recovery"], "open:primary,failover:backup,open:backup");
+    assert_eq!(
+        resp.headers()["x-backstop-recovery"],
+        "open:primary,failover:backup,open:backup"
+    );
     assert_eq!(resp.headers()["x-backstop-attempts"], "0");
     assert_eq!(resp.headers()["x-should-retry"], "false");
-    let retry_after: u64 = resp.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    let retry_after: u64 = resp.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!((29..=30).contains(&retry_after), "{retry_after}");
     assert_eq!(json(resp).await["error"]["code"], "circuit_open");
-    assert_eq!(p.gw.mock.attempts("hard-down") + p.backup.attempts("hard-down"), 6, "no network while open");
+    assert_eq!(
+        p.gw.mock.attempts("hard-down") + p.backup.attempts("hard-down"),
+        6,
+        "no network while open"
+    );
 
-    let admin = p.gw.http.get(format!("{}/admin/upstreams", p.gw.url)).bearer_auth(ADMIN).send().await.unwrap();
+    let admin =
+        p.gw.http
+            .get(format!("{}/admin/upstreams", p.gw.url))
+            .bearer_auth(ADMIN)
+            .send()
+            .await
+            .unwrap();
     assert_eq!(admin.status(), 200);
     let admin = json(admin).await;
-    let state = |name: &str| admin["upstreams"].as_array().unwrap().iter().find(|u| u["name"] == name).unwrap()["breaker"]["state"].clone();
+    let state = |name: &str| {
+        admin["upstreams"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|u| u["name"] == name)
+            .unwrap()["breaker"]["state"]
+            .clone()
+    };
     assert_eq!(state("primary"), "open");
     assert_eq!(state("backup"), "open");
     assert_eq!(state("mock-openai"), "closed");
-    let denied = p.gw.http.get(format!("{}/admin/upstreams", p.gw.url)).bearer_auth(KEY_A).send().await.unwrap();
+    let denied =
+        p.gw.http
+            .get(format!("{}/admin/upstreams", p.gw.url))
+            .bearer_auth(KEY_A)
+            .send()
+            .await
+            .unwrap();
     assert_eq!(denied.status(), 401, "a tenant key is not the admin token");
 
-    let metrics = p.gw.http.get(format!("{}/metrics", p.gw.url)).send().await.unwrap().text().await.unwrap();
-    assert!(metrics.contains("backstop_breaker_state{upstream=\"primary\"} 1"), "{metrics}");
-    assert!(metrics.contains("backstop_breaker_transitions_total{upstream=\"primary\",to=\"open\"}"), "{metrics}");
+    let metrics =
+        p.gw.http
+            .get(format!("{}/metrics", p.gw.url))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+    assert!(
+        metrics.contains("backstop_breaker_state{upstream=\"primary\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("backstop_breaker_transitions_total{upstream=\"primary\",to=\"open\"}"),
+        "{metrics}"
+    );
 }
 
 #[tokio::test]
@@ -144,7 +223,9 @@ async fn caller_faults_pass_through_once_and_never_open_the_breaker() {
 async fn a_long_retry_after_is_passed_on_at_once() {
     let gw = start().await;
     let started = std::time::Instant::now();
-    let resp = gw.chat("long-ra", "status=429;retry_after=30", body("gpt-4o")).await;
+    let resp = gw
+        .chat("long-ra", "status=429;retry_after=30", body("gpt-4o"))
+        .await;
     assert!(started.elapsed() < std::time::Duration::from_secs(2));
     assert_eq!(resp.status(), 429);
     assert_eq!(resp.headers()["retry-after"], "30");
@@ -157,9 +238,14 @@ async fn streams_are_retried_only_before_their_first_byte() {
     let gw = start().await;
     let stream = json!({"model": "gpt-4o", "stream": true, "messages": [{"role": "user", "content": "hello"}]});
     // A 503, then a stream that breaks before its first chunk: both retried.
-    let resp = gw.chat("stream-retry", "status=503,cut=0,ok", stream.clone()).await;
+    let resp = gw
+        .chat("stream-retry", "status=503,cut=0,ok", stream.clone())
+        .await;
     assert_eq!(resp.status(), 200);
-    assert_eq!(resp.headers()["x-backstop-recovery"], "retry:503,retry:reset,ok");
+    assert_eq!(
+        resp.headers()["x-backstop-recovery"],
+        "retry:503,retry:reset,ok"
+    );
     let text = resp.text().await.unwrap();
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     assert_eq!(gw.mock.attempts("stream-retry"), 3);
@@ -179,6 +265,12 @@ async fn streams_are_retried_only_before_their_first_byte() {
 #[tokio::test]
 async fn the_admin_api_is_off_without_a_token() {
     let gw = start().await;
-    let resp = gw.http.get(format!("{}/admin/upstreams", gw.url)).bearer_auth(ADMIN).send().await.unwrap();
+    let resp = gw
+        .http
+        .get(format!("{}/admin/upstreams", gw.url))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status(), 403);
 }

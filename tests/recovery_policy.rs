@@ -83,19 +83,35 @@ use Play::*;
 const OK: Play = Status(200, r#"{"choices":[]}"#, &[]);
 const E503: Play = Status(503, "", &[]);
 
+/// (upstream, model asked for, when) for each call the leaf saw.
+type Calls = Vec<(String, Option<String>, Duration)>;
+
+/// A taxonomy row: name, script, final status, recovery trail, upstreams called.
+type Row = (
+    &'static str,
+    Vec<Play>,
+    u16,
+    &'static str,
+    Vec<&'static str>,
+);
+
 /// The scripted leaf: plays `script` in order (the last entry repeats), records calls.
 #[derive(Clone)]
 struct Script {
     plays: Arc<Mutex<VecDeque<Play>>>,
-    calls: Arc<Mutex<Vec<(String, Option<String>, Duration)>>>,
+    calls: Arc<Mutex<Calls>>,
     t0: Instant,
 }
 
 impl Script {
     fn new(plays: &[Play]) -> Self {
-        Script { plays: Arc::new(Mutex::new(plays.iter().cloned().collect())), calls: Arc::default(), t0: Instant::now() }
+        Script {
+            plays: Arc::new(Mutex::new(plays.iter().cloned().collect())),
+            calls: Arc::default(),
+            t0: Instant::now(),
+        }
     }
-    fn calls(&self) -> Vec<(String, Option<String>, Duration)> {
+    fn calls(&self) -> Calls {
         self.calls.lock().unwrap().clone()
     }
     fn upstreams(&self) -> Vec<String> {
@@ -106,17 +122,30 @@ impl Script {
 impl Service<Attempt> for Script {
     type Response = Reply;
     type Error = TransportFailure;
-    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Reply, TransportFailure>> + Send>>;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Reply, TransportFailure>> + Send>,
+    >;
 
-    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), TransportFailure>> {
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), TransportFailure>> {
         std::task::Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, attempt: Attempt) -> Self::Future {
-        self.calls.lock().unwrap().push((attempt.upstream.name.to_string(), attempt.model.as_deref().map(str::to_owned), self.t0.elapsed()));
+        self.calls.lock().unwrap().push((
+            attempt.upstream.name.to_string(),
+            attempt.model.as_deref().map(str::to_owned),
+            self.t0.elapsed(),
+        ));
         let play = {
             let mut plays = self.plays.lock().unwrap();
-            if plays.len() > 1 { plays.pop_front().unwrap() } else { plays.front().cloned().unwrap() }
+            if plays.len() > 1 {
+                plays.pop_front().unwrap()
+            } else {
+                plays.front().cloned().unwrap()
+            }
         };
         Box::pin(async move {
             match play {
@@ -130,7 +159,12 @@ impl Service<Attempt> for Script {
                     for (k, v) in headers {
                         map.insert(*k, HeaderValue::from_static(v));
                     }
-                    Ok(Reply { status: StatusCode::from_u16(status).unwrap(), headers: map, body: ReplyBody::Full(Bytes::from_static(body.as_bytes())), stream_usage: None })
+                    Ok(Reply {
+                        status: StatusCode::from_u16(status).unwrap(),
+                        headers: map,
+                        body: ReplyBody::Full(Bytes::from_static(body.as_bytes())),
+                        stream_usage: None,
+                    })
                 }
             }
         })
@@ -149,7 +183,11 @@ fn harness(edit: impl FnOnce(String) -> String) -> Harness {
     let mut policy = RetryPolicy::from_config(&config.retry);
     // Jitter pinned to the top of its range, so backoff waits are exact.
     policy.jitter = || 0.999_999_999;
-    Harness { routes: RouteTable::new(&config, &upstreams), health: Arc::new(HealthRegistry::new(&config)), policy }
+    Harness {
+        routes: RouteTable::new(&config, &upstreams),
+        health: Arc::new(HealthRegistry::new(&config)),
+        policy,
+    }
 }
 
 struct Outcome {
@@ -168,9 +206,13 @@ impl Harness {
         let log = Arc::new(RequestLog::default());
         let mut req = Request::new(Body::empty());
         req.extensions_mut().insert(Arc::new(ctx));
-        req.extensions_mut().insert(Deadline { at: Instant::now() + deadline, timeout: deadline });
+        req.extensions_mut().insert(Deadline {
+            at: Instant::now() + deadline,
+            timeout: deadline,
+        });
         req.extensions_mut().insert(log.clone());
-        let service = RecoveryLayer::new(self.policy.clone(), self.health.clone()).layer(script.clone());
+        let service =
+            RecoveryLayer::new(self.policy.clone(), self.health.clone()).layer(script.clone());
         let started = Instant::now();
         let result: Result<Response<Body>, GatewayError> = service.oneshot(req).await;
         let fields = log.snapshot();
@@ -178,7 +220,14 @@ impl Harness {
             Ok(r) => (r.status().as_u16(), None, r.headers().clone()),
             Err(e) => (e.kind().status, Some(e), HeaderMap::new()),
         };
-        Outcome { status, error, headers, recovery: fields.recovery, attempts: fields.attempts, elapsed: started.elapsed() }
+        Outcome {
+            status,
+            error,
+            headers,
+            recovery: fields.recovery,
+            attempts: fields.attempts,
+            elapsed: started.elapsed(),
+        }
     }
 }
 
@@ -200,25 +249,111 @@ async fn transient_errors_are_retried_with_capped_backoff_then_succeed() {
 
 #[tokio::test(start_paused = true)]
 async fn each_taxonomy_row_makes_the_exact_attempts() {
-    let quota: &'static str = r#"{"error":{"type":"insufficient_quota","code":"insufficient_quota","message":"quota"}}"#;
+    let quota: &'static str =
+        r#"{"error":{"type":"insufficient_quota","code":"insufficient_quota","message":"quota"}}"#;
     let context: &'static str = r#"{"error":{"type":"invalid_request_error","code":"context_length_exceeded","message":"too long"}}"#;
-    let rows: Vec<(&str, Vec<Play>, u16, &str, Vec<&str>)> = vec![
+    let rows: Vec<Row> = vec![
         // transient everywhere: max_attempts on each of the two targets
-        ("503", vec![E503], 503, "retry:503,retry:503,giveup:503,failover:backup,retry:503,retry:503,giveup:503", vec!["primary"; 3].into_iter().chain(vec!["backup"; 3]).collect()),
-        ("529", vec![Status(529, r#"{"type":"error","error":{"type":"overloaded_error","message":"x"}}"#, &[]), OK], 200, "retry:529,ok", vec!["primary", "primary"]),
-        ("reset", vec![Fail(TransportFailure::Reset), OK], 200, "retry:reset,ok", vec!["primary", "primary"]),
-        ("connect", vec![Fail(TransportFailure::Connect), Fail(TransportFailure::Connect), Fail(TransportFailure::Connect), OK], 200, "retry:connect,retry:connect,giveup:connect,failover:backup,ok", vec!["primary", "primary", "primary", "backup"]),
-        ("timeout", vec![Fail(TransportFailure::Timeout), OK], 200, "retry:timeout,ok", vec!["primary", "primary"]),
+        (
+            "503",
+            vec![E503],
+            503,
+            "retry:503,retry:503,giveup:503,failover:backup,retry:503,retry:503,giveup:503",
+            vec!["primary"; 3]
+                .into_iter()
+                .chain(vec!["backup"; 3])
+                .collect(),
+        ),
+        (
+            "529",
+            vec![
+                Status(
+                    529,
+                    r#"{"type":"error","error":{"type":"overloaded_error","message":"x"}}"#,
+                    &[],
+                ),
+                OK,
+            ],
+            200,
+            "retry:529,ok",
+            vec!["primary", "primary"],
+        ),
+        (
+            "reset",
+            vec![Fail(TransportFailure::Reset), OK],
+            200,
+            "retry:reset,ok",
+            vec!["primary", "primary"],
+        ),
+        (
+            "connect",
+            vec![
+                Fail(TransportFailure::Connect),
+                Fail(TransportFailure::Connect),
+                Fail(TransportFailure::Connect),
+                OK,
+            ],
+            200,
+            "retry:connect,retry:connect,giveup:connect,failover:backup,ok",
+            vec!["primary", "primary", "primary", "backup"],
+        ),
+        (
+            "timeout",
+            vec![Fail(TransportFailure::Timeout), OK],
+            200,
+            "retry:timeout,ok",
+            vec!["primary", "primary"],
+        ),
         // caller fault: one attempt, passed through
-        ("400", vec![Status(400, r#"{"error":{"type":"invalid_request_error","message":"bad"}}"#, &[])], 400, "pass:400", vec!["primary"]),
-        ("422", vec![Status(422, "{}", &[])], 422, "pass:422", vec!["primary"]),
+        (
+            "400",
+            vec![Status(
+                400,
+                r#"{"error":{"type":"invalid_request_error","message":"bad"}}"#,
+                &[],
+            )],
+            400,
+            "pass:400",
+            vec!["primary"],
+        ),
+        (
+            "422",
+            vec![Status(422, "{}", &[])],
+            422,
+            "pass:422",
+            vec!["primary"],
+        ),
         // credential/quota: never retried on that upstream, straight to the next target
-        ("quota", vec![Status(429, quota, &[]), OK], 200, "giveup:429,failover:backup,ok", vec!["primary", "backup"]),
-        ("401", vec![Status(401, "{}", &[]), OK], 200, "giveup:401,failover:backup,ok", vec!["primary", "backup"]),
+        (
+            "quota",
+            vec![Status(429, quota, &[]), OK],
+            200,
+            "giveup:429,failover:backup,ok",
+            vec!["primary", "backup"],
+        ),
+        (
+            "401",
+            vec![Status(401, "{}", &[]), OK],
+            200,
+            "giveup:401,failover:backup,ok",
+            vec!["primary", "backup"],
+        ),
         // malformed 200: next target
-        ("malformed", vec![Status(200, "{\"choices\": [", &[]), OK], 200, "giveup:malformed,failover:backup,ok", vec!["primary", "backup"]),
+        (
+            "malformed",
+            vec![Status(200, "{\"choices\": [", &[]), OK],
+            200,
+            "giveup:malformed,failover:backup,ok",
+            vec!["primary", "backup"],
+        ),
         // context too long: the context_fallback target takes it
-        ("context", vec![Status(400, context, &[]), OK], 200, "fallback:big,failover:big,ok", vec!["primary", "big"]),
+        (
+            "context",
+            vec![Status(400, context, &[]), OK],
+            200,
+            "fallback:big,failover:big,ok",
+            vec!["primary", "big"],
+        ),
     ];
     for (name, plays, status, recovery, upstreams) in rows {
         let h = harness(|c| c);
@@ -243,20 +378,53 @@ async fn failover_and_fallback_ask_for_the_targets_model() {
 #[tokio::test(start_paused = true)]
 async fn final_failures_become_the_right_answer() {
     let h = harness(|c| c);
-    let out = h.send("one", &Script::new(&[Status(401, "{}", &[])]), LONG).await;
-    assert_eq!((out.status, out.error.unwrap().kind().code), (502, "upstream_auth_failed"));
+    let out = h
+        .send("one", &Script::new(&[Status(401, "{}", &[])]), LONG)
+        .await;
+    assert_eq!(
+        (out.status, out.error.unwrap().kind().code),
+        (502, "upstream_auth_failed")
+    );
     let h = harness(|c| c);
-    let out = h.send("one", &Script::new(&[Fail(TransportFailure::Connect)]), LONG).await;
-    assert_eq!((out.status, out.error.unwrap().kind().code), (502, "upstream_unavailable"));
+    let out = h
+        .send(
+            "one",
+            &Script::new(&[Fail(TransportFailure::Connect)]),
+            LONG,
+        )
+        .await;
+    assert_eq!(
+        (out.status, out.error.unwrap().kind().code),
+        (502, "upstream_unavailable")
+    );
     assert_eq!(out.attempts, 3);
     // Three 1 s attempt timeouts fit the deadline: the upstream was slow, not the client's
     // deadline short.
-    let h = harness(|c| c.replace("base_url = \"http://primary.invalid\"", "base_url = \"http://primary.invalid\"\nattempt_timeout = \"1s\""));
-    let out = h.send("one", &Script::new(&[Fail(TransportFailure::Timeout)]), LONG).await;
-    assert_eq!((out.status, out.error.unwrap().kind().code), (504, "upstream_timeout"));
+    let h = harness(|c| {
+        c.replace(
+            "base_url = \"http://primary.invalid\"",
+            "base_url = \"http://primary.invalid\"\nattempt_timeout = \"1s\"",
+        )
+    });
+    let out = h
+        .send(
+            "one",
+            &Script::new(&[Fail(TransportFailure::Timeout)]),
+            LONG,
+        )
+        .await;
+    assert_eq!(
+        (out.status, out.error.unwrap().kind().code),
+        (504, "upstream_timeout")
+    );
     let h = harness(|c| c);
-    let out = h.send("one", &Script::new(&[Status(200, "not json", &[])]), LONG).await;
-    assert_eq!((out.status, out.error.unwrap().kind().code), (502, "output_invalid"));
+    let out = h
+        .send("one", &Script::new(&[Status(200, "not json", &[])]), LONG)
+        .await;
+    assert_eq!(
+        (out.status, out.error.unwrap().kind().code),
+        (502, "output_invalid")
+    );
     assert_eq!(out.attempts, 1);
 }
 
@@ -279,7 +447,11 @@ async fn retry_after_inside_the_cap_is_waited_in_virtual_time() {
 #[tokio::test(start_paused = true)]
 async fn retry_after_beyond_the_cap_fails_fast_with_the_upstreams_answer() {
     let h = harness(|c| c);
-    let script = Script::new(&[Status(429, r#"{"error":{"code":"rate_limit_exceeded"}}"#, &[("retry-after", "30")])]);
+    let script = Script::new(&[Status(
+        429,
+        r#"{"error":{"code":"rate_limit_exceeded"}}"#,
+        &[("retry-after", "30")],
+    )]);
     let out = h.send("one", &script, LONG).await;
     assert_eq!(out.status, 429);
     assert_eq!(out.headers["retry-after"], "30");
@@ -300,9 +472,17 @@ async fn no_wait_ever_runs_past_the_deadline() {
     let h = harness(|c| c);
     let script = Script::new(&[Status(503, "", &[("retry-after", "5")])]);
     let out = h.send("one", &script, Duration::from_secs(3)).await;
-    assert_eq!((out.status, out.attempts, out.elapsed), (503, 1, Duration::ZERO));
+    assert_eq!(
+        (out.status, out.attempts, out.elapsed),
+        (503, 1, Duration::ZERO)
+    );
     // Timeouts: attempts are cut to the time left, and the loop stops at the deadline.
-    let h = harness(|c| c.replace("base_url = \"http://primary.invalid\"", "base_url = \"http://primary.invalid\"\nattempt_timeout = \"2s\""));
+    let h = harness(|c| {
+        c.replace(
+            "base_url = \"http://primary.invalid\"",
+            "base_url = \"http://primary.invalid\"\nattempt_timeout = \"2s\"",
+        )
+    });
     let script = Script::new(&[Fail(TransportFailure::Timeout)]);
     let out = h.send("one", &script, Duration::from_secs(3)).await;
     // Attempt 1 times out at 2 s; after a 200 ms backoff, attempt 2 gets only the 800 ms
@@ -310,7 +490,11 @@ async fn no_wait_ever_runs_past_the_deadline() {
     assert_eq!(out.elapsed, Duration::from_secs(3));
     assert_eq!((out.status, out.attempts), (504, 2));
     assert_eq!(out.error.unwrap().kind().code, "request_timeout");
-    let starts: Vec<_> = script.calls().into_iter().map(|c| c.2.as_millis()).collect();
+    let starts: Vec<_> = script
+        .calls()
+        .into_iter()
+        .map(|c| c.2.as_millis())
+        .collect();
     assert_eq!(starts, [0, 2200]);
 }
 
@@ -326,13 +510,18 @@ async fn the_breaker_opens_skips_then_probes_and_closes() {
     tokio::time::advance(Duration::from_secs(10)).await;
     let out = h.send("one", &down, LONG).await;
     assert_eq!(out.status, 503);
-    assert!(matches!(out.error, Some(GatewayError::CircuitOpen { retry_after }) if retry_after == Duration::from_secs(20)));
+    assert!(
+        matches!(out.error, Some(GatewayError::CircuitOpen { retry_after }) if retry_after == Duration::from_secs(20))
+    );
     assert_eq!(out.recovery, "open:primary");
     assert_eq!(down.calls().len(), 5, "an open breaker touched the network");
     // With a second target, the open upstream is skipped and the backup answers.
     let up = Script::new(&[OK]);
     let out = h.send("two", &up, LONG).await;
-    assert_eq!((out.status, out.recovery.as_str()), (200, "open:primary,failover:backup,ok"));
+    assert_eq!(
+        (out.status, out.recovery.as_str()),
+        (200, "open:primary,failover:backup,ok")
+    );
     assert_eq!(up.upstreams(), ["backup"]);
     // Half-open after open_for: one probe; its failure reopens.
     tokio::time::advance(Duration::from_secs(20)).await;
@@ -354,7 +543,11 @@ async fn caller_faults_never_open_the_breaker() {
     for _ in 0..50 {
         assert_eq!(h.send("one", &bad, LONG).await.status, 400);
     }
-    assert_eq!(bad.calls().len(), 50, "every caller fault reached the upstream exactly once");
+    assert_eq!(
+        bad.calls().len(),
+        50,
+        "every caller fault reached the upstream exactly once"
+    );
     let ok = Script::new(&[OK]);
     assert_eq!(h.send("one", &ok, LONG).await.recovery, "ok");
 }
@@ -372,7 +565,10 @@ async fn credential_failures_open_the_breaker_at_once() {
 #[tokio::test(start_paused = true)]
 async fn the_retry_budget_caps_retries_during_an_outage() {
     // Floor 2, ratio 0.2, threshold high enough that the breaker stays out of it.
-    let h = harness(|c| c.replace("budget_floor = 10", "budget_floor = 2").replace("failure_threshold = 5", "failure_threshold = 100000"));
+    let h = harness(|c| {
+        c.replace("budget_floor = 10", "budget_floor = 2")
+            .replace("failure_threshold = 5", "failure_threshold = 100000")
+    });
     let down = Script::new(&[E503]);
     for _ in 0..100 {
         h.send("one", &down, LONG).await;

@@ -11,7 +11,14 @@ pub struct Proc(pub Child);
 
 impl Proc {
     pub fn spawn(bin: &str, args: &[&str]) -> Proc {
-        Proc(Command::new(bin).args(args).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap_or_else(|e| panic!("{bin}: {e} (cargo build --release first)")))
+        Proc(
+            Command::new(bin)
+                .args(args)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| panic!("{bin}: {e} (cargo build --release first)")),
+        )
     }
 
     pub fn pid(&self) -> u32 {
@@ -27,7 +34,11 @@ impl Drop for Proc {
 }
 
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 pub fn backstop_bin() -> String {
@@ -36,7 +47,12 @@ pub fn backstop_bin() -> String {
 
 pub async fn wait_up(http: &reqwest::Client, url: &str) {
     for _ in 0..200 {
-        if http.get(url).send().await.is_ok_and(|r| r.status().is_success()) {
+        if http
+            .get(url)
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
+        {
             return;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

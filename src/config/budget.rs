@@ -49,7 +49,10 @@ pub struct BillingConfig {
 
 impl Default for BillingConfig {
     fn default() -> Self {
-        BillingConfig { unpriced: Unpriced::Free, default_max_tokens: 4096 }
+        BillingConfig {
+            unpriced: Unpriced::Free,
+            default_max_tokens: 4096,
+        }
     }
 }
 
@@ -82,7 +85,10 @@ pub struct TenantBudgetConfig {
 
 pub(super) fn positive_f64(key: &str, value: Option<f64>) -> Result<(), ConfigError> {
     match value {
-        Some(v) if !(v.is_finite() && v > 0.0) => Err(ConfigError::invalid(key, format_args!("must be a positive number, got {v}"))),
+        Some(v) if !(v.is_finite() && v > 0.0) => Err(ConfigError::invalid(
+            key,
+            format_args!("must be a positive number, got {v}"),
+        )),
         _ => Ok(()),
     }
 }
@@ -96,11 +102,17 @@ pub(super) fn positive_int(key: &str, value: Option<u64>) -> Result<(), ConfigEr
 
 impl SessionLimitsConfig {
     pub(super) fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        positive_int(&format!("{key}.requests_per_minute"), self.requests_per_minute.map(u64::from))?;
+        positive_int(
+            &format!("{key}.requests_per_minute"),
+            self.requests_per_minute.map(u64::from),
+        )?;
         positive_int(&format!("{key}.max_calls"), self.max_calls)?;
         positive_int(&format!("{key}.max_tokens"), self.max_tokens)?;
         positive_f64(&format!("{key}.max_usd"), self.max_usd)?;
-        positive_int(&format!("{key}.max_concurrent"), self.max_concurrent.map(u64::from))
+        positive_int(
+            &format!("{key}.max_concurrent"),
+            self.max_concurrent.map(u64::from),
+        )
     }
 }
 
@@ -114,9 +126,15 @@ impl TenantBudgetConfig {
 impl PriceConfig {
     pub(super) fn validate(&self, key: &str) -> Result<(), ConfigError> {
         if self.model.trim().is_empty() {
-            return Err(ConfigError::invalid(format!("{key}.model"), "must not be empty"));
+            return Err(ConfigError::invalid(
+                format!("{key}.model"),
+                "must not be empty",
+            ));
         }
         positive_f64(&format!("{key}.input_per_mtok"), Some(self.input_per_mtok))?;
-        positive_f64(&format!("{key}.output_per_mtok"), Some(self.output_per_mtok))
+        positive_f64(
+            &format!("{key}.output_per_mtok"),
+            Some(self.output_per_mtok),
+        )
     }
 }

@@ -41,9 +41,9 @@ fn expand(
     while let Some(start) = rest.find("${") {
         out.push_str(&rest[..start]);
         let after = &rest[start + 2..];
-        let end = after.find('}').ok_or_else(|| {
-            ConfigError::invalid(path, "unterminated ${...} reference")
-        })?;
+        let end = after
+            .find('}')
+            .ok_or_else(|| ConfigError::invalid(path, "unterminated ${...} reference"))?;
         let var = &after[..end];
         if var.is_empty() {
             return Err(ConfigError::invalid(path, "empty ${} reference"));

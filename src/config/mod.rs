@@ -15,7 +15,9 @@ use std::{collections::HashSet, fmt, path::Path};
 
 use serde::Deserialize;
 
-pub use budget::{BillingConfig, PriceConfig, SessionLimitsConfig, StoreConfig, TenantBudgetConfig, Unpriced};
+pub use budget::{
+    BillingConfig, PriceConfig, SessionLimitsConfig, StoreConfig, TenantBudgetConfig, Unpriced,
+};
 pub use recovery::{AdminConfig, BreakerConfig, RetryConfig};
 pub use route::{RouteConfig, TargetConfig};
 pub use server::{LogConfig, LogFormat, MockConfig, ServerConfig};
@@ -133,20 +135,34 @@ impl Config {
         self.retry.validate()?;
         self.breaker.validate()?;
         self.validation.validate()?;
-        if self.admin.token.as_ref().is_some_and(|t| t.expose().len() < 16) {
-            return Err(ConfigError::invalid("admin.token", "must be at least 16 characters"));
+        if self
+            .admin
+            .token
+            .as_ref()
+            .is_some_and(|t| t.expose().len() < 16)
+        {
+            return Err(ConfigError::invalid(
+                "admin.token",
+                "must be at least 16 characters",
+            ));
         }
         for (i, price) in self.prices.iter().enumerate() {
             price.validate(&format!("prices[{i}]"))?;
         }
         if self.billing.default_max_tokens == 0 {
-            return Err(ConfigError::invalid("billing.default_max_tokens", "must be greater than 0"));
+            return Err(ConfigError::invalid(
+                "billing.default_max_tokens",
+                "must be greater than 0",
+            ));
         }
         if self.store.path.trim().is_empty() {
             return Err(ConfigError::invalid("store.path", "must not be empty"));
         }
         if self.upstreams.is_empty() {
-            return Err(ConfigError::invalid("upstreams", "at least one upstream is required"));
+            return Err(ConfigError::invalid(
+                "upstreams",
+                "at least one upstream is required",
+            ));
         }
         let mut names = HashSet::new();
         for (i, upstream) in self.upstreams.iter().enumerate() {
@@ -159,7 +175,10 @@ impl Config {
             }
         }
         if self.routes.is_empty() {
-            return Err(ConfigError::invalid("routes", "at least one route is required"));
+            return Err(ConfigError::invalid(
+                "routes",
+                "at least one route is required",
+            ));
         }
         let mut patterns = HashSet::new();
         for (i, route) in self.routes.iter().enumerate() {
@@ -172,7 +191,10 @@ impl Config {
             }
         }
         if self.tenants.is_empty() {
-            return Err(ConfigError::invalid("tenants", "at least one tenant is required"));
+            return Err(ConfigError::invalid(
+                "tenants",
+                "at least one tenant is required",
+            ));
         }
         let mut tenant_names = HashSet::new();
         let mut keys = HashSet::new();

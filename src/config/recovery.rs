@@ -42,16 +42,28 @@ impl Default for RetryConfig {
 impl RetryConfig {
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
         if self.max_attempts == 0 {
-            return Err(ConfigError::invalid("retry.max_attempts", "must be at least 1 (the first attempt)"));
+            return Err(ConfigError::invalid(
+                "retry.max_attempts",
+                "must be at least 1 (the first attempt)",
+            ));
         }
         if self.max_delay < self.base_delay {
-            return Err(ConfigError::invalid("retry.max_delay", "must not be less than retry.base_delay"));
+            return Err(ConfigError::invalid(
+                "retry.max_delay",
+                "must not be less than retry.base_delay",
+            ));
         }
         if !(0.0..=10.0).contains(&self.budget_ratio) || self.budget_ratio.is_nan() {
-            return Err(ConfigError::invalid("retry.budget_ratio", "must be between 0 and 10"));
+            return Err(ConfigError::invalid(
+                "retry.budget_ratio",
+                "must be between 0 and 10",
+            ));
         }
         if self.budget_window.is_zero() {
-            return Err(ConfigError::invalid("retry.budget_window", "must be greater than 0"));
+            return Err(ConfigError::invalid(
+                "retry.budget_window",
+                "must be greater than 0",
+            ));
         }
         Ok(())
     }
@@ -88,19 +100,34 @@ impl Default for BreakerConfig {
 impl BreakerConfig {
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
         if self.failure_threshold == 0 {
-            return Err(ConfigError::invalid("breaker.failure_threshold", "must be at least 1"));
+            return Err(ConfigError::invalid(
+                "breaker.failure_threshold",
+                "must be at least 1",
+            ));
         }
         if self.open_for.is_zero() {
-            return Err(ConfigError::invalid("breaker.open_for", "must be greater than 0"));
+            return Err(ConfigError::invalid(
+                "breaker.open_for",
+                "must be greater than 0",
+            ));
         }
         if !(0.0..=1.0).contains(&self.failure_rate) {
-            return Err(ConfigError::invalid("breaker.failure_rate", "must be between 0 and 1"));
+            return Err(ConfigError::invalid(
+                "breaker.failure_rate",
+                "must be between 0 and 1",
+            ));
         }
         if self.window.is_zero() {
-            return Err(ConfigError::invalid("breaker.window", "must be greater than 0"));
+            return Err(ConfigError::invalid(
+                "breaker.window",
+                "must be greater than 0",
+            ));
         }
         if self.half_open_probes == 0 {
-            return Err(ConfigError::invalid("breaker.half_open_probes", "must be at least 1"));
+            return Err(ConfigError::invalid(
+                "breaker.half_open_probes",
+                "must be at least 1",
+            ));
         }
         Ok(())
     }

@@ -35,7 +35,10 @@ pub struct TargetConfig {
 impl RouteConfig {
     pub(super) fn validate(&self, key: &str, upstreams: &HashSet<&str>) -> Result<(), ConfigError> {
         if self.model.trim().is_empty() {
-            return Err(ConfigError::invalid(format!("{key}.model"), "must not be empty"));
+            return Err(ConfigError::invalid(
+                format!("{key}.model"),
+                "must not be empty",
+            ));
         }
         if self.targets.is_empty() {
             return Err(ConfigError::invalid(
@@ -59,15 +62,27 @@ impl RouteConfig {
 
 impl RouteConfig {
     /// Reads and compiles `response_schema` (relative paths against `base`).
-    pub(super) fn load_schema(&mut self, key: &str, base: &std::path::Path) -> Result<(), ConfigError> {
-        let Some(path) = &self.response_schema else { return Ok(()) };
+    pub(super) fn load_schema(
+        &mut self,
+        key: &str,
+        base: &std::path::Path,
+    ) -> Result<(), ConfigError> {
+        let Some(path) = &self.response_schema else {
+            return Ok(());
+        };
         let full = base.join(path);
-        let text = std::fs::read_to_string(&full)
-            .map_err(|e| ConfigError::invalid(key, format_args!("cannot read {}: {e}", full.display())))?;
-        let schema: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| ConfigError::invalid(key, format_args!("{} is not JSON: {e}", full.display())))?;
-        jsonschema::validator_for(&schema)
-            .map_err(|e| ConfigError::invalid(key, format_args!("{} is not a valid JSON Schema: {e}", full.display())))?;
+        let text = std::fs::read_to_string(&full).map_err(|e| {
+            ConfigError::invalid(key, format_args!("cannot read {}: {e}", full.display()))
+        })?;
+        let schema: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+            ConfigError::invalid(key, format_args!("{} is not JSON: {e}", full.display()))
+        })?;
+        jsonschema::validator_for(&schema).map_err(|e| {
+            ConfigError::invalid(
+                key,
+                format_args!("{} is not a valid JSON Schema: {e}", full.display()),
+            )
+        })?;
         self.response_schema_value = Some(std::sync::Arc::new(schema));
         Ok(())
     }
@@ -82,7 +97,10 @@ impl TargetConfig {
             ));
         }
         if self.model.as_deref().is_some_and(|m| m.trim().is_empty()) {
-            return Err(ConfigError::invalid(format!("{key}.model"), "must not be empty when given"));
+            return Err(ConfigError::invalid(
+                format!("{key}.model"),
+                "must not be empty when given",
+            ));
         }
         Ok(())
     }

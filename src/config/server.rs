@@ -33,10 +33,16 @@ impl Default for ServerConfig {
 impl ServerConfig {
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
         if self.max_body_bytes == 0 {
-            return Err(ConfigError::invalid("server.max_body_bytes", "must be greater than 0"));
+            return Err(ConfigError::invalid(
+                "server.max_body_bytes",
+                "must be greater than 0",
+            ));
         }
         if self.request_timeout.is_zero() {
-            return Err(ConfigError::invalid("server.request_timeout", "must be greater than 0"));
+            return Err(ConfigError::invalid(
+                "server.request_timeout",
+                "must be greater than 0",
+            ));
         }
         Ok(())
     }

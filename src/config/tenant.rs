@@ -58,15 +58,33 @@ impl Default for GuardConfig {
 
 impl GuardConfig {
     fn validate(&self, key: &str) -> Result<(), ConfigError> {
-        positive_int(&format!("{key}.max_consecutive_failures"), Some(u64::from(self.max_consecutive_failures)))?;
-        positive_int(&format!("{key}.identical_request_limit"), Some(u64::from(self.identical_request_limit)))?;
-        positive_int(&format!("{key}.tool_loop_limit"), Some(u64::from(self.tool_loop_limit)))?;
-        super::budget::positive_f64(&format!("{key}.max_usd_per_minute"), self.max_usd_per_minute)?;
+        positive_int(
+            &format!("{key}.max_consecutive_failures"),
+            Some(u64::from(self.max_consecutive_failures)),
+        )?;
+        positive_int(
+            &format!("{key}.identical_request_limit"),
+            Some(u64::from(self.identical_request_limit)),
+        )?;
+        positive_int(
+            &format!("{key}.tool_loop_limit"),
+            Some(u64::from(self.tool_loop_limit)),
+        )?;
+        super::budget::positive_f64(
+            &format!("{key}.max_usd_per_minute"),
+            self.max_usd_per_minute,
+        )?;
         if self.identical_request_window.is_zero() {
-            return Err(ConfigError::invalid(format!("{key}.identical_request_window"), "must be greater than 0"));
+            return Err(ConfigError::invalid(
+                format!("{key}.identical_request_window"),
+                "must be greater than 0",
+            ));
         }
         if self.cool_down.is_zero() {
-            return Err(ConfigError::invalid(format!("{key}.cool_down"), "must be greater than 0"));
+            return Err(ConfigError::invalid(
+                format!("{key}.cool_down"),
+                "must be greater than 0",
+            ));
         }
         Ok(())
     }
@@ -86,7 +104,10 @@ impl GuardConfig {
 impl TenantConfig {
     pub(super) fn validate(&self, key: &str) -> Result<(), ConfigError> {
         if self.name.trim().is_empty() {
-            return Err(ConfigError::invalid(format!("{key}.name"), "must not be empty"));
+            return Err(ConfigError::invalid(
+                format!("{key}.name"),
+                "must not be empty",
+            ));
         }
         if self.api_keys.is_empty() {
             return Err(ConfigError::invalid(
@@ -94,7 +115,10 @@ impl TenantConfig {
                 "at least one key is required",
             ));
         }
-        positive_int(&format!("{key}.requests_per_minute"), self.requests_per_minute.map(u64::from))?;
+        positive_int(
+            &format!("{key}.requests_per_minute"),
+            self.requests_per_minute.map(u64::from),
+        )?;
         self.session.validate(&format!("{key}.session"))?;
         self.budget.validate(&format!("{key}.budget"))?;
         if let Some(guard) = &self.guard {

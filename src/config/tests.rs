@@ -24,7 +24,10 @@ api_keys = ["${TEAM_A_KEY}"]
 "#;
 
 fn env() -> HashMap<&'static str, &'static str> {
-    HashMap::from([("OPENAI_API_KEY", "sk-live"), ("TEAM_A_KEY", "bk-team-a-key")])
+    HashMap::from([
+        ("OPENAI_API_KEY", "sk-live"),
+        ("TEAM_A_KEY", "bk-team-a-key"),
+    ])
 }
 
 fn load(text: &str) -> Result<Config, ConfigError> {
@@ -33,36 +36,61 @@ fn load(text: &str) -> Result<Config, ConfigError> {
 }
 
 fn error_of(text: &str) -> String {
-    load(text).expect_err("config should be refused").to_string()
+    load(text)
+        .expect_err("config should be refused")
+        .to_string()
 }
 
 #[test]
 fn the_contract_example_loads_with_env_and_durations() {
     let c = load(BASE).unwrap();
-    assert_eq!(c.server.request_timeout, std::time::Duration::from_secs(120));
+    assert_eq!(
+        c.server.request_timeout,
+        std::time::Duration::from_secs(120)
+    );
     assert_eq!(c.server.max_body_bytes, 10 * 1024 * 1024);
-    assert_eq!(c.upstreams[0].attempt_timeout, std::time::Duration::from_millis(250));
+    assert_eq!(
+        c.upstreams[0].attempt_timeout,
+        std::time::Duration::from_millis(250)
+    );
     assert_eq!(c.upstreams[0].api_key.expose(), "sk-live");
     assert_eq!(c.tenants[0].api_keys[0].expose(), "bk-team-a-key");
-    assert_eq!(c.routes[0].targets[1].model.as_deref(), Some("gpt-4.1-mini"));
+    assert_eq!(
+        c.routes[0].targets[1].model.as_deref(),
+        Some("gpt-4.1-mini")
+    );
 }
 
 #[test]
 fn unknown_keys_are_named_with_their_path() {
-    let err = error_of(&BASE.replace("attempt_timeout = \"250ms\"", "attempt_timeout = \"250ms\"\nretries = 3"));
-    assert!(err.contains("upstreams[0]") && err.contains("retries"), "{err}");
+    let err = error_of(&BASE.replace(
+        "attempt_timeout = \"250ms\"",
+        "attempt_timeout = \"250ms\"\nretries = 3",
+    ));
+    assert!(
+        err.contains("upstreams[0]") && err.contains("retries"),
+        "{err}"
+    );
     let err = error_of(&BASE.replace("[server]", "[server]\nlisten_port = 1"));
-    assert!(err.contains("server") && err.contains("listen_port"), "{err}");
+    assert!(
+        err.contains("server") && err.contains("listen_port"),
+        "{err}"
+    );
     let err = error_of(&format!("{BASE}\n[surprise]\nx = 1\n"));
     assert!(err.contains("surprise"), "{err}");
 }
 
 #[test]
 fn a_missing_env_var_is_named_with_its_key() {
-    let err = Config::from_toml_with_env(BASE, |v| (v == "TEAM_A_KEY").then(|| "bk-team-a-key".into()))
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("OPENAI_API_KEY") && err.contains("upstreams[0].api_key"), "{err}");
+    let err = Config::from_toml_with_env(BASE, |v| {
+        (v == "TEAM_A_KEY").then(|| "bk-team-a-key".into())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("OPENAI_API_KEY") && err.contains("upstreams[0].api_key"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -89,7 +117,10 @@ fn bad_values_are_refused_by_key() {
 fn secrets_do_not_show_in_debug_output() {
     let c = load(BASE).unwrap();
     let debug = format!("{c:?}");
-    assert!(!debug.contains("sk-live") && !debug.contains("bk-team-a-key"), "{debug}");
+    assert!(
+        !debug.contains("sk-live") && !debug.contains("bk-team-a-key"),
+        "{debug}"
+    );
 }
 
 #[test]
@@ -103,11 +134,26 @@ fn shipped_configs_are_valid() {
 #[test]
 fn budget_values_must_be_positive_and_are_named_by_key() {
     let cases = [
-        ("[tenants.session]\nmax_calls = 0", "tenants[0].session.max_calls"),
-        ("[tenants.session]\nmax_usd = -1.0", "tenants[0].session.max_usd"),
-        ("[tenants.session]\nmax_tokens = -5", "tenants[0].session.max_tokens"),
-        ("[tenants.session]\nmax_concurrent = 0", "tenants[0].session.max_concurrent"),
-        ("[tenants.budget]\nusd_per_day = 0.0", "tenants[0].budget.usd_per_day"),
+        (
+            "[tenants.session]\nmax_calls = 0",
+            "tenants[0].session.max_calls",
+        ),
+        (
+            "[tenants.session]\nmax_usd = -1.0",
+            "tenants[0].session.max_usd",
+        ),
+        (
+            "[tenants.session]\nmax_tokens = -5",
+            "tenants[0].session.max_tokens",
+        ),
+        (
+            "[tenants.session]\nmax_concurrent = 0",
+            "tenants[0].session.max_concurrent",
+        ),
+        (
+            "[tenants.budget]\nusd_per_day = 0.0",
+            "tenants[0].budget.usd_per_day",
+        ),
         ("requests_per_minute = 0", "tenants[0].requests_per_minute"),
         ("[tenants.session]\nmax_cals = 3", "tenants[0].session"),
     ];
@@ -116,8 +162,14 @@ fn budget_values_must_be_positive_and_are_named_by_key() {
         assert!(err.contains(key), "expected {key} in: {err}");
     }
     let prices = [
-        ("input_per_mtok = 0.0\noutput_per_mtok = 1.0", "prices[0].input_per_mtok"),
-        ("input_per_mtok = 1.0\noutput_per_mtok = -2.0", "prices[0].output_per_mtok"),
+        (
+            "input_per_mtok = 0.0\noutput_per_mtok = 1.0",
+            "prices[0].input_per_mtok",
+        ),
+        (
+            "input_per_mtok = 1.0\noutput_per_mtok = -2.0",
+            "prices[0].output_per_mtok",
+        ),
     ];
     for (price, key) in prices {
         let err = error_of(&format!("[[prices]]\nmodel = \"gpt-*\"\n{price}\n{BASE}"));

@@ -57,7 +57,10 @@ fn default_anthropic_version() -> String {
 impl UpstreamConfig {
     pub(super) fn validate(&self, key: &str) -> Result<(), ConfigError> {
         if self.name.trim().is_empty() {
-            return Err(ConfigError::invalid(format!("{key}.name"), "must not be empty"));
+            return Err(ConfigError::invalid(
+                format!("{key}.name"),
+                "must not be empty",
+            ));
         }
         let url = self.base_url.as_str();
         let rest = url
@@ -70,8 +73,16 @@ impl UpstreamConfig {
                 )
             })?;
         let host = rest.split('/').next().unwrap_or("");
-        let parses = reqwest::Url::parse(&format!("{}/v1/chat/completions", url.trim_end_matches('/'))).is_ok();
-        if host.is_empty() || url.contains(['?', '#']) || url.parse::<http::Uri>().is_err() || !parses {
+        let parses = reqwest::Url::parse(&format!(
+            "{}/v1/chat/completions",
+            url.trim_end_matches('/')
+        ))
+        .is_ok();
+        if host.is_empty()
+            || url.contains(['?', '#'])
+            || url.parse::<http::Uri>().is_err()
+            || !parses
+        {
             return Err(ConfigError::invalid(
                 format!("{key}.base_url"),
                 format_args!("{url:?} is not an origin with an optional path prefix"),
@@ -98,6 +109,6 @@ impl UpstreamConfig {
     }
 }
 
-pub(super) fn known<'a>(names: &HashSet<&'a str>, name: &str) -> bool {
+pub(super) fn known(names: &HashSet<&str>, name: &str) -> bool {
     names.contains(name)
 }

@@ -15,7 +15,11 @@ pub struct ValidationConfig {
 
 impl Default for ValidationConfig {
     fn default() -> Self {
-        ValidationConfig { corrective_retries: 2, mode: ValidationMode::Enforce, schema_cache_size: 1024 }
+        ValidationConfig {
+            corrective_retries: 2,
+            mode: ValidationMode::Enforce,
+            schema_cache_size: 1024,
+        }
     }
 }
 
@@ -31,10 +35,16 @@ pub enum ValidationMode {
 impl ValidationConfig {
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
         if self.corrective_retries > 10 {
-            return Err(ConfigError::invalid("validation.corrective_retries", "at most 10: each is a paid upstream call"));
+            return Err(ConfigError::invalid(
+                "validation.corrective_retries",
+                "at most 10: each is a paid upstream call",
+            ));
         }
         if self.schema_cache_size == 0 {
-            return Err(ConfigError::invalid("validation.schema_cache_size", "must be greater than 0"));
+            return Err(ConfigError::invalid(
+                "validation.schema_cache_size",
+                "must be greater than 0",
+            ));
         }
         Ok(())
     }

@@ -49,11 +49,21 @@ pub enum GatewayError {
     #[error("this Idempotency-Key was already used with a different request body")]
     IdempotencyKeyReused,
     #[error("{detail}")]
-    SessionRefused { code: &'static str, detail: String, retry_after: Duration },
+    SessionRefused {
+        code: &'static str,
+        detail: String,
+        retry_after: Duration,
+    },
     #[error("rate limited: {detail}")]
-    RateLimited { detail: String, retry_after: Duration },
+    RateLimited {
+        detail: String,
+        retry_after: Duration,
+    },
     #[error("budget exceeded: {detail}")]
-    BudgetExceeded { budget: &'static str, detail: String },
+    BudgetExceeded {
+        budget: &'static str,
+        detail: String,
+    },
     #[error("{detail}")]
     TooManyConcurrent { detail: String },
     #[error("{detail}")]
@@ -79,33 +89,113 @@ impl GatewayError {
     pub fn kind(&self) -> ErrorKind {
         use GatewayError::*;
         let (status, category, code, anthropic_type) = match self {
-            Unauthorized => (401, "authentication_error", "invalid_api_key", "authentication_error"),
-            InvalidJson(_) | NotAnObject => (400, "invalid_request_error", "invalid_json", "invalid_request_error"),
-            MissingModel => (400, "invalid_request_error", "missing_model", "invalid_request_error"),
-            ModelNotFound(_) => (404, "invalid_request_error", "model_not_found", "not_found_error"),
-            ApiMismatch { .. } => (400, "invalid_request_error", "api_mismatch", "invalid_request_error"),
-            BodyTooLarge { .. } => (413, "invalid_request_error", "request_too_large", "request_too_large"),
-            BodyRead(_) => (400, "invalid_request_error", "body_read_error", "invalid_request_error"),
-            UpstreamUnavailable { .. } => (502, "upstream_error", "upstream_unavailable", "upstream_unavailable"),
-            UpstreamTimeout { .. } => (504, "upstream_error", "upstream_timeout", "upstream_timeout"),
-            UpstreamAuth { .. } => (502, "upstream_error", "upstream_auth_failed", "upstream_auth_failed"),
+            Unauthorized => (
+                401,
+                "authentication_error",
+                "invalid_api_key",
+                "authentication_error",
+            ),
+            InvalidJson(_) | NotAnObject => (
+                400,
+                "invalid_request_error",
+                "invalid_json",
+                "invalid_request_error",
+            ),
+            MissingModel => (
+                400,
+                "invalid_request_error",
+                "missing_model",
+                "invalid_request_error",
+            ),
+            ModelNotFound(_) => (
+                404,
+                "invalid_request_error",
+                "model_not_found",
+                "not_found_error",
+            ),
+            ApiMismatch { .. } => (
+                400,
+                "invalid_request_error",
+                "api_mismatch",
+                "invalid_request_error",
+            ),
+            BodyTooLarge { .. } => (
+                413,
+                "invalid_request_error",
+                "request_too_large",
+                "request_too_large",
+            ),
+            BodyRead(_) => (
+                400,
+                "invalid_request_error",
+                "body_read_error",
+                "invalid_request_error",
+            ),
+            UpstreamUnavailable { .. } => (
+                502,
+                "upstream_error",
+                "upstream_unavailable",
+                "upstream_unavailable",
+            ),
+            UpstreamTimeout { .. } => (
+                504,
+                "upstream_error",
+                "upstream_timeout",
+                "upstream_timeout",
+            ),
+            UpstreamAuth { .. } => (
+                502,
+                "upstream_error",
+                "upstream_auth_failed",
+                "upstream_auth_failed",
+            ),
             UpstreamMalformed { .. } => (502, "upstream_error", "output_invalid", "output_invalid"),
             CircuitOpen { .. } => (503, "upstream_error", "circuit_open", "circuit_open"),
             RequestTimeout(_) => (504, "timeout_error", "request_timeout", "request_timeout"),
-            NotFound { .. } => (404, "invalid_request_error", "unknown_endpoint", "not_found_error"),
-            InvalidSchema(_) => (400, "invalid_request_error", "invalid_schema", "invalid_request_error"),
+            NotFound { .. } => (
+                404,
+                "invalid_request_error",
+                "unknown_endpoint",
+                "not_found_error",
+            ),
+            InvalidSchema(_) => (
+                400,
+                "invalid_request_error",
+                "invalid_schema",
+                "invalid_request_error",
+            ),
             OutputInvalid { .. } => (502, "upstream_error", "output_invalid", "output_invalid"),
-            IdempotencyKeyReused => (422, "invalid_request_error", "idempotency_key_reused", "invalid_request_error"),
+            IdempotencyKeyReused => (
+                422,
+                "invalid_request_error",
+                "idempotency_key_reused",
+                "invalid_request_error",
+            ),
             SessionRefused { code, .. } => (429, "session_error", *code, *code),
             RateLimited { .. } => (429, "rate_limit_error", "rate_limited", "rate_limited"),
             BudgetExceeded { .. } => (402, "budget_error", "budget_exceeded", "budget_exceeded"),
-            TooManyConcurrent { .. } => (429, "rate_limit_error", "too_many_concurrent", "too_many_concurrent"),
+            TooManyConcurrent { .. } => (
+                429,
+                "rate_limit_error",
+                "too_many_concurrent",
+                "too_many_concurrent",
+            ),
             Unpriced { .. } => (402, "budget_error", "unpriced_model", "unpriced_model"),
             NotFoundAdmin { .. } => (404, "invalid_request_error", "not_found", "not_found_error"),
-            AdminDisabled => (403, "permission_error", "admin_disabled", "permission_error"),
+            AdminDisabled => (
+                403,
+                "permission_error",
+                "admin_disabled",
+                "permission_error",
+            ),
             Internal => (500, "internal_error", "internal_error", "api_error"),
         };
-        ErrorKind { status, category, code, anthropic_type }
+        ErrorKind {
+            status,
+            category,
+            code,
+            anthropic_type,
+        }
     }
 
     /// How long the client should wait before trying again, when Backstop knows.

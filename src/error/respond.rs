@@ -26,14 +26,17 @@ pub fn error_response(err: &GatewayError, api: ApiKind) -> Response<Body> {
     let mut response = Response::new(Body::from(body));
     *response.status_mut() =
         StatusCode::from_u16(kind.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    response
-        .headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     if let Some(wait) = err.retry_after() {
         // Whole seconds, rounded up: a client must not come back before the breaker
         // half-opens.
         let secs = wait.as_millis().div_ceil(1000).max(1);
-        response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs as u64));
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs as u64));
     }
     response
 }

@@ -34,7 +34,9 @@ impl TenantKeys {
             .tenants
             .iter()
             .flat_map(|t| {
-                let tenant = Arc::new(Tenant { name: t.name.as_str().into() });
+                let tenant = Arc::new(Tenant {
+                    name: t.name.as_str().into(),
+                });
                 t.api_keys
                     .iter()
                     .map(move |k| (k.expose().as_bytes().to_vec(), tenant.clone()))
@@ -84,7 +86,10 @@ impl AuthLayer {
 impl<S> Layer<S> for AuthLayer {
     type Service = Auth<S>;
     fn layer(&self, inner: S) -> Auth<S> {
-        Auth { inner, keys: self.keys.clone() }
+        Auth {
+            inner,
+            keys: self.keys.clone(),
+        }
     }
 }
 
@@ -126,13 +131,19 @@ mod tests {
     #[test]
     fn bearer_and_x_api_key_are_both_accepted() {
         let mut h = HeaderMap::new();
-        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer  bk-1 "));
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer  bk-1 "),
+        );
         assert_eq!(presented_key(&h), Some(&b"bk-1"[..]));
         let mut h = HeaderMap::new();
         h.insert("x-api-key", HeaderValue::from_static("bk-2"));
         assert_eq!(presented_key(&h), Some(&b"bk-2"[..]));
         let mut h = HeaderMap::new();
-        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic Zm9v"));
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Basic Zm9v"),
+        );
         assert_eq!(presented_key(&h), None);
         assert_eq!(presented_key(&HeaderMap::new()), None);
     }

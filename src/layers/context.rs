@@ -49,7 +49,12 @@ impl RequestContext {
     /// fetch for validation); `stream` follows the new body.
     pub fn with_json(&self, json: Map<String, Value>) -> RequestContext {
         let body = Bytes::from(serde_json::to_vec(&json).expect("a JSON map serialises"));
-        RequestContext { stream: matches!(json.get("stream"), Some(Value::Bool(true))), body, json, ..self.clone() }
+        RequestContext {
+            stream: matches!(json.get("stream"), Some(Value::Bool(true))),
+            body,
+            json,
+            ..self.clone()
+        }
     }
 
     /// The body to send upstream: as received, unless the model is rewritten or stream
@@ -63,7 +68,9 @@ impl RequestContext {
             json.insert("model".into(), Value::String(model.into()));
         }
         if ask_stream_usage {
-            let options = json.entry("stream_options").or_insert_with(|| Value::Object(Map::new()));
+            let options = json
+                .entry("stream_options")
+                .or_insert_with(|| Value::Object(Map::new()));
             if let Value::Object(options) = options {
                 options.insert("include_usage".into(), Value::Bool(true));
             }
@@ -80,14 +87,20 @@ pub struct ContextLayer {
 
 impl ContextLayer {
     pub fn new(routes: Arc<RouteTable>, max_body_bytes: usize) -> Self {
-        ContextLayer { routes, max_body_bytes }
+        ContextLayer {
+            routes,
+            max_body_bytes,
+        }
     }
 }
 
 impl<S> Layer<S> for ContextLayer {
     type Service = ContextService<S>;
     fn layer(&self, inner: S) -> Self::Service {
-        ContextService { inner, layer: self.clone() }
+        ContextService {
+            inner,
+            layer: self.clone(),
+        }
     }
 }
 
@@ -99,7 +112,10 @@ pub struct ContextService<S> {
 
 impl<S> Service<Request<Body>> for ContextService<S>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError> + Clone + Send + 'static,
+    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
 {
     type Response = Response<Body>;
@@ -118,12 +134,11 @@ where
         let layer = self.layer.clone();
         Box::pin(async move {
             let (mut parts, body) = req.into_parts();
-            let endpoint = Endpoint::from_path(parts.uri.path()).ok_or_else(|| {
-                GatewayError::NotFound {
+            let endpoint =
+                Endpoint::from_path(parts.uri.path()).ok_or_else(|| GatewayError::NotFound {
                     method: parts.method.to_string(),
                     path: parts.uri.path().to_string(),
-                }
-            })?;
+                })?;
             let declared = parts
                 .headers
                 .get(header::CONTENT_LENGTH)
@@ -186,8 +201,14 @@ pub fn parse(
         _ => return Err(GatewayError::MissingModel),
     };
     let stream = matches!(json.get("stream"), Some(Value::Bool(true)));
-    let max_output_tokens = ["max_completion_tokens", "max_tokens"].iter().find_map(|k| json.get(*k).and_then(Value::as_u64));
-    let client_wants_stream_usage = json.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool) == Some(true);
+    let max_output_tokens = ["max_completion_tokens", "max_tokens"]
+        .iter()
+        .find_map(|k| json.get(*k).and_then(Value::as_u64));
+    let client_wants_stream_usage = json
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        == Some(true);
     let route = routes
         .resolve(&model)
         .cloned()

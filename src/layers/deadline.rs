@@ -36,7 +36,10 @@ impl DeadlineLayer {
 impl<S> Layer<S> for DeadlineLayer {
     type Service = DeadlineService<S>;
     fn layer(&self, inner: S) -> Self::Service {
-        DeadlineService { inner, timeout: self.timeout }
+        DeadlineService {
+            inner,
+            timeout: self.timeout,
+        }
     }
 }
 
@@ -61,7 +64,10 @@ where
 
     fn call(&mut self, mut req: Request<Body>) -> Self::Future {
         let deadline = Instant::now() + self.timeout;
-        req.extensions_mut().insert(Deadline { at: deadline, timeout: self.timeout });
+        req.extensions_mut().insert(Deadline {
+            at: deadline,
+            timeout: self.timeout,
+        });
         let future = self.inner.call(req);
         let timeout = self.timeout;
         Box::pin(async move {

@@ -109,7 +109,11 @@ where
             if let Some(state) = fields.session_state {
                 headers.insert("x-backstop-session-state", HeaderValue::from_static(state));
             }
-            if let Some(remaining) = fields.budget_remaining.as_deref().and_then(|r| HeaderValue::from_str(r).ok()) {
+            if let Some(remaining) = fields
+                .budget_remaining
+                .as_deref()
+                .and_then(|r| HeaderValue::from_str(r).ok())
+            {
                 headers.insert("x-backstop-budget-remaining", remaining);
             }
             let status = response.status().as_u16();

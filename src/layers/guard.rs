@@ -43,7 +43,10 @@ impl GuardLayer {
 impl<S> Layer<S> for GuardLayer {
     type Service = Guard<S>;
     fn layer(&self, inner: S) -> Guard<S> {
-        Guard { inner, layer: self.clone() }
+        Guard {
+            inner,
+            layer: self.clone(),
+        }
     }
 }
 
@@ -53,16 +56,32 @@ pub struct Guard<S> {
     layer: GuardLayer,
 }
 
-fn transition(tenant: &str, session: &str, change: Option<(&'static str, &'static str)>, request_id: &str) {
+fn transition(
+    tenant: &str,
+    session: &str,
+    change: Option<(&'static str, &'static str)>,
+    request_id: &str,
+) {
     if let Some((from, to)) = change {
-        tracing::warn!(tenant, session, from, to, request_id, "session state transition");
-        metrics::counter!("backstop_session_transitions_total", "from" => from, "to" => to).increment(1);
+        tracing::warn!(
+            tenant,
+            session,
+            from,
+            to,
+            request_id,
+            "session state transition"
+        );
+        metrics::counter!("backstop_session_transitions_total", "from" => from, "to" => to)
+            .increment(1);
     }
 }
 
 impl<S> Service<Request<Body>> for Guard<S>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError> + Clone + Send + 'static,
+    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
 {
     type Response = Response<Body>;
@@ -78,19 +97,31 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let layer = self.layer.clone();
         Box::pin(async move {
-            let ctx = req.extensions().get::<Arc<RequestContext>>().cloned().ok_or(GatewayError::Internal)?;
-            let entry = ctx.session_id.as_deref().and_then(|s| layer.guards.entry(&ctx.tenant, s));
+            let ctx = req
+                .extensions()
+                .get::<Arc<RequestContext>>()
+                .cloned()
+                .ok_or(GatewayError::Internal)?;
+            let entry = ctx
+                .session_id
+                .as_deref()
+                .and_then(|s| layer.guards.entry(&ctx.tenant, s));
             let (Some(entry), Some(session)) = (entry, ctx.session_id.clone()) else {
                 return inner.call(req).await;
             };
             let log = req.extensions().get::<Arc<RequestLog>>().cloned();
-            let request_id = req.extensions().get::<RequestId>().and_then(|r| r.0.to_str().ok().map(str::to_owned)).unwrap_or_default();
+            let request_id = req
+                .extensions()
+                .get::<RequestId>()
+                .and_then(|r| r.0.to_str().ok().map(str::to_owned))
+                .unwrap_or_default();
             let tenant = ctx.tenant.clone();
             let fp = fingerprint(&ctx.json);
             let usd_before = layer.budgets.session_usd(&tenant, &session);
             let admitted = {
                 let mut e = lock(&entry);
-                let (admitted, change) = e.guard.admit(tokio::time::Instant::now(), &fp, usd_before);
+                let (admitted, change) =
+                    e.guard.admit(tokio::time::Instant::now(), &fp, usd_before);
                 transition(&tenant, &session, change, &request_id);
                 if let Err(refused) = &admitted {
                     let state = e.guard.state().label();
@@ -115,10 +146,14 @@ where
                 admitted
             };
             if let Err(refused) = admitted {
-                metrics::counter!("backstop_refusals_total", "reason" => refused.trip.code).increment(1);
+                metrics::counter!("backstop_refusals_total", "reason" => refused.trip.code)
+                    .increment(1);
                 return Err(GatewayError::SessionRefused {
                     code: refused.trip.code,
-                    detail: format!("{} ({}): {}", refused.trip.code, refused.trip.rule, refused.trip.evidence),
+                    detail: format!(
+                        "{} ({}): {}",
+                        refused.trip.code, refused.trip.rule, refused.trip.evidence
+                    ),
                     retry_after: refused.retry_after,
                 });
             }

@@ -43,14 +43,21 @@ pub struct IdempotencyLayer {
 
 impl IdempotencyLayer {
     pub fn new(store: Arc<Store>, ttl: Duration) -> Self {
-        IdempotencyLayer { store, ttl, in_flight: Arc::default() }
+        IdempotencyLayer {
+            store,
+            ttl,
+            in_flight: Arc::default(),
+        }
     }
 }
 
 impl<S> Layer<S> for IdempotencyLayer {
     type Service = Idempotency<S>;
     fn layer(&self, inner: S) -> Idempotency<S> {
-        Idempotency { inner, layer: self.clone() }
+        Idempotency {
+            inner,
+            layer: self.clone(),
+        }
     }
 }
 
@@ -80,7 +87,10 @@ struct Leader {
 
 impl Drop for Leader {
     fn drop(&mut self) {
-        self.in_flight.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.key);
+        self.in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.key);
     }
 }
 
@@ -90,7 +100,9 @@ fn replay(stored: StoredResponse) -> Response<Body> {
     if let Ok(ct) = HeaderValue::from_str(&stored.content_type) {
         response.headers_mut().insert(header::CONTENT_TYPE, ct);
     }
-    response.headers_mut().insert("x-backstop-replayed", HeaderValue::from_static("true"));
+    response
+        .headers_mut()
+        .insert("x-backstop-replayed", HeaderValue::from_static("true"));
     metrics::counter!("backstop_idempotent_replays_total").increment(1);
     response
 }
@@ -123,7 +135,10 @@ impl http_body::Body for Keeping {
     type Data = Bytes;
     type Error = axum::Error;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
         let this = &mut *self;
         let polled = Pin::new(&mut this.body).poll_frame(cx);
         match &polled {
@@ -158,7 +173,10 @@ impl http_body::Body for Keeping {
 
 impl<S> Service<Request<Body>> for Idempotency<S>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError> + Clone + Send + 'static,
+    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
 {
     type Response = Response<Body>;
@@ -181,13 +199,21 @@ where
                 .map(str::trim)
                 .filter(|k| !k.is_empty() && k.len() <= 255)
                 .map(str::to_owned);
-            let Some(key) = key else { return inner.call(req).await };
-            let ctx = req.extensions().get::<Arc<RequestContext>>().cloned().ok_or(GatewayError::Internal)?;
+            let Some(key) = key else {
+                return inner.call(req).await;
+            };
+            let ctx = req
+                .extensions()
+                .get::<Arc<RequestContext>>()
+                .cloned()
+                .ok_or(GatewayError::Internal)?;
             let hash = body_hash(&ctx.body);
             let id: Key = (ctx.tenant.clone(), key.clone());
             let leader = loop {
                 match layer.store.recall(&ctx.tenant, &key, now_ms()) {
-                    Ok(Some(stored)) if stored.body_hash != hash => return Err(GatewayError::IdempotencyKeyReused),
+                    Ok(Some(stored)) if stored.body_hash != hash => {
+                        return Err(GatewayError::IdempotencyKeyReused)
+                    }
                     Ok(Some(stored)) => return Ok(replay(stored)),
                     Ok(None) => {}
                     Err(err) => {
@@ -202,7 +228,11 @@ where
                         None => {
                             let (tx, rx) = watch::channel(());
                             map.insert(id.clone(), rx);
-                            break Leader { key: id.clone(), in_flight: layer.in_flight.clone(), _done: tx };
+                            break Leader {
+                                key: id.clone(),
+                                in_flight: layer.in_flight.clone(),
+                                _done: tx,
+                            };
                         }
                     }
                 };
@@ -215,7 +245,12 @@ where
             if !response.status().is_success() {
                 return Ok(response);
             }
-            let content_type = response.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("application/json").to_string();
+            let content_type = response
+                .headers()
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("application/json")
+                .to_string();
             let record = StoredResponse {
                 tenant: ctx.tenant.to_string(),
                 key,
@@ -226,7 +261,13 @@ where
                 expires_ms: now_ms() + layer.ttl.as_millis() as i64,
             };
             Ok(response.map(|body| {
-                Body::new(Keeping { body, kept: Some(BytesMut::new()), record: Some(record), store: layer.store.clone(), leader: Some(leader) })
+                Body::new(Keeping {
+                    body,
+                    kept: Some(BytesMut::new()),
+                    record: Some(record),
+                    store: layer.store.clone(),
+                    leader: Some(leader),
+                })
             }))
         })
     }

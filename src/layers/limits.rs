@@ -19,7 +19,9 @@ use http::{Request, Response};
 use http_body::Frame;
 use tower::{Layer, Service};
 
-use crate::{budgets::Budgets, error::GatewayError, layers::context::RequestContext, telemetry::RequestLog};
+use crate::{
+    budgets::Budgets, error::GatewayError, layers::context::RequestContext, telemetry::RequestLog,
+};
 
 #[derive(Clone)]
 pub struct LimitsLayer {
@@ -35,7 +37,10 @@ impl LimitsLayer {
 impl<S> Layer<S> for LimitsLayer {
     type Service = Limits<S>;
     fn layer(&self, inner: S) -> Limits<S> {
-        Limits { inner, budgets: self.budgets.clone() }
+        Limits {
+            inner,
+            budgets: self.budgets.clone(),
+        }
     }
 }
 
@@ -55,7 +60,10 @@ impl<G: Send + Unpin + 'static> http_body::Body for Holding<G> {
     type Data = Bytes;
     type Error = axum::Error;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
         Pin::new(&mut self.body).poll_frame(cx)
     }
 
@@ -70,7 +78,10 @@ impl<G: Send + Unpin + 'static> http_body::Body for Holding<G> {
 
 impl<S> Service<Request<Body>> for Limits<S>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError> + Clone + Send + 'static,
+    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
 {
     type Response = Response<Body>;
@@ -86,10 +97,16 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let budgets = self.budgets.clone();
         Box::pin(async move {
-            let ctx = req.extensions().get::<Arc<RequestContext>>().cloned().ok_or(GatewayError::Internal)?;
+            let ctx = req
+                .extensions()
+                .get::<Arc<RequestContext>>()
+                .cloned()
+                .ok_or(GatewayError::Internal)?;
             let log = req.extensions().get::<Arc<RequestLog>>().cloned();
             let session = ctx.session_id.as_deref();
-            budgets.check_rate(&ctx.tenant, session).map_err(GatewayError::from)?;
+            budgets
+                .check_rate(&ctx.tenant, session)
+                .map_err(GatewayError::from)?;
             let slot = match session {
                 Some(s) => budgets.enter(&ctx.tenant, s).map_err(GatewayError::from)?,
                 None => None,

@@ -40,7 +40,10 @@ impl MeterLayer {
 impl<S> Layer<S> for MeterLayer {
     type Service = Meter<S>;
     fn layer(&self, inner: S) -> Meter<S> {
-        Meter { inner, budgets: self.budgets.clone() }
+        Meter {
+            inner,
+            budgets: self.budgets.clone(),
+        }
     }
 }
 
@@ -67,8 +70,14 @@ struct UsageFields {
 pub fn reported_usage(api: ApiKind, body: &[u8]) -> Option<(u64, u64)> {
     let usage = serde_json::from_slice::<WithUsage>(body).ok()?.usage?;
     match api {
-        ApiKind::OpenAi => Some((usage.prompt_tokens.unwrap_or(0), usage.completion_tokens.unwrap_or(0))),
-        ApiKind::Anthropic => Some((usage.input_tokens.unwrap_or(0), usage.output_tokens.unwrap_or(0))),
+        ApiKind::OpenAi => Some((
+            usage.prompt_tokens.unwrap_or(0),
+            usage.completion_tokens.unwrap_or(0),
+        )),
+        ApiKind::Anthropic => Some((
+            usage.input_tokens.unwrap_or(0),
+            usage.output_tokens.unwrap_or(0),
+        )),
     }
 }
 
@@ -96,16 +105,28 @@ where
                 _ => ctx.max_output_tokens.unwrap_or(budgets.default_max_tokens),
             };
             let reservation = budgets
-                .reserve(&ctx.tenant, ctx.session_id.as_deref(), &model, estimate_prompt_tokens(ctx.body.len()), max_output)
+                .reserve(
+                    &ctx.tenant,
+                    ctx.session_id.as_deref(),
+                    &model,
+                    estimate_prompt_tokens(ctx.body.len()),
+                    max_output,
+                )
                 .map_err(|refusal| AttemptError::Refused(refusal.into()))?;
-            attempt.stream_usage = ctx.stream && ctx.endpoint == Endpoint::ChatCompletions && !ctx.client_wants_stream_usage;
+            attempt.stream_usage = ctx.stream
+                && ctx.endpoint == Endpoint::ChatCompletions
+                && !ctx.client_wants_stream_usage;
             let result = inner.oneshot(attempt).await;
             match &result {
                 Err(_) => reservation.settle(None).await,
                 Ok(reply) => match &reply.stream_usage {
                     Some(usage) => usage.on_end(move |reported| reservation.settle_later(reported)),
                     None => {
-                        let reported = reply.status.is_success().then(|| reported_usage(ctx.endpoint.api(), reply.bytes())).flatten();
+                        let reported = reply
+                            .status
+                            .is_success()
+                            .then(|| reported_usage(ctx.endpoint.api(), reply.bytes()))
+                            .flatten();
                         reservation.settle(reported).await;
                     }
                 },
@@ -121,9 +142,27 @@ mod tests {
 
     #[test]
     fn usage_is_read_from_both_apis() {
-        assert_eq!(reported_usage(ApiKind::OpenAi, br#"{"usage":{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12}}"#), Some((5, 7)));
-        assert_eq!(reported_usage(ApiKind::OpenAi, br#"{"usage":{"prompt_tokens":9,"total_tokens":9}}"#), Some((9, 0)));
-        assert_eq!(reported_usage(ApiKind::Anthropic, br#"{"usage":{"input_tokens":3,"output_tokens":4}}"#), Some((3, 4)));
+        assert_eq!(
+            reported_usage(
+                ApiKind::OpenAi,
+                br#"{"usage":{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12}}"#
+            ),
+            Some((5, 7))
+        );
+        assert_eq!(
+            reported_usage(
+                ApiKind::OpenAi,
+                br#"{"usage":{"prompt_tokens":9,"total_tokens":9}}"#
+            ),
+            Some((9, 0))
+        );
+        assert_eq!(
+            reported_usage(
+                ApiKind::Anthropic,
+                br#"{"usage":{"input_tokens":3,"output_tokens":4}}"#
+            ),
+            Some((3, 4))
+        );
         assert_eq!(reported_usage(ApiKind::OpenAi, br#"{"id":"x"}"#), None);
         assert_eq!(reported_usage(ApiKind::OpenAi, b"not json"), None);
     }

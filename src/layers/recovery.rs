@@ -70,7 +70,10 @@ impl RetryPolicy {
     pub fn from_config(config: &crate::config::RetryConfig) -> Self {
         RetryPolicy {
             max_attempts: config.max_attempts,
-            backoff: Backoff { base: config.base_delay, max: config.max_delay },
+            backoff: Backoff {
+                base: config.base_delay,
+                max: config.max_delay,
+            },
             max_retry_after: config.max_retry_after,
             jitter: fastrand::f64,
         }
@@ -85,14 +88,21 @@ pub struct RecoveryLayer {
 
 impl RecoveryLayer {
     pub fn new(policy: RetryPolicy, health: Arc<HealthRegistry>) -> Self {
-        RecoveryLayer { policy: Arc::new(policy), health }
+        RecoveryLayer {
+            policy: Arc::new(policy),
+            health,
+        }
     }
 }
 
 impl<S> Layer<S> for RecoveryLayer {
     type Service = Recovery<S>;
     fn layer(&self, inner: S) -> Recovery<S> {
-        Recovery { inner, policy: self.policy.clone(), health: self.health.clone() }
+        Recovery {
+            inner,
+            policy: self.policy.clone(),
+            health: self.health.clone(),
+        }
     }
 }
 
@@ -126,14 +136,23 @@ where
         };
         Box::pin(async move {
             let (parts, _) = req.into_parts();
-            let ctx = parts.extensions.get::<Arc<RequestContext>>().cloned().ok_or(GatewayError::Internal)?;
-            let deadline = parts.extensions.get::<Deadline>().copied().unwrap_or(Deadline {
-                at: Instant::now() + Duration::from_secs(3600),
-                timeout: Duration::from_secs(3600),
-            });
+            let ctx = parts
+                .extensions
+                .get::<Arc<RequestContext>>()
+                .cloned()
+                .ok_or(GatewayError::Internal)?;
+            let deadline = parts
+                .extensions
+                .get::<Deadline>()
+                .copied()
+                .unwrap_or(Deadline {
+                    at: Instant::now() + Duration::from_secs(3600),
+                    timeout: Duration::from_secs(3600),
+                });
             let log = parts.extensions.get::<Arc<RequestLog>>().cloned();
             let start = parts.extensions.get::<StartAt>().map_or(0, |s| s.0);
-            run.recover(ctx, Arc::new(parts.headers), deadline, log, start).await
+            run.recover(ctx, Arc::new(parts.headers), deadline, log, start)
+                .await
         })
     }
 }
@@ -149,7 +168,11 @@ struct Trail {
 
 /// The last failure seen, answered when nothing succeeds.
 enum Failure {
-    Reply { reply: Reply, class: Class, upstream: Arc<str> },
+    Reply {
+        reply: Reply,
+        class: Class,
+        upstream: Arc<str>,
+    },
     Transport {
         failure: TransportFailure,
         upstream: Arc<str>,
@@ -190,7 +213,8 @@ impl Admitted<'_> {
 impl Drop for Admitted<'_> {
     fn drop(&mut self) {
         if !self.settled {
-            self.health.record(self.admission, Verdict::Abandoned, Instant::now());
+            self.health
+                .record(self.admission, Verdict::Abandoned, Instant::now());
         }
     }
 }
@@ -198,7 +222,9 @@ impl Drop for Admitted<'_> {
 fn verdict(class: &Class) -> Verdict {
     match class {
         Class::Success => Verdict::Healthy,
-        Class::Transient { rate_limited: true, .. } => Verdict::Failed(0.5),
+        Class::Transient {
+            rate_limited: true, ..
+        } => Verdict::Failed(0.5),
         Class::Transient { .. } => Verdict::Failed(1.0),
         Class::CredentialOrQuota => Verdict::Fatal,
         Class::CallerFault { .. } | Class::Malformed => Verdict::Neutral,
@@ -223,8 +249,13 @@ where
         let deadline = deadline.at;
         let api = ctx.endpoint.api();
         let route = ctx.route.clone();
-        let mut queue: VecDeque<(usize, &Target)> =
-            route.targets.iter().enumerate().skip(start).filter(|(_, t)| t.upstream.api == api).collect();
+        let mut queue: VecDeque<(usize, &Target)> = route
+            .targets
+            .iter()
+            .enumerate()
+            .skip(start)
+            .filter(|(_, t)| t.upstream.api == api)
+            .collect();
         if queue.is_empty() {
             // Nothing past `start` speaks the caller's API: a route/endpoint mismatch.
             let other = route.targets[0].upstream.api;
@@ -242,11 +273,16 @@ where
         let mut first = true;
         while let Some((index, target)) = queue.pop_front() {
             if !first {
-                self.trail.steps.push(format!("failover:{}", target.upstream.name));
+                self.trail
+                    .steps
+                    .push(format!("failover:{}", target.upstream.name));
                 metrics::counter!("backstop_failovers_total", "to" => target.upstream.name.to_string()).increment(1);
             }
             first = false;
-            match self.try_target(&ctx, target, &headers, deadline, &mut last, &mut open_for).await {
+            match self
+                .try_target(&ctx, target, &headers, deadline, &mut last, &mut open_for)
+                .await
+            {
                 Next::Answer(mut result) => {
                     if let Ok(response) = &mut result {
                         response.extensions_mut().insert(AnsweredBy(index));
@@ -254,7 +290,11 @@ where
                     return self.finish(result, log);
                 }
                 Next::Failover => {}
-                Next::ContextFallback => match route.context_fallback.as_ref().filter(|f| f.upstream.api == api) {
+                Next::ContextFallback => match route
+                    .context_fallback
+                    .as_ref()
+                    .filter(|f| f.upstream.api == api)
+                {
                     Some(fallback) => {
                         queue.clear();
                         queue.push_back((usize::MAX, fallback));
@@ -301,7 +341,11 @@ where
                     return Next::Failover;
                 }
             };
-            let admitted = Admitted { health, admission, settled: false };
+            let admitted = Admitted {
+                health,
+                admission,
+                settled: false,
+            };
             if attempt_no == 0 {
                 health.deposit(now);
             }
@@ -310,15 +354,30 @@ where
                 return Next::Failover;
             }
             let timeout = upstream.attempt_timeout.min(remaining);
-            let attempt = Attempt { ctx: ctx.clone(), upstream: upstream.clone(), model: model.clone(), headers: headers.clone(), timeout, stream_usage: false };
+            let attempt = Attempt {
+                ctx: ctx.clone(),
+                upstream: upstream.clone(),
+                model: model.clone(),
+                headers: headers.clone(),
+                timeout,
+                stream_usage: false,
+            };
             let started = std::time::Instant::now();
-            let outcome = match self.inner.clone().oneshot(attempt).await.map_err(Into::into) {
+            let outcome = match self
+                .inner
+                .clone()
+                .oneshot(attempt)
+                .await
+                .map_err(Into::into)
+            {
                 Ok(reply) => Ok(reply),
                 Err(AttemptError::Transport(failure)) => Err(failure),
                 Err(AttemptError::Refused(refusal)) => {
                     // Refused before any network: no verdict on the upstream.
                     drop(admitted);
-                    self.trail.steps.push(format!("refused:{}", refusal.kind().code));
+                    self.trail
+                        .steps
+                        .push(format!("refused:{}", refusal.kind().code));
                     return Next::Answer(Err(refusal));
                 }
             };
@@ -327,7 +386,12 @@ where
             self.trail.upstream_time += started.elapsed();
             let class = match &outcome {
                 Ok(reply) => classify(
-                    Observed::Response { status: reply.status.as_u16(), headers: &reply.headers, body: reply.bytes(), streaming: reply.is_stream() },
+                    Observed::Response {
+                        status: reply.status.as_u16(),
+                        headers: &reply.headers,
+                        body: reply.bytes(),
+                        streaming: reply.is_stream(),
+                    },
                     SystemTime::now(),
                 ),
                 Err(failure) => classify(Observed::Transport(*failure), SystemTime::now()),
@@ -346,8 +410,16 @@ where
                         self.trail.steps.push("ok".into());
                         return Next::Answer(Ok(reply.into_response()));
                     }
-                    Class::CallerFault { context_length: true } if ctx.route.context_fallback.is_some() && !self.trail.steps.iter().any(|s| s.starts_with("fallback:")) => {
-                        let to = ctx.route.context_fallback.as_ref().map_or("", |f| &f.upstream.name);
+                    Class::CallerFault {
+                        context_length: true,
+                    } if ctx.route.context_fallback.is_some()
+                        && !self.trail.steps.iter().any(|s| s.starts_with("fallback:")) =>
+                    {
+                        let to = ctx
+                            .route
+                            .context_fallback
+                            .as_ref()
+                            .map_or("", |f| &f.upstream.name);
                         self.trail.steps.push(format!("fallback:{to}"));
                         return Next::ContextFallback;
                     }
@@ -355,7 +427,11 @@ where
                         self.trail.steps.push(format!("pass:{reason}"));
                         return Next::Answer(Ok(reply.into_response()));
                     }
-                    _ => Failure::Reply { reply, class, upstream: upstream.name.clone() },
+                    _ => Failure::Reply {
+                        reply,
+                        class,
+                        upstream: upstream.name.clone(),
+                    },
                 },
                 Err(failure) => Failure::Transport {
                     failure,
@@ -365,18 +441,26 @@ where
                 },
             };
             let retry_after = match &failure {
-                Failure::Reply { class: Class::Transient { retry_after, .. }, .. } => Some(*retry_after),
+                Failure::Reply {
+                    class: Class::Transient { retry_after, .. },
+                    ..
+                } => Some(*retry_after),
                 Failure::Transport { .. } => Some(None),
                 Failure::Reply { .. } => None,
             };
             *last = Some(failure);
             // Only transient failures are retried on the same target, and not once
             // this failure has opened its breaker.
-            let Some(retry_after) = retry_after.filter(|_| !opened && attempt_no + 1 < self.policy.max_attempts) else {
+            let Some(retry_after) =
+                retry_after.filter(|_| !opened && attempt_no + 1 < self.policy.max_attempts)
+            else {
                 self.trail.steps.push(format!("giveup:{reason}"));
                 return Next::Failover;
             };
-            let backoff = self.policy.backoff.delay(attempt_no, (self.policy.jitter)());
+            let backoff = self
+                .policy
+                .backoff
+                .delay(attempt_no, (self.policy.jitter)());
             let remaining = deadline.saturating_duration_since(Instant::now());
             match next_wait(retry_after, backoff, self.policy.max_retry_after, remaining) {
                 Wait::Retry(_) if !health.withdraw(Instant::now()) => {
@@ -400,26 +484,55 @@ where
     /// The answer when no target succeeded: the upstream's own response where it tells
     /// the client something true (429/503 with Retry-After, quota), a typed error where
     /// it would mislead (the provider refusing *Backstop's* key is not the client's 401).
-    fn answer_failure(&self, failure: Failure, request_timeout: Duration) -> Result<Response<Body>, GatewayError> {
+    fn answer_failure(
+        &self,
+        failure: Failure,
+        request_timeout: Duration,
+    ) -> Result<Response<Body>, GatewayError> {
         match failure {
-            Failure::Reply { reply, class: Class::CredentialOrQuota, upstream } if matches!(reply.status.as_u16(), 401 | 403) => {
-                Err(GatewayError::UpstreamAuth { upstream: upstream.to_string(), status: reply.status.as_u16() })
-            }
-            Failure::Reply { class: Class::Malformed, upstream, .. } => Err(GatewayError::UpstreamMalformed { upstream: upstream.to_string() }),
+            Failure::Reply {
+                reply,
+                class: Class::CredentialOrQuota,
+                upstream,
+            } if matches!(reply.status.as_u16(), 401 | 403) => Err(GatewayError::UpstreamAuth {
+                upstream: upstream.to_string(),
+                status: reply.status.as_u16(),
+            }),
+            Failure::Reply {
+                class: Class::Malformed,
+                upstream,
+                ..
+            } => Err(GatewayError::UpstreamMalformed {
+                upstream: upstream.to_string(),
+            }),
             Failure::Reply { reply, .. } => Ok(reply.into_response()),
             // Out of time because the client's deadline came, not because the upstream
             // was slower than its own attempt timeout.
-            Failure::Transport { failure: TransportFailure::Timeout, cut_by_deadline: true, .. } => {
-                Err(GatewayError::RequestTimeout(request_timeout))
-            }
-            Failure::Transport { failure: TransportFailure::Timeout, upstream, timeout, .. } => {
-                Err(GatewayError::UpstreamTimeout { upstream: upstream.to_string(), timeout })
-            }
-            Failure::Transport { upstream, .. } => Err(GatewayError::UpstreamUnavailable { upstream: upstream.to_string() }),
+            Failure::Transport {
+                failure: TransportFailure::Timeout,
+                cut_by_deadline: true,
+                ..
+            } => Err(GatewayError::RequestTimeout(request_timeout)),
+            Failure::Transport {
+                failure: TransportFailure::Timeout,
+                upstream,
+                timeout,
+                ..
+            } => Err(GatewayError::UpstreamTimeout {
+                upstream: upstream.to_string(),
+                timeout,
+            }),
+            Failure::Transport { upstream, .. } => Err(GatewayError::UpstreamUnavailable {
+                upstream: upstream.to_string(),
+            }),
         }
     }
 
-    fn finish(self, result: Result<Response<Body>, GatewayError>, log: Option<Arc<RequestLog>>) -> Result<Response<Body>, GatewayError> {
+    fn finish(
+        self,
+        result: Result<Response<Body>, GatewayError>,
+        log: Option<Arc<RequestLog>>,
+    ) -> Result<Response<Body>, GatewayError> {
         if let Some(log) = log {
             let trail = self.trail;
             // Appended: an outer layer (validation) may run recovery more than once.

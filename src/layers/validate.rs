@@ -51,7 +51,10 @@ impl ValidateLayer {
 impl<S> Layer<S> for ValidateLayer {
     type Service = Validate<S>;
     fn layer(&self, inner: S) -> Validate<S> {
-        Validate { inner, layer: self.clone() }
+        Validate {
+            inner,
+            layer: self.clone(),
+        }
     }
 }
 
@@ -72,12 +75,17 @@ fn unstreamed(json: &Map<String, Value>) -> Map<String, Value> {
 }
 
 fn outcome_header(response: &mut Response<Body>, value: &'static str) {
-    response.headers_mut().insert("x-backstop-validation", HeaderValue::from_static(value));
+    response
+        .headers_mut()
+        .insert("x-backstop-validation", HeaderValue::from_static(value));
 }
 
 impl<S> Service<Request<Body>> for Validate<S>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError> + Clone + Send + 'static,
+    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
 {
     type Response = Response<Body>;
@@ -93,10 +101,19 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let layer = self.layer.clone();
         Box::pin(async move {
-            let ctx = req.extensions().get::<Arc<RequestContext>>().cloned().ok_or(GatewayError::Internal)?;
+            let ctx = req
+                .extensions()
+                .get::<Arc<RequestContext>>()
+                .cloned()
+                .ok_or(GatewayError::Internal)?;
             let api = ctx.endpoint.api();
-            let expectations = Expectations::from_request(api, &ctx.json, ctx.route.response_schema.as_ref(), &layer.schemas)
-                .map_err(|bad| GatewayError::InvalidSchema(bad.0))?;
+            let expectations = Expectations::from_request(
+                api,
+                &ctx.json,
+                ctx.route.response_schema.as_ref(),
+                &layer.schemas,
+            )
+            .map_err(|bad| GatewayError::InvalidSchema(bad.0))?;
             let Some(expectations) = expectations else {
                 return inner.oneshot(req).await;
             };
@@ -105,9 +122,18 @@ where
     }
 }
 
-async fn run<S>(inner: S, config: ValidationConfig, expectations: Expectations, ctx: Arc<RequestContext>, req: Request<Body>) -> Result<Response<Body>, GatewayError>
+async fn run<S>(
+    inner: S,
+    config: ValidationConfig,
+    expectations: Expectations,
+    ctx: Arc<RequestContext>,
+    req: Request<Body>,
+) -> Result<Response<Body>, GatewayError>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError> + Clone + Send + 'static,
+    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError>
+        + Clone
+        + Send
+        + 'static,
     S::Future: Send + 'static,
 {
     let (parts, _) = req.into_parts();
@@ -131,31 +157,57 @@ where
             *attempt.uri_mut() = parts.uri.clone();
             *attempt.headers_mut() = parts.headers.clone();
             *attempt.extensions_mut() = parts.extensions.clone();
-            attempt.extensions_mut().insert(Arc::new(ctx.with_json(json.clone())));
+            attempt
+                .extensions_mut()
+                .insert(Arc::new(ctx.with_json(json.clone())));
             attempt.extensions_mut().insert(StartAt(start));
             let response = inner.clone().oneshot(attempt).await?;
             attempts += 1;
             if !response.status().is_success() {
                 return Ok(response);
             }
-            answered = response.extensions().get::<AnsweredBy>().map_or(start, |a| a.0);
+            answered = response
+                .extensions()
+                .get::<AnsweredBy>()
+                .map_or(start, |a| a.0);
             let (mut rparts, body) = response.into_parts();
-            let bytes = axum::body::to_bytes(body, MAX_ANSWER_BYTES).await.map_err(|_| GatewayError::UpstreamMalformed { upstream: "-".into() })?;
-            let answer: Value = serde_json::from_slice(&bytes).map_err(|_| GatewayError::UpstreamMalformed { upstream: "-".into() })?;
+            let bytes = axum::body::to_bytes(body, MAX_ANSWER_BYTES)
+                .await
+                .map_err(|_| GatewayError::UpstreamMalformed {
+                    upstream: "-".into(),
+                })?;
+            let answer: Value =
+                serde_json::from_slice(&bytes).map_err(|_| GatewayError::UpstreamMalformed {
+                    upstream: "-".into(),
+                })?;
             let invalid = match expectations.check(&answer) {
                 Ok(()) => {
                     if round > 0 || start > 0 {
                         metrics::counter!("backstop_validation_fixed_total").increment(1);
                     }
                     let mut response = if ctx.stream {
-                        let sse = replay::as_sse(ctx.endpoint.api(), &answer, ctx.client_wants_stream_usage);
-                        rparts.headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+                        let sse = replay::as_sse(
+                            ctx.endpoint.api(),
+                            &answer,
+                            ctx.client_wants_stream_usage,
+                        );
+                        rparts.headers.insert(
+                            header::CONTENT_TYPE,
+                            HeaderValue::from_static("text/event-stream"),
+                        );
                         rparts.headers.remove(header::CONTENT_LENGTH);
                         Response::from_parts(rparts, Body::from(sse))
                     } else {
                         Response::from_parts(rparts, Body::from(bytes))
                     };
-                    outcome_header(&mut response, if round > 0 || start > 0 { "corrected" } else { "valid" });
+                    outcome_header(
+                        &mut response,
+                        if round > 0 || start > 0 {
+                            "corrected"
+                        } else {
+                            "valid"
+                        },
+                    );
                     return Ok(response);
                 }
                 Err(invalid) => invalid,
@@ -165,8 +217,12 @@ where
             if config.mode == ValidationMode::Annotate {
                 let mut response = Response::from_parts(rparts, Body::from(bytes));
                 outcome_header(&mut response, "invalid");
-                if let Ok(first) = HeaderValue::from_str(&invalid.errors[0].chars().take(512).collect::<String>()) {
-                    response.headers_mut().insert("x-backstop-validation-error", first);
+                if let Ok(first) =
+                    HeaderValue::from_str(&invalid.errors[0].chars().take(512).collect::<String>())
+                {
+                    response
+                        .headers_mut()
+                        .insert("x-backstop-validation-error", first);
                 }
                 return Ok(response);
             }
@@ -180,7 +236,10 @@ where
         // Corrections exhausted on this target: switch strategy to the next one.
         start = answered.saturating_add(1);
         if start < targets {
-            step(&format!("switch:{}", ctx.route.targets[start].upstream.name));
+            step(&format!(
+                "switch:{}",
+                ctx.route.targets[start].upstream.name
+            ));
         }
     }
     let errors = last.map_or_else(Vec::new, |i| i.errors);

@@ -97,7 +97,9 @@ impl FaultMix {
             let (step, p) = entry
                 .rsplit_once('@')
                 .ok_or_else(|| format!("{entry:?}: expected STEP@PROBABILITY"))?;
-            let p: f64 = p.parse().map_err(|_| format!("{entry:?}: bad probability"))?;
+            let p: f64 = p
+                .parse()
+                .map_err(|_| format!("{entry:?}: bad probability"))?;
             if !(0.0..=1.0).contains(&p) {
                 return Err(format!("{entry:?}: probability must be within 0..=1"));
             }
@@ -127,7 +129,10 @@ impl FaultMix {
 fn decode_b64(value: &str) -> Option<String> {
     use base64::Engine;
     let engine = base64::engine::general_purpose::STANDARD;
-    let bytes = engine.decode(value).or_else(|_| base64::engine::general_purpose::URL_SAFE.decode(value)).ok()?;
+    let bytes = engine
+        .decode(value)
+        .or_else(|_| base64::engine::general_purpose::URL_SAFE.decode(value))
+        .ok()?;
     String::from_utf8(bytes).ok()
 }
 
@@ -139,7 +144,10 @@ mod tests {
     fn steps_follow_attempts_and_the_last_repeats() {
         let script = "status=503;retry_after=1,reset,ok";
         assert_eq!(Step::for_attempt(script, 0).status, Some(503));
-        assert_eq!(Step::for_attempt(script, 0).retry_after.as_deref(), Some("1"));
+        assert_eq!(
+            Step::for_attempt(script, 0).retry_after.as_deref(),
+            Some("1")
+        );
         assert!(Step::for_attempt(script, 1).reset);
         assert_eq!(Step::for_attempt(script, 2), Step::default());
         assert_eq!(Step::for_attempt(script, 9), Step::default());
@@ -147,7 +155,8 @@ mod tests {
 
     #[test]
     fn a_mix_picks_by_cumulative_probability() {
-        let mix = FaultMix::parse("status=503@0.2|status=429;retry_after=1@0.1|reset@0.05").unwrap();
+        let mix =
+            FaultMix::parse("status=503@0.2|status=429;retry_after=1@0.1|reset@0.05").unwrap();
         assert_eq!(mix.pick(0.0).status, Some(503));
         assert_eq!(mix.pick(0.19).status, Some(503));
         assert_eq!(mix.pick(0.2).retry_after.as_deref(), Some("1"));
@@ -167,7 +176,8 @@ mod tests {
 
     #[test]
     fn tokens_parse() {
-        let s = Step::parse("delay=150ms; usage=10/20; cut=2; chunks=7; code=insufficient_quota; hang");
+        let s =
+            Step::parse("delay=150ms; usage=10/20; cut=2; chunks=7; code=insufficient_quota; hang");
         assert_eq!(s.delay, Some(Duration::from_millis(150)));
         assert_eq!(s.usage, Some((10, 20)));
         assert_eq!(s.cut, Some(2));

@@ -72,8 +72,10 @@ impl MockState {
 
     fn stats(&self) -> Value {
         let map = self.scenarios.lock().unwrap_or_else(|e| e.into_inner());
-        let scenarios: serde_json::Map<String, Value> =
-            map.iter().map(|(k, v)| (k.clone(), json!(v.attempts))).collect();
+        let scenarios: serde_json::Map<String, Value> = map
+            .iter()
+            .map(|(k, v)| (k.clone(), json!(v.attempts)))
+            .collect();
         json!({"total": self.total.load(Ordering::Relaxed), "scenarios": scenarios})
     }
 
@@ -84,7 +86,10 @@ impl MockState {
 
     fn reset(&self) {
         self.total.store(0, Ordering::Relaxed);
-        self.scenarios.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.scenarios
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
     }
 }
 
@@ -107,7 +112,11 @@ impl MockHandle {
 
     /// Attempts received in a scenario so far.
     pub fn attempts(&self, scenario: &str) -> u64 {
-        let map = self.state.scenarios.lock().unwrap_or_else(|e| e.into_inner());
+        let map = self
+            .state
+            .scenarios
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         map.get(scenario).map_or(0, |s| s.attempts)
     }
 
@@ -136,8 +145,13 @@ pub fn spawn(listener: TcpListener) -> MockHandle {
 
 /// Serves the mock, playing `mix` for requests that script no fault of their own.
 pub fn spawn_with(listener: TcpListener, mix: FaultMix) -> MockHandle {
-    let addr = listener.local_addr().expect("bound listener has an address");
-    let state = Arc::new(MockState { mix, ..MockState::default() });
+    let addr = listener
+        .local_addr()
+        .expect("bound listener has an address");
+    let state = Arc::new(MockState {
+        mix,
+        ..MockState::default()
+    });
     let shared = state.clone();
     let task = tokio::spawn(async move {
         loop {
@@ -174,16 +188,28 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
             });
         }
         (&Method::GET, "/v1/models") | (&Method::GET, "/healthz") => {
-            return Ok(json_response(StatusCode::OK, &json!({"object": "list", "data": []})));
+            return Ok(json_response(
+                StatusCode::OK,
+                &json!({"object": "list", "data": []}),
+            ));
         }
         _ => {}
     }
     let api = match path.as_str() {
         "/v1/chat/completions" | "/v1/embeddings" => responses::Api::OpenAi,
         "/v1/messages" => responses::Api::Anthropic,
-        _ => return Ok(json_response(StatusCode::NOT_FOUND, &json!({"error": {"message": "unknown path", "type": "invalid_request_error"}}))),
+        _ => {
+            return Ok(json_response(
+                StatusCode::NOT_FOUND,
+                &json!({"error": {"message": "unknown path", "type": "invalid_request_error"}}),
+            ))
+        }
     };
-    let bytes = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let bytes = body
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
     let request: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
     let scenario = header_str(&parts.headers, "x-mock-scenario");
     let attempt = state.record(scenario, || {
@@ -219,7 +245,9 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
         return Ok(Response::builder()
             .status(StatusCode::OK)
             .header(header::CONTENT_TYPE, "application/json")
-            .body(Body::from(Bytes::from_static(b"{\"id\": \"broken\", \"choices\": [")))
+            .body(Body::from(Bytes::from_static(
+                b"{\"id\": \"broken\", \"choices\": [",
+            )))
             .expect("static response"));
     }
     Ok(match path.as_str() {
@@ -235,7 +263,12 @@ fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 fn headers_json(headers: &HeaderMap) -> Value {
     let map: serde_json::Map<String, Value> = headers
         .iter()
-        .map(|(k, v)| (k.as_str().to_string(), Value::String(String::from_utf8_lossy(v.as_bytes()).into_owned())))
+        .map(|(k, v)| {
+            (
+                k.as_str().to_string(),
+                Value::String(String::from_utf8_lossy(v.as_bytes()).into_owned()),
+            )
+        })
         .collect();
     Value::Object(map)
 }

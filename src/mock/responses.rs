@@ -27,7 +27,9 @@ fn next_id() -> u64 {
 }
 
 fn now_secs() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// The text of a message's `content`: a string, or the text parts of a content array.
@@ -44,7 +46,10 @@ fn content_text(content: &Value) -> String {
 }
 
 fn messages(request: &Value) -> &[Value] {
-    request.get("messages").and_then(Value::as_array).map_or(&[], Vec::as_slice)
+    request
+        .get("messages")
+        .and_then(Value::as_array)
+        .map_or(&[], Vec::as_slice)
 }
 
 /// `"mock: "` + the last user message, capped at 1,000 characters.
@@ -83,10 +88,17 @@ fn pieces(text: &str, n: usize) -> Vec<String> {
 }
 
 pub fn completion(api: Api, request: &Value, step: &Step) -> Response<Body> {
-    let model = request.get("model").and_then(Value::as_str).unwrap_or("mock-model").to_string();
+    let model = request
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or("mock-model")
+        .to_string();
     let text = reply_text(request, step);
     let (input, output) = usage(request, &text, step);
-    let streaming = request.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let streaming = request
+        .get("stream")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     let id = next_id();
     if !streaming {
         let tool_args = step.tool_args.clone().unwrap_or_else(|| "{}".into());
@@ -141,7 +153,13 @@ pub fn completion(api: Api, request: &Value, step: &Step) -> Response<Body> {
     sse(events, step)
 }
 
-fn openai_events(id: u64, model: &str, parts: &[String], request: &Value, usage: (u64, u64)) -> Vec<Bytes> {
+fn openai_events(
+    id: u64,
+    model: &str,
+    parts: &[String],
+    request: &Value,
+    usage: (u64, u64),
+) -> Vec<Bytes> {
     let created = now_secs();
     let chunk = |delta: Value, finish: Value| {
         json!({
@@ -150,8 +168,15 @@ fn openai_events(id: u64, model: &str, parts: &[String], request: &Value, usage:
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
         })
     };
-    let mut events = vec![chunk(json!({"role": "assistant", "content": ""}), Value::Null)];
-    events.extend(parts.iter().map(|p| chunk(json!({"content": p}), Value::Null)));
+    let mut events = vec![chunk(
+        json!({"role": "assistant", "content": ""}),
+        Value::Null,
+    )];
+    events.extend(
+        parts
+            .iter()
+            .map(|p| chunk(json!({"content": p}), Value::Null)),
+    );
     events.push(chunk(json!({}), json!("stop")));
     let include_usage = request
         .pointer("/stream_options/include_usage")
@@ -164,7 +189,10 @@ fn openai_events(id: u64, model: &str, parts: &[String], request: &Value, usage:
             "usage": {"prompt_tokens": usage.0, "completion_tokens": usage.1, "total_tokens": usage.0 + usage.1},
         }));
     }
-    let mut out: Vec<Bytes> = events.iter().map(|e| Bytes::from(format!("data: {e}\n\n"))).collect();
+    let mut out: Vec<Bytes> = events
+        .iter()
+        .map(|e| Bytes::from(format!("data: {e}\n\n")))
+        .collect();
     out.push(Bytes::from_static(b"data: [DONE]\n\n"));
     out
 }
@@ -172,17 +200,26 @@ fn openai_events(id: u64, model: &str, parts: &[String], request: &Value, usage:
 fn anthropic_events(id: u64, model: &str, parts: &[String], usage: (u64, u64)) -> Vec<Bytes> {
     let event = |name: &str, data: Value| Bytes::from(format!("event: {name}\ndata: {data}\n\n"));
     let mut out = vec![
-        event("message_start", json!({"type": "message_start", "message": {
+        event(
+            "message_start",
+            json!({"type": "message_start", "message": {
             "id": format!("msg_mock_{id}"), "type": "message", "role": "assistant", "model": model,
             "content": [], "stop_reason": null, "stop_sequence": null,
-            "usage": {"input_tokens": usage.0, "output_tokens": 1}}})),
-        event("content_block_start", json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})),
+            "usage": {"input_tokens": usage.0, "output_tokens": 1}}}),
+        ),
+        event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        ),
         event("ping", json!({"type": "ping"})),
     ];
     out.extend(parts.iter().map(|p| {
         event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": p}}))
     }));
-    out.push(event("content_block_stop", json!({"type": "content_block_stop", "index": 0})));
+    out.push(event(
+        "content_block_stop",
+        json!({"type": "content_block_stop", "index": 0}),
+    ));
     out.push(event("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": usage.1}})));
     out.push(event("message_stop", json!({"type": "message_stop"})));
     out
@@ -192,13 +229,16 @@ fn anthropic_events(id: u64, model: &str, parts: &[String], usage: (u64, u64)) -
 fn sse(events: Vec<Bytes>, step: &Step) -> Response<Body> {
     let delay = step.chunk_delay;
     let cut = step.cut;
-    let items = events.into_iter().enumerate().map(move |(i, e)| (i, e));
+    let items = events.into_iter().enumerate();
     let body = stream::iter(items).then(move |(i, event)| async move {
         if cut.is_some_and(|n| i >= n) {
             // Let the connection flush what was sent, so the cut lands mid-stream
             // rather than before the response head.
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-            return Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "mock cut"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionReset,
+                "mock cut",
+            ));
         }
         if let Some(d) = delay.filter(|_| i > 0) {
             tokio::time::sleep(d).await;
@@ -259,7 +299,9 @@ pub fn error(api: Api, status: u16, step: &Step) -> Response<Body> {
     let code = step.code.as_deref().unwrap_or(default_type);
     let message = format!("mock upstream fault: status {status} ({code})");
     let body = match api {
-        Api::OpenAi => json!({"error": {"message": message, "type": code, "code": code, "param": null}}),
+        Api::OpenAi => {
+            json!({"error": {"message": message, "type": code, "code": code, "param": null}})
+        }
         Api::Anthropic => json!({"type": "error", "error": {"type": code, "message": message}}),
     };
     let mut builder = Response::builder()
@@ -271,7 +313,9 @@ pub fn error(api: Api, status: u16, step: &Step) -> Response<Body> {
     if let Some(ms) = step.retry_after_ms {
         builder = builder.header("retry-after-ms", ms.to_string());
     }
-    builder.body(Body::from(body.to_string())).expect("valid response parts")
+    builder
+        .body(Body::from(body.to_string()))
+        .expect("valid response parts")
 }
 
 fn json_ok(value: Value) -> Response<Body> {

@@ -35,7 +35,12 @@ pub enum Wait {
 
 /// The wait before the next attempt: the upstream's `Retry-After` when it fits within
 /// `max_retry_after` and the deadline, else our own backoff when that fits the deadline.
-pub fn next_wait(retry_after: Option<Duration>, backoff: Duration, max_retry_after: Duration, remaining: Duration) -> Wait {
+pub fn next_wait(
+    retry_after: Option<Duration>,
+    backoff: Duration,
+    max_retry_after: Duration,
+    remaining: Duration,
+) -> Wait {
     match retry_after {
         Some(asked) if asked > max_retry_after => Wait::RetryAfterTooLong(asked),
         Some(asked) if asked >= remaining => Wait::PastDeadline,
@@ -50,7 +55,10 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    const B: Backoff = Backoff { base: Duration::from_millis(200), max: Duration::from_secs(5) };
+    const B: Backoff = Backoff {
+        base: Duration::from_millis(200),
+        max: Duration::from_secs(5),
+    };
 
     #[test]
     fn the_ceiling_doubles_then_caps() {
@@ -65,7 +73,10 @@ mod tests {
     fn retry_after_wins_when_it_fits() {
         let s = Duration::from_secs;
         assert_eq!(next_wait(Some(s(1)), s(0), s(10), s(60)), Wait::Retry(s(1)));
-        assert_eq!(next_wait(Some(s(30)), s(0), s(10), s(60)), Wait::RetryAfterTooLong(s(30)));
+        assert_eq!(
+            next_wait(Some(s(30)), s(0), s(10), s(60)),
+            Wait::RetryAfterTooLong(s(30))
+        );
         assert_eq!(next_wait(Some(s(5)), s(0), s(10), s(4)), Wait::PastDeadline);
         assert_eq!(next_wait(None, s(2), s(10), s(3)), Wait::Retry(s(2)));
         assert_eq!(next_wait(None, s(3), s(10), s(3)), Wait::PastDeadline);

@@ -74,7 +74,11 @@ pub struct Breaker {
 
 impl Breaker {
     pub fn new(config: BreakerConfig, now: Instant) -> Self {
-        Breaker { config, state: State::Closed { failures: 0.0 }, recent: RollingPair::new(config.window, now) }
+        Breaker {
+            config,
+            state: State::Closed { failures: 0.0 },
+            recent: RollingPair::new(config.window, now),
+        }
     }
 
     fn failing_enough(&self, now: Instant) -> bool {
@@ -114,8 +118,15 @@ impl Breaker {
     }
 
     /// Records an attempt's verdict.
-    pub fn record(&mut self, admission: Admission, verdict: Verdict, now: Instant) -> Option<Transition> {
-        let open = State::Open { until: now + self.config.open_for };
+    pub fn record(
+        &mut self,
+        admission: Admission,
+        verdict: Verdict,
+        now: Instant,
+    ) -> Option<Transition> {
+        let open = State::Open {
+            until: now + self.config.open_for,
+        };
         match (self.state, admission, verdict) {
             (State::Closed { .. }, _, Verdict::Healthy) => {
                 self.recent.add(now, 1.0, 0.0);
@@ -125,7 +136,8 @@ impl Breaker {
             (State::Closed { failures }, _, Verdict::Failed(weight)) => {
                 self.recent.add(now, 1.0, weight);
                 let failures = failures + weight;
-                if failures >= f64::from(self.config.failure_threshold) && self.failing_enough(now) {
+                if failures >= f64::from(self.config.failure_threshold) && self.failing_enough(now)
+                {
                     self.recent.clear();
                     self.state = open;
                     Some(Transition::Opened)
@@ -148,7 +160,9 @@ impl Breaker {
                 Some(Transition::Opened)
             }
             (State::HalfOpen { probes }, Admission::Probe, Verdict::Abandoned) => {
-                self.state = State::HalfOpen { probes: probes.saturating_sub(1) };
+                self.state = State::HalfOpen {
+                    probes: probes.saturating_sub(1),
+                };
                 None
             }
             // Late verdicts from requests admitted before the state changed, and neutral
@@ -192,7 +206,10 @@ mod tests {
         assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), t0), None);
         // Once failures are the majority of the window, it opens.
         assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), t0), None);
-        assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), t0), Some(Transition::Opened));
+        assert_eq!(
+            b.record(Admission::Normal, Verdict::Failed(1.0), t0),
+            Some(Transition::Opened)
+        );
         // And once the old successes have left the window, three in a row are enough.
         let mut b = breaker();
         for _ in 0..7 {
@@ -200,21 +217,36 @@ mod tests {
         }
         let later = t0 + Duration::from_secs(11);
         for _ in 0..2 {
-            assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), later), None);
+            assert_eq!(
+                b.record(Admission::Normal, Verdict::Failed(1.0), later),
+                None
+            );
         }
-        assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), later), Some(Transition::Opened));
+        assert_eq!(
+            b.record(Admission::Normal, Verdict::Failed(1.0), later),
+            Some(Transition::Opened)
+        );
     }
 
     #[test]
     fn a_zero_failure_rate_means_consecutive_failures_alone() {
         let t0 = Instant::now();
-        let mut b = Breaker::new(BreakerConfig { failure_rate: 0.0, ..config() }, t0);
+        let mut b = Breaker::new(
+            BreakerConfig {
+                failure_rate: 0.0,
+                ..config()
+            },
+            t0,
+        );
         for _ in 0..50 {
             b.record(Admission::Normal, Verdict::Healthy, t0);
         }
         b.record(Admission::Normal, Verdict::Failed(1.0), t0);
         b.record(Admission::Normal, Verdict::Failed(1.0), t0);
-        assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), t0), Some(Transition::Opened));
+        assert_eq!(
+            b.record(Admission::Normal, Verdict::Failed(1.0), t0),
+            Some(Transition::Opened)
+        );
     }
 
     #[test]
@@ -224,13 +256,25 @@ mod tests {
         for _ in 0..2 {
             assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), t0), None);
         }
-        assert_eq!(b.record(Admission::Normal, Verdict::Failed(1.0), t0), Some(Transition::Opened));
-        assert_eq!(b.admit(t0 + Duration::from_secs(10)).0, Err(Duration::from_secs(20)));
+        assert_eq!(
+            b.record(Admission::Normal, Verdict::Failed(1.0), t0),
+            Some(Transition::Opened)
+        );
+        assert_eq!(
+            b.admit(t0 + Duration::from_secs(10)).0,
+            Err(Duration::from_secs(20))
+        );
         let (admitted, transition) = b.admit(t0 + Duration::from_secs(30));
-        assert_eq!((admitted, transition), (Ok(Admission::Probe), Some(Transition::HalfOpened)));
+        assert_eq!(
+            (admitted, transition),
+            (Ok(Admission::Probe), Some(Transition::HalfOpened))
+        );
         // One probe at a time.
         assert!(b.admit(t0 + Duration::from_secs(30)).0.is_err());
-        assert_eq!(b.record(Admission::Probe, Verdict::Healthy, t0), Some(Transition::Closed));
+        assert_eq!(
+            b.record(Admission::Probe, Verdict::Healthy, t0),
+            Some(Transition::Closed)
+        );
         assert_eq!(b.admit(t0).0, Ok(Admission::Normal));
     }
 
@@ -241,8 +285,14 @@ mod tests {
         b.record(Admission::Normal, Verdict::Fatal, t0);
         let t1 = t0 + Duration::from_secs(30);
         assert_eq!(b.admit(t1).0, Ok(Admission::Probe));
-        assert_eq!(b.record(Admission::Probe, Verdict::Failed(1.0), t1), Some(Transition::Opened));
-        assert_eq!(b.admit(t1 + Duration::from_secs(29)).0, Err(Duration::from_secs(1)));
+        assert_eq!(
+            b.record(Admission::Probe, Verdict::Failed(1.0), t1),
+            Some(Transition::Opened)
+        );
+        assert_eq!(
+            b.admit(t1 + Duration::from_secs(29)).0,
+            Err(Duration::from_secs(1))
+        );
     }
 
     #[test]
@@ -266,7 +316,10 @@ mod tests {
         for _ in 0..5 {
             assert_eq!(b.record(Admission::Normal, Verdict::Failed(0.5), t0), None);
         }
-        assert_eq!(b.record(Admission::Normal, Verdict::Failed(0.5), t0), Some(Transition::Opened));
+        assert_eq!(
+            b.record(Admission::Normal, Verdict::Failed(0.5), t0),
+            Some(Transition::Opened)
+        );
     }
 
     #[test]

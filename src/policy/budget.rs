@@ -61,8 +61,16 @@ pub struct CapNames {
     pub usd: &'static str,
 }
 
-pub const SESSION: CapNames = CapNames { calls: "session.max_calls", tokens: "session.max_tokens", usd: "session.max_usd" };
-pub const TENANT_DAY: CapNames = CapNames { calls: "tenant.calls_per_day", tokens: "tenant.tokens_per_day", usd: "tenant.usd_per_day" };
+pub const SESSION: CapNames = CapNames {
+    calls: "session.max_calls",
+    tokens: "session.max_tokens",
+    usd: "session.max_usd",
+};
+pub const TENANT_DAY: CapNames = CapNames {
+    calls: "tenant.calls_per_day",
+    tokens: "tenant.tokens_per_day",
+    usd: "tenant.usd_per_day",
+};
 
 /// One scope's account: what is settled, and what in-flight calls have reserved.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -83,18 +91,33 @@ impl Account {
         let used = self.committed();
         if let Some(limit) = limits.calls {
             if used.calls + want.calls > limit {
-                return Err(Exceeded { budget: names.calls, limit: limit as f64, used: used.calls as f64, requested: want.calls as f64 });
+                return Err(Exceeded {
+                    budget: names.calls,
+                    limit: limit as f64,
+                    used: used.calls as f64,
+                    requested: want.calls as f64,
+                });
             }
         }
         if let Some(limit) = limits.tokens {
             if used.tokens + want.tokens > limit {
-                return Err(Exceeded { budget: names.tokens, limit: limit as f64, used: used.tokens as f64, requested: want.tokens as f64 });
+                return Err(Exceeded {
+                    budget: names.tokens,
+                    limit: limit as f64,
+                    used: used.tokens as f64,
+                    requested: want.tokens as f64,
+                });
             }
         }
         if let Some(limit) = limits.usd {
             // A tolerance keeps float rounding from refusing a call that fits exactly.
             if used.usd + want.usd > limit + 1e-9 {
-                return Err(Exceeded { budget: names.usd, limit, used: used.usd, requested: want.usd });
+                return Err(Exceeded {
+                    budget: names.usd,
+                    limit,
+                    used: used.usd,
+                    requested: want.usd,
+                });
             }
         }
         Ok(())
@@ -129,7 +152,18 @@ pub struct Prices {
 
 impl Prices {
     pub fn new(prices: &[PriceConfig]) -> Self {
-        Prices { entries: prices.iter().map(|p| (WildMatch::new(&p.model), p.input_per_mtok, p.output_per_mtok)).collect() }
+        Prices {
+            entries: prices
+                .iter()
+                .map(|p| {
+                    (
+                        WildMatch::new(&p.model),
+                        p.input_per_mtok,
+                        p.output_per_mtok,
+                    )
+                })
+                .collect(),
+        }
     }
 
     /// The cost of a call, or `None` when the model has no price.
@@ -155,9 +189,17 @@ mod tests {
 
     #[test]
     fn reservations_count_against_the_cap_until_settled() {
-        let limits = Limits { calls: Some(2), tokens: None, usd: Some(1.0) };
+        let limits = Limits {
+            calls: Some(2),
+            tokens: None,
+            usd: Some(1.0),
+        };
         let mut a = Account::default();
-        let call = Usage { calls: 1, tokens: 100, usd: 0.4 };
+        let call = Usage {
+            calls: 1,
+            tokens: 100,
+            usd: 0.4,
+        };
         a.check(call, &limits, SESSION).unwrap();
         a.reserve(call);
         a.check(call, &limits, SESSION).unwrap();
@@ -166,25 +208,78 @@ mod tests {
         assert_eq!(refused.budget, "session.max_calls");
         assert_eq!((refused.limit, refused.used), (2.0, 2.0));
         // The upstream reported less than reserved: the difference is released.
-        a.settle(call, Usage { calls: 1, tokens: 10, usd: 0.1 });
-        assert_eq!(a.committed(), Usage { calls: 2, tokens: 110, usd: 0.5 });
+        a.settle(
+            call,
+            Usage {
+                calls: 1,
+                tokens: 10,
+                usd: 0.1,
+            },
+        );
+        assert_eq!(
+            a.committed(),
+            Usage {
+                calls: 2,
+                tokens: 110,
+                usd: 0.5
+            }
+        );
         assert_eq!(a.remaining(&limits), (Some(0), None, Some(0.5)));
     }
 
     #[test]
     fn usd_caps_name_themselves() {
-        let limits = Limits { calls: None, tokens: Some(1000), usd: Some(0.5) };
-        let a = Account { settled: Usage { calls: 3, tokens: 10, usd: 0.45 }, reserved: Usage::default() };
-        let e = a.check(Usage { calls: 1, tokens: 10, usd: 0.1 }, &limits, TENANT_DAY).unwrap_err();
+        let limits = Limits {
+            calls: None,
+            tokens: Some(1000),
+            usd: Some(0.5),
+        };
+        let a = Account {
+            settled: Usage {
+                calls: 3,
+                tokens: 10,
+                usd: 0.45,
+            },
+            reserved: Usage::default(),
+        };
+        let e = a
+            .check(
+                Usage {
+                    calls: 1,
+                    tokens: 10,
+                    usd: 0.1,
+                },
+                &limits,
+                TENANT_DAY,
+            )
+            .unwrap_err();
         assert_eq!(e.budget, "tenant.usd_per_day");
-        assert!(a.check(Usage { calls: 1, tokens: 10, usd: 0.05 }, &limits, TENANT_DAY).is_ok());
+        assert!(a
+            .check(
+                Usage {
+                    calls: 1,
+                    tokens: 10,
+                    usd: 0.05
+                },
+                &limits,
+                TENANT_DAY
+            )
+            .is_ok());
     }
 
     #[test]
     fn prices_match_the_first_glob() {
         let p = Prices::new(&[
-            PriceConfig { model: "gpt-4o-mini*".into(), input_per_mtok: 0.15, output_per_mtok: 0.6 },
-            PriceConfig { model: "gpt-4o*".into(), input_per_mtok: 2.5, output_per_mtok: 10.0 },
+            PriceConfig {
+                model: "gpt-4o-mini*".into(),
+                input_per_mtok: 0.15,
+                output_per_mtok: 0.6,
+            },
+            PriceConfig {
+                model: "gpt-4o*".into(),
+                input_per_mtok: 2.5,
+                output_per_mtok: 10.0,
+            },
         ]);
         assert_eq!(p.cost("gpt-4o-mini", 1_000_000, 0), Some(0.15));
         assert_eq!(p.cost("gpt-4o-2024", 1000, 1000), Some(0.0125));

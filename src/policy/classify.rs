@@ -56,7 +56,9 @@ pub enum Class {
     /// A 2xx whose body is not what was asked for (not JSON, or not the schema).
     Malformed,
     /// The caller's own mistake: never retried on the same target.
-    CallerFault { context_length: bool },
+    CallerFault {
+        context_length: bool,
+    },
     /// The provider refused Backstop's credentials or quota: that upstream is out.
     CredentialOrQuota,
 }
@@ -109,16 +111,33 @@ fn error_fields(body: &[u8]) -> (String, String, String) {
 /// Classifies one attempt. `now` resolves an HTTP-date `Retry-After`.
 pub fn classify(observed: Observed<'_>, now: SystemTime) -> Class {
     let (status, headers, body, streaming) = match observed {
-        Observed::Transport(_) => return Class::Transient { retry_after: None, rate_limited: false },
-        Observed::Response { status, headers, body, streaming } => (status, headers, body, streaming),
+        Observed::Transport(_) => {
+            return Class::Transient {
+                retry_after: None,
+                rate_limited: false,
+            }
+        }
+        Observed::Response {
+            status,
+            headers,
+            body,
+            streaming,
+        } => (status, headers, body, streaming),
     };
     if (200..300).contains(&status) {
         let valid = streaming || serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok();
-        return if valid { Class::Success } else { Class::Malformed };
+        return if valid {
+            Class::Success
+        } else {
+            Class::Malformed
+        };
     }
     let (code, kind, message) = error_fields(body);
     let says = |needle: &str| code == needle || kind == needle;
-    let transient = |rate_limited| Class::Transient { retry_after: retry_after(headers, now), rate_limited };
+    let transient = |rate_limited| Class::Transient {
+        retry_after: retry_after(headers, now),
+        rate_limited,
+    };
     if says("insufficient_quota") || says("billing_hard_limit_reached") {
         return Class::CredentialOrQuota;
     }
@@ -126,19 +145,28 @@ pub fn classify(observed: Observed<'_>, now: SystemTime) -> Class {
         || message.contains("maximum context length")
         || message.contains("prompt is too long")
     {
-        return Class::CallerFault { context_length: true };
+        return Class::CallerFault {
+            context_length: true,
+        };
     }
     match status {
         429 => transient(true),
-        401 | 402 | 403 => Class::CredentialOrQuota,
+        401..=403 => Class::CredentialOrQuota,
         408 | 500..=599 => transient(false),
-        _ => Class::CallerFault { context_length: false },
+        _ => Class::CallerFault {
+            context_length: false,
+        },
     }
 }
 
 /// `retry-after-ms` (OpenAI), else `Retry-After` as seconds or an HTTP date.
 pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
-    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::trim);
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+    };
     if let Some(ms) = header("retry-after-ms").and_then(|v| v.parse::<f64>().ok()) {
         if ms.is_finite() && ms >= 0.0 {
             return Some(Duration::from_secs_f64(ms / 1000.0));
@@ -167,13 +195,31 @@ mod tests {
 
     fn response(status: u16, body: &str) -> Class {
         let h = HeaderMap::new();
-        classify(Observed::Response { status, headers: &h, body: body.as_bytes(), streaming: false }, SystemTime::UNIX_EPOCH)
+        classify(
+            Observed::Response {
+                status,
+                headers: &h,
+                body: body.as_bytes(),
+                streaming: false,
+            },
+            SystemTime::UNIX_EPOCH,
+        )
     }
 
-    const TRANSIENT: Class = Class::Transient { retry_after: None, rate_limited: false };
-    const RATE: Class = Class::Transient { retry_after: None, rate_limited: true };
-    const CALLER: Class = Class::CallerFault { context_length: false };
-    const CONTEXT: Class = Class::CallerFault { context_length: true };
+    const TRANSIENT: Class = Class::Transient {
+        retry_after: None,
+        rate_limited: false,
+    };
+    const RATE: Class = Class::Transient {
+        retry_after: None,
+        rate_limited: true,
+    };
+    const CALLER: Class = Class::CallerFault {
+        context_length: false,
+    };
+    const CONTEXT: Class = Class::CallerFault {
+        context_length: true,
+    };
 
     /// Every row of PRODUCT.md's taxonomy, with the body cases the issue names.
     #[test]
@@ -181,7 +227,8 @@ mod tests {
         let openai_quota = r#"{"error":{"message":"You exceeded your current quota","type":"insufficient_quota","code":"insufficient_quota"}}"#;
         let openai_rate = r#"{"error":{"message":"Rate limit reached","type":"requests","code":"rate_limit_exceeded"}}"#;
         let openai_context = r#"{"error":{"message":"This model's maximum context length is 128000 tokens","type":"invalid_request_error","code":"context_length_exceeded"}}"#;
-        let anthropic_overloaded = r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#;
+        let anthropic_overloaded =
+            r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#;
         let anthropic_context = r#"{"type":"error","error":{"type":"invalid_request_error","message":"prompt is too long: 210000 tokens > 200000 maximum"}}"#;
         let policy = r#"{"error":{"message":"flagged","type":"invalid_request_error","code":"content_policy_violation"}}"#;
         let rows: &[(u16, &str, Class)] = &[
@@ -197,7 +244,11 @@ mod tests {
             (504, "", TRANSIENT),
             (529, anthropic_overloaded, TRANSIENT),
             (408, "", TRANSIENT),
-            (400, r#"{"error":{"message":"bad","type":"invalid_request_error"}}"#, CALLER),
+            (
+                400,
+                r#"{"error":{"message":"bad","type":"invalid_request_error"}}"#,
+                CALLER,
+            ),
             (400, openai_context, CONTEXT),
             (400, anthropic_context, CONTEXT),
             (400, policy, CALLER),
@@ -206,40 +257,95 @@ mod tests {
             (413, "", CALLER),
             (422, "", CALLER),
             (401, "", Class::CredentialOrQuota),
-            (403, r#"{"type":"error","error":{"type":"permission_error","message":"no"}}"#, Class::CredentialOrQuota),
+            (
+                403,
+                r#"{"type":"error","error":{"type":"permission_error","message":"no"}}"#,
+                Class::CredentialOrQuota,
+            ),
             (402, "", Class::CredentialOrQuota),
         ];
         for (status, body, class) in rows {
-            assert_eq!(response(*status, body), *class, "status {status} body {body}");
+            assert_eq!(
+                response(*status, body),
+                *class,
+                "status {status} body {body}"
+            );
         }
-        for failure in [TransportFailure::Connect, TransportFailure::Reset, TransportFailure::Timeout] {
-            assert_eq!(classify(Observed::Transport(failure), SystemTime::UNIX_EPOCH), TRANSIENT);
+        for failure in [
+            TransportFailure::Connect,
+            TransportFailure::Reset,
+            TransportFailure::Timeout,
+        ] {
+            assert_eq!(
+                classify(Observed::Transport(failure), SystemTime::UNIX_EPOCH),
+                TRANSIENT
+            );
         }
     }
 
     #[test]
     fn a_successful_stream_is_not_parsed() {
         let h = HeaderMap::new();
-        let class = classify(Observed::Response { status: 200, headers: &h, body: b"", streaming: true }, SystemTime::UNIX_EPOCH);
+        let class = classify(
+            Observed::Response {
+                status: 200,
+                headers: &h,
+                body: b"",
+                streaming: true,
+            },
+            SystemTime::UNIX_EPOCH,
+        );
         assert_eq!(class, Class::Success);
     }
 
     #[test]
     fn retry_after_in_all_its_forms() {
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000_000);
-        assert_eq!(retry_after(&headers(&[("retry-after", "7")]), now), Some(Duration::from_secs(7)));
-        assert_eq!(retry_after(&headers(&[("retry-after", "1.5")]), now), Some(Duration::from_millis(1500)));
-        assert_eq!(retry_after(&headers(&[("retry-after-ms", "250"), ("retry-after", "9")]), now), Some(Duration::from_millis(250)));
+        assert_eq!(
+            retry_after(&headers(&[("retry-after", "7")]), now),
+            Some(Duration::from_secs(7))
+        );
+        assert_eq!(
+            retry_after(&headers(&[("retry-after", "1.5")]), now),
+            Some(Duration::from_millis(1500))
+        );
+        assert_eq!(
+            retry_after(
+                &headers(&[("retry-after-ms", "250"), ("retry-after", "9")]),
+                now
+            ),
+            Some(Duration::from_millis(250))
+        );
         let date = httpdate::fmt_http_date(now + Duration::from_secs(30));
-        assert_eq!(retry_after(&headers(&[("retry-after", &date)]), now), Some(Duration::from_secs(30)));
+        assert_eq!(
+            retry_after(&headers(&[("retry-after", &date)]), now),
+            Some(Duration::from_secs(30))
+        );
         let past = httpdate::fmt_http_date(now - Duration::from_secs(30));
-        assert_eq!(retry_after(&headers(&[("retry-after", &past)]), now), Some(Duration::ZERO));
+        assert_eq!(
+            retry_after(&headers(&[("retry-after", &past)]), now),
+            Some(Duration::ZERO)
+        );
         assert_eq!(retry_after(&headers(&[("retry-after", "soon")]), now), None);
         assert_eq!(retry_after(&headers(&[("retry-after", "-3")]), now), None);
         assert_eq!(retry_after(&HeaderMap::new(), now), None);
 
         let h = headers(&[("retry-after", "2")]);
-        let class = classify(Observed::Response { status: 503, headers: &h, body: b"", streaming: false }, now);
-        assert_eq!(class, Class::Transient { retry_after: Some(Duration::from_secs(2)), rate_limited: false });
+        let class = classify(
+            Observed::Response {
+                status: 503,
+                headers: &h,
+                body: b"",
+                streaming: false,
+            },
+            now,
+        );
+        assert_eq!(
+            class,
+            Class::Transient {
+                retry_after: Some(Duration::from_secs(2)),
+                rate_limited: false
+            }
+        );
     }
 }

@@ -113,7 +113,10 @@ impl SessionGuard {
     }
 
     fn trip(&mut self, now: Instant, trip: Trip) -> Option<(&'static str, &'static str)> {
-        self.set(State::Tripped { until: now + self.config.cool_down, trip })
+        self.set(State::Tripped {
+            until: now + self.config.cool_down,
+            trip,
+        })
     }
 
     fn usd_last_minute(&self, now: Instant, total: f64) -> f64 {
@@ -130,22 +133,52 @@ impl SessionGuard {
 
     /// Admits a request or refuses it; may trip the session. `session_usd` is the
     /// session's settled spend so far. Returns the state change, if any, for logging.
-    pub fn admit(&mut self, now: Instant, fp: &Fingerprint, session_usd: f64) -> (Result<(), Refused>, Option<(&'static str, &'static str)>) {
+    pub fn admit(
+        &mut self,
+        now: Instant,
+        fp: &Fingerprint,
+        session_usd: f64,
+    ) -> (Result<(), Refused>, Option<(&'static str, &'static str)>) {
         let window = self.config.identical_request_window;
-        while self.recent.front().is_some_and(|(t, _)| now.saturating_duration_since(*t) > window) {
+        while self
+            .recent
+            .front()
+            .is_some_and(|(t, _)| now.saturating_duration_since(*t) > window)
+        {
             self.recent.pop_front();
         }
-        while self.spend.len() > 1 && self.spend.get(1).is_some_and(|(t, _)| now.saturating_duration_since(*t) >= Duration::from_secs(60)) {
+        while self.spend.len() > 1
+            && self
+                .spend
+                .get(1)
+                .is_some_and(|(t, _)| now.saturating_duration_since(*t) >= Duration::from_secs(60))
+        {
             self.spend.pop_front();
         }
         self.spend.push_back((now, session_usd));
         match &self.state {
             State::Closed => {
-                let trip = Trip { code: "session_tripped", rule: "closed", evidence: "an operator closed this session".into() };
-                return (Err(Refused { trip, retry_after: Duration::from_secs(3600) }), None);
+                let trip = Trip {
+                    code: "session_tripped",
+                    rule: "closed",
+                    evidence: "an operator closed this session".into(),
+                };
+                return (
+                    Err(Refused {
+                        trip,
+                        retry_after: Duration::from_secs(3600),
+                    }),
+                    None,
+                );
             }
             State::Tripped { until, trip } if now < *until => {
-                return (Err(Refused { trip: trip.clone(), retry_after: *until - now }), None);
+                return (
+                    Err(Refused {
+                        trip: trip.clone(),
+                        retry_after: *until - now,
+                    }),
+                    None,
+                );
             }
             State::Tripped { trip, .. } => {
                 let trip = trip.clone();
@@ -155,7 +188,13 @@ impl SessionGuard {
             }
             State::Probing { trip } => {
                 // One probe at a time; its outcome decides.
-                return (Err(Refused { trip: trip.clone(), retry_after: Duration::from_secs(1) }), None);
+                return (
+                    Err(Refused {
+                        trip: trip.clone(),
+                        retry_after: Duration::from_secs(1),
+                    }),
+                    None,
+                );
             }
             State::Active | State::Recovering => {}
         }
@@ -164,21 +203,43 @@ impl SessionGuard {
             Some(Trip {
                 code: "loop_detected",
                 rule: "identical_request_limit",
-                evidence: format!("the same request was sent {} times within {}", repeats + 1, humantime::format_duration(window)),
+                evidence: format!(
+                    "the same request was sent {} times within {}",
+                    repeats + 1,
+                    humantime::format_duration(window)
+                ),
             })
-        } else if let Some((call, n)) = fp.tool_loop.as_ref().filter(|(_, n)| *n >= self.config.tool_loop_limit) {
-            Some(Trip { code: "loop_detected", rule: "tool_loop_limit", evidence: format!("{call} {n} times") })
+        } else if let Some((call, n)) = fp
+            .tool_loop
+            .as_ref()
+            .filter(|(_, n)| *n >= self.config.tool_loop_limit)
+        {
+            Some(Trip {
+                code: "loop_detected",
+                rule: "tool_loop_limit",
+                evidence: format!("{call} {n} times"),
+            })
         } else {
             self.config.max_usd_per_minute.and_then(|limit| {
                 let spent = self.usd_last_minute(now, session_usd);
-                (spent >= limit).then(|| Trip { code: "session_tripped", rule: "max_usd_per_minute", evidence: format!("spent ${spent:.4} in the last minute (limit ${limit:.4})") })
+                (spent >= limit).then(|| Trip {
+                    code: "session_tripped",
+                    rule: "max_usd_per_minute",
+                    evidence: format!("spent ${spent:.4} in the last minute (limit ${limit:.4})"),
+                })
             })
         };
         self.recent.push_back((now, fp.request));
         match rule {
             Some(trip) => {
                 let change = self.trip(now, trip.clone());
-                (Err(Refused { trip, retry_after: self.config.cool_down }), change)
+                (
+                    Err(Refused {
+                        trip,
+                        retry_after: self.config.cool_down,
+                    }),
+                    change,
+                )
             }
             None => (Ok(()), None),
         }
@@ -192,14 +253,23 @@ impl SessionGuard {
         }
         self.consecutive_failures += 1;
         if let State::Probing { trip } = &self.state {
-            let trip = Trip { evidence: format!("{}; the probe after the cool-down failed too", trip.evidence), ..trip.clone() };
+            let trip = Trip {
+                evidence: format!(
+                    "{}; the probe after the cool-down failed too",
+                    trip.evidence
+                ),
+                ..trip.clone()
+            };
             return self.trip(now, trip);
         }
         if self.consecutive_failures >= self.config.max_consecutive_failures {
             let trip = Trip {
                 code: "session_tripped",
                 rule: "max_consecutive_failures",
-                evidence: format!("{} requests in a row failed after Backstop's own recovery", self.consecutive_failures),
+                evidence: format!(
+                    "{} requests in a row failed after Backstop's own recovery",
+                    self.consecutive_failures
+                ),
             };
             return self.trip(now, trip);
         }
@@ -226,7 +296,8 @@ impl SessionGuard {
         };
         let velocity = self.usd_last_minute(now, session_usd);
         let ratios = [
-            f64::from(self.consecutive_failures) / f64::from(self.config.max_consecutive_failures.max(1)),
+            f64::from(self.consecutive_failures)
+                / f64::from(self.config.max_consecutive_failures.max(1)),
             f64::from(max_repeat) / f64::from(self.config.identical_request_limit.max(1) + 1),
             f64::from(last_tool_loop) / f64::from(self.config.tool_loop_limit.max(1)),
             self.config.max_usd_per_minute.map_or(0.0, |l| velocity / l),
@@ -245,7 +316,10 @@ impl SessionGuard {
             State::Tripped { until, trip } => {
                 out["trip"] = json!({"code": trip.code, "rule": trip.rule, "evidence": trip.evidence, "probe_in_ms": until.saturating_duration_since(now).as_millis() as u64});
             }
-            State::Probing { trip } => out["trip"] = json!({"code": trip.code, "rule": trip.rule, "evidence": trip.evidence}),
+            State::Probing { trip } => {
+                out["trip"] =
+                    json!({"code": trip.code, "rule": trip.rule, "evidence": trip.evidence})
+            }
             _ => {}
         }
         out
@@ -260,7 +334,11 @@ fn canonical(text: &str) -> String {
 fn text_of(content: Option<&Value>) -> String {
     match content {
         Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(parts)) => parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect::<Vec<_>>().join(""),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join(""),
         Some(other) => other.to_string(),
         None => String::new(),
     }
@@ -289,37 +367,73 @@ pub fn fingerprint(json: &serde_json::Map<String, Value>) -> Fingerprint {
         }
     }
     let hasher = hasher.0;
-    let messages = json.get("messages").and_then(Value::as_array).map_or(&[][..], Vec::as_slice);
+    let messages = json
+        .get("messages")
+        .and_then(Value::as_array)
+        .map_or(&[][..], Vec::as_slice);
     // Tool calls by id: "name(args)".
     let mut calls: std::collections::HashMap<String, String> = std::collections::HashMap::new();
-    let mut pairs: std::collections::HashMap<(String, String), (u32, bool)> = std::collections::HashMap::new();
+    let mut pairs: std::collections::HashMap<(String, String), (u32, bool)> =
+        std::collections::HashMap::new();
     for m in messages {
-        for c in m.get("tool_calls").and_then(Value::as_array).into_iter().flatten() {
-            if let (Some(id), Some(name)) = (c.get("id").and_then(Value::as_str), c.pointer("/function/name").and_then(Value::as_str)) {
-                let args = canonical(c.pointer("/function/arguments").and_then(Value::as_str).unwrap_or(""));
+        for c in m
+            .get("tool_calls")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            if let (Some(id), Some(name)) = (
+                c.get("id").and_then(Value::as_str),
+                c.pointer("/function/name").and_then(Value::as_str),
+            ) {
+                let args = canonical(
+                    c.pointer("/function/arguments")
+                        .and_then(Value::as_str)
+                        .unwrap_or(""),
+                );
                 calls.insert(id.to_string(), format!("{name}({args})"));
             }
         }
         if m.get("role").and_then(Value::as_str) == Some("tool") {
-            if let Some(call) = m.get("tool_call_id").and_then(Value::as_str).and_then(|id| calls.get(id)) {
+            if let Some(call) = m
+                .get("tool_call_id")
+                .and_then(Value::as_str)
+                .and_then(|id| calls.get(id))
+            {
                 let result = text_of(m.get("content"));
                 let error = result.to_ascii_lowercase().contains("error");
                 let entry = pairs.entry((call.clone(), result)).or_insert((0, error));
                 entry.0 += 1;
             }
         }
-        for block in m.get("content").and_then(Value::as_array).into_iter().flatten() {
+        for block in m
+            .get("content")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
             match block.get("type").and_then(Value::as_str) {
                 Some("tool_use") => {
-                    if let (Some(id), Some(name)) = (block.get("id").and_then(Value::as_str), block.get("name").and_then(Value::as_str)) {
+                    if let (Some(id), Some(name)) = (
+                        block.get("id").and_then(Value::as_str),
+                        block.get("name").and_then(Value::as_str),
+                    ) {
                         let input = block.get("input").map(Value::to_string).unwrap_or_default();
                         calls.insert(id.to_string(), format!("{name}({input})"));
                     }
                 }
                 Some("tool_result") => {
-                    if let Some(call) = block.get("tool_use_id").and_then(Value::as_str).and_then(|id| calls.get(id)) {
+                    if let Some(call) = block
+                        .get("tool_use_id")
+                        .and_then(Value::as_str)
+                        .and_then(|id| calls.get(id))
+                    {
                         let result = text_of(block.get("content"));
-                        let error = block.get("is_error").and_then(Value::as_bool).unwrap_or(false) || result.to_ascii_lowercase().contains("error");
+                        let error = block
+                            .get("is_error")
+                            .and_then(Value::as_bool)
+                            .unwrap_or(false)
+                            || result.to_ascii_lowercase().contains("error");
                         let entry = pairs.entry((call.clone(), result)).or_insert((0, error));
                         entry.0 += 1;
                     }
@@ -328,11 +442,23 @@ pub fn fingerprint(json: &serde_json::Map<String, Value>) -> Fingerprint {
             }
         }
     }
-    let tool_loop = pairs
-        .into_iter()
-        .max_by_key(|(_, (n, _))| *n)
-        .map(|((call, _), (n, error))| (format!("{call} returned the same {}", if error { "error" } else { "result" }), n));
-    Fingerprint { request: hasher.finish(), tool_loop }
+    let tool_loop =
+        pairs
+            .into_iter()
+            .max_by_key(|(_, (n, _))| *n)
+            .map(|((call, _), (n, error))| {
+                (
+                    format!(
+                        "{call} returned the same {}",
+                        if error { "error" } else { "result" }
+                    ),
+                    n,
+                )
+            });
+    Fingerprint {
+        request: hasher.finish(),
+        tool_loop,
+    }
 }
 
 #[cfg(test)]
@@ -351,7 +477,10 @@ mod tests {
     }
 
     fn fp(request: u64) -> Fingerprint {
-        Fingerprint { request, tool_loop: None }
+        Fingerprint {
+            request,
+            tool_loop: None,
+        }
     }
 
     #[test]
@@ -363,8 +492,14 @@ mod tests {
             g.record(t0, true);
         }
         assert_eq!(g.state().label(), "tripped");
-        let refused = g.admit(t0 + Duration::from_secs(10), &fp(99), 0.0).0.unwrap_err();
-        assert_eq!((refused.trip.rule, refused.retry_after), ("max_consecutive_failures", Duration::from_secs(50)));
+        let refused = g
+            .admit(t0 + Duration::from_secs(10), &fp(99), 0.0)
+            .0
+            .unwrap_err();
+        assert_eq!(
+            (refused.trip.rule, refused.retry_after),
+            ("max_consecutive_failures", Duration::from_secs(50))
+        );
         // Cool-down over: one probe; a second request meanwhile is refused.
         let t1 = t0 + Duration::from_secs(60);
         assert!(g.admit(t1, &fp(100), 0.0).0.is_ok());
@@ -387,7 +522,10 @@ mod tests {
         assert!(g.admit(t1, &fp(7), 0.0).0.is_ok());
         g.record(t1, true);
         assert_eq!(g.state().label(), "tripped");
-        assert!(g.admit(t1 + Duration::from_secs(59), &fp(8), 0.0).0.is_err());
+        assert!(g
+            .admit(t1 + Duration::from_secs(59), &fp(8), 0.0)
+            .0
+            .is_err());
     }
 
     #[test]
@@ -399,35 +537,62 @@ mod tests {
             g.record(t0, false);
         }
         let refused = g.admit(t0, &fp(42), 0.0).0.unwrap_err();
-        assert_eq!((refused.trip.code, refused.trip.rule), ("loop_detected", "identical_request_limit"));
-        assert!(refused.trip.evidence.contains("4 times"), "{}", refused.trip.evidence);
+        assert_eq!(
+            (refused.trip.code, refused.trip.rule),
+            ("loop_detected", "identical_request_limit")
+        );
+        assert!(
+            refused.trip.evidence.contains("4 times"),
+            "{}",
+            refused.trip.evidence
+        );
         // Outside the window the old repeats do not count.
         let mut g = SessionGuard::new(config());
         for k in 0..3 {
-            assert!(g.admit(t0 + Duration::from_secs(k * 400), &fp(42), 0.0).0.is_ok());
+            assert!(g
+                .admit(t0 + Duration::from_secs(k * 400), &fp(42), 0.0)
+                .0
+                .is_ok());
         }
-        assert!(g.admit(t0 + Duration::from_secs(1200), &fp(42), 0.0).0.is_ok());
+        assert!(g
+            .admit(t0 + Duration::from_secs(1200), &fp(42), 0.0)
+            .0
+            .is_ok());
     }
 
     #[test]
     fn tool_loops_and_spend_velocity_trip() {
         let t0 = Instant::now();
         let mut g = SessionGuard::new(config());
-        let looping = Fingerprint { request: 1, tool_loop: Some((r#"get_weather({"city":"Atlantis"}) returned the same error"#.into(), 3)) };
+        let looping = Fingerprint {
+            request: 1,
+            tool_loop: Some((
+                r#"get_weather({"city":"Atlantis"}) returned the same error"#.into(),
+                3,
+            )),
+        };
         let refused = g.admit(t0, &looping, 0.0).0.unwrap_err();
         assert_eq!(refused.trip.rule, "tool_loop_limit");
-        assert!(refused.trip.evidence.contains("Atlantis") && refused.trip.evidence.contains("3 times"));
+        assert!(
+            refused.trip.evidence.contains("Atlantis") && refused.trip.evidence.contains("3 times")
+        );
 
         let mut g = SessionGuard::new(config());
         assert!(g.admit(t0, &fp(1), 0.0).0.is_ok());
         assert!(g.admit(t0 + Duration::from_secs(20), &fp(2), 0.6).0.is_ok());
-        let refused = g.admit(t0 + Duration::from_secs(40), &fp(3), 1.1).0.unwrap_err();
+        let refused = g
+            .admit(t0 + Duration::from_secs(40), &fp(3), 1.1)
+            .0
+            .unwrap_err();
         assert_eq!(refused.trip.rule, "max_usd_per_minute");
         // The same total spread over more than a minute is fine.
         let mut g = SessionGuard::new(config());
         assert!(g.admit(t0, &fp(1), 0.0).0.is_ok());
         assert!(g.admit(t0 + Duration::from_secs(61), &fp(2), 0.9).0.is_ok());
-        assert!(g.admit(t0 + Duration::from_secs(122), &fp(3), 1.8).0.is_ok());
+        assert!(g
+            .admit(t0 + Duration::from_secs(122), &fp(3), 1.8)
+            .0
+            .is_ok());
     }
 
     #[test]
@@ -438,12 +603,23 @@ mod tests {
                 messages.push(json!({"role": "assistant", "tool_calls": [{"id": format!("c{i}"), "type": "function", "function": {"name": "get_weather", "arguments": if i % 2 == 0 { r#"{"city":"Atlantis"}"# } else { r#"{ "city" : "Atlantis" }"# }}}]}));
                 messages.push(json!({"role": "tool", "tool_call_id": format!("c{i}"), "content": "Error: city not found"}));
             }
-            let Value::Object(m) = json!({"model": "gpt-4o", "messages": messages}) else { unreachable!() };
+            let Value::Object(m) = json!({"model": "gpt-4o", "messages": messages}) else {
+                unreachable!()
+            };
             m
         };
         let fp = fingerprint(&openai(3));
-        assert_eq!(fp.tool_loop, Some((r#"get_weather({"city":"Atlantis"}) returned the same error"#.to_string(), 3)));
-        assert_ne!(fingerprint(&openai(3)).request, fingerprint(&openai(2)).request);
+        assert_eq!(
+            fp.tool_loop,
+            Some((
+                r#"get_weather({"city":"Atlantis"}) returned the same error"#.to_string(),
+                3
+            ))
+        );
+        assert_ne!(
+            fingerprint(&openai(3)).request,
+            fingerprint(&openai(2)).request
+        );
 
         let Value::Object(anthropic) = json!({"model": "claude", "messages": [
             {"role": "user", "content": "go"},
@@ -451,12 +627,30 @@ mod tests {
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "nothing", "is_error": true}]},
             {"role": "assistant", "content": [{"type": "tool_use", "id": "t2", "name": "search", "input": {"q": "x"}}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": "nothing", "is_error": true}]},
-        ]}) else { unreachable!() };
-        assert_eq!(fingerprint(&anthropic).tool_loop, Some((r#"search({"q":"x"}) returned the same error"#.to_string(), 2)));
+        ]}) else {
+            unreachable!()
+        };
+        assert_eq!(
+            fingerprint(&anthropic).tool_loop,
+            Some((
+                r#"search({"q":"x"}) returned the same error"#.to_string(),
+                2
+            ))
+        );
 
-        let a: serde_json::Map<String, Value> = serde_json::from_str(r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":1}"#).unwrap();
-        let b: serde_json::Map<String, Value> = serde_json::from_str(r#"{"temperature":0.2,"messages":[{"content":"hi","role":"user"}],"model":"m"}"#).unwrap();
-        assert_eq!(fingerprint(&a).request, fingerprint(&b).request, "same model + messages + tools");
+        let a: serde_json::Map<String, Value> = serde_json::from_str(
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":1}"#,
+        )
+        .unwrap();
+        let b: serde_json::Map<String, Value> = serde_json::from_str(
+            r#"{"temperature":0.2,"messages":[{"content":"hi","role":"user"}],"model":"m"}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            fingerprint(&a).request,
+            fingerprint(&b).request,
+            "same model + messages + tools"
+        );
     }
 
     #[test]
@@ -465,7 +659,10 @@ mod tests {
         let mut g = SessionGuard::new(config());
         for step in 0..12u64 {
             let now = t0 + Duration::from_secs(step * 5);
-            assert!(g.admit(now, &fp(step), step as f64 * 0.01).0.is_ok(), "step {step}");
+            assert!(
+                g.admit(now, &fp(step), step as f64 * 0.01).0.is_ok(),
+                "step {step}"
+            );
             // One transient-looking failure midway, recovered on the next step.
             g.record(now, step == 6);
         }

@@ -18,7 +18,11 @@ pub struct RetryBudget {
 
 impl RetryBudget {
     pub fn new(ratio: f64, floor: u32, window: Duration, now: Instant) -> Self {
-        RetryBudget { ratio, floor, window: RollingPair::new(window, now) }
+        RetryBudget {
+            ratio,
+            floor,
+            window: RollingPair::new(window, now),
+        }
     }
 
     /// A first attempt was made: it deposits `ratio` of a retry.

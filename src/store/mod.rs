@@ -47,7 +47,11 @@ pub struct StoredResponse {
 
 enum Op {
     Charge(Charge),
-    ResetSession { tenant: String, session: String, at_ms: i64 },
+    ResetSession {
+        tenant: String,
+        session: String,
+        at_ms: i64,
+    },
     Remember(StoredResponse),
 }
 
@@ -103,7 +107,10 @@ CREATE TABLE IF NOT EXISTS session_resets (
 ";
 
 fn open(path: &str) -> rusqlite::Result<Connection> {
-    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_URI | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
+        | OpenFlags::SQLITE_OPEN_CREATE
+        | OpenFlags::SQLITE_OPEN_URI
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let conn = Connection::open_with_flags(path, flags)?;
     conn.busy_timeout(std::time::Duration::from_secs(5))?;
     conn.pragma_update(None, "journal_mode", "WAL")?;
@@ -119,7 +126,10 @@ impl Store {
     /// in-memory database that lives as long as this `Store`.
     pub fn open(path: &str) -> Result<Store, StoreError> {
         let path = if path == ":memory:" {
-            format!("file:backstop-{}?mode=memory&cache=shared", uuid::Uuid::new_v4().simple())
+            format!(
+                "file:backstop-{}?mode=memory&cache=shared",
+                uuid::Uuid::new_v4().simple()
+            )
         } else {
             path.to_string()
         };
@@ -138,7 +148,9 @@ impl Store {
                 .spawn(move || {
                     while alive.upgrade().is_some() {
                         thread::sleep(std::time::Duration::from_millis(500));
-                        if let Err(err) = checkpointer.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
+                        if let Err(err) =
+                            checkpointer.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+                        {
                             tracing::warn!(error = %err, "store checkpoint failed");
                         }
                     }
@@ -151,13 +163,24 @@ impl Store {
             .name("backstop-store".into())
             .spawn(move || write_loop(writer_conn, rx))
             .expect("spawn store writer");
-        Ok(Store { writer: tx, reader: Mutex::new(reader), _alive: alive })
+        Ok(Store {
+            writer: tx,
+            reader: Mutex::new(reader),
+            _alive: alive,
+        })
     }
 
     /// Appends a charge and waits until it is committed.
     pub async fn charge(&self, charge: Charge) {
         let (ack, done) = oneshot::channel();
-        if self.writer.send(Write { op: Op::Charge(charge), ack: Some(ack) }).is_ok() {
+        if self
+            .writer
+            .send(Write {
+                op: Op::Charge(charge),
+                ack: Some(ack),
+            })
+            .is_ok()
+        {
             let _ = done.await;
         }
     }
@@ -165,12 +188,19 @@ impl Store {
     /// Appends a charge without waiting (for settlements that happen after the response,
     /// at the end of a stream).
     pub fn charge_later(&self, charge: Charge) {
-        let _ = self.writer.send(Write { op: Op::Charge(charge), ack: None });
+        let _ = self.writer.send(Write {
+            op: Op::Charge(charge),
+            ack: None,
+        });
     }
 
     pub async fn reset_session(&self, tenant: &str, session: &str, at_ms: i64) {
         let (ack, done) = oneshot::channel();
-        let op = Op::ResetSession { tenant: tenant.into(), session: session.into(), at_ms };
+        let op = Op::ResetSession {
+            tenant: tenant.into(),
+            session: session.into(),
+            at_ms,
+        };
         if self.writer.send(Write { op, ack: Some(ack) }).is_ok() {
             let _ = done.await;
         }
@@ -179,13 +209,25 @@ impl Store {
     /// Keeps a response for replay and waits until it is committed.
     pub async fn remember(&self, response: StoredResponse) {
         let (ack, done) = oneshot::channel();
-        if self.writer.send(Write { op: Op::Remember(response), ack: Some(ack) }).is_ok() {
+        if self
+            .writer
+            .send(Write {
+                op: Op::Remember(response),
+                ack: Some(ack),
+            })
+            .is_ok()
+        {
             let _ = done.await;
         }
     }
 
     /// A kept response that has not expired.
-    pub fn recall(&self, tenant: &str, key: &str, now_ms: i64) -> Result<Option<StoredResponse>, StoreError> {
+    pub fn recall(
+        &self,
+        tenant: &str,
+        key: &str,
+        now_ms: i64,
+    ) -> Result<Option<StoredResponse>, StoreError> {
         Ok(self.read(|c| {
             c.query_row(
                 "SELECT body_hash, status, content_type, body, expires_ms FROM idempotency WHERE tenant = ?1 AND key = ?2 AND expires_ms > ?3",
@@ -240,14 +282,25 @@ impl Store {
     }
 
     /// A tenant's spend on one day, by model: (model, calls, tokens, usd).
-    pub fn tenant_day_by_model(&self, tenant: &str, day: i64) -> Result<Vec<(String, Usage)>, StoreError> {
+    pub fn tenant_day_by_model(
+        &self,
+        tenant: &str,
+        day: i64,
+    ) -> Result<Vec<(String, Usage)>, StoreError> {
         Ok(self.read(|c| {
             let mut stmt = c.prepare(
                 "SELECT model, SUM(calls), SUM(input_tokens + output_tokens), SUM(usd)
                  FROM ledger WHERE tenant = ?1 AND day = ?2 GROUP BY model ORDER BY model",
             )?;
             let rows = stmt.query_map(params![tenant, day], |r| {
-                Ok((r.get::<_, String>(0)?, Usage { calls: r.get::<_, i64>(1)? as u64, tokens: r.get::<_, i64>(2)? as u64, usd: r.get(3)? }))
+                Ok((
+                    r.get::<_, String>(0)?,
+                    Usage {
+                        calls: r.get::<_, i64>(1)? as u64,
+                        tokens: r.get::<_, i64>(2)? as u64,
+                        usd: r.get(3)?,
+                    },
+                ))
             })?;
             rows.collect()
         })?)
@@ -255,7 +308,11 @@ impl Store {
 }
 
 fn usage_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Usage> {
-    Ok(Usage { calls: r.get::<_, i64>(0)? as u64, tokens: r.get::<_, i64>(1)? as u64, usd: r.get(2)? })
+    Ok(Usage {
+        calls: r.get::<_, i64>(0)? as u64,
+        tokens: r.get::<_, i64>(1)? as u64,
+        usd: r.get(2)?,
+    })
 }
 
 fn write_loop(mut conn: Connection, rx: mpsc::Receiver<Write>) {
@@ -299,12 +356,34 @@ fn commit(conn: &mut Connection, batch: &[Write]) -> rusqlite::Result<()> {
         for w in batch {
             match &w.op {
                 Op::Remember(r) => {
-                    remember.execute(params![r.tenant, r.key, r.body_hash, i64::from(r.status), r.content_type, r.body, r.expires_ms])?;
+                    remember.execute(params![
+                        r.tenant,
+                        r.key,
+                        r.body_hash,
+                        i64::from(r.status),
+                        r.content_type,
+                        r.body,
+                        r.expires_ms
+                    ])?;
                 }
                 Op::Charge(c) => {
-                    insert.execute(params![c.ts_ms, c.day, c.tenant, c.session, c.model, c.calls as i64, c.input_tokens as i64, c.output_tokens as i64, c.usd])?;
+                    insert.execute(params![
+                        c.ts_ms,
+                        c.day,
+                        c.tenant,
+                        c.session,
+                        c.model,
+                        c.calls as i64,
+                        c.input_tokens as i64,
+                        c.output_tokens as i64,
+                        c.usd
+                    ])?;
                 }
-                Op::ResetSession { tenant, session, at_ms } => {
+                Op::ResetSession {
+                    tenant,
+                    session,
+                    at_ms,
+                } => {
                     reset.execute(params![tenant, session, at_ms])?;
                 }
             }
@@ -318,7 +397,17 @@ mod tests {
     use super::*;
 
     fn charge(session: Option<&str>, day: i64, ts_ms: i64, usd: f64) -> Charge {
-        Charge { ts_ms, day, tenant: "t".into(), session: session.map(str::to_owned), model: "gpt-4o".into(), calls: 1, input_tokens: 10, output_tokens: 5, usd }
+        Charge {
+            ts_ms,
+            day,
+            tenant: "t".into(),
+            session: session.map(str::to_owned),
+            model: "gpt-4o".into(),
+            calls: 1,
+            input_tokens: 10,
+            output_tokens: 5,
+            usd,
+        }
     }
 
     #[tokio::test]
@@ -328,17 +417,43 @@ mod tests {
         store.charge(charge(Some("s1"), 100, 2_000, 0.25)).await;
         store.charge(charge(None, 100, 3_000, 1.0)).await;
         store.charge(charge(Some("s1"), 99, 500, 7.0)).await;
-        assert_eq!(store.session_usage("t", "s1").unwrap(), Usage { calls: 3, tokens: 45, usd: 7.75 });
-        assert_eq!(store.tenant_day_usage("t", 100).unwrap(), Usage { calls: 3, tokens: 45, usd: 1.75 });
+        assert_eq!(
+            store.session_usage("t", "s1").unwrap(),
+            Usage {
+                calls: 3,
+                tokens: 45,
+                usd: 7.75
+            }
+        );
+        assert_eq!(
+            store.tenant_day_usage("t", 100).unwrap(),
+            Usage {
+                calls: 3,
+                tokens: 45,
+                usd: 1.75
+            }
+        );
         store.reset_session("t", "s1", 1_500).await;
-        assert_eq!(store.session_usage("t", "s1").unwrap(), Usage { calls: 1, tokens: 15, usd: 0.25 });
-        assert_eq!(store.tenant_day_usage("t", 100).unwrap().usd, 1.75, "a session reset keeps the tenant's spend");
+        assert_eq!(
+            store.session_usage("t", "s1").unwrap(),
+            Usage {
+                calls: 1,
+                tokens: 15,
+                usd: 0.25
+            }
+        );
+        assert_eq!(
+            store.tenant_day_usage("t", 100).unwrap().usd,
+            1.75,
+            "a session reset keeps the tenant's spend"
+        );
         assert_eq!(store.tenant_day_by_model("t", 100).unwrap()[0].0, "gpt-4o");
     }
 
     #[tokio::test]
     async fn a_file_store_keeps_its_ledger_across_reopening() {
-        let dir = std::env::temp_dir().join(format!("backstop-store-{}", uuid::Uuid::new_v4().simple()));
+        let dir =
+            std::env::temp_dir().join(format!("backstop-store-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("ledger.db");
         let path = path.to_str().unwrap();

@@ -23,7 +23,9 @@ const STRIPPED: &[HeaderName] = &[
 fn is_stripped(name: &HeaderName, connection_listed: &[String]) -> bool {
     STRIPPED.contains(name)
         || name.as_str() == "keep-alive"
-        || connection_listed.iter().any(|c| c.eq_ignore_ascii_case(name.as_str()))
+        || connection_listed
+            .iter()
+            .any(|c| c.eq_ignore_ascii_case(name.as_str()))
 }
 
 /// Header names listed in `Connection`, which are hop-by-hop for this message only.
@@ -54,7 +56,10 @@ pub(super) fn upstream_request_headers(client: &HeaderMap, upstream: &Upstream) 
         }
         out.append(name.clone(), value.clone());
     }
-    out.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    out.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     match upstream.api {
         ApiKind::OpenAi => {
             if let Some(credential) = &upstream.credential {
@@ -87,7 +92,10 @@ pub(super) fn client_response_headers(upstream: &HeaderMap) -> HeaderMap {
             continue;
         }
         if name.as_str() == "x-request-id" {
-            out.append(HeaderName::from_static("x-upstream-request-id"), value.clone());
+            out.append(
+                HeaderName::from_static("x-upstream-request-id"),
+                value.clone(),
+            );
             continue;
         }
         out.append(name.clone(), value.clone());
@@ -112,9 +120,15 @@ mod tests {
 
     fn client_headers() -> HeaderMap {
         let mut h = HeaderMap::new();
-        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer bk-tenant"));
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer bk-tenant"),
+        );
         h.insert("x-api-key", HeaderValue::from_static("bk-tenant"));
-        h.insert(header::CONNECTION, HeaderValue::from_static("keep-alive, x-drop-me"));
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-drop-me"),
+        );
         h.insert("x-drop-me", HeaderValue::from_static("1"));
         h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
         h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("gzip"));

@@ -28,7 +28,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl UpstreamHealth {
     pub fn new(name: &str, breaker: BreakerConfig, budget: RetryBudget, now: Instant) -> Self {
         metrics::gauge!("backstop_breaker_state", "upstream" => name.to_string()).set(0.0);
-        UpstreamHealth { name: name.to_string(), breaker: Mutex::new(Breaker::new(breaker, now)), budget: Mutex::new(budget) }
+        UpstreamHealth {
+            name: name.to_string(),
+            breaker: Mutex::new(Breaker::new(breaker, now)),
+            budget: Mutex::new(budget),
+        }
     }
 
     /// Admits an attempt, or returns how long until the breaker half-opens.
@@ -39,7 +43,12 @@ impl UpstreamHealth {
         admitted
     }
 
-    pub fn record(&self, admission: Admission, verdict: Verdict, now: Instant) -> Option<Transition> {
+    pub fn record(
+        &self,
+        admission: Admission,
+        verdict: Verdict,
+        now: Instant,
+    ) -> Option<Transition> {
         let mut breaker = lock(&self.breaker);
         let transition = breaker.record(admission, verdict, now);
         self.report(transition, breaker.gauge());
@@ -73,8 +82,12 @@ impl UpstreamHealth {
     /// The breaker as the admin API shows it.
     pub fn snapshot(&self, now: Instant) -> Value {
         match lock(&self.breaker).state() {
-            State::Closed { failures } => json!({"state": "closed", "consecutive_failures": failures}),
-            State::Open { until } => json!({"state": "open", "half_open_in_ms": until.saturating_duration_since(now).as_millis() as u64}),
+            State::Closed { failures } => {
+                json!({"state": "closed", "consecutive_failures": failures})
+            }
+            State::Open { until } => {
+                json!({"state": "open", "half_open_in_ms": until.saturating_duration_since(now).as_millis() as u64})
+            }
             State::HalfOpen { probes } => json!({"state": "half_open", "probes_in_flight": probes}),
         }
     }
@@ -101,7 +114,10 @@ impl HealthRegistry {
             .iter()
             .map(|u| {
                 let budget = RetryBudget::new(r.budget_ratio, r.budget_floor, r.budget_window, now);
-                (u.name.clone(), UpstreamHealth::new(&u.name, breaker, budget, now))
+                (
+                    u.name.clone(),
+                    UpstreamHealth::new(&u.name, breaker, budget, now),
+                )
             })
             .collect();
         HealthRegistry { upstreams }
@@ -112,7 +128,11 @@ impl HealthRegistry {
     }
 
     pub fn snapshot(&self, now: Instant) -> Vec<(String, Value)> {
-        let mut all: Vec<_> = self.upstreams.iter().map(|(n, h)| (n.clone(), h.snapshot(now))).collect();
+        let mut all: Vec<_> = self
+            .upstreams
+            .iter()
+            .map(|(n, h)| (n.clone(), h.snapshot(now)))
+            .collect();
         all.sort_by(|a, b| a.0.cmp(&b.0));
         all
     }

@@ -57,14 +57,18 @@ impl Upstream {
             value.set_sensitive(true);
             value
         });
-        let urls = [Endpoint::ChatCompletions, Endpoint::Messages, Endpoint::Embeddings]
-            .into_iter()
-            .map(|e| {
-                let url = format!("{}{}", config.origin(), e.path());
-                // Validated by `UpstreamConfig::validate`.
-                (e, reqwest::Url::parse(&url).expect("validated base_url"))
-            })
-            .collect();
+        let urls = [
+            Endpoint::ChatCompletions,
+            Endpoint::Messages,
+            Endpoint::Embeddings,
+        ]
+        .into_iter()
+        .map(|e| {
+            let url = format!("{}{}", config.origin(), e.path());
+            // Validated by `UpstreamConfig::validate`.
+            (e, reqwest::Url::parse(&url).expect("validated base_url"))
+        })
+        .collect();
         Upstream {
             name: config.name.as_str().into(),
             api: config.api,
@@ -214,7 +218,10 @@ fn transport(err: &reqwest::Error) -> TransportFailure {
 async fn send(client: &reqwest::Client, attempt: &Attempt) -> Result<Reply, TransportFailure> {
     let (ctx, upstream) = (&attempt.ctx, &attempt.upstream);
     let url = upstream.urls[&ctx.endpoint].clone();
-    let body = ctx.upstream_body(attempt.model.as_deref(), attempt.stream_usage && ctx.endpoint.api() == ApiKind::OpenAi);
+    let body = ctx.upstream_body(
+        attempt.model.as_deref(),
+        attempt.stream_usage && ctx.endpoint.api() == ApiKind::OpenAi,
+    );
     let headers = headers::upstream_request_headers(&attempt.headers, upstream);
     let deadline = tokio::time::Instant::now() + attempt.timeout;
     let log_err = |err: reqwest::Error| {
@@ -253,7 +260,12 @@ async fn send(client: &reqwest::Client, attempt: &Attempt) -> Result<Reply, Tran
             usage: usage.clone(),
             strip_usage_chunk: attempt.stream_usage,
         };
-        return Ok(Reply { status, headers, body: ReplyBody::Stream(relay.body(first, chunks)), stream_usage: Some(usage) });
+        return Ok(Reply {
+            status,
+            headers,
+            body: ReplyBody::Stream(relay.body(first, chunks)),
+            stream_usage: Some(usage),
+        });
     } else {
         let bytes = tokio::time::timeout_at(deadline, response.bytes())
             .await
@@ -261,5 +273,10 @@ async fn send(client: &reqwest::Client, attempt: &Attempt) -> Result<Reply, Tran
             .map_err(log_err)?;
         ReplyBody::Full(bytes)
     };
-    Ok(Reply { status, headers, body, stream_usage: None })
+    Ok(Reply {
+        status,
+        headers,
+        body,
+        stream_usage: None,
+    })
 }

@@ -79,15 +79,29 @@ impl StreamUsage {
         match api {
             ApiKind::OpenAi => {
                 if let Some(usage) = event.get("usage").filter(|u| u.is_object()) {
-                    state.input = usage.get("prompt_tokens").and_then(Value::as_u64).or(state.input);
-                    state.output = usage.get("completion_tokens").and_then(Value::as_u64).or(state.output);
+                    state.input = usage
+                        .get("prompt_tokens")
+                        .and_then(Value::as_u64)
+                        .or(state.input);
+                    state.output = usage
+                        .get("completion_tokens")
+                        .and_then(Value::as_u64)
+                        .or(state.output);
                 }
             }
             ApiKind::Anthropic => {
-                let usage = event.pointer("/message/usage").or_else(|| event.get("usage"));
+                let usage = event
+                    .pointer("/message/usage")
+                    .or_else(|| event.get("usage"));
                 if let Some(usage) = usage {
-                    state.input = usage.get("input_tokens").and_then(Value::as_u64).or(state.input);
-                    state.output = usage.get("output_tokens").and_then(Value::as_u64).or(state.output);
+                    state.input = usage
+                        .get("input_tokens")
+                        .and_then(Value::as_u64)
+                        .or(state.input);
+                    state.output = usage
+                        .get("output_tokens")
+                        .and_then(Value::as_u64)
+                        .or(state.output);
                 }
             }
         }
@@ -106,7 +120,10 @@ impl Drop for Finish {
 /// The end of the last complete event in `buf`, if any.
 fn last_boundary(buf: &[u8]) -> Option<usize> {
     let lf = buf.windows(2).rposition(|w| w == b"\n\n").map(|i| i + 2);
-    let crlf = buf.windows(4).rposition(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    let crlf = buf
+        .windows(4)
+        .rposition(|w| w == b"\r\n\r\n")
+        .map(|i| i + 4);
     lf.max(crlf)
 }
 
@@ -146,7 +163,10 @@ impl Relay {
             let mut remove = false;
             if let Some(json) = event_json(event) {
                 self.usage.observe(self.api, &json);
-                let usage_only = json.get("choices").and_then(Value::as_array).is_some_and(Vec::is_empty);
+                let usage_only = json
+                    .get("choices")
+                    .and_then(Value::as_array)
+                    .is_some_and(Vec::is_empty);
                 remove = self.strip_usage_chunk && self.api == ApiKind::OpenAi && usage_only;
             }
             if remove {
@@ -168,7 +188,11 @@ impl Relay {
     /// The client-side body of a stream whose `first` chunk has already arrived. A
     /// transport error or a silence longer than `idle` afterwards ends the stream with one
     /// error event in the caller's API, instead of a silently cut connection.
-    pub(super) fn body(self, first: Bytes, rest: BoxStream<'static, reqwest::Result<Bytes>>) -> Body {
+    pub(super) fn body(
+        self,
+        first: Bytes,
+        rest: BoxStream<'static, reqwest::Result<Bytes>>,
+    ) -> Body {
         struct State {
             relay: Relay,
             upstream: Option<BoxStream<'static, reqwest::Result<Bytes>>>,
@@ -177,7 +201,13 @@ impl Relay {
             _finish: Finish,
         }
         let finish = Finish(self.usage.clone());
-        let state = State { relay: self, upstream: Some(rest), pending: BytesMut::new(), first: Some(first), _finish: finish };
+        let state = State {
+            relay: self,
+            upstream: Some(rest),
+            pending: BytesMut::new(),
+            first: Some(first),
+            _finish: finish,
+        };
         let chunks = stream::unfold(state, |mut st| async move {
             loop {
                 let chunk = match st.first.take() {
@@ -187,10 +217,17 @@ impl Relay {
                         match tokio::time::timeout(st.relay.idle, upstream.next()).await {
                             Ok(next) => next,
                             Err(_) => {
-                                tracing::warn!(idle_ms = st.relay.idle.as_millis() as u64, "upstream stream went silent");
+                                tracing::warn!(
+                                    idle_ms = st.relay.idle.as_millis() as u64,
+                                    "upstream stream went silent"
+                                );
                                 metrics::counter!("backstop_stream_errors_total", "reason" => "idle").increment(1);
                                 st.upstream = None;
-                                let event = stream_error_event(st.relay.api, "upstream_timeout", "the upstream stream went silent");
+                                let event = stream_error_event(
+                                    st.relay.api,
+                                    "upstream_timeout",
+                                    "the upstream stream went silent",
+                                );
                                 return Some((Ok::<Bytes, std::io::Error>(event), st));
                             }
                         }
@@ -199,7 +236,9 @@ impl Relay {
                 match chunk {
                     Some(Ok(chunk)) => {
                         st.pending.extend_from_slice(&chunk);
-                        let Some(end) = last_boundary(&st.pending) else { continue };
+                        let Some(end) = last_boundary(&st.pending) else {
+                            continue;
+                        };
                         let complete = st.pending.split_to(end).freeze();
                         let out = st.relay.pass(complete);
                         if out.is_empty() {
@@ -217,10 +256,15 @@ impl Relay {
                     }
                     Some(Err(err)) => {
                         tracing::warn!(error = %err, "upstream stream broke after the first byte");
-                        metrics::counter!("backstop_stream_errors_total", "reason" => "broken").increment(1);
+                        metrics::counter!("backstop_stream_errors_total", "reason" => "broken")
+                            .increment(1);
                         st.upstream = None;
                         let mut out = st.pending.split();
-                        out.extend_from_slice(&stream_error_event(st.relay.api, "upstream_stream_error", "the upstream stream ended unexpectedly"));
+                        out.extend_from_slice(&stream_error_event(
+                            st.relay.api,
+                            "upstream_stream_error",
+                            "the upstream stream ended unexpectedly",
+                        ));
                         return Some((Ok(out.freeze()), st));
                     }
                 }
@@ -245,7 +289,12 @@ mod tests {
     use super::*;
 
     fn relay(strip: bool, api: ApiKind) -> Relay {
-        Relay { api, idle: Duration::from_secs(1), usage: Arc::default(), strip_usage_chunk: strip }
+        Relay {
+            api,
+            idle: Duration::from_secs(1),
+            usage: Arc::default(),
+            strip_usage_chunk: strip,
+        }
     }
 
     #[test]
@@ -253,7 +302,10 @@ mod tests {
         let r = relay(true, ApiKind::OpenAi);
         let input = Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n");
         let out = r.pass(input);
-        assert_eq!(&out[..], b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n");
+        assert_eq!(
+            &out[..],
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n"
+        );
         let seen = Arc::new(Mutex::new(None));
         let s = seen.clone();
         r.usage.on_end(move |u| *s.lock().unwrap() = u);
@@ -264,7 +316,9 @@ mod tests {
     #[test]
     fn a_client_requested_usage_chunk_is_kept() {
         let r = relay(false, ApiKind::OpenAi);
-        let input = Bytes::from_static(b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\n");
+        let input = Bytes::from_static(
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\n",
+        );
         assert_eq!(r.pass(input.clone()), input);
     }
 

@@ -69,13 +69,22 @@ pub struct BadSchema(pub String);
 
 impl Expectations {
     /// The request's expectations, or `None` when nothing is to be validated.
-    pub fn from_request(api: ApiKind, request: &Map<String, Value>, route_schema: Option<&Arc<Value>>, schemas: &Schemas) -> Result<Option<Self>, BadSchema> {
+    pub fn from_request(
+        api: ApiKind,
+        request: &Map<String, Value>,
+        route_schema: Option<&Arc<Value>>,
+        schemas: &Schemas,
+    ) -> Result<Option<Self>, BadSchema> {
         let mut content = None;
         if let Some(format) = request.get("response_format") {
             match format.get("type").and_then(Value::as_str) {
                 Some("json_schema") => {
-                    let schema = format.pointer("/json_schema/schema").ok_or_else(|| BadSchema("response_format.json_schema.schema is missing".into()))?;
-                    content = Some(ContentRule::Schema(schemas.get(schema).map_err(|e| BadSchema(format!("response_format.json_schema.schema: {e}")))?));
+                    let schema = format.pointer("/json_schema/schema").ok_or_else(|| {
+                        BadSchema("response_format.json_schema.schema is missing".into())
+                    })?;
+                    content = Some(ContentRule::Schema(schemas.get(schema).map_err(|e| {
+                        BadSchema(format!("response_format.json_schema.schema: {e}"))
+                    })?));
                 }
                 Some("json_object") => content = Some(ContentRule::JsonObject),
                 _ => {}
@@ -87,20 +96,34 @@ impl Expectations {
             }
         }
         let mut tools = HashMap::new();
-        for tool in request.get("tools").and_then(Value::as_array).into_iter().flatten() {
+        for tool in request
+            .get("tools")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
             let (name, schema) = match api {
-                ApiKind::OpenAi => (tool.pointer("/function/name"), tool.pointer("/function/parameters")),
+                ApiKind::OpenAi => (
+                    tool.pointer("/function/name"),
+                    tool.pointer("/function/parameters"),
+                ),
                 ApiKind::Anthropic => (tool.get("name"), tool.get("input_schema")),
             };
             if let (Some(Value::String(name)), Some(schema)) = (name, schema) {
-                let validator = schemas.get(schema).map_err(|e| BadSchema(format!("tool {name}: {e}")))?;
+                let validator = schemas
+                    .get(schema)
+                    .map_err(|e| BadSchema(format!("tool {name}: {e}")))?;
                 tools.insert(name.clone(), validator);
             }
         }
         if content.is_none() && tools.is_empty() {
             return Ok(None);
         }
-        Ok(Some(Expectations { api, content, tools }))
+        Ok(Some(Expectations {
+            api,
+            content,
+            tools,
+        }))
     }
 
     /// Checks one (non-streaming) answer body.
@@ -111,36 +134,72 @@ impl Expectations {
                 if self.tools.is_empty() {
                     continue;
                 }
-                return Err(Invalid { problem: Problem::ToolArgs, errors: vec![format!("there is no tool named `{name}`")], output: args.to_string(), tool: Some(name.clone()) });
+                return Err(Invalid {
+                    problem: Problem::ToolArgs,
+                    errors: vec![format!("there is no tool named `{name}`")],
+                    output: args.to_string(),
+                    tool: Some(name.clone()),
+                });
             };
             let parsed = match args {
                 ToolArgs::Raw(text) => match serde_json::from_str::<Value>(text) {
                     Ok(v) => v,
-                    Err(e) => return Err(Invalid { problem: Problem::ToolArgs, errors: vec![format!("arguments are not valid JSON: {e}")], output: text.clone(), tool: Some(name.clone()) }),
+                    Err(e) => {
+                        return Err(Invalid {
+                            problem: Problem::ToolArgs,
+                            errors: vec![format!("arguments are not valid JSON: {e}")],
+                            output: text.clone(),
+                            tool: Some(name.clone()),
+                        })
+                    }
                 },
                 ToolArgs::Parsed(v) => v.clone(),
             };
             let errors = schema_errors(validator, &parsed);
             if !errors.is_empty() {
-                return Err(Invalid { problem: Problem::ToolArgs, errors, output: parsed.to_string(), tool: Some(name.clone()) });
+                return Err(Invalid {
+                    problem: Problem::ToolArgs,
+                    errors,
+                    output: parsed.to_string(),
+                    tool: Some(name.clone()),
+                });
             }
         }
         // A tool-calling answer carries no content to check.
-        let Some(rule) = self.content.as_ref().filter(|_| calls.is_empty()) else { return Ok(()) };
+        let Some(rule) = self.content.as_ref().filter(|_| calls.is_empty()) else {
+            return Ok(());
+        };
         let text = content_text(self.api, answer);
         let parsed = match serde_json::from_str::<Value>(strip_fences(&text)) {
             Ok(v) => v,
-            Err(e) => return Err(Invalid { problem: Problem::Json, errors: vec![format!("the answer is not valid JSON: {e}")], output: text, tool: None }),
+            Err(e) => {
+                return Err(Invalid {
+                    problem: Problem::Json,
+                    errors: vec![format!("the answer is not valid JSON: {e}")],
+                    output: text,
+                    tool: None,
+                })
+            }
         };
         match rule {
-            ContentRule::JsonObject if !parsed.is_object() => Err(Invalid { problem: Problem::Json, errors: vec!["the answer must be a JSON object".into()], output: text, tool: None }),
+            ContentRule::JsonObject if !parsed.is_object() => Err(Invalid {
+                problem: Problem::Json,
+                errors: vec!["the answer must be a JSON object".into()],
+                output: text,
+                tool: None,
+            }),
             ContentRule::JsonObject => Ok(()),
             ContentRule::Schema(validator) => {
                 let errors = schema_errors(validator, &parsed);
                 if errors.is_empty() {
                     Ok(())
                 } else {
-                    Err(Invalid { problem: Problem::Schema, errors, output: text, tool: None })
+                    Err(Invalid {
+                        problem: Problem::Schema,
+                        errors,
+                        output: text,
+                        tool: None,
+                    })
                 }
             }
         }
@@ -201,7 +260,11 @@ fn tool_calls(api: ApiKind, answer: &Value) -> Vec<(String, ToolArgs)> {
             .flatten()
             .filter_map(|c| {
                 let name = c.pointer("/function/name")?.as_str()?.to_string();
-                let args = c.pointer("/function/arguments").and_then(Value::as_str).unwrap_or("").to_string();
+                let args = c
+                    .pointer("/function/arguments")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_string();
                 Some((name, ToolArgs::Raw(args)))
             })
             .collect(),
@@ -211,7 +274,12 @@ fn tool_calls(api: ApiKind, answer: &Value) -> Vec<(String, ToolArgs)> {
             .into_iter()
             .flatten()
             .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
-            .filter_map(|b| Some((b.get("name")?.as_str()?.to_string(), ToolArgs::Parsed(b.get("input").cloned().unwrap_or(Value::Null)))))
+            .filter_map(|b| {
+                Some((
+                    b.get("name")?.as_str()?.to_string(),
+                    ToolArgs::Parsed(b.get("input").cloned().unwrap_or(Value::Null)),
+                ))
+            })
             .collect(),
     }
 }
@@ -219,7 +287,11 @@ fn tool_calls(api: ApiKind, answer: &Value) -> Vec<(String, ToolArgs)> {
 /// The answer's text: OpenAI `message.content`, Anthropic's text blocks joined.
 fn content_text(api: ApiKind, answer: &Value) -> String {
     match api {
-        ApiKind::OpenAi => answer.pointer("/choices/0/message/content").and_then(Value::as_str).unwrap_or("").to_string(),
+        ApiKind::OpenAi => answer
+            .pointer("/choices/0/message/content")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string(),
         ApiKind::Anthropic => answer
             .get("content")
             .and_then(Value::as_array)
@@ -235,7 +307,9 @@ fn content_text(api: ApiKind, answer: &Value) -> String {
 pub fn corrective_request(request: &Map<String, Value>, invalid: &Invalid) -> Map<String, Value> {
     let mut next = request.clone();
     let what = match (&invalid.problem, &invalid.tool) {
-        (Problem::ToolArgs, Some(tool)) => format!("Your call to the tool `{tool}` had invalid arguments"),
+        (Problem::ToolArgs, Some(tool)) => {
+            format!("Your call to the tool `{tool}` had invalid arguments")
+        }
         (Problem::Json, _) => "Your previous answer was not valid JSON".to_string(),
         _ => "Your previous answer did not match the required JSON schema".to_string(),
     };
@@ -243,8 +317,18 @@ pub fn corrective_request(request: &Map<String, Value>, invalid: &Invalid) -> Ma
         Problem::ToolArgs => "Call the tool again with arguments that match its schema exactly.",
         _ => "Answer again with only the corrected JSON, in the required format, and nothing else.",
     };
-    let feedback = format!("{what}. Errors:\n{}\n{ask}", invalid.errors.iter().map(|e| format!("- {e}")).collect::<Vec<_>>().join("\n"));
-    let messages = next.entry("messages").or_insert_with(|| Value::Array(Vec::new()));
+    let feedback = format!(
+        "{what}. Errors:\n{}\n{ask}",
+        invalid
+            .errors
+            .iter()
+            .map(|e| format!("- {e}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let messages = next
+        .entry("messages")
+        .or_insert_with(|| Value::Array(Vec::new()));
     if let Value::Array(messages) = messages {
         messages.push(json!({"role": "assistant", "content": invalid.output}));
         messages.push(json!({"role": "user", "content": feedback}));
@@ -265,68 +349,142 @@ mod tests {
     }
 
     fn expectations(request: Value) -> Expectations {
-        let Value::Object(request) = request else { panic!() };
-        Expectations::from_request(ApiKind::OpenAi, &request, None, &Schemas::new(16)).unwrap().unwrap()
+        let Value::Object(request) = request else {
+            panic!()
+        };
+        Expectations::from_request(ApiKind::OpenAi, &request, None, &Schemas::new(16))
+            .unwrap()
+            .unwrap()
     }
 
     #[test]
     fn schema_errors_are_listed_by_path() {
-        let e = expectations(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": weather_schema(), "strict": true}}}));
-        assert!(e.check(&openai_answer(r#"{"city": "Paris", "temp_c": 21.5}"#)).is_ok());
+        let e = expectations(
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": weather_schema(), "strict": true}}}),
+        );
+        assert!(e
+            .check(&openai_answer(r#"{"city": "Paris", "temp_c": 21.5}"#))
+            .is_ok());
         let invalid = e.check(&openai_answer(r#"{"city": "Paris"}"#)).unwrap_err();
         assert_eq!(invalid.problem, Problem::Schema);
-        assert_eq!(invalid.errors, [r#"/temp_c: "temp_c" is a required property"#]);
-        let invalid = e.check(&openai_answer(r#"{"city": 3, "temp_c": "hot"}"#)).unwrap_err();
+        assert_eq!(
+            invalid.errors,
+            [r#"/temp_c: "temp_c" is a required property"#]
+        );
+        let invalid = e
+            .check(&openai_answer(r#"{"city": 3, "temp_c": "hot"}"#))
+            .unwrap_err();
         assert_eq!(invalid.errors.len(), 2, "{:?}", invalid.errors);
         assert!(invalid.errors.iter().any(|e| e.starts_with("/city: ")));
         let invalid = e.check(&openai_answer("It is sunny.")).unwrap_err();
         assert_eq!(invalid.problem, Problem::Json);
-        assert!(e.check(&openai_answer("```json\n{\"city\": \"Oslo\", \"temp_c\": -3}\n```")).is_ok());
+        assert!(e
+            .check(&openai_answer(
+                "```json\n{\"city\": \"Oslo\", \"temp_c\": -3}\n```"
+            ))
+            .is_ok());
     }
 
     #[test]
     fn json_object_mode_wants_an_object() {
         let e = expectations(json!({"response_format": {"type": "json_object"}}));
         assert!(e.check(&openai_answer(r#"{"a": 1}"#)).is_ok());
-        assert_eq!(e.check(&openai_answer("[1, 2]")).unwrap_err().problem, Problem::Json);
+        assert_eq!(
+            e.check(&openai_answer("[1, 2]")).unwrap_err().problem,
+            Problem::Json
+        );
     }
 
     #[test]
     fn tool_arguments_are_checked_per_tool_for_both_apis() {
-        let e = expectations(json!({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": weather_schema()}}]}));
+        let e = expectations(
+            json!({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": weather_schema()}}]}),
+        );
         let call = |args: &str| json!({"choices": [{"message": {"tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": args}}]}}]});
         assert!(e.check(&call(r#"{"city": "Rome", "temp_c": 30}"#)).is_ok());
         let invalid = e.check(&call(r#"{"city": "Rome"}"#)).unwrap_err();
-        assert_eq!((invalid.problem, invalid.tool.as_deref()), (Problem::ToolArgs, Some("get_weather")));
-        assert_eq!(e.check(&call("{city: Rome")).unwrap_err().problem, Problem::ToolArgs);
-        assert!(e.check(&openai_answer("plain text is fine when no format is required")).is_ok());
+        assert_eq!(
+            (invalid.problem, invalid.tool.as_deref()),
+            (Problem::ToolArgs, Some("get_weather"))
+        );
+        assert_eq!(
+            e.check(&call("{city: Rome")).unwrap_err().problem,
+            Problem::ToolArgs
+        );
+        assert!(e
+            .check(&openai_answer(
+                "plain text is fine when no format is required"
+            ))
+            .is_ok());
 
-        let Value::Object(request) = json!({"tools": [{"name": "get_weather", "input_schema": weather_schema()}]}) else { panic!() };
-        let e = Expectations::from_request(ApiKind::Anthropic, &request, None, &Schemas::new(4)).unwrap().unwrap();
+        let Value::Object(request) =
+            json!({"tools": [{"name": "get_weather", "input_schema": weather_schema()}]})
+        else {
+            panic!()
+        };
+        let e = Expectations::from_request(ApiKind::Anthropic, &request, None, &Schemas::new(4))
+            .unwrap()
+            .unwrap();
         let answer = json!({"content": [{"type": "text", "text": "calling"}, {"type": "tool_use", "name": "get_weather", "input": {"city": "Rome", "temp_c": "warm"}}]});
         let invalid = e.check(&answer).unwrap_err();
         assert_eq!(invalid.errors.len(), 1);
-        assert!(invalid.errors[0].starts_with("/temp_c: "), "{:?}", invalid.errors);
+        assert!(
+            invalid.errors[0].starts_with("/temp_c: "),
+            "{:?}",
+            invalid.errors
+        );
     }
 
     #[test]
     fn no_format_means_no_validation() {
-        let Value::Object(request) = json!({"model": "m", "messages": []}) else { panic!() };
-        assert!(Expectations::from_request(ApiKind::OpenAi, &request, None, &Schemas::new(4)).unwrap().is_none());
+        let Value::Object(request) = json!({"model": "m", "messages": []}) else {
+            panic!()
+        };
+        assert!(
+            Expectations::from_request(ApiKind::OpenAi, &request, None, &Schemas::new(4))
+                .unwrap()
+                .is_none()
+        );
         let route = Arc::new(weather_schema());
-        assert!(Expectations::from_request(ApiKind::OpenAi, &request, Some(&route), &Schemas::new(4)).unwrap().is_some());
+        assert!(Expectations::from_request(
+            ApiKind::OpenAi,
+            &request,
+            Some(&route),
+            &Schemas::new(4)
+        )
+        .unwrap()
+        .is_some());
     }
 
     #[test]
     fn the_corrective_request_holds_the_output_and_the_errors() {
-        let Value::Object(request) = json!({"model": "m", "messages": [{"role": "user", "content": "weather?"}]}) else { panic!() };
-        let invalid = Invalid { problem: Problem::Schema, errors: vec![r#"/temp_c: "temp_c" is a required property"#.into()], output: r#"{"city":"Paris"}"#.into(), tool: None };
+        let Value::Object(request) =
+            json!({"model": "m", "messages": [{"role": "user", "content": "weather?"}]})
+        else {
+            panic!()
+        };
+        let invalid = Invalid {
+            problem: Problem::Schema,
+            errors: vec![r#"/temp_c: "temp_c" is a required property"#.into()],
+            output: r#"{"city":"Paris"}"#.into(),
+            tool: None,
+        };
         let next = corrective_request(&request, &invalid);
         let messages = next["messages"].as_array().unwrap();
         assert_eq!(messages.len(), 3);
-        assert_eq!(messages[1], json!({"role": "assistant", "content": r#"{"city":"Paris"}"#}));
+        assert_eq!(
+            messages[1],
+            json!({"role": "assistant", "content": r#"{"city":"Paris"}"#})
+        );
         let feedback = messages[2]["content"].as_str().unwrap();
-        assert!(feedback.contains(r#"- /temp_c: "temp_c" is a required property"#), "{feedback}");
-        assert_eq!(request["messages"].as_array().unwrap().len(), 1, "the original is untouched");
+        assert!(
+            feedback.contains(r#"- /temp_c: "temp_c" is a required property"#),
+            "{feedback}"
+        );
+        assert_eq!(
+            request["messages"].as_array().unwrap().len(),
+            1,
+            "the original is untouched"
+        );
     }
 }

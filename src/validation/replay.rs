@@ -30,11 +30,21 @@ fn openai(answer: &Value, include_usage: bool) -> String {
             "created": answer.get("created"), "model": answer.get("model"), "choices": choices,
         })
     };
-    let message = answer.pointer("/choices/0/message").cloned().unwrap_or(Value::Null);
-    let finish = answer.pointer("/choices/0/finish_reason").cloned().unwrap_or(json!("stop"));
-    let mut out = data(&base(json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}])));
+    let message = answer
+        .pointer("/choices/0/message")
+        .cloned()
+        .unwrap_or(Value::Null);
+    let finish = answer
+        .pointer("/choices/0/finish_reason")
+        .cloned()
+        .unwrap_or(json!("stop"));
+    let mut out = data(&base(
+        json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]),
+    ));
     if let Some(content) = message.get("content").and_then(Value::as_str) {
-        out += &data(&base(json!([{"index": 0, "delta": {"content": content}, "finish_reason": null}])));
+        out += &data(&base(
+            json!([{"index": 0, "delta": {"content": content}, "finish_reason": null}]),
+        ));
     }
     if let Some(calls) = message.get("tool_calls").and_then(Value::as_array) {
         let deltas: Vec<Value> = calls
@@ -42,9 +52,13 @@ fn openai(answer: &Value, include_usage: bool) -> String {
             .enumerate()
             .map(|(i, c)| json!({"index": i, "id": c.get("id"), "type": "function", "function": c.get("function")}))
             .collect();
-        out += &data(&base(json!([{"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": null}])));
+        out += &data(&base(
+            json!([{"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": null}]),
+        ));
     }
-    out += &data(&base(json!([{"index": 0, "delta": {}, "finish_reason": finish}])));
+    out += &data(&base(
+        json!([{"index": 0, "delta": {}, "finish_reason": finish}]),
+    ));
     if include_usage {
         let mut usage = base(json!([]));
         usage["usage"] = answer.get("usage").cloned().unwrap_or(Value::Null);
@@ -58,23 +72,47 @@ fn anthropic(answer: &Value) -> String {
     start["content"] = json!([]);
     start["stop_reason"] = Value::Null;
     let usage = answer.get("usage").cloned().unwrap_or(json!({}));
-    let mut out = event("message_start", &json!({"type": "message_start", "message": start}));
-    for (i, block) in answer.get("content").and_then(Value::as_array).into_iter().flatten().enumerate() {
+    let mut out = event(
+        "message_start",
+        &json!({"type": "message_start", "message": start}),
+    );
+    for (i, block) in answer
+        .get("content")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
         match block.get("type").and_then(Value::as_str) {
             Some("tool_use") => {
                 let mut empty = block.clone();
                 empty["input"] = json!({});
-                out += &event("content_block_start", &json!({"type": "content_block_start", "index": i, "content_block": empty}));
+                out += &event(
+                    "content_block_start",
+                    &json!({"type": "content_block_start", "index": i, "content_block": empty}),
+                );
                 let partial = block.get("input").map(Value::to_string).unwrap_or_default();
-                out += &event("content_block_delta", &json!({"type": "content_block_delta", "index": i, "delta": {"type": "input_json_delta", "partial_json": partial}}));
+                out += &event(
+                    "content_block_delta",
+                    &json!({"type": "content_block_delta", "index": i, "delta": {"type": "input_json_delta", "partial_json": partial}}),
+                );
             }
             _ => {
-                out += &event("content_block_start", &json!({"type": "content_block_start", "index": i, "content_block": {"type": "text", "text": ""}}));
+                out += &event(
+                    "content_block_start",
+                    &json!({"type": "content_block_start", "index": i, "content_block": {"type": "text", "text": ""}}),
+                );
                 let text = block.get("text").and_then(Value::as_str).unwrap_or("");
-                out += &event("content_block_delta", &json!({"type": "content_block_delta", "index": i, "delta": {"type": "text_delta", "text": text}}));
+                out += &event(
+                    "content_block_delta",
+                    &json!({"type": "content_block_delta", "index": i, "delta": {"type": "text_delta", "text": text}}),
+                );
             }
         }
-        out += &event("content_block_stop", &json!({"type": "content_block_stop", "index": i}));
+        out += &event(
+            "content_block_stop",
+            &json!({"type": "content_block_stop", "index": i}),
+        );
     }
     out += &event(
         "message_delta",

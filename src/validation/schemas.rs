@@ -28,7 +28,11 @@ fn content_hash(schema: &Value) -> u64 {
 
 impl Schemas {
     pub fn new(capacity: u64) -> Self {
-        Schemas { cache: Cache::new(capacity), hits: AtomicU64::new(0), misses: AtomicU64::new(0) }
+        Schemas {
+            cache: Cache::new(capacity),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+        }
     }
 
     /// The compiled schema, from the cache or compiled now.
@@ -48,7 +52,10 @@ impl Schemas {
 
     /// (hits, misses) since start.
     pub fn stats(&self) -> (u64, u64) {
-        (self.hits.load(Ordering::Relaxed), self.misses.load(Ordering::Relaxed))
+        (
+            self.hits.load(Ordering::Relaxed),
+            self.misses.load(Ordering::Relaxed),
+        )
     }
 }
 

@@ -124,7 +124,13 @@ pub async fn start_with(edit: impl FnOnce(String) -> String) -> Gateway {
 
 impl Gateway {
     /// POSTs `body` to `path` with the tenant key and extra headers.
-    pub async fn post(&self, path: &str, key: Option<&str>, headers: &[(&str, &str)], body: impl Into<reqwest::Body>) -> reqwest::Response {
+    pub async fn post(
+        &self,
+        path: &str,
+        key: Option<&str>,
+        headers: &[(&str, &str)],
+        body: impl Into<reqwest::Body>,
+    ) -> reqwest::Response {
         let mut req = self.http.post(format!("{}{path}", self.url)).body(body);
         if let Some(key) = key {
             req = if path == "/v1/messages" {
@@ -144,7 +150,13 @@ impl Gateway {
         if !fault.is_empty() {
             headers.push(("x-mock-fault", fault));
         }
-        self.post("/v1/chat/completions", Some(KEY_A), &headers, body.to_string()).await
+        self.post(
+            "/v1/chat/completions",
+            Some(KEY_A),
+            &headers,
+            body.to_string(),
+        )
+        .await
     }
 }
 
@@ -168,11 +180,21 @@ impl Binary {
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        let url = format!("http://127.0.0.1:{port}");
+        // Owned from here on, so the process is killed even if it never gets ready.
+        let binary = Binary {
+            url: format!("http://127.0.0.1:{port}"),
+            config: config.to_path_buf(),
+            child,
+        };
         let http = reqwest::Client::new();
         for _ in 0..200 {
-            if http.get(format!("{url}/readyz")).send().await.is_ok_and(|r| r.status() == 200) {
-                return Binary { url, config: config.to_path_buf(), child };
+            if http
+                .get(format!("{}/readyz", binary.url))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+            {
+                return binary;
             }
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
