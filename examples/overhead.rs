@@ -7,53 +7,21 @@
 //! Prints p50/p99 for concurrency 1 and 32, direct and through Backstop, and the time to
 //! first chunk of a stream.
 
+#[path = "common/mod.rs"]
+mod common;
+
 use std::{
-    process::{Child, Command, Stdio},
+    process::{Command, Stdio},
     sync::Arc,
     time::{Duration, Instant},
 };
+
+use common::*;
 
 use futures_util::StreamExt;
 
 const KEY: &str = "bk-bench-key-0001";
 const BUDGETED: &str = "bk-bench-budgeted-0001";
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-async fn wait_up(http: &reqwest::Client, url: &str) {
-    for _ in 0..200 {
-        if http
-            .get(url)
-            .send()
-            .await
-            .is_ok_and(|r| r.status().is_success())
-        {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{url} did not come up");
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> f64 {
-    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[idx].as_secs_f64() * 1e3
-}
 
 /// `total` requests spread over `concurrency` closed-loop workers; latencies sorted.
 async fn run(
@@ -232,18 +200,18 @@ tokens_per_day = 100000000000
         let (b, brps) = run(&http, &through, true, total, concurrency).await;
         println!(
             "| direct | {concurrency} | {:.3} | {:.3} | {drps:.0} |",
-            percentile(&d, 0.5),
-            percentile(&d, 0.99)
+            pct(&d, 0.5),
+            pct(&d, 0.99)
         );
         println!(
             "| backstop | {concurrency} | {:.3} | {:.3} | {brps:.0} |",
-            percentile(&b, 0.5),
-            percentile(&b, 0.99)
+            pct(&b, 0.5),
+            pct(&b, 0.99)
         );
         println!(
             "| added | {concurrency} | {:+.3} | {:+.3} | {:.0}% of direct |",
-            percentile(&b, 0.5) - percentile(&d, 0.5),
-            percentile(&b, 0.99) - percentile(&d, 0.99),
+            pct(&b, 0.5) - pct(&d, 0.5),
+            pct(&b, 0.99) - pct(&d, 0.99),
             brps / drps * 100.0
         );
     }
@@ -263,13 +231,13 @@ tokens_per_day = 100000000000
         .await;
         println!(
             "| no limits | {:.3} | {:.3} | {prps:.0} |",
-            percentile(&p, 0.5),
-            percentile(&p, 0.99)
+            pct(&p, 0.5),
+            pct(&p, 0.99)
         );
         println!(
             "| all limits + session | {:.3} | {:.3} | {brps:.0} |",
-            percentile(&b, 0.5),
-            percentile(&b, 0.99)
+            pct(&b, 0.5),
+            pct(&b, 0.99)
         );
     }
 
@@ -278,15 +246,7 @@ tokens_per_day = 100000000000
     let b = first_chunk(&http, &through, true, n).await;
     println!("\nTime to first stream chunk, {n} sequential streams:");
     println!("| path | p50 ms | p99 ms |\n|---|---|---|");
-    println!(
-        "| direct | {:.3} | {:.3} |",
-        percentile(&d, 0.5),
-        percentile(&d, 0.99)
-    );
-    println!(
-        "| backstop | {:.3} | {:.3} |",
-        percentile(&b, 0.5),
-        percentile(&b, 0.99)
-    );
+    println!("| direct | {:.3} | {:.3} |", pct(&d, 0.5), pct(&d, 0.99));
+    println!("| backstop | {:.3} | {:.3} |", pct(&b, 0.5), pct(&b, 0.99));
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -3,8 +3,10 @@
 //!
 //!     cargo build --release && cargo run --release --example sessions -- [SESSIONS]
 
+#[path = "common/mod.rs"]
+mod common;
+
 use std::{
-    process::{Command, Stdio},
     sync::{
         atomic::{AtomicUsize, Ordering},
         Arc,
@@ -13,26 +15,9 @@ use std::{
 };
 
 use backstop::{budgets::Budgets, config::Config, store::Store};
+use common::*;
 
 const KEY: &str = "bk-bench-sessions-01";
-
-fn rss_kb(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 #[tokio::main]
 async fn main() {
@@ -111,12 +96,10 @@ usd_per_day = 100000.0
     // 2. The real binary: RSS after `sessions` distinct sessions went through it.
     let config_path = dir.join("sessions.toml");
     std::fs::write(&config_path, &config_text).unwrap();
-    let bin = std::env::var("BACKSTOP_BIN").unwrap_or_else(|_| "target/release/backstop".into());
-    let mut child = Command::new(bin)
-        .args(["serve", "--config", config_path.to_str().unwrap()])
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let child = Proc::spawn(
+        &backstop_bin(),
+        &["serve", "--config", config_path.to_str().unwrap()],
+    );
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(64)
         .build()
@@ -133,8 +116,8 @@ usd_per_day = 100000.0
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let pid = child.id();
-    println!("| RSS at start | {} MB |", rss_kb(pid, "VmRSS:") / 1024);
+    let pid = child.pid();
+    println!("| RSS at start | {} MB |", proc_kb(pid, "VmRSS:") / 1024);
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -165,10 +148,9 @@ usd_per_day = 100000.0
     println!(
         "| RSS after {sessions} distinct sessions ({:.1} s) | {} MB (peak {} MB) |",
         started.elapsed().as_secs_f64(),
-        rss_kb(pid, "VmRSS:") / 1024,
-        rss_kb(pid, "VmHWM:") / 1024
+        proc_kb(pid, "VmRSS:") / 1024,
+        proc_kb(pid, "VmHWM:") / 1024
     );
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
     let _ = std::fs::remove_dir_all(&dir);
 }

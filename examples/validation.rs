@@ -4,35 +4,17 @@
 //!
 //!     cargo build --release && cargo run --release --example validation -- [REQUESTS]
 
-use std::{
-    process::{Child, Command, Stdio},
-    time::{Duration, Instant},
-};
+#[path = "common/mod.rs"]
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
 
 use base64::Engine;
 use serde_json::{json, Value};
 
 const KEY: &str = "bk-bench-validation1";
-
-struct Proc(Child);
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn pct(sorted: &[Duration], p: f64) -> f64 {
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3
-}
 
 fn schema(variant: usize) -> Value {
     json!({
@@ -102,13 +84,9 @@ async fn main() {
         ),
     )
     .unwrap();
-    let bin = std::env::var("BACKSTOP_BIN").unwrap_or_else(|_| "target/release/backstop".into());
-    let _gw = Proc(
-        Command::new(bin)
-            .args(["serve", "--config", config.to_str().unwrap()])
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+    let _gw = Proc::spawn(
+        &backstop_bin(),
+        &["serve", "--config", config.to_str().unwrap()],
     );
     let http = reqwest::Client::new();
     let url = format!("http://127.0.0.1:{port}");
