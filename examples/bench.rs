@@ -358,12 +358,30 @@ async fn main() {
     let share = bs.rps / ds.rps * 100.0;
     let peak_mb = peak as f64 / 1024.0;
     let after_mb = after as f64 / 1024.0;
-    let _ = writeln!(out, "\n## Against the targets\n\n| target | measured | |\n|---|---|---|");
-    let _ = writeln!(out, "| added p99 at 1,000 RPS ≤ 0.5 ms (validation off) | {added_p99:+.3} ms | {} |", verdict(added_p99 <= 0.5));
-    let _ = writeln!(out, "| saturation throughput ≥ 50% of direct | {share:.0}% | {} |", verdict(share >= 50.0));
-    let _ = writeln!(out, "| peak RSS under that load ≤ 50 MB | {peak_mb:.1} MB | {} |", verdict(peak_mb <= 50.0));
+    let _ = writeln!(
+        out,
+        "\n## Against the targets\n\n| target | measured | |\n|---|---|---|"
+    );
+    let _ = writeln!(
+        out,
+        "| added p99 at 1,000 RPS ≤ 0.5 ms (validation off) | {added_p99:+.3} ms | {} |",
+        verdict(added_p99 <= 0.5)
+    );
+    let _ = writeln!(
+        out,
+        "| saturation throughput ≥ 50% of direct | {share:.0}% | {} |",
+        verdict(share >= 50.0)
+    );
+    let _ = writeln!(
+        out,
+        "| peak RSS under that load ≤ 50 MB | {peak_mb:.1} MB | {} |",
+        verdict(peak_mb <= 50.0)
+    );
     let _ = writeln!(out, "| RSS after 100,000 distinct sessions ≤ 250 MB | {after_mb:.1} MB ({sessions} sessions; peak {peak_all:.1} MB) | {} |", verdict(after_mb <= 250.0 && sessions >= 100_000));
-    let _ = writeln!(out, "\nWhat limits these figures, and what was changed to reach them: `docs/performance.md`.");
+    let _ = writeln!(
+        out,
+        "\nWhat limits these figures, and what was changed to reach them: `docs/performance.md`."
+    );
     drop(gw);
     let _ = std::fs::remove_dir_all(&dir);
     print!("{out}");

@@ -371,16 +371,6 @@ impl Budgets {
         }
         self.sessions.run_pending_tasks();
     }
-
-    /// Sessions currently held in memory (for memory reports).
-    pub fn live_sessions(&self) -> u64 {
-        self.sessions.run_pending_tasks();
-        self.sessions.entry_count()
-    }
-
-    pub fn is_tenant(&self, tenant: &str) -> bool {
-        self.tenants.contains_key(tenant)
-    }
 }
 
 /// One in-flight request of a session; dropping it frees the slot.

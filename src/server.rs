@@ -29,18 +29,6 @@ impl ServerHandle {
             mock.shutdown();
         }
     }
-
-    /// Waits until the server stops (after a signal or `shutdown`).
-    pub async fn wait(self) {
-        let _ = self.task.await;
-        if let Some(mock) = self.mock {
-            mock.shutdown();
-        }
-    }
-
-    pub fn trigger_shutdown(&self) {
-        let _ = self.shutdown.send(true);
-    }
 }
 
 /// Binds `server.listen` (port 0 picks a free port), starts the built-in mock when

@@ -217,10 +217,6 @@ impl Config {
         }
         Ok(())
     }
-
-    pub fn upstream(&self, name: &str) -> Option<&UpstreamConfig> {
-        self.upstreams.iter().find(|u| u.name == name)
-    }
 }
 
 /// A string that must never be printed: provider keys and tenant keys.
