@@ -254,7 +254,7 @@ async fn max_concurrent_refuses_the_extra_request_while_others_run() {
                 .bearer_auth(CAPPED)
                 .header("x-session-id", "c")
                 .header("x-mock-scenario", scenario)
-                .header("x-mock-fault", "delay=600ms")
+                .header("x-mock-fault", "delay=1500ms")
                 .body(chat(16).to_string())
                 .send()
                 .await
@@ -264,7 +264,8 @@ async fn max_concurrent_refuses_the_extra_request_while_others_run() {
         })
     };
     let (a, b) = (slow("conc"), slow("conc"));
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Both are in flight well before their 1.5 s upstream delay ends.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let resp = call(&gw, CAPPED, "c", "conc", "", chat(16)).await;
     assert_eq!(resp.status(), 429);
     assert_eq!(json(resp).await["error"]["code"], "too_many_concurrent");

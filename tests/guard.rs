@@ -221,7 +221,7 @@ async fn spend_velocity_trips_the_session() {
 
 #[tokio::test]
 async fn after_the_cool_down_one_probe_decides() {
-    let gw = guarded("300ms", "").await;
+    let gw = guarded("1s", "").await;
     for i in 0..5 {
         send(&gw, GUARDED, "probe", "probe", "status=400", &step(i)).await;
     }
@@ -231,7 +231,7 @@ async fn after_the_cool_down_one_probe_decides() {
             .status(),
         429
     );
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     // The probe fails: tripped again.
     let resp = send(&gw, GUARDED, "probe", "probe", "status=400", &step(11)).await;
     assert_eq!(
@@ -247,7 +247,7 @@ async fn after_the_cool_down_one_probe_decides() {
             .status(),
         429
     );
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     // The next probe succeeds: active again.
     let resp = send(&gw, GUARDED, "probe", "probe", "", &step(13)).await;
     assert_eq!(
