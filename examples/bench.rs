@@ -141,13 +141,15 @@ async fn open(http: &reqwest::Client, call: &Call, rate: u64, secs: u64) -> Figu
 }
 
 fn config(port: u16, mock_port: u16, store: &str) -> String {
+    // BENCH_LOG_LEVEL=warn measures without the per-request log line.
+    let level = std::env::var("BENCH_LOG_LEVEL").unwrap_or_else(|_| "info".into());
     format!(
         r#"
 [server]
 listen = "127.0.0.1:{port}"
 [log]
 format = "json"
-level = "info"
+level = "{level}"
 [store]
 path = "{store}"
 [retry]

@@ -75,7 +75,7 @@ fn main() -> ExitCode {
                 }
             };
             telemetry::init_logging(&config.log);
-            runtime().block_on(async move {
+            let code = runtime().block_on(async move {
                 let handle = match server::spawn(config).await {
                     Ok(h) => h,
                     Err(err) => {
@@ -87,7 +87,9 @@ fn main() -> ExitCode {
                 handle.shutdown().await;
                 tracing::info!("stopped");
                 ExitCode::SUCCESS
-            })
+            });
+            telemetry::flush_logs();
+            code
         }
         Command::Demo {
             requests,
@@ -105,7 +107,7 @@ fn main() -> ExitCode {
                 }
             };
             telemetry::init_logging(&Default::default());
-            runtime().block_on(async move {
+            let code = runtime().block_on(async move {
                 tokio::select! {
                     result = backstop::mock::run(listen, mix) => {
                         let Err(err) = result;
@@ -114,7 +116,9 @@ fn main() -> ExitCode {
                     }
                     () = server::shutdown_signal() => ExitCode::SUCCESS,
                 }
-            })
+            });
+            telemetry::flush_logs();
+            code
         }
     }
 }

@@ -12,6 +12,10 @@ use tracing_subscriber::{filter::Targets, prelude::*};
 use crate::config::{LogConfig, LogFormat};
 
 /// Installs the global tracing subscriber once; later calls (tests) are no-ops.
+///
+/// Lines are written to stderr by a background thread: one `write` per request line on
+/// the request's own thread measured 10–20% of saturation throughput. The writer blocks
+/// rather than drop lines if it ever falls 128k lines behind.
 pub fn init_logging(config: &LogConfig) {
     static DONE: OnceLock<()> = OnceLock::new();
     DONE.get_or_init(|| {
@@ -19,13 +23,25 @@ pub fn init_logging(config: &LogConfig) {
             .level
             .parse()
             .unwrap_or_else(|_| Targets::new().with_default(tracing::Level::INFO));
+        let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+            .lossy(false)
+            .finish(std::io::stderr());
         let registry = tracing_subscriber::registry().with(filter);
-        let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+        let fmt = tracing_subscriber::fmt::layer().with_writer(writer);
         let _ = match config.format {
             LogFormat::Json => registry.with(fmt.json().flatten_event(true)).try_init(),
             LogFormat::Text => registry.with(fmt).try_init(),
         };
+        *LOG_FLUSH.lock().unwrap_or_else(|e| e.into_inner()) = Some(guard);
     });
+}
+
+/// Keeps the background log writer alive; dropping it flushes what is queued.
+static LOG_FLUSH: Mutex<Option<tracing_appender::non_blocking::WorkerGuard>> = Mutex::new(None);
+
+/// Writes out every queued log line. Call before the process exits.
+pub fn flush_logs() {
+    drop(LOG_FLUSH.lock().unwrap_or_else(|e| e.into_inner()).take());
 }
 
 /// The process-wide Prometheus recorder. One per process: metrics are global in the
