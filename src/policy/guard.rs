@@ -14,6 +14,9 @@ use std::{collections::VecDeque, time::Duration};
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
+/// Requests remembered per session for the identical-request rule.
+const RECENT_CAP: usize = 256;
+
 #[derive(Debug, Clone)]
 pub struct GuardConfig {
     pub max_consecutive_failures: u32,
@@ -155,7 +158,12 @@ impl SessionGuard {
         {
             self.spend.pop_front();
         }
-        self.spend.push_back((now, session_usd));
+        // One spend sample a second is enough to see a minute's velocity, and keeps a
+        // busy session's window at about 60 entries.
+        match self.spend.back_mut() {
+            Some(last) if now.saturating_duration_since(last.0) < Duration::from_secs(1) => last.1 = session_usd,
+            _ => self.spend.push_back((now, session_usd)),
+        }
         match &self.state {
             State::Closed => {
                 let trip = Trip {
@@ -230,6 +238,11 @@ impl SessionGuard {
             })
         };
         self.recent.push_back((now, fp.request));
+        // A loop repeats within its last few requests; a busy session does not need its
+        // whole window remembered.
+        if self.recent.len() > RECENT_CAP {
+            self.recent.pop_front();
+        }
         match rule {
             Some(trip) => {
                 let change = self.trip(now, trip.clone());
