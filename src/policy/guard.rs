@@ -158,11 +158,15 @@ impl SessionGuard {
         {
             self.spend.pop_front();
         }
-        // One spend sample a second is enough to see a minute's velocity, and keeps a
-        // busy session's window at about 60 entries.
-        match self.spend.back_mut() {
-            Some(last) if now.saturating_duration_since(last.0) < Duration::from_secs(1) => last.1 = session_usd,
-            _ => self.spend.push_back((now, session_usd)),
+        // One spend sample a second is enough to find the total a minute ago (the
+        // current total is `session_usd` itself), and keeps a busy session's window at
+        // about 60 entries.
+        if self
+            .spend
+            .back()
+            .is_none_or(|last| now.saturating_duration_since(last.0) >= Duration::from_secs(1))
+        {
+            self.spend.push_back((now, session_usd));
         }
         match &self.state {
             State::Closed => {
