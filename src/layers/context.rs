@@ -45,6 +45,15 @@ pub struct RequestContext {
 }
 
 impl RequestContext {
+    /// The context the context layer put on a request (an internal error if a layer
+    /// that needs it was placed before that layer).
+    pub fn of<B>(req: &http::Request<B>) -> Result<Arc<RequestContext>, GatewayError> {
+        req.extensions()
+            .get::<Arc<RequestContext>>()
+            .cloned()
+            .ok_or(GatewayError::Internal)
+    }
+
     /// The same request with a different body (a corrective retry, a non-streaming
     /// fetch for validation); `stream` follows the new body.
     pub fn with_json(&self, json: Map<String, Value>) -> RequestContext {
@@ -127,10 +136,7 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        // The clone is ready (tower's "clone, then swap" idiom for services that must
-        // be called after an await).
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let mut inner = super::take_ready(&mut self.inner);
         let layer = self.layer.clone();
         Box::pin(async move {
             let (mut parts, body) = req.into_parts();

@@ -93,15 +93,10 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let mut inner = super::take_ready(&mut self.inner);
         let layer = self.layer.clone();
         Box::pin(async move {
-            let ctx = req
-                .extensions()
-                .get::<Arc<RequestContext>>()
-                .cloned()
-                .ok_or(GatewayError::Internal)?;
+            let ctx = RequestContext::of(&req)?;
             let entry = ctx
                 .session_id
                 .as_deref()

@@ -188,8 +188,7 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let mut inner = super::take_ready(&mut self.inner);
         let layer = self.layer.clone();
         Box::pin(async move {
             let key = req
@@ -202,11 +201,7 @@ where
             let Some(key) = key else {
                 return inner.call(req).await;
             };
-            let ctx = req
-                .extensions()
-                .get::<Arc<RequestContext>>()
-                .cloned()
-                .ok_or(GatewayError::Internal)?;
+            let ctx = RequestContext::of(&req)?;
             let hash = body_hash(&ctx.body);
             let id: Key = (ctx.tenant.clone(), key.clone());
             let leader = loop {
