@@ -44,27 +44,6 @@ api_keys = ["{OTHER}"]
     .await
 }
 
-async fn call(
-    gw: &Gateway,
-    key: &str,
-    session: &str,
-    scenario: &str,
-    fault: &str,
-    body: serde_json::Value,
-) -> reqwest::Response {
-    let mut headers = vec![("x-session-id", session), ("x-mock-scenario", scenario)];
-    if !fault.is_empty() {
-        headers.push(("x-mock-fault", fault));
-    }
-    gw.post(
-        "/v1/chat/completions",
-        Some(key),
-        &headers,
-        body.to_string(),
-    )
-    .await
-}
-
 fn chat(max_tokens: u64) -> serde_json::Value {
     json!({"model": "gpt-4o", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hello"}]})
 }
@@ -81,14 +60,14 @@ async fn refusal(resp: reqwest::Response) -> serde_json::Value {
 async fn max_calls_is_exact_and_says_what_is_left() {
     let gw = capped("max_calls = 3", "").await;
     for left in [2, 1, 0] {
-        let resp = call(&gw, CAPPED, "s", "calls", "", chat(16)).await;
+        let resp = gw.in_session(CAPPED, "s", "calls", "", &chat(16)).await;
         assert_eq!(resp.status(), 200);
         assert_eq!(
             resp.headers()["x-backstop-budget-remaining"],
             format!("calls={left}")
         );
     }
-    let body = refusal(call(&gw, CAPPED, "s", "calls", "", chat(16)).await).await;
+    let body = refusal(gw.in_session(CAPPED, "s", "calls", "", &chat(16)).await).await;
     assert_eq!(body["error"]["param"], "session.max_calls");
     assert!(
         body["error"]["message"]
@@ -104,7 +83,7 @@ async fn max_calls_is_exact_and_says_what_is_left() {
     );
     // Another session of the same tenant is untouched.
     assert_eq!(
-        call(&gw, CAPPED, "s2", "calls", "", chat(16))
+        gw.in_session(CAPPED, "s2", "calls", "", &chat(16))
             .await
             .status(),
         200
@@ -114,21 +93,23 @@ async fn max_calls_is_exact_and_says_what_is_left() {
 #[tokio::test]
 async fn retries_are_charged_like_any_call() {
     let gw = capped("max_calls = 3", "").await;
-    let resp = call(
-        &gw,
-        CAPPED,
-        "s",
-        "retried",
-        "status=503,status=503,ok",
-        chat(16),
-    )
-    .await;
+    let resp = gw
+        .in_session(
+            CAPPED,
+            "s",
+            "retried",
+            "status=503,status=503,ok",
+            &chat(16),
+        )
+        .await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-backstop-budget-remaining"], "calls=0");
-    refusal(call(&gw, CAPPED, "s", "retried-2", "", chat(16)).await).await;
+    refusal(gw.in_session(CAPPED, "s", "retried-2", "", &chat(16)).await).await;
     // A retry that would exceed the cap is refused too: 2 calls left, 3 attempts wanted.
     let gw = capped("max_calls = 2", "").await;
-    let resp = call(&gw, CAPPED, "s", "cut-short", "status=503", chat(16)).await;
+    let resp = gw
+        .in_session(CAPPED, "s", "cut-short", "status=503", &chat(16))
+        .await;
     assert_eq!(resp.status(), 402);
     assert_eq!(
         resp.headers()["x-backstop-recovery"],
@@ -175,7 +156,9 @@ async fn max_tokens_is_exact_with_reservations() {
     let prompt_estimate = (body.to_string().len() as u64).div_ceil(4);
     let mut passed = 0;
     loop {
-        let resp = call(&gw, CAPPED, "s", "tokens", "usage=50/50", body.clone()).await;
+        let resp = gw
+            .in_session(CAPPED, "s", "tokens", "usage=50/50", &body.clone())
+            .await;
         if resp.status() != 200 {
             let body = refusal(resp).await;
             assert_eq!(body["error"]["param"], "session.max_tokens");
@@ -197,7 +180,8 @@ async fn max_usd_is_exact_with_prices() {
     // prompt estimate + 1000 output tokens, about $0.0100.
     let gw = capped("max_usd = 0.05", "").await;
     let mut passed = 0;
-    while call(&gw, CAPPED, "s", "usd", "usage=1000/1000", chat(1000))
+    while gw
+        .in_session(CAPPED, "s", "usd", "usage=1000/1000", &chat(1000))
         .await
         .status()
         == 200
@@ -266,12 +250,14 @@ async fn max_concurrent_refuses_the_extra_request_while_others_run() {
     let (a, b) = (slow("conc"), slow("conc"));
     // Both are in flight well before their 1.5 s upstream delay ends.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let resp = call(&gw, CAPPED, "c", "conc", "", chat(16)).await;
+    let resp = gw.in_session(CAPPED, "c", "conc", "", &chat(16)).await;
     assert_eq!(resp.status(), 429);
     assert_eq!(json(resp).await["error"]["code"], "too_many_concurrent");
     assert_eq!((a.await.unwrap(), b.await.unwrap()), (200, 200));
     assert_eq!(
-        call(&gw, CAPPED, "c", "conc", "", chat(16)).await.status(),
+        gw.in_session(CAPPED, "c", "conc", "", &chat(16))
+            .await
+            .status(),
         200,
         "slots are freed"
     );
@@ -282,11 +268,13 @@ async fn rate_limits_refuse_with_retry_after_and_no_upstream_call() {
     let gw = start_with(|text| format!("{text}\n[[tenants]]\nname = \"limited\"\napi_keys = [\"{CAPPED}\"]\nrequests_per_minute = 2\n")).await;
     for _ in 0..2 {
         assert_eq!(
-            call(&gw, CAPPED, "s", "rpm", "", chat(16)).await.status(),
+            gw.in_session(CAPPED, "s", "rpm", "", &chat(16))
+                .await
+                .status(),
             200
         );
     }
-    let resp = call(&gw, CAPPED, "s", "rpm", "", chat(16)).await;
+    let resp = gw.in_session(CAPPED, "s", "rpm", "", &chat(16)).await;
     assert_eq!(resp.status(), 429);
     let retry_after: u64 = resp.headers()["retry-after"]
         .to_str()
@@ -303,15 +291,9 @@ async fn rate_limits_refuse_with_retry_after_and_no_upstream_call() {
 async fn stream_usage_is_counted_and_the_injected_chunk_hidden() {
     let gw = capped("max_tokens = 100000", "").await;
     let stream = json!({"model": "gpt-4o", "stream": true, "max_tokens": 10, "messages": [{"role": "user", "content": "hello"}]});
-    let resp = call(
-        &gw,
-        CAPPED,
-        "st",
-        "stream-usage",
-        "usage=120/30",
-        stream.clone(),
-    )
-    .await;
+    let resp = gw
+        .in_session(CAPPED, "st", "stream-usage", "usage=120/30", &stream)
+        .await;
     let text = resp.text().await.unwrap();
     assert!(
         !text.contains("\"usage\""),
@@ -338,7 +320,8 @@ async fn stream_usage_is_counted_and_the_injected_chunk_hidden() {
     // A client that asked for usage still gets it.
     let mut asked = stream.clone();
     asked["stream_options"] = json!({"include_usage": true});
-    let text = call(&gw, CAPPED, "st", "stream-usage-2", "usage=1/2", asked)
+    let text = gw
+        .in_session(CAPPED, "st", "stream-usage-2", "usage=1/2", &asked)
         .await
         .text()
         .await
@@ -372,7 +355,8 @@ async fn stream_usage_is_counted_and_the_injected_chunk_hidden() {
 #[tokio::test]
 async fn tenants_see_only_their_own_sessions() {
     let gw = capped("max_calls = 5", "").await;
-    call(&gw, CAPPED, "shared-name", "iso", "", chat(16)).await;
+    gw.in_session(CAPPED, "shared-name", "iso", "", &chat(16))
+        .await;
     let mine = json(
         gw.http
             .get(format!("{}/v1/sessions/shared-name", gw.url))
@@ -425,10 +409,12 @@ async fn tenants_see_only_their_own_sessions() {
 async fn an_operator_reset_starts_a_session_over() {
     let gw = capped("max_calls = 1", "").await;
     assert_eq!(
-        call(&gw, CAPPED, "r", "reset", "", chat(16)).await.status(),
+        gw.in_session(CAPPED, "r", "reset", "", &chat(16))
+            .await
+            .status(),
         200
     );
-    refusal(call(&gw, CAPPED, "r", "reset", "", chat(16)).await).await;
+    refusal(gw.in_session(CAPPED, "r", "reset", "", &chat(16)).await).await;
     let reset = gw
         .http
         .post(format!("{}/admin/tenants/capped/sessions/r/reset", gw.url))
@@ -438,7 +424,9 @@ async fn an_operator_reset_starts_a_session_over() {
         .unwrap();
     assert_eq!(reset.status(), 200);
     assert_eq!(
-        call(&gw, CAPPED, "r", "reset", "", chat(16)).await.status(),
+        gw.in_session(CAPPED, "r", "reset", "", &chat(16))
+            .await
+            .status(),
         200
     );
 }

@@ -47,27 +47,6 @@ api_keys = ["{ALSO}"]
     .await
 }
 
-async fn send(
-    gw: &Gateway,
-    key: &str,
-    session: &str,
-    scenario: &str,
-    fault: &str,
-    body: &Value,
-) -> reqwest::Response {
-    let mut headers = vec![("x-session-id", session), ("x-mock-scenario", scenario)];
-    if !fault.is_empty() {
-        headers.push(("x-mock-fault", fault));
-    }
-    gw.post(
-        "/v1/chat/completions",
-        Some(key),
-        &headers,
-        body.to_string(),
-    )
-    .await
-}
-
 fn step(n: usize) -> Value {
     json!({"model": "gpt-4o", "messages": [{"role": "user", "content": format!("step {n}")}]})
 }
@@ -77,15 +56,15 @@ async fn the_compaction_loop_in_miniature_is_tripped_at_the_configured_count() {
     let gw = guarded("60s", "").await;
     // An agent retrying a compaction that fails every time (each attempt slightly different).
     for i in 0..5 {
-        let resp = send(
-            &gw,
-            GUARDED,
-            "compaction",
-            "compaction",
-            "status=400;code=context_length_exceeded",
-            &step(i),
-        )
-        .await;
+        let resp = gw
+            .in_session(
+                GUARDED,
+                "compaction",
+                "compaction",
+                "status=400;code=context_length_exceeded",
+                &step(i),
+            )
+            .await;
         assert_eq!(resp.status(), 400);
         let state = if i < 4 { "recovering" } else { "tripped" };
         assert_eq!(
@@ -96,15 +75,15 @@ async fn the_compaction_loop_in_miniature_is_tripped_at_the_configured_count() {
         );
     }
     for i in 5..50 {
-        let resp = send(
-            &gw,
-            GUARDED,
-            "compaction",
-            "compaction",
-            "status=400;code=context_length_exceeded",
-            &step(i),
-        )
-        .await;
+        let resp = gw
+            .in_session(
+                GUARDED,
+                "compaction",
+                "compaction",
+                "status=400;code=context_length_exceeded",
+                &step(i),
+            )
+            .await;
         assert_eq!(resp.status(), 429);
         if i == 5 {
             assert_eq!(resp.headers()["x-should-retry"], "false");
@@ -137,13 +116,13 @@ async fn the_same_request_a_fourth_time_is_a_loop() {
     let gw = guarded("60s", "").await;
     for _ in 0..3 {
         assert_eq!(
-            send(&gw, GUARDED, "same", "same", "", &step(1))
+            gw.in_session(GUARDED, "same", "same", "", &step(1))
                 .await
                 .status(),
             200
         );
     }
-    let resp = send(&gw, GUARDED, "same", "same", "", &step(1)).await;
+    let resp = gw.in_session(GUARDED, "same", "same", "", &step(1)).await;
     assert_eq!(resp.status(), 429);
     let body = json(resp).await;
     assert_eq!(body["error"]["code"], "loop_detected");
@@ -166,7 +145,7 @@ async fn a_tool_loop_is_named_with_its_evidence() {
         messages.push(json!({"role": "tool", "tool_call_id": format!("call_{i}"), "content": "Error: city not found"}));
     }
     let body = json!({"model": "gpt-4o", "messages": messages});
-    let resp = send(&gw, GUARDED, "tools", "tools", "", &body).await;
+    let resp = gw.in_session(GUARDED, "tools", "tools", "", &body).await;
     assert_eq!(resp.status(), 429);
     let body = json(resp).await;
     assert_eq!(body["error"]["code"], "loop_detected");
@@ -184,28 +163,15 @@ async fn spend_velocity_trips_the_session() {
     // Each call costs $0.0125 (1000 in, 1000 out): the third sees $0.025 in the minute.
     for i in 0..2 {
         assert_eq!(
-            send(
-                &gw,
-                GUARDED,
-                "velocity",
-                "velocity",
-                "usage=1000/1000",
-                &step(i)
-            )
-            .await
-            .status(),
+            gw.in_session(GUARDED, "velocity", "velocity", "usage=1000/1000", &step(i))
+                .await
+                .status(),
             200
         );
     }
-    let resp = send(
-        &gw,
-        GUARDED,
-        "velocity",
-        "velocity",
-        "usage=1000/1000",
-        &step(2),
-    )
-    .await;
+    let resp = gw
+        .in_session(GUARDED, "velocity", "velocity", "usage=1000/1000", &step(2))
+        .await;
     assert_eq!(resp.status(), 429);
     let body = json(resp).await;
     assert_eq!(body["error"]["code"], "session_tripped");
@@ -223,17 +189,20 @@ async fn spend_velocity_trips_the_session() {
 async fn after_the_cool_down_one_probe_decides() {
     let gw = guarded("1s", "").await;
     for i in 0..5 {
-        send(&gw, GUARDED, "probe", "probe", "status=400", &step(i)).await;
+        gw.in_session(GUARDED, "probe", "probe", "status=400", &step(i))
+            .await;
     }
     assert_eq!(
-        send(&gw, GUARDED, "probe", "probe", "", &step(10))
+        gw.in_session(GUARDED, "probe", "probe", "", &step(10))
             .await
             .status(),
         429
     );
     tokio::time::sleep(Duration::from_millis(1100)).await;
     // The probe fails: tripped again.
-    let resp = send(&gw, GUARDED, "probe", "probe", "status=400", &step(11)).await;
+    let resp = gw
+        .in_session(GUARDED, "probe", "probe", "status=400", &step(11))
+        .await;
     assert_eq!(
         (
             resp.status().as_u16(),
@@ -242,14 +211,16 @@ async fn after_the_cool_down_one_probe_decides() {
         (400, "tripped")
     );
     assert_eq!(
-        send(&gw, GUARDED, "probe", "probe", "", &step(12))
+        gw.in_session(GUARDED, "probe", "probe", "", &step(12))
             .await
             .status(),
         429
     );
     tokio::time::sleep(Duration::from_millis(1100)).await;
     // The next probe succeeds: active again.
-    let resp = send(&gw, GUARDED, "probe", "probe", "", &step(13)).await;
+    let resp = gw
+        .in_session(GUARDED, "probe", "probe", "", &step(13))
+        .await;
     assert_eq!(
         (
             resp.status().as_u16(),
@@ -258,7 +229,7 @@ async fn after_the_cool_down_one_probe_decides() {
         (200, "active")
     );
     assert_eq!(
-        send(&gw, GUARDED, "probe", "probe", "", &step(14))
+        gw.in_session(GUARDED, "probe", "probe", "", &step(14))
             .await
             .status(),
         200
@@ -273,15 +244,15 @@ async fn a_healthy_twelve_step_agent_is_never_tripped() {
     for i in 0..12 {
         // A transient failure in step 6 is recovered by Backstop's retries.
         let fault = if i == 6 { "status=503,ok" } else { "" };
-        let resp = send(
-            &gw,
-            GUARDED,
-            "healthy",
-            &format!("healthy-run-{i}"),
-            fault,
-            &step(i),
-        )
-        .await;
+        let resp = gw
+            .in_session(
+                GUARDED,
+                "healthy",
+                &format!("healthy-run-{i}"),
+                fault,
+                &step(i),
+            )
+            .await;
         assert_eq!(resp.status(), 200, "step {i}");
         states.push(
             resp.headers()["x-backstop-session-state"]
@@ -297,15 +268,18 @@ async fn a_healthy_twelve_step_agent_is_never_tripped() {
 async fn sessions_are_per_tenant_and_operators_see_the_trace() {
     let gw = guarded("60s", "").await;
     for i in 0..5 {
-        send(&gw, GUARDED, "shared", "per-tenant", "status=400", &step(i)).await;
+        gw.in_session(GUARDED, "shared", "per-tenant", "status=400", &step(i))
+            .await;
     }
     assert_eq!(
-        send(&gw, GUARDED, "shared", "per-tenant", "", &step(9))
+        gw.in_session(GUARDED, "shared", "per-tenant", "", &step(9))
             .await
             .status(),
         429
     );
-    let other = send(&gw, ALSO, "shared", "per-tenant", "", &step(9)).await;
+    let other = gw
+        .in_session(ALSO, "shared", "per-tenant", "", &step(9))
+        .await;
     assert_eq!(
         other.status(),
         200,
@@ -347,7 +321,9 @@ async fn sessions_are_per_tenant_and_operators_see_the_trace() {
         .await
         .unwrap();
     assert_eq!(close.status(), 200);
-    let resp = send(&gw, ALSO, "shared", "per-tenant", "", &step(10)).await;
+    let resp = gw
+        .in_session(ALSO, "shared", "per-tenant", "", &step(10))
+        .await;
     assert_eq!(resp.status(), 429);
     assert!(json(resp).await["error"]["message"]
         .as_str()
@@ -367,7 +343,7 @@ async fn sessions_are_per_tenant_and_operators_see_the_trace() {
         .unwrap();
     assert_eq!(reset.status(), 200);
     assert_eq!(
-        send(&gw, GUARDED, "shared", "per-tenant", "", &step(11))
+        gw.in_session(GUARDED, "shared", "per-tenant", "", &step(11))
             .await
             .status(),
         200

@@ -160,6 +160,30 @@ impl Gateway {
     }
 }
 
+impl Gateway {
+    /// A chat completion in a session, with a mock scenario and an optional fault script.
+    pub async fn in_session(
+        &self,
+        key: &str,
+        session: &str,
+        scenario: &str,
+        fault: &str,
+        body: &Value,
+    ) -> reqwest::Response {
+        let mut headers = vec![("x-session-id", session), ("x-mock-scenario", scenario)];
+        if !fault.is_empty() {
+            headers.push(("x-mock-fault", fault));
+        }
+        self.post(
+            "/v1/chat/completions",
+            Some(key),
+            &headers,
+            body.to_string(),
+        )
+        .await
+    }
+}
+
 pub async fn json(resp: reqwest::Response) -> Value {
     let text = resp.text().await.unwrap();
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
