@@ -163,10 +163,12 @@ output_per_mtok = 10.0
 [[upstreams]]
 name = "mock"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://127.0.0.1:{mock_port}"
 [[upstreams]]
 name = "mock-backup"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://127.0.0.1:{mock_port}"
 [[routes]]
 model = "gpt-*"

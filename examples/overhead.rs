@@ -130,6 +130,7 @@ path = "{store}"
 [[upstreams]]
 name = "mock"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://127.0.0.1:{mock_port}"
 api_key = "sk-bench"
 [[routes]]

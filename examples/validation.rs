@@ -79,7 +79,7 @@ async fn main() {
         &config,
         format!(
             "[server]\nlisten = \"127.0.0.1:{port}\"\n[log]\nlevel = \"warn\"\n[store]\npath = \":memory:\"\n[mock]\nlisten = \"127.0.0.1:{mock_port}\"\n\
-             [[upstreams]]\nname = \"mock\"\napi = \"openai\"\nbase_url = \"http://127.0.0.1:{mock_port}\"\n\
+             [[upstreams]]\nname = \"mock\"\napi = \"openai\"\nforward_headers = [\"x-mock-*\"]\nbase_url = \"http://127.0.0.1:{mock_port}\"\n\
              [[routes]]\nmodel = \"gpt-*\"\ntargets = [{{ upstream = \"mock\" }}]\n[[tenants]]\nname = \"b\"\napi_keys = [\"{KEY}\"]\n"
         ),
     )

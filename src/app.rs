@@ -61,7 +61,7 @@ use crate::{
     routing::RouteTable,
     store::{Store, StoreError},
     telemetry,
-    upstream::{self, health::HealthRegistry, Forward, Upstream},
+    upstream::{self, health::HealthRegistry, Forward, StreamLimits, Upstream},
     validation::Schemas,
 };
 
@@ -81,6 +81,10 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
     /// False while starting and once shutdown has begun: `/readyz` answers 503.
     pub ready: Arc<AtomicBool>,
+    /// Bounds on upstream bodies and relayed streams.
+    pub stream_limits: StreamLimits,
+    /// Set when the shutdown grace elapses: open streams end with an error event.
+    pub cut_streams: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl AppState {
@@ -89,7 +93,10 @@ impl AppState {
         let routes = RouteTable::new(&config, &upstreams);
         let store = Arc::new(Store::open(&config.store.path)?);
         warn_unpriced(&config);
+        let (stream_limits, cut_streams) = StreamLimits::from_config(&config.server);
         Ok(AppState {
+            stream_limits,
+            cut_streams: Arc::new(cut_streams),
             budgets: Arc::new(Budgets::new(&config, store, config.store.session_idle)),
             schemas: Arc::new(Schemas::new(config.validation.schema_cache_size)),
             guards: Arc::new(Guards::new(&config, config.store.session_idle)),
@@ -129,10 +136,12 @@ fn proxy_stack(state: &AppState) -> HttpService {
         .layer(ContextLayer::new(
             state.routes.clone(),
             server.max_body_bytes,
+            server.max_session_id_bytes,
         ))
         .layer(IdempotencyLayer::new(
             state.budgets.store().clone(),
             state.config.store.idempotency_ttl,
+            server.max_idempotency_key_bytes,
         ))
         .layer(LimitsLayer::new(state.budgets.clone()))
         .layer(GuardLayer::new(state.guards.clone(), state.budgets.clone()))
@@ -145,7 +154,10 @@ fn proxy_stack(state: &AppState) -> HttpService {
             state.health.clone(),
         ))
         .layer(MeterLayer::new(state.budgets.clone()))
-        .service(Forward::new(upstream::client()));
+        .service(Forward::new(
+            upstream::client(),
+            state.stream_limits.clone(),
+        ));
     BoxCloneSyncService::new(stack)
 }
 
@@ -205,20 +217,17 @@ pub fn router(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
         .layer(axum::middleware::from_fn(ensure_request_id))
 }
 
 /// Responses that did not pass the edge layer (health, metrics, 404s) still carry an
-/// id: the client's, or a new one.
+/// id, by the edge layer's rule.
 async fn ensure_request_id(req: Request<Body>, next: axum::middleware::Next) -> Response {
-    let sent = req.headers().get(&X_REQUEST_ID).cloned();
+    let id = crate::layers::edge::request_id(&req);
     let mut response = next.run(req).await;
     if !response.headers().contains_key(&X_REQUEST_ID) {
-        let id = sent.unwrap_or_else(|| {
-            http::HeaderValue::from_str(&uuid::Uuid::new_v4().simple().to_string())
-                .expect("hex is a valid header value")
-        });
         response.headers_mut().insert(X_REQUEST_ID.clone(), id);
     }
     response
@@ -237,6 +246,18 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics.render(),
     )
+}
+
+/// A known path with the wrong method: 405 in the caller's API shape, never an empty body.
+async fn method_not_allowed(req: Request<Body>) -> Response {
+    let api = Endpoint::api_for_path(req.uri().path());
+    let err = GatewayError::MethodNotAllowed {
+        method: req.method().to_string(),
+        path: req.uri().path().to_string(),
+    };
+    let mut response = error_response(&err, api);
+    crate::error::respond::mark_no_retry(&mut response);
+    response
 }
 
 async fn not_found(req: Request<Body>) -> Response {

@@ -49,16 +49,19 @@ open_for = "30s"
 [[upstreams]]
 name = "primary"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://{primary}"
 attempt_timeout = "1s"
 [[upstreams]]
 name = "backup"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://{backup}"
 attempt_timeout = "1s"
 [[upstreams]]
 name = "down"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://{down}"
 attempt_timeout = "1s"
 [[routes]]

@@ -1,15 +1,55 @@
-//! The listener and graceful shutdown: on SIGTERM/SIGINT (or a handle's `shutdown`),
-//! stop accepting, report not-ready, let in-flight requests finish for up to
-//! `server.shutdown_grace`, then stop.
+//! The listener and graceful shutdown.
+//!
+//! Connections are held to `[server]` limits, so idle or slow sockets cannot starve the
+//! gateway of file descriptors:
+//! - `max_connections`: beyond it a new connection is answered 503 and closed at once;
+//! - `header_read_timeout`: a new connection must deliver its first request head this
+//!   soon, and a keep-alive connection must finish a request head this soon after its
+//!   first byte (slowloris);
+//! - `idle_timeout`: a keep-alive connection with nothing in flight and no traffic is
+//!   closed;
+//! - accept errors (EMFILE when descriptors run out) back off instead of spinning.
+//!
+//! Shutdown (SIGTERM/SIGINT or a handle's `shutdown`): `/readyz` answers 503 at once while
+//! Backstop keeps accepting and serving for `drain_delay`, so a load balancer sees it
+//! draining; then the listener closes, idle connections close, and in-flight requests
+//! get `shutdown_grace`. Streams still open then end with an error event in their API's
+//! format (`server_shutting_down`) before their connections are dropped.
 
-use std::{future::IntoFuture, net::SocketAddr, sync::atomic::Ordering};
+use std::{
+    convert::Infallible,
+    io,
+    net::SocketAddr,
+    pin::Pin,
+    sync::{
+        atomic::{AtomicU32, AtomicU64, Ordering},
+        Arc,
+    },
+    task::{Context, Poll},
+    time::Duration,
+};
 
-use axum::serve::ListenerExt;
-use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
+use axum::{body::Body, Router};
+use futures_util::future::BoxFuture;
+use http::{Request, Response};
+use http_body_util::BodyExt;
+use hyper::{body::Incoming, server::conn::http1};
+use hyper_util::{
+    rt::{TokioIo, TokioTimer},
+    service::TowerToHyperService,
+};
+use tokio::{
+    io::{AsyncRead, AsyncWrite, ReadBuf},
+    net::{TcpListener, TcpStream},
+    sync::{watch, OwnedSemaphorePermit, Semaphore},
+    task::{JoinHandle, JoinSet},
+    time::Instant,
+};
+use tower::{Service, ServiceExt};
 
 use crate::{
     app::{router, AppState},
-    config::Config,
+    config::{Config, ServerConfig},
 };
 
 /// A running server.
@@ -29,58 +69,38 @@ impl ServerHandle {
             mock.shutdown();
         }
     }
+
+    /// Begins a graceful shutdown without waiting for it (`/readyz` turns 503 at once).
+    pub fn begin_shutdown(&self) {
+        let _ = self.shutdown.send(true);
+    }
 }
 
 /// Binds `server.listen` (port 0 picks a free port), starts the built-in mock when
 /// `[mock]` asks for it, and serves until shut down.
-pub async fn spawn(config: Config) -> std::io::Result<ServerHandle> {
+pub async fn spawn(config: Config) -> io::Result<ServerHandle> {
     let mock = match &config.mock {
         Some(m) => Some(crate::mock::spawn(TcpListener::bind(m.listen).await?)),
         None => None,
     };
     let listener = TcpListener::bind(config.server.listen).await?;
     let addr = listener.local_addr()?;
-    let grace = config.server.shutdown_grace;
-    let state = AppState::new(config).map_err(std::io::Error::other)?;
+    let limits = config.server.clone();
+    let state = AppState::new(config).map_err(io::Error::other)?;
     let budgets = state.budgets.clone();
     let housekeeping = tokio::spawn(async move {
-        let mut tick = tokio::time::interval(std::time::Duration::from_secs(60));
+        let mut tick = tokio::time::interval(Duration::from_secs(60));
         loop {
             tick.tick().await;
             budgets.forget_idle_limiters();
         }
     });
+    let (tx, rx) = watch::channel(false);
     let ready = state.ready.clone();
-    let app = router(state);
-    let (tx, mut rx) = watch::channel(false);
-    let mut grace_rx = rx.clone();
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
-        let _ = rx.wait_for(|stop| *stop).await;
-    });
-    let stopping = ready.clone();
+    let app = router(state.clone());
     let task = tokio::spawn(async move {
-        let serve = std::pin::pin!(serve.into_future());
-        let bounded = async {
-            let _ = grace_rx.wait_for(|stop| *stop).await;
-            stopping.store(false, Ordering::Relaxed);
-            tracing::info!(
-                grace_ms = grace.as_millis() as u64,
-                "shutting down: draining in-flight requests"
-            );
-            tokio::time::sleep(grace).await;
-        };
         let _housekeeping = AbortOnDrop(housekeeping);
-        tokio::select! {
-            result = serve => {
-                if let Err(err) = result {
-                    tracing::error!(error = %err, "server stopped with an error");
-                }
-            }
-            () = bounded => tracing::warn!("shutdown grace elapsed; cutting remaining requests"),
-        }
+        serve(listener, app, state, limits, rx).await;
     });
     ready.store(true, Ordering::Relaxed);
     tracing::info!(%addr, "backstop listening");
@@ -90,6 +110,329 @@ pub async fn spawn(config: Config) -> std::io::Result<ServerHandle> {
         task,
         mock,
     })
+}
+
+/// The accept loop, then the drain.
+async fn serve(
+    listener: TcpListener,
+    app: Router,
+    state: AppState,
+    limits: ServerConfig,
+    mut stop: watch::Receiver<bool>,
+) {
+    let limits = Arc::new(limits);
+    let permits = Arc::new(Semaphore::new(limits.max_connections));
+    let (close_tx, close_rx) = watch::channel(false);
+    let mut connections = JoinSet::new();
+    let mut backoff = ACCEPT_BACKOFF_MIN;
+    let mut accept_until: Option<Instant> = None;
+    loop {
+        let draining = async {
+            match accept_until {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            () = signalled(&mut stop), if accept_until.is_none() => {
+                state.ready.store(false, Ordering::Relaxed);
+                tracing::info!(drain_ms = limits.drain_delay.as_millis() as u64, "shutting down: /readyz is 503, still serving");
+                accept_until = Some(Instant::now() + limits.drain_delay);
+            }
+            () = draining => break,
+            Some(_) = connections.join_next() => {}
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => {
+                    backoff = ACCEPT_BACKOFF_MIN;
+                    match permits.clone().try_acquire_owned() {
+                        Ok(permit) => {
+                            let conn = Connection { app: app.clone(), limits: limits.clone(), _permit: permit };
+                            connections.spawn(conn.run(tcp, close_rx.clone()));
+                        }
+                        Err(_) => refuse_over_capacity(tcp, limits.max_connections),
+                    }
+                }
+                Err(err) if is_per_connection(&err) => {}
+                Err(err) => {
+                    // EMFILE/ENFILE and the like: waiting lets connections close.
+                    tracing::warn!(error = %err, backoff_ms = backoff.as_millis() as u64, "accept failed; backing off");
+                    metrics::counter!("backstop_accept_errors_total").increment(1);
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(ACCEPT_BACKOFF_MAX);
+                }
+            },
+        }
+    }
+    drop(listener);
+    state.ready.store(false, Ordering::Relaxed);
+    let _ = close_tx.send(true);
+    tracing::info!(
+        grace_ms = limits.shutdown_grace.as_millis() as u64,
+        connections = connections.len(),
+        "listener closed: draining in-flight requests"
+    );
+    let drained = tokio::time::timeout(limits.shutdown_grace, async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            connections = connections.len(),
+            "shutdown grace elapsed; ending open streams"
+        );
+        let _ = state.cut_streams.send(true);
+        // Long enough for the error events to be written, not for new work.
+        let _ = tokio::time::timeout(Duration::from_millis(250), async {
+            while connections.join_next().await.is_some() {}
+        })
+        .await;
+        connections.abort_all();
+    }
+}
+
+/// Resolves once the flag is set (or its sender is gone).
+async fn signalled(flag: &mut watch::Receiver<bool>) {
+    let _ = flag.wait_for(|set| *set).await;
+}
+
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// Errors that concern only the connection being accepted: accept again at once.
+fn is_per_connection(err: &io::Error) -> bool {
+    matches!(
+        err.kind(),
+        io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+    )
+}
+
+/// Over `max_connections`: a best-effort 503 (never waiting on the socket), then close.
+fn refuse_over_capacity(tcp: TcpStream, limit: usize) {
+    metrics::counter!("backstop_connections_refused_total").increment(1);
+    let body = format!(
+        r#"{{"error":{{"message":"too many open connections (server.max_connections = {limit}); retry shortly","type":"server_error","code":"too_many_connections","param":null}}}}"#
+    );
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nx-should-retry: false\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let _ = tcp.try_write(format!("{head}{body}").as_bytes());
+}
+
+/// One accepted connection and what it holds.
+struct Connection {
+    app: Router,
+    limits: Arc<ServerConfig>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Connection {
+    async fn run(self, tcp: TcpStream, mut close: watch::Receiver<bool>) {
+        let _ = tcp.set_nodelay(true);
+        let activity = Arc::new(Activity::new());
+        let io = TokioIo::new(Watched {
+            inner: tcp,
+            activity: activity.clone(),
+        });
+        let service = TowerToHyperService::new(Counted {
+            app: self.app,
+            activity: activity.clone(),
+        });
+        let conn = http1::Builder::new()
+            .timer(TokioTimer::new())
+            .serve_connection(io, service);
+        tokio::pin!(conn);
+        tokio::select! {
+            _ = conn.as_mut() => return,
+            reason = activity.expiry(&self.limits) => {
+                metrics::counter!("backstop_connections_closed_total", "reason" => reason).increment(1);
+                return;
+            }
+            () = signalled(&mut close) => conn.as_mut().graceful_shutdown(),
+        }
+        tokio::select! {
+            _ = conn => {}
+            reason = activity.expiry(&self.limits) => {
+                metrics::counter!("backstop_connections_closed_total", "reason" => reason).increment(1);
+            }
+        }
+    }
+}
+
+/// What a connection has been doing, for its idle and header timeouts. Times are
+/// milliseconds since `opened`; `NONE` means not set.
+struct Activity {
+    opened: Instant,
+    in_flight: AtomicU32,
+    served: AtomicU64,
+    /// When the last request in flight finished.
+    idle_since: AtomicU64,
+    /// The first byte read since the connection went idle: a request head is arriving.
+    head_since: AtomicU64,
+}
+
+const NONE: u64 = u64::MAX;
+
+impl Activity {
+    fn new() -> Self {
+        Activity {
+            opened: Instant::now(),
+            in_flight: AtomicU32::new(0),
+            served: AtomicU64::new(0),
+            idle_since: AtomicU64::new(0),
+            head_since: AtomicU64::new(NONE),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.opened.elapsed().as_millis() as u64
+    }
+
+    fn read_some(&self) {
+        if self.in_flight.load(Ordering::Relaxed) == 0
+            && self.head_since.load(Ordering::Relaxed) == NONE
+        {
+            self.head_since.store(self.now_ms(), Ordering::Relaxed);
+        }
+    }
+
+    fn begin(self: &Arc<Self>) -> InFlight {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.served.fetch_add(1, Ordering::Relaxed);
+        self.head_since.store(NONE, Ordering::Relaxed);
+        InFlight(self.clone())
+    }
+
+    /// When this connection must be closed, as of now: `None` while a request is in
+    /// flight. Fresh connections get `header_read_timeout` for their first head;
+    /// keep-alive ones `idle_timeout` until a byte arrives, then `header_read_timeout`.
+    fn deadline_ms(&self, limits: &ServerConfig) -> Option<(u64, &'static str)> {
+        if self.in_flight.load(Ordering::Relaxed) > 0 {
+            return None;
+        }
+        let header = limits.header_read_timeout.as_millis() as u64;
+        let head = self.head_since.load(Ordering::Relaxed);
+        if self.served.load(Ordering::Relaxed) == 0 {
+            return Some((header, "header_timeout"));
+        }
+        if head != NONE {
+            return Some((head.saturating_add(header), "header_timeout"));
+        }
+        let idle = limits.idle_timeout.as_millis() as u64;
+        Some((
+            self.idle_since.load(Ordering::Relaxed).saturating_add(idle),
+            "idle_timeout",
+        ))
+    }
+
+    /// Resolves (with the reason) when the connection has overstayed a timeout.
+    async fn expiry(&self, limits: &ServerConfig) -> &'static str {
+        let tick = (limits.header_read_timeout.min(limits.idle_timeout) / 4)
+            .clamp(Duration::from_millis(10), Duration::from_secs(1));
+        loop {
+            if let Some((at, reason)) = self.deadline_ms(limits) {
+                if self.now_ms() >= at {
+                    return reason;
+                }
+            }
+            tokio::time::sleep(tick).await;
+        }
+    }
+}
+
+/// One request in flight on a connection, until its response body is dropped.
+struct InFlight(Arc<Activity>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.0.in_flight.fetch_sub(1, Ordering::Relaxed) == 1 {
+            self.0.idle_since.store(self.0.now_ms(), Ordering::Relaxed);
+        }
+    }
+}
+
+/// The router, counting each request in flight until its body has been sent.
+#[derive(Clone)]
+struct Counted {
+    app: Router,
+    activity: Arc<Activity>,
+}
+
+impl Service<Request<Incoming>> for Counted {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<'static, Result<Response<Body>, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Incoming>) -> Self::Future {
+        let guard = self.activity.begin();
+        let app = self.app.clone();
+        Box::pin(async move {
+            let response = app.oneshot(req.map(Body::new)).await?;
+            Ok(response.map(|body| {
+                Body::new(body.map_frame(move |frame| {
+                    let _held = &guard;
+                    frame
+                }))
+            }))
+        })
+    }
+}
+
+/// The socket, noting reads for [`Activity`].
+struct Watched {
+    inner: TcpStream,
+    activity: Arc<Activity>,
+}
+
+impl AsyncRead for Watched {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.activity.read_some();
+        }
+        polled
+    }
+}
+
+impl AsyncWrite for Watched {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
 }
 
 /// Stops a background task when its owner ends.

@@ -29,7 +29,13 @@ pub fn init_logging(config: &LogConfig) {
             .buffered_lines_limit(8192)
             .finish(std::io::stderr());
         let registry = tracing_subscriber::registry().with(filter);
-        let fmt = tracing_subscriber::fmt::layer().with_writer(writer);
+        // Colour only for a person at a terminal: ANSI codes in a file or a log pipeline
+        // are noise (and `NO_COLOR` turns them off anyway).
+        let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+            && std::env::var_os("NO_COLOR").is_none();
+        let fmt = tracing_subscriber::fmt::layer()
+            .with_writer(writer)
+            .with_ansi(ansi);
         let _ = match config.format {
             LogFormat::Json => registry.with(fmt.json().flatten_event(true)).try_init(),
             LogFormat::Text => registry.with(fmt).try_init(),
@@ -143,5 +149,100 @@ impl RequestLog {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+}
+
+/// Model names as metric labels, from configured names only: a client can send any
+/// `model`, and a label per distinct name would let it grow `/metrics` without bound.
+/// An exactly configured name (a route, a target's model, a price) is its own label; a
+/// name matching a configured glob is labelled with the glob (`gpt-*`); anything else
+/// is `other`.
+#[derive(Debug, Default)]
+pub struct ModelLabels {
+    exact: std::collections::HashMap<String, Arc<str>>,
+    globs: Vec<(wildmatch::WildMatch, Arc<str>)>,
+}
+
+impl ModelLabels {
+    pub fn new(config: &crate::config::Config) -> Self {
+        let mut labels = ModelLabels::default();
+        let names = config
+            .prices
+            .iter()
+            .map(|p| p.model.as_str())
+            .chain(config.routes.iter().map(|r| r.model.as_str()))
+            .chain(
+                config
+                    .routes
+                    .iter()
+                    .flat_map(|r| r.targets.iter().chain(&r.context_fallback))
+                    .filter_map(|t| t.model.as_deref()),
+            );
+        for name in names {
+            if name.contains(['*', '?']) {
+                if !labels.globs.iter().any(|(_, l)| &**l == name) {
+                    labels
+                        .globs
+                        .push((wildmatch::WildMatch::new(name), name.into()));
+                }
+            } else {
+                labels.exact.insert(name.to_string(), name.into());
+            }
+        }
+        labels
+    }
+
+    /// The label for a model name.
+    pub fn label(&self, model: &str) -> Arc<str> {
+        if let Some(label) = self.exact.get(model) {
+            return label.clone();
+        }
+        self.globs
+            .iter()
+            .find(|(glob, _)| glob.matches(model))
+            .map_or_else(|| Arc::from("other"), |(_, label)| label.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_labels_come_from_the_config_only() {
+        let config = crate::config::Config::from_toml_with_env(
+            r#"
+            [[prices]]
+            model = "gpt-4o*"
+            input_per_mtok = 1.0
+            output_per_mtok = 1.0
+            [[upstreams]]
+            name = "u"
+            api = "openai"
+            base_url = "http://127.0.0.1:1"
+            [[routes]]
+            model = "claude-3"
+            targets = [{ upstream = "u", model = "rewritten" }]
+            [[routes]]
+            model = "*"
+            targets = [{ upstream = "u" }]
+            [[tenants]]
+            name = "t"
+            api_keys = ["bk-test-key-1"]
+            "#,
+            |_| None,
+        )
+        .unwrap();
+        let labels = ModelLabels::new(&config);
+        assert_eq!(&*labels.label("gpt-4o-mini"), "gpt-4o*");
+        assert_eq!(&*labels.label("claude-3"), "claude-3");
+        assert_eq!(&*labels.label("rewritten"), "rewritten");
+        // The catch-all route is a glob too: everything else collapses into it.
+        assert_eq!(&*labels.label("evil\u{0}name-12345"), "*");
+        let no_catch_all = ModelLabels {
+            globs: Vec::new(),
+            ..ModelLabels::new(&config)
+        };
+        assert_eq!(&*no_catch_all.label("evil\u{0}name-12345"), "other");
     }
 }

@@ -157,7 +157,7 @@ async fn replays_survive_a_restart() {
         &config,
         format!(
             "[server]\nlisten = \"127.0.0.1:{port}\"\n[log]\nlevel = \"warn\"\n[store]\npath = \"{}\"\n[mock]\nlisten = \"127.0.0.1:{mock_port}\"\n\
-             [[upstreams]]\nname = \"mock\"\napi = \"openai\"\nbase_url = \"http://127.0.0.1:{mock_port}\"\n\
+             [[upstreams]]\nname = \"mock\"\napi = \"openai\"\nforward_headers = [\"x-mock-*\"]\nbase_url = \"http://127.0.0.1:{mock_port}\"\n\
              [[routes]]\nmodel = \"gpt-*\"\ntargets = [{{ upstream = \"mock\" }}]\n[[tenants]]\nname = \"t\"\napi_keys = [\"{KEY_A}\"]\n",
             dir.0.join("store.db").display()
         ),

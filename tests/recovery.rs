@@ -33,12 +33,14 @@ token = "{ADMIN}"
 [[upstreams]]
 name = "primary"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://{primary}"
 attempt_timeout = "300ms"
 
 [[upstreams]]
 name = "backup"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://{backup_addr}"
 
 [[routes]]

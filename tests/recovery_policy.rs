@@ -45,16 +45,19 @@ half_open_probes = 1
 [[upstreams]]
 name = "primary"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://primary.invalid"
 
 [[upstreams]]
 name = "backup"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://backup.invalid"
 
 [[upstreams]]
 name = "big"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://big.invalid"
 
 [[routes]]

@@ -1,6 +1,7 @@
 //! The wire side of the two APIs Backstop speaks: which endpoint a request is for, and
 //! how errors are shaped for each API.
 
+pub mod json;
 mod shape;
 
 pub use shape::{error_body, stream_error_event, ErrorParts};

@@ -17,6 +17,31 @@ pub struct ServerConfig {
     /// How long in-flight requests may run after SIGTERM/SIGINT before they are cut.
     #[serde(with = "humantime_serde")]
     pub shutdown_grace: Duration,
+    /// After SIGTERM/SIGINT, how long Backstop keeps accepting and serving while `/readyz`
+    /// answers 503, so a load balancer sees it draining before the listener closes.
+    #[serde(with = "humantime_serde")]
+    pub drain_delay: Duration,
+    /// A connection must deliver a complete request head this soon after it opens or
+    /// after its previous response (slowloris and silent sockets are closed).
+    #[serde(with = "humantime_serde")]
+    pub header_read_timeout: Duration,
+    /// A keep-alive connection with no request in flight and no traffic is closed after
+    /// this long.
+    #[serde(with = "humantime_serde")]
+    pub idle_timeout: Duration,
+    /// Client connections open at once; beyond it new connections are closed at accept.
+    pub max_connections: usize,
+    /// Largest upstream body read whole (non-streaming answers and error bodies).
+    pub max_response_bytes: usize,
+    /// Largest single SSE event accepted from an upstream stream.
+    pub max_sse_event_bytes: usize,
+    /// Longest a relayed stream may run in all, however steadily it flows.
+    #[serde(with = "humantime_serde")]
+    pub max_stream_duration: Duration,
+    /// Longest `x-session-id` accepted (visible ASCII only).
+    pub max_session_id_bytes: usize,
+    /// Longest `Idempotency-Key` accepted (visible ASCII only).
+    pub max_idempotency_key_bytes: usize,
 }
 
 impl Default for ServerConfig {
@@ -26,6 +51,15 @@ impl Default for ServerConfig {
             max_body_bytes: 10 * 1024 * 1024,
             request_timeout: Duration::from_secs(120),
             shutdown_grace: Duration::from_secs(30),
+            drain_delay: Duration::from_secs(5),
+            header_read_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            max_connections: 4096,
+            max_response_bytes: 32 * 1024 * 1024,
+            max_sse_event_bytes: 1024 * 1024,
+            max_stream_duration: Duration::from_secs(600),
+            max_session_id_bytes: 256,
+            max_idempotency_key_bytes: 255,
         }
     }
 }
@@ -38,11 +72,31 @@ impl ServerConfig {
                 "must be greater than 0",
             ));
         }
-        if self.request_timeout.is_zero() {
-            return Err(ConfigError::invalid(
-                "server.request_timeout",
-                "must be greater than 0",
-            ));
+        let positive = [
+            ("server.request_timeout", self.request_timeout.is_zero()),
+            (
+                "server.header_read_timeout",
+                self.header_read_timeout.is_zero(),
+            ),
+            ("server.idle_timeout", self.idle_timeout.is_zero()),
+            (
+                "server.max_stream_duration",
+                self.max_stream_duration.is_zero(),
+            ),
+            ("server.max_connections", self.max_connections == 0),
+            ("server.max_response_bytes", self.max_response_bytes == 0),
+            ("server.max_sse_event_bytes", self.max_sse_event_bytes == 0),
+            (
+                "server.max_session_id_bytes",
+                self.max_session_id_bytes == 0,
+            ),
+            (
+                "server.max_idempotency_key_bytes",
+                self.max_idempotency_key_bytes == 0,
+            ),
+        ];
+        if let Some((key, _)) = positive.iter().find(|(_, zero)| *zero) {
+            return Err(ConfigError::invalid(*key, "must be greater than 0"));
         }
         Ok(())
     }

@@ -40,7 +40,21 @@ pub struct UpstreamConfig {
     /// `anthropic-version` sent when the client sent none (Anthropic upstreams only).
     #[serde(default = "default_anthropic_version")]
     pub anthropic_version: String,
+    /// Client headers forwarded to this upstream beyond the built-in allow-list: exact
+    /// names or `prefix-*` globs (the mock's tests use `["x-mock-*"]`). Credentials and
+    /// hop-by-hop headers are never forwarded, whatever this says.
+    #[serde(default)]
+    pub forward_headers: Vec<String>,
 }
+
+/// Headers no configuration may forward upstream: client credentials and cookies.
+pub const NEVER_FORWARDED: &[&str] = &[
+    "authorization",
+    "proxy-authorization",
+    "x-api-key",
+    "api-key",
+    "cookie",
+];
 
 fn empty_secret() -> Secret {
     Secret::new("")
@@ -93,6 +107,26 @@ impl UpstreamConfig {
                 format!("{key}.attempt_timeout"),
                 "must be greater than 0",
             ));
+        }
+        for (i, name) in self.forward_headers.iter().enumerate() {
+            let bare = name.strip_suffix('*').unwrap_or(name);
+            let valid = !bare.is_empty()
+                && http::HeaderName::from_bytes(bare.as_bytes()).is_ok()
+                && bare.bytes().all(|b| !b.is_ascii_uppercase());
+            if !valid {
+                return Err(ConfigError::invalid(
+                    format!("{key}.forward_headers[{i}]"),
+                    format_args!("{name:?} is not a lower-case header name or `prefix-*` glob"),
+                ));
+            }
+            if NEVER_FORWARDED.iter().any(|n| n.starts_with(bare)) && name.ends_with('*')
+                || NEVER_FORWARDED.contains(&bare)
+            {
+                return Err(ConfigError::invalid(
+                    format!("{key}.forward_headers[{i}]"),
+                    format_args!("{name:?} would forward client credentials"),
+                ));
+            }
         }
         if http::HeaderValue::from_str(self.api_key.expose()).is_err() {
             return Err(ConfigError::invalid(

@@ -14,6 +14,13 @@ pub enum GatewayError {
     InvalidJson(String),
     #[error("request body must be a JSON object")]
     NotAnObject,
+    #[error("invalid `{header}` header: {detail}")]
+    InvalidHeader {
+        header: &'static str,
+        detail: String,
+    },
+    #[error("invalid `{param}`: {detail}")]
+    InvalidParameter { param: &'static str, detail: String },
     #[error("`model` is required and must be a non-empty string")]
     MissingModel,
     #[error("the model `{0}` does not exist or you do not have access to it")]
@@ -36,12 +43,18 @@ pub enum GatewayError {
     UpstreamAuth { upstream: String, status: u16 },
     #[error("the upstream `{upstream}` answered with a body that is not valid JSON")]
     UpstreamMalformed { upstream: String },
+    #[error("the upstream `{upstream}` {problem}")]
+    UpstreamProtocol { upstream: String, problem: Protocol },
     #[error("every upstream for this model is failing and its circuit breaker is open; retry after {retry_after:?}")]
     CircuitOpen { retry_after: Duration },
     #[error("the request did not complete within {0:?}")]
     RequestTimeout(Duration),
     #[error("no such endpoint: {method} {path}")]
     NotFound { method: String, path: String },
+    #[error("{method} is not allowed on {path}")]
+    MethodNotAllowed { method: String, path: String },
+    #[error("missing or invalid admin token: pass `[admin] token` as `Authorization: Bearer`")]
+    AdminUnauthorized,
     #[error("the request's JSON schema is invalid: {0}")]
     InvalidSchema(String),
     #[error("the model's output did not validate after {attempts} attempts: {}", errors.join("; "))]
@@ -76,6 +89,27 @@ pub enum GatewayError {
     Internal,
 }
 
+/// How an upstream broke the protocol Backstop holds it to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Protocol {
+    #[error("answered with a redirect (HTTP {0}); Backstop never follows upstream redirects")]
+    Redirect(u16),
+    #[error("answered with a body over server.max_response_bytes")]
+    TooLarge,
+    #[error("answered a streaming request with a body that is not an event stream")]
+    NotAStream,
+}
+
+impl Protocol {
+    pub fn code(self) -> &'static str {
+        match self {
+            Protocol::Redirect(_) => "upstream_redirect",
+            Protocol::TooLarge => "upstream_response_too_large",
+            Protocol::NotAStream => "upstream_not_streaming",
+        }
+    }
+}
+
 /// The HTTP-facing identity of an error: status, category and the exact code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ErrorKind {
@@ -99,6 +133,18 @@ impl GatewayError {
                 400,
                 "invalid_request_error",
                 "invalid_json",
+                "invalid_request_error",
+            ),
+            InvalidHeader { .. } => (
+                400,
+                "invalid_request_error",
+                "invalid_header",
+                "invalid_request_error",
+            ),
+            InvalidParameter { .. } => (
+                400,
+                "invalid_request_error",
+                "invalid_parameter",
                 "invalid_request_error",
             ),
             MissingModel => (
@@ -150,6 +196,9 @@ impl GatewayError {
                 "upstream_auth_failed",
             ),
             UpstreamMalformed { .. } => (502, "upstream_error", "output_invalid", "output_invalid"),
+            UpstreamProtocol { problem, .. } => {
+                (502, "upstream_error", problem.code(), problem.code())
+            }
             CircuitOpen { .. } => (503, "upstream_error", "circuit_open", "circuit_open"),
             RequestTimeout(_) => (504, "timeout_error", "request_timeout", "request_timeout"),
             NotFound { .. } => (
@@ -157,6 +206,18 @@ impl GatewayError {
                 "invalid_request_error",
                 "unknown_endpoint",
                 "not_found_error",
+            ),
+            MethodNotAllowed { .. } => (
+                405,
+                "invalid_request_error",
+                "method_not_allowed",
+                "invalid_request_error",
+            ),
+            AdminUnauthorized => (
+                401,
+                "authentication_error",
+                "invalid_admin_token",
+                "authentication_error",
             ),
             InvalidSchema(_) => (
                 400,
@@ -233,6 +294,8 @@ impl GatewayError {
     pub fn param(&self) -> Option<&'static str> {
         match self {
             GatewayError::MissingModel | GatewayError::ModelNotFound(_) => Some("model"),
+            GatewayError::InvalidHeader { header, .. } => Some(header),
+            GatewayError::InvalidParameter { param, .. } => Some(param),
             _ => self.budget(),
         }
     }

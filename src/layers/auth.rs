@@ -1,6 +1,7 @@
 //! Auth layer (step 2): the caller's tenant key, from `Authorization: Bearer` or
-//! `x-api-key`, selects its tenant. Keys are compared in constant time against every
-//! configured key, so timing tells nothing about which key, or how much of one, matched.
+//! `x-api-key`, selects its tenant. Keys are compared as SHA-256 digests, in constant time
+//! against every configured key, so timing tells nothing about which key matched, how
+//! much of one, or how long the keys are.
 //! Refuses with 401 `invalid_api_key`; on success puts [`Tenant`] in the extensions.
 
 use std::{
@@ -22,10 +23,21 @@ pub struct Tenant {
     pub name: Arc<str>,
 }
 
-/// Every tenant key, resolved to its tenant.
+/// Every tenant key (as its digest), resolved to its tenant.
 #[derive(Debug)]
 pub struct TenantKeys {
-    keys: Vec<(Vec<u8>, Arc<Tenant>)>,
+    keys: Vec<([u8; 32], Arc<Tenant>)>,
+}
+
+/// The SHA-256 of a key: fixed length, so comparing digests leaks no key length.
+pub fn key_digest(key: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(key).into()
+}
+
+/// Whether `presented` is `expected`, in time independent of both.
+pub fn same_key(expected: &[u8], presented: &[u8]) -> bool {
+    bool::from(key_digest(expected).ct_eq(&key_digest(presented)))
 }
 
 impl TenantKeys {
@@ -39,7 +51,7 @@ impl TenantKeys {
                 });
                 t.api_keys
                     .iter()
-                    .map(move |k| (k.expose().as_bytes().to_vec(), tenant.clone()))
+                    .map(move |k| (key_digest(k.expose().as_bytes()), tenant.clone()))
             })
             .collect();
         TenantKeys { keys }
@@ -47,9 +59,10 @@ impl TenantKeys {
 
     /// Constant-time over the whole key list: every key is compared.
     pub fn lookup(&self, presented: &[u8]) -> Option<Arc<Tenant>> {
+        let presented = key_digest(presented);
         let mut found = None;
         for (key, tenant) in &self.keys {
-            if bool::from(key.as_slice().ct_eq(presented)) {
+            if bool::from(key.ct_eq(&presented)) {
                 found = Some(tenant.clone());
             }
         }

@@ -1,7 +1,10 @@
 //! Context layer (step 3): reads the body once, within `max_body_bytes`, parses it, and
 //! resolves the route. Everything after reads [`RequestContext`] from the extensions
 //! instead of touching the body again. Refuses with 413 (too large), 400 (not JSON, not
-//! an object, no `model`) or 404 `model_not_found`, all before any upstream call.
+//! an object, a repeated key, no `model`, an invalid `max_tokens`, an `x-session-id` that
+//! is too long or not visible ASCII) or 404 `model_not_found`, all before any upstream
+//! call. Nothing the client controls is silently dropped: an identifier Backstop cannot
+//! honour is refused, so caps and the guard can never be bypassed by its spelling.
 
 use std::{
     sync::Arc,
@@ -92,15 +95,57 @@ impl RequestContext {
 pub struct ContextLayer {
     routes: Arc<RouteTable>,
     max_body_bytes: usize,
+    max_session_id_bytes: usize,
 }
 
 impl ContextLayer {
-    pub fn new(routes: Arc<RouteTable>, max_body_bytes: usize) -> Self {
+    pub fn new(
+        routes: Arc<RouteTable>,
+        max_body_bytes: usize,
+        max_session_id_bytes: usize,
+    ) -> Self {
         ContextLayer {
             routes,
             max_body_bytes,
+            max_session_id_bytes,
         }
     }
+}
+
+/// The largest `max_tokens` accepted: every provider's field is a 32-bit integer.
+pub const MAX_OUTPUT_TOKENS: u64 = i32::MAX as u64;
+
+/// A client identifier header: absent or blank is `None`; otherwise it must be at most
+/// `max` bytes of visible ASCII (no spaces, no control or non-ASCII bytes), or the
+/// request is refused naming the header.
+pub fn identifier(
+    headers: &http::HeaderMap,
+    name: &'static str,
+    max: usize,
+) -> Result<Option<String>, GatewayError> {
+    let Some(value) = headers.get(name) else {
+        return Ok(None);
+    };
+    let bytes = value.as_bytes().trim_ascii();
+    if bytes.is_empty() {
+        return Ok(None);
+    }
+    let invalid = |detail: String| GatewayError::InvalidHeader {
+        header: name,
+        detail,
+    };
+    if bytes.len() > max {
+        return Err(invalid(format!(
+            "{} bytes, over the limit of {max}",
+            bytes.len()
+        )));
+    }
+    if !bytes.iter().all(|b| b.is_ascii_graphic()) {
+        return Err(invalid(
+            "only visible ASCII characters (0x21-0x7E) are allowed".into(),
+        ));
+    }
+    Ok(Some(String::from_utf8_lossy(bytes).into_owned()))
 }
 
 impl<S> Layer<S> for ContextLayer {
@@ -165,13 +210,8 @@ where
                     }
                 })?
                 .to_bytes();
-            let session_id = parts
-                .headers
-                .get("x-session-id")
-                .and_then(|v| v.to_str().ok())
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .map(str::to_owned);
+            let session_id =
+                identifier(&parts.headers, "x-session-id", layer.max_session_id_bytes)?;
             let tenant = parts
                 .extensions
                 .get::<Arc<crate::layers::auth::Tenant>>()
@@ -197,8 +237,8 @@ pub fn parse(
     session_id: Option<String>,
     routes: &RouteTable,
 ) -> Result<RequestContext, GatewayError> {
-    let value: Value =
-        serde_json::from_slice(&body).map_err(|e| GatewayError::InvalidJson(e.to_string()))?;
+    let value = crate::api::json::parse_strict(&body)
+        .map_err(|e| GatewayError::InvalidJson(e.to_string()))?;
     let Value::Object(json) = value else {
         return Err(GatewayError::NotAnObject);
     };
@@ -207,9 +247,25 @@ pub fn parse(
         _ => return Err(GatewayError::MissingModel),
     };
     let stream = matches!(json.get("stream"), Some(Value::Bool(true)));
-    let max_output_tokens = ["max_completion_tokens", "max_tokens"]
-        .iter()
-        .find_map(|k| json.get(*k).and_then(Value::as_u64));
+    let mut max_output_tokens = None;
+    for param in ["max_completion_tokens", "max_tokens"] {
+        match json.get(param) {
+            None | Some(Value::Null) => {}
+            Some(v) => match v.as_u64().filter(|n| *n <= MAX_OUTPUT_TOKENS) {
+                Some(n) => {
+                    max_output_tokens.get_or_insert(n);
+                }
+                None => {
+                    return Err(GatewayError::InvalidParameter {
+                        param,
+                        detail: format!(
+                            "must be an integer from 0 to {MAX_OUTPUT_TOKENS}, got {v}"
+                        ),
+                    })
+                }
+            },
+        }
+    }
     let client_wants_stream_usage = json
         .get("stream_options")
         .and_then(|o| o.get("include_usage"))

@@ -37,7 +37,9 @@ pub struct Edge<S> {
     inner: S,
 }
 
-fn request_id(req: &Request<Body>) -> HeaderValue {
+/// The client's `x-request-id` when it is 1–128 visible ASCII bytes, else a new one: the
+/// one rule for every route, so no header of any length is ever reflected.
+pub fn request_id<B>(req: &Request<B>) -> HeaderValue {
     req.headers()
         .get(&X_REQUEST_ID)
         .filter(|v| {

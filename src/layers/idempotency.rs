@@ -5,6 +5,11 @@
 //! restarts too. Concurrent duplicates wait for the first instead of calling twice. The
 //! same key with a different body is 422 `idempotency_key_reused`. Failed responses are
 //! not kept, so the key can be retried.
+//!
+//! A key is scoped by tenant, endpoint and the key itself (a chat answer is never
+//! replayed for `/v1/embeddings`), and a body is recognised by its SHA-256 digest. A key
+//! longer than `server.max_idempotency_key_bytes` or not visible ASCII is 400
+//! `invalid_header`: it is never silently ignored (which would make a second call).
 
 use std::{
     collections::HashMap,
@@ -25,7 +30,7 @@ use tower::{Layer, Service};
 use crate::{
     budgets::now_ms,
     error::GatewayError,
-    layers::context::RequestContext,
+    layers::context::{identifier, RequestContext},
     store::{Store, StoredResponse},
 };
 
@@ -38,14 +43,16 @@ type Key = (Arc<str>, String);
 pub struct IdempotencyLayer {
     store: Arc<Store>,
     ttl: Duration,
+    max_key_bytes: usize,
     in_flight: Arc<Mutex<HashMap<Key, watch::Receiver<()>>>>,
 }
 
 impl IdempotencyLayer {
-    pub fn new(store: Arc<Store>, ttl: Duration) -> Self {
+    pub fn new(store: Arc<Store>, ttl: Duration, max_key_bytes: usize) -> Self {
         IdempotencyLayer {
             store,
             ttl,
+            max_key_bytes,
             in_flight: Arc::default(),
         }
     }
@@ -67,14 +74,16 @@ pub struct Idempotency<S> {
     layer: IdempotencyLayer,
 }
 
-/// FNV-1a: stable across builds and restarts, unlike std's hasher.
+/// SHA-256 of the body, hex: a different body with the same key cannot collide into a
+/// replay of someone else's answer.
 fn body_hash(body: &[u8]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in body {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(body);
+    let mut hex = String::with_capacity(64);
+    for b in digest {
+        hex.push_str(&format!("{b:02x}"));
     }
-    format!("{h:016x}-{}", body.len())
+    hex
 }
 
 /// While alive, this request is the one making the call for its key; dropping it lets
@@ -191,17 +200,12 @@ where
         let mut inner = super::take_ready(&mut self.inner);
         let layer = self.layer.clone();
         Box::pin(async move {
-            let key = req
-                .headers()
-                .get("idempotency-key")
-                .and_then(|v| v.to_str().ok())
-                .map(str::trim)
-                .filter(|k| !k.is_empty() && k.len() <= 255)
-                .map(str::to_owned);
-            let Some(key) = key else {
+            let Some(key) = identifier(req.headers(), "idempotency-key", layer.max_key_bytes)?
+            else {
                 return inner.call(req).await;
             };
             let ctx = RequestContext::of(&req)?;
+            let key = format!("{}:{key}", ctx.endpoint.label());
             let hash = body_hash(&ctx.body);
             let id: Key = (ctx.tenant.clone(), key.clone());
             let leader = loop {
@@ -272,6 +276,9 @@ where
 mod tests {
     #[test]
     fn body_hashes_are_stable() {
-        assert_eq!(super::body_hash(b"hello"), "a430d84680aabd0b-5");
+        assert_eq!(
+            super::body_hash(b"hello"),
+            "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
+        );
     }
 }

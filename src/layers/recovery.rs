@@ -32,7 +32,7 @@ use tower::{Layer, Service, ServiceExt};
 
 use crate::{
     config::ApiKind,
-    error::GatewayError,
+    error::{GatewayError, Protocol},
     layers::{context::RequestContext, deadline::Deadline},
     policy::{
         backoff::{next_wait, Backoff, Wait},
@@ -227,7 +227,7 @@ fn verdict(class: &Class) -> Verdict {
         } => Verdict::Failed(0.5),
         Class::Transient { .. } => Verdict::Failed(1.0),
         Class::CredentialOrQuota => Verdict::Fatal,
-        Class::CallerFault { .. } | Class::Malformed => Verdict::Neutral,
+        Class::CallerFault { .. } | Class::Malformed | Class::Redirect => Verdict::Neutral,
     }
 }
 
@@ -398,6 +398,7 @@ where
             };
             let reason = match &outcome {
                 Ok(_) if class == Class::Malformed => "malformed".to_string(),
+                Ok(_) if class == Class::Redirect => "redirect".to_string(),
                 Ok(reply) => reply.status.as_str().to_string(),
                 Err(failure) => failure.label().to_string(),
             };
@@ -440,13 +441,9 @@ where
                     cut_by_deadline: timeout < upstream.attempt_timeout,
                 },
             };
-            let retry_after = match &failure {
-                Failure::Reply {
-                    class: Class::Transient { retry_after, .. },
-                    ..
-                } => Some(*retry_after),
-                Failure::Transport { .. } => Some(None),
-                Failure::Reply { .. } => None,
+            let retry_after = match class {
+                Class::Transient { retry_after, .. } => Some(retry_after),
+                _ => None,
             };
             *last = Some(failure);
             // Only transient failures are retried on the same target, and not once
@@ -504,6 +501,26 @@ where
                 ..
             } => Err(GatewayError::UpstreamMalformed {
                 upstream: upstream.to_string(),
+            }),
+            Failure::Reply {
+                reply,
+                class: Class::Redirect,
+                upstream,
+            } => Err(GatewayError::UpstreamProtocol {
+                upstream: upstream.to_string(),
+                problem: Protocol::Redirect(reply.status.as_u16()),
+            }),
+            Failure::Transport {
+                failure: failure @ (TransportFailure::TooLarge | TransportFailure::NotAStream),
+                upstream,
+                ..
+            } => Err(GatewayError::UpstreamProtocol {
+                upstream: upstream.to_string(),
+                problem: if failure == TransportFailure::TooLarge {
+                    Protocol::TooLarge
+                } else {
+                    Protocol::NotAStream
+                },
             }),
             Failure::Reply { reply, .. } => Ok(reply.into_response()),
             // Out of time because the client's deadline came, not because the upstream

@@ -19,6 +19,13 @@ use std::time::Duration;
 /// | `cut=N` | a stream that breaks after N chunks |
 /// | `usage=IN/OUT` | the token usage reported |
 /// | `chunks=N` / `chunk_delay=50ms` | how a stream is cut up and paced |
+/// | `status=307;location=URL` | a redirect (Backstop must not follow it) |
+/// | `header=NAME:VALUE` | an extra response header (repeatable; forging tests) |
+/// | `pad=N` | N more bytes of answer text (oversized bodies) |
+/// | `plain` | answer a streaming request with plain JSON |
+/// | `endless` | a stream that never ends (an event every `chunk_delay`, default 10ms) |
+/// | `drip=1s` | after the first event, one byte per interval, never a whole event |
+/// | `huge_event=N` | after the first event, an event of N bytes that never ends |
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Step {
     pub status: Option<u16>,
@@ -36,6 +43,13 @@ pub struct Step {
     pub usage: Option<(u64, u64)>,
     pub chunks: Option<usize>,
     pub chunk_delay: Option<Duration>,
+    pub location: Option<String>,
+    pub headers: Vec<(String, String)>,
+    pub pad: Option<usize>,
+    pub plain: bool,
+    pub endless: bool,
+    pub drip: Option<Duration>,
+    pub huge_event: Option<usize>,
 }
 
 impl Step {
@@ -73,6 +87,17 @@ impl Step {
                 }
                 "chunks" => out.chunks = value.parse().ok().filter(|n| *n > 0),
                 "chunk_delay" => out.chunk_delay = humantime::parse_duration(value).ok(),
+                "location" => out.location = Some(value.to_string()),
+                "header" => {
+                    if let Some((name, value)) = value.split_once(':') {
+                        out.headers.push((name.trim().into(), value.trim().into()));
+                    }
+                }
+                "pad" => out.pad = value.parse().ok(),
+                "plain" => out.plain = true,
+                "endless" => out.endless = true,
+                "drip" => out.drip = humantime::parse_duration(value).ok(),
+                "huge_event" => out.huge_event = value.parse().ok(),
                 _ => {}
             }
         }

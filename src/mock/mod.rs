@@ -238,22 +238,43 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
     if step.reset {
         return Err(Reset);
     }
+    let mut response = answer(api, &path, &request, &step);
+    for (name, value) in &step.headers {
+        if let (Ok(name), Ok(value)) = (
+            http::HeaderName::from_bytes(name.as_bytes()),
+            http::HeaderValue::from_str(value),
+        ) {
+            response.headers_mut().append(name, value);
+        }
+    }
+    Ok(response)
+}
+
+/// The scripted answer for one attempt.
+fn answer(api: responses::Api, path: &str, request: &Value, step: &Step) -> Response<Body> {
+    if let Some(status) = step.status.filter(|s| (300..400).contains(s)) {
+        return Response::builder()
+            .status(status)
+            .header(header::LOCATION, step.location.as_deref().unwrap_or("/"))
+            .body(Body::empty())
+            .expect("valid redirect");
+    }
     if let Some(status) = step.status.filter(|s| *s >= 400) {
-        return Ok(responses::error(api, status, &step));
+        return responses::error(api, status, step);
     }
     if step.invalid_json {
-        return Ok(Response::builder()
+        return Response::builder()
             .status(StatusCode::OK)
             .header(header::CONTENT_TYPE, "application/json")
             .body(Body::from(Bytes::from_static(
                 b"{\"id\": \"broken\", \"choices\": [",
             )))
-            .expect("static response"));
+            .expect("static response");
     }
-    Ok(match path.as_str() {
-        "/v1/embeddings" => responses::embeddings(&request, &step),
-        _ => responses::completion(api, &request, &step),
-    })
+    match path {
+        "/v1/embeddings" => responses::embeddings(request, step),
+        _ => responses::completion(api, request, step),
+    }
 }
 
 fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {

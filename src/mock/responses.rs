@@ -54,6 +54,14 @@ fn messages(request: &Value) -> &[Value] {
 
 /// `"mock: "` + the last user message, capped at 1,000 characters.
 fn reply_text(request: &Value, step: &Step) -> String {
+    let mut text = base_text(request, step);
+    if let Some(pad) = step.pad {
+        text.push_str(&"x".repeat(pad));
+    }
+    text
+}
+
+fn base_text(request: &Value, step: &Step) -> String {
     if let Some(content) = &step.content {
         return content.clone();
     }
@@ -95,10 +103,11 @@ pub fn completion(api: Api, request: &Value, step: &Step) -> Response<Body> {
         .to_string();
     let text = reply_text(request, step);
     let (input, output) = usage(request, &text, step);
-    let streaming = request
-        .get("stream")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    let streaming = !step.plain
+        && request
+            .get("stream")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
     let id = next_id();
     if !streaming {
         let tool_args = step.tool_args.clone().unwrap_or_else(|| "{}".into());
@@ -225,32 +234,80 @@ fn anthropic_events(id: u64, model: &str, parts: &[String], usage: (u64, u64)) -
     out
 }
 
-/// An SSE body, paced by `chunk_delay` and broken after `cut` events when asked.
+/// An SSE body, paced by `chunk_delay` and broken after `cut` events when asked; or one
+/// of the hostile streams (`endless`, `drip`, `huge_event`) after the first event.
 fn sse(events: Vec<Bytes>, step: &Step) -> Response<Body> {
     let delay = step.chunk_delay;
     let cut = step.cut;
-    let items = events.into_iter().enumerate();
-    let body = stream::iter(items).then(move |(i, event)| async move {
-        if cut.is_some_and(|n| i >= n) {
-            // Let the connection flush what was sent, so the cut lands mid-stream
-            // rather than before the response head.
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::ConnectionReset,
-                "mock cut",
-            ));
-        }
-        if let Some(d) = delay.filter(|_| i > 0) {
-            tokio::time::sleep(d).await;
-        }
-        Ok(event)
-    });
+    let body = if step.endless || step.drip.is_some() || step.huge_event.is_some() {
+        hostile(events, step)
+    } else {
+        let items = events.into_iter().enumerate();
+        stream::iter(items)
+            .then(move |(i, event)| async move {
+                if cut.is_some_and(|n| i >= n) {
+                    // Let the connection flush what was sent, so the cut lands mid-stream
+                    // rather than before the response head.
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::ConnectionReset,
+                        "mock cut",
+                    ));
+                }
+                if let Some(d) = delay.filter(|_| i > 0) {
+                    tokio::time::sleep(d).await;
+                }
+                Ok(event)
+            })
+            .boxed()
+    };
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "text/event-stream")
         .header(header::CACHE_CONTROL, "no-cache")
         .body(Body::from_stream(body))
         .expect("valid response parts")
+}
+
+type Chunks = futures_util::stream::BoxStream<'static, Result<Bytes, std::io::Error>>;
+
+/// Streams that never end well: the first event, then forever more events (`endless`),
+/// one byte at a time (`drip`), or one event that never ends (`huge_event`).
+fn hostile(events: Vec<Bytes>, step: &Step) -> Chunks {
+    let first = events.into_iter().next().unwrap_or_default();
+    let head = stream::once(async move { Ok(first) });
+    if let Some(every) = step.drip {
+        let tail = stream::unfold((), move |()| async move {
+            tokio::time::sleep(every).await;
+            Some((Ok(Bytes::from_static(b"x")), ()))
+        });
+        return head
+            .chain(stream::once(async { Ok(Bytes::from_static(b"data: ")) }))
+            .chain(tail)
+            .boxed();
+    }
+    if let Some(size) = step.huge_event {
+        const PIECE: usize = 64 * 1024;
+        let pieces = size.div_ceil(PIECE);
+        let tail = stream::iter(0..pieces)
+            .map(|_| Ok(Bytes::from(vec![b'x'; PIECE])))
+            .chain(stream::once(std::future::pending()));
+        return head
+            .chain(stream::once(async { Ok(Bytes::from_static(b"data: ")) }))
+            .chain(tail)
+            .boxed();
+    }
+    let every = step
+        .chunk_delay
+        .unwrap_or(std::time::Duration::from_millis(10));
+    let tail = stream::unfold(0u64, move |n| async move {
+        tokio::time::sleep(every).await;
+        let event = format!(
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{n} \"}}}}]}}\n\n"
+        );
+        Some((Ok(Bytes::from(event)), n + 1))
+    });
+    head.chain(tail).boxed()
 }
 
 pub fn embeddings(request: &Value, step: &Step) -> Response<Body> {

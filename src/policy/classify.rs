@@ -16,6 +16,11 @@ pub enum TransportFailure {
     Reset,
     /// The attempt exceeded its timeout.
     Timeout,
+    /// The upstream's body was larger than `server.max_response_bytes`.
+    TooLarge,
+    /// A stream was asked for and the upstream answered 2xx with something other than
+    /// `text/event-stream` (SDK stream parsers would reject it).
+    NotAStream,
 }
 
 impl TransportFailure {
@@ -24,6 +29,8 @@ impl TransportFailure {
             TransportFailure::Connect => "connect",
             TransportFailure::Reset => "reset",
             TransportFailure::Timeout => "timeout",
+            TransportFailure::TooLarge => "too_large",
+            TransportFailure::NotAStream => "not_a_stream",
         }
     }
 }
@@ -61,6 +68,9 @@ pub enum Class {
     },
     /// The provider refused Backstop's credentials or quota: that upstream is out.
     CredentialOrQuota,
+    /// A 3xx: redirects are never followed (the provider key must not travel to another
+    /// origin), so that upstream cannot answer this request.
+    Redirect,
 }
 
 impl Class {
@@ -71,6 +81,7 @@ impl Class {
             Class::Malformed => "malformed",
             Class::CallerFault { .. } => "caller_fault",
             Class::CredentialOrQuota => "credential_or_quota",
+            Class::Redirect => "redirect",
         }
     }
 }
@@ -111,6 +122,9 @@ fn error_fields(body: &[u8]) -> (String, String, String) {
 /// Classifies one attempt. `now` resolves an HTTP-date `Retry-After`.
 pub fn classify(observed: Observed<'_>, now: SystemTime) -> Class {
     let (status, headers, body, streaming) = match observed {
+        Observed::Transport(TransportFailure::TooLarge | TransportFailure::NotAStream) => {
+            return Class::Malformed
+        }
         Observed::Transport(_) => {
             return Class::Transient {
                 retry_after: None,
@@ -124,6 +138,9 @@ pub fn classify(observed: Observed<'_>, now: SystemTime) -> Class {
             streaming,
         } => (status, headers, body, streaming),
     };
+    if (300..400).contains(&status) {
+        return Class::Redirect;
+    }
     if (200..300).contains(&status) {
         let valid = streaming || serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok();
         return if valid {
@@ -159,8 +176,11 @@ pub fn classify(observed: Observed<'_>, now: SystemTime) -> Class {
     }
 }
 
-/// `retry-after-ms` (OpenAI), else `Retry-After` as seconds or an HTTP date.
+/// `retry-after-ms` (OpenAI), else `Retry-After` as seconds or an HTTP date. A value too
+/// large for a `Duration` (`1e20`) is "forever": longer than any `max_retry_after`, so
+/// recovery moves on instead of waiting (or panicking on the conversion).
 pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    let secs = |s: f64| Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX);
     let header = |name: &str| {
         headers
             .get(name)
@@ -169,14 +189,14 @@ pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
     };
     if let Some(ms) = header("retry-after-ms").and_then(|v| v.parse::<f64>().ok()) {
         if ms.is_finite() && ms >= 0.0 {
-            return Some(Duration::from_secs_f64(ms / 1000.0));
+            return Some(secs(ms / 1000.0));
         }
     }
-    let value = header("retry-after")?;
-    if let Ok(secs) = value.parse::<f64>() {
-        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs));
+    let text = header("retry-after")?;
+    if let Ok(value) = text.parse::<f64>() {
+        return (value.is_finite() && value >= 0.0).then(|| secs(value));
     }
-    let date = httpdate::parse_http_date(value).ok()?;
+    let date = httpdate::parse_http_date(text).ok()?;
     Some(date.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
@@ -263,12 +283,21 @@ mod tests {
                 Class::CredentialOrQuota,
             ),
             (402, "", Class::CredentialOrQuota),
+            (301, "", Class::Redirect),
+            (307, "", Class::Redirect),
+            (308, "", Class::Redirect),
         ];
         for (status, body, class) in rows {
             assert_eq!(
                 response(*status, body),
                 *class,
                 "status {status} body {body}"
+            );
+        }
+        for failure in [TransportFailure::TooLarge, TransportFailure::NotAStream] {
+            assert_eq!(
+                classify(Observed::Transport(failure), SystemTime::UNIX_EPOCH),
+                Class::Malformed
             );
         }
         for failure in [
@@ -329,6 +358,18 @@ mod tests {
         assert_eq!(retry_after(&headers(&[("retry-after", "soon")]), now), None);
         assert_eq!(retry_after(&headers(&[("retry-after", "-3")]), now), None);
         assert_eq!(retry_after(&HeaderMap::new(), now), None);
+        // Absurd values are "forever", never a panic.
+        for (name, value) in [
+            ("retry-after", "1e20"),
+            ("retry-after-ms", "1e30"),
+            ("retry-after", "1e308"),
+        ] {
+            assert_eq!(
+                retry_after(&headers(&[(name, value)]), now),
+                Some(Duration::MAX),
+                "{name}: {value}"
+            );
+        }
 
         let h = headers(&[("retry-after", "2")]);
         let class = classify(

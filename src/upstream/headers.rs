@@ -1,60 +1,76 @@
-//! Header mapping at the upstream boundary. Credentials and hop-by-hop headers never
-//! cross it; everything else does, so provider features (beta headers, idempotency keys)
-//! keep working through Backstop.
+//! Header mapping at the upstream boundary, by explicit allow-list in each direction.
+//!
+//! To the upstream go only the headers a provider API needs from a client (`accept`,
+//! `user-agent`, `anthropic-version`, `anthropic-beta`, `openai-beta`, the SDKs'
+//! `x-stainless-*` metadata), plus what the upstream's `forward_headers` names, plus
+//! the provider credential. Never: client credentials (`Authorization`, `x-api-key`,
+//! `api-key`), cookies, account selectors (`OpenAI-Organization`, `OpenAI-Project`),
+//! hop-by-hop headers, or Backstop's own control headers (`x-session-id`,
+//! `Idempotency-Key`, `x-mock-*`) unless configured.
+//!
+//! To the client go only the headers that describe the answer (`content-type`,
+//! `content-encoding`, `cache-control`), its rate limits and retry hints (`retry-after`,
+//! `retry-after-ms`, `x-ratelimit-*`, `anthropic-ratelimit-*`), and the provider's request
+//! id (Anthropic's `request-id`; OpenAI's `x-request-id` renamed `x-upstream-request-id`,
+//! since `x-request-id` is Backstop's). Never `server`, cookies, organization ids, or any
+//! `x-backstop-*` header: an upstream cannot forge Backstop's own headers.
 
 use http::{header, HeaderMap, HeaderName, HeaderValue};
 
 use super::Upstream;
 use crate::config::ApiKind;
 
-/// Hop-by-hop headers (RFC 9110 §7.6.1) plus the ones Backstop sets itself.
-const STRIPPED: &[HeaderName] = &[
-    header::CONNECTION,
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-    header::HOST,
-    header::CONTENT_LENGTH,
+/// Client request headers every upstream receives (exact names).
+const REQUEST_ALLOWED: &[&str] = &[
+    "accept",
+    "user-agent",
+    "anthropic-version",
+    "anthropic-beta",
+    "openai-beta",
 ];
 
-fn is_stripped(name: &HeaderName, connection_listed: &[String]) -> bool {
-    STRIPPED.contains(name)
-        || name.as_str() == "keep-alive"
-        || connection_listed
-            .iter()
-            .any(|c| c.eq_ignore_ascii_case(name.as_str()))
+/// Client request header prefixes every upstream receives.
+const REQUEST_ALLOWED_PREFIXES: &[&str] = &["x-stainless-"];
+
+/// Upstream response headers the client receives (exact names).
+const RESPONSE_ALLOWED: &[&str] = &[
+    "content-type",
+    "content-encoding",
+    "cache-control",
+    "retry-after",
+    "retry-after-ms",
+    "request-id",
+    "openai-processing-ms",
+    "openai-version",
+];
+
+/// Upstream response header prefixes the client receives.
+const RESPONSE_ALLOWED_PREFIXES: &[&str] = &["x-ratelimit-", "anthropic-ratelimit-"];
+
+/// A name against `exact` names and `prefix-*` globs.
+fn matches(name: &str, pattern: &str) -> bool {
+    match pattern.strip_suffix('*') {
+        Some(prefix) => name.starts_with(prefix),
+        None => name == pattern,
+    }
 }
 
-/// Header names listed in `Connection`, which are hop-by-hop for this message only.
-fn connection_listed(headers: &HeaderMap) -> Vec<String> {
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .collect()
+fn never_forwarded(name: &str) -> bool {
+    crate::config::NEVER_FORWARDED.contains(&name)
 }
 
-/// The headers an upstream receives: the client's, minus its Backstop credentials,
-/// hop-by-hop headers and `accept-encoding` (Backstop reads bodies, so it asks for
-/// identity), plus the provider credential.
+/// The headers an upstream receives: the allow-listed client headers, the upstream's
+/// `forward_headers`, a JSON content type and the provider credential.
 pub(super) fn upstream_request_headers(client: &HeaderMap, upstream: &Upstream) -> HeaderMap {
-    let listed = connection_listed(client);
-    let mut out = HeaderMap::with_capacity(client.len() + 2);
+    let mut out = HeaderMap::with_capacity(8);
     for (name, value) in client {
-        if is_stripped(name, &listed)
-            || name == header::AUTHORIZATION
-            || name.as_str() == "x-api-key"
-            || name == header::ACCEPT_ENCODING
-        {
-            continue;
+        let n = name.as_str();
+        let allowed = REQUEST_ALLOWED.contains(&n)
+            || REQUEST_ALLOWED_PREFIXES.iter().any(|p| n.starts_with(p))
+            || upstream.forward_headers.iter().any(|p| matches(n, p));
+        if allowed && !never_forwarded(n) {
+            out.append(name.clone(), value.clone());
         }
-        out.append(name.clone(), value.clone());
     }
     out.insert(
         header::CONTENT_TYPE,
@@ -81,24 +97,21 @@ pub(super) fn upstream_request_headers(client: &HeaderMap, upstream: &Upstream) 
     out
 }
 
-/// The headers the client receives from an upstream response: hop-by-hop headers and
-/// the length (the body may be re-framed) removed; the upstream's own request id kept
-/// under another name, since `x-request-id` is Backstop's.
+/// The headers the client receives from an upstream response: the allow-list only.
 pub(super) fn client_response_headers(upstream: &HeaderMap) -> HeaderMap {
-    let listed = connection_listed(upstream);
-    let mut out = HeaderMap::with_capacity(upstream.len());
+    let mut out = HeaderMap::with_capacity(upstream.len().min(16));
     for (name, value) in upstream {
-        if is_stripped(name, &listed) {
-            continue;
-        }
-        if name.as_str() == "x-request-id" {
+        let n = name.as_str();
+        if n == "x-request-id" {
             out.append(
                 HeaderName::from_static("x-upstream-request-id"),
                 value.clone(),
             );
-            continue;
+        } else if RESPONSE_ALLOWED.contains(&n)
+            || RESPONSE_ALLOWED_PREFIXES.iter().any(|p| n.starts_with(p))
+        {
+            out.append(name.clone(), value.clone());
         }
-        out.append(name.clone(), value.clone());
     }
     out
 }
@@ -115,6 +128,7 @@ mod tests {
             api_key: crate::config::Secret::new("sk-provider"),
             attempt_timeout: std::time::Duration::from_secs(1),
             anthropic_version: "2023-06-01".into(),
+            forward_headers: vec!["x-mock-*".into()],
         })
     }
 
@@ -134,6 +148,12 @@ mod tests {
         h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("gzip"));
         h.insert("x-session-id", HeaderValue::from_static("s1"));
         h.insert("anthropic-beta", HeaderValue::from_static("tools-2024"));
+        h.insert("api-key", HeaderValue::from_static("bk-azure-style"));
+        h.insert(header::COOKIE, HeaderValue::from_static("session=abc"));
+        h.insert("openai-organization", HeaderValue::from_static("org-evil"));
+        h.insert("idempotency-key", HeaderValue::from_static("k1"));
+        h.insert("x-mock-fault", HeaderValue::from_static("ok"));
+        h.insert("x-stainless-lang", HeaderValue::from_static("python"));
         h
     }
 
@@ -142,10 +162,57 @@ mod tests {
         let out = upstream_request_headers(&client_headers(), &upstream(ApiKind::OpenAi));
         assert_eq!(out[header::AUTHORIZATION], "Bearer sk-provider");
         assert!(out.get("x-api-key").is_none());
-        for gone in ["connection", "x-drop-me", "keep-alive", "accept-encoding"] {
+        for gone in [
+            "connection",
+            "x-drop-me",
+            "keep-alive",
+            "accept-encoding",
+            "api-key",
+            "cookie",
+            "openai-organization",
+            "x-session-id",
+            "idempotency-key",
+        ] {
             assert!(out.get(gone).is_none(), "{gone} was forwarded");
         }
-        assert_eq!(out["x-session-id"], "s1");
+        assert_eq!(out["x-mock-fault"], "ok", "configured forward_headers pass");
+        assert_eq!(out["x-stainless-lang"], "python");
+    }
+
+    #[test]
+    fn upstream_response_headers_are_allow_listed() {
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("server", "evil/1.0"),
+            ("openai-organization", "org-secret"),
+            ("x-backstop-attempts", "99"),
+            ("x-backstop-recovery", "forged"),
+            ("set-cookie", "a=b"),
+            ("content-type", "application/json"),
+            ("retry-after", "3"),
+            ("x-ratelimit-remaining-requests", "7"),
+            ("anthropic-ratelimit-tokens-remaining", "100"),
+            ("request-id", "req_1"),
+            ("x-request-id", "up-1"),
+        ] {
+            h.append(HeaderName::from_static(k), HeaderValue::from_static(v));
+        }
+        let out = client_response_headers(&h);
+        for gone in [
+            "server",
+            "openai-organization",
+            "x-backstop-attempts",
+            "x-backstop-recovery",
+            "set-cookie",
+            "x-request-id",
+        ] {
+            assert!(out.get(gone).is_none(), "{gone} reached the client");
+        }
+        assert_eq!(out["retry-after"], "3");
+        assert_eq!(out["x-ratelimit-remaining-requests"], "7");
+        assert_eq!(out["anthropic-ratelimit-tokens-remaining"], "100");
+        assert_eq!(out["request-id"], "req_1");
+        assert_eq!(out["x-upstream-request-id"], "up-1");
     }
 
     #[test]

@@ -2,11 +2,14 @@
 //! with the provider's credential injected and the client's own credentials removed.
 //! It judges nothing: the recovery layer above classifies what it returns.
 //!
-//! Non-streaming bodies (and error bodies) are read whole within the attempt timeout,
-//! so they can be classified and replayed. A successful stream is held back only until
-//! its first chunk arrives (so a stream that dies before its first byte is still
-//! retryable), then relayed chunk by chunk, with `attempt_timeout` as the longest
-//! silence allowed between chunks.
+//! Redirects are never followed: the provider key must reach no origin but the
+//! configured `base_url` (a 3xx is classified and answered as 502 `upstream_redirect`).
+//!
+//! Non-streaming bodies (and error bodies) are read whole within the attempt timeout and
+//! `server.max_response_bytes`, so they can be classified and replayed. A successful
+//! stream is held back only until its first chunk arrives (so a stream that dies before
+//! its first byte is still retryable), then relayed as it comes, within the
+//! [`StreamLimits`].
 
 mod headers;
 pub mod health;
@@ -42,6 +45,8 @@ pub struct Upstream {
     credential: Option<HeaderValue>,
     pub attempt_timeout: Duration,
     anthropic_version: HeaderValue,
+    /// Extra client headers forwarded (names or `prefix-*` globs).
+    forward_headers: Vec<String>,
 }
 
 impl Upstream {
@@ -77,6 +82,7 @@ impl Upstream {
             attempt_timeout: config.attempt_timeout,
             anthropic_version: HeaderValue::from_str(&config.anthropic_version)
                 .unwrap_or(HeaderValue::from_static("2023-06-01")),
+            forward_headers: config.forward_headers.clone(),
         }
     }
 }
@@ -90,9 +96,10 @@ pub fn build_all(config: &Config) -> HashMap<String, Arc<Upstream>> {
         .collect()
 }
 
-/// The pooled client shared by every upstream.
+/// The pooled client shared by every upstream. It follows no redirects.
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
         .pool_max_idle_per_host(1024)
         .pool_idle_timeout(Duration::from_secs(90))
         .tcp_nodelay(true)
@@ -172,15 +179,48 @@ impl Reply {
     }
 }
 
+/// What an upstream answer may cost Backstop: bounds on what is read and relayed.
+#[derive(Clone, Debug)]
+pub struct StreamLimits {
+    /// Largest body read whole (`server.max_response_bytes`).
+    pub max_response_bytes: usize,
+    /// Largest SSE event (`server.max_sse_event_bytes`).
+    pub max_event_bytes: usize,
+    /// Longest a relayed stream may run (`server.max_stream_duration`).
+    pub max_duration: Duration,
+    /// Turns true when the shutdown grace has elapsed: open streams end with an error
+    /// event instead of being cut silently.
+    pub cut: tokio::sync::watch::Receiver<bool>,
+}
+
+impl StreamLimits {
+    pub fn from_config(
+        server: &crate::config::ServerConfig,
+    ) -> (Self, tokio::sync::watch::Sender<bool>) {
+        let (tx, cut) = tokio::sync::watch::channel(false);
+        let limits = StreamLimits {
+            max_response_bytes: server.max_response_bytes,
+            max_event_bytes: server.max_sse_event_bytes,
+            max_duration: server.max_stream_duration,
+            cut,
+        };
+        (limits, tx)
+    }
+}
+
 /// The leaf service: makes one [`Attempt`].
 #[derive(Clone)]
 pub struct Forward {
     client: reqwest::Client,
+    limits: Arc<StreamLimits>,
 }
 
 impl Forward {
-    pub fn new(client: reqwest::Client) -> Self {
-        Forward { client }
+    pub fn new(client: reqwest::Client, limits: StreamLimits) -> Self {
+        Forward {
+            client,
+            limits: Arc::new(limits),
+        }
     }
 }
 
@@ -195,14 +235,35 @@ impl tower::Service<Attempt> for Forward {
 
     fn call(&mut self, attempt: Attempt) -> Self::Future {
         let client = self.client.clone();
+        let limits = self.limits.clone();
         Box::pin(async move {
             let started = Instant::now();
-            let result = send(&client, &attempt).await;
+            let result = send(&client, &limits, &attempt).await;
             metrics::histogram!("backstop_upstream_duration_seconds", "upstream" => attempt.upstream.name.to_string())
                 .record(started.elapsed().as_secs_f64());
             result
         })
     }
+}
+
+/// The whole body, or `TooLarge` as soon as it passes `limit` (a declared length over it
+/// is refused before reading).
+async fn read_capped(
+    mut response: reqwest::Response,
+    limit: usize,
+) -> Result<Bytes, TransportFailure> {
+    if response.content_length().is_some_and(|n| n > limit as u64) {
+        return Err(TransportFailure::TooLarge);
+    }
+    let mut body = bytes::BytesMut::new();
+    while let Some(chunk) = response.chunk().await.map_err(|e| transport(&e))? {
+        if body.len() + chunk.len() > limit {
+            tracing::warn!(limit, "upstream body over server.max_response_bytes");
+            return Err(TransportFailure::TooLarge);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.freeze())
 }
 
 fn transport(err: &reqwest::Error) -> TransportFailure {
@@ -215,7 +276,11 @@ fn transport(err: &reqwest::Error) -> TransportFailure {
     }
 }
 
-async fn send(client: &reqwest::Client, attempt: &Attempt) -> Result<Reply, TransportFailure> {
+async fn send(
+    client: &reqwest::Client,
+    limits: &StreamLimits,
+    attempt: &Attempt,
+) -> Result<Reply, TransportFailure> {
     let (ctx, upstream) = (&attempt.ctx, &attempt.upstream);
     let url = upstream.urls[&ctx.endpoint].clone();
     let body = ctx.upstream_body(
@@ -242,6 +307,9 @@ async fn send(client: &reqwest::Client, attempt: &Attempt) -> Result<Reply, Tran
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
 
+    if ctx.stream && status.is_success() && !is_sse {
+        return Err(TransportFailure::NotAStream);
+    }
     let body = if ctx.stream && is_sse && status.is_success() {
         let mut chunks = response.bytes_stream().boxed();
         let first = loop {
@@ -257,6 +325,9 @@ async fn send(client: &reqwest::Client, attempt: &Attempt) -> Result<Reply, Tran
         let relay = stream::Relay {
             api: ctx.endpoint.api(),
             idle: upstream.attempt_timeout,
+            max_event_bytes: limits.max_event_bytes,
+            max_duration: limits.max_duration,
+            cut: limits.cut.clone(),
             usage: usage.clone(),
             strip_usage_chunk: attempt.stream_usage,
         };
@@ -267,10 +338,10 @@ async fn send(client: &reqwest::Client, attempt: &Attempt) -> Result<Reply, Tran
             stream_usage: Some(usage),
         });
     } else {
-        let bytes = tokio::time::timeout_at(deadline, response.bytes())
+        let read = read_capped(response, limits.max_response_bytes);
+        let bytes = tokio::time::timeout_at(deadline, read)
             .await
-            .map_err(|_| TransportFailure::Timeout)?
-            .map_err(log_err)?;
+            .map_err(|_| TransportFailure::Timeout)??;
         ReplyBody::Full(bytes)
     };
     Ok(Reply {

@@ -2,11 +2,22 @@
 //! event boundaries (an upstream chunk normally ends on one, so this adds no delay) so
 //! that the events can be read for token usage, and the usage-only chunk Backstop asked
 //! for on a client's behalf can be removed.
+//!
+//! Bounded, each ending the stream with one error event in the caller's API format:
+//! - an event larger than `server.max_sse_event_bytes` (`upstream_stream_error`);
+//! - no complete event for the upstream's `attempt_timeout` (`upstream_timeout`): a
+//!   stream that drips a byte at a time is as silent as one that sends nothing;
+//! - the whole stream past `server.max_stream_duration` (`stream_timeout`);
+//! - the server's shutdown grace elapsing (`server_shutting_down`).
+//!
+//! Each byte is scanned for a boundary once, however the upstream cuts its chunks.
 
 use std::{
     sync::{Arc, Mutex},
     time::Duration,
 };
+
+use tokio::time::Instant;
 
 use axum::body::Body;
 use bytes::{Bytes, BytesMut};
@@ -145,7 +156,12 @@ fn event_json(event: &[u8]) -> Option<Value> {
 /// What the relay does with the events it passes.
 pub(super) struct Relay {
     pub api: ApiKind,
+    /// Longest wait for the next complete event.
     pub idle: Duration,
+    pub max_event_bytes: usize,
+    pub max_duration: Duration,
+    /// Turns true when the server stops serving streams.
+    pub cut: tokio::sync::watch::Receiver<bool>,
     /// Read usage into this.
     pub usage: Arc<StreamUsage>,
     /// Remove OpenAI's usage-only chunk (Backstop asked for it, the client did not).
@@ -186,25 +202,22 @@ impl Relay {
     }
 
     /// The client-side body of a stream whose `first` chunk has already arrived. A
-    /// transport error or a silence longer than `idle` afterwards ends the stream with one
+    /// transport error or any of the module's bounds afterwards ends the stream with one
     /// error event in the caller's API, instead of a silently cut connection.
     pub(super) fn body(
         self,
         first: Bytes,
         rest: BoxStream<'static, reqwest::Result<Bytes>>,
     ) -> Body {
-        struct State {
-            relay: Relay,
-            upstream: Option<BoxStream<'static, reqwest::Result<Bytes>>>,
-            pending: BytesMut,
-            first: Option<Bytes>,
-            _finish: Finish,
-        }
+        let now = Instant::now();
         let finish = Finish(self.usage.clone());
-        let state = State {
+        let state = RelayState {
+            ends_at: now + self.max_duration,
+            event_due: now + self.idle,
             relay: self,
             upstream: Some(rest),
             pending: BytesMut::new(),
+            scanned: 0,
             first: Some(first),
             _finish: finish,
         };
@@ -213,38 +226,37 @@ impl Relay {
                 let chunk = match st.first.take() {
                     Some(first) => Some(Ok(first)),
                     None => {
-                        let upstream = st.upstream.as_mut()?;
-                        match tokio::time::timeout(st.relay.idle, upstream.next()).await {
+                        st.upstream.as_ref()?;
+                        match st.next_chunk().await {
                             Ok(next) => next,
-                            Err(_) => {
-                                tracing::warn!(
-                                    idle_ms = st.relay.idle.as_millis() as u64,
-                                    "upstream stream went silent"
-                                );
-                                metrics::counter!("backstop_stream_errors_total", "reason" => "idle").increment(1);
-                                st.upstream = None;
-                                let event = stream_error_event(
-                                    st.relay.api,
-                                    "upstream_timeout",
-                                    "the upstream stream went silent",
-                                );
-                                return Some((Ok::<Bytes, std::io::Error>(event), st));
-                            }
+                            Err(end) => return Some((st.end_with(end), st)),
                         }
                     }
                 };
                 match chunk {
                     Some(Ok(chunk)) => {
+                        // Only the new bytes (and the three before them, for a `\r\n\r\n`
+                        // split across chunks) can hold a new boundary.
                         st.pending.extend_from_slice(&chunk);
-                        let Some(end) = last_boundary(&st.pending) else {
+                        let from = st.scanned.saturating_sub(3);
+                        st.scanned = st.pending.len();
+                        let Some(end) = last_boundary(&st.pending[from..]).map(|e| e + from) else {
+                            if st.pending.len() > st.relay.max_event_bytes {
+                                return Some((st.end_with(End::EventTooLarge), st));
+                            }
                             continue;
                         };
                         let complete = st.pending.split_to(end).freeze();
+                        st.scanned = st.pending.len();
+                        st.event_due = Instant::now() + st.relay.idle;
+                        if st.pending.len() > st.relay.max_event_bytes {
+                            return Some((st.end_with(End::EventTooLarge), st));
+                        }
                         let out = st.relay.pass(complete);
                         if out.is_empty() {
                             continue;
                         }
-                        return Some((Ok(out), st));
+                        return Some((out, st));
                     }
                     None => {
                         st.upstream = None;
@@ -252,25 +264,119 @@ impl Relay {
                             return None;
                         }
                         let tail = st.pending.split().freeze();
-                        return Some((Ok(tail), st));
+                        return Some((tail, st));
                     }
                     Some(Err(err)) => {
                         tracing::warn!(error = %err, "upstream stream broke after the first byte");
-                        metrics::counter!("backstop_stream_errors_total", "reason" => "broken")
-                            .increment(1);
-                        st.upstream = None;
-                        let mut out = st.pending.split();
-                        out.extend_from_slice(&stream_error_event(
-                            st.relay.api,
-                            "upstream_stream_error",
-                            "the upstream stream ended unexpectedly",
-                        ));
-                        return Some((Ok(out.freeze()), st));
+                        return Some((st.end_with(End::Broken), st));
                     }
                 }
             }
         });
-        Body::from_stream(chunks)
+        Body::from_stream(chunks.map(Ok::<Bytes, std::io::Error>))
+    }
+}
+
+/// Why a relayed stream was ended by Backstop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    Broken,
+    Silent,
+    EventTooLarge,
+    TooLong,
+    Shutdown,
+}
+
+impl End {
+    /// (metric reason, error code, message)
+    fn describe(self) -> (&'static str, &'static str, &'static str) {
+        match self {
+            End::Broken => (
+                "broken",
+                "upstream_stream_error",
+                "the upstream stream ended unexpectedly",
+            ),
+            End::Silent => (
+                "idle",
+                "upstream_timeout",
+                "the upstream stream sent no complete event within its attempt_timeout",
+            ),
+            End::EventTooLarge => (
+                "event_too_large",
+                "upstream_stream_error",
+                "the upstream sent an event larger than server.max_sse_event_bytes",
+            ),
+            End::TooLong => (
+                "too_long",
+                "stream_timeout",
+                "the stream ran past server.max_stream_duration",
+            ),
+            End::Shutdown => (
+                "shutdown",
+                "server_shutting_down",
+                "Backstop is shutting down; the stream was cut after its grace period",
+            ),
+        }
+    }
+}
+
+struct RelayState {
+    relay: Relay,
+    upstream: Option<BoxStream<'static, reqwest::Result<Bytes>>>,
+    /// Bytes of an event not yet complete.
+    pending: BytesMut,
+    /// How much of `pending` has been searched for a boundary.
+    scanned: usize,
+    first: Option<Bytes>,
+    /// The next complete event must arrive by then.
+    event_due: Instant,
+    ends_at: Instant,
+    _finish: Finish,
+}
+
+impl RelayState {
+    /// The next upstream chunk, or why the stream must end now.
+    async fn next_chunk(&mut self) -> Result<Option<reqwest::Result<Bytes>>, End> {
+        let upstream = self.upstream.as_mut().ok_or(End::Broken)?;
+        let deadline = self.event_due.min(self.ends_at);
+        let mut cut = self.relay.cut.clone();
+        tokio::select! {
+            biased;
+            () = async {
+                // A dropped sender means no shutdown will ever cut this stream.
+                if cut.wait_for(|c| *c).await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            } => Err(End::Shutdown),
+            next = tokio::time::timeout_at(deadline, upstream.next()) => match next {
+                Ok(next) => Ok(next),
+                Err(_) if Instant::now() >= self.ends_at => Err(End::TooLong),
+                Err(_) => Err(End::Silent),
+            },
+        }
+    }
+
+    /// Stops reading the upstream and returns the error event that ends the stream
+    /// (after whatever complete events are still pending, never a partial one).
+    fn end_with(&mut self, end: End) -> Bytes {
+        let (reason, code, message) = end.describe();
+        tracing::warn!(
+            reason,
+            idle_ms = self.relay.idle.as_millis() as u64,
+            "relayed stream ended by Backstop"
+        );
+        metrics::counter!("backstop_stream_errors_total", "reason" => reason).increment(1);
+        self.upstream = None;
+        let mut out = match last_boundary(&self.pending) {
+            Some(end) if self.pending.len() <= self.relay.max_event_bytes => {
+                let complete = self.pending.split_to(end).freeze();
+                BytesMut::from(&self.relay.pass(complete)[..])
+            }
+            _ => BytesMut::new(),
+        };
+        self.pending.clear();
+        out.extend_from_slice(&stream_error_event(self.relay.api, code, message));
+        out.freeze()
     }
 }
 
@@ -292,6 +398,9 @@ mod tests {
         Relay {
             api,
             idle: Duration::from_secs(1),
+            max_event_bytes: 1024,
+            max_duration: Duration::from_secs(60),
+            cut: tokio::sync::watch::channel(false).1,
             usage: Arc::default(),
             strip_usage_chunk: strip,
         }

@@ -47,6 +47,7 @@ max_retry_after = "2s"
 [[upstreams]]
 name = "mock-openai"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://{mock}"
 api_key = "sk-provider-openai"
 attempt_timeout = "5s"
@@ -54,6 +55,7 @@ attempt_timeout = "5s"
 [[upstreams]]
 name = "mock-anthropic"
 api = "anthropic"
+forward_headers = ["x-mock-*"]
 base_url = "http://{mock}/"
 api_key = "sk-provider-anthropic"
 attempt_timeout = "5s"
@@ -61,6 +63,7 @@ attempt_timeout = "5s"
 [[upstreams]]
 name = "dead"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://127.0.0.1:{dead}"
 api_key = "x"
 attempt_timeout = "2s"
@@ -68,6 +71,7 @@ attempt_timeout = "2s"
 [[upstreams]]
 name = "slow"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://{mock}"
 api_key = "x"
 attempt_timeout = "200ms"

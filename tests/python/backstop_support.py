@@ -94,6 +94,7 @@ failure_threshold = 100000
 [[upstreams]]
 name = "mock-openai"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "{mock}"
 api_key = "{PROVIDER_OPENAI_KEY}"
 attempt_timeout = "5s"
@@ -101,6 +102,7 @@ attempt_timeout = "5s"
 [[upstreams]]
 name = "mock-anthropic"
 api = "anthropic"
+forward_headers = ["x-mock-*"]
 base_url = "{mock}"
 api_key = "{PROVIDER_ANTHROPIC_KEY}"
 attempt_timeout = "5s"
@@ -108,6 +110,7 @@ attempt_timeout = "5s"
 [[upstreams]]
 name = "dead"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "{dead}"
 api_key = "x"
 attempt_timeout = "2s"
@@ -115,6 +118,7 @@ attempt_timeout = "2s"
 [[upstreams]]
 name = "dead-anthropic"
 api = "anthropic"
+forward_headers = ["x-mock-*"]
 base_url = "{dead}"
 api_key = "x"
 attempt_timeout = "2s"
@@ -122,6 +126,7 @@ attempt_timeout = "2s"
 [[upstreams]]
 name = "slow"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "{mock}"
 api_key = "x"
 attempt_timeout = "300ms"
@@ -129,6 +134,7 @@ attempt_timeout = "300ms"
 [[upstreams]]
 name = "slow-anthropic"
 api = "anthropic"
+forward_headers = ["x-mock-*"]
 base_url = "{mock}"
 api_key = "x"
 attempt_timeout = "300ms"
@@ -136,24 +142,28 @@ attempt_timeout = "300ms"
 [[upstreams]]
 name = "storm-a"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "{mock}"
 attempt_timeout = "5s"
 
 [[upstreams]]
 name = "storm-b"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "{mock}"
 attempt_timeout = "5s"
 
 [[upstreams]]
 name = "storm-anthropic-a"
 api = "anthropic"
+forward_headers = ["x-mock-*"]
 base_url = "{mock}"
 attempt_timeout = "5s"
 
 [[upstreams]]
 name = "storm-anthropic-b"
 api = "anthropic"
+forward_headers = ["x-mock-*"]
 base_url = "{mock}"
 attempt_timeout = "5s"
 
@@ -161,11 +171,13 @@ attempt_timeout = "5s"
 [[upstreams]]
 name = "quota-a"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "{mock}"
 
 [[upstreams]]
 name = "quota-b"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "{mock}"
 
 [[routes]]

@@ -178,14 +178,20 @@ def test_model_rewrite(backstop, oai, scenario):
     assert up["headers"].get("authorization") == f"Bearer {PROVIDER_OPENAI_KEY}"
 
 
-def test_custom_headers_pass_through(backstop, oai, scenario):
+def test_only_allow_listed_headers_reach_the_upstream(backstop, oai, scenario):
     oai.chat.completions.create(
         model="gpt-4o", messages=_user("headers"),
-        extra_headers=_hdrs(scenario, **{"x-custom-trace": "trace-42", "x-session-id": "sess-1"}),
+        extra_headers=_hdrs(scenario, **{
+            "x-custom-trace": "trace-42", "x-session-id": "sess-1", "cookie": "a=b",
+            "openai-organization": "org-client", "api-key": "bk-guess",
+        }),
     )
     up = backstop.last_upstream_request(scenario)
+    # Configured for this upstream (forward_headers = ["x-mock-*"]) and the SDK's own.
     assert up["headers"].get("x-mock-scenario") == scenario
-    assert up["headers"].get("x-custom-trace") == "trace-42"
+    assert up["headers"].get("user-agent", "").startswith("OpenAI/Python")
+    for name in ("x-custom-trace", "x-session-id", "cookie", "openai-organization", "api-key"):
+        assert name not in up["headers"], f"{name} reached the upstream: {up['headers']}"
 
 
 def test_tenant_b_key_works(backstop, oai_b, scenario):
