@@ -205,13 +205,13 @@ pub fn router(state: AppState) -> Router {
     let proxy = proxy_stack(&state);
     let models = models_stack(&state);
     Router::new()
-        .route_service(
+        .route(
             Endpoint::ChatCompletions.path(),
             post_service(proxy.clone()),
         )
-        .route_service(Endpoint::Messages.path(), post_service(proxy.clone()))
-        .route_service(Endpoint::Embeddings.path(), post_service(proxy))
-        .route_service("/v1/models", axum::routing::get_service(models))
+        .route(Endpoint::Messages.path(), post_service(proxy.clone()))
+        .route(Endpoint::Embeddings.path(), post_service(proxy))
+        .route("/v1/models", axum::routing::get_service(models))
         .merge(crate::admin::routes())
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
