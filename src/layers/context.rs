@@ -288,3 +288,100 @@ pub fn parse(
         route,
     })
 }
+
+/// A fuzz harness for the request parser (issue 16): arbitrary bytes and arbitrary JSON
+/// bodies never panic, and whatever is accepted keeps the invariants later layers rely
+/// on. `PROPTEST_CASES=100000 cargo test --release --lib fuzz_` runs it longer.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn routes() -> RouteTable {
+        let config = crate::config::Config::from_toml_with_env(
+            r#"
+            [[upstreams]]
+            name = "u"
+            api = "openai"
+            base_url = "http://127.0.0.1:1"
+            [[routes]]
+            model = "gpt-*"
+            targets = [{ upstream = "u" }]
+            [[tenants]]
+            name = "t"
+            api_keys = ["bk-fuzz-key-1"]
+            "#,
+            |_| None,
+        )
+        .unwrap();
+        let upstreams = crate::upstream::build_all(&config);
+        RouteTable::new(&config, &upstreams)
+    }
+
+    /// Bodies that are mostly chat requests, with fields of every JSON type.
+    fn body() -> impl Strategy<Value = Vec<u8>> {
+        let scalar = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<f64>().prop_map(Value::from),
+            "[a-z*-]{0,12}".prop_map(Value::String),
+        ];
+        let keys = prop::sample::select(vec![
+            "model",
+            "stream",
+            "max_tokens",
+            "max_completion_tokens",
+            "messages",
+            "stream_options",
+            "tools",
+            "x",
+        ]);
+        let object = prop::collection::vec((keys, scalar), 0..8).prop_map(|fields| {
+            let mut text = String::from("{");
+            for (i, (k, v)) in fields.iter().enumerate() {
+                if i > 0 {
+                    text.push(',');
+                }
+                text.push_str(&format!("{:?}:{v}", k));
+            }
+            text.push('}');
+            text.into_bytes()
+        });
+        prop_oneof![object, prop::collection::vec(any::<u8>(), 0..128)]
+    }
+
+    proptest! {
+        #[test]
+        fn fuzz_request_parser(bytes in body()) {
+            let routes = routes();
+            match parse(Endpoint::ChatCompletions, Bytes::from(bytes.clone()), None, &routes) {
+                Ok(ctx) => {
+                    prop_assert!(!ctx.model.trim().is_empty());
+                    prop_assert!(ctx.model.starts_with("gpt-"));
+                    prop_assert!(ctx.max_output_tokens.is_none_or(|n| n <= MAX_OUTPUT_TOKENS));
+                    // What is routed is what the upstream is sent: one parse, no duplicates.
+                    let upstream: Value = serde_json::from_slice(&ctx.upstream_body(None, false)).unwrap();
+                    prop_assert_eq!(upstream.get("model").and_then(Value::as_str), Some(ctx.model.as_str()));
+                }
+                Err(err) => {
+                    prop_assert!(err.kind().status == 400 || err.kind().status == 404, "{err:?}");
+                }
+            }
+        }
+
+        #[test]
+        fn fuzz_identifier_headers(raw in prop::collection::vec(any::<u8>(), 0..300)) {
+            let mut headers = http::HeaderMap::new();
+            if let Ok(value) = http::HeaderValue::from_bytes(&raw) {
+                headers.insert("x-session-id", value);
+                match identifier(&headers, "x-session-id", 256) {
+                    Ok(Some(id)) => prop_assert!(id.len() <= 256 && id.bytes().all(|b| b.is_ascii_graphic())),
+                    Ok(None) => prop_assert!(raw.trim_ascii().is_empty()),
+                    Err(err) => prop_assert_eq!(err.kind().code, "invalid_header"),
+                }
+            }
+        }
+    }
+}

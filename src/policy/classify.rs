@@ -389,4 +389,30 @@ mod tests {
             }
         );
     }
+
+    proptest::proptest! {
+        /// Fuzz: any header text and any body never panic the classifier, and any
+        /// Retry-After it returns is a real duration.
+        #[test]
+        fn fuzz_classifier(
+            ra in "[0-9eE.+-]{0,24}|.{0,40}",
+            ms in "[0-9eE.+-]{0,24}",
+            status in 100u16..1000,
+            body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+        ) {
+            let mut h = HeaderMap::new();
+            if let Ok(v) = HeaderValue::from_str(&ra) {
+                h.insert("retry-after", v);
+            }
+            if let Ok(v) = HeaderValue::from_str(&ms) {
+                h.insert("retry-after-ms", v);
+            }
+            let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+            let _ = retry_after(&h, now);
+            let _ = classify(
+                Observed::Response { status, headers: &h, body: &body, streaming: false },
+                now,
+            );
+        }
+    }
 }

@@ -449,4 +449,108 @@ mod tests {
         assert_eq!(last_boundary(b"data: a\r\n\r\nx"), Some(11));
         assert_eq!(last_boundary(b"data: a"), None);
     }
+
+    /// One upstream event and whether a stripping relay removes it.
+    fn event() -> impl proptest::strategy::Strategy<Value = (String, bool)> {
+        use proptest::prelude::*;
+        prop_oneof![
+            "[a-z ]{0,12}".prop_map(|t| (format!("data: {{\"choices\":[{{\"delta\":{{\"content\":\"{t}\"}}}}]}}\n\n"), false)),
+            (0u64..1000, 0u64..1000).prop_map(|(i, o)| (format!("data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":{i},\"completion_tokens\":{o}}}}}\n\n"), true)),
+            "[a-z_]{1,10}".prop_map(|t| (format!("event: {t}\r\ndata: {{\"usage\":\"{t}\",\"future\":[1,2]}}\r\n\r\n"), false)),
+            Just((": keep-alive comment\n\n".to_string(), false)),
+        ]
+    }
+
+    fn run(relay: Relay, chunks: Vec<Bytes>) -> Bytes {
+        use http_body_util::BodyExt;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let mut chunks = chunks.into_iter();
+            let first = chunks.next().unwrap();
+            let rest = futures_util::stream::iter(chunks.map(Ok)).boxed();
+            relay.body(first, rest).collect().await.unwrap().to_bytes()
+        })
+    }
+
+    /// Cuts `bytes` at the given fractions into non-empty chunks.
+    fn cut(bytes: &[u8], cuts: &[f64]) -> Vec<Bytes> {
+        let mut points: Vec<usize> = cuts.iter().map(|f| (f * bytes.len() as f64) as usize).collect();
+        points.push(0);
+        points.push(bytes.len());
+        points.sort_unstable();
+        points.dedup();
+        points
+            .windows(2)
+            .map(|w| Bytes::copy_from_slice(&bytes[w[0]..w[1]]))
+            .filter(|c| !c.is_empty())
+            .collect()
+    }
+
+    proptest::proptest! {
+        /// Fuzz the SSE framing: however the upstream cuts its bytes, the client gets
+        /// exactly the upstream's events, minus only the usage chunk Backstop asked for,
+        /// and the usage read is the last one reported.
+        #[test]
+        fn fuzz_sse_relay_is_lossless(
+            events in proptest::collection::vec(event(), 1..12),
+            cuts in proptest::collection::vec(0.0f64..1.0, 0..10),
+            strip in proptest::prelude::any::<bool>(),
+        ) {
+            let input: String = events.iter().map(|(e, _)| e.as_str()).collect();
+            let expected: String = events
+                .iter()
+                .filter(|(_, usage)| !(strip && *usage))
+                .map(|(e, _)| e.as_str())
+                .collect();
+            let r = relay(strip, ApiKind::OpenAi);
+            let usage = r.usage.clone();
+            let out = run(r, cut(input.as_bytes(), &cuts));
+            proptest::prop_assert_eq!(String::from_utf8_lossy(&out), expected);
+            let last = events.iter().rev().find(|(_, u)| *u).map(|(e, _)| {
+                let v: Value = serde_json::from_str(e.trim().strip_prefix("data: ").unwrap()).unwrap();
+                (v["usage"]["prompt_tokens"].as_u64().unwrap(), v["usage"]["completion_tokens"].as_u64().unwrap())
+            });
+            let seen = Arc::new(Mutex::new(None));
+            let s = seen.clone();
+            usage.on_end(move |u| *s.lock().unwrap() = u);
+            proptest::prop_assert_eq!(*seen.lock().unwrap(), last);
+        }
+
+        /// Arbitrary bytes from an upstream never panic the relay, and an event over the
+        /// limit is never relayed: the stream ends with one error event instead.
+        #[test]
+        fn fuzz_sse_relay_arbitrary_bytes(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 1..4096),
+            cuts in proptest::collection::vec(0.0f64..1.0, 0..10),
+        ) {
+            let out = run(relay(true, ApiKind::Anthropic), cut(&bytes, &cuts));
+            let text = String::from_utf8_lossy(&out);
+            let longest_event = bytes
+                .split(|b| *b == b'\n')
+                .map(<[u8]>::len)
+                .max()
+                .unwrap_or(0);
+            if longest_event <= 1024 && !text.contains("max_sse_event_bytes") {
+                // Without an oversized event the relay passes every byte (events are only
+                // removed for OpenAI usage chunks, and this relay speaks Anthropic).
+                proptest::prop_assert_eq!(&out[..], &bytes[..]);
+            } else {
+                proptest::prop_assert!(out.len() <= bytes.len() + 512);
+            }
+        }
+    }
+
+    #[test]
+    fn an_oversized_event_ends_the_stream_with_an_error_event() {
+        let mut input = b"data: {\"a\":1}\n\n".to_vec();
+        input.extend(std::iter::repeat_n(b'x', 5000));
+        let out = run(relay(false, ApiKind::OpenAi), cut(&input, &[0.001, 0.3, 0.6]));
+        let text = String::from_utf8_lossy(&out);
+        assert!(text.starts_with("data: {\"a\":1}\n\n"), "{text}");
+        assert!(text.contains("max_sse_event_bytes"), "{text}");
+        assert!(!text.contains("xxxx"), "{text}");
+    }
 }
