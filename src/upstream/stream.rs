@@ -153,6 +153,14 @@ fn event_json(event: &[u8]) -> Option<Value> {
     serde_json::from_str(&data).ok()
 }
 
+/// Whether every complete event fit `max_event_bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Passed {
+    Whole,
+    /// An event over the limit: it and everything after it were dropped.
+    Oversized,
+}
+
 /// What the relay does with the events it passes.
 pub(super) struct Relay {
     pub api: ApiKind,
@@ -170,11 +178,19 @@ pub(super) struct Relay {
 
 impl Relay {
     /// Complete events, read for usage and filtered; copies only when an event is removed.
-    fn pass(&self, complete: Bytes) -> Bytes {
+    fn pass(&self, complete: Bytes) -> (Bytes, Passed) {
         // Some(..) once an event has been removed: what is kept so far.
         let mut kept: Option<BytesMut> = None;
         let mut offset = 0;
         while let Some(len) = first_boundary(&complete[offset..]) {
+            if len > self.max_event_bytes {
+                // Whole events up to this one, then nothing more.
+                let out = match kept {
+                    Some(kept) => kept.freeze(),
+                    None => complete.slice(..offset),
+                };
+                return (out, Passed::Oversized);
+            }
             let event = &complete[offset..offset + len];
             let mut remove = false;
             if let Some(json) = event_json(event) {
@@ -192,13 +208,14 @@ impl Relay {
             }
             offset += len;
         }
-        match kept {
+        let out = match kept {
             Some(mut kept) => {
                 kept.extend_from_slice(&complete[offset..]);
                 kept.freeze()
             }
             None => complete,
-        }
+        };
+        (out, Passed::Whole)
     }
 
     /// The client-side body of a stream whose `first` chunk has already arrived. A
@@ -249,10 +266,14 @@ impl Relay {
                         let complete = st.pending.split_to(end).freeze();
                         st.scanned = st.pending.len();
                         st.event_due = Instant::now() + st.relay.idle;
-                        if st.pending.len() > st.relay.max_event_bytes {
-                            return Some((st.end_with(End::EventTooLarge), st));
+                        let (out, passed) = st.relay.pass(complete);
+                        if passed == Passed::Oversized
+                            || st.pending.len() > st.relay.max_event_bytes
+                        {
+                            let mut out = BytesMut::from(&out[..]);
+                            out.extend_from_slice(&st.end_with(End::EventTooLarge));
+                            return Some((out.freeze(), st));
                         }
-                        let out = st.relay.pass(complete);
                         if out.is_empty() {
                             continue;
                         }
@@ -368,9 +389,9 @@ impl RelayState {
         metrics::counter!("backstop_stream_errors_total", "reason" => reason).increment(1);
         self.upstream = None;
         let mut out = match last_boundary(&self.pending) {
-            Some(end) if self.pending.len() <= self.relay.max_event_bytes => {
+            Some(end) => {
                 let complete = self.pending.split_to(end).freeze();
-                BytesMut::from(&self.relay.pass(complete)[..])
+                BytesMut::from(&self.relay.pass(complete).0[..])
             }
             _ => BytesMut::new(),
         };
@@ -410,7 +431,7 @@ mod tests {
     fn the_injected_usage_chunk_is_removed_and_read() {
         let r = relay(true, ApiKind::OpenAi);
         let input = Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n");
-        let out = r.pass(input);
+        let (out, _) = r.pass(input);
         assert_eq!(
             &out[..],
             b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n"
@@ -428,7 +449,7 @@ mod tests {
         let input = Bytes::from_static(
             b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\n",
         );
-        assert_eq!(r.pass(input.clone()), input);
+        assert_eq!(r.pass(input.clone()).0, input);
     }
 
     #[test]
@@ -477,7 +498,10 @@ mod tests {
 
     /// Cuts `bytes` at the given fractions into non-empty chunks.
     fn cut(bytes: &[u8], cuts: &[f64]) -> Vec<Bytes> {
-        let mut points: Vec<usize> = cuts.iter().map(|f| (f * bytes.len() as f64) as usize).collect();
+        let mut points: Vec<usize> = cuts
+            .iter()
+            .map(|f| (f * bytes.len() as f64) as usize)
+            .collect();
         points.push(0);
         points.push(bytes.len());
         points.sort_unstable();
@@ -538,7 +562,12 @@ mod tests {
                 // removed for OpenAI usage chunks, and this relay speaks Anthropic).
                 proptest::prop_assert_eq!(&out[..], &bytes[..]);
             } else {
-                proptest::prop_assert!(out.len() <= bytes.len() + 512);
+                // What was relayed is a prefix of what came (whole events only), then
+                // the one error event.
+                let error = stream_error_event(ApiKind::Anthropic, "upstream_stream_error", End::EventTooLarge.describe().2);
+                proptest::prop_assert!(out.ends_with(&error), "{text}");
+                let relayed = &out[..out.len() - error.len()];
+                proptest::prop_assert!(bytes.starts_with(relayed));
             }
         }
     }
@@ -547,7 +576,10 @@ mod tests {
     fn an_oversized_event_ends_the_stream_with_an_error_event() {
         let mut input = b"data: {\"a\":1}\n\n".to_vec();
         input.extend(std::iter::repeat_n(b'x', 5000));
-        let out = run(relay(false, ApiKind::OpenAi), cut(&input, &[0.001, 0.3, 0.6]));
+        let out = run(
+            relay(false, ApiKind::OpenAi),
+            cut(&input, &[0.001, 0.3, 0.6]),
+        );
         let text = String::from_utf8_lossy(&out);
         assert!(text.starts_with("data: {\"a\":1}\n\n"), "{text}");
         assert!(text.contains("max_sse_event_bytes"), "{text}");
