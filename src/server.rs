@@ -86,6 +86,7 @@ pub async fn spawn(config: Config) -> io::Result<ServerHandle> {
     let listener = TcpListener::bind(config.server.listen).await?;
     let addr = listener.local_addr()?;
     let limits = config.server.clone();
+    warn_if_descriptors_short(limits.max_connections);
     let state = AppState::new(config).map_err(io::Error::other)?;
     let budgets = state.budgets.clone();
     let housekeeping = tokio::spawn(async move {
@@ -187,6 +188,26 @@ async fn serve(
         })
         .await;
         connections.abort_all();
+    }
+}
+
+/// Each connection is a file descriptor, and upstream connections, the store and logs
+/// need their own: warn when `max_connections` cannot be reached before EMFILE.
+fn warn_if_descriptors_short(max_connections: usize) {
+    let soft = std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|l| l.starts_with("Max open files"))
+                .and_then(|l| l.split_whitespace().nth(3))
+                .and_then(|v| v.parse::<usize>().ok())
+        });
+    if let Some(soft) = soft.filter(|soft| max_connections.saturating_mul(2) + 64 > *soft) {
+        tracing::warn!(
+            max_connections,
+            open_files_limit = soft,
+            "server.max_connections needs about two descriptors each (client and upstream); raise `ulimit -n` or lower it"
+        );
     }
 }
 
