@@ -222,9 +222,4 @@ impl Guards {
         }
         Ok(())
     }
-
-    /// Drops idle sessions nobody holds (run periodically).
-    pub fn sweep(&self) {
-        self.sessions.sweep();
-    }
 }

@@ -192,3 +192,46 @@ impl PriceConfig {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{Config, ConfigError};
+
+    fn load(extra: &str) -> Result<Config, ConfigError> {
+        Config::from_toml_with_env(
+            &format!(
+                "{extra}\n[[upstreams]]\nname = \"u\"\napi = \"openai\"\nbase_url = \"http://x\"\n[[routes]]\nmodel = \"*\"\ntargets = [{{ upstream = \"u\" }}]\n[[tenants]]\nname = \"t\"\napi_keys = [\"bk-test-key\"]"
+            ),
+            |_| None,
+        )
+    }
+
+    #[test]
+    fn store_and_billing_limits_have_safe_defaults_and_are_checked() {
+        let config = load("").unwrap();
+        assert_eq!(config.store.busy_timeout, std::time::Duration::from_secs(2));
+        assert_eq!(config.store.max_wal_bytes, 64 * 1024 * 1024);
+        assert_eq!(
+            config.store.retention,
+            std::time::Duration::from_secs(90 * 86_400)
+        );
+        assert_eq!(config.billing.max_reported_tokens, 10_000_000);
+        for (text, key) in [
+            ("[store]\nmax_wal_bytes = 1000", "store.max_wal_bytes"),
+            ("[store]\nretention = \"1h\"", "store.retention"),
+            (
+                "[billing]\nmax_reported_tokens = 0",
+                "billing.max_reported_tokens",
+            ),
+        ] {
+            match load(text) {
+                Err(ConfigError::Invalid { key: k, .. }) => assert_eq!(k, key),
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+        assert!(load(
+            "[store]\nbusy_timeout = \"100ms\"\nmax_wal_bytes = 1048576\nretention = \"1d\""
+        )
+        .is_ok());
+    }
+}

@@ -318,3 +318,58 @@ async fn guard_states_are_kept_and_cleared() {
     store.clear_guard("t", "s").await.unwrap();
     assert_eq!(store.guard_state("t", "s").unwrap(), None);
 }
+
+/// Disk use per request, for the report (debug build; not run by default):
+/// `cargo test --lib store::tests::bytes_per_request -- --ignored --nocapture`.
+/// The WAL is left unbounded here so its growth is what the requests wrote to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn bytes_per_request() {
+    const N: i64 = 20_000;
+    for (budgeted, concurrent) in [(false, 1), (true, 1), (false, 32), (true, 32)] {
+        let db = TempDb::new();
+        let store = Arc::new(
+            Store::open_with(&StoreConfig {
+                max_wal_bytes: u64::MAX,
+                ..db.config()
+            })
+            .unwrap(),
+        );
+        let size = |p: &str| std::fs::metadata(p).map_or(0, |m| m.len());
+        let wal = format!("{}-wal", db.path());
+        let db_before = size(&db.path());
+        let mut tasks = Vec::new();
+        for t in 0..concurrent {
+            let store = store.clone();
+            tasks.push(tokio::spawn(async move {
+                for i in (t..N).step_by(concurrent as usize) {
+                    let session = format!("session-{:06}", i / 50);
+                    let mut id = None;
+                    if budgeted {
+                        let r = reservation(&store, &session, i, 4196);
+                        id = Some(r.id);
+                        store.reserve(r).await.unwrap();
+                    }
+                    let mut c = charge(Some(&session), 20_000, 1_700_000_000_000 + i, 0.001);
+                    c.tenant = "team-a".into();
+                    store.settle(id, c).await.unwrap();
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let wal_after = size(&wal);
+        // Everything into the database file, to measure what stays.
+        let conn = rusqlite::Connection::open(db.path()).unwrap();
+        conn.busy_timeout(Duration::from_secs(5)).unwrap();
+        conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()))
+            .unwrap();
+        let db_after = size(&db.path());
+        println!(
+            "budgeted={budgeted} concurrent={concurrent}: database +{} B/request, WAL written {} B/request",
+            (db_after - db_before) / N as u64,
+            wal_after / N as u64
+        );
+    }
+}
