@@ -199,6 +199,36 @@ async fn a_locked_database_fails_writes_with_a_typed_error_within_the_busy_timeo
 }
 
 #[tokio::test]
+async fn a_failed_settle_leaves_the_reservation_to_be_charged_on_restart() {
+    let db = TempDb::new();
+    {
+        let store = Store::open_with(&StoreConfig {
+            busy_timeout: Duration::from_millis(50),
+            ..db.config()
+        })
+        .unwrap();
+        let r = reservation(&store, "s", 1, 300);
+        let id = r.id;
+        store.reserve(r).await.unwrap();
+        let other = rusqlite::Connection::open(db.path()).unwrap();
+        other.execute_batch("BEGIN EXCLUSIVE").unwrap();
+        assert!(store
+            .settle(Some(id), charge(Some("s"), 1, 2, 0.01))
+            .await
+            .is_err());
+        other.execute_batch("COMMIT").unwrap();
+        assert_eq!(
+            store.open_reservations().unwrap(),
+            1,
+            "neither the charge nor the deletion happened"
+        );
+    }
+    let store = Store::open(&db.path()).unwrap();
+    assert_eq!(store.recovered_reservations(), 1);
+    assert_eq!(store.session_usage("t", "s").unwrap().tokens, 300);
+}
+
+#[tokio::test]
 async fn absurd_counts_saturate_instead_of_wrapping_negative() {
     let store = Store::open(":memory:").unwrap();
     let mut huge = charge(Some("s"), 1, 1, 0.0);

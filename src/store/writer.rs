@@ -25,9 +25,12 @@ const PURGE_EVERY: Duration = Duration::from_secs(60);
 /// in bounded steps instead of one transaction that stalls every ledger write.
 const PURGE_STEP: i64 = 10_000;
 const PURGE_STEPS: usize = 10;
+/// How long the writer waits for a concurrent checkpoint to finish before its own
+/// truncation gives up for now.
+const TRUNCATE_PATIENCE: Duration = Duration::from_millis(500);
 /// After a WAL truncation failed (a reader held it), wait this long before trying again
-/// rather than stalling every commit on the busy timeout.
-const TRUNCATE_RETRY: Duration = Duration::from_secs(1);
+/// rather than stalling every commit.
+const TRUNCATE_RETRY: Duration = Duration::from_millis(100);
 
 pub(super) struct Settings {
     /// The WAL file (`None` for an in-memory store).
@@ -240,6 +243,9 @@ fn purge(conn: &mut Connection, now_ms: i64, retention: Duration) -> rusqlite::R
 
 /// Truncates the WAL once it has grown past the bound. The file only shrinks on a
 /// truncating checkpoint, so its size is what has been written since the last one.
+/// While the background connection is running its passive checkpoint, SQLite refuses a
+/// second checkpoint at once (without the busy handler): the writer waits for it in
+/// short steps, since this is the bound being enforced.
 fn bound_wal(conn: &Connection, settings: &Settings, not_before: &mut Option<Instant>) {
     let Some(wal) = &settings.wal else {
         return;
@@ -250,25 +256,42 @@ fn bound_wal(conn: &Connection, settings: &Settings, not_before: &mut Option<Ins
     if size <= settings.max_wal_bytes || not_before.is_some_and(|t| Instant::now() < t) {
         return;
     }
-    match conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
-        r.get::<_, i64>(0)
-    }) {
-        Ok(0) => {
-            *not_before = None;
-            metrics::counter!("backstop_store_wal_truncations_total").increment(1);
-        }
-        Ok(_) => {
-            tracing::warn!(
-                wal_bytes = size,
-                "WAL truncation blocked by a reader; retrying"
-            );
+    let started = Instant::now();
+    loop {
+        let outcome = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+            r.get::<_, i64>(0)
+        });
+        let busy = match &outcome {
+            Ok(0) => {
+                *not_before = None;
+                metrics::counter!("backstop_store_wal_truncations_total").increment(1);
+                return;
+            }
+            Ok(_) => true,
+            Err(rusqlite::Error::SqliteFailure(e, _)) => {
+                matches!(
+                    e.code,
+                    rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
+                )
+            }
+            Err(_) => false,
+        };
+        if !busy || started.elapsed() >= TRUNCATE_PATIENCE {
+            match outcome {
+                Err(err) => {
+                    tracing::warn!(error = %err, wal_bytes = size, "WAL truncation failed");
+                    metrics::counter!("backstop_store_errors_total", "op" => "checkpoint")
+                        .increment(1);
+                }
+                Ok(_) => tracing::warn!(
+                    wal_bytes = size,
+                    "WAL truncation blocked by a reader; retrying"
+                ),
+            }
             *not_before = Some(Instant::now() + TRUNCATE_RETRY);
+            return;
         }
-        Err(err) => {
-            tracing::warn!(error = %err, wal_bytes = size, "WAL truncation failed");
-            metrics::counter!("backstop_store_errors_total", "op" => "checkpoint").increment(1);
-            *not_before = Some(Instant::now() + TRUNCATE_RETRY);
-        }
+        thread::sleep(Duration::from_millis(2));
     }
 }
 
