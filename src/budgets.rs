@@ -15,7 +15,7 @@ use std::{
     collections::HashMap,
     num::NonZeroU32,
     sync::{
-        atomic::{AtomicU32, Ordering},
+        atomic::{AtomicBool, AtomicU32, Ordering},
         Arc, Mutex, Weak,
     },
     time::{Duration, SystemTime, UNIX_EPOCH},
@@ -200,6 +200,10 @@ struct TenantBook {
     max_concurrent: Option<u32>,
     /// (UTC day, that day's account).
     day: Mutex<(i64, Account)>,
+    /// False while the day's settled spend could not be read from the ledger: a tenant
+    /// with day caps is then refused (`store_unavailable`) until it can be, not started
+    /// at zero.
+    day_known: AtomicBool,
     rate: Option<Direct>,
     session_rate: Option<Keyed>,
 }
@@ -249,16 +253,18 @@ impl Budgets {
             .iter()
             .map(|t| {
                 let name: Arc<str> = t.name.as_str().into();
-                let settled = store.tenant_day_usage(&t.name, day).unwrap_or_else(|err| {
-                    tracing::error!(tenant = %t.name, error = %err, "cannot read the ledger; starting the day at zero");
-                    Usage::default()
+                let settled = store.tenant_day_usage(&t.name, day).inspect_err(|err| {
+                    tracing::error!(tenant = %t.name, error = %err, "cannot read the ledger; the tenant's day caps refuse calls until it can be read");
                 });
+                let day_known = AtomicBool::new(settled.is_ok());
+                let settled = settled.unwrap_or_default();
                 let book = TenantBook {
                     name: name.clone(),
                     day_limits: Limits { calls: None, tokens: t.budget.tokens_per_day, usd: t.budget.usd_per_day },
                     session_limits: Limits { calls: t.session.max_calls, tokens: t.session.max_tokens, usd: t.session.max_usd },
                     max_concurrent: t.session.max_concurrent,
                     day: Mutex::new((day, Account { settled, reserved: Usage::default() })),
+                    day_known,
                     rate: t.requests_per_minute.map(|n| RateLimiter::direct_with_clock(per_minute(n), clock.clone())),
                     session_rate: t.session.requests_per_minute.map(|n| RateLimiter::dashmap_with_clock(per_minute(n), clock.clone())),
                 };
@@ -429,6 +435,16 @@ impl Budgets {
                     reserved: day.1.reserved,
                 },
             );
+        }
+        if !book.day_known.load(Ordering::Acquire) {
+            match self.store.tenant_day_usage(&book.name, today) {
+                Ok(settled) => {
+                    day.1.settled = settled;
+                    book.day_known.store(true, Ordering::Release);
+                }
+                Err(err) if !book.day_limits.is_unlimited() => return Err(err.into()),
+                Err(_) => {}
+            }
         }
         day.1
             .check(want, &book.day_limits, TENANT_DAY)
@@ -1013,6 +1029,39 @@ mod tests {
             "the refused call holds nothing"
         );
         other.execute_batch("COMMIT").unwrap();
+        let r = b.reserve("t", None, "gpt-4o", 10, 10).await.unwrap();
+        r.settle(reported(1, 1)).await;
+        assert_eq!(b.tenant_report("t").unwrap()["used_today"]["tokens"], 2);
+        drop(b);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn a_day_that_cannot_be_read_refuses_instead_of_starting_at_zero() {
+        let dir = std::env::temp_dir().join(format!(
+            "backstop-budgets-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ledger.db").to_str().unwrap().to_string();
+        let store = Store::open(&path).unwrap();
+        let other = rusqlite::Connection::open(&path).unwrap();
+        // The ledger unreadable while the budgets start.
+        other
+            .execute_batch("ALTER TABLE ledger RENAME TO ledger_away")
+            .unwrap();
+        let b = budgets_on(
+            "[tenants.budget]\ntokens_per_day = 100000",
+            store,
+            Duration::from_secs(60),
+        );
+        assert!(matches!(
+            b.reserve("t", None, "gpt-4o", 10, 10).await,
+            Err(Refusal::StoreUnavailable { .. })
+        ));
+        other
+            .execute_batch("ALTER TABLE ledger_away RENAME TO ledger")
+            .unwrap();
         let r = b.reserve("t", None, "gpt-4o", 10, 10).await.unwrap();
         r.settle(reported(1, 1)).await;
         assert_eq!(b.tenant_report("t").unwrap()["used_today"]["tokens"], 2);
