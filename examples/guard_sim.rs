@@ -137,10 +137,12 @@ budget_ratio = 1.0
 [[upstreams]]
 name = "failing"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://{failing}"
 [[upstreams]]
 name = "flaky"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://{flaky}"
 [[routes]]
 model = "gpt-4o"

@@ -14,7 +14,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use backstop::{budgets::Budgets, config::Config, store::Store};
+use backstop::{
+    budgets::{Budgets, Outcome},
+    config::Config,
+    store::Store,
+};
 use common::*;
 
 const KEY: &str = "bk-bench-sessions-01";
@@ -45,6 +49,7 @@ output_per_mtok = 10.0
 [[upstreams]]
 name = "mock"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://127.0.0.1:{mock_port}"
 [[routes]]
 model = "gpt-*"
@@ -80,10 +85,17 @@ usd_per_day = 100000.0
                 }
                 // 500 calls per session, well under its 1,000-call cap.
                 let session = format!("s{}", i / 500);
-                let Ok(r) = budgets.reserve("t", Some(&session), "gpt-4o", 100, 100) else {
+                let Ok(r) = budgets
+                    .reserve("t", Some(&session), "gpt-4o", 100, 100)
+                    .await
+                else {
                     panic!("refused")
                 };
-                r.settle(Some((50, 50))).await;
+                r.settle(Outcome::Reported {
+                    input: 50,
+                    output: 50,
+                })
+                .await;
             }
         }));
     }

@@ -1,5 +1,6 @@
 //! The operator API, behind `[admin] token`: upstream breakers, tenant spend and
-//! budgets, session figures and reset. Plus one tenant-facing read: a tenant key may read
+//! budgets, session figures, reset and close. A reset or close is written to the store
+//! before it is answered; if it cannot be, the answer is 503 `store_unavailable`. Plus one tenant-facing read: a tenant key may read
 //! its own sessions' budgets (`GET /v1/sessions/{id}`), and nothing of other tenants.
 
 use axum::{
@@ -10,13 +11,12 @@ use axum::{
     Router,
 };
 use serde_json::{json, Value};
-use subtle::ConstantTimeEq;
 
 use crate::{
     app::AppState,
     config::ApiKind,
     error::{respond::error_response, GatewayError},
-    layers::auth::presented_key,
+    layers::auth::{presented_key, same_key},
 };
 
 pub fn routes() -> Router<AppState> {
@@ -44,7 +44,9 @@ fn json_response(value: Value) -> Response {
 }
 
 fn refuse(err: GatewayError) -> Response {
-    error_response(&err, ApiKind::OpenAi)
+    let mut response = error_response(&err, ApiKind::OpenAi);
+    crate::error::respond::mark_no_retry(&mut response);
+    response
 }
 
 /// The admin token, compared in constant time; the admin API is off without one.
@@ -53,10 +55,10 @@ fn admin_auth(state: &AppState, headers: &HeaderMap) -> Result<(), Box<Response>
         return Err(Box::new(refuse(GatewayError::AdminDisabled)));
     };
     let presented = presented_key(headers).unwrap_or_default();
-    if bool::from(token.expose().as_bytes().ct_eq(presented)) {
+    if same_key(token.expose().as_bytes(), presented) {
         Ok(())
     } else {
-        Err(Box::new(refuse(GatewayError::Unauthorized)))
+        Err(Box::new(refuse(GatewayError::AdminUnauthorized)))
     }
 }
 
@@ -103,14 +105,31 @@ async fn session(
         return *r;
     }
     match session_view(&state, &tenant, &session) {
-        Some(report) => json_response(report),
-        None => refuse(GatewayError::NotFoundAdmin { what: "tenant" }),
+        Ok(Some(report)) => json_response(report),
+        Ok(None) => refuse(GatewayError::NotFoundAdmin { what: "tenant" }),
+        Err(err) => refuse(err),
+    }
+}
+
+fn store_error(err: crate::store::StoreError) -> GatewayError {
+    GatewayError::StoreUnavailable {
+        detail: err.to_string(),
     }
 }
 
 /// Budgets, and for guarded tenants the guard's signals and the recovery trace.
-fn session_view(state: &AppState, tenant: &str, session: &str) -> Option<Value> {
-    let mut report = state.budgets.session_report(tenant, session)?;
+fn session_view(
+    state: &AppState,
+    tenant: &str,
+    session: &str,
+) -> Result<Option<Value>, GatewayError> {
+    let Some(mut report) = state
+        .budgets
+        .session_report(tenant, session)
+        .map_err(store_error)?
+    else {
+        return Ok(None);
+    };
     if let Some(guard) =
         state
             .guards
@@ -118,7 +137,15 @@ fn session_view(state: &AppState, tenant: &str, session: &str) -> Option<Value> 
     {
         report["guard"] = guard;
     }
-    Some(report)
+    Ok(Some(report))
+}
+
+/// The session's view after an operator's action.
+fn view_after(state: &AppState, tenant: &str, session: &str) -> Response {
+    match session_view(state, tenant, session) {
+        Ok(report) => json_response(report.unwrap_or(Value::Null)),
+        Err(err) => refuse(err),
+    }
 }
 
 /// `POST /admin/tenants/{tenant}/sessions/{session}/close`: refuse the session for good.
@@ -130,12 +157,16 @@ async fn close_session(
     if let Err(r) = admin_auth(&state, &headers) {
         return *r;
     }
-    if !state.guards.close(&tenant, &session) {
-        return refuse(GatewayError::NotFoundAdmin {
-            what: "guarded tenant",
-        });
+    match state.guards.close(&tenant, &session).await {
+        Ok(true) => {}
+        Ok(false) => {
+            return refuse(GatewayError::NotFoundAdmin {
+                what: "guarded tenant",
+            })
+        }
+        Err(err) => return refuse(store_error(err)),
     }
-    json_response(session_view(&state, &tenant, &session).unwrap_or(Value::Null))
+    view_after(&state, &tenant, &session)
 }
 
 /// `POST /admin/tenants/{tenant}/sessions/{session}/reset`: the session starts over.
@@ -147,12 +178,16 @@ async fn reset_session(
     if let Err(r) = admin_auth(&state, &headers) {
         return *r;
     }
-    if !state.budgets.reset_session(&tenant, &session).await {
-        return refuse(GatewayError::NotFoundAdmin { what: "tenant" });
+    match state.budgets.reset_session(&tenant, &session).await {
+        Ok(true) => {}
+        Ok(false) => return refuse(GatewayError::NotFoundAdmin { what: "tenant" }),
+        Err(err) => return refuse(store_error(err)),
     }
-    state.guards.reset(&tenant, &session);
+    if let Err(err) = state.guards.reset(&tenant, &session).await {
+        return refuse(store_error(err));
+    }
     tracing::info!(%tenant, %session, "session reset by an operator");
-    json_response(session_view(&state, &tenant, &session).unwrap_or(Value::Null))
+    view_after(&state, &tenant, &session)
 }
 
 /// `GET /v1/sessions/{session}` with a tenant key: that tenant's own session only.
@@ -165,7 +200,8 @@ async fn own_session(
         return refuse(GatewayError::Unauthorized);
     };
     match state.budgets.session_report(&tenant.name, &session) {
-        Some(report) => json_response(report),
-        None => refuse(GatewayError::NotFoundAdmin { what: "session" }),
+        Ok(Some(report)) => json_response(report),
+        Ok(None) => refuse(GatewayError::NotFoundAdmin { what: "session" }),
+        Err(err) => refuse(store_error(err)),
     }
 }

@@ -91,15 +91,19 @@ impl AppState {
     pub fn new(config: Config) -> Result<Self, StoreError> {
         let upstreams = upstream::build_all(&config);
         let routes = RouteTable::new(&config, &upstreams);
-        let store = Arc::new(Store::open(&config.store.path)?);
+        let store = Arc::new(Store::open_with(&config.store)?);
         warn_unpriced(&config);
         let (stream_limits, cut_streams) = StreamLimits::from_config(&config.server);
         Ok(AppState {
             stream_limits,
             cut_streams: Arc::new(cut_streams),
-            budgets: Arc::new(Budgets::new(&config, store, config.store.session_idle)),
+            budgets: Arc::new(Budgets::new(
+                &config,
+                store.clone(),
+                config.store.session_idle,
+            )),
             schemas: Arc::new(Schemas::new(config.validation.schema_cache_size)),
-            guards: Arc::new(Guards::new(&config, config.store.session_idle)),
+            guards: Arc::new(Guards::new(&config, config.store.session_idle, store)),
             tenants: Arc::new(TenantKeys::new(&config)),
             health: Arc::new(HealthRegistry::new(&config)),
             routes: Arc::new(routes),

@@ -1,14 +1,22 @@
 //! The live budget state: per tenant a daily account, rate limiters and session limits;
 //! per session an account and an in-flight count. Sessions idle out of memory (moka, with
 //! a time-to-idle) and are rebuilt from the ledger when they come back, so no history is
-//! lost. The arithmetic is in [`crate::policy::budget`]; persistence in [`crate::store`].
+//! lost; a session with a call in flight is never rebuilt (see [`LiveSessions`]). The
+//! arithmetic is in [`crate::policy::budget`]; persistence in [`crate::store`].
+//!
+//! A *budgeted* call (its tenant has a day cap, or it belongs to a session and the tenant
+//! has session caps) has its reservation committed to the store before the upstream call
+//! and settled into the ledger in the same transaction that deletes it; after a crash,
+//! [`Store::open`] charges what was left at its reserved amount. When the store cannot
+//! take the reservation, the call is refused (`store_unavailable`), never made
+//! unaccounted. Other calls are reserved in memory only and charged to the ledger after.
 
 use std::{
     collections::HashMap,
     num::NonZeroU32,
     sync::{
-        atomic::{AtomicU32, Ordering},
-        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU32, Ordering},
+        Arc, Mutex, Weak,
     },
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
@@ -23,8 +31,10 @@ use moka::sync::Cache;
 
 use crate::{
     config::{Config, Unpriced},
-    policy::budget::{Account, Exceeded, Limits, Prices, Usage, SESSION, TENANT_DAY},
-    store::{Charge, Store},
+    policy::budget::{
+        sane_usd, worst_case, Account, Exceeded, Limits, Prices, Usage, SESSION, TENANT_DAY,
+    },
+    store::{Charge, ReservationRecord, Store, StoreError},
 };
 
 /// Governor's clock on tokio's time, so rate limits run on a paused clock in tests.
@@ -65,6 +75,122 @@ pub enum Refusal {
     Unpriced {
         model: String,
     },
+    /// The store could not read or record this call's budget: refused rather than made
+    /// unaccounted.
+    StoreUnavailable {
+        detail: String,
+    },
+}
+
+impl From<StoreError> for Refusal {
+    fn from(err: StoreError) -> Self {
+        Refusal::StoreUnavailable {
+            detail: err.to_string(),
+        }
+    }
+}
+
+/// (tenant, session).
+pub type SessionKey = (Arc<str>, String);
+
+/// Per-session live state that idles out of memory, except while something still holds
+/// it: the cache (moka, time-to-idle) keeps idle sessions alive, and a registry of weak
+/// references finds a session that the cache dropped while a call, a reservation or an
+/// in-flight slot still held it. Such a session is put back, never rebuilt, so its
+/// reservations and concurrency count are not lost. The registry entry goes when the
+/// cache evicts a session nobody holds (and in [`LiveSessions::sweep`]).
+pub struct LiveSessions<V> {
+    cache: Cache<SessionKey, Arc<V>>,
+    registry: Arc<Mutex<Registry<V>>>,
+}
+
+struct Registry<V> {
+    live: HashMap<SessionKey, Weak<V>>,
+    /// Evicted while held: their entries go once the holders are done.
+    orphans: Vec<SessionKey>,
+}
+
+impl<V> Registry<V> {
+    fn forget_released_orphans(&mut self) {
+        let live = &mut self.live;
+        self.orphans.retain(|key| {
+            let held = live.get(key).is_some_and(|w| w.strong_count() > 0);
+            if !held {
+                live.remove(key);
+            }
+            held
+        });
+    }
+}
+
+impl<V: Send + Sync + 'static> LiveSessions<V> {
+    pub fn new(idle: Duration) -> Self {
+        let registry = Arc::new(Mutex::new(Registry {
+            live: HashMap::new(),
+            orphans: Vec::new(),
+        }));
+        let on_evict = Arc::downgrade(&registry);
+        let cache = Cache::builder()
+            .time_to_idle(idle)
+            .max_capacity(1_000_000)
+            .eviction_listener(move |key: Arc<SessionKey>, value: Arc<V>, _cause| {
+                let Some(registry) = on_evict.upgrade() else {
+                    return;
+                };
+                let mut registry = lock(&registry);
+                // Another value under this key (revived or rebuilt) is not ours to touch.
+                let ours = registry
+                    .live
+                    .get(&*key)
+                    .is_some_and(|w| w.as_ptr() == Arc::as_ptr(&value));
+                if !ours {
+                    return;
+                }
+                if Arc::strong_count(&value) == 1 {
+                    // Only the evicted value itself holds it: nobody can come back for it.
+                    registry.live.remove(&*key);
+                } else {
+                    registry.orphans.push((*key).clone());
+                }
+            })
+            .build();
+        LiveSessions { cache, registry }
+    }
+
+    /// The live value for `key`: cached, still held elsewhere, or loaded by `load`.
+    pub fn get_or_load<E>(
+        &self,
+        key: SessionKey,
+        load: impl FnOnce() -> Result<V, E>,
+    ) -> Result<Arc<V>, E> {
+        if let Some(v) = self.cache.get(&key) {
+            return Ok(v);
+        }
+        let value = {
+            let mut registry = lock(&self.registry);
+            registry.forget_released_orphans();
+            match registry.live.get(&key).and_then(Weak::upgrade) {
+                Some(v) => v,
+                None => {
+                    let v = Arc::new(load()?);
+                    registry.live.insert(key.clone(), Arc::downgrade(&v));
+                    v
+                }
+            }
+        };
+        // Outside the registry lock: an insert may run moka's maintenance, and with it
+        // the eviction listener, which takes that lock.
+        self.cache.insert(key, value.clone());
+        Ok(value)
+    }
+
+    /// Runs the cache's pending evictions and drops registry entries nobody holds.
+    pub fn sweep(&self) {
+        self.cache.run_pending_tasks();
+        let mut registry = lock(&self.registry);
+        registry.live.retain(|_, w| w.strong_count() > 0);
+        registry.orphans.clear();
+    }
 }
 
 struct TenantBook {
@@ -74,6 +200,10 @@ struct TenantBook {
     max_concurrent: Option<u32>,
     /// (UTC day, that day's account).
     day: Mutex<(i64, Account)>,
+    /// False while the day's settled spend could not be read from the ledger: a tenant
+    /// with day caps is then refused (`store_unavailable`) until it can be, not started
+    /// at zero.
+    day_known: AtomicBool,
     rate: Option<Direct>,
     session_rate: Option<Keyed>,
 }
@@ -86,11 +216,15 @@ pub struct SessionBook {
 
 pub struct Budgets {
     tenants: HashMap<Arc<str>, Arc<TenantBook>>,
-    sessions: Cache<(Arc<str>, String), Arc<SessionBook>>,
+    sessions: LiveSessions<SessionBook>,
     store: Arc<Store>,
     prices: Prices,
+    /// Model names as metric labels: configured names only.
+    model_labels: crate::telemetry::ModelLabels,
     unpriced: Unpriced,
     pub default_max_tokens: u64,
+    /// Reported usage above this is not believed (`billing.max_reported_tokens`).
+    max_reported_tokens: u64,
     clock: TokioClock,
 }
 
@@ -101,7 +235,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 pub fn today() -> i64 {
@@ -121,16 +255,18 @@ impl Budgets {
             .iter()
             .map(|t| {
                 let name: Arc<str> = t.name.as_str().into();
-                let settled = store.tenant_day_usage(&t.name, day).unwrap_or_else(|err| {
-                    tracing::error!(tenant = %t.name, error = %err, "cannot read the ledger; starting the day at zero");
-                    Usage::default()
+                let settled = store.tenant_day_usage(&t.name, day).inspect_err(|err| {
+                    tracing::error!(tenant = %t.name, error = %err, "cannot read the ledger; the tenant's day caps refuse calls until it can be read");
                 });
+                let day_known = AtomicBool::new(settled.is_ok());
+                let settled = settled.unwrap_or_default();
                 let book = TenantBook {
                     name: name.clone(),
                     day_limits: Limits { calls: None, tokens: t.budget.tokens_per_day, usd: t.budget.usd_per_day },
                     session_limits: Limits { calls: t.session.max_calls, tokens: t.session.max_tokens, usd: t.session.max_usd },
                     max_concurrent: t.session.max_concurrent,
                     day: Mutex::new((day, Account { settled, reserved: Usage::default() })),
+                    day_known,
                     rate: t.requests_per_minute.map(|n| RateLimiter::direct_with_clock(per_minute(n), clock.clone())),
                     session_rate: t.session.requests_per_minute.map(|n| RateLimiter::dashmap_with_clock(per_minute(n), clock.clone())),
                 };
@@ -139,14 +275,13 @@ impl Budgets {
             .collect();
         Budgets {
             tenants,
-            sessions: Cache::builder()
-                .time_to_idle(session_idle)
-                .max_capacity(1_000_000)
-                .build(),
+            sessions: LiveSessions::new(session_idle),
             store,
             prices: Prices::new(&config.prices),
+            model_labels: crate::telemetry::ModelLabels::new(config),
             unpriced: config.billing.unpriced,
             default_max_tokens: config.billing.default_max_tokens,
+            max_reported_tokens: config.billing.max_reported_tokens,
             clock,
         }
     }
@@ -159,15 +294,22 @@ impl Budgets {
         self.tenants.get(name)
     }
 
-    /// The live session, loaded from the ledger if it is not in memory.
-    fn session(&self, tenant: &Arc<str>, session: &str) -> Arc<SessionBook> {
-        self.sessions.get_with((tenant.clone(), session.to_string()), || {
-            let settled = self.store.session_usage(tenant, session).unwrap_or_else(|err| {
-                tracing::error!(%tenant, session, error = %err, "cannot read the ledger for a session");
-                Usage::default()
-            });
-            Arc::new(SessionBook { account: Mutex::new(Account { settled, reserved: Usage::default() }), in_flight: AtomicU32::new(0) })
-        })
+    /// The live session: in memory, or loaded from the ledger. A failed read is an
+    /// error, not a session starting at zero.
+    fn session(&self, tenant: &Arc<str>, session: &str) -> Result<Arc<SessionBook>, StoreError> {
+        self.sessions
+            .get_or_load((tenant.clone(), session.to_string()), || {
+                let settled = self.store.session_usage(tenant, session).inspect_err(|err| {
+                    tracing::error!(%tenant, session, error = %err, "cannot read the ledger for a session");
+                })?;
+                Ok(SessionBook {
+                    account: Mutex::new(Account {
+                        settled,
+                        reserved: Usage::default(),
+                    }),
+                    in_flight: AtomicU32::new(0),
+                })
+            })
     }
 
     /// Rate limits (tenant, then session) for one client request.
@@ -201,7 +343,7 @@ impl Budgets {
         let Some(limit) = book.max_concurrent else {
             return Ok(None);
         };
-        let live = self.session(&book.name, session);
+        let live = self.session(&book.name, session)?;
         let admitted = live
             .in_flight
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
@@ -216,8 +358,47 @@ impl Budgets {
     }
 
     /// Reserves one upstream call's worst case against the session and the tenant's
-    /// day, atomically: both fit, or neither is touched.
-    pub fn reserve(
+    /// day, atomically: both fit, or neither is touched. A budgeted call's reservation is
+    /// committed to the store before this returns; if it cannot be, the call is refused.
+    pub async fn reserve(
+        self: &Arc<Self>,
+        tenant: &str,
+        session: Option<&str>,
+        model: &str,
+        prompt_tokens: u64,
+        max_output: u64,
+    ) -> Result<Reservation, Refusal> {
+        let mut reservation =
+            self.reserve_in_memory(tenant, session, model, prompt_tokens, max_output)?;
+        let book = &reservation.tenant;
+        let budgeted = !book.day_limits.is_unlimited()
+            || (reservation.session.is_some() && !book.session_limits.is_unlimited());
+        if budgeted {
+            let id = self.store.next_reservation_id();
+            let record = ReservationRecord {
+                id,
+                ts_ms: now_ms(),
+                day: today(),
+                tenant: book.name.to_string(),
+                session: reservation.session.as_ref().map(|(s, _)| s.clone()),
+                model: reservation.model.clone(),
+                calls: reservation.amount.calls,
+                tokens: reservation.amount.tokens,
+                usd: reservation.amount.usd,
+            };
+            // Named before the write is awaited: if this future is dropped meanwhile,
+            // the reservation's drop settles it (the writer keeps the order).
+            reservation.durable = Some(id);
+            if let Err(err) = self.store.reserve(record).await {
+                tracing::error!(tenant, session, error = %err, "cannot record a reservation; refusing the call");
+                reservation.release();
+                return Err(err.into());
+            }
+        }
+        Ok(reservation)
+    }
+
+    fn reserve_in_memory(
         self: &Arc<Self>,
         tenant: &str,
         session: Option<&str>,
@@ -230,9 +411,13 @@ impl Budgets {
                 model: model.into(),
             });
         };
-        let live = session.map(|s| (s.to_string(), self.session(&book.name, s)));
+        let live = match session {
+            Some(s) => Some((s.to_string(), self.session(&book.name, s)?)),
+            None => None,
+        };
         let usd_capped =
             book.day_limits.usd.is_some() || (live.is_some() && book.session_limits.usd.is_some());
+        let want = worst_case(prompt_tokens, max_output, 0.0);
         let usd = match self.prices.cost(model, prompt_tokens, max_output) {
             Some(usd) => usd,
             None if usd_capped && self.unpriced == Unpriced::Refuse => {
@@ -242,11 +427,7 @@ impl Budgets {
             }
             None => 0.0,
         };
-        let want = Usage {
-            calls: 1,
-            tokens: prompt_tokens + max_output,
-            usd,
-        };
+        let want = Usage { usd, ..want };
         let mut day = lock(&book.day);
         let today = today();
         if day.0 != today {
@@ -257,6 +438,16 @@ impl Budgets {
                     reserved: day.1.reserved,
                 },
             );
+        }
+        if !book.day_known.load(Ordering::Acquire) {
+            match self.store.tenant_day_usage(&book.name, today) {
+                Ok(settled) => {
+                    day.1.settled = settled;
+                    book.day_known.store(true, Ordering::Release);
+                }
+                Err(err) if !book.day_limits.is_unlimited() => return Err(err.into()),
+                Err(_) => {}
+            }
         }
         day.1
             .check(want, &book.day_limits, TENANT_DAY)
@@ -276,6 +467,7 @@ impl Budgets {
             session: live,
             model: model.to_string(),
             amount: want,
+            durable: None,
             settled: false,
         })
     }
@@ -287,7 +479,7 @@ impl Budgets {
         if book.session_limits.is_unlimited() {
             return None;
         }
-        let live = self.session(&book.name, session);
+        let live = self.session(&book.name, session).ok()?;
         let (calls, tokens, usd) = lock(&live.account).remaining(&book.session_limits);
         let mut parts = Vec::new();
         if let Some(c) = calls {
@@ -304,18 +496,25 @@ impl Budgets {
 
     /// A session's settled spend in USD (0 for unknown tenants).
     pub fn session_usd(&self, tenant: &str, session: &str) -> f64 {
-        self.tenant(tenant).map_or(0.0, |book| {
-            lock(&self.session(&book.name, session).account).settled.usd
-        })
+        self.tenant(tenant)
+            .and_then(|book| self.session(&book.name, session).ok())
+            .map_or(0.0, |live| lock(&live.account).settled.usd)
     }
 
-    /// A session's figures for the admin API and the tenant's own view.
-    pub fn session_report(&self, tenant: &str, session: &str) -> Option<serde_json::Value> {
-        let book = self.tenant(tenant)?;
-        let live = self.session(&book.name, session);
+    /// A session's figures for the admin API and the tenant's own view (`None`: no such
+    /// tenant).
+    pub fn session_report(
+        &self,
+        tenant: &str,
+        session: &str,
+    ) -> Result<Option<serde_json::Value>, StoreError> {
+        let Some(book) = self.tenant(tenant) else {
+            return Ok(None);
+        };
+        let live = self.session(&book.name, session)?;
         let account = lock(&live.account).clone();
         let (calls, tokens, usd) = account.remaining(&book.session_limits);
-        Some(serde_json::json!({
+        Ok(Some(serde_json::json!({
             "tenant": tenant,
             "session": session,
             "used": {"calls": account.settled.calls, "tokens": account.settled.tokens, "usd": account.settled.usd},
@@ -323,7 +522,7 @@ impl Budgets {
             "in_flight": live.in_flight.load(Ordering::Relaxed),
             "limits": {"max_calls": book.session_limits.calls, "max_tokens": book.session_limits.tokens, "max_usd": book.session_limits.usd, "max_concurrent": book.max_concurrent},
             "remaining": {"calls": calls, "tokens": tokens, "usd": usd},
-        }))
+        })))
     }
 
     /// A tenant's day for the admin API.
@@ -350,14 +549,15 @@ impl Budgets {
     }
 
     /// Starts a session over: its usage counts from now (the tenant's spend is kept).
-    pub async fn reset_session(&self, tenant: &str, session: &str) -> bool {
+    /// `false`: no such tenant.
+    pub async fn reset_session(&self, tenant: &str, session: &str) -> Result<bool, StoreError> {
         let Some(book) = self.tenant(tenant) else {
-            return false;
+            return Ok(false);
         };
-        self.store.reset_session(tenant, session, now_ms()).await;
-        let live = self.session(&book.name, session);
+        self.store.reset_session(tenant, session, now_ms()).await?;
+        let live = self.session(&book.name, session)?;
         lock(&live.account).settled = Usage::default();
-        true
+        Ok(true)
     }
 
     /// Drops rate-limiter state for sessions whose limit has fully replenished (they
@@ -369,7 +569,7 @@ impl Budgets {
                 limiter.shrink_to_fit();
             }
         }
-        self.sessions.run_pending_tasks();
+        self.sessions.sweep();
     }
 }
 
@@ -382,30 +582,84 @@ impl Drop for InFlight {
     }
 }
 
-/// A reserved upstream call. Settle it with the upstream's reported usage; dropped
-/// unsettled, it is charged its full reservation (never less than what may have been
-/// spent).
+/// How an upstream call ended, for settling its reservation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// No usable answer (a transport failure or an error status): one call, no tokens.
+    Failed,
+    /// The upstream reported (input, output) tokens; believed up to
+    /// `billing.max_reported_tokens`.
+    Reported { input: u64, output: u64 },
+    /// The upstream reported usage that is not a count (negative, fractional, too big
+    /// for 64 bits): charged the reservation, logged and counted.
+    Invalid,
+    /// An answer without usage (a stream that ended early, a body without `usage`):
+    /// charged the reservation, never less than what may have been spent.
+    Unreported,
+}
+
+/// A reserved upstream call. Settle it with how the call ended; dropped unsettled, it is
+/// charged its full reservation (never less than what may have been spent).
 pub struct Reservation {
     budgets: Arc<Budgets>,
     tenant: Arc<TenantBook>,
     session: Option<(String, Arc<SessionBook>)>,
     model: String,
     amount: Usage,
+    /// The durable reservation's id, for budgeted calls.
+    durable: Option<i64>,
     settled: bool,
 }
 
 impl Reservation {
-    /// The charge for reported usage (`None`: the reservation itself).
-    fn charge_for(&self, usage: Option<(u64, u64)>) -> (Charge, Usage) {
-        let (input, output) = usage.unwrap_or((self.amount.tokens, 0));
-        let usd = match usage {
-            Some((i, o)) => self.budgets.prices.cost(&self.model, i, o).unwrap_or(0.0),
-            None => self.amount.usd,
+    /// Reported usage believed as is, or `None` (with a log line and a count) when it is
+    /// not believable: then the reservation is charged instead.
+    fn believe(&self, outcome: Outcome) -> Option<(u64, u64)> {
+        let limit = self.budgets.max_reported_tokens;
+        let reason = match outcome {
+            Outcome::Failed => return Some((0, 0)),
+            Outcome::Unreported => return None,
+            Outcome::Invalid => "not_a_count",
+            Outcome::Reported { input, output }
+                if input.checked_add(output).is_none_or(|total| total > limit) =>
+            {
+                "over_max_reported_tokens"
+            }
+            Outcome::Reported { input, output } => return Some((input, output)),
+        };
+        let (reported_input, reported_output) = match outcome {
+            Outcome::Reported { input, output } => (Some(input), Some(output)),
+            _ => (None, None),
+        };
+        tracing::warn!(
+            tenant = %self.tenant.name,
+            session = self.session.as_ref().map(|(s, _)| s.as_str()),
+            model = %self.model,
+            reported_input,
+            reported_output,
+            max_reported_tokens = limit,
+            reserved_tokens = self.amount.tokens,
+            reason,
+            "implausible upstream usage; charging the reservation instead"
+        );
+        metrics::counter!("backstop_usage_rejected_total", "reason" => reason).increment(1);
+        None
+    }
+
+    /// The ledger row and the usage to settle for how the call ended.
+    fn charge_for(&self, outcome: Outcome) -> (Charge, Usage) {
+        let (input, output, usd) = match self.believe(outcome) {
+            Some((i, o)) => (
+                i,
+                o,
+                self.budgets.prices.cost(&self.model, i, o).unwrap_or(0.0),
+            ),
+            None => (self.amount.tokens, 0, self.amount.usd),
         };
         let actual = Usage {
             calls: 1,
-            tokens: input + output,
-            usd,
+            tokens: input.saturating_add(output),
+            usd: sane_usd(usd),
         };
         let charge = Charge {
             ts_ms: now_ms(),
@@ -416,7 +670,7 @@ impl Reservation {
             calls: 1,
             input_tokens: input,
             output_tokens: output,
-            usd,
+            usd: actual.usd,
         };
         (charge, actual)
     }
@@ -431,8 +685,9 @@ impl Reservation {
             lock(&s.account).settle(self.amount, actual);
         }
         let tenant = self.tenant.name.to_string();
-        metrics::counter!("backstop_spend_usd_total", "tenant" => tenant.clone(), "model" => self.model.clone()).increment((actual.usd * 1e6) as u64);
-        metrics::counter!("backstop_tokens_total", "tenant" => tenant.clone(), "model" => self.model.clone()).increment(actual.tokens);
+        let model = self.budgets.model_labels.label(&self.model);
+        metrics::counter!("backstop_spend_usd_total", "tenant" => tenant.clone(), "model" => model.to_string()).increment((actual.usd * 1e6) as u64);
+        metrics::counter!("backstop_tokens_total", "tenant" => tenant.clone(), "model" => model.to_string()).increment(actual.tokens);
         if let Some(limit) = self.tenant.day_limits.usd {
             let used = lock(&self.tenant.day).1.committed().usd;
             metrics::gauge!("backstop_tenant_budget_remaining_usd", "tenant" => tenant)
@@ -440,29 +695,47 @@ impl Reservation {
         }
     }
 
-    /// Settles with the upstream's reported (input, output) tokens, or with nothing
-    /// (a failed call: one call, no tokens), and waits until the ledger has it.
-    pub async fn settle(mut self, usage: Option<(u64, u64)>) {
-        let (charge, actual) = self.charge_for(Some(usage.unwrap_or((0, 0))));
-        self.apply(actual);
-        self.budgets.store.charge(charge).await;
+    /// Gives the reservation back without a charge: the call was never made.
+    fn release(&mut self) {
+        self.settled = true;
+        lock(&self.tenant.day)
+            .1
+            .settle(self.amount, Usage::default());
+        if let Some((_, s)) = &self.session {
+            lock(&s.account).settle(self.amount, Usage::default());
+        }
     }
 
-    /// Settles now in memory and writes the ledger in the background (end of a stream;
-    /// `None` charges the full reservation, as nothing was reported).
-    pub fn settle_later(mut self, usage: Option<(u64, u64)>) {
-        let (charge, actual) = self.charge_for(usage);
+    /// Settles with how the call ended and waits until the ledger has it. If the ledger
+    /// write fails, the durable reservation stays and counts in full after a restart.
+    pub async fn settle(mut self, outcome: Outcome) {
+        let (charge, actual) = self.charge_for(outcome);
         self.apply(actual);
-        self.budgets.store.charge_later(charge);
+        if let Err(err) = self.budgets.store.settle(self.durable, charge).await {
+            tracing::error!(
+                tenant = %self.tenant.name,
+                session = self.session.as_ref().map(|(s, _)| s.as_str()),
+                durable = self.durable.is_some(),
+                error = %err,
+                "cannot record a charge in the ledger"
+            );
+        }
+    }
+
+    /// Settles now in memory and writes the ledger in the background (end of a stream).
+    pub fn settle_later(mut self, outcome: Outcome) {
+        let (charge, actual) = self.charge_for(outcome);
+        self.apply(actual);
+        self.budgets.store.settle_later(self.durable, charge);
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         if !self.settled {
-            let (charge, actual) = self.charge_for(None);
+            let (charge, actual) = self.charge_for(Outcome::Unreported);
             self.apply(actual);
-            self.budgets.store.charge_later(charge);
+            self.budgets.store.settle_later(self.durable, charge);
         }
     }
 }
@@ -476,6 +749,7 @@ impl From<Refusal> for crate::error::GatewayError {
             Refusal::Exceeded(_) => "budget_exceeded",
             Refusal::TooManyConcurrent { .. } => "too_many_concurrent",
             Refusal::Unpriced { .. } => "unpriced_model",
+            Refusal::StoreUnavailable { .. } => "store_unavailable",
         };
         metrics::counter!("backstop_refusals_total", "reason" => reason).increment(1);
         match refusal {
@@ -489,6 +763,7 @@ impl From<Refusal> for crate::error::GatewayError {
             },
             Refusal::TooManyConcurrent { .. } => GatewayError::TooManyConcurrent { detail },
             Refusal::Unpriced { .. } => GatewayError::Unpriced { detail },
+            Refusal::StoreUnavailable { .. } => GatewayError::StoreUnavailable { detail },
         }
     }
 }
@@ -512,6 +787,9 @@ impl Refusal {
             Refusal::Unpriced { model } => {
                 format!("model `{model}` has no price and billing.unpriced = \"refuse\"")
             }
+            Refusal::StoreUnavailable { detail } => format!(
+                "the budget store is unavailable, so this call cannot be accounted and was not made: {detail}"
+            ),
         }
     }
 }
@@ -529,6 +807,14 @@ mod tests {
     use super::*;
 
     fn budgets(tenant_extra: &str) -> Arc<Budgets> {
+        budgets_on(
+            tenant_extra,
+            Store::open(":memory:").unwrap(),
+            Duration::from_secs(600),
+        )
+    }
+
+    fn budgets_on(tenant_extra: &str, store: Store, idle: Duration) -> Arc<Budgets> {
         let text = format!(
             r#"
             [[prices]]
@@ -549,8 +835,11 @@ mod tests {
             "#
         );
         let config = Config::from_toml_with_env(&text, |_| None).unwrap();
-        let store = Arc::new(Store::open(":memory:").unwrap());
-        Arc::new(Budgets::new(&config, store, Duration::from_secs(600)))
+        Arc::new(Budgets::new(&config, Arc::new(store), idle))
+    }
+
+    fn reported(input: u64, output: u64) -> Outcome {
+        Outcome::Reported { input, output }
     }
 
     #[tokio::test(start_paused = true)]
@@ -596,8 +885,8 @@ mod tests {
     async fn a_refused_reservation_touches_neither_account() {
         let b =
             budgets("[tenants.session]\nmax_calls = 1\n[tenants.budget]\ntokens_per_day = 1000");
-        let r = b.reserve("t", Some("s"), "gpt-4o", 100, 100).unwrap();
-        let Err(e) = b.reserve("t", Some("s"), "gpt-4o", 100, 100) else {
+        let r = b.reserve("t", Some("s"), "gpt-4o", 100, 100).await.unwrap();
+        let Err(e) = b.reserve("t", Some("s"), "gpt-4o", 100, 100).await else {
             panic!("over the cap")
         };
         assert!(matches!(
@@ -609,8 +898,8 @@ mod tests {
         ));
         // The tenant's day only holds the one reservation.
         assert_eq!(b.tenant_report("t").unwrap()["reserved"]["tokens"], 200);
-        r.settle(Some((10, 20))).await;
-        let report = b.session_report("t", "s").unwrap();
+        r.settle(reported(10, 20)).await;
+        let report = b.session_report("t", "s").unwrap().unwrap();
         assert_eq!(report["used"]["tokens"], 30);
         assert_eq!(report["reserved"]["tokens"], 0);
         assert_eq!(b.tenant_report("t").unwrap()["used_today"]["usd"], 0.000225);
@@ -620,7 +909,7 @@ mod tests {
     async fn unpriced_models_are_refused_under_a_usd_cap_when_configured() {
         let b = budgets("[tenants.session]\nmax_usd = 1.0");
         assert!(
-            b.reserve("t", Some("s"), "mystery", 1, 1).is_ok(),
+            b.reserve("t", Some("s"), "mystery", 1, 1).await.is_ok(),
             "free by default"
         );
         let config = Config::from_toml_with_env(
@@ -634,12 +923,193 @@ mod tests {
             Duration::from_secs(60),
         ));
         assert!(matches!(
-            b.reserve("t", Some("s"), "mystery", 1, 1),
+            b.reserve("t", Some("s"), "mystery", 1, 1).await,
             Err(Refusal::Unpriced { .. })
         ));
         assert!(
-            b.reserve("t", None, "mystery", 1, 1).is_ok(),
+            b.reserve("t", None, "mystery", 1, 1).await.is_ok(),
             "no USD cap applies without a session"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_session_held_by_a_call_is_not_rebuilt_when_it_idles_out() {
+        // Idle for a nanosecond: every session has idled out by its next look-up.
+        let b = budgets_on(
+            "[tenants.session]\nmax_calls = 2\nmax_concurrent = 1",
+            Store::open(":memory:").unwrap(),
+            Duration::from_nanos(1),
+        );
+        let slot = b.enter("t", "s").unwrap();
+        let first = b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+        b.forget_idle_limiters();
+        assert!(
+            matches!(
+                b.enter("t", "s"),
+                Err(Refusal::TooManyConcurrent { limit: 1 })
+            ),
+            "the in-flight slot survived the eviction"
+        );
+        let second = b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap();
+        let Err(Refusal::Exceeded(e)) = b.reserve("t", Some("s"), "gpt-4o", 10, 10).await else {
+            panic!("a third call under max_calls = 2")
+        };
+        assert_eq!((e.budget, e.used), ("session.max_calls", 2.0));
+        first.settle(reported(1, 1)).await;
+        second.settle(reported(1, 1)).await;
+        drop(slot);
+        std::thread::sleep(Duration::from_millis(2));
+        b.forget_idle_limiters();
+        // Nobody holds it now: rebuilt from the ledger, which has both calls.
+        let report = b.session_report("t", "s").unwrap().unwrap();
+        assert_eq!(report["used"]["calls"], 2);
+        assert_eq!(report["in_flight"], 0);
+        assert!(b.enter("t", "s").unwrap().is_some());
+    }
+
+    #[tokio::test]
+    async fn budgeted_reservations_are_durable_until_settled() {
+        let b = budgets("[tenants.session]\nmax_calls = 5");
+        let r = b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap();
+        assert_eq!(b.store().open_reservations().unwrap(), 1);
+        r.settle(reported(3, 4)).await;
+        assert_eq!(b.store().open_reservations().unwrap(), 0);
+        assert_eq!(b.store().session_usage("t", "s").unwrap().tokens, 7);
+        // Dropped unsettled (a cancelled call): charged in full, durably.
+        drop(b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap());
+        b.store()
+            .charge(Charge {
+                ts_ms: 0,
+                day: 0,
+                tenant: "flush".into(),
+                session: None,
+                model: "m".into(),
+                calls: 1,
+                input_tokens: 0,
+                output_tokens: 0,
+                usd: 0.0,
+            })
+            .await
+            .unwrap();
+        assert_eq!(b.store().open_reservations().unwrap(), 0);
+        assert_eq!(b.store().session_usage("t", "s").unwrap().tokens, 27);
+        // No session, no day cap: nothing to make durable.
+        let r = b.reserve("t", None, "gpt-4o", 10, 10).await.unwrap();
+        assert_eq!(b.store().open_reservations().unwrap(), 0);
+        r.settle(reported(1, 1)).await;
+    }
+
+    #[tokio::test]
+    async fn a_store_that_cannot_take_the_reservation_refuses_the_call() {
+        let dir = std::env::temp_dir().join(format!(
+            "backstop-budgets-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ledger.db").to_str().unwrap().to_string();
+        let store = Store::open_with(&crate::config::StoreConfig {
+            path: path.clone(),
+            busy_timeout: Duration::from_millis(50),
+            ..Default::default()
+        })
+        .unwrap();
+        let b = budgets_on(
+            "[tenants.budget]\ntokens_per_day = 100000",
+            store,
+            Duration::from_secs(60),
+        );
+        let other = rusqlite::Connection::open(&path).unwrap();
+        other.execute_batch("BEGIN EXCLUSIVE").unwrap();
+        let refused = b.reserve("t", None, "gpt-4o", 10, 10).await;
+        assert!(
+            matches!(refused, Err(Refusal::StoreUnavailable { .. })),
+            "{:?}",
+            refused.err()
+        );
+        assert_eq!(
+            b.tenant_report("t").unwrap()["reserved"]["tokens"],
+            0,
+            "the refused call holds nothing"
+        );
+        other.execute_batch("COMMIT").unwrap();
+        let r = b.reserve("t", None, "gpt-4o", 10, 10).await.unwrap();
+        r.settle(reported(1, 1)).await;
+        assert_eq!(b.tenant_report("t").unwrap()["used_today"]["tokens"], 2);
+        drop(b);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn a_day_that_cannot_be_read_refuses_instead_of_starting_at_zero() {
+        let dir = std::env::temp_dir().join(format!(
+            "backstop-budgets-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ledger.db").to_str().unwrap().to_string();
+        let store = Store::open(&path).unwrap();
+        let other = rusqlite::Connection::open(&path).unwrap();
+        // The ledger unreadable while the budgets start.
+        other
+            .execute_batch("ALTER TABLE ledger RENAME TO ledger_away")
+            .unwrap();
+        let b = budgets_on(
+            "[tenants.budget]\ntokens_per_day = 100000",
+            store,
+            Duration::from_secs(60),
+        );
+        assert!(matches!(
+            b.reserve("t", None, "gpt-4o", 10, 10).await,
+            Err(Refusal::StoreUnavailable { .. })
+        ));
+        other
+            .execute_batch("ALTER TABLE ledger_away RENAME TO ledger")
+            .unwrap();
+        let r = b.reserve("t", None, "gpt-4o", 10, 10).await.unwrap();
+        r.settle(reported(1, 1)).await;
+        assert_eq!(b.tenant_report("t").unwrap()["used_today"]["tokens"], 2);
+        drop(b);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn implausible_usage_is_charged_the_reservation() {
+        let b = budgets("[tenants.session]\nmax_tokens = 1000000");
+        // Reserved: 100 prompt + 100 output tokens, $0.00125.
+        for outcome in [
+            reported(u64::MAX, 1),
+            reported(10_000_001, 0),
+            Outcome::Invalid,
+        ] {
+            let r = b
+                .reserve("t", Some(&format!("{outcome:?}")), "gpt-4o", 100, 100)
+                .await
+                .unwrap();
+            r.settle(outcome).await;
+            let used = b
+                .store()
+                .session_usage("t", &format!("{outcome:?}"))
+                .unwrap();
+            assert_eq!(used.tokens, 200, "{outcome:?}");
+            assert!((used.usd - 0.00125).abs() < 1e-12, "{outcome:?}: {used:?}");
+        }
+        // Above the reservation but plausible: believed.
+        let r = b
+            .reserve("t", Some("more"), "gpt-4o", 100, 100)
+            .await
+            .unwrap();
+        r.settle(reported(5000, 300)).await;
+        assert_eq!(b.store().session_usage("t", "more").unwrap().tokens, 5300);
+    }
+
+    #[tokio::test]
+    async fn a_huge_max_tokens_cannot_wrap_past_a_token_cap() {
+        let b = budgets("[tenants.session]\nmax_tokens = 1000");
+        let Err(Refusal::Exceeded(e)) = b.reserve("t", Some("s"), "gpt-4o", 10, u64::MAX).await
+        else {
+            panic!("2^64 - 1 output tokens fitted under a 1000-token cap")
+        };
+        assert_eq!(e.budget, "session.max_tokens");
     }
 }

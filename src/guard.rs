@@ -1,6 +1,9 @@
 //! Live session-guard state: one [`SessionGuard`] and a bounded recovery trace per
 //! (tenant, session), for tenants that configure `[tenants.guard]`. Sessions are per
-//! tenant: the same id under two tenants is two sessions. Idle sessions leave memory.
+//! tenant: the same id under two tenants is two sessions. Idle sessions leave memory
+//! (never while a request holds them), but an operator's close and an active trip are
+//! kept in the store ([`Guards::persist`]) and read back when the session returns, after
+//! idle eviction or a restart.
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -8,13 +11,14 @@ use std::{
     time::Duration,
 };
 
-use moka::sync::Cache;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use crate::{
+    budgets::{now_ms, LiveSessions},
     config::Config,
-    policy::guard::{GuardConfig, SessionGuard},
+    policy::guard::{restore_trip, GuardConfig, Kept, SessionGuard},
+    store::{GuardRecord, Store, StoreError},
 };
 
 /// Trace entries kept per session.
@@ -67,7 +71,8 @@ impl Entry {
 
 pub struct Guards {
     configs: HashMap<String, Arc<GuardConfig>>,
-    sessions: Cache<(Arc<str>, String), Arc<Mutex<Entry>>>,
+    sessions: LiveSessions<Mutex<Entry>>,
+    store: Arc<Store>,
 }
 
 pub fn lock(entry: &Mutex<Entry>) -> MutexGuard<'_, Entry> {
@@ -75,7 +80,7 @@ pub fn lock(entry: &Mutex<Entry>) -> MutexGuard<'_, Entry> {
 }
 
 impl Guards {
-    pub fn new(config: &Config, idle: Duration) -> Self {
+    pub fn new(config: &Config, idle: Duration, store: Arc<Store>) -> Self {
         let configs = config
             .tenants
             .iter()
@@ -87,10 +92,8 @@ impl Guards {
             .collect();
         Guards {
             configs,
-            sessions: Cache::builder()
-                .time_to_idle(idle)
-                .max_capacity(1_000_000)
-                .build(),
+            sessions: LiveSessions::new(idle),
+            store,
         }
     }
 
@@ -98,18 +101,89 @@ impl Guards {
         self.configs.contains_key(tenant)
     }
 
-    /// The session's guard, created on first use; `None` when the tenant has no guard.
+    /// What the store kept of a session, as of now.
+    fn kept(&self, tenant: &str, session: &str) -> Option<Kept> {
+        let record = match self.store.guard_state(tenant, session) {
+            Ok(record) => record?,
+            Err(err) => {
+                // The guard protects against loops, not money: a session whose kept
+                // state cannot be read starts fresh (budgets still fail closed).
+                tracing::error!(tenant, session, error = %err, "cannot read a session's guard state");
+                return None;
+            }
+        };
+        let trip = restore_trip(&record.code, &record.rule, record.evidence);
+        Some(if record.closed {
+            Kept::Closed
+        } else {
+            let left = record.until_ms.saturating_sub(now_ms()).max(0);
+            Kept::Tripped {
+                remaining: Duration::from_millis(u64::try_from(left).unwrap_or(0)),
+                trip,
+            }
+        })
+    }
+
+    /// The session's guard, created on first use (with what the store kept of it);
+    /// `None` when the tenant has no guard.
     pub fn entry(&self, tenant: &Arc<str>, session: &str) -> Option<Arc<Mutex<Entry>>> {
         let config = self.configs.get(&**tenant)?;
-        Some(
-            self.sessions
-                .get_with((tenant.clone(), session.to_string()), || {
-                    Arc::new(Mutex::new(Entry {
-                        guard: SessionGuard::new(config.clone()),
-                        trace: VecDeque::with_capacity(1),
-                    }))
-                }),
-        )
+        let loaded = self
+            .sessions
+            .get_or_load((tenant.clone(), session.to_string()), || {
+                let guard = match self.kept(tenant, session) {
+                    Some(kept) => SessionGuard::restored(config.clone(), kept, Instant::now()),
+                    None => SessionGuard::new(config.clone()),
+                };
+                Ok::<_, std::convert::Infallible>(Mutex::new(Entry {
+                    guard,
+                    trace: VecDeque::with_capacity(1),
+                }))
+            });
+        match loaded {
+            Ok(entry) => Some(entry),
+            Err(never) => match never {},
+        }
+    }
+
+    /// Writes what must outlive memory of a session's state (a close or a trip), or
+    /// forgets it once the session is active again.
+    pub async fn persist(
+        &self,
+        tenant: &str,
+        session: &str,
+        kept: Option<Kept>,
+    ) -> Result<(), StoreError> {
+        let now = now_ms();
+        let (closed, until_ms, trip) = match kept {
+            None => return self.store.clear_guard(tenant, session).await,
+            Some(Kept::Closed) => (
+                true,
+                0,
+                restore_trip(
+                    "session_tripped",
+                    "closed",
+                    "an operator closed this session".into(),
+                ),
+            ),
+            Some(Kept::Tripped { remaining, trip }) => (
+                false,
+                now.saturating_add(i64::try_from(remaining.as_millis()).unwrap_or(i64::MAX)),
+                trip,
+            ),
+        };
+        self.store
+            .save_guard(GuardRecord {
+                tenant: tenant.to_string(),
+                session: session.to_string(),
+                closed,
+                until_ms,
+                code: trip.code.to_string(),
+                rule: trip.rule.to_string(),
+                evidence: trip.evidence,
+                updated_ms: now,
+            })
+            .await
     }
 
     /// Signals (counters, risk) and the trace, for the admin API.
@@ -124,21 +198,28 @@ impl Guards {
         }))
     }
 
-    pub fn close(&self, tenant: &str, session: &str) -> bool {
+    /// An operator closes a session for good (kept in the store first: a close that
+    /// could not be kept is an error, not a close that lasts until the next restart).
+    /// `false`: the tenant has no guard.
+    pub async fn close(&self, tenant: &str, session: &str) -> Result<bool, StoreError> {
         let tenant: Arc<str> = tenant.into();
         let Some(entry) = self.entry(&tenant, session) else {
-            return false;
+            return Ok(false);
         };
-        if let Some((from, to)) = lock(&entry).guard.close() {
+        self.persist(&tenant, session, Some(Kept::Closed)).await?;
+        let change = lock(&entry).guard.close();
+        if let Some((from, to)) = change {
             tracing::warn!(%tenant, session, from, to, "session closed by an operator");
         }
-        true
+        Ok(true)
     }
 
-    pub fn reset(&self, tenant: &str, session: &str) {
+    pub async fn reset(&self, tenant: &str, session: &str) -> Result<(), StoreError> {
         let tenant: Arc<str> = tenant.into();
         if let Some(entry) = self.entry(&tenant, session) {
+            self.persist(&tenant, session, None).await?;
             lock(&entry).guard.reset();
         }
+        Ok(())
     }
 }

@@ -459,6 +459,7 @@ output_per_mtok = 2.0
 [[upstreams]]
 name = "mock"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://127.0.0.1:{mock_port}"
 [[routes]]
 model = "gpt-*"

@@ -14,8 +14,14 @@ const ALSO: &str = "bk-guarded-key-02";
 const ADMIN: &str = "admin-token-0123456789";
 
 async fn guarded(cool_down: &str, extra: &str) -> Gateway {
-    let (cool_down, extra) = (cool_down.to_string(), extra.to_string());
+    guarded_on("path = \":memory:\"", cool_down, extra).await
+}
+
+/// As [`guarded`], with `store` as the `[store]` section.
+async fn guarded_on(store: &str, cool_down: &str, extra: &str) -> Gateway {
+    let (store, cool_down, extra) = (store.to_string(), cool_down.to_string(), extra.to_string());
     start_with(move |text| {
+        let text = text.replace("[store]\npath = \":memory:\"", &format!("[store]\n{store}"));
         format!(
             r#"{text}
 [admin]
@@ -348,4 +354,110 @@ async fn sessions_are_per_tenant_and_operators_see_the_trace() {
             .status(),
         200
     );
+}
+
+async fn trip(gw: &Gateway, session: &str) {
+    for i in 0..5 {
+        gw.in_session(GUARDED, session, "trip", "status=400", &step(i))
+            .await;
+    }
+    let resp = gw.in_session(GUARDED, session, "trip", "", &step(9)).await;
+    assert_eq!(resp.status(), 429);
+}
+
+async fn close(gw: &Gateway, tenant: &str, session: &str) {
+    let close = gw
+        .http
+        .post(format!(
+            "{}/admin/tenants/{tenant}/sessions/{session}/close",
+            gw.url
+        ))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(close.status(), 200);
+}
+
+/// Finding 12: an operator's close and an active trip are kept in the store: a new
+/// gateway on the same database still refuses both sessions.
+#[tokio::test]
+async fn closes_and_trips_survive_a_restart() {
+    let dir = TempDir::new("backstop-guard-restart");
+    let store = format!("path = \"{}\"", dir.0.join("ledger.db").display());
+    let gw = guarded_on(&store, "60s", "").await;
+    trip(&gw, "tripped").await;
+    close(&gw, "guarded", "closed").await;
+    let Gateway { server, .. } = gw;
+    server.shutdown().await;
+
+    let gw = guarded_on(&store, "60s", "").await;
+    let resp = gw
+        .in_session(GUARDED, "closed", "after", "", &step(1))
+        .await;
+    assert_eq!(resp.status(), 429);
+    assert!(json(resp).await["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("closed"));
+    let resp = gw
+        .in_session(GUARDED, "tripped", "after", "", &step(2))
+        .await;
+    assert_eq!(resp.status(), 429);
+    let retry_after: u64 = resp.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (50..=60).contains(&retry_after),
+        "the cool-down goes on: {retry_after}"
+    );
+    let body = json(resp).await;
+    assert_eq!(body["error"]["code"], "session_tripped");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("5 requests in a row failed"),
+        "{body}"
+    );
+    assert_eq!(gw.mock.attempts("after"), 0);
+    // An operator reset still brings a session back, for good.
+    let reset = gw
+        .http
+        .post(format!(
+            "{}/admin/tenants/guarded/sessions/closed/reset",
+            gw.url
+        ))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(reset.status(), 200);
+    let Gateway { server, .. } = gw;
+    server.shutdown().await;
+    let gw = guarded_on(&store, "60s", "").await;
+    assert_eq!(
+        gw.in_session(GUARDED, "closed", "after", "", &step(3))
+            .await
+            .status(),
+        200
+    );
+}
+
+/// Finding 12: a tripped or closed session that idles out of memory (`session_idle`)
+/// comes back tripped or closed, not fresh.
+#[tokio::test]
+async fn a_trip_and_a_close_outlive_idle_eviction() {
+    let gw = guarded_on("path = \":memory:\"\nsession_idle = \"50ms\"", "60s", "").await;
+    trip(&gw, "tripped").await;
+    close(&gw, "guarded", "closed").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for session in ["tripped", "closed"] {
+        let resp = gw.in_session(GUARDED, session, "idle", "", &step(1)).await;
+        assert_eq!(resp.status(), 429, "{session}");
+        assert_eq!(json(resp).await["error"]["code"], "session_tripped");
+    }
+    assert_eq!(gw.mock.attempts("idle"), 0);
 }

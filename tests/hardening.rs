@@ -696,3 +696,60 @@ async fn logs_carry_no_ansi_colour_when_stderr_is_not_a_terminal() {
         "ANSI escape in piped logs: {output:?}"
     );
 }
+
+// --- 7. Metrics cardinality, 15. admin token ---------------------------------------------
+
+#[tokio::test]
+async fn client_chosen_model_names_never_become_metric_labels() {
+    let gw = start().await;
+    for i in 0..20 {
+        let body = json!({"model": format!("gpt-attacker-{i}\u{0}x"), "messages": [{"role": "user", "content": "hi"}]});
+        let resp = gw.chat("labels", "", body).await;
+        assert_eq!(resp.status(), 200);
+    }
+    let page = reqwest::get(format!("{}/metrics", gw.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        !page.contains("gpt-attacker"),
+        "a client model name became a label"
+    );
+    assert!(!page.contains('\u{0}'), "a raw NUL byte in /metrics");
+    assert!(
+        page.contains("backstop_tokens_total{tenant=\"team-a\",model=\"gpt-*\"}"),
+        "{}",
+        page.lines()
+            .filter(|l| l.contains("tokens_total"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+#[tokio::test]
+async fn a_wrong_admin_token_says_so() {
+    let gw = start_with(append("[admin]\ntoken = \"admin-token-0123456789\"")).await;
+    for token in [KEY_A, "admin-token-012345678", "x"] {
+        let resp = gw
+            .http
+            .get(format!("{}/admin/upstreams", gw.url))
+            .bearer_auth(token)
+            .send()
+            .await
+            .unwrap();
+        let (status, body) = error_code(resp).await;
+        assert_eq!(status, 401);
+        assert_eq!(body["error"]["code"], "invalid_admin_token");
+        assert!(body["error"]["message"].as_str().unwrap().contains("admin"));
+    }
+    let ok = gw
+        .http
+        .get(format!("{}/admin/upstreams", gw.url))
+        .bearer_auth("admin-token-0123456789")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+}

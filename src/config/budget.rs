@@ -14,6 +14,16 @@ pub struct StoreConfig {
     /// How long a response is kept for `Idempotency-Key` replays.
     #[serde(with = "humantime_serde")]
     pub idempotency_ttl: std::time::Duration,
+    /// How long a write waits for a lock held by another connection or process before
+    /// it fails (and budgeted calls are refused with 503 `store_unavailable`).
+    #[serde(with = "humantime_serde")]
+    pub busy_timeout: std::time::Duration,
+    /// The write-ahead log is checkpointed and truncated whenever it grows past this.
+    pub max_wal_bytes: u64,
+    /// Ledger rows, session resets and guard states older than this are deleted: a
+    /// session idle longer starts over. Tenant day budgets only need today.
+    #[serde(with = "humantime_serde")]
+    pub retention: std::time::Duration,
 }
 
 impl Default for StoreConfig {
@@ -22,6 +32,9 @@ impl Default for StoreConfig {
             path: "backstop.db".into(),
             session_idle: std::time::Duration::from_secs(900),
             idempotency_ttl: std::time::Duration::from_secs(24 * 3600),
+            busy_timeout: std::time::Duration::from_secs(2),
+            max_wal_bytes: 64 * 1024 * 1024,
+            retention: std::time::Duration::from_secs(90 * 86_400),
         }
     }
 }
@@ -45,6 +58,10 @@ pub struct BillingConfig {
     pub unpriced: Unpriced,
     /// Completion tokens reserved when a request names no `max_tokens`.
     pub default_max_tokens: u64,
+    /// Upstream-reported usage above this many tokens (input, output, or both together)
+    /// is not believed: the call is charged its reservation instead, logged and counted
+    /// (`backstop_usage_rejected_total`).
+    pub max_reported_tokens: u64,
 }
 
 impl Default for BillingConfig {
@@ -52,6 +69,7 @@ impl Default for BillingConfig {
         BillingConfig {
             unpriced: Unpriced::Free,
             default_max_tokens: 4096,
+            max_reported_tokens: 10_000_000,
         }
     }
 }
@@ -61,6 +79,42 @@ impl Default for BillingConfig {
 pub enum Unpriced {
     Free,
     Refuse,
+}
+
+impl StoreConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if self.path.trim().is_empty() {
+            return Err(ConfigError::invalid("store.path", "must not be empty"));
+        }
+        if self.max_wal_bytes < 1024 * 1024 {
+            return Err(ConfigError::invalid(
+                "store.max_wal_bytes",
+                "must be at least 1048576 (1 MiB)",
+            ));
+        }
+        if self.retention < std::time::Duration::from_secs(86_400) {
+            return Err(ConfigError::invalid(
+                "store.retention",
+                "must be at least 1d (tenant budgets are per UTC day)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl BillingConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if self.default_max_tokens == 0 {
+            return Err(ConfigError::invalid(
+                "billing.default_max_tokens",
+                "must be greater than 0",
+            ));
+        }
+        positive_int(
+            "billing.max_reported_tokens",
+            Some(self.max_reported_tokens),
+        )
+    }
 }
 
 /// `[tenants.session]`: limits on each `x-session-id` of a tenant.
@@ -136,5 +190,48 @@ impl PriceConfig {
             &format!("{key}.output_per_mtok"),
             Some(self.output_per_mtok),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{Config, ConfigError};
+
+    fn load(extra: &str) -> Result<Config, ConfigError> {
+        Config::from_toml_with_env(
+            &format!(
+                "{extra}\n[[upstreams]]\nname = \"u\"\napi = \"openai\"\nbase_url = \"http://x\"\n[[routes]]\nmodel = \"*\"\ntargets = [{{ upstream = \"u\" }}]\n[[tenants]]\nname = \"t\"\napi_keys = [\"bk-test-key\"]"
+            ),
+            |_| None,
+        )
+    }
+
+    #[test]
+    fn store_and_billing_limits_have_safe_defaults_and_are_checked() {
+        let config = load("").unwrap();
+        assert_eq!(config.store.busy_timeout, std::time::Duration::from_secs(2));
+        assert_eq!(config.store.max_wal_bytes, 64 * 1024 * 1024);
+        assert_eq!(
+            config.store.retention,
+            std::time::Duration::from_secs(90 * 86_400)
+        );
+        assert_eq!(config.billing.max_reported_tokens, 10_000_000);
+        for (text, key) in [
+            ("[store]\nmax_wal_bytes = 1000", "store.max_wal_bytes"),
+            ("[store]\nretention = \"1h\"", "store.retention"),
+            (
+                "[billing]\nmax_reported_tokens = 0",
+                "billing.max_reported_tokens",
+            ),
+        ] {
+            match load(text) {
+                Err(ConfigError::Invalid { key: k, .. }) => assert_eq!(k, key),
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+        assert!(load(
+            "[store]\nbusy_timeout = \"100ms\"\nmax_wal_bytes = 1048576\nretention = \"1d\""
+        )
+        .is_ok());
     }
 }

@@ -149,15 +149,8 @@ impl Config {
         for (i, price) in self.prices.iter().enumerate() {
             price.validate(&format!("prices[{i}]"))?;
         }
-        if self.billing.default_max_tokens == 0 {
-            return Err(ConfigError::invalid(
-                "billing.default_max_tokens",
-                "must be greater than 0",
-            ));
-        }
-        if self.store.path.trim().is_empty() {
-            return Err(ConfigError::invalid("store.path", "must not be empty"));
-        }
+        self.billing.validate()?;
+        self.store.validate()?;
         if self.upstreams.is_empty() {
             return Err(ConfigError::invalid(
                 "upstreams",

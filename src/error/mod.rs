@@ -81,6 +81,10 @@ pub enum GatewayError {
     TooManyConcurrent { detail: String },
     #[error("{detail}")]
     Unpriced { detail: String },
+    /// The store could not record a budgeted call or an operator's action: refused
+    /// rather than served unaccounted.
+    #[error("{detail}")]
+    StoreUnavailable { detail: String },
     #[error("no such {what}")]
     NotFoundAdmin { what: &'static str },
     #[error("the admin API is disabled: set [admin] token in the config")]
@@ -242,6 +246,7 @@ impl GatewayError {
                 "too_many_concurrent",
             ),
             Unpriced { .. } => (402, "budget_error", "unpriced_model", "unpriced_model"),
+            StoreUnavailable { .. } => (503, "server_error", "store_unavailable", "api_error"),
             NotFoundAdmin { .. } => (404, "invalid_request_error", "not_found", "not_found_error"),
             AdminDisabled => (
                 403,
@@ -278,6 +283,7 @@ impl GatewayError {
                 | GatewayError::BudgetExceeded { .. }
                 | GatewayError::TooManyConcurrent { .. }
                 | GatewayError::Unpriced { .. }
+                | GatewayError::StoreUnavailable { .. }
                 | GatewayError::SessionRefused { .. }
         )
     }

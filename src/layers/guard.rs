@@ -4,7 +4,9 @@
 //! session's recovery trace. Refuses with 429 `session_tripped` or `loop_detected`,
 //! Retry-After until the probe, and a message naming the rule and its evidence — before
 //! any upstream call. Every response of a guarded session carries
-//! `x-backstop-session-state`.
+//! `x-backstop-session-state`. A trip is written to the store when it happens (and
+//! forgotten when the session is active again), so it outlives a restart or the
+//! session idling out of memory.
 //!
 //! [`SessionGuard::admit`]: crate::policy::guard::SessionGuard::admit
 
@@ -24,7 +26,7 @@ use crate::{
     error::GatewayError,
     guard::{lock, Guards, TraceEntry},
     layers::{context::RequestContext, edge::RequestId},
-    policy::guard::fingerprint,
+    policy::guard::{fingerprint, Kept, SessionGuard},
     telemetry::RequestLog,
 };
 
@@ -76,6 +78,30 @@ fn transition(
     }
 }
 
+/// What a state change means for the store: `Some(kept)` to write (a trip, a probe, a
+/// close), `Some(None)` to forget (active again), `None` for nothing to do.
+fn to_keep(
+    change: Option<(&'static str, &'static str)>,
+    guard: &SessionGuard,
+    now: tokio::time::Instant,
+) -> Option<Option<Kept>> {
+    let (from, to) = change?;
+    match (from, to) {
+        (_, "tripped" | "probing" | "closed") => Some(guard.kept(now)),
+        ("tripped" | "probing" | "closed", _) => Some(None),
+        _ => None,
+    }
+}
+
+async fn persist(guards: &Guards, tenant: &str, session: &str, keep: Option<Option<Kept>>) {
+    if let Some(kept) = keep {
+        if let Err(err) = guards.persist(tenant, session, kept).await {
+            // The state in memory still holds; only its survival of a restart is lost.
+            tracing::error!(tenant, session, error = %err, "cannot keep the session's guard state");
+        }
+    }
+}
+
 impl<S> Service<Request<Body>> for Guard<S>
 where
     S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError>
@@ -113,11 +139,12 @@ where
             let tenant = ctx.tenant.clone();
             let fp = fingerprint(&ctx.json);
             let usd_before = layer.budgets.session_usd(&tenant, &session);
-            let admitted = {
+            let (admitted, keep) = {
                 let mut e = lock(&entry);
-                let (admitted, change) =
-                    e.guard.admit(tokio::time::Instant::now(), &fp, usd_before);
+                let now = tokio::time::Instant::now();
+                let (admitted, change) = e.guard.admit(now, &fp, usd_before);
                 transition(&tenant, &session, change, &request_id);
+                let keep = to_keep(change, &e.guard, now);
                 if let Err(refused) = &admitted {
                     let state = e.guard.state().label();
                     e.trace(TraceEntry {
@@ -138,8 +165,9 @@ where
                 if let Some(log) = &log {
                     log.update(|f| f.session_state = Some(state));
                 }
-                admitted
+                (admitted, keep)
             };
+            persist(&layer.guards, &tenant, &session, keep).await;
             if let Err(refused) = admitted {
                 metrics::counter!("backstop_refusals_total", "reason" => refused.trip.code)
                     .increment(1);
@@ -160,26 +188,32 @@ where
             };
             let usd_after = layer.budgets.session_usd(&tenant, &session);
             let fields = log.as_ref().map(|l| l.snapshot()).unwrap_or_default();
-            let mut e = lock(&entry);
-            let change = e.guard.record(tokio::time::Instant::now(), failed);
-            transition(&tenant, &session, change, &request_id);
-            let state = e.guard.state().label();
-            e.trace(TraceEntry {
-                request_id,
-                status,
-                failed,
-                action: fields.recovery,
-                detail: None,
-                attempts: fields.attempts,
-                upstream: fields.upstream,
-                latency_ms: (started.elapsed().as_secs_f64() * 1e3) as f32,
-                cost_usd: (usd_after - usd_before).max(0.0),
-                tool_loop: fp.tool_loop.as_ref().map_or(0, |(_, n)| *n),
-                state,
-            });
-            if let Some(log) = &log {
-                log.update(|f| f.session_state = Some(state));
-            }
+            let keep = {
+                let mut e = lock(&entry);
+                let now = tokio::time::Instant::now();
+                let change = e.guard.record(now, failed);
+                transition(&tenant, &session, change, &request_id);
+                let keep = to_keep(change, &e.guard, now);
+                let state = e.guard.state().label();
+                e.trace(TraceEntry {
+                    request_id,
+                    status,
+                    failed,
+                    action: fields.recovery,
+                    detail: None,
+                    attempts: fields.attempts,
+                    upstream: fields.upstream,
+                    latency_ms: (started.elapsed().as_secs_f64() * 1e3) as f32,
+                    cost_usd: (usd_after - usd_before).max(0.0),
+                    tool_loop: fp.tool_loop.as_ref().map_or(0, |(_, n)| *n),
+                    state,
+                });
+                if let Some(log) = &log {
+                    log.update(|f| f.session_state = Some(state));
+                }
+                keep
+            };
+            persist(&layer.guards, &tenant, &session, keep).await;
             result
         })
     }

@@ -133,7 +133,9 @@ impl Keeping {
             let store = self.store.clone();
             let leader = self.leader.take();
             tokio::spawn(async move {
-                store.remember(record).await;
+                if let Err(err) = store.remember(record).await {
+                    tracing::error!(error = %err, "cannot keep a response for replay");
+                }
                 drop(leader);
             });
         }

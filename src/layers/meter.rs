@@ -2,7 +2,11 @@
 //! call, retries and failovers included, reserves its worst case against the session's
 //! and the tenant's budgets before it is made, and settles to the upstream's reported
 //! usage after. Refuses with 402 `budget_exceeded` (naming the budget) or
-//! `unpriced_model`, before any network; recovery never retries a refusal.
+//! `unpriced_model`, or 503 `store_unavailable` when a budgeted call's reservation
+//! cannot be made durable, before any network; recovery never retries a refusal.
+//! Reported usage is read here and judged where the reservation settles
+//! ([`Outcome`]): a count that is not a count, or an implausible one, is charged the
+//! reservation instead.
 //!
 //! The worst case is the prompt estimated from the body size plus the request's
 //! `max_tokens` (or `billing.default_max_tokens`). OpenAI streams are asked for
@@ -15,12 +19,12 @@ use std::{
 };
 
 use futures_util::future::BoxFuture;
-use serde::Deserialize;
+use serde_json::Value;
 use tower::{Layer, Service, ServiceExt};
 
 use crate::{
     api::Endpoint,
-    budgets::Budgets,
+    budgets::{Budgets, Outcome},
     config::ApiKind,
     policy::{budget::estimate_prompt_tokens, classify::TransportFailure},
     upstream::{Attempt, AttemptError, Reply},
@@ -53,31 +57,26 @@ pub struct Meter<S> {
     budgets: Arc<Budgets>,
 }
 
-#[derive(Deserialize)]
-struct WithUsage {
-    usage: Option<UsageFields>,
-}
-
-#[derive(Deserialize)]
-struct UsageFields {
-    prompt_tokens: Option<u64>,
-    completion_tokens: Option<u64>,
-    input_tokens: Option<u64>,
-    output_tokens: Option<u64>,
-}
-
-/// (input, output) tokens from a non-streaming body, in either API's format.
-pub fn reported_usage(api: ApiKind, body: &[u8]) -> Option<(u64, u64)> {
-    let usage = serde_json::from_slice::<WithUsage>(body).ok()?.usage?;
-    match api {
-        ApiKind::OpenAi => Some((
-            usage.prompt_tokens.unwrap_or(0),
-            usage.completion_tokens.unwrap_or(0),
-        )),
-        ApiKind::Anthropic => Some((
-            usage.input_tokens.unwrap_or(0),
-            usage.output_tokens.unwrap_or(0),
-        )),
+/// The usage a successful non-streaming body reports, in either API's format: absent
+/// fields count 0; a field that is not a non-negative integer makes the report invalid.
+pub fn reported_usage(api: ApiKind, body: &[u8]) -> Outcome {
+    let Ok(body) = serde_json::from_slice::<Value>(body) else {
+        return Outcome::Unreported;
+    };
+    let Some(usage) = body.get("usage").filter(|u| u.is_object()) else {
+        return Outcome::Unreported;
+    };
+    let (input, output) = match api {
+        ApiKind::OpenAi => ("prompt_tokens", "completion_tokens"),
+        ApiKind::Anthropic => ("input_tokens", "output_tokens"),
+    };
+    let count = |field: &str| match usage.get(field) {
+        None | Some(Value::Null) => Some(0),
+        Some(v) => v.as_u64(),
+    };
+    match (count(input), count(output)) {
+        (Some(input), Some(output)) => Outcome::Reported { input, output },
+        _ => Outcome::Invalid,
     }
 }
 
@@ -112,23 +111,26 @@ where
                     estimate_prompt_tokens(ctx.body.len()),
                     max_output,
                 )
+                .await
                 .map_err(|refusal| AttemptError::Refused(refusal.into()))?;
             attempt.stream_usage = ctx.stream
                 && ctx.endpoint == Endpoint::ChatCompletions
                 && !ctx.client_wants_stream_usage;
             let result = inner.oneshot(attempt).await;
             match &result {
-                Err(_) => reservation.settle(None).await,
+                Err(_) => reservation.settle(Outcome::Failed).await,
                 Ok(reply) => match &reply.stream_usage {
-                    Some(usage) => usage.on_end(move |reported| reservation.settle_later(reported)),
-                    None => {
-                        let reported = reply
-                            .status
-                            .is_success()
-                            .then(|| reported_usage(ctx.endpoint.api(), reply.bytes()))
-                            .flatten();
-                        reservation.settle(reported).await;
+                    Some(usage) => usage.on_end(move |reported| {
+                        reservation.settle_later(match reported {
+                            Some((input, output)) => Outcome::Reported { input, output },
+                            None => Outcome::Unreported,
+                        })
+                    }),
+                    None if reply.status.is_success() => {
+                        let outcome = reported_usage(ctx.endpoint.api(), reply.bytes());
+                        reservation.settle(outcome).await;
                     }
+                    None => reservation.settle(Outcome::Failed).await,
                 },
             }
             result.map_err(AttemptError::from)
@@ -142,28 +144,52 @@ mod tests {
 
     #[test]
     fn usage_is_read_from_both_apis() {
+        let reported = |input, output| Outcome::Reported { input, output };
         assert_eq!(
             reported_usage(
                 ApiKind::OpenAi,
                 br#"{"usage":{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12}}"#
             ),
-            Some((5, 7))
+            reported(5, 7)
         );
         assert_eq!(
             reported_usage(
                 ApiKind::OpenAi,
                 br#"{"usage":{"prompt_tokens":9,"total_tokens":9}}"#
             ),
-            Some((9, 0))
+            reported(9, 0)
         );
         assert_eq!(
             reported_usage(
                 ApiKind::Anthropic,
                 br#"{"usage":{"input_tokens":3,"output_tokens":4}}"#
             ),
-            Some((3, 4))
+            reported(3, 4)
         );
-        assert_eq!(reported_usage(ApiKind::OpenAi, br#"{"id":"x"}"#), None);
-        assert_eq!(reported_usage(ApiKind::OpenAi, b"not json"), None);
+        assert_eq!(
+            reported_usage(ApiKind::OpenAi, br#"{"id":"x"}"#),
+            Outcome::Unreported
+        );
+        assert_eq!(
+            reported_usage(ApiKind::OpenAi, b"not json"),
+            Outcome::Unreported
+        );
+    }
+
+    #[test]
+    fn usage_that_is_not_a_count_is_invalid_not_zero() {
+        for usage in [
+            r#"{"prompt_tokens":-1,"completion_tokens":5}"#,
+            r#"{"prompt_tokens":1.5,"completion_tokens":5}"#,
+            r#"{"prompt_tokens":1,"completion_tokens":1e30}"#,
+            r#"{"prompt_tokens":"12","completion_tokens":5}"#,
+        ] {
+            let body = format!(r#"{{"usage":{usage}}}"#);
+            assert_eq!(
+                reported_usage(ApiKind::OpenAi, body.as_bytes()),
+                Outcome::Invalid,
+                "{usage}"
+            );
+        }
     }
 }

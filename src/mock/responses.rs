@@ -118,7 +118,7 @@ pub fn completion(api: Api, request: &Value, step: &Step) -> Response<Body> {
                 "created": now_secs(),
                 "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": input, "completion_tokens": output, "total_tokens": input + output},
+                "usage": {"prompt_tokens": input, "completion_tokens": output, "total_tokens": input.saturating_add(output)},
             }),
             (Api::OpenAi, Some(tool)) => json!({
                 "id": format!("chatcmpl-mock-{id}"),
@@ -128,7 +128,7 @@ pub fn completion(api: Api, request: &Value, step: &Step) -> Response<Body> {
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": null, "tool_calls": [
                     {"id": format!("call_mock_{id}"), "type": "function", "function": {"name": tool, "arguments": tool_args}}
                 ]}, "finish_reason": "tool_calls"}],
-                "usage": {"prompt_tokens": input, "completion_tokens": output, "total_tokens": input + output},
+                "usage": {"prompt_tokens": input, "completion_tokens": output, "total_tokens": input.saturating_add(output)},
             }),
             (Api::Anthropic, None) => json!({
                 "id": format!("msg_mock_{id}"),
@@ -195,7 +195,7 @@ fn openai_events(
         events.push(json!({
             "id": format!("chatcmpl-mock-{id}"), "object": "chat.completion.chunk",
             "created": created, "model": model, "choices": [],
-            "usage": {"prompt_tokens": usage.0, "completion_tokens": usage.1, "total_tokens": usage.0 + usage.1},
+            "usage": {"prompt_tokens": usage.0, "completion_tokens": usage.1, "total_tokens": usage.0.saturating_add(usage.1)},
         }));
     }
     let mut out: Vec<Bytes> = events

@@ -15,16 +15,52 @@ pub struct Usage {
 }
 
 impl Usage {
+    /// Saturating: counts built from untrusted numbers (a client's `max_tokens`, an
+    /// upstream's usage) stop at the maximum instead of wrapping round to small values
+    /// that would pass a cap.
     pub fn add(&mut self, other: Usage) {
-        self.calls += other.calls;
-        self.tokens += other.tokens;
-        self.usd += other.usd;
+        self.calls = self.calls.saturating_add(other.calls);
+        self.tokens = self.tokens.saturating_add(other.tokens);
+        self.usd = sane_usd(self.usd + sane_usd(other.usd));
+    }
+
+    /// `self + other`, saturating.
+    pub fn plus(mut self, other: Usage) -> Usage {
+        self.add(other);
+        self
     }
 
     pub fn sub(&mut self, other: Usage) {
         self.calls = self.calls.saturating_sub(other.calls);
         self.tokens = self.tokens.saturating_sub(other.tokens);
-        self.usd = (self.usd - other.usd).max(0.0);
+        self.usd = sane_usd(self.usd - sane_usd(other.usd));
+    }
+}
+
+/// The most tokens one call may reserve: 2^48, far above any model's context and
+/// output, and small enough that the reservations of 65,536 concurrent calls still sum
+/// without saturating (so releasing one gives back exactly what it took).
+pub const MAX_CALL_TOKENS: u64 = 1 << 48;
+
+/// One call's worst case: the prompt plus the most it may generate, saturating, and at
+/// most [`MAX_CALL_TOKENS`].
+pub fn worst_case(prompt_tokens: u64, max_output: u64, usd: f64) -> Usage {
+    Usage {
+        calls: 1,
+        tokens: prompt_tokens
+            .saturating_add(max_output)
+            .min(MAX_CALL_TOKENS),
+        usd: sane_usd(usd),
+    }
+}
+
+/// USD amounts stay finite and non-negative: NaN counts as 0, infinity as the largest
+/// float (still over every cap).
+pub fn sane_usd(usd: f64) -> f64 {
+    if usd.is_nan() {
+        0.0
+    } else {
+        usd.clamp(0.0, f64::MAX)
     }
 }
 
@@ -89,8 +125,9 @@ impl Account {
     /// Would `want` fit under `limits`? Checks every cap, calls first.
     pub fn check(&self, want: Usage, limits: &Limits, names: CapNames) -> Result<(), Exceeded> {
         let used = self.committed();
+        let after = used.plus(want);
         if let Some(limit) = limits.calls {
-            if used.calls + want.calls > limit {
+            if after.calls > limit {
                 return Err(Exceeded {
                     budget: names.calls,
                     limit: limit as f64,
@@ -100,7 +137,7 @@ impl Account {
             }
         }
         if let Some(limit) = limits.tokens {
-            if used.tokens + want.tokens > limit {
+            if after.tokens > limit {
                 return Err(Exceeded {
                     budget: names.tokens,
                     limit: limit as f64,
@@ -111,7 +148,7 @@ impl Account {
         }
         if let Some(limit) = limits.usd {
             // A tolerance keeps float rounding from refusing a call that fits exactly.
-            if used.usd + want.usd > limit + 1e-9 {
+            if after.usd > limit + 1e-9 {
                 return Err(Exceeded {
                     budget: names.usd,
                     limit,
@@ -166,12 +203,12 @@ impl Prices {
         }
     }
 
-    /// The cost of a call, or `None` when the model has no price.
+    /// The cost of a call, or `None` when the model has no price. Always finite.
     pub fn cost(&self, model: &str, input_tokens: u64, output_tokens: u64) -> Option<f64> {
         self.entries
             .iter()
             .find(|(glob, _, _)| glob.matches(model))
-            .map(|(_, i, o)| (input_tokens as f64 * i + output_tokens as f64 * o) / 1e6)
+            .map(|(_, i, o)| sane_usd((input_tokens as f64 * i + output_tokens as f64 * o) / 1e6))
     }
 }
 
@@ -284,6 +321,41 @@ mod tests {
         assert_eq!(p.cost("gpt-4o-mini", 1_000_000, 0), Some(0.15));
         assert_eq!(p.cost("gpt-4o-2024", 1000, 1000), Some(0.0125));
         assert_eq!(p.cost("claude", 1, 1), None);
+    }
+
+    #[test]
+    fn huge_requests_saturate_and_are_refused_by_a_token_cap() {
+        let limits = Limits {
+            calls: None,
+            tokens: Some(1000),
+            usd: None,
+        };
+        let mut a = Account::default();
+        a.reserve(Usage {
+            calls: 1,
+            tokens: 10,
+            usd: 0.0,
+        });
+        // max_tokens = 2^64 - 1 plus the prompt: wrapped, this was 9 and fitted.
+        let want = worst_case(10, u64::MAX, f64::INFINITY);
+        assert_eq!(want.tokens, MAX_CALL_TOKENS);
+        let e = a.check(want, &limits, SESSION).unwrap_err();
+        assert_eq!(e.budget, "session.max_tokens");
+        // Without a token cap it may be reserved, and released exactly.
+        a.reserve(want);
+        assert!(a.committed().usd.is_finite());
+        a.settle(want, Usage::default());
+        assert_eq!(a.reserved.tokens, 10);
+        assert_eq!(a.remaining(&limits).1, Some(990));
+        // Sums saturate rather than wrap.
+        let mut u = Usage {
+            calls: u64::MAX,
+            tokens: u64::MAX,
+            usd: f64::MAX,
+        };
+        u.add(want);
+        assert_eq!((u.calls, u.tokens), (u64::MAX, u64::MAX));
+        assert_eq!(u.usd, f64::MAX);
     }
 
     proptest! {

@@ -73,6 +73,36 @@ pub struct Fingerprint {
     pub tool_loop: Option<(String, u32)>,
 }
 
+/// What outlives a session's memory (a restart, idle eviction): an operator's close, or
+/// a trip with the time left of its cool-down. Everything else starts over.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Kept {
+    Closed,
+    Tripped { remaining: Duration, trip: Trip },
+}
+
+/// The static names a persisted trip is read back into (codes are error codes and
+/// metric labels, so they stay a closed set).
+pub fn restore_trip(code: &str, rule: &str, evidence: String) -> Trip {
+    let code = match code {
+        "loop_detected" => "loop_detected",
+        _ => "session_tripped",
+    };
+    let rule = match rule {
+        "max_consecutive_failures" => "max_consecutive_failures",
+        "identical_request_limit" => "identical_request_limit",
+        "tool_loop_limit" => "tool_loop_limit",
+        "max_usd_per_minute" => "max_usd_per_minute",
+        "closed" => "closed",
+        _ => "restored",
+    };
+    Trip {
+        code,
+        rule,
+        evidence,
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct SessionGuard {
     /// Shared by every session of the tenant.
@@ -96,6 +126,41 @@ impl SessionGuard {
             recent: VecDeque::with_capacity(1),
             spend: VecDeque::with_capacity(1),
             transitions: 0,
+        }
+    }
+
+    /// A session coming back with what was kept of it; a trip whose cool-down has
+    /// passed is due its probe.
+    pub fn restored(
+        config: impl Into<std::sync::Arc<GuardConfig>>,
+        kept: Kept,
+        now: Instant,
+    ) -> Self {
+        let mut guard = SessionGuard::new(config);
+        guard.state = match kept {
+            Kept::Closed => State::Closed,
+            Kept::Tripped { remaining, trip } => State::Tripped {
+                until: now + remaining,
+                trip,
+            },
+        };
+        guard
+    }
+
+    /// What must outlive memory of the current state. A probing session keeps its trip
+    /// (cool-down over), so a probe cut short by a restart is probed again.
+    pub fn kept(&self, now: Instant) -> Option<Kept> {
+        match &self.state {
+            State::Closed => Some(Kept::Closed),
+            State::Tripped { until, trip } => Some(Kept::Tripped {
+                remaining: until.saturating_duration_since(now),
+                trip: trip.clone(),
+            }),
+            State::Probing { trip } => Some(Kept::Tripped {
+                remaining: Duration::ZERO,
+                trip: trip.clone(),
+            }),
+            State::Active | State::Recovering => None,
         }
     }
 
@@ -668,6 +733,47 @@ mod tests {
             fingerprint(&b).request,
             "same model + messages + tools"
         );
+    }
+
+    #[test]
+    fn a_kept_trip_is_restored_with_its_remaining_cool_down() {
+        let t0 = Instant::now();
+        let mut g = SessionGuard::new(config());
+        for i in 0..5 {
+            assert!(g.admit(t0, &fp(i), 0.0).0.is_ok());
+            g.record(t0, true);
+        }
+        let t1 = t0 + Duration::from_secs(20);
+        let kept = g.kept(t1).unwrap();
+        let Kept::Tripped { remaining, trip } = &kept else {
+            panic!("{kept:?}")
+        };
+        assert_eq!(*remaining, Duration::from_secs(40));
+        let trip = restore_trip(trip.code, trip.rule, trip.evidence.clone());
+        assert_eq!(trip.rule, "max_consecutive_failures");
+        let mut back = SessionGuard::restored(
+            config(),
+            Kept::Tripped {
+                remaining: *remaining,
+                trip,
+            },
+            t1,
+        );
+        let refused = back.admit(t1, &fp(50), 0.0).0.unwrap_err();
+        assert_eq!(refused.retry_after, Duration::from_secs(40));
+        assert!(back
+            .admit(t1 + Duration::from_secs(40), &fp(51), 0.0)
+            .0
+            .is_ok());
+        assert_eq!(back.state().label(), "probing");
+
+        let mut closed = SessionGuard::restored(config(), Kept::Closed, t1);
+        assert!(closed
+            .admit(t1 + Duration::from_secs(9999), &fp(1), 0.0)
+            .0
+            .is_err());
+        assert_eq!(closed.kept(t1), Some(Kept::Closed));
+        assert_eq!(SessionGuard::new(config()).kept(t1), None);
     }
 
     #[test]

@@ -1,21 +1,42 @@
 //! The embedded store: SQLite in WAL mode. It holds the spend ledger (one row per
-//! charged upstream call) and session resets; budget windows are sums over the ledger,
-//! so nothing is kept twice and a restart rebuilds every window from what was settled.
+//! charged upstream call), the reservations of budgeted calls still in flight, session
+//! resets, the session guard's closes and trips, and responses kept for idempotent
+//! replays. Budget windows are sums over the ledger, so nothing is kept twice and a
+//! restart rebuilds every window from what was settled.
 //!
-//! Writes go through one writer thread that commits whatever has queued up in one
-//! transaction (group commit) and acknowledges each write once it is committed; in WAL
-//! mode with `synchronous = NORMAL` a committed write survives the process being killed.
+//! Writes go through one writer thread ([`writer`]) that commits whatever has queued up
+//! in one transaction (group commit) and acknowledges each write with its result once it
+//! is committed; in WAL mode with `synchronous = NORMAL` a committed write survives the
+//! process being killed. A write that fails (the database locked past
+//! `store.busy_timeout`, a full disk) is a typed [`StoreError`] for its caller and a
+//! `backstop_store_errors_total{op}` count, never silently dropped.
+//!
+//! Crash safety of budgets: a budgeted call's reservation is committed before its
+//! upstream call, and settling it deletes the reservation and appends the ledger row in
+//! the same transaction. [`Store::open`] turns every reservation left over by a crash
+//! into a ledger charge at its reserved amount, so caps hold across `kill -9`.
+//!
+//! Disk: the writer truncates the WAL whenever it passes `store.max_wal_bytes` (a
+//! background thread keeps it mostly checkpointed in between), and expired idempotency
+//! rows and ledger rows older than `store.retention` are purged once a minute.
 //! Reads use their own connection, which WAL lets run beside the writer.
 
+mod writer;
+
 use std::{
-    sync::{mpsc, Arc, Mutex},
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicI64, Ordering},
+        mpsc, Arc, Mutex,
+    },
     thread,
+    time::Duration,
 };
 
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 use tokio::sync::oneshot;
 
-use crate::policy::budget::Usage;
+use crate::{config::StoreConfig, policy::budget::Usage};
 
 /// One charged upstream call.
 #[derive(Debug, Clone)]
@@ -32,6 +53,23 @@ pub struct Charge {
     pub usd: f64,
 }
 
+/// A budgeted call's reservation, durable while the call is in flight. The id is
+/// assigned by [`Store::next_reservation_id`] before the write is queued, so a settle
+/// can name it even while the reservation's own write is still queued (the writer
+/// applies writes in order).
+#[derive(Debug, Clone)]
+pub struct ReservationRecord {
+    pub id: i64,
+    pub ts_ms: i64,
+    pub day: i64,
+    pub tenant: String,
+    pub session: Option<String>,
+    pub model: String,
+    pub calls: u64,
+    pub tokens: u64,
+    pub usd: f64,
+}
+
 /// A completed response kept for `Idempotency-Key` replays.
 #[derive(Debug, Clone)]
 pub struct StoredResponse {
@@ -45,32 +83,89 @@ pub struct StoredResponse {
     pub expires_ms: i64,
 }
 
+/// What the session guard keeps of a session across restarts and idle eviction: an
+/// operator's close, or an active trip with the wall-clock time its cool-down ends.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GuardRecord {
+    pub tenant: String,
+    pub session: String,
+    pub closed: bool,
+    /// Wall clock (ms since the epoch) when a trip's cool-down ends; 0 for a close.
+    pub until_ms: i64,
+    pub code: String,
+    pub rule: String,
+    pub evidence: String,
+    pub updated_ms: i64,
+}
+
 enum Op {
-    Charge(Charge),
+    Reserve(ReservationRecord),
+    /// Appends a ledger row and, for a durable reservation, deletes it, atomically.
+    Settle {
+        reservation: Option<i64>,
+        charge: Charge,
+    },
     ResetSession {
         tenant: String,
         session: String,
         at_ms: i64,
     },
     Remember(StoredResponse),
+    SaveGuard(GuardRecord),
+    ClearGuard {
+        tenant: String,
+        session: String,
+    },
+    Purge {
+        now_ms: i64,
+    },
 }
+
+impl Op {
+    /// The `op` label of `backstop_store_errors_total`.
+    fn label(&self) -> &'static str {
+        match self {
+            Op::Reserve(_) => "reserve",
+            Op::Settle { .. } => "settle",
+            Op::ResetSession { .. } => "reset_session",
+            Op::Remember(_) => "remember",
+            Op::SaveGuard(_) | Op::ClearGuard { .. } => "guard",
+            Op::Purge { .. } => "purge",
+        }
+    }
+}
+
+type Ack = oneshot::Sender<Result<(), Arc<str>>>;
 
 struct Write {
     op: Op,
-    ack: Option<oneshot::Sender<()>>,
+    ack: Option<Ack>,
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StoreError {
+    #[error("store: {0}")]
+    Sqlite(Arc<rusqlite::Error>),
+    /// A queued write whose transaction failed (locked database, full disk, ...).
+    #[error("store write failed: {0}")]
+    Write(Arc<str>),
+    #[error("store writer has stopped")]
+    Closed,
+}
+
+impl From<rusqlite::Error> for StoreError {
+    fn from(err: rusqlite::Error) -> Self {
+        StoreError::Sqlite(Arc::new(err))
+    }
 }
 
 pub struct Store {
     writer: mpsc::Sender<Write>,
     reader: Mutex<Connection>,
+    next_reservation: AtomicI64,
+    recovered: u64,
     /// The checkpointer thread runs while this lives.
     _alive: Arc<()>,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error("store: {0}")]
-    Sqlite(#[from] rusqlite::Error),
 }
 
 const SCHEMA: &str = "
@@ -88,6 +183,17 @@ CREATE TABLE IF NOT EXISTS ledger (
 );
 CREATE INDEX IF NOT EXISTS ledger_by_session ON ledger (tenant, session, ts_ms);
 CREATE INDEX IF NOT EXISTS ledger_by_day ON ledger (tenant, day);
+CREATE TABLE IF NOT EXISTS reservations (
+    id INTEGER PRIMARY KEY,
+    ts_ms INTEGER NOT NULL,
+    day INTEGER NOT NULL,
+    tenant TEXT NOT NULL,
+    session TEXT,
+    model TEXT NOT NULL,
+    calls INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,
+    usd REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS idempotency (
     tenant TEXT NOT NULL,
     key TEXT NOT NULL,
@@ -98,21 +204,44 @@ CREATE TABLE IF NOT EXISTS idempotency (
     expires_ms INTEGER NOT NULL,
     PRIMARY KEY (tenant, key)
 );
+CREATE INDEX IF NOT EXISTS idempotency_by_expiry ON idempotency (expires_ms);
 CREATE TABLE IF NOT EXISTS session_resets (
     tenant TEXT NOT NULL,
     session TEXT NOT NULL,
     at_ms INTEGER NOT NULL,
     PRIMARY KEY (tenant, session)
 );
+CREATE TABLE IF NOT EXISTS guard_states (
+    tenant TEXT NOT NULL,
+    session TEXT NOT NULL,
+    closed INTEGER NOT NULL,
+    until_ms INTEGER NOT NULL,
+    code TEXT NOT NULL,
+    rule TEXT NOT NULL,
+    evidence TEXT NOT NULL,
+    updated_ms INTEGER NOT NULL,
+    PRIMARY KEY (tenant, session)
+);
 ";
 
-fn open(path: &str) -> rusqlite::Result<Connection> {
+/// Token and call counts enter SQLite as i64: anything above saturates rather than
+/// wrapping negative.
+pub(crate) fn to_sql(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// Counts read back: a negative value (written by an older build) reads as 0.
+fn from_sql(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
+fn open_conn(path: &str, busy_timeout: Duration) -> rusqlite::Result<Connection> {
     let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
         | OpenFlags::SQLITE_OPEN_CREATE
         | OpenFlags::SQLITE_OPEN_URI
         | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let conn = Connection::open_with_flags(path, flags)?;
-    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    conn.busy_timeout(busy_timeout)?;
     conn.pragma_update(None, "journal_mode", "WAL")?;
     conn.pragma_update(None, "synchronous", "NORMAL")?;
     // The ledger is append-mostly and read by index: a small page cache is enough, and
@@ -121,104 +250,192 @@ fn open(path: &str) -> rusqlite::Result<Connection> {
     Ok(conn)
 }
 
+/// Every reservation left by a process that did not settle it (a crash) becomes a ledger
+/// charge at its reserved amount: the call may have been made and billed, and nothing
+/// proves otherwise. Returns how many.
+fn recover_reservations(conn: &mut Connection) -> rusqlite::Result<u64> {
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    let n = tx.execute(
+        "INSERT INTO ledger (ts_ms, day, tenant, session, model, calls, input_tokens, output_tokens, usd)
+         SELECT ts_ms, day, tenant, session, model, calls, tokens, 0, usd FROM reservations ORDER BY id",
+        [],
+    )?;
+    tx.execute("DELETE FROM reservations", [])?;
+    tx.commit()?;
+    Ok(n as u64)
+}
+
 impl Store {
-    /// Opens (creating if needed) the store at `path`; `":memory:"` is a private
-    /// in-memory database that lives as long as this `Store`.
+    /// Opens (creating if needed) the store at `path` with the default `[store]`
+    /// settings; `":memory:"` is a private in-memory database that lives as long as this
+    /// `Store`.
     pub fn open(path: &str) -> Result<Store, StoreError> {
-        let path = if path == ":memory:" {
+        Store::open_with(&StoreConfig {
+            path: path.to_string(),
+            ..StoreConfig::default()
+        })
+    }
+
+    /// Opens the store that `[store]` describes.
+    pub fn open_with(config: &StoreConfig) -> Result<Store, StoreError> {
+        let memory = config.path == ":memory:";
+        let path = if memory {
             format!(
                 "file:backstop-{}?mode=memory&cache=shared",
                 uuid::Uuid::new_v4().simple()
             )
         } else {
-            path.to_string()
+            config.path.clone()
         };
-        let writer_conn = open(&path)?;
+        let busy = config.busy_timeout;
+        let mut writer_conn = open_conn(&path, busy)?;
         writer_conn.execute_batch(SCHEMA)?;
-        // Checkpoints copy the WAL into the database and sync it: slow, and on the commit
-        // path they would stall every request waiting for its ledger write. They run on
-        // their own connection and thread instead, without blocking the writer.
-        let alive = Arc::new(());
-        if !path.starts_with("file:backstop-") {
-            writer_conn.pragma_update(None, "wal_autocheckpoint", 0)?;
-            let checkpointer = open(&path)?;
-            let alive = Arc::downgrade(&alive);
-            thread::Builder::new()
-                .name("backstop-checkpoint".into())
-                .spawn(move || {
-                    while alive.upgrade().is_some() {
-                        thread::sleep(std::time::Duration::from_millis(500));
-                        if let Err(err) =
-                            checkpointer.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
-                        {
-                            tracing::warn!(error = %err, "store checkpoint failed");
-                        }
-                    }
-                })
-                .expect("spawn store checkpointer");
+        let recovered = recover_reservations(&mut writer_conn)?;
+        if recovered > 0 {
+            tracing::warn!(
+                reservations = recovered,
+                "unsettled reservations from before a crash charged at their reserved amount"
+            );
+            metrics::counter!("backstop_reservations_recovered_total").increment(recovered);
         }
-        let reader = open(&path)?;
         let (tx, rx) = mpsc::channel::<Write>();
+        let alive = Arc::new(());
+        let wal = (!memory).then(|| PathBuf::from(format!("{path}-wal")));
+        let checkpointer = if memory {
+            None
+        } else {
+            // Checkpoints copy the WAL into the database and sync it: slow, and on the
+            // commit path they would stall every request waiting for its ledger write.
+            // A background connection checkpoints passively instead; the writer only
+            // truncates the WAL itself when it has grown past the bound anyway.
+            writer_conn.pragma_update(None, "wal_autocheckpoint", 0)?;
+            writer_conn.pragma_update(None, "journal_size_limit", to_sql(config.max_wal_bytes))?;
+            Some(open_conn(&path, busy)?)
+        };
+        writer::spawn_housekeeping(checkpointer, Arc::downgrade(&alive), tx.clone());
+        let reader = open_conn(&path, busy)?;
+        let settings = writer::Settings {
+            wal,
+            max_wal_bytes: config.max_wal_bytes,
+            retention: config.retention,
+        };
         thread::Builder::new()
             .name("backstop-store".into())
-            .spawn(move || write_loop(writer_conn, rx))
+            .spawn(move || writer::write_loop(writer_conn, rx, settings))
             .expect("spawn store writer");
         Ok(Store {
             writer: tx,
             reader: Mutex::new(reader),
+            next_reservation: AtomicI64::new(1),
+            recovered,
             _alive: alive,
         })
     }
 
-    /// Appends a charge and waits until it is committed.
-    pub async fn charge(&self, charge: Charge) {
+    /// How many crashed reservations [`Store::open`] charged.
+    pub fn recovered_reservations(&self) -> u64 {
+        self.recovered
+    }
+
+    async fn write(&self, op: Op) -> Result<(), StoreError> {
         let (ack, done) = oneshot::channel();
-        if self
-            .writer
-            .send(Write {
-                op: Op::Charge(charge),
-                ack: Some(ack),
-            })
-            .is_ok()
-        {
-            let _ = done.await;
+        self.writer
+            .send(Write { op, ack: Some(ack) })
+            .map_err(|_| StoreError::Closed)?;
+        match done.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(msg)) => Err(StoreError::Write(msg)),
+            Err(_) => Err(StoreError::Closed),
         }
     }
 
-    /// Appends a charge without waiting (for settlements that happen after the response,
-    /// at the end of a stream).
-    pub fn charge_later(&self, charge: Charge) {
-        let _ = self.writer.send(Write {
-            op: Op::Charge(charge),
-            ack: None,
+    fn write_later(&self, op: Op) {
+        let label = op.label();
+        if self.writer.send(Write { op, ack: None }).is_err() {
+            metrics::counter!("backstop_store_errors_total", "op" => label).increment(1);
+        }
+    }
+
+    /// An id for a new reservation, unique in this store.
+    pub fn next_reservation_id(&self) -> i64 {
+        self.next_reservation.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Makes a reservation durable and waits until it is committed.
+    pub async fn reserve(&self, reservation: ReservationRecord) -> Result<(), StoreError> {
+        self.write(Op::Reserve(reservation)).await
+    }
+
+    /// Appends a charge (deleting its durable reservation, if any, in the same
+    /// transaction) and waits until it is committed. On failure the reservation stays,
+    /// so a restart still counts it.
+    pub async fn settle(&self, reservation: Option<i64>, charge: Charge) -> Result<(), StoreError> {
+        self.write(Op::Settle {
+            reservation,
+            charge,
+        })
+        .await
+    }
+
+    /// As [`Store::settle`], without waiting (settlements at the end of a stream, or of
+    /// a dropped call); a failure is logged and counted by the writer.
+    pub fn settle_later(&self, reservation: Option<i64>, charge: Charge) {
+        self.write_later(Op::Settle {
+            reservation,
+            charge,
         });
     }
 
-    pub async fn reset_session(&self, tenant: &str, session: &str, at_ms: i64) {
-        let (ack, done) = oneshot::channel();
-        let op = Op::ResetSession {
+    /// Appends a charge with no reservation and waits until it is committed.
+    pub async fn charge(&self, charge: Charge) -> Result<(), StoreError> {
+        self.settle(None, charge).await
+    }
+
+    pub async fn reset_session(
+        &self,
+        tenant: &str,
+        session: &str,
+        at_ms: i64,
+    ) -> Result<(), StoreError> {
+        self.write(Op::ResetSession {
             tenant: tenant.into(),
             session: session.into(),
             at_ms,
-        };
-        if self.writer.send(Write { op, ack: Some(ack) }).is_ok() {
-            let _ = done.await;
-        }
+        })
+        .await
     }
 
     /// Keeps a response for replay and waits until it is committed.
-    pub async fn remember(&self, response: StoredResponse) {
-        let (ack, done) = oneshot::channel();
-        if self
-            .writer
-            .send(Write {
-                op: Op::Remember(response),
-                ack: Some(ack),
-            })
-            .is_ok()
-        {
-            let _ = done.await;
-        }
+    pub async fn remember(&self, response: StoredResponse) -> Result<(), StoreError> {
+        self.write(Op::Remember(response)).await
+    }
+
+    /// Persists a session's close or trip (replacing what was kept).
+    pub async fn save_guard(&self, record: GuardRecord) -> Result<(), StoreError> {
+        self.write(Op::SaveGuard(record)).await
+    }
+
+    /// Forgets a session's close or trip.
+    pub async fn clear_guard(&self, tenant: &str, session: &str) -> Result<(), StoreError> {
+        self.write(Op::ClearGuard {
+            tenant: tenant.into(),
+            session: session.into(),
+        })
+        .await
+    }
+
+    /// Deletes expired idempotency rows and everything older than `store.retention`
+    /// (run once a minute by the store itself; public for tests).
+    pub async fn purge(&self, now_ms: i64) -> Result<(), StoreError> {
+        self.write(Op::Purge { now_ms }).await
+    }
+
+    fn read<T>(&self, f: impl FnOnce(&Connection) -> rusqlite::Result<T>) -> Result<T, StoreError> {
+        let conn = self.reader.lock().unwrap_or_else(|e| e.into_inner());
+        f(&conn).map_err(|err| {
+            metrics::counter!("backstop_store_errors_total", "op" => "read").increment(1);
+            StoreError::from(err)
+        })
     }
 
     /// A kept response that has not expired.
@@ -228,7 +445,7 @@ impl Store {
         key: &str,
         now_ms: i64,
     ) -> Result<Option<StoredResponse>, StoreError> {
-        Ok(self.read(|c| {
+        self.read(|c| {
             c.query_row(
                 "SELECT body_hash, status, content_type, body, expires_ms FROM idempotency WHERE tenant = ?1 AND key = ?2 AND expires_ms > ?3",
                 params![tenant, key, now_ms],
@@ -237,7 +454,7 @@ impl Store {
                         tenant: tenant.to_string(),
                         key: key.to_string(),
                         body_hash: r.get(0)?,
-                        status: r.get::<_, i64>(1)? as u16,
+                        status: u16::try_from(r.get::<_, i64>(1)?).unwrap_or(500),
                         content_type: r.get(2)?,
                         body: r.get(3)?,
                         expires_ms: r.get(4)?,
@@ -245,40 +462,66 @@ impl Store {
                 },
             )
             .optional()
-        })?)
+        })
     }
 
-    fn read<T>(&self, f: impl FnOnce(&Connection) -> rusqlite::Result<T>) -> rusqlite::Result<T> {
-        let conn = self.reader.lock().unwrap_or_else(|e| e.into_inner());
-        f(&conn)
+    /// A session's kept close or trip.
+    pub fn guard_state(
+        &self,
+        tenant: &str,
+        session: &str,
+    ) -> Result<Option<GuardRecord>, StoreError> {
+        self.read(|c| {
+            c.query_row(
+                "SELECT closed, until_ms, code, rule, evidence, updated_ms FROM guard_states WHERE tenant = ?1 AND session = ?2",
+                params![tenant, session],
+                |r| {
+                    Ok(GuardRecord {
+                        tenant: tenant.to_string(),
+                        session: session.to_string(),
+                        closed: r.get::<_, i64>(0)? != 0,
+                        until_ms: r.get(1)?,
+                        code: r.get(2)?,
+                        rule: r.get(3)?,
+                        evidence: r.get(4)?,
+                        updated_ms: r.get(5)?,
+                    })
+                },
+            )
+            .optional()
+        })
     }
 
     /// A session's usage since its last reset.
     pub fn session_usage(&self, tenant: &str, session: &str) -> Result<Usage, StoreError> {
-        Ok(self.read(|c| {
+        self.read(|c| {
             let since: i64 = c
-                .query_row("SELECT at_ms FROM session_resets WHERE tenant = ?1 AND session = ?2", params![tenant, session], |r| r.get(0))
+                .query_row(
+                    "SELECT at_ms FROM session_resets WHERE tenant = ?1 AND session = ?2",
+                    params![tenant, session],
+                    |r| r.get(0),
+                )
                 .optional()?
                 .unwrap_or(i64::MIN);
             c.query_row(
-                "SELECT COALESCE(SUM(calls),0), COALESCE(SUM(input_tokens + output_tokens),0), COALESCE(SUM(usd),0.0)
+                "SELECT TOTAL(calls), TOTAL(input_tokens) + TOTAL(output_tokens), TOTAL(usd)
                  FROM ledger WHERE tenant = ?1 AND session = ?2 AND ts_ms >= ?3",
                 params![tenant, session, since],
                 usage_row,
             )
-        })?)
+        })
     }
 
     /// A tenant's usage on one UTC day.
     pub fn tenant_day_usage(&self, tenant: &str, day: i64) -> Result<Usage, StoreError> {
-        Ok(self.read(|c| {
+        self.read(|c| {
             c.query_row(
-                "SELECT COALESCE(SUM(calls),0), COALESCE(SUM(input_tokens + output_tokens),0), COALESCE(SUM(usd),0.0)
+                "SELECT TOTAL(calls), TOTAL(input_tokens) + TOTAL(output_tokens), TOTAL(usd)
                  FROM ledger WHERE tenant = ?1 AND day = ?2",
                 params![tenant, day],
                 usage_row,
             )
-        })?)
+        })
     }
 
     /// A tenant's spend on one day, by model: (model, calls, tokens, usd).
@@ -287,182 +530,48 @@ impl Store {
         tenant: &str,
         day: i64,
     ) -> Result<Vec<(String, Usage)>, StoreError> {
-        Ok(self.read(|c| {
+        self.read(|c| {
             let mut stmt = c.prepare(
-                "SELECT model, SUM(calls), SUM(input_tokens + output_tokens), SUM(usd)
+                "SELECT model, TOTAL(calls), TOTAL(input_tokens) + TOTAL(output_tokens), TOTAL(usd)
                  FROM ledger WHERE tenant = ?1 AND day = ?2 GROUP BY model ORDER BY model",
             )?;
             let rows = stmt.query_map(params![tenant, day], |r| {
-                Ok((
-                    r.get::<_, String>(0)?,
-                    Usage {
-                        calls: r.get::<_, i64>(1)? as u64,
-                        tokens: r.get::<_, i64>(2)? as u64,
-                        usd: r.get(3)?,
-                    },
-                ))
+                Ok((r.get::<_, String>(0)?, usage_at(r, 1)?))
             })?;
             rows.collect()
-        })?)
+        })
+    }
+
+    /// Durable reservations not yet settled (for tests and the admin view).
+    pub fn open_reservations(&self) -> Result<u64, StoreError> {
+        self.read(|c| {
+            c.query_row("SELECT COUNT(*) FROM reservations", [], |r| {
+                r.get::<_, i64>(0).map(from_sql)
+            })
+        })
     }
 }
 
-fn usage_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Usage> {
+/// Sums are read as SQLite `TOTAL` (a float that never overflows, unlike `SUM`, which
+/// fails the whole query on an i64 overflow) and converted back saturating.
+fn usage_at(r: &rusqlite::Row<'_>, first: usize) -> rusqlite::Result<Usage> {
+    let calls: f64 = r.get(first)?;
+    let tokens: f64 = r.get(first + 1)?;
+    let usd: f64 = r.get(first + 2)?;
     Ok(Usage {
-        calls: r.get::<_, i64>(0)? as u64,
-        tokens: r.get::<_, i64>(1)? as u64,
-        usd: r.get(2)?,
+        calls: calls.max(0.0) as u64,
+        tokens: tokens.max(0.0) as u64,
+        usd: if usd.is_nan() {
+            0.0
+        } else {
+            usd.clamp(0.0, f64::MAX)
+        },
     })
 }
 
-fn write_loop(mut conn: Connection, rx: mpsc::Receiver<Write>) {
-    while let Ok(first) = rx.recv() {
-        let mut batch = vec![first];
-        while batch.len() < 4096 {
-            match rx.try_recv() {
-                Ok(w) => batch.push(w),
-                Err(_) => break,
-            }
-        }
-        if let Err(err) = commit(&mut conn, &batch) {
-            tracing::error!(error = %err, writes = batch.len(), "store write failed");
-            metrics::counter!("backstop_store_errors_total").increment(1);
-        }
-        metrics::counter!("backstop_store_commits_total").increment(1);
-        for w in batch {
-            if let Some(ack) = w.ack {
-                let _ = ack.send(());
-            }
-        }
-    }
-}
-
-fn commit(conn: &mut Connection, batch: &[Write]) -> rusqlite::Result<()> {
-    let tx = conn.transaction()?;
-    {
-        let mut insert = tx.prepare_cached(
-            "INSERT INTO ledger (ts_ms, day, tenant, session, model, calls, input_tokens, output_tokens, usd)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-        )?;
-        let mut reset = tx.prepare_cached(
-            "INSERT INTO session_resets (tenant, session, at_ms) VALUES (?1, ?2, ?3)
-             ON CONFLICT (tenant, session) DO UPDATE SET at_ms = excluded.at_ms",
-        )?;
-        let mut remember = tx.prepare_cached(
-            "INSERT INTO idempotency (tenant, key, body_hash, status, content_type, body, expires_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
-             ON CONFLICT (tenant, key) DO UPDATE SET body_hash = excluded.body_hash, status = excluded.status,
-                 content_type = excluded.content_type, body = excluded.body, expires_ms = excluded.expires_ms",
-        )?;
-        for w in batch {
-            match &w.op {
-                Op::Remember(r) => {
-                    remember.execute(params![
-                        r.tenant,
-                        r.key,
-                        r.body_hash,
-                        i64::from(r.status),
-                        r.content_type,
-                        r.body,
-                        r.expires_ms
-                    ])?;
-                }
-                Op::Charge(c) => {
-                    insert.execute(params![
-                        c.ts_ms,
-                        c.day,
-                        c.tenant,
-                        c.session,
-                        c.model,
-                        c.calls as i64,
-                        c.input_tokens as i64,
-                        c.output_tokens as i64,
-                        c.usd
-                    ])?;
-                }
-                Op::ResetSession {
-                    tenant,
-                    session,
-                    at_ms,
-                } => {
-                    reset.execute(params![tenant, session, at_ms])?;
-                }
-            }
-        }
-    }
-    tx.commit()
+fn usage_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Usage> {
+    usage_at(r, 0)
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn charge(session: Option<&str>, day: i64, ts_ms: i64, usd: f64) -> Charge {
-        Charge {
-            ts_ms,
-            day,
-            tenant: "t".into(),
-            session: session.map(str::to_owned),
-            model: "gpt-4o".into(),
-            calls: 1,
-            input_tokens: 10,
-            output_tokens: 5,
-            usd,
-        }
-    }
-
-    #[tokio::test]
-    async fn charges_sum_per_session_and_per_day_and_resets_hide_the_past() {
-        let store = Store::open(":memory:").unwrap();
-        store.charge(charge(Some("s1"), 100, 1_000, 0.5)).await;
-        store.charge(charge(Some("s1"), 100, 2_000, 0.25)).await;
-        store.charge(charge(None, 100, 3_000, 1.0)).await;
-        store.charge(charge(Some("s1"), 99, 500, 7.0)).await;
-        assert_eq!(
-            store.session_usage("t", "s1").unwrap(),
-            Usage {
-                calls: 3,
-                tokens: 45,
-                usd: 7.75
-            }
-        );
-        assert_eq!(
-            store.tenant_day_usage("t", 100).unwrap(),
-            Usage {
-                calls: 3,
-                tokens: 45,
-                usd: 1.75
-            }
-        );
-        store.reset_session("t", "s1", 1_500).await;
-        assert_eq!(
-            store.session_usage("t", "s1").unwrap(),
-            Usage {
-                calls: 1,
-                tokens: 15,
-                usd: 0.25
-            }
-        );
-        assert_eq!(
-            store.tenant_day_usage("t", 100).unwrap().usd,
-            1.75,
-            "a session reset keeps the tenant's spend"
-        );
-        assert_eq!(store.tenant_day_by_model("t", 100).unwrap()[0].0, "gpt-4o");
-    }
-
-    #[tokio::test]
-    async fn a_file_store_keeps_its_ledger_across_reopening() {
-        let dir =
-            std::env::temp_dir().join(format!("backstop-store-{}", uuid::Uuid::new_v4().simple()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("ledger.db");
-        let path = path.to_str().unwrap();
-        {
-            let store = Store::open(path).unwrap();
-            store.charge(charge(Some("s"), 1, 1, 0.125)).await;
-        }
-        let store = Store::open(path).unwrap();
-        assert_eq!(store.session_usage("t", "s").unwrap().usd, 0.125);
-        let _ = std::fs::remove_dir_all(dir);
-    }
-}
+mod tests;

@@ -1,0 +1,332 @@
+//! The store's writer thread (group commit, one transaction per batch, each write
+//! acknowledged with its result), the WAL bound, and the housekeeping thread that
+//! checkpoints passively and schedules purges.
+
+use std::{
+    path::PathBuf,
+    sync::{mpsc, Arc, Weak},
+    thread,
+    time::{Duration, Instant},
+};
+
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+
+use super::{to_sql, Op, Write};
+
+/// Writes committed in one transaction at most.
+const MAX_BATCH: usize = 4096;
+/// How often the background connection checkpoints (passively: it never blocks the
+/// writer, so under sustained load it cannot always finish; the writer's WAL bound
+/// covers that).
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(500);
+/// How often expired rows are purged.
+const PURGE_EVERY: Duration = Duration::from_secs(60);
+/// Ledger rows deleted per purge transaction, and transactions per purge: old rows go
+/// in bounded steps instead of one transaction that stalls every ledger write.
+const PURGE_STEP: i64 = 10_000;
+const PURGE_STEPS: usize = 10;
+/// How long the writer waits for a concurrent checkpoint to finish before its own
+/// truncation gives up for now.
+const TRUNCATE_PATIENCE: Duration = Duration::from_millis(500);
+/// After a WAL truncation failed (a reader held it), wait this long before trying again
+/// rather than stalling every commit.
+const TRUNCATE_RETRY: Duration = Duration::from_millis(100);
+
+pub(super) struct Settings {
+    /// The WAL file (`None` for an in-memory store).
+    pub wal: Option<PathBuf>,
+    pub max_wal_bytes: u64,
+    pub retention: Duration,
+}
+
+pub(super) fn write_loop(mut conn: Connection, rx: mpsc::Receiver<Write>, settings: Settings) {
+    let mut truncate_not_before: Option<Instant> = None;
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        while batch.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(w) => batch.push(w),
+                Err(_) => break,
+            }
+        }
+        let (purges, writes): (Vec<Write>, Vec<Write>) = batch
+            .into_iter()
+            .partition(|w| matches!(w.op, Op::Purge { .. }));
+        if !writes.is_empty() {
+            let result = commit(&mut conn, &writes);
+            metrics::counter!("backstop_store_commits_total").increment(1);
+            let failure: Option<Arc<str>> = result.err().map(|err| {
+                tracing::error!(error = %err, writes = writes.len(), "store write failed");
+                err.to_string().into()
+            });
+            for w in writes {
+                if failure.is_some() {
+                    metrics::counter!("backstop_store_errors_total", "op" => w.op.label())
+                        .increment(1);
+                }
+                if let Some(ack) = w.ack {
+                    let _ = ack.send(failure.clone().map_or(Ok(()), Err));
+                }
+            }
+        }
+        for w in purges {
+            let Op::Purge { now_ms } = w.op else {
+                continue;
+            };
+            let result = purge(&mut conn, now_ms, settings.retention).map_err(|err| {
+                tracing::error!(error = %err, "store purge failed");
+                metrics::counter!("backstop_store_errors_total", "op" => "purge").increment(1);
+                Arc::<str>::from(err.to_string())
+            });
+            if let Some(ack) = w.ack {
+                let _ = ack.send(result);
+            }
+        }
+        bound_wal(&conn, &settings, &mut truncate_not_before);
+    }
+}
+
+fn commit(conn: &mut Connection, batch: &[Write]) -> rusqlite::Result<()> {
+    // IMMEDIATE: take the write lock up front, so a database locked by another process
+    // fails here (after `busy_timeout`), before anything is half-written.
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    for w in batch {
+        match &w.op {
+            Op::Reserve(r) => {
+                tx.prepare_cached(
+                    "INSERT INTO reservations (id, ts_ms, day, tenant, session, model, calls, tokens, usd)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                )?
+                .execute(params![
+                    r.id,
+                    r.ts_ms,
+                    r.day,
+                    r.tenant,
+                    r.session,
+                    r.model,
+                    to_sql(r.calls),
+                    to_sql(r.tokens),
+                    r.usd
+                ])?;
+            }
+            Op::Settle {
+                reservation,
+                charge: c,
+            } => {
+                if let Some(id) = reservation {
+                    tx.prepare_cached("DELETE FROM reservations WHERE id = ?1")?
+                        .execute(params![id])?;
+                }
+                tx.prepare_cached(
+                    "INSERT INTO ledger (ts_ms, day, tenant, session, model, calls, input_tokens, output_tokens, usd)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                )?
+                .execute(params![
+                    c.ts_ms,
+                    c.day,
+                    c.tenant,
+                    c.session,
+                    c.model,
+                    to_sql(c.calls),
+                    to_sql(c.input_tokens),
+                    to_sql(c.output_tokens),
+                    c.usd
+                ])?;
+            }
+            Op::ResetSession {
+                tenant,
+                session,
+                at_ms,
+            } => {
+                tx.prepare_cached(
+                    "INSERT INTO session_resets (tenant, session, at_ms) VALUES (?1, ?2, ?3)
+                     ON CONFLICT (tenant, session) DO UPDATE SET at_ms = excluded.at_ms",
+                )?
+                .execute(params![tenant, session, at_ms])?;
+            }
+            Op::Remember(r) => {
+                tx.prepare_cached(
+                    "INSERT INTO idempotency (tenant, key, body_hash, status, content_type, body, expires_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)
+                     ON CONFLICT (tenant, key) DO UPDATE SET body_hash = excluded.body_hash, status = excluded.status,
+                         content_type = excluded.content_type, body = excluded.body, expires_ms = excluded.expires_ms",
+                )?
+                .execute(params![
+                    r.tenant,
+                    r.key,
+                    r.body_hash,
+                    i64::from(r.status),
+                    r.content_type,
+                    r.body,
+                    r.expires_ms
+                ])?;
+            }
+            Op::SaveGuard(g) => {
+                tx.prepare_cached(
+                    "INSERT INTO guard_states (tenant, session, closed, until_ms, code, rule, evidence, updated_ms)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)
+                     ON CONFLICT (tenant, session) DO UPDATE SET closed = excluded.closed, until_ms = excluded.until_ms,
+                         code = excluded.code, rule = excluded.rule, evidence = excluded.evidence, updated_ms = excluded.updated_ms",
+                )?
+                .execute(params![
+                    g.tenant,
+                    g.session,
+                    i64::from(g.closed),
+                    g.until_ms,
+                    g.code,
+                    g.rule,
+                    g.evidence,
+                    g.updated_ms
+                ])?;
+            }
+            Op::ClearGuard { tenant, session } => {
+                tx.prepare_cached("DELETE FROM guard_states WHERE tenant = ?1 AND session = ?2")?
+                    .execute(params![tenant, session])?;
+            }
+            Op::Purge { .. } => {}
+        }
+    }
+    tx.commit()
+}
+
+/// Deletes expired idempotency rows, and ledger rows, session resets and guard states
+/// older than the retention. Ledger rows go by id (ids grow with time), in bounded
+/// steps, so no index on time is needed and no transaction is large.
+fn purge(conn: &mut Connection, now_ms: i64, retention: Duration) -> rusqlite::Result<()> {
+    let cutoff = now_ms.saturating_sub(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX));
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let idempotency = tx.execute(
+        "DELETE FROM idempotency WHERE expires_ms <= ?1",
+        params![now_ms],
+    )?;
+    tx.execute(
+        "DELETE FROM session_resets WHERE at_ms < ?1",
+        params![cutoff],
+    )?;
+    tx.execute(
+        "DELETE FROM guard_states WHERE updated_ms < ?1",
+        params![cutoff],
+    )?;
+    tx.commit()?;
+    let boundary: Option<i64> = conn
+        .query_row(
+            "SELECT id FROM ledger WHERE ts_ms >= ?1 ORDER BY id LIMIT 1",
+            params![cutoff],
+            |r| r.get(0),
+        )
+        .optional()?;
+    let boundary = match boundary {
+        Some(id) => id,
+        None => conn.query_row("SELECT COALESCE(MAX(id), 0) + 1 FROM ledger", [], |r| {
+            r.get(0)
+        })?,
+    };
+    let mut ledger = 0;
+    for _ in 0..PURGE_STEPS {
+        let n = conn.execute(
+            "DELETE FROM ledger WHERE id < MIN(?1, (SELECT MIN(id) FROM ledger) + ?2)",
+            params![boundary, PURGE_STEP],
+        )?;
+        ledger += n;
+        if n == 0 {
+            break;
+        }
+    }
+    if idempotency + ledger > 0 {
+        tracing::info!(idempotency, ledger, "store purged expired rows");
+        metrics::counter!("backstop_store_purged_rows_total", "table" => "idempotency")
+            .increment(idempotency as u64);
+        metrics::counter!("backstop_store_purged_rows_total", "table" => "ledger")
+            .increment(ledger as u64);
+    }
+    Ok(())
+}
+
+/// Truncates the WAL once it has grown past the bound. The file only shrinks on a
+/// truncating checkpoint, so its size is what has been written since the last one.
+/// While the background connection is running its passive checkpoint, SQLite refuses a
+/// second checkpoint at once (without the busy handler): the writer waits for it in
+/// short steps, since this is the bound being enforced.
+fn bound_wal(conn: &Connection, settings: &Settings, not_before: &mut Option<Instant>) {
+    let Some(wal) = &settings.wal else {
+        return;
+    };
+    let Ok(size) = std::fs::metadata(wal).map(|m| m.len()) else {
+        return;
+    };
+    if size <= settings.max_wal_bytes || not_before.is_some_and(|t| Instant::now() < t) {
+        return;
+    }
+    let started = Instant::now();
+    loop {
+        let outcome = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+            r.get::<_, i64>(0)
+        });
+        let busy = match &outcome {
+            Ok(0) => {
+                *not_before = None;
+                metrics::counter!("backstop_store_wal_truncations_total").increment(1);
+                return;
+            }
+            Ok(_) => true,
+            Err(rusqlite::Error::SqliteFailure(e, _)) => {
+                matches!(
+                    e.code,
+                    rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
+                )
+            }
+            Err(_) => false,
+        };
+        if !busy || started.elapsed() >= TRUNCATE_PATIENCE {
+            match outcome {
+                Err(err) => {
+                    tracing::warn!(error = %err, wal_bytes = size, "WAL truncation failed");
+                    metrics::counter!("backstop_store_errors_total", "op" => "checkpoint")
+                        .increment(1);
+                }
+                Ok(_) => tracing::warn!(
+                    wal_bytes = size,
+                    "WAL truncation blocked by a reader; retrying"
+                ),
+            }
+            *not_before = Some(Instant::now() + TRUNCATE_RETRY);
+            return;
+        }
+        thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// While `alive` lives: a passive checkpoint every [`CHECKPOINT_EVERY`] (file stores),
+/// and a purge every [`PURGE_EVERY`], queued behind the writes.
+pub(super) fn spawn_housekeeping(
+    checkpointer: Option<Connection>,
+    alive: Weak<()>,
+    writer: mpsc::Sender<Write>,
+) {
+    thread::Builder::new()
+        .name("backstop-checkpoint".into())
+        .spawn(move || {
+            let mut last_purge = Instant::now();
+            while alive.upgrade().is_some() {
+                thread::sleep(CHECKPOINT_EVERY);
+                if let Some(conn) = &checkpointer {
+                    if let Err(err) =
+                        conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+                    {
+                        tracing::warn!(error = %err, "store checkpoint failed");
+                    }
+                }
+                if last_purge.elapsed() >= PURGE_EVERY {
+                    last_purge = Instant::now();
+                    let op = Op::Purge {
+                        now_ms: std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
+                    };
+                    if writer.send(Write { op, ack: None }).is_err() {
+                        break;
+                    }
+                }
+            }
+        })
+        .expect("spawn store housekeeping");
+}

@@ -1,0 +1,331 @@
+//! Budgets when things go wrong: the process killed with calls in flight, the store
+//! locked by another writer, upstreams reporting absurd usage, sessions idling out of
+//! memory while a call still runs.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use backstop::mock;
+use common::*;
+use serde_json::json;
+use tokio::net::TcpListener;
+
+const CAPPED: &str = "bk-capped-key-01";
+const OTHER: &str = "bk-other-key-001";
+const ADMIN: &str = "admin-token-0123456789";
+
+fn chat(max_tokens: u64) -> serde_json::Value {
+    json!({"model": "gpt-4o", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hello"}]})
+}
+
+/// A gateway whose `[store]` section is `store` and whose `capped` and `other` tenants
+/// have the session limits given.
+async fn gateway(store: &str, capped: &str, other: &str) -> Gateway {
+    let (store, capped, other) = (store.to_string(), capped.to_string(), other.to_string());
+    start_with(move |text| {
+        let text = text.replace("[store]\npath = \":memory:\"", &format!("[store]\n{store}"));
+        format!(
+            r#"{text}
+[admin]
+token = "{ADMIN}"
+
+[[prices]]
+model = "gpt-4o*"
+input_per_mtok = 2.5
+output_per_mtok = 10.0
+
+[[tenants]]
+name = "capped"
+api_keys = ["{CAPPED}"]
+[tenants.session]
+{capped}
+
+[[tenants]]
+name = "other"
+api_keys = ["{OTHER}"]
+[tenants.session]
+{other}
+"#
+        )
+    })
+    .await
+}
+
+async fn session_report(url: &str, tenant: &str, session: &str) -> serde_json::Value {
+    let resp = reqwest::Client::new()
+        .get(format!("{url}/admin/tenants/{tenant}/sessions/{session}"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    json(resp).await
+}
+
+/// Finding 9: ten calls of a 10-call session are in flight (the upstream holds them)
+/// when the process is SIGKILLed. After a restart on the same store they count as spent
+/// at their reservation, so no further call is made: 10 upstream calls in all, not 20.
+#[tokio::test]
+async fn in_flight_reservations_count_across_sigkill() {
+    // The upstream lives in the test, so it outlives the gateway and counts every call.
+    let upstream = mock::spawn(TcpListener::bind("127.0.0.1:0").await.unwrap());
+    let dir = TempDir::new("backstop-inflight-kill");
+    let port = dead_port().await;
+    let config = dir.0.join("backstop.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[server]
+listen = "127.0.0.1:{port}"
+request_timeout = "60s"
+[log]
+level = "warn"
+[store]
+path = "{store}"
+[admin]
+token = "{ADMIN}"
+[[prices]]
+model = "gpt-*"
+input_per_mtok = 1.0
+output_per_mtok = 2.0
+[[upstreams]]
+name = "mock"
+api = "openai"
+forward_headers = ["x-mock-*"]
+base_url = "http://{mock}"
+attempt_timeout = "60s"
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "mock" }}]
+[[tenants]]
+name = "capped"
+api_keys = ["{CAPPED}"]
+[tenants.session]
+max_calls = 10
+"#,
+            store = dir.0.join("ledger.db").display(),
+            mock = upstream.addr,
+        ),
+    )
+    .unwrap();
+    let http = reqwest::Client::new();
+    let gw = Binary::start(&config, port).await;
+    let mut hanging = Vec::new();
+    for _ in 0..10 {
+        let request = http
+            .post(format!("{}/v1/chat/completions", gw.url))
+            .bearer_auth(CAPPED)
+            .header("x-session-id", "k")
+            .header("x-mock-scenario", "crash")
+            .header("x-mock-fault", "hang")
+            .body(chat(16).to_string());
+        hanging.push(tokio::spawn(request.send()));
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while upstream.attempts("crash") < 10 {
+        assert!(
+            Instant::now() < deadline,
+            "the calls never reached the upstream"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    gw.kill();
+    for call in hanging {
+        assert!(call.await.unwrap().is_err(), "killed mid-call");
+    }
+
+    let gw = Binary::start(&config, port).await;
+    let report = session_report(&gw.url, "capped", "k").await;
+    assert_eq!(report["used"]["calls"], 10, "{report}");
+    for _ in 0..10 {
+        let resp = http
+            .post(format!("{}/v1/chat/completions", gw.url))
+            .bearer_auth(CAPPED)
+            .header("x-session-id", "k")
+            .header("x-mock-scenario", "crash")
+            .body(chat(16).to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 402, "the cap holds across kill -9");
+    }
+    assert_eq!(upstream.attempts("crash"), 10, "10 upstream calls in all");
+}
+
+/// Finding 10: with the database locked by another writer, a budgeted call is refused
+/// with 503 `store_unavailable` within the busy timeout, before any upstream call, in
+/// the caller's API shape; once the lock is gone, calls go through again.
+#[tokio::test]
+async fn a_locked_store_refuses_budgeted_calls_before_the_upstream() {
+    let dir = TempDir::new("backstop-locked");
+    let db = dir.0.join("ledger.db");
+    let gw = gateway(
+        &format!("path = \"{}\"\nbusy_timeout = \"100ms\"", db.display()),
+        "max_calls = 10",
+        "",
+    )
+    .await;
+    let lock = rusqlite::Connection::open(&db).unwrap();
+    lock.execute_batch("BEGIN EXCLUSIVE").unwrap();
+
+    let started = Instant::now();
+    let resp = gw.in_session(CAPPED, "s", "locked", "", &chat(16)).await;
+    assert_eq!(resp.status(), 503);
+    assert_eq!(resp.headers()["x-should-retry"], "false");
+    let body = json(resp).await;
+    assert_eq!(body["error"]["code"], "store_unavailable", "{body}");
+    assert_eq!(body["error"]["type"], "server_error");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+
+    let resp = gw
+        .post(
+            "/v1/messages",
+            Some(CAPPED),
+            &[("x-session-id", "s"), ("x-mock-scenario", "locked")],
+            json!({"model": "claude-x", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]})
+                .to_string(),
+        )
+        .await;
+    assert_eq!(resp.status(), 503);
+    let body = json(resp).await;
+    assert_eq!(
+        (body["type"].as_str(), body["error"]["type"].as_str()),
+        (Some("error"), Some("api_error")),
+        "{body}"
+    );
+    assert_eq!(gw.mock.attempts("locked"), 0, "no upstream call was made");
+
+    let metrics = gw
+        .http
+        .get(format!("{}/metrics", gw.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("backstop_store_errors_total{op=\"reserve\"}"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("backstop_refusals_total{reason=\"store_unavailable\"}"));
+
+    lock.execute_batch("COMMIT").unwrap();
+    let resp = gw.in_session(CAPPED, "s", "locked", "", &chat(16)).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(gw.mock.attempts("locked"), 1);
+    assert_eq!(
+        session_report(&gw.url, "capped", "s").await["used"]["calls"],
+        1
+    );
+}
+
+/// Finding 11: an upstream reporting u64::MAX tokens, in a body or in a stream, is
+/// charged the call's reservation (not 2^64 - 1 tokens, not -1 in the ledger, not
+/// trillions of dollars), and the session's cap is not blown by it.
+#[tokio::test]
+async fn absurd_upstream_usage_is_charged_the_reservation() {
+    let gw = gateway("path = \":memory:\"", "max_tokens = 100000", "").await;
+    let body = chat(16);
+    let reservation = (body.to_string().len() as u64).div_ceil(4) + 16;
+    let absurd = format!("usage={}/0", u64::MAX);
+    let resp = gw.in_session(CAPPED, "s", "absurd", &absurd, &body).await;
+    assert_eq!(resp.status(), 200);
+    let report = session_report(&gw.url, "capped", "s").await;
+    assert_eq!(report["used"]["tokens"], reservation, "{report}");
+    assert!(report["used"]["usd"].as_f64().unwrap() < 0.01, "{report}");
+
+    let mut stream = body.clone();
+    stream["stream"] = json!(true);
+    let text = gw
+        .in_session(CAPPED, "s", "absurd-stream", &absurd, &stream)
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(text.trim_end().ends_with("data: [DONE]"));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let stream_reservation = (stream.to_string().len() as u64).div_ceil(4) + 16;
+    let report = session_report(&gw.url, "capped", "s").await;
+    assert_eq!(
+        report["used"]["tokens"],
+        reservation + stream_reservation,
+        "{report}"
+    );
+    assert_eq!(
+        gw.in_session(CAPPED, "s", "after", "", &body)
+            .await
+            .status(),
+        200,
+        "the cap was not blown"
+    );
+}
+
+/// Finding 12: a session that idles out of memory (`session_idle`) while a call is in
+/// flight keeps that call's concurrency slot and reservation: `max_concurrent = 1`
+/// refuses the overlapping call, `max_calls = 2` refuses the third.
+#[tokio::test]
+async fn a_session_is_not_forgotten_while_a_call_is_in_flight() {
+    let gw = gateway(
+        "path = \":memory:\"\nsession_idle = \"50ms\"",
+        "max_concurrent = 1",
+        "max_calls = 2",
+    )
+    .await;
+    let slow = |key: &'static str, session: &'static str| {
+        let http = gw.http.clone();
+        let url = format!("{}/v1/chat/completions", gw.url);
+        tokio::spawn(async move {
+            http.post(url)
+                .bearer_auth(key)
+                .header("x-session-id", session)
+                .header("x-mock-scenario", "idle")
+                .header("x-mock-fault", "delay=1s")
+                .body(chat(16).to_string())
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        })
+    };
+    let first = slow(CAPPED, "c");
+    let (a, b) = (slow(OTHER, "m"), slow(OTHER, "m"));
+    // Far longer than session_idle, well before the upstream answers.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let resp = gw.in_session(CAPPED, "c", "idle", "", &chat(16)).await;
+    assert_eq!(
+        resp.status(),
+        429,
+        "max_concurrent = 1 with a call in flight"
+    );
+    assert_eq!(json(resp).await["error"]["code"], "too_many_concurrent");
+    let resp = gw.in_session(OTHER, "m", "idle", "", &chat(16)).await;
+    assert_eq!(resp.status(), 402, "max_calls = 2 with two calls in flight");
+    assert_eq!(
+        (first.await.unwrap(), a.await.unwrap(), b.await.unwrap()),
+        (200, 200, 200)
+    );
+    assert_eq!(gw.mock.attempts("idle"), 3);
+    // Idle and unheld now: rebuilt from the ledger, which has every call.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let report = session_report(&gw.url, "other", "m").await;
+    assert_eq!(
+        (
+            report["used"]["calls"].as_u64(),
+            report["in_flight"].as_u64()
+        ),
+        (Some(2), Some(0))
+    );
+    assert_eq!(
+        gw.in_session(CAPPED, "c", "idle", "", &chat(16))
+            .await
+            .status(),
+        200
+    );
+}
