@@ -91,7 +91,7 @@ impl AppState {
         warn_unpriced(&config);
         Ok(AppState {
             budgets: Arc::new(Budgets::new(&config, store, config.store.session_idle)),
-            schemas: Arc::new(Schemas::new(config.validation.schema_cache_size)),
+            schemas: Arc::new(Schemas::new(&config.validation)),
             guards: Arc::new(Guards::new(&config, config.store.session_idle)),
             tenants: Arc::new(TenantKeys::new(&config)),
             health: Arc::new(HealthRegistry::new(&config)),
