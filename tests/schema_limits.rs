@@ -55,8 +55,13 @@ async fn refused(resp: reqwest::Response) -> String {
 #[tokio::test]
 async fn a_recursive_response_format_schema_is_refused_and_the_gateway_lives_on() {
     let gw = start().await;
+    // The mock would answer `{}`: validating it against this schema crashed the process.
     let resp = gw
-        .chat("cycle", "", structured(json!({"allOf": [{"$ref": "#"}]})))
+        .chat(
+            "cycle",
+            "content_b64=e30=",
+            structured(json!({"allOf": [{"$ref": "#"}]})),
+        )
         .await;
     let message = refused(resp).await;
     assert!(
@@ -66,7 +71,11 @@ async fn a_recursive_response_format_schema_is_refused_and_the_gateway_lives_on(
     assert_eq!(gw.mock.attempts("cycle"), 0);
 
     let through_defs = json!({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"anyOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"});
-    let message = refused(gw.chat("cycle", "", structured(through_defs)).await).await;
+    let message = refused(
+        gw.chat("cycle", "content_b64=e30=", structured(through_defs))
+            .await,
+    )
+    .await;
     assert!(message.contains("#/$defs/a -> #/$defs/b"), "{message}");
     assert_eq!(gw.mock.attempts("cycle"), 0);
 
@@ -253,4 +262,27 @@ async fn compilation_does_not_stall_other_clients_and_the_deadline_holds() {
         "the 500ms deadline answered after {heavy_took:?}"
     );
     assert_eq!(gw.mock.attempts("heavy"), 0);
+}
+
+#[test]
+fn a_route_schema_with_a_cycle_stops_the_config() {
+    let dir = TempDir::new("backstop-schema");
+    std::fs::write(
+        dir.0.join("loop.json"),
+        r##"{"type": "object", "anyOf": [{"$ref": "#"}]}"##,
+    )
+    .unwrap();
+    let text = config_text(
+        "127.0.0.1:9".parse().unwrap(),
+        9,
+        "[[routes]]\nmodel = \"looped\"\ntargets = [{ upstream = \"mock-openai\" }]\nresponse_schema = \"loop.json\"\n",
+    );
+    let err = backstop::config::Config::from_toml_in(&text, |_| None, &dir.0)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("routes[5].response_schema"), "{err}");
+    assert!(
+        err.contains("reference cycle that consumes no input: # -> #/anyOf/0 -> #"),
+        "{err}"
+    );
 }
