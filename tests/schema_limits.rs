@@ -176,6 +176,23 @@ async fn too_many_tools_too_deep_or_too_large_are_refused_naming_the_limit() {
 }
 
 #[tokio::test]
+async fn a_recursion_that_doubles_per_level_is_refused() {
+    let gw = start().await;
+    // An answer nested 22 arrays deep made this 58-byte schema exhaust 3 GB.
+    let doubling = json!({"allOf": [{"items": {"$ref": "#"}}, {"items": {"$ref": "#"}}]});
+    let message = refused(
+        gw.chat("doubling", "", with_tools(vec![tool("nest", doubling)]))
+            .await,
+    )
+    .await;
+    assert!(
+        message.contains("tool nest: the schema's recursion through #/allOf/1/items reaches the same part of a value along more than one path, so validation doubles with each level of nesting"),
+        "{message}"
+    );
+    assert_eq!(gw.mock.attempts("doubling"), 0);
+}
+
+#[tokio::test]
 async fn a_legitimate_recursive_schema_still_validates_and_corrects() {
     let gw = start().await;
     let tree = json!({"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#"}}}});

@@ -28,6 +28,9 @@ use crate::config::ValidationConfig;
 /// size, plus a fixed part (its registry and root node).
 const COMPILED_PER_BYTE: u64 = 10;
 const COMPILED_FIXED: u64 = 2048;
+/// A recursive schema compiles another copy of itself, kept in the validator, for each
+/// level of an answer's nesting it meets (at most 128: serde_json's nesting limit).
+const RECURSIVE_COPIES: u64 = 128;
 
 /// A schema's cache key and serialized size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,13 +173,12 @@ impl Schemas {
             return Ok(entry.validator);
         }
         self.misses.fetch_add(1, Ordering::Relaxed);
-        if !trusted {
-            shape::check(schema, &self.limits)?;
-        }
+        let recursive = !trusted && shape::check(schema, &self.limits)?.recursive;
         let compiled = Arc::new(jsonschema::validator_for(schema).map_err(|e| e.to_string())?);
         let weight = (print.bytes as u64)
             .saturating_mul(COMPILED_PER_BYTE)
             .saturating_add(COMPILED_FIXED)
+            .saturating_mul(if recursive { RECURSIVE_COPIES } else { 1 })
             .max(self.min_weight);
         cache.insert(
             print.key,

@@ -40,7 +40,7 @@ pub struct ShapeLimits {
 
 /// Checks `schema` against `limits` and for in-place reference cycles; the error names
 /// the limit key and the figures, or the cycle by JSON pointer.
-pub fn check(schema: &Value, limits: &ShapeLimits) -> Result<(), String> {
+pub fn check(schema: &Value, limits: &ShapeLimits) -> Result<Checked, String> {
     let depth = depth(schema);
     if depth > limits.max_depth {
         return Err(format!(
@@ -57,7 +57,7 @@ pub fn check(schema: &Value, limits: &ShapeLimits) -> Result<(), String> {
     }
     let Some(graph) = Graph::of(schema) else {
         // Not resolvable as a document: compilation reports why.
-        return Ok(());
+        return Ok(Checked { recursive: false });
     };
     if let Some(cycle) = graph.cycle() {
         return Err(format!(
@@ -77,7 +77,19 @@ pub fn check(schema: &Value, limits: &ShapeLimits) -> Result<(), String> {
             limits.max_fanout
         ));
     }
-    Ok(())
+    let recursive = graph.recursion().map_err(|at| {
+        format!(
+            "the schema's recursion through {at} reaches the same part of a value along more than one path, so validation doubles with each level of nesting"
+        )
+    })?;
+    Ok(Checked { recursive })
+}
+
+/// What [`check`] learnt of a schema it let through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Checked {
+    /// Validating may compile further copies of it, one per level of an answer's nesting.
+    pub recursive: bool,
 }
 
 /// Only the reference-cycle check (for a route's `response_schema`, which the operator
@@ -115,29 +127,100 @@ const DESCEND_ONE: &[&str] = &[
 const DESCEND_LIST: &[&str] = &["prefixItems", "items"];
 const DESCEND_MAP: &[&str] = &["properties", "patternProperties", "$defs", "definitions"];
 
-/// Every subschema directly under `schema`, with the keyword it sits under and whether it
-/// applies to the same instance.
-fn children(schema: &serde_json::Map<String, Value>) -> Vec<(&str, &Value, bool)> {
+/// How a subschema relates to the one holding it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Link {
+    /// Applied to the same instance value.
+    InPlace,
+    /// Applied to a part of the instance.
+    Step(Step),
+    /// Not applied by itself (`$defs`, `contentSchema`, `propertyNames`: a property name
+    /// is a string, which no keyword descends into further).
+    Other,
+}
+
+/// Which part of the instance a descending keyword applies its subschema to.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Step {
+    /// Every array element (`items`, `contains`, ...).
+    Element,
+    /// Array element `i` (`prefixItems`, draft-7 array `items`).
+    Index(usize),
+    /// The property `name` (`properties`).
+    Name(String),
+    /// Any property (`patternProperties`, `unevaluatedProperties`).
+    AnyName,
+    /// Any property but these (`additionalProperties` beside `properties`).
+    NameNotIn(Vec<String>),
+}
+
+impl Step {
+    /// Whether both can apply to one and the same child of an instance.
+    fn overlaps(&self, other: &Step) -> bool {
+        use Step::*;
+        match (self, other) {
+            (Element, Element) | (Element, Index(_)) | (Index(_), Element) => true,
+            (Index(a), Index(b)) => a == b,
+            (Name(a), Name(b)) => a == b,
+            (AnyName, Name(_) | AnyName | NameNotIn(_))
+            | (Name(_) | NameNotIn(_), AnyName)
+            | (NameNotIn(_), NameNotIn(_)) => true,
+            (Name(a), NameNotIn(names)) | (NameNotIn(names), Name(a)) => !names.contains(a),
+            _ => false,
+        }
+    }
+}
+
+/// Every subschema directly under `schema`, with the keyword it sits under and how it
+/// applies.
+fn children(schema: &serde_json::Map<String, Value>) -> Vec<(&str, &Value, Link)> {
     let mut out = Vec::new();
     for (keyword, value) in schema {
         let kw = keyword.as_str();
         let in_place =
             IN_PLACE_ONE.contains(&kw) || IN_PLACE_LIST.contains(&kw) || IN_PLACE_MAP.contains(&kw);
+        let link = |i: usize, name: &str| -> Link {
+            if in_place {
+                return Link::InPlace;
+            }
+            match kw {
+                "items" if value.is_array() => Link::Step(Step::Index(i)),
+                "prefixItems" => Link::Step(Step::Index(i)),
+                "items" | "additionalItems" | "contains" | "unevaluatedItems" => {
+                    Link::Step(Step::Element)
+                }
+                "properties" => Link::Step(Step::Name(name.to_string())),
+                "patternProperties" | "unevaluatedProperties" => Link::Step(Step::AnyName),
+                "additionalProperties" => Link::Step(Step::NameNotIn(
+                    schema
+                        .get("properties")
+                        .and_then(Value::as_object)
+                        .map(|p| p.keys().cloned().collect())
+                        .unwrap_or_default(),
+                )),
+                _ => Link::Other,
+            }
+        };
         match value {
             Value::Object(_) | Value::Bool(_)
                 if IN_PLACE_ONE.contains(&kw) || DESCEND_ONE.contains(&kw) =>
             {
-                out.push((kw, value, in_place));
+                out.push((kw, value, link(0, "")));
             }
             Value::Array(items) if IN_PLACE_LIST.contains(&kw) || DESCEND_LIST.contains(&kw) => {
-                out.extend(items.iter().map(|item| (kw, item, in_place)));
+                out.extend(
+                    items
+                        .iter()
+                        .enumerate()
+                        .map(|(i, item)| (kw, item, link(i, ""))),
+                );
             }
             Value::Object(map) if IN_PLACE_MAP.contains(&kw) || DESCEND_MAP.contains(&kw) => {
                 out.extend(
-                    map.values()
+                    map.iter()
                         // Draft-7 `dependencies` also holds arrays of property names.
-                        .filter(|v| v.is_object() || v.is_boolean())
-                        .map(|v| (kw, v, in_place)),
+                        .filter(|(_, v)| v.is_object() || v.is_boolean())
+                        .map(|(name, v)| (kw, v, link(0, name))),
                 );
             }
             _ => {}
@@ -170,6 +253,8 @@ pub fn keyword_paths(schema: &Value, cap: usize) -> usize {
 struct Graph {
     names: Vec<String>,
     edges: Vec<Vec<usize>>,
+    /// Descending edges: the part of the instance, and the subschema applied to it.
+    steps: Vec<Vec<(Step, usize)>>,
 }
 
 /// jsonschema's base URI for a schema without `$id`.
@@ -180,6 +265,7 @@ struct Walk<'r> {
     pointers: HashMap<*const Value, String>,
     names: Vec<String>,
     edges: Vec<Vec<usize>>,
+    steps: Vec<Vec<(Step, usize)>>,
     queue: Vec<(usize, &'r Value, Resolver<'r>, Draft)>,
     dynamic_anchors: HashMap<String, Vec<usize>>,
     recursive_anchors: Vec<usize>,
@@ -208,6 +294,7 @@ impl<'r> Walk<'r> {
                 .unwrap_or_else(|| name.to_string()),
         );
         self.edges.push(Vec::new());
+        self.steps.push(Vec::new());
         self.queue.push((id, value, resolver, draft));
         id
     }
@@ -223,11 +310,13 @@ impl<'r> Walk<'r> {
         let legacy_ref = matches!(draft, Draft::Draft4 | Draft::Draft6 | Draft::Draft7)
             && schema.get("$ref").is_some_and(Value::is_string);
         if !legacy_ref {
-            for (keyword, child, in_place) in children(schema) {
+            for (keyword, child, link) in children(schema) {
                 let child_name = format!("{name}/{keyword}");
                 let child = self.node(child, resolver.clone(), draft, &child_name);
-                if in_place {
-                    self.edges[id].push(child);
+                match link {
+                    Link::InPlace => self.edges[id].push(child),
+                    Link::Step(step) => self.steps[id].push((step, child)),
+                    Link::Other => {}
                 }
             }
             if let Some(anchor) = schema.get("$dynamicAnchor").and_then(Value::as_str) {
@@ -326,6 +415,7 @@ impl Graph {
             pointers: HashMap::new(),
             names: Vec::new(),
             edges: Vec::new(),
+            steps: Vec::new(),
             queue: Vec::new(),
             dynamic_anchors: HashMap::new(),
             recursive_anchors: Vec::new(),
@@ -356,6 +446,7 @@ impl Graph {
         Some(Graph {
             names: walk.names,
             edges: walk.edges,
+            steps: walk.steps,
         })
     }
 
@@ -432,6 +523,166 @@ impl Graph {
             }
         }
         fanout.into_iter().flatten().max().unwrap_or(1)
+    }
+}
+
+/// Strongly connected components (Tarjan, iterative): the component of each node.
+fn components(adj: &[Vec<usize>]) -> Vec<usize> {
+    let n = adj.len();
+    let (mut index, mut low, mut comp) = (vec![usize::MAX; n], vec![0; n], vec![usize::MAX; n]);
+    let (mut on_stack, mut stack, mut next_index, mut next_comp) = (vec![false; n], vec![], 0, 0);
+    for root in 0..n {
+        if index[root] != usize::MAX {
+            continue;
+        }
+        let mut work = vec![(root, 0usize)];
+        index[root] = next_index;
+        low[root] = next_index;
+        next_index += 1;
+        stack.push(root);
+        on_stack[root] = true;
+        while let Some(&mut (v, ref mut i)) = work.last_mut() {
+            if let Some(&w) = adj[v].get(*i) {
+                *i += 1;
+                if index[w] == usize::MAX {
+                    index[w] = next_index;
+                    low[w] = next_index;
+                    next_index += 1;
+                    stack.push(w);
+                    on_stack[w] = true;
+                    work.push((w, 0));
+                } else if on_stack[w] {
+                    low[v] = low[v].min(index[w]);
+                }
+                continue;
+            }
+            work.pop();
+            if let Some(&(parent, _)) = work.last() {
+                low[parent] = low[parent].min(low[v]);
+            }
+            if low[v] == index[v] {
+                while let Some(w) = stack.pop() {
+                    on_stack[w] = false;
+                    comp[w] = next_comp;
+                    if w == v {
+                        break;
+                    }
+                }
+                next_comp += 1;
+            }
+        }
+    }
+    comp
+}
+
+/// Product-graph edges examined at most: past that, recursion is refused unanalysed.
+const MAX_PRODUCT_EDGES: usize = 1 << 20;
+
+impl Graph {
+    /// A recursion that reaches the same part of an instance along two different paths,
+    /// level after level: `{"allOf":[{"items":{"$ref":"#"}},{"items":{"$ref":"#"}}]}`
+    /// makes jsonschema compile and evaluate 2^depth subschemas for an answer nested
+    /// `depth` arrays deep (22 levels exhausted 3 GB). This is the exponential ambiguity
+    /// of an automaton whose states are subschemas and whose letters are instance steps:
+    /// two distinct cycles through one subschema over overlapping steps. Only meaningful
+    /// once [`Graph::cycle`] found no in-place cycle.
+    /// `Ok(true)` when the schema recurses at all (each level of an answer's nesting may
+    /// then compile another copy of it, kept by the cached validator).
+    fn recursion(&self) -> Result<bool, String> {
+        let n = self.names.len();
+        // One descending edge per (subschema, step, target), counting the in-place
+        // walks that lead to it.
+        let mut hops: Vec<Vec<(Step, usize, u64)>> = vec![Vec::new(); n];
+        for (from, hop) in hops.iter_mut().enumerate() {
+            let mut counts: HashMap<(&Step, usize), u64> = HashMap::new();
+            let mut stack = vec![from];
+            while let Some(m) = stack.pop() {
+                for (step, to) in &self.steps[m] {
+                    *counts.entry((step, *to)).or_default() += 1;
+                }
+                stack.extend(&self.edges[m]);
+            }
+            *hop = counts
+                .into_iter()
+                .map(|((step, to), k)| (step.clone(), to, k))
+                .collect();
+            hop.sort_by_key(|(_, to, _)| *to);
+        }
+        let adj: Vec<Vec<usize>> = hops
+            .iter()
+            .map(|h| h.iter().map(|(_, to, _)| *to).collect())
+            .collect();
+        let comp = components(&adj);
+        let recursive = hops
+            .iter()
+            .enumerate()
+            .any(|(from, hop)| hop.iter().any(|(_, to, _)| comp[*to] == comp[from]));
+        if !recursive {
+            return Ok(false);
+        }
+        // Two walks to the same subschema for the same step, inside a recursion.
+        for (from, hop) in hops.iter().enumerate() {
+            if let Some((_, to, _)) = hop
+                .iter()
+                .find(|(_, to, k)| *k > 1 && comp[*to] == comp[from])
+            {
+                return Err(self.names[*to].clone());
+            }
+        }
+        // Two distinct cycles over overlapping steps: in the product of the recursion
+        // with itself, a cycle through a diagonal pair that takes two different edges.
+        let mut members: HashMap<usize, Vec<usize>> = HashMap::new();
+        for (node, c) in comp.iter().enumerate() {
+            members.entry(*c).or_default().push(node);
+        }
+        for nodes in members.values() {
+            let local: HashMap<usize, usize> =
+                nodes.iter().enumerate().map(|(i, g)| (*g, i)).collect();
+            // (step, local target, edge id) inside the component, per local node.
+            let mut inner: Vec<Vec<(&Step, usize, usize)>> = vec![Vec::new(); nodes.len()];
+            let mut edge_id = 0;
+            for (i, g) in nodes.iter().enumerate() {
+                for (step, to, _) in &hops[*g] {
+                    if let Some(t) = local.get(to) {
+                        inner[i].push((step, *t, edge_id));
+                        edge_id += 1;
+                    }
+                }
+            }
+            if edge_id < 2 {
+                continue;
+            }
+            if edge_id.saturating_mul(edge_id) > MAX_PRODUCT_EDGES {
+                return Err(self.names[nodes[0]].clone());
+            }
+            let k = nodes.len();
+            let pair = |p: usize, q: usize| p * k + q;
+            let mut product = vec![Vec::new(); k * k];
+            let mut diverging = Vec::new();
+            for p in 0..k {
+                for q in 0..k {
+                    for (s1, t1, e1) in &inner[p] {
+                        for (s2, t2, e2) in &inner[q] {
+                            if s1.overlaps(s2) {
+                                product[pair(p, q)].push(pair(*t1, *t2));
+                                if e1 != e2 {
+                                    diverging.push((pair(p, q), pair(*t1, *t2)));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            let pcomp = components(&product);
+            let diagonal: HashSet<usize> = (0..k).map(|q| pcomp[pair(q, q)]).collect();
+            if let Some((x, _)) = diverging
+                .iter()
+                .find(|(x, y)| pcomp[*x] == pcomp[*y] && diagonal.contains(&pcomp[*x]))
+            {
+                return Err(self.names[nodes[x / k]].clone());
+            }
+        }
+        Ok(true)
     }
 }
 
@@ -541,6 +792,45 @@ mod tests {
         );
         // Unresolvable and remote references add no edge; compilation decides.
         assert_eq!(find_cycle(&json!({"allOf": [{"$ref": "#/nowhere"}]})), None);
+    }
+
+    #[test]
+    fn recursion_reaching_one_value_along_two_paths_is_refused() {
+        let doubling = |schema: Value| {
+            let err = check(&schema, &LIMITS).unwrap_err();
+            assert!(
+                err.contains("doubles with each level of nesting"),
+                "{schema}: {err}"
+            );
+        };
+        doubling(json!({"allOf": [{"items": {"$ref": "#"}}, {"items": {"$ref": "#"}}]}));
+        doubling(json!({"items": {"$ref": "#"}, "contains": {"$ref": "#"}}));
+        doubling(
+            json!({"properties": {"a": {"$ref": "#"}}, "patternProperties": {"^a": {"$ref": "#"}}}),
+        );
+        // Through two subschemas, over alternating steps.
+        doubling(
+            json!({"$defs": {"x": {"properties": {"p": {"$ref": "#"}}}}, "anyOf": [{"items": {"$ref": "#/$defs/x"}}, {"items": {"$ref": "#/$defs/x"}}]}),
+        );
+
+        // One path per part of the value: fine, however much it branches.
+        let json_value = json!({"anyOf": [{"type": "array", "items": {"$ref": "#"}}, {"type": "object", "additionalProperties": {"$ref": "#"}}, {"type": ["string", "number", "boolean", "null"]}]});
+        check(&json_value, &LIMITS).unwrap();
+        check(
+            &json!({"properties": {"left": {"$ref": "#"}, "right": {"$ref": "#"}}}),
+            &LIMITS,
+        )
+        .unwrap();
+        check(
+            &json!({"properties": {"a": {"$ref": "#"}}, "additionalProperties": {"$ref": "#"}}),
+            &LIMITS,
+        )
+        .unwrap();
+        check(
+            &json!({"prefixItems": [{"$ref": "#"}, {"$ref": "#"}]}),
+            &LIMITS,
+        )
+        .unwrap();
     }
 
     #[test]
