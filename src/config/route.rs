@@ -77,16 +77,9 @@ impl RouteConfig {
         let schema: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
             ConfigError::invalid(key, format_args!("{} is not JSON: {e}", full.display()))
         })?;
-        // Compiles, but validating against it would recurse without end.
-        if let Some(cycle) = crate::validation::shape::find_cycle(&schema) {
-            return Err(ConfigError::invalid(
-                key,
-                format_args!(
-                    "{} has a reference cycle that consumes no input: {cycle}",
-                    full.display()
-                ),
-            ));
-        }
+        // Such a schema compiles, but validating against it could recurse without end.
+        crate::validation::shape::check_operator_schema(&schema)
+            .map_err(|e| ConfigError::invalid(key, format_args!("{}: {e}", full.display())))?;
         jsonschema::validator_for(&schema).map_err(|e| {
             ConfigError::invalid(
                 key,

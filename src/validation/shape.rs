@@ -14,6 +14,13 @@
 //!   what they mean there; a reference it cannot resolve adds no edge (compilation
 //!   rejects it). A subschema whose own `$ref`/`$dynamicRef` points at itself is let
 //!   through: jsonschema drops that edge (`{"$ref":"#"}` validates fine).
+//! - **Recursion that reaches one value along two paths**
+//!   (`{"allOf":[{"items":{"$ref":"#"}},{"items":{"$ref":"#"}}]}`): no in-place cycle,
+//!   but each level of an answer's nesting doubles the subschemas jsonschema compiles
+//!   and evaluates; 22 nested arrays exhausted 3 GB. Found as the exponential ambiguity
+//!   of the automaton whose states are subschemas and whose letters are instance steps
+//!   (array element, property name), so a JSON-value schema (`items` and
+//!   `additionalProperties` both back to the root) or a binary tree still passes.
 //! - **Fan-out**: in-place applicators nest into a DAG with exponentially many paths
 //!   (`d0 = allOf[d1, d1]`, `d1 = allOf[d2, d2]`, ...): 1.5 KB that keeps a core busy for
 //!   minutes per instance. Limited by `validation.max_schema_fanout`, the number of
@@ -92,8 +99,18 @@ pub struct Checked {
     pub recursive: bool,
 }
 
-/// Only the reference-cycle check (for a route's `response_schema`, which the operator
-/// wrote and which no request limit applies to).
+/// The checks for a route's `response_schema`, which the operator wrote: no size limits,
+/// but nothing that would crash or stall validation either.
+pub fn check_operator_schema(schema: &Value) -> Result<(), String> {
+    let limits = ShapeLimits {
+        max_depth: usize::MAX,
+        max_paths: usize::MAX,
+        max_fanout: 1 << 16,
+    };
+    check(schema, &limits).map(|_| ())
+}
+
+/// The first in-place reference cycle, as JSON pointers (`# -> #/allOf/0 -> #`).
 pub fn find_cycle(schema: &Value) -> Option<String> {
     Graph::of(schema)?.cycle().map(|c| c.join(" -> "))
 }
