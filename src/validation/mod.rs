@@ -563,6 +563,28 @@ mod tests {
     }
 
     #[test]
+    fn compiled_schemas_are_found_again_per_tenant() {
+        let Value::Object(request) = json!({"tools": [
+            {"type": "function", "function": {"name": "a", "parameters": weather_schema()}},
+            {"type": "function", "function": {"name": "b", "parameters": {"type": "object"}}},
+        ]}) else {
+            panic!()
+        };
+        let schemas = schemas();
+        let (one, two): (Arc<str>, Arc<str>) = (Arc::from("one"), Arc::from("two"));
+        let collect = |tenant: &Arc<str>| {
+            Expectations::collect(ApiKind::OpenAi, &request, None, &schemas, tenant)
+                .unwrap()
+                .unwrap()
+        };
+        let first = collect(&one);
+        assert!(first.needs_compile());
+        first.compile(&schemas).unwrap();
+        assert!(!collect(&one).needs_compile(), "cached for tenant one");
+        assert!(collect(&two).needs_compile(), "not shared with tenant two");
+    }
+
+    #[test]
     fn no_format_means_no_validation() {
         let Value::Object(request) = json!({"model": "m", "messages": []}) else {
             panic!()
