@@ -102,7 +102,7 @@ impl AppState {
                 store.clone(),
                 config.store.session_idle,
             )),
-            schemas: Arc::new(Schemas::new(config.validation.schema_cache_size)),
+            schemas: Arc::new(Schemas::new(&config.validation)),
             guards: Arc::new(Guards::new(&config, config.store.session_idle, store)),
             tenants: Arc::new(TenantKeys::new(&config)),
             health: Arc::new(HealthRegistry::new(&config)),

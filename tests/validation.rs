@@ -74,7 +74,7 @@ async fn exhausted_corrections_switch_targets_then_fail_with_the_errors() {
     let backup = backstop::mock::spawn(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
     let backup_addr = backup.addr;
     let gw = start_with(move |t| {
-        format!("{t}\n[[upstreams]]\nname = \"backup\"\napi = \"openai\"\nbase_url = \"http://{backup_addr}\"\n[[routes]]\nmodel = \"pair\"\ntargets = [{{ upstream = \"mock-openai\" }}, {{ upstream = \"backup\", model = \"bigger\" }}]\n")
+        format!("{t}\n[[upstreams]]\nname = \"backup\"\napi = \"openai\"\nforward_headers = [\"x-mock-*\"]\nbase_url = \"http://{backup_addr}\"\n[[routes]]\nmodel = \"pair\"\ntargets = [{{ upstream = \"mock-openai\" }}, {{ upstream = \"backup\", model = \"bigger\" }}]\n")
     })
     .await;
     // Never valid: 1 + 2 corrective attempts on each target.
@@ -118,6 +118,7 @@ async fn a_strategy_switch_to_a_better_target_succeeds() {
 [[upstreams]]
 name = "backup"
 api = "openai"
+forward_headers = ["x-mock-*"]
 base_url = "http://{backup_addr}"
 [[routes]]
 model = "pair"

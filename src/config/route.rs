@@ -77,6 +77,9 @@ impl RouteConfig {
         let schema: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
             ConfigError::invalid(key, format_args!("{} is not JSON: {e}", full.display()))
         })?;
+        // Such a schema compiles, but validating against it could recurse without end.
+        crate::validation::shape::check_operator_schema(&schema)
+            .map_err(|e| ConfigError::invalid(key, format_args!("{}: {e}", full.display())))?;
         jsonschema::validator_for(&schema).map_err(|e| {
             ConfigError::invalid(
                 key,

@@ -6,6 +6,12 @@
 //! strategy switch); finally 502 `output_invalid` with the errors. Requests that expect
 //! nothing pass straight through, unparsed.
 //!
+//! The request's schemas are limited (`validation.max_tools`, `max_schema_bytes`,
+//! `max_request_schema_bytes`, and the shape limits of [`crate::validation::shape`]) and
+//! refused with 400 `invalid_schema` before any upstream call; those not cached for the
+//! tenant are compiled on a blocking thread, at most `max_concurrent_compiles` at once,
+//! so a slow compilation neither stalls other clients nor outlives the request deadline.
+//!
 //! A streamed request that needs validation is fetched whole (the upstream is asked not
 //! to stream), validated, corrected if needed, and replayed to the client as SSE in its
 //! API's format: the client's first byte waits for the valid answer. That is the price
@@ -102,17 +108,34 @@ where
         Box::pin(async move {
             let ctx = RequestContext::of(&req)?;
             let api = ctx.endpoint.api();
-            let expectations = Expectations::from_request(
+            let pending = Expectations::collect(
                 api,
                 &ctx.json,
                 ctx.route.response_schema.as_ref(),
                 &layer.schemas,
+                &ctx.tenant,
             )
             .map_err(|bad| GatewayError::InvalidSchema(bad.0))?;
-            let Some(expectations) = expectations else {
+            let Some(pending) = pending else {
                 return inner.oneshot(req).await;
             };
-            run(inner, layer.config, expectations, ctx, req).await
+            let expectations = if pending.needs_compile() {
+                // Off the async workers, one of `max_concurrent_compiles` at a time. The
+                // permit goes with the work, so a request that times out (the deadline
+                // drops this future) still holds it until its compilation ends.
+                let permit = layer.schemas.permit().await;
+                let schemas = layer.schemas.clone();
+                tokio::task::spawn_blocking(move || {
+                    let _permit = permit;
+                    pending.compile(&schemas)
+                })
+                .await
+                .map_err(|_| GatewayError::Internal)?
+            } else {
+                pending.compile(&layer.schemas)
+            }
+            .map_err(|bad| GatewayError::InvalidSchema(bad.0))?;
+            run(inner, layer.config, Arc::new(expectations), ctx, req).await
         })
     }
 }
@@ -120,7 +143,7 @@ where
 async fn run<S>(
     inner: S,
     config: ValidationConfig,
-    expectations: Expectations,
+    expectations: Arc<Expectations>,
     ctx: Arc<RequestContext>,
     req: Request<Body>,
 ) -> Result<Response<Body>, GatewayError>
@@ -175,7 +198,18 @@ where
                 serde_json::from_slice(&bytes).map_err(|_| GatewayError::UpstreamMalformed {
                     upstream: "-".into(),
                 })?;
-            let invalid = match expectations.check(&answer) {
+            // Validation is CPU work that grows with the answer and the schema: off the
+            // async workers too.
+            let (answer, verdict) = {
+                let expectations = expectations.clone();
+                tokio::task::spawn_blocking(move || {
+                    let verdict = expectations.check(&answer);
+                    (answer, verdict)
+                })
+                .await
+                .map_err(|_| GatewayError::Internal)?
+            };
+            let invalid = match verdict {
                 Ok(()) => {
                     if round > 0 || start > 0 {
                         metrics::counter!("backstop_validation_fixed_total").increment(1);

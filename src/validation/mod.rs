@@ -8,13 +8,14 @@
 
 pub mod replay;
 mod schemas;
+pub mod shape;
 
 use std::{collections::HashMap, sync::Arc};
 
 use jsonschema::{error::ValidationErrorKind, Validator};
 use serde_json::{json, Map, Value};
 
-pub use schemas::Schemas;
+pub use schemas::{fingerprint, Fingerprint, RequestLimits, Schemas};
 
 use crate::config::ApiKind;
 
@@ -63,18 +64,129 @@ pub struct Expectations {
     tools: HashMap<String, Arc<Validator>>,
 }
 
-/// A schema in the request that does not compile: the caller's mistake.
+/// A schema in the request that does not compile or breaks a limit: the caller's mistake.
 #[derive(Debug)]
 pub struct BadSchema(pub String);
 
+/// One schema a request carries: compiled already, or a copy still to compile.
+struct Wanted {
+    /// Where it sits, for errors (`tool get_weather`).
+    what: String,
+    print: Fingerprint,
+    /// The operator's (a route's `response_schema`): checked at start-up, no limits.
+    trusted: bool,
+    validator: Option<Arc<Validator>>,
+    schema: Option<Value>,
+}
+
+enum PendingContent {
+    Schema(Wanted),
+    JsonObject,
+}
+
+/// A request's schemas, found and fingerprinted on the async worker (cheap, bounded by
+/// the limits); those not cached are compiled by [`Pending::compile`], blocking work.
+pub struct Pending {
+    api: ApiKind,
+    tenant: Arc<str>,
+    content: Option<PendingContent>,
+    tools: Vec<(String, Wanted)>,
+}
+
+impl Pending {
+    /// Whether [`Pending::compile`] has anything to compile (else it returns at once).
+    pub fn needs_compile(&self) -> bool {
+        let content = match &self.content {
+            Some(PendingContent::Schema(w)) => Some(w),
+            _ => None,
+        };
+        content
+            .into_iter()
+            .chain(self.tools.iter().map(|(_, w)| w))
+            .any(|w| w.validator.is_none())
+    }
+
+    /// Checks and compiles what the cache did not have. Blocking: run it off the async
+    /// workers.
+    pub fn compile(self, schemas: &Schemas) -> Result<Expectations, BadSchema> {
+        let tenant = self.tenant;
+        let resolve = |w: Wanted| -> Result<Arc<Validator>, BadSchema> {
+            if let Some(v) = w.validator {
+                return Ok(v);
+            }
+            let schema = w.schema.unwrap_or(Value::Null);
+            schemas
+                .compile(&tenant, w.print, &schema, w.trusted)
+                .map_err(|e| BadSchema(format!("{}: {e}", w.what)))
+        };
+        let content = match self.content {
+            Some(PendingContent::Schema(w)) => Some(ContentRule::Schema(resolve(w)?)),
+            Some(PendingContent::JsonObject) => Some(ContentRule::JsonObject),
+            None => None,
+        };
+        let mut tools = HashMap::new();
+        for (name, w) in self.tools {
+            tools.insert(name, resolve(w)?);
+        }
+        Ok(Expectations {
+            api: self.api,
+            content,
+            tools,
+        })
+    }
+}
+
 impl Expectations {
-    /// The request's expectations, or `None` when nothing is to be validated.
-    pub fn from_request(
+    /// The request's schemas, or `None` when nothing is to be validated. Refuses, before
+    /// any compilation, more tools than `validation.max_tools` and schemas larger than
+    /// `validation.max_schema_bytes` or, together, `validation.max_request_schema_bytes`.
+    pub fn collect(
         api: ApiKind,
         request: &Map<String, Value>,
         route_schema: Option<&Arc<Value>>,
         schemas: &Schemas,
-    ) -> Result<Option<Self>, BadSchema> {
+        tenant: &Arc<str>,
+    ) -> Result<Option<Pending>, BadSchema> {
+        let limits = schemas.request_limits();
+        let listed = request.get("tools").and_then(Value::as_array);
+        let count = listed.map_or(0, Vec::len);
+        if count > limits.max_tools {
+            return Err(BadSchema(format!(
+                "the request has {count} tools; the limit (validation.max_tools) is {}",
+                limits.max_tools
+            )));
+        }
+        let mut total = 0usize;
+        let mut want = |what: String, schema: &Value, trusted: bool| -> Result<Wanted, BadSchema> {
+            let print = if trusted {
+                fingerprint(schema, usize::MAX)
+            } else {
+                fingerprint(schema, limits.max_schema_bytes)
+            }
+            .ok_or_else(|| {
+                BadSchema(format!(
+                    "{what}: the schema is larger than {} bytes (validation.max_schema_bytes)",
+                    limits.max_schema_bytes
+                ))
+            })?;
+            if !trusted {
+                total += print.bytes;
+                if total > limits.max_request_schema_bytes {
+                    return Err(BadSchema(format!(
+                        "the request's schemas together are larger than {} bytes (validation.max_request_schema_bytes)",
+                        limits.max_request_schema_bytes
+                    )));
+                }
+            }
+            let validator = schemas.cached(tenant, print.key);
+            Ok(Wanted {
+                schema: validator.is_none().then(|| schema.clone()),
+                what,
+                print,
+                trusted,
+                validator,
+            })
+        };
         let mut content = None;
         if let Some(format) = request.get("response_format") {
             match format.get("type").and_then(Value::as_str) {
@@ -82,26 +194,27 @@ impl Expectations {
                     let schema = format.pointer("/json_schema/schema").ok_or_else(|| {
                         BadSchema("response_format.json_schema.schema is missing".into())
                     })?;
-                    content = Some(ContentRule::Schema(schemas.get(schema).map_err(|e| {
-                        BadSchema(format!("response_format.json_schema.schema: {e}"))
-                    })?));
+                    content = Some(PendingContent::Schema(want(
+                        "response_format.json_schema.schema".into(),
+                        schema,
+                        false,
+                    )?));
                 }
-                Some("json_object") => content = Some(ContentRule::JsonObject),
+                Some("json_object") => content = Some(PendingContent::JsonObject),
                 _ => {}
             }
         }
         if content.is_none() {
             if let Some(schema) = route_schema {
-                content = Some(ContentRule::Schema(schemas.get(schema).map_err(BadSchema)?));
+                content = Some(PendingContent::Schema(want(
+                    "the route's response_schema".into(),
+                    schema,
+                    true,
+                )?));
             }
         }
-        let mut tools = HashMap::new();
-        for tool in request
-            .get("tools")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
+        let mut tools = Vec::new();
+        for tool in listed.into_iter().flatten() {
             let (name, schema) = match api {
                 ApiKind::OpenAi => (
                     tool.pointer("/function/name"),
@@ -110,20 +223,30 @@ impl Expectations {
                 ApiKind::Anthropic => (tool.get("name"), tool.get("input_schema")),
             };
             if let (Some(Value::String(name)), Some(schema)) = (name, schema) {
-                let validator = schemas
-                    .get(schema)
-                    .map_err(|e| BadSchema(format!("tool {name}: {e}")))?;
-                tools.insert(name.clone(), validator);
+                tools.push((name.clone(), want(format!("tool {name}"), schema, false)?));
             }
         }
         if content.is_none() && tools.is_empty() {
             return Ok(None);
         }
-        Ok(Some(Expectations {
+        Ok(Some(Pending {
             api,
+            tenant: tenant.clone(),
             content,
             tools,
         }))
+    }
+
+    /// [`Expectations::collect`] and [`Pending::compile`] on this thread, for tenant `-`.
+    pub fn from_request(
+        api: ApiKind,
+        request: &Map<String, Value>,
+        route_schema: Option<&Arc<Value>>,
+        schemas: &Schemas,
+    ) -> Result<Option<Self>, BadSchema> {
+        Expectations::collect(api, request, route_schema, schemas, &Arc::from("-"))?
+            .map(|pending| pending.compile(schemas))
+            .transpose()
     }
 
     /// Checks one (non-streaming) answer body.
@@ -340,6 +463,10 @@ pub fn corrective_request(request: &Map<String, Value>, invalid: &Invalid) -> Ma
 mod tests {
     use super::*;
 
+    fn schemas() -> Schemas {
+        Schemas::new(&crate::config::ValidationConfig::default())
+    }
+
     fn weather_schema() -> Value {
         json!({"type": "object", "properties": {"city": {"type": "string"}, "temp_c": {"type": "number"}}, "required": ["city", "temp_c"], "additionalProperties": false})
     }
@@ -352,7 +479,7 @@ mod tests {
         let Value::Object(request) = request else {
             panic!()
         };
-        Expectations::from_request(ApiKind::OpenAi, &request, None, &Schemas::new(16))
+        Expectations::from_request(ApiKind::OpenAi, &request, None, &schemas())
             .unwrap()
             .unwrap()
     }
@@ -422,7 +549,7 @@ mod tests {
         else {
             panic!()
         };
-        let e = Expectations::from_request(ApiKind::Anthropic, &request, None, &Schemas::new(4))
+        let e = Expectations::from_request(ApiKind::Anthropic, &request, None, &schemas())
             .unwrap()
             .unwrap();
         let answer = json!({"content": [{"type": "text", "text": "calling"}, {"type": "tool_use", "name": "get_weather", "input": {"city": "Rome", "temp_c": "warm"}}]});
@@ -436,24 +563,43 @@ mod tests {
     }
 
     #[test]
+    fn compiled_schemas_are_found_again_per_tenant() {
+        let Value::Object(request) = json!({"tools": [
+            {"type": "function", "function": {"name": "a", "parameters": weather_schema()}},
+            {"type": "function", "function": {"name": "b", "parameters": {"type": "object"}}},
+        ]}) else {
+            panic!()
+        };
+        let schemas = schemas();
+        let (one, two): (Arc<str>, Arc<str>) = (Arc::from("one"), Arc::from("two"));
+        let collect = |tenant: &Arc<str>| {
+            Expectations::collect(ApiKind::OpenAi, &request, None, &schemas, tenant)
+                .unwrap()
+                .unwrap()
+        };
+        let first = collect(&one);
+        assert!(first.needs_compile());
+        first.compile(&schemas).unwrap();
+        assert!(!collect(&one).needs_compile(), "cached for tenant one");
+        assert!(collect(&two).needs_compile(), "not shared with tenant two");
+    }
+
+    #[test]
     fn no_format_means_no_validation() {
         let Value::Object(request) = json!({"model": "m", "messages": []}) else {
             panic!()
         };
         assert!(
-            Expectations::from_request(ApiKind::OpenAi, &request, None, &Schemas::new(4))
+            Expectations::from_request(ApiKind::OpenAi, &request, None, &schemas())
                 .unwrap()
                 .is_none()
         );
         let route = Arc::new(weather_schema());
-        assert!(Expectations::from_request(
-            ApiKind::OpenAi,
-            &request,
-            Some(&route),
-            &Schemas::new(4)
-        )
-        .unwrap()
-        .is_some());
+        assert!(
+            Expectations::from_request(ApiKind::OpenAi, &request, Some(&route), &schemas())
+                .unwrap()
+                .is_some()
+        );
     }
 
     #[test]
