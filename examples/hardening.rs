@@ -279,6 +279,7 @@ async fn disk(url: &str, store_dir: &std::path::Path, rps: u64, secs: u64) -> St
         .build()
         .unwrap();
     let before = dir_bytes(store_dir);
+    let db_before = std::fs::metadata(store_dir.join("ledger.db")).map_or(0, |m| m.len());
     let sent = Arc::new(AtomicU64::new(0));
     let ok = Arc::new(AtomicU64::new(0));
     let max_wal = Arc::new(AtomicU64::new(0));
@@ -316,14 +317,18 @@ async fn disk(url: &str, store_dir: &std::path::Path, rps: u64, secs: u64) -> St
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     let after = dir_bytes(store_dir);
+    let db_after = std::fs::metadata(store_dir.join("ledger.db")).map_or(0, |m| m.len());
     let ok = ok.load(Ordering::Relaxed);
     format!(
-        "{} sent, {ok} ok in {secs} s; store {:.1} MB → {:.1} MB, WAL peak {:.1} MB: {:.0} bytes per request",
+        "{} sent, {ok} ok in {secs} s; store files {:.1} MB → {:.1} MB ({:.0} bytes per request, WAL included); database file {:.1} MB → {:.1} MB ({:.0} bytes per request); WAL peak {:.1} MB",
         sent.load(Ordering::Relaxed),
         before as f64 / 1e6,
         after as f64 / 1e6,
+        after.saturating_sub(before) as f64 / ok.max(1) as f64,
+        db_before as f64 / 1e6,
+        db_after as f64 / 1e6,
+        db_after.saturating_sub(db_before) as f64 / ok.max(1) as f64,
         max_wal.load(Ordering::Relaxed) as f64 / 1e6,
-        after.saturating_sub(before) as f64 / ok.max(1) as f64
     )
 }
 

@@ -30,6 +30,19 @@ fn append(extra: &'static str) -> impl FnOnce(String) -> String {
     move |text| format!("{text}\n{extra}")
 }
 
+/// A route whose two targets are the same mock, so a failover is visible.
+const TWO_TARGETS: &str = r#"[[routes]]
+model = "two-targets"
+targets = [{ upstream = "mock-openai" }, { upstream = "mock-openai" }]"#;
+
+/// The trail of `x-backstop-recovery`.
+fn trail(resp: &reqwest::Response) -> String {
+    resp.headers()["x-backstop-recovery"]
+        .to_str()
+        .unwrap()
+        .to_string()
+}
+
 async fn error_code(resp: reqwest::Response) -> (u16, Value) {
     let status = resp.status().as_u16();
     assert_eq!(
@@ -93,12 +106,7 @@ async fn an_upstream_redirect_is_never_followed_and_no_key_reaches_the_other_ori
 
 #[tokio::test]
 async fn a_redirecting_target_fails_over_to_the_next() {
-    let gw = start_with(append(
-        r#"[[routes]]
-model = "two-targets"
-targets = [{ upstream = "mock-openai" }, { upstream = "mock-openai" }]"#,
-    ))
-    .await;
+    let gw = start_with(append(TWO_TARGETS)).await;
     let resp = gw
         .chat(
             "redirect-failover",
@@ -108,10 +116,7 @@ targets = [{ upstream = "mock-openai" }, { upstream = "mock-openai" }]"#,
         .await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-backstop-attempts"], "2");
-    let trail = resp.headers()["x-backstop-recovery"]
-        .to_str()
-        .unwrap()
-        .to_string();
+    let trail = trail(&resp);
     assert!(trail.starts_with("giveup:redirect,failover:"), "{trail}");
 }
 
@@ -119,12 +124,7 @@ targets = [{ upstream = "mock-openai" }, { upstream = "mock-openai" }]"#,
 
 #[tokio::test]
 async fn an_absurd_retry_after_fails_over_instead_of_panicking() {
-    let gw = start_with(append(
-        r#"[[routes]]
-model = "two-targets"
-targets = [{ upstream = "mock-openai" }, { upstream = "mock-openai" }]"#,
-    ))
-    .await;
+    let gw = start_with(append(TWO_TARGETS)).await;
     for fault in [
         "status=503;retry_after=1e20,ok",
         "status=429;retry_after_ms=1000000000000000000,ok",
@@ -133,10 +133,7 @@ targets = [{ upstream = "mock-openai" }, { upstream = "mock-openai" }]"#,
         let resp = gw.chat(&scenario, fault, chat("two-targets")).await;
         assert_eq!(resp.status(), 200, "{fault}");
         assert_eq!(resp.headers()["x-backstop-attempts"], "2");
-        let trail = resp.headers()["x-backstop-recovery"]
-            .to_str()
-            .unwrap()
-            .to_string();
+        let trail = trail(&resp);
         assert!(trail.contains("failover:mock-openai,ok"), "{trail}");
     }
     // One target only: the upstream's answer and its Retry-After go to the client.

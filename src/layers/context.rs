@@ -96,6 +96,9 @@ pub struct ContextLayer {
     routes: Arc<RouteTable>,
     max_body_bytes: usize,
     max_session_id_bytes: usize,
+    /// Large bodies parsed at once: one per core, so a burst of them costs time, not
+    /// memory (a parsed body is several times its size).
+    large_parses: Arc<tokio::sync::Semaphore>,
 }
 
 impl ContextLayer {
@@ -104,13 +107,19 @@ impl ContextLayer {
         max_body_bytes: usize,
         max_session_id_bytes: usize,
     ) -> Self {
+        let cores = std::thread::available_parallelism().map_or(2, usize::from);
         ContextLayer {
             routes,
             max_body_bytes,
             max_session_id_bytes,
+            large_parses: Arc::new(tokio::sync::Semaphore::new(cores)),
         }
     }
 }
+
+/// Bodies up to this size are parsed on the async worker (a few microseconds); larger
+/// ones on a blocking thread.
+const PARSE_INLINE_BYTES: usize = 64 * 1024;
 
 /// The largest `max_tokens` accepted: every provider's field is a 32-bit integer.
 pub const MAX_OUTPUT_TOKENS: u64 = i32::MAX as u64;
@@ -216,7 +225,20 @@ where
                 .extensions
                 .get::<Arc<crate::layers::auth::Tenant>>()
                 .map_or_else(|| Arc::from("-"), |t| t.name.clone());
-            let mut ctx = parse(endpoint, bytes, session_id, &layer.routes)?;
+            let mut ctx = if bytes.len() > PARSE_INLINE_BYTES {
+                // A megabyte of JSON is milliseconds of CPU: off the async workers, so
+                // other clients' requests are not queued behind it.
+                let routes = layer.routes.clone();
+                let permit = layer.large_parses.clone().acquire_owned().await;
+                tokio::task::spawn_blocking(move || {
+                    let _permit = permit;
+                    parse(endpoint, bytes, session_id, &routes)
+                })
+                .await
+                .map_err(|_| GatewayError::Internal)??
+            } else {
+                parse(endpoint, bytes, session_id, &layer.routes)?
+            };
             ctx.tenant = tenant;
             if let Some(log) = parts.extensions.get::<Arc<RequestLog>>() {
                 log.update(|f| {
