@@ -229,9 +229,15 @@ pub fn router(state: AppState) -> Router {
 /// Responses that did not pass the edge layer (health, metrics, 404s) still carry an
 /// id, by the edge layer's rule.
 async fn ensure_request_id(req: Request<Body>, next: axum::middleware::Next) -> Response {
-    let id = crate::layers::edge::request_id(&req);
+    // Only the client's header is kept here: the proxy routes set their own id, so a new
+    // one is made only for the responses that lack it.
+    let mut sent = Request::new(());
+    if let Some(id) = req.headers().get(&X_REQUEST_ID) {
+        sent.headers_mut().insert(X_REQUEST_ID.clone(), id.clone());
+    }
     let mut response = next.run(req).await;
     if !response.headers().contains_key(&X_REQUEST_ID) {
+        let id = crate::layers::edge::request_id(&sent);
         response.headers_mut().insert(X_REQUEST_ID.clone(), id);
     }
     response
