@@ -654,39 +654,9 @@ async fn logs_carry_no_ansi_colour_when_stderr_is_not_a_terminal() {
         ),
     )
     .unwrap();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_backstop"))
-        .args(["serve", "--config", config.to_str().unwrap()])
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let client = reqwest::Client::new();
-    let mut up = false;
-    for _ in 0..200 {
-        if client
-            .get(format!("http://127.0.0.1:{port}/readyz"))
-            .send()
-            .await
-            .is_ok_and(|r| r.status() == 200)
-        {
-            up = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(up, "backstop did not start");
+    let binary = Binary::start_with(&config, port, std::process::Stdio::piped()).await;
     // SIGTERM: a graceful stop flushes the log writer.
-    std::process::Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    let output = tokio::task::spawn_blocking(move || {
-        let _ = child.wait();
-        let mut text = String::new();
-        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut text).unwrap();
-        text
-    })
-    .await
-    .unwrap();
+    let output = binary.terminate();
     assert!(output.contains("backstop listening"), "{output}");
     assert!(
         !output.contains('\u{1b}'),

@@ -203,9 +203,18 @@ pub struct Binary {
 impl Binary {
     /// Starts the binary on `config` and waits until it is ready.
     pub async fn start(config: &std::path::Path, port: u16) -> Binary {
+        Self::start_with(config, port, std::process::Stdio::null()).await
+    }
+
+    /// As [`Binary::start`], with the binary's stderr (its logs) going to `stderr`.
+    pub async fn start_with(
+        config: &std::path::Path,
+        port: u16,
+        stderr: std::process::Stdio,
+    ) -> Binary {
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_backstop"))
             .args(["serve", "--config", config.to_str().unwrap()])
-            .stderr(std::process::Stdio::null())
+            .stderr(stderr)
             .spawn()
             .unwrap();
         // Owned from here on, so the process is killed even if it never gets ready.
@@ -227,6 +236,21 @@ impl Binary {
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
         panic!("backstop did not start");
+    }
+
+    /// SIGTERM, then waits for the graceful stop (another process: blocking here cannot
+    /// deadlock it); returns what the binary wrote to a piped stderr.
+    pub fn terminate(mut self) -> String {
+        std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        let _ = self.child.wait();
+        let mut text = String::new();
+        if let Some(err) = self.child.stderr.as_mut() {
+            std::io::Read::read_to_string(err, &mut text).unwrap();
+        }
+        text
     }
 
     /// SIGKILL: no graceful shutdown, no flushing.
