@@ -9,6 +9,9 @@
 //! the store's files measured before and after (bytes of disk per request).
 //!
 //!     cargo build --release && ulimit -n 20000 && cargo run --release --example hardening
+//!
+//! `--only-disk` runs the disk phase alone; `--disk-seconds N` sets its length; `--store
+//! "KEY = VALUE"` adds to the `[store]` section (e.g. `max_wal_bytes`).
 
 mod common;
 
@@ -26,6 +29,7 @@ use serde_json::{json, Value};
 const KEY: &str = "bk-hardening-bench";
 
 fn config(port: u16, mock_port: u16, store: &str) -> String {
+    let store_extra = arg("--store").unwrap_or_default();
     format!(
         r#"
 [server]
@@ -35,6 +39,7 @@ drain_delay = "0s"
 level = "error"
 [store]
 path = "{store}"
+{store_extra}
 [mock]
 listen = "127.0.0.1:{mock_port}"
 [[prices]]
@@ -283,6 +288,7 @@ async fn disk(url: &str, store_dir: &std::path::Path, rps: u64, secs: u64) -> St
     let sent = Arc::new(AtomicU64::new(0));
     let ok = Arc::new(AtomicU64::new(0));
     let max_wal = Arc::new(AtomicU64::new(0));
+    let latencies = Arc::new(Mutex::new(Vec::with_capacity((rps * secs) as usize)));
     let body = json!({"model": "gpt-4o-mini", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}).to_string();
     let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / rps));
     let started = Instant::now();
@@ -298,19 +304,22 @@ async fn disk(url: &str, store_dir: &std::path::Path, rps: u64, secs: u64) -> St
             );
         }
         let (http, body, ok, sent) = (http.clone(), body.clone(), ok.clone(), sent.clone());
+        let latencies = latencies.clone();
         let url = url.to_string();
         tokio::spawn(async move {
             sent.fetch_add(1, Ordering::Relaxed);
             let session = format!("s-{}", n % 1000);
-            if http
+            let started = Instant::now();
+            let served = http
                 .post(format!("{url}/v1/chat/completions"))
                 .bearer_auth(KEY)
                 .header("x-session-id", session)
                 .body(body)
                 .send()
                 .await
-                .is_ok_and(|r| r.status() == 200)
-            {
+                .is_ok_and(|r| r.status() == 200);
+            if served {
+                latencies.lock().unwrap().push(started.elapsed());
                 ok.fetch_add(1, Ordering::Relaxed);
             }
         });
@@ -319,8 +328,14 @@ async fn disk(url: &str, store_dir: &std::path::Path, rps: u64, secs: u64) -> St
     let after = dir_bytes(store_dir);
     let db_after = std::fs::metadata(store_dir.join("ledger.db")).map_or(0, |m| m.len());
     let ok = ok.load(Ordering::Relaxed);
+    let mut lat = latencies.lock().unwrap().clone();
+    lat.sort_unstable();
     format!(
-        "{} sent, {ok} ok in {secs} s; store files {:.1} MB → {:.1} MB ({:.0} bytes per request, WAL included); database file {:.1} MB → {:.1} MB ({:.0} bytes per request); WAL peak {:.1} MB",
+        "latency p50 {:.2} / p99 {:.2} / p99.9 {:.2} / max {:.1} ms; {} sent, {ok} ok in {secs} s; store files {:.1} MB → {:.1} MB ({:.0} bytes per request, WAL included); database file {:.1} MB → {:.1} MB ({:.0} bytes per request); WAL peak {:.1} MB",
+        pct(&lat, 0.5),
+        pct(&lat, 0.99),
+        pct(&lat, 0.999),
+        lat.last().map_or(f64::NAN, |d| d.as_secs_f64() * 1e3),
         sent.load(Ordering::Relaxed),
         before as f64 / 1e6,
         after as f64 / 1e6,
@@ -358,58 +373,61 @@ async fn main() {
     let addr = format!("127.0.0.1:{port}");
 
     let mut rows = Vec::new();
-    rows.push(
-        phase("baseline", &url, pid, Duration::from_secs(5), async {
-            "none".to_string()
-        })
-        .await,
-    );
-    rows.push(
-        phase(
-            "2 recursive schemas",
-            &url,
-            pid,
-            Duration::from_secs(5),
-            burst(&url, recursive_bodies(), &[]),
-        )
-        .await,
-    );
-    let bodies = many_tools_bodies();
-    rows.push(
-        phase(
-            "10 requests × 10,000 tools",
-            &url,
-            pid,
-            Duration::from_secs(5),
-            burst(&url, bodies, &[]),
-        )
-        .await,
-    );
-    rows.push(
-        phase(
-            "5,000 idle connections",
-            &url,
-            pid,
-            Duration::from_secs(13),
-            idle_connections(&addr, 5000, Duration::from_secs(12)),
-        )
-        .await,
-    );
-    let sse = vec![
+    let only_disk = std::env::args().any(|a| a == "--only-disk");
+    if !only_disk {
+        rows.push(
+            phase("baseline", &url, pid, Duration::from_secs(5), async {
+                "none".to_string()
+            })
+            .await,
+        );
+        rows.push(
+            phase(
+                "2 recursive schemas",
+                &url,
+                pid,
+                Duration::from_secs(5),
+                burst(&url, recursive_bodies(), &[]),
+            )
+            .await,
+        );
+        let bodies = many_tools_bodies();
+        rows.push(
+            phase(
+                "10 requests × 10,000 tools",
+                &url,
+                pid,
+                Duration::from_secs(5),
+                burst(&url, bodies, &[]),
+            )
+            .await,
+        );
+        rows.push(
+            phase(
+                "5,000 idle connections",
+                &url,
+                pid,
+                Duration::from_secs(13),
+                idle_connections(&addr, 5000, Duration::from_secs(12)),
+            )
+            .await,
+        );
+        let sse = vec![
         json!({"model": "gpt-4o-mini", "stream": true, "messages": [{"role": "user", "content": "hi"}]})
             .to_string();
         3
     ];
-    rows.push(
-        phase(
-            "3 never-ending SSE events",
-            &url,
-            pid,
-            Duration::from_secs(5),
-            burst(&url, sse, &[("x-mock-fault", "huge_event=1000000000")]),
-        )
-        .await,
-    );
+        rows.push(
+            phase(
+                "3 never-ending SSE events",
+                &url,
+                pid,
+                Duration::from_secs(5),
+                burst(&url, sse, &[("x-mock-fault", "huge_event=1000000000")]),
+            )
+            .await,
+        );
+    }
     let disk_summary = disk(&url, &dir, 1000, disk_secs).await;
 
     println!("| phase | what the attack got | others p50 ms | p99 ms | max ms | others' calls | errors | Backstop peak RSS MB |");
