@@ -16,8 +16,8 @@
 //! the same transaction. [`Store::open`] turns every reservation left over by a crash
 //! into a ledger charge at its reserved amount, so caps hold across `kill -9`.
 //!
-//! Disk: the writer truncates the WAL whenever it passes `store.max_wal_bytes` (a
-//! background thread keeps it mostly checkpointed in between), and expired idempotency
+//! Disk: the writer backfills the WAL between batches so that it restarts from its
+//! beginning, and truncates it if it still passes `store.max_wal_bytes`; expired idempotency
 //! rows and ledger rows older than `store.retention` are purged once a minute.
 //! Reads use their own connection, which WAL lets run beside the writer.
 
@@ -306,8 +306,8 @@ impl Store {
         } else {
             // Checkpoints copy the WAL into the database and sync it: slow, and on the
             // commit path they would stall every request waiting for its ledger write.
-            // A background connection checkpoints passively instead; the writer only
-            // truncates the WAL itself when it has grown past the bound anyway.
+            // The writer backfills between batches instead (see `writer`), and truncates
+            // the WAL only if it has grown past the bound anyway.
             writer_conn.pragma_update(None, "wal_autocheckpoint", 0)?;
             writer_conn.pragma_update(None, "journal_size_limit", to_sql(config.max_wal_bytes))?;
             Some(open_conn(&path, busy)?)

@@ -1,6 +1,15 @@
 //! The store's writer thread (group commit, one transaction per batch, each write
 //! acknowledged with its result), the WAL bound, and the housekeeping thread that
 //! checkpoints passively and schedules purges.
+//!
+//! The WAL is kept small by the writer itself: every [`WRITER_BACKFILL_EVERY`] it runs a
+//! passive checkpoint between two batches, when no commit can race it, so the whole WAL
+//! is backfilled and SQLite restarts it from its beginning on the next write. (A
+//! checkpoint on another connection under steady writes always finds newer frames, so
+//! the WAL never restarts: 1.1 GB after 60 s at 1,000 RPS.) Truncating past
+//! `store.max_wal_bytes` is the fallback when a reader pins the WAL. At 1,000 budgeted
+//! calls per second this took their p99 from 27.9 ms (truncation only) to 4.3 ms, with
+//! the WAL under 5 MB (`cargo run --release --example hardening -- --only-disk`).
 
 use std::{
     path::PathBuf,
@@ -41,6 +50,7 @@ pub(super) struct Settings {
 
 pub(super) fn write_loop(mut conn: Connection, rx: mpsc::Receiver<Write>, settings: Settings) {
     let mut truncate_not_before: Option<Instant> = None;
+    let mut backfilled = Instant::now();
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
         while batch.len() < MAX_BATCH {
@@ -82,9 +92,21 @@ pub(super) fn write_loop(mut conn: Connection, rx: mpsc::Receiver<Write>, settin
                 let _ = ack.send(result);
             }
         }
+        if settings.wal.is_some() && backfilled.elapsed() >= WRITER_BACKFILL_EVERY {
+            // Between batches no commit can race it, so this pass backfills the whole
+            // WAL and the next write restarts it from the beginning: under steady
+            // writes the WAL stays small without a blocking truncation.
+            backfilled = Instant::now();
+            if let Err(err) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
+                tracing::debug!(error = %err, "writer-side checkpoint skipped");
+            }
+        }
         bound_wal(&conn, &settings, &mut truncate_not_before);
     }
 }
+
+/// How often the writer backfills the WAL itself, between batches.
+const WRITER_BACKFILL_EVERY: Duration = Duration::from_millis(100);
 
 fn commit(conn: &mut Connection, batch: &[Write]) -> rusqlite::Result<()> {
     // IMMEDIATE: take the write lock up front, so a database locked by another process
@@ -241,8 +263,9 @@ fn purge(conn: &mut Connection, now_ms: i64, retention: Duration) -> rusqlite::R
     Ok(())
 }
 
-/// Truncates the WAL once it has grown past the bound. The file only shrinks on a
-/// truncating checkpoint, so its size is what has been written since the last one.
+/// Truncates the WAL once it has grown past the bound anyway (the writer's own
+/// backfills normally keep it far below). The file only shrinks on a truncating
+/// checkpoint or a restart trimmed by `journal_size_limit`.
 /// While the background connection is running its passive checkpoint, SQLite refuses a
 /// second checkpoint at once (without the busy handler): the writer waits for it in
 /// short steps, since this is the bound being enforced.
