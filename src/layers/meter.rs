@@ -60,12 +60,18 @@ pub struct Meter<S> {
 /// The usage a successful non-streaming body reports, in either API's format: absent
 /// fields count 0; a field that is not a non-negative integer makes the report invalid.
 pub fn reported_usage(api: ApiKind, body: &[u8]) -> Outcome {
-    let Ok(body) = serde_json::from_slice::<Value>(body) else {
+    /// Only `usage` is built; the rest of the answer is skipped, not parsed into values.
+    #[derive(serde::Deserialize)]
+    struct WithUsage {
+        #[serde(default)]
+        usage: Option<Value>,
+    }
+    let Ok(WithUsage { usage: Some(usage) }) = serde_json::from_slice::<WithUsage>(body) else {
         return Outcome::Unreported;
     };
-    let Some(usage) = body.get("usage").filter(|u| u.is_object()) else {
+    if !usage.is_object() {
         return Outcome::Unreported;
-    };
+    }
     let (input, output) = match api {
         ApiKind::OpenAi => ("prompt_tokens", "completion_tokens"),
         ApiKind::Anthropic => ("input_tokens", "output_tokens"),
