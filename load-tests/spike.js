@@ -1,7 +1,7 @@
 // A sudden spike to 5x the base rate and back: nothing fails, latency recovers.
 import http from 'k6/http';
 import { check } from 'k6';
-import { BACKSTOP, RATE, chat, headers } from './lib.js';
+import { BACKSTOP, RATE, chat, headers, latency } from './lib.js';
 
 const stage = __ENV.STAGE || '10s';
 
@@ -19,11 +19,10 @@ export const options = {
       ],
     },
   },
-  thresholds: {
+  thresholds: Object.assign({
     http_req_failed: ['rate<0.001'],
     checks: ['rate>0.999'],
-    http_req_duration: ['p(99)<100'],
-  },
+  }, latency({ http_req_duration: ['p(99)<100'] })),
 };
 
 export default function () {

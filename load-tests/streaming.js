@@ -2,7 +2,7 @@
 // to the mock in the same run.
 import http from 'k6/http';
 import { check } from 'k6';
-import { BACKSTOP, MOCK, DURATION, RATE, chat, headers } from './lib.js';
+import { BACKSTOP, MOCK, DURATION, RATE, chat, headers, latency } from './lib.js';
 
 const rate = Math.max(10, Math.floor(RATE / 4));
 
@@ -11,11 +11,9 @@ export const options = {
     through: { executor: 'constant-arrival-rate', rate, timeUnit: '1s', duration: DURATION, preAllocatedVUs: 20, maxVUs: 200, env: { TARGET: 'backstop' }, tags: { target: 'backstop' } },
     direct: { executor: 'constant-arrival-rate', rate, timeUnit: '1s', duration: DURATION, preAllocatedVUs: 20, maxVUs: 200, env: { TARGET: 'direct' }, tags: { target: 'direct' } },
   },
-  thresholds: {
-    'http_req_waiting{target:backstop}': ['p(95)<20'],
-    'http_req_waiting{target:direct}': ['p(95)<20'],
+  thresholds: Object.assign({
     checks: ['rate>0.999'],
-  },
+  }, latency({ 'http_req_waiting{target:backstop}': ['p(95)<20'], 'http_req_waiting{target:direct}': ['p(95)<20'] })),
 };
 
 export default function () {

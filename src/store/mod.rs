@@ -166,6 +166,27 @@ pub struct Store {
     recovered: u64,
     /// The checkpointer thread runs while this lives.
     _alive: Arc<()>,
+    /// For `":memory:"`: the private file behind it, removed with the store.
+    _scratch: Option<Scratch>,
+    /// The database file (for tests that open it beside the store).
+    #[cfg(test)]
+    path: String,
+}
+
+/// A `":memory:"` store's database: a private file in the temp dir, in WAL mode like any
+/// other. SQLite's shared-cache in-memory databases lock whole tables between their
+/// connections, and `busy_timeout` does not cover those locks: under concurrent calls a
+/// session read failed with "database table is locked" while the writer committed
+/// (found by the k6 steady smoke). Removed when the store is dropped; a crashed process
+/// leaves it in the temp dir.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", self.0.display()));
+        }
+    }
 }
 
 const SCHEMA: &str = "
@@ -267,7 +288,7 @@ fn recover_reservations(conn: &mut Connection) -> rusqlite::Result<u64> {
 
 impl Store {
     /// Opens (creating if needed) the store at `path` with the default `[store]`
-    /// settings; `":memory:"` is a private in-memory database that lives as long as this
+    /// settings; `":memory:"` is a private scratch database that lives as long as this
     /// `Store`.
     pub fn open(path: &str) -> Result<Store, StoreError> {
         Store::open_with(&StoreConfig {
@@ -278,14 +299,15 @@ impl Store {
 
     /// Opens the store that `[store]` describes.
     pub fn open_with(config: &StoreConfig) -> Result<Store, StoreError> {
-        let memory = config.path == ":memory:";
-        let path = if memory {
-            format!(
-                "file:backstop-{}?mode=memory&cache=shared",
+        let scratch = (config.path == ":memory:").then(|| {
+            Scratch(std::env::temp_dir().join(format!(
+                "backstop-memory-{}.db",
                 uuid::Uuid::new_v4().simple()
-            )
-        } else {
-            config.path.clone()
+            )))
+        });
+        let path = match &scratch {
+            Some(Scratch(file)) => file.display().to_string(),
+            None => config.path.clone(),
         };
         let busy = config.busy_timeout;
         let mut writer_conn = open_conn(&path, busy)?;
@@ -300,18 +322,14 @@ impl Store {
         }
         let (tx, rx) = mpsc::channel::<Write>();
         let alive = Arc::new(());
-        let wal = (!memory).then(|| PathBuf::from(format!("{path}-wal")));
-        let checkpointer = if memory {
-            None
-        } else {
-            // Checkpoints copy the WAL into the database and sync it: slow, and on the
-            // commit path they would stall every request waiting for its ledger write.
-            // The writer backfills between batches instead (see `writer`), and truncates
-            // the WAL only if it has grown past the bound anyway.
-            writer_conn.pragma_update(None, "wal_autocheckpoint", 0)?;
-            writer_conn.pragma_update(None, "journal_size_limit", to_sql(config.max_wal_bytes))?;
-            Some(open_conn(&path, busy)?)
-        };
+        let wal = Some(PathBuf::from(format!("{path}-wal")));
+        // Checkpoints copy the WAL into the database and sync it: slow, and on the
+        // commit path they would stall every request waiting for its ledger write.
+        // The writer backfills between batches instead (see `writer`), and truncates
+        // the WAL only if it has grown past the bound anyway.
+        writer_conn.pragma_update(None, "wal_autocheckpoint", 0)?;
+        writer_conn.pragma_update(None, "journal_size_limit", to_sql(config.max_wal_bytes))?;
+        let checkpointer = Some(open_conn(&path, busy)?);
         writer::spawn_housekeeping(checkpointer, Arc::downgrade(&alive), tx.clone());
         let reader = open_conn(&path, busy)?;
         let settings = writer::Settings {
@@ -329,6 +347,9 @@ impl Store {
             next_reservation: AtomicI64::new(1),
             recovered,
             _alive: alive,
+            _scratch: scratch,
+            #[cfg(test)]
+            path,
         })
     }
 

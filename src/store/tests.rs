@@ -403,3 +403,27 @@ async fn bytes_per_request() {
         );
     }
 }
+
+/// A `":memory:"` store reads while another connection holds a write transaction: a
+/// shared-cache memory database failed such reads with "database table is locked" (the
+/// k6 steady smoke saw budgeted calls refused with 503 store_unavailable); WAL readers
+/// never wait for a writer.
+#[tokio::test]
+async fn a_memory_store_reads_beside_an_open_write_transaction() {
+    let store = Store::open(":memory:").unwrap();
+    store.charge(charge(Some("s"), 1, 1, 0.5)).await.unwrap();
+    let other = rusqlite::Connection::open(&store.path).unwrap();
+    other.execute_batch("BEGIN IMMEDIATE; INSERT INTO ledger (ts_ms, day, tenant, session, model, calls, input_tokens, output_tokens, usd) VALUES (2, 1, 't', 's', 'm', 1, 1, 1, 9.0);").unwrap();
+    assert_eq!(
+        store.session_usage("t", "s").unwrap().usd,
+        0.5,
+        "reads the committed rows"
+    );
+    other.execute_batch("ROLLBACK").unwrap();
+    let path = store.path.clone();
+    drop(store);
+    assert!(
+        !std::path::Path::new(&path).exists(),
+        "the scratch file goes with the store"
+    );
+}
