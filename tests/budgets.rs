@@ -10,23 +10,15 @@ use serde_json::json;
 
 const CAPPED: &str = "bk-capped-key-01";
 const OTHER: &str = "bk-other-key-001";
-const ADMIN: &str = "admin-token-0123456789";
 
 /// A gateway with a `capped` tenant whose session limits are `session`.
 async fn capped(session: &str, budget: &str) -> Gateway {
     let session = session.to_string();
     let budget = budget.to_string();
     start_with(move |text| {
+        let prices = admin_and_prices();
         format!(
-            r#"{text}
-[admin]
-token = "{ADMIN}"
-
-[[prices]]
-model = "gpt-4o*"
-input_per_mtok = 2.5
-output_per_mtok = 10.0
-
+            r#"{text}{prices}
 [[tenants]]
 name = "capped"
 api_keys = ["{CAPPED}"]

@@ -13,7 +13,6 @@ use tokio::net::TcpListener;
 
 const CAPPED: &str = "bk-capped-key-01";
 const OTHER: &str = "bk-other-key-001";
-const ADMIN: &str = "admin-token-0123456789";
 
 fn chat(max_tokens: u64) -> serde_json::Value {
     json!({"model": "gpt-4o", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hello"}]})
@@ -24,17 +23,10 @@ fn chat(max_tokens: u64) -> serde_json::Value {
 async fn gateway(store: &str, capped: &str, other: &str) -> Gateway {
     let (store, capped, other) = (store.to_string(), capped.to_string(), other.to_string());
     start_with(move |text| {
-        let text = text.replace("[store]\npath = \":memory:\"", &format!("[store]\n{store}"));
+        let text = with_store(&text, &store);
+        let prices = admin_and_prices();
         format!(
-            r#"{text}
-[admin]
-token = "{ADMIN}"
-
-[[prices]]
-model = "gpt-4o*"
-input_per_mtok = 2.5
-output_per_mtok = 10.0
-
+            r#"{text}{prices}
 [[tenants]]
 name = "capped"
 api_keys = ["{CAPPED}"]

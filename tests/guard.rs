@@ -11,7 +11,6 @@ use serde_json::{json, Value};
 
 const GUARDED: &str = "bk-guarded-key-01";
 const ALSO: &str = "bk-guarded-key-02";
-const ADMIN: &str = "admin-token-0123456789";
 
 async fn guarded(cool_down: &str, extra: &str) -> Gateway {
     guarded_on("path = \":memory:\"", cool_down, extra).await
@@ -21,17 +20,10 @@ async fn guarded(cool_down: &str, extra: &str) -> Gateway {
 async fn guarded_on(store: &str, cool_down: &str, extra: &str) -> Gateway {
     let (store, cool_down, extra) = (store.to_string(), cool_down.to_string(), extra.to_string());
     start_with(move |text| {
-        let text = text.replace("[store]\npath = \":memory:\"", &format!("[store]\n{store}"));
+        let text = with_store(&text, &store);
+        let prices = admin_and_prices();
         format!(
-            r#"{text}
-[admin]
-token = "{ADMIN}"
-
-[[prices]]
-model = "gpt-4o*"
-input_per_mtok = 2.5
-output_per_mtok = 10.0
-
+            r#"{text}{prices}
 [[tenants]]
 name = "guarded"
 api_keys = ["{GUARDED}"]

@@ -9,6 +9,29 @@ use tokio::net::TcpListener;
 
 pub const KEY_A: &str = "bk-test-a-key";
 pub const KEY_B: &str = "bk-test-b-key";
+/// The `[admin] token` of [`admin_and_prices`].
+pub const ADMIN: &str = "admin-token-0123456789";
+
+/// Config text for the budget and guard tests: the admin API on, and a price for the
+/// `gpt-4o*` models so that spend is counted.
+pub fn admin_and_prices() -> String {
+    format!(
+        r#"
+[admin]
+token = "{ADMIN}"
+
+[[prices]]
+model = "gpt-4o*"
+input_per_mtok = 2.5
+output_per_mtok = 10.0
+"#
+    )
+}
+
+/// The test config with `store` (e.g. `path = "/tmp/x.db"`) as its `[store]` section.
+pub fn with_store(text: &str, store: &str) -> String {
+    text.replace("[store]\npath = \":memory:\"", &format!("[store]\n{store}"))
+}
 
 pub struct Gateway {
     pub url: String,
