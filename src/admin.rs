@@ -13,8 +13,8 @@ use axum::{
 use serde_json::{json, Value};
 
 use crate::{
+    api::ApiKind,
     app::AppState,
-    config::ApiKind,
     error::{respond::error_response, GatewayError},
     layers::auth::{presented_key, same_key},
 };

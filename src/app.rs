@@ -6,14 +6,16 @@
 //!    everything above it is infallible.
 //! 3. [`DeadlineLayer`]: `server.request_timeout` over the whole request.
 //! 4. [`AuthLayer`]: tenant key → [`Tenant`](crate::layers::auth::Tenant), else 401.
-//! 5. [`ContextLayer`]: body read once within the size limit, parsed, routed.
+//! 5. [`ContextLayer`]: body read once within the size limit, parsed, routed: from
+//!    here in, every layer takes a typed [`Call`](crate::layers::context::Call).
 //! 6. [`IdempotencyLayer`]: `Idempotency-Key` replays, with no call and no charge.
 //! 7. [`LimitsLayer`]: tenant and session request rates, session concurrency.
-//! 8. [`GuardLayer`]: the session guard: loops, repeats, failures, spend velocity.
+//! 8. [`SessionGuardLayer`]: the session guard: loops, repeats, failures, spend velocity.
 //! 9. [`ValidateLayer`]: structured output checked; corrective retries with the
 //!    validator's errors; strategy switch to the next target; 502 `output_invalid`.
 //! 10. [`RecoveryLayer`]: target selection, classification, retry with backoff and
-//!     Retry-After, retry budget, per-upstream circuit breakers, failover.
+//!     Retry-After, retry budget, per-upstream circuit breakers, failover; answers
+//!     which target answered ([`Answered`](crate::layers::recovery::Answered)).
 //! 11. [`MeterLayer`]: per upstream call (retries and corrections included), reserve
 //!     against the session's and tenant's caps, settle to reported usage.
 //! 12. [`Forward`]: one upstream attempt (leaf).
@@ -36,32 +38,32 @@ use axum::{
 };
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
-use tower::{util::BoxCloneSyncService, ServiceBuilder};
+use tower::{util::BoxCloneSyncService, Layer, ServiceBuilder};
 
 use crate::{
     api::Endpoint,
     budgets::Budgets,
-    config::Config,
+    config::{Config, PriceConfig},
     error::{respond::error_response, GatewayError},
     guard::Guards,
     layers::{
         auth::{AuthLayer, TenantKeys},
-        context::ContextLayer,
+        context::{Call, ContextLayer},
         deadline::DeadlineLayer,
         edge::{EdgeLayer, X_REQUEST_ID},
-        guard::GuardLayer,
         idempotency::IdempotencyLayer,
         limits::LimitsLayer,
-        meter::MeterLayer,
+        meter::{Billed, MeterLayer},
         recovery::{RecoveryLayer, RetryPolicy},
         respond::RespondLayer,
+        session_guard::SessionGuardLayer,
         validate::ValidateLayer,
     },
     policy::budget::Prices,
     routing::RouteTable,
     store::{Store, StoreError},
     telemetry,
-    upstream::{self, health::HealthRegistry, Forward, StreamLimits, Upstream},
+    upstream::{self, health::HealthRegistry, Attempt, Forward, StreamLimits, Upstream},
     validation::Schemas,
 };
 
@@ -102,7 +104,7 @@ impl AppState {
                 store.clone(),
                 config.store.session_idle,
             )),
-            schemas: Arc::new(Schemas::new(&config.validation)),
+            schemas: Arc::new(Schemas::new(config.validation.schema_settings())),
             guards: Arc::new(Guards::new(&config, config.store.session_idle, store)),
             tenants: Arc::new(TenantKeys::new(&config)),
             health: Arc::new(HealthRegistry::new(&config)),
@@ -118,7 +120,7 @@ impl AppState {
 /// Models that routes may call but no `[[prices]]` entry covers: their USD cost is zero
 /// (or they are refused under a USD budget, per `billing.unpriced`).
 fn warn_unpriced(config: &Config) {
-    let prices = Prices::new(&config.prices);
+    let prices = Prices::new(config.prices.iter().map(PriceConfig::rate));
     for route in &config.routes {
         for target in route.targets.iter().chain(&route.context_fallback) {
             let model = target.model.as_deref().unwrap_or(&route.model);
@@ -129,9 +131,49 @@ fn warn_unpriced(config: &Config) {
     }
 }
 
-/// The proxy stack for `/v1/chat/completions`, `/v1/messages` and `/v1/embeddings`.
+/// Asserts at compile time that `S` is a service of `Req` (linkerd2-proxy's `check_*`):
+/// a layer mounted at the wrong seam fails here, naming the seam.
+fn check<Req, S: tower::Service<Req>>(service: S) -> S {
+    service
+}
+
+/// The proxy stack for `/v1/chat/completions`, `/v1/messages` and `/v1/embeddings`,
+/// built inside out so each seam is checked where it is made.
 fn proxy_stack(state: &AppState) -> HttpService {
     let server = &state.config.server;
+    // The attempt level: one upstream call, metered.
+    let leaf = check::<Attempt, _>(Forward::new(
+        upstream::client(),
+        state.stream_limits.clone(),
+    ));
+    let metered = check::<Billed, _>(MeterLayer::new(state.budgets.clone()).layer(leaf));
+    // The call level: a parsed, routed request, answered by one target.
+    let recovered = check::<Call, _>(
+        RecoveryLayer::new(
+            RetryPolicy::from_config(&state.config.retry),
+            state.health.clone(),
+        )
+        .layer(metered),
+    );
+    let calls = check::<Call, _>(
+        ServiceBuilder::new()
+            .layer(IdempotencyLayer::new(
+                state.budgets.store().clone(),
+                state.config.store.idempotency_ttl,
+                server.max_idempotency_key_bytes,
+            ))
+            .layer(LimitsLayer::new(state.budgets.clone()))
+            .layer(SessionGuardLayer::new(
+                state.guards.clone(),
+                state.budgets.clone(),
+            ))
+            .layer(ValidateLayer::new(
+                state.schemas.clone(),
+                state.config.validation.clone(),
+            ))
+            .service(recovered),
+    );
+    // The HTTP level.
     let stack = ServiceBuilder::new()
         .layer(EdgeLayer)
         .layer(RespondLayer)
@@ -142,26 +184,7 @@ fn proxy_stack(state: &AppState) -> HttpService {
             server.max_body_bytes,
             server.max_session_id_bytes,
         ))
-        .layer(IdempotencyLayer::new(
-            state.budgets.store().clone(),
-            state.config.store.idempotency_ttl,
-            server.max_idempotency_key_bytes,
-        ))
-        .layer(LimitsLayer::new(state.budgets.clone()))
-        .layer(GuardLayer::new(state.guards.clone(), state.budgets.clone()))
-        .layer(ValidateLayer::new(
-            state.schemas.clone(),
-            state.config.validation.clone(),
-        ))
-        .layer(RecoveryLayer::new(
-            RetryPolicy::from_config(&state.config.retry),
-            state.health.clone(),
-        ))
-        .layer(MeterLayer::new(state.budgets.clone()))
-        .service(Forward::new(
-            upstream::client(),
-            state.stream_limits.clone(),
-        ));
+        .service(calls);
     BoxCloneSyncService::new(stack)
 }
 

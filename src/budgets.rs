@@ -30,9 +30,9 @@ use governor::{
 use moka::sync::Cache;
 
 use crate::{
-    config::{Config, Unpriced},
+    config::{Config, PriceConfig, Unpriced},
     policy::budget::{
-        sane_usd, worst_case, Account, Exceeded, Limits, Prices, Usage, SESSION, TENANT_DAY,
+        sane_usd, worst_case, Account, Caps, Exceeded, Prices, Usage, SESSION, TENANT_DAY,
     },
     store::{Charge, ReservationRecord, Store, StoreError},
 };
@@ -195,8 +195,8 @@ impl<V: Send + Sync + 'static> LiveSessions<V> {
 
 struct TenantBook {
     name: Arc<str>,
-    day_limits: Limits,
-    session_limits: Limits,
+    day_limits: Caps,
+    session_limits: Caps,
     max_concurrent: Option<u32>,
     /// (UTC day, that day's account).
     day: Mutex<(i64, Account)>,
@@ -262,8 +262,8 @@ impl Budgets {
                 let settled = settled.unwrap_or_default();
                 let book = TenantBook {
                     name: name.clone(),
-                    day_limits: Limits { calls: None, tokens: t.budget.tokens_per_day, usd: t.budget.usd_per_day },
-                    session_limits: Limits { calls: t.session.max_calls, tokens: t.session.max_tokens, usd: t.session.max_usd },
+                    day_limits: Caps { calls: None, tokens: t.budget.tokens_per_day, usd: t.budget.usd_per_day },
+                    session_limits: Caps { calls: t.session.max_calls, tokens: t.session.max_tokens, usd: t.session.max_usd },
                     max_concurrent: t.session.max_concurrent,
                     day: Mutex::new((day, Account { settled, reserved: Usage::default() })),
                     day_known,
@@ -277,7 +277,7 @@ impl Budgets {
             tenants,
             sessions: LiveSessions::new(session_idle),
             store,
-            prices: Prices::new(&config.prices),
+            prices: Prices::new(config.prices.iter().map(PriceConfig::rate)),
             model_labels: crate::telemetry::ModelLabels::new(config),
             unpriced: config.billing.unpriced,
             default_max_tokens: config.billing.default_max_tokens,

@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use crate::{
     budgets::{now_ms, LiveSessions},
     config::Config,
-    policy::guard::{restore_trip, GuardConfig, Kept, SessionGuard},
+    policy::guard::{restore_trip, GuardPolicy, Kept, SessionGuard},
     store::{GuardRecord, Store, StoreError},
 };
 
@@ -70,7 +70,7 @@ impl Entry {
 }
 
 pub struct Guards {
-    configs: HashMap<String, Arc<GuardConfig>>,
+    configs: HashMap<String, Arc<GuardPolicy>>,
     sessions: LiveSessions<Mutex<Entry>>,
     store: Arc<Store>,
 }
@@ -178,8 +178,8 @@ impl Guards {
                 session: session.to_string(),
                 closed,
                 until_ms,
-                code: trip.code.to_string(),
-                rule: trip.rule.to_string(),
+                code: trip.code().as_str().to_string(),
+                rule: trip.rule.as_str().to_string(),
                 evidence: trip.evidence,
                 updated_ms: now,
             })
@@ -209,7 +209,7 @@ impl Guards {
         self.persist(&tenant, session, Some(Kept::Closed)).await?;
         let change = lock(&entry).guard.close();
         if let Some((from, to)) = change {
-            tracing::warn!(%tenant, session, from, to, "session closed by an operator");
+            tracing::warn!(%tenant, session, from = from.label(), to = to.label(), "session closed by an operator");
         }
         Ok(true)
     }

@@ -9,7 +9,13 @@ use std::{
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tracing_subscriber::{filter::Targets, prelude::*};
 
-use crate::config::{LogConfig, LogFormat};
+use crate::{
+    config::{LogConfig, LogFormat},
+    policy::{
+        guard::Phase,
+        trail::{self, Step},
+    },
+};
 
 /// Installs the global tracing subscriber once; later calls (tests) are no-ops.
 ///
@@ -106,12 +112,12 @@ fn describe() {
 /// What one request did, filled in by the layers that learn it and logged once by the
 /// edge layer. Shared through request extensions, so errors raised deep in the stack
 /// still produce a complete log line.
-#[derive(Default)]
+#[derive(Default, Debug)]
 pub struct RequestLog {
     fields: Mutex<LogFields>,
 }
 
-#[derive(Default, Clone)]
+#[derive(Default, Clone, Debug)]
 pub struct LogFields {
     pub tenant: Option<Arc<str>>,
     pub session: Option<String>,
@@ -120,12 +126,23 @@ pub struct LogFields {
     pub attempts: u32,
     pub upstream_time: Duration,
     pub error: Option<&'static str>,
-    /// What recovery did, e.g. `retry:503,ok` (the `x-backstop-recovery` header).
-    pub recovery: String,
+    /// What recovery did, in order (the `x-backstop-recovery` header).
+    pub recovery: Vec<Step>,
     /// What the session has left (the `x-backstop-budget-remaining` header).
     pub budget_remaining: Option<String>,
     /// The session guard's state after this request (`x-backstop-session-state`).
-    pub session_state: Option<&'static str>,
+    pub session_state: Option<Phase>,
+}
+
+impl LogFields {
+    /// The `x-backstop-recovery` value: the steps taken, else what refused the request.
+    pub fn recovery_header(&self) -> Option<String> {
+        match self.error {
+            _ if !self.recovery.is_empty() => Some(trail::render(&self.recovery)),
+            Some(code) => Some(Step::Refused(code).to_string()),
+            None => None,
+        }
+    }
 }
 
 impl RequestLog {
@@ -135,13 +152,8 @@ impl RequestLog {
     }
 
     /// Appends one step to the recovery trail (`x-backstop-recovery`).
-    pub fn push_step(&self, step: &str) {
-        self.update(|f| {
-            if !f.recovery.is_empty() {
-                f.recovery.push(',');
-            }
-            f.recovery.push_str(step);
-        });
+    pub fn push_step(&self, step: Step) {
+        self.update(|f| f.recovery.push(step));
     }
 
     pub fn snapshot(&self) -> LogFields {

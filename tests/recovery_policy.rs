@@ -8,23 +8,26 @@ use std::{
     time::Duration,
 };
 
-use axum::body::Body;
 use backstop::{
-    api::Endpoint,
+    api::{ApiKind, Endpoint},
     config::Config,
     error::GatewayError,
     layers::{
-        context::parse,
+        context::{parse, Call, TargetIndex},
         deadline::Deadline,
-        recovery::{RecoveryLayer, RetryPolicy},
+        meter::Billed,
+        recovery::{Answered, RecoveryLayer, RetryPolicy},
     },
-    policy::classify::TransportFailure,
+    policy::{
+        classify::TransportFailure,
+        trail::{self, Reason, Step},
+    },
     routing::RouteTable,
     telemetry::RequestLog,
-    upstream::{build_all, health::HealthRegistry, Attempt, Reply, ReplyBody},
+    upstream::{build_all, health::HealthRegistry, AttemptError, Reply},
 };
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http::{HeaderMap, HeaderValue, StatusCode};
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
 
@@ -122,21 +125,22 @@ impl Script {
     }
 }
 
-impl Service<Attempt> for Script {
+/// The scripted leaf stands where the meter does: it takes what recovery hands on.
+impl Service<Billed> for Script {
     type Response = Reply;
-    type Error = TransportFailure;
-    type Future = std::pin::Pin<
-        Box<dyn std::future::Future<Output = Result<Reply, TransportFailure>> + Send>,
-    >;
+    type Error = AttemptError;
+    type Future =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<Reply, AttemptError>> + Send>>;
 
     fn poll_ready(
         &mut self,
         _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), TransportFailure>> {
+    ) -> std::task::Poll<Result<(), AttemptError>> {
         std::task::Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, attempt: Attempt) -> Self::Future {
+    fn call(&mut self, billed: Billed) -> Self::Future {
+        let attempt = billed.attempt;
         self.calls.lock().unwrap().push((
             attempt.upstream.name.to_string(),
             attempt.model.as_deref().map(str::to_owned),
@@ -154,20 +158,21 @@ impl Service<Attempt> for Script {
             match play {
                 Fail(TransportFailure::Timeout) => {
                     tokio::time::sleep(attempt.timeout).await;
-                    Err(TransportFailure::Timeout)
+                    Err(AttemptError::Transport(TransportFailure::Timeout))
                 }
-                Fail(f) => Err(f),
+                Fail(f) => Err(AttemptError::Transport(f)),
                 Status(status, body, headers) => {
                     let mut map = HeaderMap::new();
                     for (k, v) in headers {
                         map.insert(*k, HeaderValue::from_static(v));
                     }
-                    Ok(Reply {
-                        status: StatusCode::from_u16(status).unwrap(),
-                        headers: map,
-                        body: ReplyBody::Full(Bytes::from_static(body.as_bytes())),
-                        stream_usage: None,
-                    })
+                    Ok(Reply::whole(
+                        ApiKind::OpenAi,
+                        StatusCode::from_u16(status).unwrap(),
+                        map,
+                        Bytes::from_static(body.as_bytes()),
+                        attempt.keep_answer,
+                    ))
                 }
             }
         })
@@ -197,7 +202,9 @@ struct Outcome {
     status: u16,
     error: Option<GatewayError>,
     headers: HeaderMap,
+    /// The trail as the `x-backstop-recovery` header renders it.
     recovery: String,
+    steps: Vec<Step>,
     attempts: u32,
     elapsed: Duration,
 }
@@ -205,29 +212,38 @@ struct Outcome {
 impl Harness {
     async fn send(&self, model: &str, script: &Script, deadline: Duration) -> Outcome {
         let body = Bytes::from(format!(r#"{{"model":"{model}","messages":[]}}"#));
-        let ctx = parse(Endpoint::ChatCompletions, body, None, &self.routes).unwrap();
+        let (request, route) = parse(Endpoint::ChatCompletions, body, &self.routes).unwrap();
         let log = Arc::new(RequestLog::default());
-        let mut req = Request::new(Body::empty());
-        req.extensions_mut().insert(Arc::new(ctx));
-        req.extensions_mut().insert(Deadline {
-            at: Instant::now() + deadline,
-            timeout: deadline,
-        });
-        req.extensions_mut().insert(log.clone());
+        let call = Call {
+            request: Arc::new(request),
+            route,
+            tenant: "t".into(),
+            session: None,
+            headers: Arc::new(HeaderMap::new()),
+            request_id: HeaderValue::from_static("test"),
+            log: log.clone(),
+            deadline: Deadline {
+                at: Instant::now() + deadline,
+                timeout: deadline,
+            },
+            start: TargetIndex(0),
+            keep_answer: false,
+        };
         let service =
             RecoveryLayer::new(self.policy.clone(), self.health.clone()).layer(script.clone());
         let started = Instant::now();
-        let result: Result<Response<Body>, GatewayError> = service.oneshot(req).await;
+        let result: Result<Answered, GatewayError> = service.oneshot(call).await;
         let fields = log.snapshot();
         let (status, error, headers) = match result {
-            Ok(r) => (r.status().as_u16(), None, r.headers().clone()),
+            Ok(a) => (a.reply.status.as_u16(), None, a.reply.headers.clone()),
             Err(e) => (e.kind().status, Some(e), HeaderMap::new()),
         };
         Outcome {
             status,
             error,
             headers,
-            recovery: fields.recovery,
+            recovery: trail::render(&fields.recovery),
+            steps: fields.recovery,
             attempts: fields.attempts,
             elapsed: started.elapsed(),
         }
@@ -242,6 +258,14 @@ async fn transient_errors_are_retried_with_capped_backoff_then_succeed() {
     let script = Script::new(&[E503, E503, OK]);
     let out = h.send("two", &script, LONG).await;
     assert_eq!(out.status, 200);
+    assert_eq!(
+        out.steps,
+        [
+            Step::Retry(Reason::Status(503)),
+            Step::Retry(Reason::Status(503)),
+            Step::Ok
+        ]
+    );
     assert_eq!(out.recovery, "retry:503,retry:503,ok");
     assert_eq!(out.attempts, 3);
     let at: Vec<_> = script.calls().iter().map(|c| c.2.as_millis()).collect();

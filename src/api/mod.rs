@@ -1,12 +1,34 @@
 //! The wire side of the two APIs Backstop speaks: which endpoint a request is for, and
 //! how errors are shaped for each API.
 
+pub mod answer;
 pub mod json;
+pub mod request;
 mod shape;
 
+pub use answer::{AnswerView, ReportedUsage};
+pub use request::{ParsedRequest, RequestError, MAX_OUTPUT_TOKENS};
 pub use shape::{error_body, stream_error_event, ErrorParts};
 
-use crate::config::ApiKind;
+use serde::Deserialize;
+
+/// The wire API an upstream speaks; it decides the credential header and error shape.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum ApiKind {
+    #[serde(rename = "openai")]
+    OpenAi,
+    Anthropic,
+}
+
+impl ApiKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApiKind::OpenAi => "openai",
+            ApiKind::Anthropic => "anthropic",
+        }
+    }
+}
 
 /// A proxied endpoint. The path decides the API (and so the error shape) the caller speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

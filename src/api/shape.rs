@@ -1,7 +1,7 @@
 use bytes::Bytes;
 use serde_json::json;
 
-use crate::config::ApiKind;
+use super::ApiKind;
 
 /// What an error says, independent of the API shape it will be written in.
 pub struct ErrorParts<'a> {

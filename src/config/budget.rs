@@ -49,6 +49,13 @@ pub struct PriceConfig {
     pub output_per_mtok: f64,
 }
 
+impl PriceConfig {
+    /// The entry as [`Prices::new`](crate::policy::budget::Prices::new) takes it.
+    pub fn rate(&self) -> (&str, f64, f64) {
+        (&self.model, self.input_per_mtok, self.output_per_mtok)
+    }
+}
+
 /// `[billing]`: how spend is estimated and what an unpriced model costs.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]

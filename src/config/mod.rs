@@ -22,7 +22,7 @@ pub use recovery::{AdminConfig, BreakerConfig, RetryConfig};
 pub use route::{RouteConfig, TargetConfig};
 pub use server::{LogConfig, LogFormat, MockConfig, ServerConfig};
 pub use tenant::{GuardConfig, TenantConfig};
-pub use upstream::{ApiKind, UpstreamConfig, NEVER_FORWARDED};
+pub use upstream::{UpstreamConfig, NEVER_FORWARDED};
 pub use validation::{ValidationConfig, ValidationMode};
 
 /// The whole configuration file.

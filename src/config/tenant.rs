@@ -89,8 +89,8 @@ impl GuardConfig {
         Ok(())
     }
 
-    pub fn policy(&self) -> crate::policy::guard::GuardConfig {
-        crate::policy::guard::GuardConfig {
+    pub fn policy(&self) -> crate::policy::guard::GuardPolicy {
+        crate::policy::guard::GuardPolicy {
             max_consecutive_failures: self.max_consecutive_failures,
             identical_request_limit: self.identical_request_limit,
             identical_request_window: self.identical_request_window,

@@ -3,24 +3,7 @@ use std::{collections::HashSet, time::Duration};
 use serde::Deserialize;
 
 use super::{ConfigError, Secret};
-
-/// The wire API an upstream speaks; it decides the credential header and error shape.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Hash)]
-#[serde(rename_all = "lowercase")]
-pub enum ApiKind {
-    #[serde(rename = "openai")]
-    OpenAi,
-    Anthropic,
-}
-
-impl ApiKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ApiKind::OpenAi => "openai",
-            ApiKind::Anthropic => "anthropic",
-        }
-    }
-}
+use crate::api::ApiKind;
 
 /// `[[upstreams]]`: one model provider.
 #[derive(Debug, Clone, Deserialize)]

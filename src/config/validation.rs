@@ -1,6 +1,7 @@
 use serde::Deserialize;
 
 use super::ConfigError;
+use crate::validation::{shape::ShapeLimits, RequestLimits, SchemaSettings};
 
 /// `[validation]`: structured-output checks and corrective retries, and the limits on
 /// the JSON schemas a request may carry (`response_format`, tool schemas).
@@ -59,6 +60,25 @@ pub enum ValidationMode {
 }
 
 impl ValidationConfig {
+    /// The limits and sizes the schema cache is built with.
+    pub fn schema_settings(&self) -> SchemaSettings {
+        SchemaSettings {
+            request: RequestLimits {
+                max_schema_bytes: self.max_schema_bytes,
+                max_request_schema_bytes: self.max_request_schema_bytes,
+                max_tools: self.max_tools,
+            },
+            shape: ShapeLimits {
+                max_depth: self.max_schema_depth,
+                max_paths: self.max_schema_paths,
+                max_fanout: self.max_schema_fanout,
+            },
+            cache_bytes: self.schema_cache_bytes,
+            cache_entries: self.schema_cache_size,
+            max_concurrent_compiles: self.max_concurrent_compiles,
+        }
+    }
+
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
         if self.corrective_retries > 10 {
             return Err(ConfigError::invalid(

@@ -63,7 +63,7 @@ pub enum GatewayError {
     IdempotencyKeyReused,
     #[error("{detail}")]
     SessionRefused {
-        code: &'static str,
+        code: crate::policy::guard::TripCode,
         detail: String,
         retry_after: Duration,
     },
@@ -236,7 +236,7 @@ impl GatewayError {
                 "idempotency_key_reused",
                 "invalid_request_error",
             ),
-            SessionRefused { code, .. } => (429, "session_error", *code, *code),
+            SessionRefused { code, .. } => (429, "session_error", code.as_str(), code.as_str()),
             RateLimited { .. } => (429, "rate_limit_error", "rate_limited", "rate_limited"),
             BudgetExceeded { .. } => (402, "budget_error", "budget_exceeded", "budget_exceeded"),
             TooManyConcurrent { .. } => (
@@ -303,6 +303,20 @@ impl GatewayError {
             GatewayError::InvalidHeader { header, .. } => Some(header),
             GatewayError::InvalidParameter { param, .. } => Some(param),
             _ => self.budget(),
+        }
+    }
+}
+
+impl From<crate::api::RequestError> for GatewayError {
+    fn from(err: crate::api::RequestError) -> Self {
+        use crate::api::RequestError;
+        match err {
+            RequestError::InvalidJson(detail) => GatewayError::InvalidJson(detail),
+            RequestError::NotAnObject => GatewayError::NotAnObject,
+            RequestError::MissingModel => GatewayError::MissingModel,
+            RequestError::InvalidParameter { param, detail } => {
+                GatewayError::InvalidParameter { param, detail }
+            }
         }
     }
 }

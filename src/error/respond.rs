@@ -6,8 +6,8 @@ use http::{header, HeaderValue, Response, StatusCode};
 
 use super::GatewayError;
 use crate::{
+    api::ApiKind,
     api::{error_body, ErrorParts},
-    config::ApiKind,
 };
 
 pub fn error_response(err: &GatewayError, api: ApiKind) -> Response<Body> {

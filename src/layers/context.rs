@@ -1,93 +1,73 @@
-//! Context layer (step 3): reads the body once, within `max_body_bytes`, parses it, and
-//! resolves the route. Everything after reads [`RequestContext`] from the extensions
-//! instead of touching the body again. Refuses with 413 (too large), 400 (not JSON, not
-//! an object, a repeated key, no `model`, an invalid `max_tokens`, an `x-session-id` that
-//! is too long or not visible ASCII) or 404 `model_not_found`, all before any upstream
-//! call. Nothing the client controls is silently dropped: an identifier Backstop cannot
-//! honour is refused, so caps and the guard can never be bypassed by its spelling.
+//! Context layer (step 5): reads the body once, within `max_body_bytes`, parses it, and
+//! resolves the route, turning the HTTP request into a [`Call`]: the typed per-request
+//! context every inner layer takes (so none of them can be mounted before this one, and
+//! none touches the body or the request extensions again). Refuses with 413 (too large),
+//! 400 (not JSON, not an object, a repeated key, no `model`, an invalid `max_tokens`, an
+//! `x-session-id` that is too long or not visible ASCII) or 404 `model_not_found`, all
+//! before any upstream call. Nothing the client controls is silently dropped: an
+//! identifier Backstop cannot honour is refused, so caps and the guard can never be
+//! bypassed by its spelling.
+//!
+//! This is the one place that reads what the outer layers put in the request
+//! extensions: the request id and log (edge), the deadline, the tenant (auth).
 
-use std::{
-    sync::Arc,
-    task::{Context, Poll},
-};
+use std::{sync::Arc, time::Duration};
 
 use axum::body::Body;
 use bytes::Bytes;
-use futures_util::future::BoxFuture;
-use http::{header, Request, Response};
+use http::{header, HeaderMap, HeaderValue, Request, Response};
 use http_body_util::{BodyExt, Limited};
-use serde_json::{Map, Value};
+use tokio::time::Instant;
 use tower::{Layer, Service};
 
+use super::{deadline::Deadline, edge::RequestId, Middleware, Stack};
 use crate::{
-    api::Endpoint,
+    api::{Endpoint, ParsedRequest},
     error::GatewayError,
     routing::{Route, RouteTable},
     telemetry::RequestLog,
 };
 
-/// The parsed request, shared by every inner layer.
+pub use crate::api::MAX_OUTPUT_TOKENS;
+
+/// Where in its route a call starts: a strategy switch by the validate layer moves it on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TargetIndex(pub usize);
+
+/// One parsed, authenticated, routed request: what every layer inside the context layer
+/// takes. Cheap to clone (a corrective retry is a clone with another body).
 #[derive(Debug, Clone)]
-pub struct RequestContext {
-    pub endpoint: Endpoint,
-    pub model: String,
-    pub stream: bool,
-    /// The agent run this call belongs to (`x-session-id`), if the caller named one.
-    pub session_id: Option<String>,
-    /// The authenticated tenant (from the auth layer).
-    pub tenant: Arc<str>,
-    /// The completion cap the caller set (`max_tokens` / `max_completion_tokens`).
-    pub max_output_tokens: Option<u64>,
-    /// An OpenAI stream for which the caller itself asked usage to be reported.
-    pub client_wants_stream_usage: bool,
-    /// The body exactly as the client sent it.
-    pub body: Bytes,
-    /// The same body, parsed once.
-    pub json: Map<String, Value>,
+pub struct Call {
+    /// The body, parsed once: what the upstream leaf is sent.
+    pub request: Arc<ParsedRequest>,
     pub route: Arc<Route>,
+    /// The authenticated tenant.
+    pub tenant: Arc<str>,
+    /// The agent run this call belongs to (`x-session-id`), if the caller named one.
+    pub session: Option<Arc<str>>,
+    /// The client's request headers (credentials are dropped on the way upstream).
+    pub headers: Arc<HeaderMap>,
+    pub request_id: HeaderValue,
+    /// The request's log record, written out by the edge layer.
+    pub log: Arc<RequestLog>,
+    pub deadline: Deadline,
+    /// The first route target to try.
+    pub start: TargetIndex,
+    /// Keep the parsed answer for validation (set by the validate layer).
+    pub keep_answer: bool,
 }
 
-impl RequestContext {
-    /// The context the context layer put on a request (an internal error if a layer
-    /// that needs it was placed before that layer).
-    pub fn of<B>(req: &http::Request<B>) -> Result<Arc<RequestContext>, GatewayError> {
-        req.extensions()
-            .get::<Arc<RequestContext>>()
-            .cloned()
-            .ok_or(GatewayError::Internal)
-    }
-
-    /// The same request with a different body (a corrective retry, a non-streaming
-    /// fetch for validation); `stream` follows the new body.
-    pub fn with_json(&self, json: Map<String, Value>) -> RequestContext {
-        let body = Bytes::from(serde_json::to_vec(&json).expect("a JSON map serialises"));
-        RequestContext {
-            stream: matches!(json.get("stream"), Some(Value::Bool(true))),
-            body,
-            json,
+impl Call {
+    /// The same call with another body (a corrective retry, an unstreamed fetch).
+    pub fn with_json(&self, json: serde_json::Map<String, serde_json::Value>) -> Call {
+        Call {
+            request: Arc::new(self.request.with_json(json)),
             ..self.clone()
         }
     }
 
-    /// The body to send upstream: as received, unless the model is rewritten or stream
-    /// usage must be asked for (then re-serialised from the parsed body).
-    pub fn upstream_body(&self, model: Option<&str>, ask_stream_usage: bool) -> Bytes {
-        if model.is_none() && !ask_stream_usage {
-            return self.body.clone();
-        }
-        let mut json = self.json.clone();
-        if let Some(model) = model {
-            json.insert("model".into(), Value::String(model.into()));
-        }
-        if ask_stream_usage {
-            let options = json
-                .entry("stream_options")
-                .or_insert_with(|| Value::Object(Map::new()));
-            if let Value::Object(options) = options {
-                options.insert("include_usage".into(), Value::Bool(true));
-            }
-        }
-        Bytes::from(serde_json::to_vec(&json).expect("a JSON map serialises"))
+    pub fn endpoint(&self) -> Endpoint {
+        self.request.endpoint
     }
 }
 
@@ -117,12 +97,19 @@ impl ContextLayer {
     }
 }
 
+/// The context layer's service: takes HTTP, hands the inner layers a [`Call`].
+pub type ContextService<S> = Stack<ContextLayer, S>;
+
+impl<S> Layer<S> for ContextLayer {
+    type Service = ContextService<S>;
+    fn layer(&self, inner: S) -> Self::Service {
+        Stack::new(self.clone(), inner)
+    }
+}
+
 /// Bodies up to this size are parsed on the async worker (a few microseconds); larger
 /// ones on a blocking thread.
 const PARSE_INLINE_BYTES: usize = 64 * 1024;
-
-/// The largest `max_tokens` accepted: every provider's field is a 32-bit integer.
-pub const MAX_OUTPUT_TOKENS: u64 = i32::MAX as u64;
 
 /// A client identifier header: absent or blank is `None`; otherwise it must be at most
 /// `max` bytes of visible ASCII (no spaces, no control or non-ASCII bytes), or the
@@ -157,98 +144,91 @@ pub fn identifier(
     Ok(Some(String::from_utf8_lossy(bytes).into_owned()))
 }
 
-impl<S> Layer<S> for ContextLayer {
-    type Service = ContextService<S>;
-    fn layer(&self, inner: S) -> Self::Service {
-        ContextService {
-            inner,
-            layer: self.clone(),
-        }
-    }
-}
-
-#[derive(Clone)]
-pub struct ContextService<S> {
-    inner: S,
-    layer: ContextLayer,
-}
-
-impl<S> Service<Request<Body>> for ContextService<S>
+impl<S> Middleware<S, Request<Body>> for ContextLayer
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError>
-        + Clone
-        + Send
-        + 'static,
+    S: Service<Call, Response = Response<Body>, Error = GatewayError> + Send + 'static,
     S::Future: Send + 'static,
 {
+    type Inner = Call;
     type Response = Response<Body>;
     type Error = GatewayError;
-    type Future = BoxFuture<'static, Result<Response<Body>, GatewayError>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), GatewayError>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let mut inner = super::take_ready(&mut self.inner);
-        let layer = self.layer.clone();
-        Box::pin(async move {
-            let (mut parts, body) = req.into_parts();
-            let endpoint =
-                Endpoint::from_path(parts.uri.path()).ok_or_else(|| GatewayError::NotFound {
-                    method: parts.method.to_string(),
-                    path: parts.uri.path().to_string(),
-                })?;
-            let declared = parts
-                .headers
-                .get(header::CONTENT_LENGTH)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse::<usize>().ok());
-            let limit = layer.max_body_bytes;
-            if declared.is_some_and(|n| n > limit) {
-                return Err(GatewayError::BodyTooLarge { limit });
-            }
-            let bytes = Limited::new(body, limit)
-                .collect()
-                .await
-                .map_err(|e| {
-                    if e.is::<http_body_util::LengthLimitError>() {
-                        GatewayError::BodyTooLarge { limit }
-                    } else {
-                        GatewayError::BodyRead(e.to_string())
-                    }
-                })?
-                .to_bytes();
-            let session_id =
-                identifier(&parts.headers, "x-session-id", layer.max_session_id_bytes)?;
-            let tenant = parts
+    async fn call(&self, mut inner: S, req: Request<Body>) -> Result<Response<Body>, GatewayError> {
+        let (mut parts, body) = req.into_parts();
+        let endpoint =
+            Endpoint::from_path(parts.uri.path()).ok_or_else(|| GatewayError::NotFound {
+                method: parts.method.to_string(),
+                path: parts.uri.path().to_string(),
+            })?;
+        let declared = parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<usize>().ok());
+        let limit = self.max_body_bytes;
+        if declared.is_some_and(|n| n > limit) {
+            return Err(GatewayError::BodyTooLarge { limit });
+        }
+        let bytes = Limited::new(body, limit)
+            .collect()
+            .await
+            .map_err(|e| {
+                if e.is::<http_body_util::LengthLimitError>() {
+                    GatewayError::BodyTooLarge { limit }
+                } else {
+                    GatewayError::BodyRead(e.to_string())
+                }
+            })?
+            .to_bytes();
+        let session: Option<Arc<str>> =
+            identifier(&parts.headers, "x-session-id", self.max_session_id_bytes)?.map(Arc::from);
+        let tenant = parts
+            .extensions
+            .remove::<Arc<crate::layers::auth::Tenant>>()
+            .ok_or(GatewayError::Internal)?
+            .name
+            .clone();
+        let (request, route) = if bytes.len() > PARSE_INLINE_BYTES {
+            // A megabyte of JSON is milliseconds of CPU: off the async workers, so
+            // other clients' requests are not queued behind it.
+            let routes = self.routes.clone();
+            let permit = self.large_parses.clone().acquire_owned().await;
+            tokio::task::spawn_blocking(move || {
+                let _permit = permit;
+                parse(endpoint, bytes, &routes)
+            })
+            .await
+            .map_err(|_| GatewayError::Internal)??
+        } else {
+            parse(endpoint, bytes, &self.routes)?
+        };
+        let log = parts
+            .extensions
+            .remove::<Arc<RequestLog>>()
+            .unwrap_or_default();
+        log.update(|f| {
+            f.model = Some(request.model.clone());
+            f.session = session.as_deref().map(str::to_owned);
+        });
+        let call = Call {
+            request: Arc::new(request),
+            route,
+            tenant,
+            session,
+            request_id: parts
                 .extensions
-                .get::<Arc<crate::layers::auth::Tenant>>()
-                .map_or_else(|| Arc::from("-"), |t| t.name.clone());
-            let mut ctx = if bytes.len() > PARSE_INLINE_BYTES {
-                // A megabyte of JSON is milliseconds of CPU: off the async workers, so
-                // other clients' requests are not queued behind it.
-                let routes = layer.routes.clone();
-                let permit = layer.large_parses.clone().acquire_owned().await;
-                tokio::task::spawn_blocking(move || {
-                    let _permit = permit;
-                    parse(endpoint, bytes, session_id, &routes)
-                })
-                .await
-                .map_err(|_| GatewayError::Internal)??
-            } else {
-                parse(endpoint, bytes, session_id, &layer.routes)?
-            };
-            ctx.tenant = tenant;
-            if let Some(log) = parts.extensions.get::<Arc<RequestLog>>() {
-                log.update(|f| {
-                    f.model = Some(ctx.model.clone());
-                    f.session = ctx.session_id.clone();
-                });
-            }
-            parts.extensions.insert(Arc::new(ctx));
-            inner.call(Request::from_parts(parts, Body::empty())).await
-        })
+                .remove::<RequestId>()
+                .map_or_else(|| HeaderValue::from_static("-"), |id| id.0),
+            log,
+            deadline: parts.extensions.remove::<Deadline>().unwrap_or(Deadline {
+                at: Instant::now() + Duration::from_secs(3600),
+                timeout: Duration::from_secs(3600),
+            }),
+            headers: Arc::new(parts.headers),
+            start: TargetIndex::default(),
+            keep_answer: false,
+        };
+        inner.call(call).await
     }
 }
 
@@ -256,59 +236,14 @@ where
 pub fn parse(
     endpoint: Endpoint,
     body: Bytes,
-    session_id: Option<String>,
     routes: &RouteTable,
-) -> Result<RequestContext, GatewayError> {
-    let value = crate::api::json::parse_strict(&body)
-        .map_err(|e| GatewayError::InvalidJson(e.to_string()))?;
-    let Value::Object(json) = value else {
-        return Err(GatewayError::NotAnObject);
-    };
-    let model = match json.get("model") {
-        Some(Value::String(m)) if !m.trim().is_empty() => m.clone(),
-        _ => return Err(GatewayError::MissingModel),
-    };
-    let stream = matches!(json.get("stream"), Some(Value::Bool(true)));
-    let mut max_output_tokens = None;
-    for param in ["max_completion_tokens", "max_tokens"] {
-        match json.get(param) {
-            None | Some(Value::Null) => {}
-            Some(v) => match v.as_u64().filter(|n| *n <= MAX_OUTPUT_TOKENS) {
-                Some(n) => {
-                    max_output_tokens.get_or_insert(n);
-                }
-                None => {
-                    return Err(GatewayError::InvalidParameter {
-                        param,
-                        detail: format!(
-                            "must be an integer from 0 to {MAX_OUTPUT_TOKENS}, got {v}"
-                        ),
-                    })
-                }
-            },
-        }
-    }
-    let client_wants_stream_usage = json
-        .get("stream_options")
-        .and_then(|o| o.get("include_usage"))
-        .and_then(Value::as_bool)
-        == Some(true);
+) -> Result<(ParsedRequest, Arc<Route>), GatewayError> {
+    let request = ParsedRequest::parse(endpoint, body)?;
     let route = routes
-        .resolve(&model)
+        .resolve(&request.model)
         .cloned()
-        .ok_or_else(|| GatewayError::ModelNotFound(model.clone()))?;
-    Ok(RequestContext {
-        endpoint,
-        model,
-        stream,
-        session_id,
-        tenant: Arc::from("-"),
-        max_output_tokens,
-        client_wants_stream_usage,
-        body,
-        json,
-        route,
-    })
+        .ok_or_else(|| GatewayError::ModelNotFound(request.model.clone()))?;
+    Ok((request, route))
 }
 
 /// A fuzz harness for the request parser (issue 16): arbitrary bytes and arbitrary JSON
@@ -318,6 +253,7 @@ pub fn parse(
 mod fuzz {
     use super::*;
     use proptest::prelude::*;
+    use serde_json::Value;
 
     fn routes() -> RouteTable {
         let config = crate::config::Config::from_toml_with_env(
@@ -378,8 +314,8 @@ mod fuzz {
         #[test]
         fn fuzz_request_parser(bytes in body()) {
             let routes = routes();
-            match parse(Endpoint::ChatCompletions, Bytes::from(bytes.clone()), None, &routes) {
-                Ok(ctx) => {
+            match parse(Endpoint::ChatCompletions, Bytes::from(bytes.clone()), &routes) {
+                Ok((ctx, _route)) => {
                     prop_assert!(!ctx.model.trim().is_empty());
                     prop_assert!(ctx.model.starts_with("gpt-"));
                     prop_assert!(ctx.max_output_tokens.is_none_or(|n| n <= MAX_OUTPUT_TOKENS));

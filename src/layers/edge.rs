@@ -100,16 +100,18 @@ where
             let headers = response.headers_mut();
             headers.insert(X_REQUEST_ID.clone(), id.clone());
             headers.insert("x-backstop-attempts", HeaderValue::from(fields.attempts));
-            let recovery = match (&fields.recovery, fields.error) {
-                (r, _) if !r.is_empty() => HeaderValue::from_str(r).ok(),
-                (_, Some(code)) => HeaderValue::from_str(&format!("refused:{code}")).ok(),
-                _ => None,
-            };
-            if let Some(recovery) = recovery {
-                headers.insert("x-backstop-recovery", recovery);
+            let recovery = fields.recovery_header();
+            if let Some(value) = recovery
+                .as_deref()
+                .and_then(|r| HeaderValue::from_str(r).ok())
+            {
+                headers.insert("x-backstop-recovery", value);
             }
             if let Some(state) = fields.session_state {
-                headers.insert("x-backstop-session-state", HeaderValue::from_static(state));
+                headers.insert(
+                    "x-backstop-session-state",
+                    HeaderValue::from_static(state.label()),
+                );
             }
             if let Some(remaining) = fields
                 .budget_remaining
@@ -143,7 +145,7 @@ where
                 status,
                 error = fields.error.unwrap_or("-"),
                 attempts = fields.attempts,
-                recovery = fields.recovery.as_str(),
+                recovery = recovery.as_deref().unwrap_or(""),
                 latency_ms = elapsed.as_secs_f64() * 1e3,
                 upstream_ms = fields.upstream_time.as_secs_f64() * 1e3,
                 "request"

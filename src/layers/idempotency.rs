@@ -21,8 +21,7 @@ use std::{
 
 use axum::body::Body;
 use bytes::{Bytes, BytesMut};
-use futures_util::future::BoxFuture;
-use http::{header, HeaderValue, Request, Response, StatusCode};
+use http::{header, HeaderValue, Response, StatusCode};
 use http_body::Frame;
 use tokio::sync::watch;
 use tower::{Layer, Service};
@@ -30,7 +29,10 @@ use tower::{Layer, Service};
 use crate::{
     budgets::now_ms,
     error::GatewayError,
-    layers::context::{identifier, RequestContext},
+    layers::{
+        context::{identifier, Call},
+        Middleware, Stack,
+    },
     store::{Store, StoredResponse},
 };
 
@@ -58,20 +60,13 @@ impl IdempotencyLayer {
     }
 }
 
+pub type Idempotency<S> = Stack<IdempotencyLayer, S>;
+
 impl<S> Layer<S> for IdempotencyLayer {
     type Service = Idempotency<S>;
     fn layer(&self, inner: S) -> Idempotency<S> {
-        Idempotency {
-            inner,
-            layer: self.clone(),
-        }
+        Stack::new(self.clone(), inner)
     }
-}
-
-#[derive(Clone)]
-pub struct Idempotency<S> {
-    inner: S,
-    layer: IdempotencyLayer,
 }
 
 /// SHA-256 of the body, hex: a different body with the same key cannot collide into a
@@ -182,36 +177,28 @@ impl http_body::Body for Keeping {
     }
 }
 
-impl<S> Service<Request<Body>> for Idempotency<S>
+impl<S> Middleware<S, Call> for IdempotencyLayer
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError>
-        + Clone
-        + Send
-        + 'static,
+    S: Service<Call, Response = Response<Body>, Error = GatewayError> + Send + 'static,
     S::Future: Send + 'static,
 {
+    type Inner = Call;
     type Response = Response<Body>;
     type Error = GatewayError;
-    type Future = BoxFuture<'static, Result<Response<Body>, GatewayError>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), GatewayError>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let mut inner = super::take_ready(&mut self.inner);
-        let layer = self.layer.clone();
-        Box::pin(async move {
-            let Some(key) = identifier(req.headers(), "idempotency-key", layer.max_key_bytes)?
+    async fn call(&self, mut inner: S, req: Call) -> Result<Response<Body>, GatewayError> {
+        let layer = self;
+        {
+            let Some(key) = identifier(&req.headers, "idempotency-key", layer.max_key_bytes)?
             else {
                 return inner.call(req).await;
             };
-            let ctx = RequestContext::of(&req)?;
-            let key = format!("{}:{key}", ctx.endpoint.label());
-            let hash = body_hash(&ctx.body);
-            let id: Key = (ctx.tenant.clone(), key.clone());
+            let tenant = req.tenant.clone();
+            let key = format!("{}:{key}", req.endpoint().label());
+            let hash = body_hash(&req.request.body);
+            let id: Key = (tenant.clone(), key.clone());
             let leader = loop {
-                match layer.store.recall(&ctx.tenant, &key, now_ms()) {
+                match layer.store.recall(&tenant, &key, now_ms()) {
                     Ok(Some(stored)) if stored.body_hash != hash => {
                         return Err(GatewayError::IdempotencyKeyReused)
                     }
@@ -253,7 +240,7 @@ where
                 .unwrap_or("application/json")
                 .to_string();
             let record = StoredResponse {
-                tenant: ctx.tenant.to_string(),
+                tenant: tenant.to_string(),
                 key,
                 body_hash: hash,
                 status: response.status().as_u16(),
@@ -270,7 +257,7 @@ where
                     leader: Some(leader),
                 })
             }))
-        })
+        }
     }
 }
 

@@ -14,14 +14,12 @@ use std::{
 
 use axum::body::Body;
 use bytes::Bytes;
-use futures_util::future::BoxFuture;
-use http::{Request, Response};
+use http::Response;
 use http_body::Frame;
 use tower::{Layer, Service};
 
-use crate::{
-    budgets::Budgets, error::GatewayError, layers::context::RequestContext, telemetry::RequestLog,
-};
+use super::{context::Call, Middleware, Stack};
+use crate::{budgets::Budgets, error::GatewayError};
 
 #[derive(Clone)]
 pub struct LimitsLayer {
@@ -34,20 +32,13 @@ impl LimitsLayer {
     }
 }
 
+pub type Limits<S> = Stack<LimitsLayer, S>;
+
 impl<S> Layer<S> for LimitsLayer {
     type Service = Limits<S>;
     fn layer(&self, inner: S) -> Limits<S> {
-        Limits {
-            inner,
-            budgets: self.budgets.clone(),
-        }
+        Stack::new(self.clone(), inner)
     }
-}
-
-#[derive(Clone)]
-pub struct Limits<S> {
-    inner: S,
-    budgets: Arc<Budgets>,
 }
 
 /// A body that holds something (a concurrency slot) until it is finished or dropped.
@@ -76,47 +67,35 @@ impl<G: Send + Unpin + 'static> http_body::Body for Holding<G> {
     }
 }
 
-impl<S> Service<Request<Body>> for Limits<S>
+impl<S> Middleware<S, Call> for LimitsLayer
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError>
-        + Clone
-        + Send
-        + 'static,
+    S: Service<Call, Response = Response<Body>, Error = GatewayError> + Send + 'static,
     S::Future: Send + 'static,
 {
+    type Inner = Call;
     type Response = Response<Body>;
     type Error = GatewayError;
-    type Future = BoxFuture<'static, Result<Response<Body>, GatewayError>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), GatewayError>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let mut inner = super::take_ready(&mut self.inner);
-        let budgets = self.budgets.clone();
-        Box::pin(async move {
-            let ctx = RequestContext::of(&req)?;
-            let log = req.extensions().get::<Arc<RequestLog>>().cloned();
-            let session = ctx.session_id.as_deref();
-            budgets
-                .check_rate(&ctx.tenant, session)
-                .map_err(GatewayError::from)?;
-            let slot = match session {
-                Some(s) => budgets.enter(&ctx.tenant, s).map_err(GatewayError::from)?,
-                None => None,
-            };
-            let result = inner.call(req).await;
-            if let (Some(log), Some(session)) = (log, session) {
-                if let Some(remaining) = budgets.remaining_header(&ctx.tenant, session) {
-                    log.update(|f| f.budget_remaining = Some(remaining));
-                }
+    async fn call(&self, mut inner: S, call: Call) -> Result<Response<Body>, GatewayError> {
+        let budgets = &self.budgets;
+        let (tenant, session, log) = (call.tenant.clone(), call.session.clone(), call.log.clone());
+        budgets
+            .check_rate(&tenant, session.as_deref())
+            .map_err(GatewayError::from)?;
+        let slot = match session.as_deref() {
+            Some(s) => budgets.enter(&tenant, s).map_err(GatewayError::from)?,
+            None => None,
+        };
+        let result = inner.call(call).await;
+        if let Some(session) = session.as_deref() {
+            if let Some(remaining) = budgets.remaining_header(&tenant, session) {
+                log.update(|f| f.budget_remaining = Some(remaining));
             }
-            let response = result?;
-            Ok(match slot {
-                Some(slot) => response.map(|body| Body::new(Holding { body, _guard: slot })),
-                None => response,
-            })
+        }
+        let response = result?;
+        Ok(match slot {
+            Some(slot) => response.map(|body| Body::new(Holding { body, _guard: slot })),
+            None => response,
         })
     }
 }

@@ -20,41 +20,60 @@
 use std::{
     collections::VecDeque,
     sync::Arc,
-    task::{Context, Poll},
     time::{Duration, SystemTime},
 };
 
-use axum::body::Body;
-use futures_util::future::BoxFuture;
-use http::{HeaderMap, Request, Response};
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
 
+use super::{
+    context::{Call, TargetIndex},
+    meter::Billed,
+    Middleware, Stack,
+};
 use crate::{
-    config::ApiKind,
+    api::ApiKind,
     error::{GatewayError, Protocol},
-    layers::{context::RequestContext, deadline::Deadline},
     policy::{
         backoff::{next_wait, Backoff, Wait},
         breaker::{Admission, Transition, Verdict},
         classify::{classify, Class, Observed, TransportFailure},
+        trail::{Reason, Step},
     },
     routing::Target,
-    telemetry::RequestLog,
     upstream::{
         health::{HealthRegistry, UpstreamHealth},
         Attempt, AttemptError, Reply,
     },
 };
 
-/// Asks recovery to start at this target index (a strategy switch by an outer layer).
-#[derive(Clone, Copy, Debug)]
-pub struct StartAt(pub usize);
+/// Which target of the route gave an answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AnsweredBy {
+    /// The route's target at this index.
+    Target(TargetIndex),
+    /// The route's `context_fallback`: nothing comes after it.
+    ContextFallback,
+}
 
-/// Put on a successful response: the index of the target that answered
-/// (`usize::MAX` for the context fallback).
-#[derive(Clone, Copy, Debug)]
-pub struct AnsweredBy(pub usize);
+impl AnsweredBy {
+    /// Where a strategy switch goes next, if anywhere.
+    pub fn next(self) -> Option<TargetIndex> {
+        match self {
+            AnsweredBy::Target(TargetIndex(i)) => Some(TargetIndex(i + 1)),
+            AnsweredBy::ContextFallback => None,
+        }
+    }
+}
+
+/// What recovery answers: the upstream's reply, and for a success (or a caller fault
+/// passed through) which target gave it. Only the validate layer takes this; it turns
+/// it into the client's response.
+pub struct Answered {
+    pub reply: Reply,
+    /// `None` when the reply is the last failure, answered as it came.
+    pub by: Option<AnsweredBy>,
+}
 
 /// How transient failures are retried.
 #[derive(Clone, Debug)]
@@ -95,78 +114,54 @@ impl RecoveryLayer {
     }
 }
 
+pub type Recovery<S> = Stack<RecoveryLayer, S>;
+
 impl<S> Layer<S> for RecoveryLayer {
     type Service = Recovery<S>;
     fn layer(&self, inner: S) -> Recovery<S> {
-        Recovery {
-            inner,
-            policy: self.policy.clone(),
-            health: self.health.clone(),
-        }
+        Stack::new(self.clone(), inner)
     }
 }
 
-#[derive(Clone)]
-pub struct Recovery<S> {
-    inner: S,
-    policy: Arc<RetryPolicy>,
-    health: Arc<HealthRegistry>,
-}
-
-impl<S> Service<Request<Body>> for Recovery<S>
+impl<S> Middleware<S, Call> for RecoveryLayer
 where
-    S: Service<Attempt, Response = Reply> + Clone + Send + 'static,
-    S::Error: Into<AttemptError>,
+    S: Service<Billed, Response = Reply, Error = AttemptError> + Clone + Send + Sync + 'static,
     S::Future: Send + 'static,
 {
-    type Response = Response<Body>;
+    type Inner = Billed;
+    type Response = Answered;
     type Error = GatewayError;
-    type Future = BoxFuture<'static, Result<Response<Body>, GatewayError>>;
 
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), GatewayError>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, req: Request<Body>) -> Self::Future {
+    async fn call(&self, inner: S, call: Call) -> Result<Answered, GatewayError> {
         let run = Run {
-            inner: self.inner.clone(),
+            inner,
             policy: self.policy.clone(),
             health: self.health.clone(),
             trail: Trail::default(),
         };
-        Box::pin(async move {
-            let (parts, _) = req.into_parts();
-            let ctx = parts
-                .extensions
-                .get::<Arc<RequestContext>>()
-                .cloned()
-                .ok_or(GatewayError::Internal)?;
-            let deadline = parts
-                .extensions
-                .get::<Deadline>()
-                .copied()
-                .unwrap_or(Deadline {
-                    at: Instant::now() + Duration::from_secs(3600),
-                    timeout: Duration::from_secs(3600),
-                });
-            let log = parts.extensions.get::<Arc<RequestLog>>().cloned();
-            let start = parts.extensions.get::<StartAt>().map_or(0, |s| s.0);
-            run.recover(ctx, Arc::new(parts.headers), deadline, log, start)
-                .await
-        })
+        run.recover(call).await
     }
 }
 
 /// What recovery did, in order: written to the log and the response headers.
 #[derive(Default)]
 struct Trail {
-    steps: Vec<String>,
+    steps: Vec<Step>,
     upstream: Option<Arc<str>>,
     attempts: u32,
     upstream_time: Duration,
 }
 
+impl Trail {
+    fn fell_back(&self) -> bool {
+        self.steps.iter().any(|s| matches!(s, Step::Fallback(_)))
+    }
+}
+
+// The large variants hold a whole reply, moved a few times per attempt: boxing it would
+// cost an allocation per attempt to save a memcpy.
 /// The last failure seen, answered when nothing succeeds.
+#[allow(clippy::large_enum_variant)]
 enum Failure {
     Reply {
         reply: Reply,
@@ -183,10 +178,31 @@ enum Failure {
 }
 
 /// Where the target loop goes next.
+#[allow(clippy::large_enum_variant)]
 enum Next {
-    Answer(Result<Response<Body>, GatewayError>),
+    Answer(Result<Answered, GatewayError>),
     Failover,
     ContextFallback,
+}
+
+/// What one classified attempt means.
+#[allow(clippy::large_enum_variant)]
+enum Judged {
+    /// Where the target loop goes next: an answer, or the context fallback.
+    Go(Next),
+    /// A failure; `retry_after` is `Some` when it may be retried on this target.
+    Failed {
+        failure: Failure,
+        retry_after: Option<Option<Duration>>,
+        reason: Reason,
+    },
+}
+
+/// One attempt's outcome, classified.
+struct Tried {
+    outcome: Result<Reply, TransportFailure>,
+    class: Class,
+    reason: Reason,
 }
 
 struct Run<S> {
@@ -231,36 +247,56 @@ fn verdict(class: &Class) -> Verdict {
     }
 }
 
+/// The attempt's class from what came back.
+fn classified(outcome: &Result<Reply, TransportFailure>) -> (Class, Reason) {
+    match outcome {
+        Ok(reply) => {
+            let class = classify(
+                Observed::Response {
+                    status: reply.status.as_u16(),
+                    headers: &reply.headers,
+                    body: reply.bytes(),
+                    readable: reply.is_stream() || reply.view.as_ref().is_some_and(|v| v.is_json),
+                },
+                SystemTime::now(),
+            );
+            let reason = match class {
+                Class::Malformed => Reason::Malformed,
+                Class::Redirect => Reason::Redirect,
+                _ => Reason::Status(reply.status.as_u16()),
+            };
+            (class, reason)
+        }
+        Err(failure) => (
+            classify(Observed::Transport(*failure), SystemTime::now()),
+            Reason::Transport(*failure),
+        ),
+    }
+}
+
 impl<S> Run<S>
 where
-    S: Service<Attempt, Response = Reply> + Clone + Send + 'static,
-    S::Error: Into<AttemptError>,
+    S: Service<Billed, Response = Reply, Error = AttemptError> + Clone + Send + 'static,
     S::Future: Send + 'static,
 {
-    async fn recover(
-        mut self,
-        ctx: Arc<RequestContext>,
-        headers: Arc<HeaderMap>,
-        deadline: Deadline,
-        log: Option<Arc<RequestLog>>,
-        start: usize,
-    ) -> Result<Response<Body>, GatewayError> {
-        let request_timeout = deadline.timeout;
-        let deadline = deadline.at;
-        let api = ctx.endpoint.api();
-        let route = ctx.route.clone();
-        let mut queue: VecDeque<(usize, &Target)> = route
+    async fn recover(mut self, call: Call) -> Result<Answered, GatewayError> {
+        let request_timeout = call.deadline.timeout;
+        let deadline = call.deadline.at;
+        let api = call.endpoint().api();
+        let route = call.route.clone();
+        let mut queue: VecDeque<(AnsweredBy, &Target)> = route
             .targets
             .iter()
             .enumerate()
-            .skip(start)
+            .skip(call.start.0)
             .filter(|(_, t)| t.upstream.api == api)
+            .map(|(i, t)| (AnsweredBy::Target(TargetIndex(i)), t))
             .collect();
         if queue.is_empty() {
             // Nothing past `start` speaks the caller's API: a route/endpoint mismatch.
             let other = route.targets[0].upstream.api;
             return Err(GatewayError::ApiMismatch {
-                model: ctx.model.clone(),
+                model: call.request.model.clone(),
                 upstream_api: other.as_str(),
                 path: match other {
                     ApiKind::OpenAi => "/v1/chat/completions",
@@ -271,23 +307,23 @@ where
         let mut last: Option<Failure> = None;
         let mut open_for: Option<Duration> = None;
         let mut first = true;
-        while let Some((index, target)) = queue.pop_front() {
+        while let Some((by, target)) = queue.pop_front() {
             if !first {
                 self.trail
                     .steps
-                    .push(format!("failover:{}", target.upstream.name));
+                    .push(Step::Failover(target.upstream.name.clone()));
                 metrics::counter!("backstop_failovers_total", "to" => target.upstream.name.to_string()).increment(1);
             }
             first = false;
             match self
-                .try_target(&ctx, target, &headers, deadline, &mut last, &mut open_for)
+                .try_target(&call, target, &mut last, &mut open_for)
                 .await
             {
                 Next::Answer(mut result) => {
-                    if let Ok(response) = &mut result {
-                        response.extensions_mut().insert(AnsweredBy(index));
+                    if let Ok(answered) = &mut result {
+                        answered.by = Some(by);
                     }
-                    return self.finish(result, log);
+                    return self.finish(result, &call);
                 }
                 Next::Failover => {}
                 Next::ContextFallback => match route
@@ -297,7 +333,7 @@ where
                 {
                     Some(fallback) => {
                         queue.clear();
-                        queue.push_back((usize::MAX, fallback));
+                        queue.push_back((AnsweredBy::ContextFallback, fallback));
                     }
                     None => break,
                 },
@@ -313,38 +349,36 @@ where
                 None => Err(GatewayError::RequestTimeout(request_timeout)),
             },
         };
-        self.finish(result, log)
+        self.finish(result, &call)
     }
 
     /// Attempts on one target until it answers, or is to be left.
     async fn try_target(
         &mut self,
-        ctx: &Arc<RequestContext>,
+        call: &Call,
         target: &Target,
-        headers: &Arc<HeaderMap>,
-        deadline: Instant,
         last: &mut Option<Failure>,
         open_for: &mut Option<Duration>,
     ) -> Next {
         let upstream = &target.upstream;
-        let Some(health) = self.health.get(&upstream.name) else {
+        let registry = self.health.clone();
+        let Some(health) = registry.get(&upstream.name) else {
             return Next::Answer(Err(GatewayError::Internal));
         };
-        let model: Option<Arc<str>> = target.model.as_deref().map(Arc::from);
+        let deadline = call.deadline.at;
         for attempt_no in 0..self.policy.max_attempts {
             let now = Instant::now();
-            let admission = match health.admit(now) {
-                Ok(a) => a,
+            let admitted = match health.admit(now) {
+                Ok(admission) => Admitted {
+                    health,
+                    admission,
+                    settled: false,
+                },
                 Err(wait) => {
-                    self.trail.steps.push(format!("open:{}", upstream.name));
+                    self.trail.steps.push(Step::Open(upstream.name.clone()));
                     *open_for = Some(open_for.map_or(wait, |w| w.min(wait)));
                     return Next::Failover;
                 }
-            };
-            let admitted = Admitted {
-                health,
-                admission,
-                settled: false,
             };
             if attempt_no == 0 {
                 health.deposit(now);
@@ -354,96 +388,25 @@ where
                 return Next::Failover;
             }
             let timeout = upstream.attempt_timeout.min(remaining);
-            let attempt = Attempt {
-                ctx: ctx.clone(),
-                upstream: upstream.clone(),
-                model: model.clone(),
-                headers: headers.clone(),
-                timeout,
-                stream_usage: false,
-            };
-            let started = std::time::Instant::now();
-            let outcome = match self
-                .inner
-                .clone()
-                .oneshot(attempt)
-                .await
-                .map_err(Into::into)
-            {
-                Ok(reply) => Ok(reply),
-                Err(AttemptError::Transport(failure)) => Err(failure),
-                Err(AttemptError::Refused(refusal)) => {
+            let tried = match self.attempt(call, target, timeout).await {
+                Ok(tried) => tried,
+                Err(refusal) => {
                     // Refused before any network: no verdict on the upstream.
                     drop(admitted);
-                    self.trail
-                        .steps
-                        .push(format!("refused:{}", refusal.kind().code));
+                    self.trail.steps.push(Step::Refused(refusal.kind().code));
                     return Next::Answer(Err(refusal));
                 }
             };
-            self.trail.attempts += 1;
-            self.trail.upstream = Some(upstream.name.clone());
-            self.trail.upstream_time += started.elapsed();
-            let class = match &outcome {
-                Ok(reply) => classify(
-                    Observed::Response {
-                        status: reply.status.as_u16(),
-                        headers: &reply.headers,
-                        body: reply.bytes(),
-                        streaming: reply.is_stream(),
-                    },
-                    SystemTime::now(),
-                ),
-                Err(failure) => classify(Observed::Transport(*failure), SystemTime::now()),
-            };
-            let reason = match &outcome {
-                Ok(_) if class == Class::Malformed => "malformed".to_string(),
-                Ok(_) if class == Class::Redirect => "redirect".to_string(),
-                Ok(reply) => reply.status.as_str().to_string(),
-                Err(failure) => failure.label().to_string(),
-            };
-            metrics::counter!("backstop_upstream_attempts_total", "upstream" => upstream.name.to_string(), "class" => class.label()).increment(1);
-            let opened = admitted.settle(verdict(&class)) == Some(Transition::Opened);
-            tracing::debug!(upstream = %upstream.name, attempt = attempt_no + 1, class = class.label(), %reason, "upstream attempt");
-            let failure = match outcome {
-                Ok(reply) => match class {
-                    Class::Success => {
-                        self.trail.steps.push("ok".into());
-                        return Next::Answer(Ok(reply.into_response()));
-                    }
-                    Class::CallerFault {
-                        context_length: true,
-                    } if ctx.route.context_fallback.is_some()
-                        && !self.trail.steps.iter().any(|s| s.starts_with("fallback:")) =>
-                    {
-                        let to = ctx
-                            .route
-                            .context_fallback
-                            .as_ref()
-                            .map_or("", |f| &f.upstream.name);
-                        self.trail.steps.push(format!("fallback:{to}"));
-                        return Next::ContextFallback;
-                    }
-                    Class::CallerFault { .. } => {
-                        self.trail.steps.push(format!("pass:{reason}"));
-                        return Next::Answer(Ok(reply.into_response()));
-                    }
-                    _ => Failure::Reply {
-                        reply,
-                        class,
-                        upstream: upstream.name.clone(),
-                    },
-                },
-                Err(failure) => Failure::Transport {
+            metrics::counter!("backstop_upstream_attempts_total", "upstream" => upstream.name.to_string(), "class" => tried.class.label()).increment(1);
+            let opened = admitted.settle(verdict(&tried.class)) == Some(Transition::Opened);
+            tracing::debug!(upstream = %upstream.name, attempt = attempt_no + 1, class = tried.class.label(), reason = %tried.reason, "upstream attempt");
+            let (failure, retry_after, reason) = match self.judge(call, tried, upstream, timeout) {
+                Judged::Go(next) => return next,
+                Judged::Failed {
                     failure,
-                    upstream: upstream.name.clone(),
-                    timeout,
-                    cut_by_deadline: timeout < upstream.attempt_timeout,
-                },
-            };
-            let retry_after = match class {
-                Class::Transient { retry_after, .. } => Some(retry_after),
-                _ => None,
+                    retry_after,
+                    reason,
+                } => (failure, retry_after, reason),
             };
             *last = Some(failure);
             // Only transient failures are retried on the same target, and not once
@@ -451,31 +414,156 @@ where
             let Some(retry_after) =
                 retry_after.filter(|_| !opened && attempt_no + 1 < self.policy.max_attempts)
             else {
-                self.trail.steps.push(format!("giveup:{reason}"));
+                self.trail.steps.push(Step::GiveUp(reason));
                 return Next::Failover;
             };
-            let backoff = self
-                .policy
-                .backoff
-                .delay(attempt_no, (self.policy.jitter)());
-            let remaining = deadline.saturating_duration_since(Instant::now());
-            match next_wait(retry_after, backoff, self.policy.max_retry_after, remaining) {
-                Wait::Retry(_) if !health.withdraw(Instant::now()) => {
-                    self.trail.steps.push(format!("budget:{reason}"));
-                    return Next::Failover;
-                }
-                Wait::Retry(wait) => {
-                    self.trail.steps.push(format!("retry:{reason}"));
-                    metrics::counter!("backstop_retries_total", "upstream" => upstream.name.to_string()).increment(1);
-                    tokio::time::sleep(wait).await;
-                }
-                Wait::RetryAfterTooLong(_) | Wait::PastDeadline => {
-                    self.trail.steps.push(format!("giveup:{reason}"));
-                    return Next::Failover;
-                }
+            if !self
+                .wait_to_retry(
+                    health,
+                    &upstream.name,
+                    attempt_no,
+                    retry_after,
+                    reason,
+                    deadline,
+                )
+                .await
+            {
+                return Next::Failover;
             }
         }
         Next::Failover
+    }
+
+    /// One attempt on one target, timed and counted. `Err` is a refusal made before any
+    /// network (a budget).
+    async fn attempt(
+        &mut self,
+        call: &Call,
+        target: &Target,
+        timeout: Duration,
+    ) -> Result<Tried, GatewayError> {
+        let billed = Billed {
+            attempt: Attempt {
+                request: call.request.clone(),
+                upstream: target.upstream.clone(),
+                model: target.model.as_deref().map(Arc::from),
+                headers: call.headers.clone(),
+                timeout,
+                stream_usage: false,
+                keep_answer: call.keep_answer,
+            },
+            tenant: call.tenant.clone(),
+            session: call.session.clone(),
+        };
+        let started = std::time::Instant::now();
+        let outcome = match self.inner.clone().oneshot(billed).await {
+            Ok(reply) => Ok(reply),
+            Err(AttemptError::Transport(failure)) => Err(failure),
+            Err(AttemptError::Refused(refusal)) => return Err(refusal),
+        };
+        self.trail.attempts += 1;
+        self.trail.upstream = Some(target.upstream.name.clone());
+        self.trail.upstream_time += started.elapsed();
+        let (class, reason) = classified(&outcome);
+        Ok(Tried {
+            outcome,
+            class,
+            reason,
+        })
+    }
+
+    /// What one classified attempt means, by its class alone.
+    fn judge(
+        &mut self,
+        call: &Call,
+        tried: Tried,
+        upstream: &crate::upstream::Upstream,
+        timeout: Duration,
+    ) -> Judged {
+        let Tried {
+            outcome,
+            class,
+            reason,
+        } = tried;
+        let failure = match outcome {
+            Ok(reply) => match class {
+                Class::Success => {
+                    self.trail.steps.push(Step::Ok);
+                    return Judged::Go(Next::Answer(Ok(Answered { reply, by: None })));
+                }
+                Class::CallerFault {
+                    context_length: true,
+                } if !self.trail.fell_back() => {
+                    if let Some(fallback) = &call.route.context_fallback {
+                        self.trail
+                            .steps
+                            .push(Step::Fallback(fallback.upstream.name.clone()));
+                        return Judged::Go(Next::ContextFallback);
+                    }
+                    self.trail.steps.push(Step::Pass(reason));
+                    return Judged::Go(Next::Answer(Ok(Answered { reply, by: None })));
+                }
+                Class::CallerFault { .. } => {
+                    self.trail.steps.push(Step::Pass(reason));
+                    return Judged::Go(Next::Answer(Ok(Answered { reply, by: None })));
+                }
+                _ => Failure::Reply {
+                    reply,
+                    class,
+                    upstream: upstream.name.clone(),
+                },
+            },
+            Err(failure) => Failure::Transport {
+                failure,
+                upstream: upstream.name.clone(),
+                timeout,
+                cut_by_deadline: timeout < upstream.attempt_timeout,
+            },
+        };
+        let retry_after = match class {
+            Class::Transient { retry_after, .. } => Some(retry_after),
+            _ => None,
+        };
+        Judged::Failed {
+            failure,
+            retry_after,
+            reason,
+        }
+    }
+
+    /// Waits out the backoff (or the upstream's Retry-After) before the next attempt on
+    /// the same target; `false` when this target is to be left instead.
+    async fn wait_to_retry(
+        &mut self,
+        health: &UpstreamHealth,
+        upstream: &str,
+        attempt_no: u32,
+        retry_after: Option<Duration>,
+        reason: Reason,
+        deadline: Instant,
+    ) -> bool {
+        let backoff = self
+            .policy
+            .backoff
+            .delay(attempt_no, (self.policy.jitter)());
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        match next_wait(retry_after, backoff, self.policy.max_retry_after, remaining) {
+            Wait::Retry(_) if !health.withdraw(Instant::now()) => {
+                self.trail.steps.push(Step::Budget(reason));
+                false
+            }
+            Wait::Retry(wait) => {
+                self.trail.steps.push(Step::Retry(reason));
+                metrics::counter!("backstop_retries_total", "upstream" => upstream.to_string())
+                    .increment(1);
+                tokio::time::sleep(wait).await;
+                true
+            }
+            Wait::RetryAfterTooLong(_) | Wait::PastDeadline => {
+                self.trail.steps.push(Step::GiveUp(reason));
+                false
+            }
+        }
     }
 
     /// The answer when no target succeeded: the upstream's own response where it tells
@@ -485,7 +573,7 @@ where
         &self,
         failure: Failure,
         request_timeout: Duration,
-    ) -> Result<Response<Body>, GatewayError> {
+    ) -> Result<Answered, GatewayError> {
         match failure {
             Failure::Reply {
                 reply,
@@ -522,7 +610,7 @@ where
                     Protocol::NotAStream
                 },
             }),
-            Failure::Reply { reply, .. } => Ok(reply.into_response()),
+            Failure::Reply { reply, .. } => Ok(Answered { reply, by: None }),
             // Out of time because the client's deadline came, not because the upstream
             // was slower than its own attempt timeout.
             Failure::Transport {
@@ -547,26 +635,19 @@ where
 
     fn finish(
         self,
-        result: Result<Response<Body>, GatewayError>,
-        log: Option<Arc<RequestLog>>,
-    ) -> Result<Response<Body>, GatewayError> {
-        if let Some(log) = log {
-            let trail = self.trail;
-            // Appended: an outer layer (validation) may run recovery more than once.
-            log.update(|f| {
-                f.attempts += trail.attempts;
-                f.upstream_time += trail.upstream_time;
-                if !trail.steps.is_empty() {
-                    if !f.recovery.is_empty() {
-                        f.recovery.push(',');
-                    }
-                    f.recovery.push_str(&trail.steps.join(","));
-                }
-                if trail.upstream.is_some() {
-                    f.upstream = trail.upstream;
-                }
-            });
-        }
+        result: Result<Answered, GatewayError>,
+        call: &Call,
+    ) -> Result<Answered, GatewayError> {
+        let trail = self.trail;
+        // Appended: an outer layer (validation) may run recovery more than once.
+        call.log.update(|f| {
+            f.attempts += trail.attempts;
+            f.upstream_time += trail.upstream_time;
+            f.recovery.extend(trail.steps);
+            if trail.upstream.is_some() {
+                f.upstream = trail.upstream;
+            }
+        });
         result
     }
 }

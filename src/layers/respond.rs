@@ -29,13 +29,26 @@ pub struct RespondLayer;
 impl<S> Layer<S> for RespondLayer {
     type Service = Respond<S>;
     fn layer(&self, inner: S) -> Respond<S> {
-        Respond { inner }
+        Respond {
+            inner,
+            not_ready: None,
+        }
     }
 }
 
-#[derive(Clone)]
 pub struct Respond<S> {
     inner: S,
+    /// The inner service failed to become ready: answered on the call it delayed.
+    not_ready: Option<GatewayError>,
+}
+
+impl<S: Clone> Clone for Respond<S> {
+    fn clone(&self) -> Self {
+        Respond {
+            inner: self.inner.clone(),
+            not_ready: None,
+        }
+    }
 }
 
 impl<S> Service<Request<Body>> for Respond<S>
@@ -48,8 +61,12 @@ where
     type Future = BoxFuture<'static, Result<Response<Body>, Infallible>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        // The layers below are always ready; an error here would be a bug, reported on call.
-        let _ = self.inner.poll_ready(cx);
+        // Back-pressure from below passes up; a readiness error cannot (this service is
+        // infallible), so it is answered, in the caller's shape, on the call it delays.
+        match std::task::ready!(self.inner.poll_ready(cx)) {
+            Ok(()) => self.not_ready = None,
+            Err(err) => self.not_ready = Some(err),
+        }
         Poll::Ready(Ok(()))
     }
 
@@ -57,10 +74,14 @@ where
         let api = Endpoint::api_for_path(req.uri().path());
         let log = req.extensions().get::<Arc<RequestLog>>().cloned();
         // A panic while *creating* the future is caught too.
-        let future = std::panic::catch_unwind(AssertUnwindSafe(|| self.inner.call(req)));
+        let future = match self.not_ready.take() {
+            Some(err) => Ok(Err(err)),
+            None => std::panic::catch_unwind(AssertUnwindSafe(|| self.inner.call(req))).map(Ok),
+        };
         Box::pin(async move {
             let result = match future {
-                Ok(future) => AssertUnwindSafe(future)
+                Ok(Err(not_ready)) => Err(not_ready),
+                Ok(Ok(future)) => AssertUnwindSafe(future)
                     .catch_unwind()
                     .await
                     .unwrap_or_else(|_| {
@@ -78,5 +99,45 @@ where
             mark_no_retry(&mut response);
             Ok(response)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::task::Waker;
+
+    /// Not ready on the first poll, then failing to become ready.
+    #[derive(Clone, Default)]
+    struct Reluctant {
+        polls: u32,
+    }
+
+    impl Service<Request<Body>> for Reluctant {
+        type Response = Response<Body>;
+        type Error = GatewayError;
+        type Future = futures_util::future::Ready<Result<Response<Body>, GatewayError>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), GatewayError>> {
+            self.polls += 1;
+            match self.polls {
+                1 => Poll::Pending,
+                _ => Poll::Ready(Err(GatewayError::Unauthorized)),
+            }
+        }
+
+        fn call(&mut self, _: Request<Body>) -> Self::Future {
+            panic!("called without being ready");
+        }
+    }
+
+    #[tokio::test]
+    async fn readiness_passes_up_and_a_readiness_error_is_answered() {
+        let mut respond = RespondLayer.layer(Reluctant::default());
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(respond.poll_ready(&mut cx).is_pending());
+        assert!(matches!(respond.poll_ready(&mut cx), Poll::Ready(Ok(()))));
+        let response = respond.call(Request::new(Body::empty())).await.unwrap();
+        assert_eq!(response.status(), 401);
     }
 }

@@ -17,30 +17,26 @@
 //! API's format: the client's first byte waits for the valid answer. That is the price
 //! of never showing an agent output that breaks its schema.
 
-use std::{
-    sync::Arc,
-    task::{Context, Poll},
-};
+use std::sync::Arc;
 
 use axum::body::Body;
-use futures_util::future::BoxFuture;
-use http::{header, HeaderValue, Request, Response};
+use bytes::Bytes;
+use http::{header, HeaderValue, Response};
 use serde_json::{Map, Value};
 use tower::{Layer, Service, ServiceExt};
 
+use super::{
+    context::{Call, TargetIndex},
+    recovery::Answered,
+    Middleware, Stack,
+};
 use crate::{
     config::{ValidationConfig, ValidationMode},
     error::GatewayError,
-    layers::{
-        context::RequestContext,
-        recovery::{AnsweredBy, StartAt},
-    },
-    telemetry::RequestLog,
+    policy::trail::Step,
+    upstream::{Reply, ReplyBody},
     validation::{corrective_request, replay, Expectations, Invalid, Schemas},
 };
-
-/// Largest upstream answer read for validation.
-const MAX_ANSWER_BYTES: usize = 64 * 1024 * 1024;
 
 #[derive(Clone)]
 pub struct ValidateLayer {
@@ -54,20 +50,13 @@ impl ValidateLayer {
     }
 }
 
+pub type Validate<S> = Stack<ValidateLayer, S>;
+
 impl<S> Layer<S> for ValidateLayer {
     type Service = Validate<S>;
     fn layer(&self, inner: S) -> Validate<S> {
-        Validate {
-            inner,
-            layer: self.clone(),
-        }
+        Stack::new(self.clone(), inner)
     }
-}
-
-#[derive(Clone)]
-pub struct Validate<S> {
-    inner: S,
-    layer: ValidateLayer,
 }
 
 /// The request without streaming: validation needs the whole answer.
@@ -86,120 +75,96 @@ fn outcome_header(response: &mut Response<Body>, value: &'static str) {
         .insert("x-backstop-validation", HeaderValue::from_static(value));
 }
 
-impl<S> Service<Request<Body>> for Validate<S>
+/// A whole reply as the client's response, with its body.
+fn response(reply: Reply, body: Body) -> Response<Body> {
+    let mut out = Response::new(body);
+    *out.status_mut() = reply.status;
+    *out.headers_mut() = reply.headers;
+    out
+}
+
+impl<S> Middleware<S, Call> for ValidateLayer
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError>
-        + Clone
-        + Send
-        + 'static,
+    S: Service<Call, Response = Answered, Error = GatewayError> + Clone + Send + Sync + 'static,
     S::Future: Send + 'static,
 {
+    type Inner = Call;
     type Response = Response<Body>;
     type Error = GatewayError;
-    type Future = BoxFuture<'static, Result<Response<Body>, GatewayError>>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), GatewayError>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let inner = super::take_ready(&mut self.inner);
-        let layer = self.layer.clone();
-        Box::pin(async move {
-            let ctx = RequestContext::of(&req)?;
-            let api = ctx.endpoint.api();
-            let pending = Expectations::collect(
-                api,
-                &ctx.json,
-                ctx.route.response_schema.as_ref(),
-                &layer.schemas,
-                &ctx.tenant,
-            )
-            .map_err(|bad| GatewayError::InvalidSchema(bad.0))?;
-            let Some(pending) = pending else {
-                return inner.oneshot(req).await;
-            };
-            let expectations = if pending.needs_compile() {
-                // Off the async workers, one of `max_concurrent_compiles` at a time. The
-                // permit goes with the work, so a request that times out (the deadline
-                // drops this future) still holds it until its compilation ends.
-                let permit = layer.schemas.permit().await;
-                let schemas = layer.schemas.clone();
-                tokio::task::spawn_blocking(move || {
-                    let _permit = permit;
-                    pending.compile(&schemas)
-                })
-                .await
-                .map_err(|_| GatewayError::Internal)?
-            } else {
-                pending.compile(&layer.schemas)
-            }
-            .map_err(|bad| GatewayError::InvalidSchema(bad.0))?;
-            run(inner, layer.config, Arc::new(expectations), ctx, req).await
-        })
+    async fn call(&self, mut inner: S, call: Call) -> Result<Response<Body>, GatewayError> {
+        let layer = self;
+        let pending = Expectations::collect(
+            call.endpoint().api(),
+            &call.request.json,
+            call.route.response_schema.as_ref(),
+            &layer.schemas,
+            &call.tenant,
+        )
+        .map_err(|bad| GatewayError::InvalidSchema(bad.0))?;
+        let Some(pending) = pending else {
+            return Ok(inner.call(call).await?.reply.into_response());
+        };
+        let expectations = if pending.needs_compile() {
+            // Off the async workers, one of `max_concurrent_compiles` at a time. The
+            // permit goes with the work, so a request that times out (the deadline
+            // drops this future) still holds it until its compilation ends.
+            let permit = layer.schemas.permit().await;
+            let schemas = layer.schemas.clone();
+            tokio::task::spawn_blocking(move || {
+                let _permit = permit;
+                pending.compile(&schemas)
+            })
+            .await
+            .map_err(|_| GatewayError::Internal)?
+        } else {
+            pending.compile(&layer.schemas)
+        }
+        .map_err(|bad| GatewayError::InvalidSchema(bad.0))?;
+        run(inner, &layer.config, Arc::new(expectations), call).await
     }
 }
 
 async fn run<S>(
     inner: S,
-    config: ValidationConfig,
+    config: &ValidationConfig,
     expectations: Arc<Expectations>,
-    ctx: Arc<RequestContext>,
-    req: Request<Body>,
+    call: Call,
 ) -> Result<Response<Body>, GatewayError>
 where
-    S: Service<Request<Body>, Response = Response<Body>, Error = GatewayError>
-        + Clone
-        + Send
-        + 'static,
+    S: Service<Call, Response = Answered, Error = GatewayError> + Clone + Send + 'static,
     S::Future: Send + 'static,
 {
-    let (parts, _) = req.into_parts();
-    let log = parts.extensions.get::<Arc<RequestLog>>().cloned();
-    let step = |s: &str| {
-        if let Some(log) = &log {
-            log.push_step(s);
-        }
-    };
-    let original = unstreamed(&ctx.json);
-    let targets = ctx.route.targets.len();
-    let mut start = 0;
+    let original = unstreamed(&call.request.json);
+    let targets = call.route.targets.len();
+    let mut start = TargetIndex(0);
     let mut attempts = 0;
     let mut last: Option<Invalid> = None;
-    while start < targets {
+    while start.0 < targets {
         let mut json = original.clone();
-        let mut answered = start;
+        let mut next = Some(TargetIndex(start.0 + 1));
         for round in 0..=config.corrective_retries {
-            let mut attempt = Request::new(Body::empty());
-            *attempt.method_mut() = parts.method.clone();
-            *attempt.uri_mut() = parts.uri.clone();
-            *attempt.headers_mut() = parts.headers.clone();
-            *attempt.extensions_mut() = parts.extensions.clone();
-            attempt
-                .extensions_mut()
-                .insert(Arc::new(ctx.with_json(json.clone())));
-            attempt.extensions_mut().insert(StartAt(start));
-            let response = inner.clone().oneshot(attempt).await?;
+            let mut attempt = call.with_json(json.clone());
+            attempt.start = start;
+            attempt.keep_answer = true;
+            let Answered { mut reply, by } = inner.clone().oneshot(attempt).await?;
             attempts += 1;
-            if !response.status().is_success() {
-                return Ok(response);
+            if !reply.status.is_success() {
+                return Ok(reply.into_response());
             }
-            answered = response
-                .extensions()
-                .get::<AnsweredBy>()
-                .map_or(start, |a| a.0);
-            let (mut rparts, body) = response.into_parts();
-            let bytes = axum::body::to_bytes(body, MAX_ANSWER_BYTES)
-                .await
-                .map_err(|_| GatewayError::UpstreamMalformed {
+            next = by.map_or(next, |by| by.next());
+            // The leaf parsed the answer once, for this.
+            let answer = reply.view.as_mut().and_then(|v| v.json.take());
+            let (Some(answer), ReplyBody::Full(bytes)) = (
+                answer,
+                std::mem::replace(&mut reply.body, ReplyBody::Full(Bytes::new())),
+            ) else {
+                return Err(GatewayError::UpstreamMalformed {
                     upstream: "-".into(),
-                })?;
-            let answer: Value =
-                serde_json::from_slice(&bytes).map_err(|_| GatewayError::UpstreamMalformed {
-                    upstream: "-".into(),
-                })?;
+                });
+            };
             // Validation is CPU work that grows with the answer and the schema: off the
-            // async workers too.
+            // async workers.
             let (answer, verdict) = {
                 let expectations = expectations.clone();
                 tokio::task::spawn_blocking(move || {
@@ -209,34 +174,28 @@ where
                 .await
                 .map_err(|_| GatewayError::Internal)?
             };
+            let fixed = round > 0 || start.0 > 0;
             let invalid = match verdict {
                 Ok(()) => {
-                    if round > 0 || start > 0 {
+                    if fixed {
                         metrics::counter!("backstop_validation_fixed_total").increment(1);
                     }
-                    let mut response = if ctx.stream {
+                    let mut response = if call.request.stream {
                         let sse = replay::as_sse(
-                            ctx.endpoint.api(),
+                            call.endpoint().api(),
                             &answer,
-                            ctx.client_wants_stream_usage,
+                            call.request.client_wants_stream_usage,
                         );
-                        rparts.headers.insert(
+                        reply.headers.insert(
                             header::CONTENT_TYPE,
                             HeaderValue::from_static("text/event-stream"),
                         );
-                        rparts.headers.remove(header::CONTENT_LENGTH);
-                        Response::from_parts(rparts, Body::from(sse))
+                        reply.headers.remove(header::CONTENT_LENGTH);
+                        response(reply, Body::from(sse))
                     } else {
-                        Response::from_parts(rparts, Body::from(bytes))
+                        response(reply, Body::from(bytes))
                     };
-                    outcome_header(
-                        &mut response,
-                        if round > 0 || start > 0 {
-                            "corrected"
-                        } else {
-                            "valid"
-                        },
-                    );
+                    outcome_header(&mut response, if fixed { "corrected" } else { "valid" });
                     return Ok(response);
                 }
                 Err(invalid) => invalid,
@@ -244,7 +203,7 @@ where
             metrics::counter!("backstop_validation_failures_total", "kind" => invalid.problem.label()).increment(1);
             tracing::debug!(kind = invalid.problem.label(), errors = ?invalid.errors, round, "answer failed validation");
             if config.mode == ValidationMode::Annotate {
-                let mut response = Response::from_parts(rparts, Body::from(bytes));
+                let mut response = response(reply, Body::from(bytes));
                 outcome_header(&mut response, "invalid");
                 if let Ok(first) =
                     HeaderValue::from_str(&invalid.errors[0].chars().take(512).collect::<String>())
@@ -256,18 +215,18 @@ where
                 return Ok(response);
             }
             if round < config.corrective_retries {
-                step(&format!("correct:{}", invalid.problem.label()));
+                call.log.push_step(Step::Correct(invalid.problem.label()));
                 metrics::counter!("backstop_corrective_retries_total", "kind" => invalid.problem.label()).increment(1);
                 json = corrective_request(&json, &invalid);
             }
             last = Some(invalid);
         }
         // Corrections exhausted on this target: switch strategy to the next one.
-        start = answered.saturating_add(1);
-        if start < targets {
-            step(&format!(
-                "switch:{}",
-                ctx.route.targets[start].upstream.name
+        let Some(after) = next else { break };
+        start = after;
+        if start.0 < targets {
+            call.log.push_step(Step::Switch(
+                call.route.targets[start.0].upstream.name.clone(),
             ));
         }
     }

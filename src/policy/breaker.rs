@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use super::window::RollingPair;
 
 #[derive(Debug, Clone, Copy)]
-pub struct BreakerConfig {
+pub struct BreakerPolicy {
     /// Consecutive upstream-fault failures (429s count half) that open it.
     pub failure_threshold: u32,
     pub open_for: Duration,
@@ -66,14 +66,14 @@ pub enum Transition {
 
 #[derive(Debug)]
 pub struct Breaker {
-    config: BreakerConfig,
+    config: BreakerPolicy,
     state: State,
     /// (attempts, weighted failures) over `config.window`, while closed.
     recent: RollingPair,
 }
 
 impl Breaker {
-    pub fn new(config: BreakerConfig, now: Instant) -> Self {
+    pub fn new(config: BreakerPolicy, now: Instant) -> Self {
         Breaker {
             config,
             state: State::Closed { failures: 0.0 },
@@ -176,8 +176,8 @@ impl Breaker {
 mod tests {
     use super::*;
 
-    fn config() -> BreakerConfig {
-        BreakerConfig {
+    fn config() -> BreakerPolicy {
+        BreakerPolicy {
             failure_threshold: 3,
             open_for: Duration::from_secs(30),
             half_open_probes: 1,
@@ -232,7 +232,7 @@ mod tests {
     fn a_zero_failure_rate_means_consecutive_failures_alone() {
         let t0 = Instant::now();
         let mut b = Breaker::new(
-            BreakerConfig {
+            BreakerPolicy {
                 failure_rate: 0.0,
                 ..config()
             },

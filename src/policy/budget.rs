@@ -4,8 +4,6 @@
 
 use wildmatch::WildMatch;
 
-use crate::config::PriceConfig;
-
 /// What calls consumed (or may consume).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Usage {
@@ -66,13 +64,13 @@ pub fn sane_usd(usd: f64) -> f64 {
 
 /// Caps on a scope (a session, or a tenant's day); `None` is unlimited.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Limits {
+pub struct Caps {
     pub calls: Option<u64>,
     pub tokens: Option<u64>,
     pub usd: Option<f64>,
 }
 
-impl Limits {
+impl Caps {
     pub fn is_unlimited(&self) -> bool {
         self.calls.is_none() && self.tokens.is_none() && self.usd.is_none()
     }
@@ -123,7 +121,7 @@ impl Account {
     }
 
     /// Would `want` fit under `limits`? Checks every cap, calls first.
-    pub fn check(&self, want: Usage, limits: &Limits, names: CapNames) -> Result<(), Exceeded> {
+    pub fn check(&self, want: Usage, limits: &Caps, names: CapNames) -> Result<(), Exceeded> {
         let used = self.committed();
         let after = used.plus(want);
         if let Some(limit) = limits.calls {
@@ -171,7 +169,7 @@ impl Account {
     }
 
     /// What is left under `limits` (unlimited caps are `None`).
-    pub fn remaining(&self, limits: &Limits) -> (Option<u64>, Option<u64>, Option<f64>) {
+    pub fn remaining(&self, limits: &Caps) -> (Option<u64>, Option<u64>, Option<f64>) {
         let used = self.committed();
         (
             limits.calls.map(|l| l.saturating_sub(used.calls)),
@@ -188,17 +186,13 @@ pub struct Prices {
 }
 
 impl Prices {
-    pub fn new(prices: &[PriceConfig]) -> Self {
+    /// From `(model glob, USD per million input tokens, per million output tokens)`, in
+    /// the order they are matched.
+    pub fn new<'a>(prices: impl IntoIterator<Item = (&'a str, f64, f64)>) -> Self {
         Prices {
             entries: prices
-                .iter()
-                .map(|p| {
-                    (
-                        WildMatch::new(&p.model),
-                        p.input_per_mtok,
-                        p.output_per_mtok,
-                    )
-                })
+                .into_iter()
+                .map(|(model, input, output)| (WildMatch::new(model), input, output))
                 .collect(),
         }
     }
@@ -226,7 +220,7 @@ mod tests {
 
     #[test]
     fn reservations_count_against_the_cap_until_settled() {
-        let limits = Limits {
+        let limits = Caps {
             calls: Some(2),
             tokens: None,
             usd: Some(1.0),
@@ -266,7 +260,7 @@ mod tests {
 
     #[test]
     fn usd_caps_name_themselves() {
-        let limits = Limits {
+        let limits = Caps {
             calls: None,
             tokens: Some(1000),
             usd: Some(0.5),
@@ -306,18 +300,7 @@ mod tests {
 
     #[test]
     fn prices_match_the_first_glob() {
-        let p = Prices::new(&[
-            PriceConfig {
-                model: "gpt-4o-mini*".into(),
-                input_per_mtok: 0.15,
-                output_per_mtok: 0.6,
-            },
-            PriceConfig {
-                model: "gpt-4o*".into(),
-                input_per_mtok: 2.5,
-                output_per_mtok: 10.0,
-            },
-        ]);
+        let p = Prices::new([("gpt-4o-mini*", 0.15, 0.6), ("gpt-4o*", 2.5, 10.0)]);
         assert_eq!(p.cost("gpt-4o-mini", 1_000_000, 0), Some(0.15));
         assert_eq!(p.cost("gpt-4o-2024", 1000, 1000), Some(0.0125));
         assert_eq!(p.cost("claude", 1, 1), None);
@@ -325,7 +308,7 @@ mod tests {
 
     #[test]
     fn huge_requests_saturate_and_are_refused_by_a_token_cap() {
-        let limits = Limits {
+        let limits = Caps {
             calls: None,
             tokens: Some(1000),
             usd: None,
@@ -363,7 +346,7 @@ mod tests {
         /// every reservation is settled nothing stays reserved.
         #[test]
         fn no_interleaving_overshoots(ops in proptest::collection::vec((0u64..3, 0u64..500, any::<bool>()), 1..200)) {
-            let limits = Limits { calls: Some(20), tokens: Some(3000), usd: None };
+            let limits = Caps { calls: Some(20), tokens: Some(3000), usd: None };
             let mut a = Account::default();
             let mut open: Vec<Usage> = Vec::new();
             for (calls, tokens, settle_one) in ops {

@@ -44,8 +44,9 @@ pub enum Observed<'a> {
         /// The whole body for non-streaming answers and for error statuses; empty for a
         /// successful stream (its head is all there is to judge).
         body: &'a [u8],
-        /// A successful stream is not checked for JSON.
-        streaming: bool,
+        /// For a 2xx: the leaf read it as an answer (a stream, or a body that is JSON;
+        /// see [`crate::api::AnswerView`]). Otherwise it is malformed.
+        readable: bool,
     },
     Transport(TransportFailure),
 }
@@ -121,7 +122,7 @@ fn error_fields(body: &[u8]) -> (String, String, String) {
 
 /// Classifies one attempt. `now` resolves an HTTP-date `Retry-After`.
 pub fn classify(observed: Observed<'_>, now: SystemTime) -> Class {
-    let (status, headers, body, streaming) = match observed {
+    let (status, headers, body, readable) = match observed {
         Observed::Transport(TransportFailure::TooLarge | TransportFailure::NotAStream) => {
             return Class::Malformed
         }
@@ -135,15 +136,14 @@ pub fn classify(observed: Observed<'_>, now: SystemTime) -> Class {
             status,
             headers,
             body,
-            streaming,
-        } => (status, headers, body, streaming),
+            readable,
+        } => (status, headers, body, readable),
     };
     if (300..400).contains(&status) {
         return Class::Redirect;
     }
     if (200..300).contains(&status) {
-        let valid = streaming || serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok();
-        return if valid {
+        return if readable {
             Class::Success
         } else {
             Class::Malformed
@@ -220,7 +220,7 @@ mod tests {
                 status,
                 headers: &h,
                 body: body.as_bytes(),
-                streaming: false,
+                readable: serde_json::from_str::<serde::de::IgnoredAny>(body).is_ok(),
             },
             SystemTime::UNIX_EPOCH,
         )
@@ -320,7 +320,7 @@ mod tests {
                 status: 200,
                 headers: &h,
                 body: b"",
-                streaming: true,
+                readable: true,
             },
             SystemTime::UNIX_EPOCH,
         );
@@ -377,7 +377,7 @@ mod tests {
                 status: 503,
                 headers: &h,
                 body: b"",
-                streaming: false,
+                readable: false,
             },
             now,
         );
@@ -410,7 +410,7 @@ mod tests {
             let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
             let _ = retry_after(&h, now);
             let _ = classify(
-                Observed::Response { status, headers: &h, body: &body, streaming: false },
+                Observed::Response { status, headers: &h, body: &body, readable: false },
                 now,
             );
         }

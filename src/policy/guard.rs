@@ -18,7 +18,7 @@ use tokio::time::Instant;
 const RECENT_CAP: usize = 256;
 
 #[derive(Debug, Clone)]
-pub struct GuardConfig {
+pub struct GuardPolicy {
     pub max_consecutive_failures: u32,
     pub identical_request_limit: u32,
     pub identical_request_window: Duration,
@@ -27,14 +27,103 @@ pub struct GuardConfig {
     pub cool_down: Duration,
 }
 
+/// The error code a trip is refused with: a closed set (error codes and metric labels).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TripCode {
+    /// Failures or spend velocity: the session is unwell.
+    SessionTripped,
+    /// Repeats or tool loops: the agent is going round in circles.
+    LoopDetected,
+}
+
+impl TripCode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TripCode::SessionTripped => "session_tripped",
+            TripCode::LoopDetected => "loop_detected",
+        }
+    }
+}
+
+/// The rule that tripped a session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TripRule {
+    MaxConsecutiveFailures,
+    IdenticalRequestLimit,
+    ToolLoopLimit,
+    MaxUsdPerMinute,
+    /// An operator closed the session.
+    Closed,
+    /// Read back from the store under a rule name this build does not know.
+    Restored(TripCode),
+}
+
+impl TripRule {
+    pub fn code(self) -> TripCode {
+        match self {
+            TripRule::IdenticalRequestLimit | TripRule::ToolLoopLimit => TripCode::LoopDetected,
+            TripRule::MaxConsecutiveFailures | TripRule::MaxUsdPerMinute | TripRule::Closed => {
+                TripCode::SessionTripped
+            }
+            TripRule::Restored(code) => code,
+        }
+    }
+
+    /// The name in config, logs, reports and the store.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TripRule::MaxConsecutiveFailures => "max_consecutive_failures",
+            TripRule::IdenticalRequestLimit => "identical_request_limit",
+            TripRule::ToolLoopLimit => "tool_loop_limit",
+            TripRule::MaxUsdPerMinute => "max_usd_per_minute",
+            TripRule::Closed => "closed",
+            TripRule::Restored(_) => "restored",
+        }
+    }
+}
+
 /// Which rule tripped the session, with the evidence an operator can act on.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Trip {
-    /// `session_tripped` (failures, velocity) or `loop_detected` (repeats, tool loops).
-    pub code: &'static str,
-    pub rule: &'static str,
+    pub rule: TripRule,
     pub evidence: String,
 }
+
+impl Trip {
+    pub fn code(&self) -> TripCode {
+        self.rule.code()
+    }
+}
+
+/// The guard's states without their data: what transitions, logs and metrics name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Active,
+    Recovering,
+    Tripped,
+    Probing,
+    Closed,
+}
+
+impl Phase {
+    pub fn label(self) -> &'static str {
+        match self {
+            Phase::Active => "active",
+            Phase::Recovering => "recovering",
+            Phase::Tripped => "tripped",
+            Phase::Probing => "probing",
+            Phase::Closed => "closed",
+        }
+    }
+
+    /// A phase whose refusal must outlive the process (it is written to the store).
+    pub fn is_kept(self) -> bool {
+        matches!(self, Phase::Tripped | Phase::Probing | Phase::Closed)
+    }
+}
+
+/// A change of phase, `(from, to)`.
+pub type Transition = (Phase, Phase);
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum State {
@@ -46,14 +135,18 @@ pub enum State {
 }
 
 impl State {
-    pub fn label(&self) -> &'static str {
+    pub fn phase(&self) -> Phase {
         match self {
-            State::Active => "active",
-            State::Recovering => "recovering",
-            State::Tripped { .. } => "tripped",
-            State::Probing { .. } => "probing",
-            State::Closed => "closed",
+            State::Active => Phase::Active,
+            State::Recovering => Phase::Recovering,
+            State::Tripped { .. } => Phase::Tripped,
+            State::Probing { .. } => Phase::Probing,
+            State::Closed => Phase::Closed,
         }
+    }
+
+    pub fn label(&self) -> &'static str {
+        self.phase().label()
     }
 }
 
@@ -81,32 +174,25 @@ pub enum Kept {
     Tripped { remaining: Duration, trip: Trip },
 }
 
-/// The static names a persisted trip is read back into (codes are error codes and
-/// metric labels, so they stay a closed set).
+/// A persisted trip read back: its rule by name, or, for a name this build does not
+/// know, its code (so the refusal keeps its meaning).
 pub fn restore_trip(code: &str, rule: &str, evidence: String) -> Trip {
-    let code = match code {
-        "loop_detected" => "loop_detected",
-        _ => "session_tripped",
-    };
     let rule = match rule {
-        "max_consecutive_failures" => "max_consecutive_failures",
-        "identical_request_limit" => "identical_request_limit",
-        "tool_loop_limit" => "tool_loop_limit",
-        "max_usd_per_minute" => "max_usd_per_minute",
-        "closed" => "closed",
-        _ => "restored",
+        "max_consecutive_failures" => TripRule::MaxConsecutiveFailures,
+        "identical_request_limit" => TripRule::IdenticalRequestLimit,
+        "tool_loop_limit" => TripRule::ToolLoopLimit,
+        "max_usd_per_minute" => TripRule::MaxUsdPerMinute,
+        "closed" => TripRule::Closed,
+        _ if code == "loop_detected" => TripRule::Restored(TripCode::LoopDetected),
+        _ => TripRule::Restored(TripCode::SessionTripped),
     };
-    Trip {
-        code,
-        rule,
-        evidence,
-    }
+    Trip { rule, evidence }
 }
 
 #[derive(Debug, Clone)]
 pub struct SessionGuard {
     /// Shared by every session of the tenant.
-    config: std::sync::Arc<GuardConfig>,
+    config: std::sync::Arc<GuardPolicy>,
     state: State,
     consecutive_failures: u32,
     recent: VecDeque<(Instant, u64)>,
@@ -116,7 +202,7 @@ pub struct SessionGuard {
 }
 
 impl SessionGuard {
-    pub fn new(config: impl Into<std::sync::Arc<GuardConfig>>) -> Self {
+    pub fn new(config: impl Into<std::sync::Arc<GuardPolicy>>) -> Self {
         // Most sessions are short: start the windows small (a live session costs memory
         // for as long as it stays in the cache).
         SessionGuard {
@@ -132,7 +218,7 @@ impl SessionGuard {
     /// A session coming back with what was kept of it; a trip whose cool-down has
     /// passed is due its probe.
     pub fn restored(
-        config: impl Into<std::sync::Arc<GuardConfig>>,
+        config: impl Into<std::sync::Arc<GuardPolicy>>,
         kept: Kept,
         now: Instant,
     ) -> Self {
@@ -168,9 +254,9 @@ impl SessionGuard {
         &self.state
     }
 
-    fn set(&mut self, state: State) -> Option<(&'static str, &'static str)> {
-        let from = self.state.label();
-        let to = state.label();
+    fn set(&mut self, state: State) -> Option<Transition> {
+        let from = self.state.phase();
+        let to = state.phase();
         self.state = state;
         if from != to {
             self.transitions += 1;
@@ -180,7 +266,7 @@ impl SessionGuard {
         }
     }
 
-    fn trip(&mut self, now: Instant, trip: Trip) -> Option<(&'static str, &'static str)> {
+    fn trip(&mut self, now: Instant, trip: Trip) -> Option<Transition> {
         self.set(State::Tripped {
             until: now + self.config.cool_down,
             trip,
@@ -206,7 +292,7 @@ impl SessionGuard {
         now: Instant,
         fp: &Fingerprint,
         session_usd: f64,
-    ) -> (Result<(), Refused>, Option<(&'static str, &'static str)>) {
+    ) -> (Result<(), Refused>, Option<Transition>) {
         let window = self.config.identical_request_window;
         while self
             .recent
@@ -236,8 +322,7 @@ impl SessionGuard {
         match &self.state {
             State::Closed => {
                 let trip = Trip {
-                    code: "session_tripped",
-                    rule: "closed",
+                    rule: TripRule::Closed,
                     evidence: "an operator closed this session".into(),
                 };
                 return (
@@ -278,8 +363,7 @@ impl SessionGuard {
         let repeats = self.recent.iter().filter(|(_, h)| *h == fp.request).count() as u32;
         let rule = if repeats >= self.config.identical_request_limit {
             Some(Trip {
-                code: "loop_detected",
-                rule: "identical_request_limit",
+                rule: TripRule::IdenticalRequestLimit,
                 evidence: format!(
                     "the same request was sent {} times within {}",
                     repeats + 1,
@@ -292,16 +376,14 @@ impl SessionGuard {
             .filter(|(_, n)| *n >= self.config.tool_loop_limit)
         {
             Some(Trip {
-                code: "loop_detected",
-                rule: "tool_loop_limit",
+                rule: TripRule::ToolLoopLimit,
                 evidence: format!("{call} {n} times"),
             })
         } else {
             self.config.max_usd_per_minute.and_then(|limit| {
                 let spent = self.usd_last_minute(now, session_usd);
                 (spent >= limit).then(|| Trip {
-                    code: "session_tripped",
-                    rule: "max_usd_per_minute",
+                    rule: TripRule::MaxUsdPerMinute,
                     evidence: format!("spent ${spent:.4} in the last minute (limit ${limit:.4})"),
                 })
             })
@@ -328,7 +410,7 @@ impl SessionGuard {
     }
 
     /// Records how an admitted request ended.
-    pub fn record(&mut self, now: Instant, failed: bool) -> Option<(&'static str, &'static str)> {
+    pub fn record(&mut self, now: Instant, failed: bool) -> Option<Transition> {
         if !failed {
             self.consecutive_failures = 0;
             return self.set(State::Active);
@@ -346,8 +428,7 @@ impl SessionGuard {
         }
         if self.consecutive_failures >= self.config.max_consecutive_failures {
             let trip = Trip {
-                code: "session_tripped",
-                rule: "max_consecutive_failures",
+                rule: TripRule::MaxConsecutiveFailures,
                 evidence: format!(
                     "{} requests in a row failed after Backstop's own recovery",
                     self.consecutive_failures
@@ -358,7 +439,7 @@ impl SessionGuard {
         self.set(State::Recovering)
     }
 
-    pub fn close(&mut self) -> Option<(&'static str, &'static str)> {
+    pub fn close(&mut self) -> Option<Transition> {
         self.set(State::Closed)
     }
 
@@ -396,11 +477,10 @@ impl SessionGuard {
         });
         match &self.state {
             State::Tripped { until, trip } => {
-                out["trip"] = json!({"code": trip.code, "rule": trip.rule, "evidence": trip.evidence, "probe_in_ms": until.saturating_duration_since(now).as_millis() as u64});
+                out["trip"] = json!({"code": trip.code().as_str(), "rule": trip.rule.as_str(), "evidence": trip.evidence, "probe_in_ms": until.saturating_duration_since(now).as_millis() as u64});
             }
             State::Probing { trip } => {
-                out["trip"] =
-                    json!({"code": trip.code, "rule": trip.rule, "evidence": trip.evidence})
+                out["trip"] = json!({"code": trip.code().as_str(), "rule": trip.rule.as_str(), "evidence": trip.evidence})
             }
             _ => {}
         }
@@ -547,8 +627,8 @@ pub fn fingerprint(json: &serde_json::Map<String, Value>) -> Fingerprint {
 mod tests {
     use super::*;
 
-    fn config() -> GuardConfig {
-        GuardConfig {
+    fn config() -> GuardPolicy {
+        GuardPolicy {
             max_consecutive_failures: 5,
             identical_request_limit: 3,
             identical_request_window: Duration::from_secs(600),
@@ -580,7 +660,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             (refused.trip.rule, refused.retry_after),
-            ("max_consecutive_failures", Duration::from_secs(50))
+            (TripRule::MaxConsecutiveFailures, Duration::from_secs(50))
         );
         // Cool-down over: one probe; a second request meanwhile is refused.
         let t1 = t0 + Duration::from_secs(60);
@@ -620,8 +700,8 @@ mod tests {
         }
         let refused = g.admit(t0, &fp(42), 0.0).0.unwrap_err();
         assert_eq!(
-            (refused.trip.code, refused.trip.rule),
-            ("loop_detected", "identical_request_limit")
+            (refused.trip.code(), refused.trip.rule),
+            (TripCode::LoopDetected, TripRule::IdenticalRequestLimit)
         );
         assert!(
             refused.trip.evidence.contains("4 times"),
@@ -654,7 +734,7 @@ mod tests {
             )),
         };
         let refused = g.admit(t0, &looping, 0.0).0.unwrap_err();
-        assert_eq!(refused.trip.rule, "tool_loop_limit");
+        assert_eq!(refused.trip.rule, TripRule::ToolLoopLimit);
         assert!(
             refused.trip.evidence.contains("Atlantis") && refused.trip.evidence.contains("3 times")
         );
@@ -666,7 +746,7 @@ mod tests {
             .admit(t0 + Duration::from_secs(40), &fp(3), 1.1)
             .0
             .unwrap_err();
-        assert_eq!(refused.trip.rule, "max_usd_per_minute");
+        assert_eq!(refused.trip.rule, TripRule::MaxUsdPerMinute);
         // The same total spread over more than a minute is fine.
         let mut g = SessionGuard::new(config());
         assert!(g.admit(t0, &fp(1), 0.0).0.is_ok());
@@ -749,8 +829,12 @@ mod tests {
             panic!("{kept:?}")
         };
         assert_eq!(*remaining, Duration::from_secs(40));
-        let trip = restore_trip(trip.code, trip.rule, trip.evidence.clone());
-        assert_eq!(trip.rule, "max_consecutive_failures");
+        let trip = restore_trip(
+            trip.code().as_str(),
+            trip.rule.as_str(),
+            trip.evidence.clone(),
+        );
+        assert_eq!(trip.rule, TripRule::MaxConsecutiveFailures);
         let mut back = SessionGuard::restored(
             config(),
             Kept::Tripped {

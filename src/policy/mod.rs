@@ -8,4 +8,5 @@ pub mod budget;
 pub mod classify;
 pub mod guard;
 pub mod retry_budget;
+pub mod trail;
 pub mod window;

@@ -18,7 +18,7 @@
 use http::{header, HeaderMap, HeaderName, HeaderValue};
 
 use super::Upstream;
-use crate::config::ApiKind;
+use crate::api::ApiKind;
 
 /// Client request headers every upstream receives (exact names).
 const REQUEST_ALLOWED: &[&str] = &[

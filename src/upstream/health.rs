@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use crate::{
     config::Config,
     policy::{
-        breaker::{Admission, Breaker, BreakerConfig, State, Transition, Verdict},
+        breaker::{Admission, Breaker, BreakerPolicy, State, Transition, Verdict},
         retry_budget::RetryBudget,
     },
 };
@@ -26,7 +26,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl UpstreamHealth {
-    pub fn new(name: &str, breaker: BreakerConfig, budget: RetryBudget, now: Instant) -> Self {
+    pub fn new(name: &str, breaker: BreakerPolicy, budget: RetryBudget, now: Instant) -> Self {
         metrics::gauge!("backstop_breaker_state", "upstream" => name.to_string()).set(0.0);
         UpstreamHealth {
             name: name.to_string(),
@@ -101,7 +101,7 @@ pub struct HealthRegistry {
 impl HealthRegistry {
     pub fn new(config: &Config) -> Self {
         let now = Instant::now();
-        let breaker = BreakerConfig {
+        let breaker = BreakerPolicy {
             failure_threshold: config.breaker.failure_threshold,
             open_for: config.breaker.open_for,
             half_open_probes: config.breaker.half_open_probes,

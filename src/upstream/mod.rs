@@ -28,9 +28,8 @@ use futures_util::{future::BoxFuture, StreamExt};
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 
 use crate::{
-    api::Endpoint,
-    config::{ApiKind, Config},
-    layers::context::RequestContext,
+    api::{AnswerView, ApiKind, Endpoint, ParsedRequest},
+    config::Config,
     policy::classify::TransportFailure,
 };
 
@@ -108,10 +107,11 @@ pub fn client() -> reqwest::Client {
         .expect("TLS backend initialises")
 }
 
-/// One attempt to make: which upstream, which model, how long it may take.
+/// One attempt to make: the client's parsed request, which upstream, which model, how
+/// long it may take. Built for the leaf by the recovery layer.
 #[derive(Clone)]
 pub struct Attempt {
-    pub ctx: Arc<RequestContext>,
+    pub request: Arc<ParsedRequest>,
     pub upstream: Arc<Upstream>,
     /// The model to ask for instead of the client's.
     pub model: Option<Arc<str>>,
@@ -121,6 +121,8 @@ pub struct Attempt {
     /// Ask an OpenAI stream to report usage, and hide that report from the client
     /// (set by the meter when the client did not ask for it).
     pub stream_usage: bool,
+    /// Keep the parsed answer in the reply's [`AnswerView`]: it is to be validated.
+    pub keep_answer: bool,
 }
 
 /// Why an attempt produced no upstream answer.
@@ -130,6 +132,17 @@ pub enum AttemptError {
     Transport(TransportFailure),
     /// A layer refused to make the call (a budget): not retried.
     Refused(crate::error::GatewayError),
+}
+
+/// Only for readiness, which the leaf never fails: an attempt's real errors are
+/// classified by the recovery layer, never converted.
+impl From<AttemptError> for crate::error::GatewayError {
+    fn from(err: AttemptError) -> Self {
+        match err {
+            AttemptError::Refused(refusal) => refusal,
+            AttemptError::Transport(_) => crate::error::GatewayError::Internal,
+        }
+    }
 }
 
 impl From<TransportFailure> for AttemptError {
@@ -145,6 +158,8 @@ pub struct Reply {
     pub body: ReplyBody,
     /// For streams: the usage the stream reports, delivered when it ends.
     pub stream_usage: Option<Arc<stream::StreamUsage>>,
+    /// A whole 2xx body, read once: what classification, the meter and validation need.
+    pub view: Option<AnswerView>,
 }
 
 pub enum ReplyBody {
@@ -155,6 +170,27 @@ pub enum ReplyBody {
 }
 
 impl Reply {
+    /// A reply read whole, its view read once (for a 2xx; `keep_answer` keeps the
+    /// parsed answer too).
+    pub fn whole(
+        api: ApiKind,
+        status: StatusCode,
+        headers: HeaderMap,
+        body: Bytes,
+        keep_answer: bool,
+    ) -> Reply {
+        let view = status
+            .is_success()
+            .then(|| AnswerView::read(api, &body, keep_answer));
+        Reply {
+            status,
+            headers,
+            body: ReplyBody::Full(body),
+            stream_usage: None,
+            view,
+        }
+    }
+
     /// The whole body, or empty for a stream.
     pub fn bytes(&self) -> &[u8] {
         match &self.body {
@@ -281,11 +317,11 @@ async fn send(
     limits: &StreamLimits,
     attempt: &Attempt,
 ) -> Result<Reply, TransportFailure> {
-    let (ctx, upstream) = (&attempt.ctx, &attempt.upstream);
-    let url = upstream.urls[&ctx.endpoint].clone();
-    let body = ctx.upstream_body(
+    let (request, upstream) = (&attempt.request, &attempt.upstream);
+    let url = upstream.urls[&request.endpoint].clone();
+    let body = request.upstream_body(
         attempt.model.as_deref(),
-        attempt.stream_usage && ctx.endpoint.api() == ApiKind::OpenAi,
+        attempt.stream_usage && request.endpoint.api() == ApiKind::OpenAi,
     );
     let headers = headers::upstream_request_headers(&attempt.headers, upstream);
     let deadline = tokio::time::Instant::now() + attempt.timeout;
@@ -307,10 +343,10 @@ async fn send(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
 
-    if ctx.stream && status.is_success() && !is_sse {
+    if request.stream && status.is_success() && !is_sse {
         return Err(TransportFailure::NotAStream);
     }
-    let body = if ctx.stream && is_sse && status.is_success() {
+    let body = if request.stream && is_sse && status.is_success() {
         let mut chunks = response.bytes_stream().boxed();
         let first = loop {
             match tokio::time::timeout_at(deadline, chunks.next()).await {
@@ -323,7 +359,7 @@ async fn send(
         };
         let usage = Arc::new(stream::StreamUsage::default());
         let relay = stream::Relay {
-            api: ctx.endpoint.api(),
+            api: request.endpoint.api(),
             idle: upstream.attempt_timeout,
             max_event_bytes: limits.max_event_bytes,
             max_duration: limits.max_duration,
@@ -336,18 +372,20 @@ async fn send(
             headers,
             body: ReplyBody::Stream(relay.body(first, chunks)),
             stream_usage: Some(usage),
+            view: None,
         });
     } else {
         let read = read_capped(response, limits.max_response_bytes);
         let bytes = tokio::time::timeout_at(deadline, read)
             .await
             .map_err(|_| TransportFailure::Timeout)??;
-        ReplyBody::Full(bytes)
+        bytes
     };
-    Ok(Reply {
+    Ok(Reply::whole(
+        request.endpoint.api(),
         status,
         headers,
         body,
-        stream_usage: None,
-    })
+        attempt.keep_answer,
+    ))
 }

@@ -27,7 +27,7 @@ use futures_util::{
 };
 use serde_json::Value;
 
-use crate::{api::stream_error_event, config::ApiKind};
+use crate::api::{stream_error_event, ApiKind};
 
 type OnEnd = Box<dyn FnOnce(Option<(u64, u64)>) + Send>;
 

@@ -15,9 +15,9 @@ use std::{collections::HashMap, sync::Arc};
 use jsonschema::{error::ValidationErrorKind, Validator};
 use serde_json::{json, Map, Value};
 
-pub use schemas::{fingerprint, Fingerprint, RequestLimits, Schemas};
+pub use schemas::{fingerprint, Fingerprint, RequestLimits, SchemaSettings, Schemas};
 
-use crate::config::ApiKind;
+use crate::api::ApiKind;
 
 /// What was wrong, by kind (the `x-backstop-recovery` token and metric label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -464,7 +464,7 @@ mod tests {
     use super::*;
 
     fn schemas() -> Schemas {
-        Schemas::new(&crate::config::ValidationConfig::default())
+        Schemas::new(crate::config::ValidationConfig::default().schema_settings())
     }
 
     fn weather_schema() -> Value {

@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use serde_json::{json, Value};
 
-use crate::config::ApiKind;
+use crate::api::ApiKind;
 
 fn data(value: &Value) -> String {
     format!("data: {value}\n\n")

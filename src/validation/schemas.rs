@@ -22,7 +22,6 @@ use serde_json::Value;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::shape::{self, ShapeLimits};
-use crate::config::ValidationConfig;
 
 /// Measured with jsonschema 0.33: a compiled schema holds about ten times its serialized
 /// size, plus a fixed part (its registry and root node).
@@ -91,6 +90,18 @@ pub struct RequestLimits {
     pub max_tools: usize,
 }
 
+/// What [`Schemas`] may accept, hold and do at once (from `[validation]`).
+#[derive(Debug, Clone, Copy)]
+pub struct SchemaSettings {
+    pub request: RequestLimits,
+    pub shape: ShapeLimits,
+    /// The compiled-schema cache's weight per tenant, in estimated bytes.
+    pub cache_bytes: u64,
+    /// The most schemas a tenant's cache holds, however light.
+    pub cache_entries: u64,
+    pub max_concurrent_compiles: usize,
+}
+
 pub struct Schemas {
     request: RequestLimits,
     tenants: Mutex<HashMap<Arc<str>, Cache<u64, Entry>>>,
@@ -104,24 +115,14 @@ pub struct Schemas {
 }
 
 impl Schemas {
-    pub fn new(config: &ValidationConfig) -> Self {
+    pub fn new(settings: SchemaSettings) -> Self {
         Schemas {
-            request: RequestLimits {
-                max_schema_bytes: config.max_schema_bytes,
-                max_request_schema_bytes: config.max_request_schema_bytes,
-                max_tools: config.max_tools,
-            },
+            request: settings.request,
             tenants: Mutex::new(HashMap::new()),
-            cache_bytes: config.schema_cache_bytes,
-            min_weight: config
-                .schema_cache_bytes
-                .div_ceil(config.schema_cache_size.max(1)),
-            limits: ShapeLimits {
-                max_depth: config.max_schema_depth,
-                max_paths: config.max_schema_paths,
-                max_fanout: config.max_schema_fanout,
-            },
-            compiles: Arc::new(Semaphore::new(config.max_concurrent_compiles.max(1))),
+            cache_bytes: settings.cache_bytes,
+            min_weight: settings.cache_bytes.div_ceil(settings.cache_entries.max(1)),
+            limits: settings.shape,
+            compiles: Arc::new(Semaphore::new(settings.max_concurrent_compiles.max(1))),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
         }
@@ -225,12 +226,13 @@ impl Schemas {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::ValidationConfig;
     use serde_json::json;
 
     fn schemas(edit: impl FnOnce(&mut ValidationConfig)) -> Schemas {
         let mut config = ValidationConfig::default();
         edit(&mut config);
-        Schemas::new(&config)
+        Schemas::new(config.schema_settings())
     }
 
     #[test]

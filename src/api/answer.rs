@@ -1,0 +1,155 @@
+//! The typed view of a whole upstream answer, read in one pass by the leaf: whether it
+//! is JSON at all (classification), the usage it reports (the meter), and, when the
+//! request's output is validated, the parsed answer itself (validation). No layer parses
+//! an answer body again.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::ApiKind;
+
+/// The usage an answer reports, before any judgement of whether to believe it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReportedUsage {
+    /// No `usage` object.
+    Absent,
+    /// Absent fields count 0.
+    Counts { input: u64, output: u64 },
+    /// A field that is not a non-negative integer.
+    Invalid,
+}
+
+/// What the layers need from a whole 2xx body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AnswerView {
+    /// The body is JSON (a 2xx that is not is malformed).
+    pub is_json: bool,
+    pub usage: ReportedUsage,
+    /// The parsed answer, kept only when it is to be validated.
+    pub json: Option<Value>,
+}
+
+impl AnswerView {
+    /// Reads a 2xx body once; `keep` keeps the whole parsed answer for validation.
+    pub fn read(api: ApiKind, body: &[u8], keep: bool) -> AnswerView {
+        if keep {
+            return match serde_json::from_slice::<Value>(body) {
+                Ok(json) => AnswerView {
+                    is_json: true,
+                    usage: usage_of(api, json.get("usage")),
+                    json: Some(json),
+                },
+                Err(_) => AnswerView::not_json(),
+            };
+        }
+        /// Only `usage` is built; the rest is checked for syntax and skipped.
+        #[derive(Deserialize)]
+        struct WithUsage {
+            #[serde(default)]
+            usage: Option<Value>,
+        }
+        match serde_json::from_slice::<WithUsage>(body) {
+            Ok(WithUsage { usage }) => AnswerView {
+                is_json: true,
+                usage: usage_of(api, usage.as_ref()),
+                json: None,
+            },
+            // Not an object: JSON still (`[]`), or not JSON at all.
+            Err(_) => AnswerView {
+                is_json: serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok(),
+                usage: ReportedUsage::Absent,
+                json: None,
+            },
+        }
+    }
+
+    fn not_json() -> AnswerView {
+        AnswerView {
+            is_json: false,
+            usage: ReportedUsage::Absent,
+            json: None,
+        }
+    }
+}
+
+fn usage_of(api: ApiKind, usage: Option<&Value>) -> ReportedUsage {
+    let Some(usage) = usage.filter(|u| u.is_object()) else {
+        return ReportedUsage::Absent;
+    };
+    let (input, output) = match api {
+        ApiKind::OpenAi => ("prompt_tokens", "completion_tokens"),
+        ApiKind::Anthropic => ("input_tokens", "output_tokens"),
+    };
+    let count = |field: &str| match usage.get(field) {
+        None | Some(Value::Null) => Some(0),
+        Some(v) => v.as_u64(),
+    };
+    match (count(input), count(output)) {
+        (Some(input), Some(output)) => ReportedUsage::Counts { input, output },
+        _ => ReportedUsage::Invalid,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn usage(api: ApiKind, body: &[u8]) -> ReportedUsage {
+        let fast = AnswerView::read(api, body, false);
+        let kept = AnswerView::read(api, body, true);
+        // Either way of reading says the same about the answer.
+        assert_eq!(fast.usage, kept.usage, "{}", String::from_utf8_lossy(body));
+        assert_eq!(fast.is_json, kept.is_json);
+        fast.usage
+    }
+
+    #[test]
+    fn usage_is_read_from_both_apis() {
+        let counts = |input, output| ReportedUsage::Counts { input, output };
+        assert_eq!(
+            usage(
+                ApiKind::OpenAi,
+                br#"{"usage":{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12}}"#
+            ),
+            counts(5, 7)
+        );
+        assert_eq!(
+            usage(
+                ApiKind::OpenAi,
+                br#"{"usage":{"prompt_tokens":9,"total_tokens":9}}"#
+            ),
+            counts(9, 0)
+        );
+        assert_eq!(
+            usage(
+                ApiKind::Anthropic,
+                br#"{"usage":{"input_tokens":3,"output_tokens":4}}"#
+            ),
+            counts(3, 4)
+        );
+        assert_eq!(
+            usage(ApiKind::OpenAi, br#"{"id":"x"}"#),
+            ReportedUsage::Absent
+        );
+        assert_eq!(usage(ApiKind::OpenAi, b"not json"), ReportedUsage::Absent);
+        assert!(!AnswerView::read(ApiKind::OpenAi, b"not json", false).is_json);
+        assert!(AnswerView::read(ApiKind::OpenAi, b"[]", false).is_json);
+    }
+
+    #[test]
+    fn usage_that_is_not_a_count_is_invalid_not_zero() {
+        for u in [
+            r#"{"prompt_tokens":-1,"completion_tokens":5}"#,
+            r#"{"prompt_tokens":1.5,"completion_tokens":5}"#,
+            r#"{"prompt_tokens":1,"completion_tokens":1e30}"#,
+            r#"{"prompt_tokens":"12","completion_tokens":5}"#,
+        ] {
+            let body = format!(r#"{{"usage":{u}}}"#);
+            assert_eq!(
+                usage(ApiKind::OpenAi, body.as_bytes()),
+                ReportedUsage::Invalid,
+                "{u}"
+            );
+        }
+    }
+}

@@ -1,0 +1,123 @@
+//! A client's request as both APIs send it, parsed once by the context layer: what the
+//! upstream leaf is given to send, and what the policy layers read. It knows nothing of
+//! tenants, sessions or routes.
+
+use bytes::Bytes;
+use serde_json::{Map, Value};
+
+use super::Endpoint;
+
+/// The largest `max_tokens` accepted: every provider's field is a 32-bit integer.
+pub const MAX_OUTPUT_TOKENS: u64 = i32::MAX as u64;
+
+/// Why a body is not a request Backstop can route.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RequestError {
+    /// Not JSON, or JSON with a repeated key.
+    InvalidJson(String),
+    NotAnObject,
+    /// No `model`, or an empty one.
+    MissingModel,
+    InvalidParameter {
+        param: &'static str,
+        detail: String,
+    },
+}
+
+/// One request body, parsed.
+#[derive(Debug, Clone)]
+pub struct ParsedRequest {
+    pub endpoint: Endpoint,
+    pub model: String,
+    pub stream: bool,
+    /// The completion cap the caller set (`max_tokens` / `max_completion_tokens`).
+    pub max_output_tokens: Option<u64>,
+    /// An OpenAI stream for which the caller itself asked usage to be reported.
+    pub client_wants_stream_usage: bool,
+    /// The body exactly as the client sent it.
+    pub body: Bytes,
+    /// The same body, parsed once.
+    pub json: Map<String, Value>,
+}
+
+impl ParsedRequest {
+    /// Parses a body. Pure: no I/O, so it is unit-tested and fuzzed directly.
+    pub fn parse(endpoint: Endpoint, body: Bytes) -> Result<ParsedRequest, RequestError> {
+        let value = super::json::parse_strict(&body)
+            .map_err(|e| RequestError::InvalidJson(e.to_string()))?;
+        let Value::Object(json) = value else {
+            return Err(RequestError::NotAnObject);
+        };
+        let model = match json.get("model") {
+            Some(Value::String(m)) if !m.trim().is_empty() => m.clone(),
+            _ => return Err(RequestError::MissingModel),
+        };
+        let stream = matches!(json.get("stream"), Some(Value::Bool(true)));
+        let mut max_output_tokens = None;
+        for param in ["max_completion_tokens", "max_tokens"] {
+            match json.get(param) {
+                None | Some(Value::Null) => {}
+                Some(v) => match v.as_u64().filter(|n| *n <= MAX_OUTPUT_TOKENS) {
+                    Some(n) => {
+                        max_output_tokens.get_or_insert(n);
+                    }
+                    None => {
+                        return Err(RequestError::InvalidParameter {
+                            param,
+                            detail: format!(
+                                "must be an integer from 0 to {MAX_OUTPUT_TOKENS}, got {v}"
+                            ),
+                        })
+                    }
+                },
+            }
+        }
+        let client_wants_stream_usage = json
+            .get("stream_options")
+            .and_then(|o| o.get("include_usage"))
+            .and_then(Value::as_bool)
+            == Some(true);
+        Ok(ParsedRequest {
+            endpoint,
+            model,
+            stream,
+            max_output_tokens,
+            client_wants_stream_usage,
+            body,
+            json,
+        })
+    }
+
+    /// The same request with a different body (a corrective retry, a non-streaming
+    /// fetch for validation); `stream` follows the new body.
+    pub fn with_json(&self, json: Map<String, Value>) -> ParsedRequest {
+        let body = Bytes::from(serde_json::to_vec(&json).expect("a JSON map serialises"));
+        ParsedRequest {
+            stream: matches!(json.get("stream"), Some(Value::Bool(true))),
+            body,
+            json,
+            ..self.clone()
+        }
+    }
+
+    /// The body to send upstream: as received, unless the model is rewritten or stream
+    /// usage must be asked for (then re-serialised from the parsed body).
+    pub fn upstream_body(&self, model: Option<&str>, ask_stream_usage: bool) -> Bytes {
+        if model.is_none() && !ask_stream_usage {
+            return self.body.clone();
+        }
+        let mut json = self.json.clone();
+        if let Some(model) = model {
+            json.insert("model".into(), Value::String(model.into()));
+        }
+        if ask_stream_usage {
+            let options = json
+                .entry("stream_options")
+                .or_insert_with(|| Value::Object(Map::new()));
+            if let Value::Object(options) = options {
+                options.insert("include_usage".into(), Value::Bool(true));
+            }
+        }
+        Bytes::from(serde_json::to_vec(&json).expect("a JSON map serialises"))
+    }
+}

@@ -1,0 +1,111 @@
+//! What recovery did for one request, as typed steps: decided by the recovery and
+//! validate layers, rendered to `x-backstop-recovery` in one place ([`render`]), read by
+//! the session guard's trace. A test asserts the steps, not a string.
+
+use std::{fmt, sync::Arc};
+
+use super::classify::TransportFailure;
+
+/// Why an attempt did not answer: what its class was decided from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// The upstream answered with this status.
+    Status(u16),
+    /// A 2xx that is not the answer it claims to be.
+    Malformed,
+    /// A 3xx, never followed.
+    Redirect,
+    /// No answer: the transport failed.
+    Transport(TransportFailure),
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Reason::Status(status) => write!(f, "{status}"),
+            Reason::Malformed => f.write_str("malformed"),
+            Reason::Redirect => f.write_str("redirect"),
+            Reason::Transport(failure) => f.write_str(failure.label()),
+        }
+    }
+}
+
+/// One thing recovery (or validation) did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// The attempt answered successfully.
+    Ok,
+    /// A transient failure, retried on the same target after a backoff.
+    Retry(Reason),
+    /// A failure this target will not be asked again for.
+    GiveUp(Reason),
+    /// A transient failure not retried: the upstream's retry budget is spent.
+    Budget(Reason),
+    /// The caller's fault, passed through unchanged.
+    Pass(Reason),
+    /// The next target is tried.
+    Failover(Arc<str>),
+    /// The upstream's breaker is open: skipped without a call.
+    Open(Arc<str>),
+    /// `context_length_exceeded` sent to the route's context fallback.
+    Fallback(Arc<str>),
+    /// A layer refused the call before any network (a budget), with its error code.
+    Refused(&'static str),
+    /// The answer broke its schema: asked again with the errors (the problem's label).
+    Correct(&'static str),
+    /// Corrections exhausted on one target: the next target is asked.
+    Switch(Arc<str>),
+}
+
+impl fmt::Display for Step {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Step::Ok => f.write_str("ok"),
+            Step::Retry(r) => write!(f, "retry:{r}"),
+            Step::GiveUp(r) => write!(f, "giveup:{r}"),
+            Step::Budget(r) => write!(f, "budget:{r}"),
+            Step::Pass(r) => write!(f, "pass:{r}"),
+            Step::Failover(to) => write!(f, "failover:{to}"),
+            Step::Open(upstream) => write!(f, "open:{upstream}"),
+            Step::Fallback(to) => write!(f, "fallback:{to}"),
+            Step::Refused(code) => write!(f, "refused:{code}"),
+            Step::Correct(kind) => write!(f, "correct:{kind}"),
+            Step::Switch(to) => write!(f, "switch:{to}"),
+        }
+    }
+}
+
+/// The steps as the `x-backstop-recovery` header and log field: comma-separated.
+pub fn render(steps: &[Step]) -> String {
+    use fmt::Write as _;
+    let mut out = String::with_capacity(steps.len() * 8);
+    for (i, step) in steps.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        let _ = write!(out, "{step}");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn steps_render_as_the_header_always_has() {
+        let steps = [
+            Step::Retry(Reason::Status(503)),
+            Step::Retry(Reason::Transport(TransportFailure::Reset)),
+            Step::GiveUp(Reason::Malformed),
+            Step::Failover("backup".into()),
+            Step::Correct("schema"),
+            Step::Ok,
+        ];
+        assert_eq!(
+            render(&steps),
+            "retry:503,retry:reset,giveup:malformed,failover:backup,correct:schema,ok"
+        );
+        assert_eq!(render(&[]), "");
+    }
+}
