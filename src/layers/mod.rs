@@ -8,6 +8,26 @@
 //!   layer does not compile. Recovery answers [`Answered`](recovery::Answered) (the
 //!   reply and which target gave it), which only the validate layer takes.
 //!
+//! The seam holds at compile time. A layer inside the context layer serves calls:
+//!
+//! ```
+//! # use backstop::{layers::{context::Call, limits::Limits}, error::GatewayError};
+//! # use tower::util::BoxCloneService;
+//! # type Inner = BoxCloneService<Call, http::Response<axum::body::Body>, GatewayError>;
+//! fn serves<Req, S: tower::Service<Req>>() {}
+//! serves::<Call, Limits<Inner>>();
+//! ```
+//!
+//! and so it cannot be mounted where HTTP requests arrive, before the context layer:
+//!
+//! ```compile_fail,E0277
+//! # use backstop::{layers::{context::Call, limits::Limits}, error::GatewayError};
+//! # use tower::util::BoxCloneService;
+//! # type Inner = BoxCloneService<Call, http::Response<axum::body::Body>, GatewayError>;
+//! fn serves<Req, S: tower::Service<Req>>() {}
+//! serves::<http::Request<axum::body::Body>, Limits<Inner>>();
+//! ```
+//!
 //! Those inner layers are written as a [`Middleware`]: one async function from the ready
 //! inner service and the request to the response. [`Stack`] is the one tower adapter
 //! around all of them (readiness, the clone-and-swap, boxing the future).
