@@ -204,6 +204,7 @@ where
                 .get(header::CONTENT_LENGTH)
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.parse::<usize>().ok());
+            // Not tower-http's `RequestBodyLimitLayer`: its 413 has no body in the caller's shape.
             let limit = layer.max_body_bytes;
             if declared.is_some_and(|n| n > limit) {
                 return Err(GatewayError::BodyTooLarge { limit });
@@ -240,6 +241,7 @@ where
                 parse(endpoint, bytes, session_id, &layer.routes)?
             };
             ctx.tenant = tenant;
+            tracing::Span::current().record("session", ctx.session_id.as_deref());
             if let Some(log) = parts.extensions.get::<Arc<RequestLog>>() {
                 log.update(|f| {
                     f.model = Some(ctx.model.clone());
