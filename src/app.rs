@@ -3,7 +3,7 @@
 //! A proxied request passes, outer → inner (inside the layers around the whole router,
 //! below):
 //! 1. [`EdgeLayer`]: request id and log record into the extensions, in-flight gauge, the
-//!    request's log line and metrics (also on `/v1/models`).
+//!    request's log line and metrics (also on `/v1/models` and the admin routes).
 //! 2. [`RespondLayer`]: typed errors and panics become responses in the caller's API shape;
 //!    everything above it is infallible.
 //! 3. [`DeadlineLayer`]: `server.request_timeout` over the whole request.
@@ -66,6 +66,7 @@ use tower_http::{
 };
 
 use crate::{
+    admin::AdminState,
     api::Endpoint,
     budgets::Budgets,
     config::Config,
@@ -278,7 +279,7 @@ pub fn router(state: AppState) -> App {
         .service(routes(state))
 }
 
-/// The routes; the proxy and model-list ones each behind their own stack.
+/// The routes; the proxy, model-list and admin ones each behind their own stack.
 fn routes(state: AppState) -> Router {
     let proxy = proxy_stack(&state);
     let models = models_stack(&state);
@@ -290,13 +291,36 @@ fn routes(state: AppState) -> Router {
         .route(Endpoint::Messages.path(), post_service(proxy.clone()))
         .route(Endpoint::Embeddings.path(), post_service(proxy))
         .route("/v1/models", axum::routing::get_service(models))
-        .merge(crate::admin::routes())
+        .merge(crate::admin::routes(admin_state(&state)))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
+}
+
+/// What the admin API may see: its own narrow state, not [`AppState`].
+fn admin_state(state: &AppState) -> AdminState {
+    AdminState {
+        health: state.health.clone(),
+        upstream_apis: Arc::new(
+            state
+                .upstreams
+                .iter()
+                .map(|(name, upstream)| (name.clone(), upstream.api))
+                .collect(),
+        ),
+        budgets: state.budgets.clone(),
+        guards: state.guards.clone(),
+        tenants: state.tenants.clone(),
+        token: state
+            .config
+            .admin
+            .token
+            .as_ref()
+            .map(|token| Arc::from(token.expose())),
+    }
 }
 
 async fn readyz(State(state): State<AppState>) -> impl IntoResponse {

@@ -1,9 +1,13 @@
-//! The edge every route shares: one request-id rule.
+//! The edge every route shares: one request-id rule, the admin API through the edge
+//! (request id, metrics, its auth as a layer), and the tenant's session report rate
+//! limited.
 
 mod common;
 
 use common::*;
 use serde_json::json;
+
+const LIMITED: &str = "bk-test-limited-key";
 
 #[tokio::test]
 async fn one_request_id_rule_on_every_route() {
@@ -60,4 +64,144 @@ async fn one_request_id_rule_on_every_route() {
             .unwrap();
         assert_eq!(resp.headers()["x-request-id"], longest.as_str(), "{path}");
     }
+}
+
+#[tokio::test]
+async fn admin_calls_pass_the_edge_with_a_request_id_and_metrics() {
+    let gw = start_with(|t| format!("{t}\n{}", admin_and_prices())).await;
+    let resp = gw
+        .http
+        .get(format!("{}/admin/upstreams", gw.url))
+        .bearer_auth(ADMIN)
+        .header("x-request-id", "admin-call-1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-request-id"], "admin-call-1");
+    assert!(json(resp).await["upstreams"].is_array());
+    let unknown = gw
+        .http
+        .get(format!("{}/admin/tenants/nobody", gw.url))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unknown.status(), 404);
+    assert!(unknown.headers().contains_key("x-request-id"));
+    assert_eq!(json(unknown).await["error"]["code"], "not_found");
+
+    let page = reqwest::get(format!("{}/metrics", gw.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let admin_lines: Vec<&str> = page
+        .lines()
+        .filter(|l| l.starts_with("backstop_requests_total{") && l.contains("endpoint=\"admin\""))
+        .collect();
+    assert!(
+        admin_lines.iter().any(|l| l.contains("status=\"2xx\""))
+            && admin_lines.iter().any(|l| l.contains("status=\"4xx\"")),
+        "{admin_lines:?}"
+    );
+    assert!(!page.contains("nobody"), "a path segment became a label");
+}
+
+#[tokio::test]
+async fn admin_auth_refuses_with_exact_codes() {
+    let gw = start_with(|t| format!("{t}\n{}", admin_and_prices())).await;
+    for (token, why) in [
+        (Some(KEY_A), "a tenant key"),
+        (Some("x"), "wrong"),
+        (None, "none"),
+    ] {
+        let mut req = gw
+            .http
+            .post(format!("{}/admin/tenants/team-a/sessions/s/reset", gw.url));
+        if let Some(token) = token {
+            req = req.bearer_auth(token);
+        }
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status(), 401, "{why}");
+        assert_eq!(resp.headers()["x-should-retry"], "false");
+        assert!(resp.headers().contains_key("x-request-id"));
+        let body = json(resp).await;
+        assert_eq!(body["error"]["code"], "invalid_admin_token", "{why}");
+        assert_eq!(body["error"]["type"], "authentication_error", "{why}");
+    }
+    // A known admin path with the wrong method: 405 as on any route, token or not.
+    let resp = gw
+        .http
+        .get(format!("{}/admin/tenants/team-a/sessions/s/reset", gw.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 405);
+
+    // Without `[admin] token` the admin API is off: 403, whatever is presented.
+    let off = start().await;
+    let resp = off
+        .http
+        .get(format!("{}/admin/upstreams", off.url))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 403);
+    assert_eq!(json(resp).await["error"]["code"], "admin_disabled");
+}
+
+#[tokio::test]
+async fn the_session_report_is_rate_limited_like_any_tenant_call() {
+    let gw = start_with(|t| {
+        format!("{t}\n[[tenants]]\nname = \"limited\"\napi_keys = [\"{LIMITED}\"]\nrequests_per_minute = 2\n")
+    })
+    .await;
+    let report = || {
+        gw.http
+            .get(format!("{}/v1/sessions/s", gw.url))
+            .bearer_auth(LIMITED)
+            .send()
+    };
+    for _ in 0..2 {
+        let resp = report().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(json(resp).await["tenant"], "limited");
+    }
+    let resp = report().await.unwrap();
+    assert_eq!(resp.status(), 429);
+    let retry_after: u64 = resp.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=30).contains(&retry_after), "{retry_after}");
+    assert_eq!(resp.headers()["x-should-retry"], "false");
+    let body = json(resp).await;
+    assert_eq!(body["error"]["code"], "rate_limited");
+    assert_eq!(body["error"]["type"], "rate_limit_error");
+    // The same limiter as the proxy: the tenant's next call is refused too.
+    let chat = json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]});
+    let resp = gw
+        .post(
+            "/v1/chat/completions",
+            Some(LIMITED),
+            &[("x-mock-scenario", "rl-report")],
+            chat.to_string(),
+        )
+        .await;
+    assert_eq!(resp.status(), 429);
+    assert_eq!(gw.mock.attempts("rl-report"), 0);
+    // An unknown key is refused by the tenant auth layer, as on the proxy.
+    let resp = gw
+        .http
+        .get(format!("{}/v1/sessions/s", gw.url))
+        .bearer_auth("bk-nobody")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 401);
+    assert_eq!(json(resp).await["error"]["code"], "invalid_api_key");
 }

@@ -117,6 +117,16 @@ pub struct Edge<S> {
     inner: S,
 }
 
+/// The `endpoint` metric label: low-cardinality, never a path with ids in it.
+fn endpoint_label(path: &str) -> &'static str {
+    match Endpoint::from_path(path) {
+        Some(endpoint) => endpoint.label(),
+        None if path.starts_with("/admin/") => "admin",
+        None if path.starts_with("/v1/sessions/") => "sessions",
+        None => "other",
+    }
+}
+
 /// Decrements the in-flight gauge however the request ends, dropped futures included.
 struct InFlight;
 
@@ -159,7 +169,7 @@ where
             }
         };
         let log = Arc::new(RequestLog::default());
-        let endpoint = Endpoint::from_path(req.uri().path()).map_or("other", Endpoint::label);
+        let endpoint = endpoint_label(req.uri().path());
         req.extensions_mut().insert(RequestId(id.clone()));
         req.extensions_mut().insert(log.clone());
         let future = self.inner.call(req);
@@ -261,5 +271,13 @@ mod tests {
             assert!(!req.headers().contains_key(&X_REQUEST_ID), "{dropped:?}");
         }
         assert_eq!(new_request_id().len(), 32);
+    }
+
+    #[test]
+    fn endpoint_labels_stay_few() {
+        assert_eq!(endpoint_label("/v1/chat/completions"), "chat_completions");
+        assert_eq!(endpoint_label("/admin/tenants/t/sessions/s"), "admin");
+        assert_eq!(endpoint_label("/v1/sessions/s-123"), "sessions");
+        assert_eq!(endpoint_label("/v1/models"), "other");
     }
 }
