@@ -27,6 +27,8 @@
 //!    visible ASCII bytes is dropped, a missing one is made, and it is echoed on every
 //!    response;
 //! 3. a tracing span per request (`request_id`, then `tenant` and `session` when known);
+//! 4. `server.body_read_timeout` on the request body (408 `request_body_timeout`, in the
+//!    caller's shape, from the context layer).
 //!
 //! tower-http's `TimeoutLayer`, `CatchPanicLayer` and `RequestBodyLimitLayer` are not
 //! used: they answer with empty or plain-text bodies, where ours answer in the caller's
@@ -62,6 +64,7 @@ use tower_http::{
         SetSensitiveRequestHeaders, SetSensitiveRequestHeadersLayer, SetSensitiveResponseHeaders,
         SetSensitiveResponseHeadersLayer,
     },
+    timeout::{RequestBodyTimeout, RequestBodyTimeoutLayer},
     trace::{Trace, TraceLayer},
 };
 
@@ -239,7 +242,7 @@ pub type App = SetSensitiveRequestHeaders<
         SetRequestId<
             PropagateRequestId<
                 Trace<
-                    SetSensitiveResponseHeaders<Router>,
+                    SetSensitiveResponseHeaders<RequestBodyTimeout<Router>>,
                     SharedClassifier<ServerErrorsAsFailures>,
                     EdgeSpan,
                     (),
@@ -258,6 +261,7 @@ pub type App = SetSensitiveRequestHeaders<
 /// The full HTTP surface.
 pub fn router(state: AppState) -> App {
     let sensitive = edge::sensitive_headers();
+    let body_read_timeout = state.config.server.body_read_timeout;
     ServiceBuilder::new()
         .layer(SetSensitiveRequestHeadersLayer::new(sensitive.clone()))
         .layer(MapRequestLayer::new(
@@ -276,6 +280,7 @@ pub fn router(state: AppState) -> App {
                 .on_failure(()),
         )
         .layer(SetSensitiveResponseHeadersLayer::new(sensitive))
+        .layer(RequestBodyTimeoutLayer::new(body_read_timeout))
         .service(routes(state))
 }
 

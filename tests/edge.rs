@@ -1,11 +1,17 @@
 //! The edge every route shares: one request-id rule, the admin API through the edge
-//! (request id, metrics, its auth as a layer), and the tenant's session report rate
-//! limited.
+//! (request id, metrics, its auth as a layer), the tenant's session report rate limited,
+//! and the request body read timeout answered in the caller's API shape.
 
 mod common;
 
+use std::time::Duration;
+
 use common::*;
-use serde_json::json;
+use serde_json::{json, Value};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::TcpStream,
+};
 
 const LIMITED: &str = "bk-test-limited-key";
 
@@ -204,4 +210,73 @@ async fn the_session_report_is_rate_limited_like_any_tenant_call() {
         .unwrap();
     assert_eq!(resp.status(), 401);
     assert_eq!(json(resp).await["error"]["code"], "invalid_api_key");
+}
+
+/// Sends a request head that promises 100 bytes of body, then half of it, then nothing;
+/// returns the status and the JSON body of the answer.
+async fn stalled_body(addr: std::net::SocketAddr, path: &str, auth: &str) -> (u16, Value) {
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\n{auth}\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
+    );
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    tcp.write_all(&[b' '; 50]).await.unwrap();
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 4096];
+    let answer = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let n = tcp.read(&mut buf).await.unwrap();
+            raw.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&raw);
+            if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length: ")
+                            .map(|v| v.trim().parse().unwrap())
+                    })
+                    .expect("a content-length");
+                if body.len() >= length || n == 0 {
+                    return (head.to_string(), body.to_string());
+                }
+            }
+            assert!(n > 0, "closed without an answer: {text}");
+        }
+    })
+    .await
+    .expect("answered within 5s");
+    let status = answer.0[9..12].parse().unwrap();
+    (status, serde_json::from_str(&answer.1).unwrap())
+}
+
+#[tokio::test]
+async fn a_stalled_request_body_gets_408_in_the_callers_shape() {
+    let gw =
+        start_with(|t| t.replacen("[server]\n", "[server]\nbody_read_timeout = \"200ms\"\n", 1))
+            .await;
+    let (status, body) = stalled_body(
+        gw.server.addr,
+        "/v1/chat/completions",
+        &format!("authorization: Bearer {KEY_A}"),
+    )
+    .await;
+    assert_eq!(status, 408, "{body}");
+    assert_eq!(body["error"]["code"], "request_body_timeout", "{body}");
+    assert_eq!(body["error"]["type"], "timeout_error", "{body}");
+
+    let (status, body) = stalled_body(
+        gw.server.addr,
+        "/v1/messages",
+        &format!("x-api-key: {KEY_A}"),
+    )
+    .await;
+    assert_eq!(status, 408, "{body}");
+    assert_eq!(body["type"], "error", "{body}");
+    assert_eq!(body["error"]["type"], "request_body_timeout", "{body}");
+
+    // A body that arrives in time is served as usual.
+    let chat = json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]});
+    let resp = gw.chat("in-time", "", chat).await;
+    assert_eq!(resp.status(), 200);
 }

@@ -215,6 +215,8 @@ where
                 .map_err(|e| {
                     if e.is::<http_body_util::LengthLimitError>() {
                         GatewayError::BodyTooLarge { limit }
+                    } else if is_body_timeout(&*e) {
+                        GatewayError::BodyTimeout
                     } else {
                         GatewayError::BodyRead(e.to_string())
                     }
@@ -252,6 +254,14 @@ where
             inner.call(Request::from_parts(parts, Body::empty())).await
         })
     }
+}
+
+/// The edge's `server.body_read_timeout` (tower-http's `RequestBodyTimeoutLayer`) ended
+/// the body: the client stopped sending. The error arrives wrapped (axum's body, then
+/// `Limited`), so the whole source chain is searched.
+fn is_body_timeout(err: &(dyn std::error::Error + 'static)) -> bool {
+    std::iter::successors(Some(err), |e| e.source())
+        .any(|e| e.is::<tower_http::timeout::TimeoutError>())
 }
 
 /// Parses and routes one body. Pure: no I/O, so it is unit-tested directly.
