@@ -280,3 +280,51 @@ async fn a_stalled_request_body_gets_408_in_the_callers_shape() {
     let resp = gw.chat("in-time", "", chat).await;
     assert_eq!(resp.status(), 200);
 }
+
+#[tokio::test]
+async fn log_lines_inside_the_stack_carry_the_requests_span() {
+    let dir = TempDir::new("backstop-span");
+    let port = dead_port().await;
+    let mock_port = dead_port().await;
+    let config = dir.0.join("backstop.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\ndrain_delay = \"0s\"\n[log]\nformat = \"json\"\nlevel = \"info\"\n[store]\npath = \":memory:\"\n[mock]\nlisten = \"127.0.0.1:{mock_port}\"\n[[upstreams]]\nname = \"m\"\napi = \"openai\"\nforward_headers = [\"x-mock-*\"]\nbase_url = \"http://127.0.0.1:{mock_port}\"\n[[routes]]\nmodel = \"*\"\ntargets = [{{ upstream = \"m\" }}]\n[[tenants]]\nname = \"t\"\napi_keys = [\"bk-span-test\"]\n"
+        ),
+    )
+    .unwrap();
+    let binary = Binary::start_with(&config, port, std::process::Stdio::piped()).await;
+    // The provider refusing Backstop's key opens the upstream's breaker at once: a
+    // warning logged deep in the stack, by the recovery layer's health registry.
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", binary.url))
+        .bearer_auth("bk-span-test")
+        .header("x-request-id", "span-test-1")
+        .header("x-session-id", "run-7")
+        .header("x-mock-fault", "status=401")
+        .body(
+            json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}).to_string(),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 502);
+    let output = binary.terminate();
+    let lines: Vec<serde_json::Value> = output
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let inner = lines
+        .iter()
+        .find(|l| l["message"] == "circuit breaker transition")
+        .unwrap_or_else(|| panic!("no breaker line in: {output}"));
+    assert_eq!(inner["span"]["request_id"], "span-test-1", "{inner}");
+    assert_eq!(inner["span"]["tenant"], "t", "{inner}");
+    assert_eq!(inner["span"]["session"], "run-7", "{inner}");
+    // Still one access-log line for the request, with its own fields.
+    let access: Vec<_> = lines.iter().filter(|l| l["message"] == "request").collect();
+    assert_eq!(access.len(), 1, "{output}");
+    assert_eq!(access[0]["request_id"], "span-test-1");
+    assert_eq!(access[0]["status"], 502);
+}
