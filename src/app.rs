@@ -1,7 +1,9 @@
 //! The one place where the layers are ordered.
 //!
-//! A proxied request passes, outer → inner:
-//! 1. [`EdgeLayer`]: request id, in-flight gauge, the request's log line and metrics.
+//! A proxied request passes, outer → inner (inside the layers around the whole router,
+//! below):
+//! 1. [`EdgeLayer`]: request id and log record into the extensions, in-flight gauge, the
+//!    request's log line and metrics (also on `/v1/models` and the admin routes).
 //! 2. [`RespondLayer`]: typed errors and panics become responses in the caller's API shape;
 //!    everything above it is infallible.
 //! 3. [`DeadlineLayer`]: `server.request_timeout` over the whole request.
@@ -19,6 +21,20 @@
 //! 11. [`MeterLayer`]: per upstream call (retries and corrections included), reserve
 //!     against the session's and tenant's caps, settle to reported usage.
 //! 12. [`Forward`]: one upstream attempt (leaf).
+//!
+//! Around the whole router (every route: proxy, models, admin, health, metrics, 404,
+//! 405), outer → inner, tower-http's layers ([`App`]):
+//! 1. credentials (`authorization`, `x-api-key`, `cookie`, ...) marked sensitive;
+//! 2. the request id, one rule everywhere: a client `x-request-id` that is not 1–128
+//!    visible ASCII bytes is dropped, a missing one is made, and it is echoed on every
+//!    response;
+//! 3. a tracing span per request (`request_id`, then `tenant` and `session` when known);
+//! 4. `server.body_read_timeout` on the request body (408 `request_body_timeout`, in the
+//!    caller's shape, from the context layer).
+//!
+//! tower-http's `TimeoutLayer`, `CatchPanicLayer` and `RequestBodyLimitLayer` are not
+//! used: they answer with empty or plain-text bodies, where ours answer in the caller's
+//! API shape (see [`DeadlineLayer`], [`RespondLayer`], [`ContextLayer`]).
 
 use std::{
     collections::HashMap,
@@ -36,11 +52,26 @@ use axum::{
     routing::{get, post_service},
     Router,
 };
+use hyper::body::Incoming;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
-use tower::{util::BoxCloneSyncService, Layer, ServiceBuilder};
+use tower::{
+    util::{BoxCloneSyncService, MapRequest, MapRequestLayer},
+    Layer, ServiceBuilder,
+};
+use tower_http::{
+    classify::{ServerErrorsAsFailures, SharedClassifier},
+    request_id::{PropagateRequestId, PropagateRequestIdLayer, SetRequestId, SetRequestIdLayer},
+    sensitive_headers::{
+        SetSensitiveRequestHeaders, SetSensitiveRequestHeadersLayer, SetSensitiveResponseHeaders,
+        SetSensitiveResponseHeadersLayer,
+    },
+    timeout::{RequestBodyTimeout, RequestBodyTimeoutLayer},
+    trace::{Trace, TraceLayer},
+};
 
 use crate::{
+    admin::AdminState,
     api::Endpoint,
     budgets::Budgets,
     config::{Config, PriceConfig},
@@ -50,7 +81,7 @@ use crate::{
         auth::{AuthLayer, TenantKeys},
         context::{Call, ContextLayer},
         deadline::DeadlineLayer,
-        edge::{EdgeLayer, X_REQUEST_ID},
+        edge::{self, EdgeLayer, EdgeSpan, MakeId, X_REQUEST_ID},
         idempotency::IdempotencyLayer,
         limits::LimitsLayer,
         meter::{Billed, MeterLayer},
@@ -227,8 +258,57 @@ fn list_models(routes: &RouteTable, headers: &HeaderMap) -> Response {
         .into_response()
 }
 
+/// The whole HTTP surface as served: the router inside the layers every route shares
+/// (see the module doc). Named, not boxed: no allocation per request for the wrapping.
+pub type App = SetSensitiveRequestHeaders<
+    MapRequest<
+        SetRequestId<
+            PropagateRequestId<
+                Trace<
+                    SetSensitiveResponseHeaders<RequestBodyTimeout<Router>>,
+                    SharedClassifier<ServerErrorsAsFailures>,
+                    EdgeSpan,
+                    (),
+                    (),
+                    (),
+                    (),
+                    (),
+                >,
+            >,
+            MakeId,
+        >,
+        fn(Request<Incoming>) -> Request<Incoming>,
+    >,
+>;
+
 /// The full HTTP surface.
-pub fn router(state: AppState) -> Router {
+pub fn router(state: AppState) -> App {
+    let sensitive = edge::sensitive_headers();
+    let body_read_timeout = state.config.server.body_read_timeout;
+    ServiceBuilder::new()
+        .layer(SetSensitiveRequestHeadersLayer::new(sensitive.clone()))
+        .layer(MapRequestLayer::new(
+            edge::drop_invalid_request_id::<Incoming> as fn(_) -> _,
+        ))
+        .layer(SetRequestIdLayer::new(X_REQUEST_ID.clone(), MakeId))
+        .layer(PropagateRequestIdLayer::new(X_REQUEST_ID.clone()))
+        // The span only: the edge layer writes the one log line per request.
+        .layer(
+            TraceLayer::new_for_http()
+                .make_span_with(EdgeSpan)
+                .on_request(())
+                .on_response(())
+                .on_body_chunk(())
+                .on_eos(())
+                .on_failure(()),
+        )
+        .layer(SetSensitiveResponseHeadersLayer::new(sensitive))
+        .layer(RequestBodyTimeoutLayer::new(body_read_timeout))
+        .service(routes(state))
+}
+
+/// The routes; the proxy, model-list and admin ones each behind their own stack.
+fn routes(state: AppState) -> Router {
     let proxy = proxy_stack(&state);
     let models = models_stack(&state);
     Router::new()
@@ -239,31 +319,36 @@ pub fn router(state: AppState) -> Router {
         .route(Endpoint::Messages.path(), post_service(proxy.clone()))
         .route(Endpoint::Embeddings.path(), post_service(proxy))
         .route("/v1/models", axum::routing::get_service(models))
-        .merge(crate::admin::routes())
+        .merge(crate::admin::routes(admin_state(&state)))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
-        .layer(axum::middleware::from_fn(ensure_request_id))
 }
 
-/// Responses that did not pass the edge layer (health, metrics, 404s) still carry an
-/// id, by the edge layer's rule.
-async fn ensure_request_id(req: Request<Body>, next: axum::middleware::Next) -> Response {
-    // Only the client's header is kept here: the proxy routes set their own id, so a new
-    // one is made only for the responses that lack it.
-    let mut sent = Request::new(());
-    if let Some(id) = req.headers().get(&X_REQUEST_ID) {
-        sent.headers_mut().insert(X_REQUEST_ID.clone(), id.clone());
+/// What the admin API may see: its own narrow state, not [`AppState`].
+fn admin_state(state: &AppState) -> AdminState {
+    AdminState {
+        health: state.health.clone(),
+        upstream_apis: Arc::new(
+            state
+                .upstreams
+                .iter()
+                .map(|(name, upstream)| (name.clone(), upstream.api))
+                .collect(),
+        ),
+        budgets: state.budgets.clone(),
+        guards: state.guards.clone(),
+        tenants: state.tenants.clone(),
+        token: state
+            .config
+            .admin
+            .token
+            .as_ref()
+            .map(|token| Arc::from(token.expose())),
     }
-    let mut response = next.run(req).await;
-    if !response.headers().contains_key(&X_REQUEST_ID) {
-        let id = crate::layers::edge::request_id(&sent);
-        response.headers_mut().insert(X_REQUEST_ID.clone(), id);
-    }
-    response
 }
 
 async fn readyz(State(state): State<AppState>) -> impl IntoResponse {

@@ -29,7 +29,7 @@ use std::{
     time::Duration,
 };
 
-use axum::{body::Body, Router};
+use axum::body::Body;
 use futures_util::future::BoxFuture;
 use http::{Request, Response};
 use http_body_util::BodyExt;
@@ -48,7 +48,7 @@ use tokio::{
 use tower::{Service, ServiceExt};
 
 use crate::{
-    app::{router, AppState},
+    app::{router, App, AppState},
     config::{Config, ServerConfig},
 };
 
@@ -116,7 +116,7 @@ pub async fn spawn(config: Config) -> io::Result<ServerHandle> {
 /// The accept loop, then the drain.
 async fn serve(
     listener: TcpListener,
-    app: Router,
+    app: App,
     state: AppState,
     limits: ServerConfig,
     mut stop: watch::Receiver<bool>,
@@ -244,7 +244,7 @@ fn refuse_over_capacity(tcp: TcpStream, limit: usize) {
 
 /// One accepted connection and what it holds.
 struct Connection {
-    app: Router,
+    app: App,
     limits: Arc<ServerConfig>,
     _permit: OwnedSemaphorePermit,
 }
@@ -374,10 +374,10 @@ impl Drop for InFlight {
     }
 }
 
-/// The router, counting each request in flight until its body has been sent.
+/// The app, counting each request in flight until its body has been sent.
 #[derive(Clone)]
 struct Counted {
-    app: Router,
+    app: App,
     activity: Arc<Activity>,
 }
 
@@ -394,7 +394,7 @@ impl Service<Request<Incoming>> for Counted {
         let guard = self.activity.begin();
         let app = self.app.clone();
         Box::pin(async move {
-            let response = app.oneshot(req.map(Body::new)).await?;
+            let response = app.oneshot(req).await?;
             Ok(response.map(|body| {
                 Body::new(body.map_frame(move |frame| {
                     let _held = &guard;

@@ -43,7 +43,11 @@ pub fn init_logging(config: &LogConfig) {
             .with_writer(writer)
             .with_ansi(ansi);
         let _ = match config.format {
-            LogFormat::Json => registry.with(fmt.json().flatten_event(true)).try_init(),
+            // The request's span once per line (`"span": {request_id, tenant, session}`),
+            // not again as a one-element span list.
+            LogFormat::Json => registry
+                .with(fmt.json().flatten_event(true).with_span_list(false))
+                .try_init(),
             LogFormat::Text => registry.with(fmt).try_init(),
         };
         *LOG_FLUSH.lock().unwrap_or_else(|e| e.into_inner()) = Some(guard);

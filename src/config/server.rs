@@ -25,6 +25,10 @@ pub struct ServerConfig {
     /// after its previous response (slowloris and silent sockets are closed).
     #[serde(with = "humantime_serde")]
     pub header_read_timeout: Duration,
+    /// A request body that sends nothing for this long is cut off with 408
+    /// `request_body_timeout` (a slow or stalled client; reset by every chunk).
+    #[serde(with = "humantime_serde")]
+    pub body_read_timeout: Duration,
     /// A keep-alive connection with no request in flight and no traffic is closed after
     /// this long.
     #[serde(with = "humantime_serde")]
@@ -53,6 +57,7 @@ impl Default for ServerConfig {
             shutdown_grace: Duration::from_secs(30),
             drain_delay: Duration::from_secs(5),
             header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(60),
             max_connections: 4096,
             max_response_bytes: 32 * 1024 * 1024,
@@ -78,6 +83,7 @@ impl ServerConfig {
                 "server.header_read_timeout",
                 self.header_read_timeout.is_zero(),
             ),
+            ("server.body_read_timeout", self.body_read_timeout.is_zero()),
             ("server.idle_timeout", self.idle_timeout.is_zero()),
             (
                 "server.max_stream_duration",

@@ -102,6 +102,7 @@ fn bad_values_are_refused_by_key() {
         (BASE.replace("\"250ms\"", "\"0s\""), "upstreams[0].attempt_timeout"),
         (BASE.replace("\"250ms\"", "\"soon\""), "upstreams[0].attempt_timeout"),
         (BASE.replace("request_timeout = \"2m\"", "request_timeout = \"2m\"\nmax_body_bytes = 0"), "server.max_body_bytes"),
+        (BASE.replace("request_timeout = \"2m\"", "request_timeout = \"2m\"\nbody_read_timeout = \"0s\""), "server.body_read_timeout"),
         (BASE.replace("api = \"openai\"", "api = \"gemini\""), "upstreams[0].api"),
         (BASE.replace("targets = [{ upstream = \"openai\" }, { upstream = \"openai\", model = \"gpt-4.1-mini\" }]", "targets = []"), "routes[0].targets"),
         (format!("{BASE}\n[[tenants]]\nname = \"team-b\"\napi_keys = [\"${{TEAM_A_KEY}}\"]\n"), "tenants[1].api_keys[0]"),

@@ -35,6 +35,9 @@ pub enum GatewayError {
     BodyTooLarge { limit: usize },
     #[error("could not read the request body: {0}")]
     BodyRead(String),
+    /// The client stopped sending its body for longer than `server.body_read_timeout`.
+    #[error("the request body stopped arriving: no data within server.body_read_timeout")]
+    BodyTimeout,
     #[error("the upstream `{upstream}` could not be reached")]
     UpstreamUnavailable { upstream: String },
     #[error("the upstream `{upstream}` did not answer within {timeout:?}")]
@@ -180,6 +183,12 @@ impl GatewayError {
                 "invalid_request_error",
                 "body_read_error",
                 "invalid_request_error",
+            ),
+            BodyTimeout => (
+                408,
+                "timeout_error",
+                "request_body_timeout",
+                "request_body_timeout",
             ),
             UpstreamUnavailable { .. } => (
                 502,

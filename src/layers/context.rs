@@ -165,6 +165,7 @@ where
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<usize>().ok());
+        // Not tower-http's `RequestBodyLimitLayer`: its 413 has no body in the caller's shape.
         let limit = self.max_body_bytes;
         if declared.is_some_and(|n| n > limit) {
             return Err(GatewayError::BodyTooLarge { limit });
@@ -175,6 +176,8 @@ where
             .map_err(|e| {
                 if e.is::<http_body_util::LengthLimitError>() {
                     GatewayError::BodyTooLarge { limit }
+                } else if is_body_timeout(&*e) {
+                    GatewayError::BodyTimeout
                 } else {
                     GatewayError::BodyRead(e.to_string())
                 }
@@ -202,6 +205,7 @@ where
         } else {
             parse(endpoint, bytes, &self.routes)?
         };
+        tracing::Span::current().record("session", session.as_deref());
         let log = parts
             .extensions
             .remove::<Arc<RequestLog>>()
@@ -230,6 +234,14 @@ where
         };
         inner.call(call).await
     }
+}
+
+/// The edge's `server.body_read_timeout` (tower-http's `RequestBodyTimeoutLayer`) ended
+/// the body: the client stopped sending. The error arrives wrapped (axum's body, then
+/// `Limited`), so the whole source chain is searched.
+fn is_body_timeout(err: &(dyn std::error::Error + 'static)) -> bool {
+    std::iter::successors(Some(err), |e| e.source())
+        .any(|e| e.is::<tower_http::timeout::TimeoutError>())
 }
 
 /// Parses and routes one body. Pure: no I/O, so it is unit-tested directly.

@@ -1,6 +1,16 @@
-//! Edge layer (outermost, step 1 of the pipeline): gives every request an id (the
-//! client's `x-request-id` when it sent a sane one), counts it in flight, and when the
-//! response head is ready writes the one log line and the request metrics. Never refuses.
+//! The edge: what every request passes, on every route.
+//!
+//! Around the whole router (ordered in [`crate::app`]) sit tower-http's layers, fed by
+//! the pieces here: credentials marked sensitive, one request-id rule
+//! ([`drop_invalid_request_id`] then [`MakeId`]: the client's `x-request-id` when it is
+//! 1–128 visible ASCII bytes, else a new one; echoed on every response), one tracing
+//! span per request ([`EdgeSpan`]: `request_id`, and `tenant` / `session` once known),
+//! and the request body read timeout.
+//!
+//! [`EdgeLayer`] (outermost on the tenant, model-list and admin routes, step 1 of the
+//! pipeline) puts [`RequestId`] and the [`RequestLog`] in the extensions, counts the
+//! request in flight, and when the response head is ready writes the one log line and
+//! the request metrics. Never refuses.
 
 use std::{
     convert::Infallible,
@@ -11,8 +21,9 @@ use std::{
 
 use axum::body::Body;
 use futures_util::future::BoxFuture;
-use http::{HeaderName, HeaderValue, Request, Response};
+use http::{header, HeaderName, HeaderValue, Request, Response};
 use tower::{Layer, Service};
+use tower_http::{request_id::MakeRequestId, trace::MakeSpan};
 
 use crate::{api::Endpoint, telemetry::RequestLog};
 
@@ -21,6 +32,75 @@ pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// The request id, for layers that tag their own logs or upstream calls with it.
 #[derive(Clone, Debug)]
 pub struct RequestId(pub HeaderValue);
+
+/// Headers that carry credentials, in either direction: marked sensitive so that no
+/// `Debug` output (logs, panics) ever shows them.
+pub fn sensitive_headers() -> [HeaderName; 5] {
+    [
+        header::AUTHORIZATION,
+        header::PROXY_AUTHORIZATION,
+        HeaderName::from_static("x-api-key"),
+        header::COOKIE,
+        header::SET_COOKIE,
+    ]
+}
+
+/// The one rule for a client's request id: 1–128 visible ASCII bytes, so no header of
+/// any length or content is ever reflected.
+pub fn is_valid_request_id(value: &HeaderValue) -> bool {
+    let b = value.as_bytes();
+    !b.is_empty() && b.len() <= 128 && b.iter().all(|c| c.is_ascii_graphic())
+}
+
+/// The step before tower-http's `SetRequestId`, which keeps any id it finds: a client id
+/// that breaks [`is_valid_request_id`] is dropped, so a new one is made.
+pub fn drop_invalid_request_id<B>(mut req: Request<B>) -> Request<B> {
+    if req
+        .headers()
+        .get(&X_REQUEST_ID)
+        .is_some_and(|v| !is_valid_request_id(v))
+    {
+        req.headers_mut().remove(&X_REQUEST_ID);
+    }
+    req
+}
+
+/// A new request id: a v4 UUID as 32 hex digits.
+pub fn new_request_id() -> HeaderValue {
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    HeaderValue::from_str(&id).expect("hex is a valid header value")
+}
+
+/// Makes the id for a request that came without a (valid) one.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MakeId;
+
+impl MakeRequestId for MakeId {
+    fn make_request_id<B>(&mut self, _: &Request<B>) -> Option<tower_http::request_id::RequestId> {
+        Some(tower_http::request_id::RequestId::new(new_request_id()))
+    }
+}
+
+/// The span every log line inside the stack is emitted in. `tenant` and `session` are
+/// recorded by the layers that learn them (auth, context).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EdgeSpan;
+
+impl<B> MakeSpan<B> for EdgeSpan {
+    fn make_span(&mut self, req: &Request<B>) -> tracing::Span {
+        let id = req
+            .headers()
+            .get(&X_REQUEST_ID)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("-");
+        tracing::info_span!(
+            "request",
+            request_id = id,
+            tenant = tracing::field::Empty,
+            session = tracing::field::Empty,
+        )
+    }
+}
 
 #[derive(Clone, Default)]
 pub struct EdgeLayer;
@@ -37,20 +117,14 @@ pub struct Edge<S> {
     inner: S,
 }
 
-/// The client's `x-request-id` when it is 1–128 visible ASCII bytes, else a new one: the
-/// one rule for every route, so no header of any length is ever reflected.
-pub fn request_id<B>(req: &Request<B>) -> HeaderValue {
-    req.headers()
-        .get(&X_REQUEST_ID)
-        .filter(|v| {
-            let b = v.as_bytes();
-            !b.is_empty() && b.len() <= 128 && b.iter().all(|c| c.is_ascii_graphic())
-        })
-        .cloned()
-        .unwrap_or_else(|| {
-            let id = uuid::Uuid::new_v4().simple().to_string();
-            HeaderValue::from_str(&id).expect("hex is a valid header value")
-        })
+/// The `endpoint` metric label: low-cardinality, never a path with ids in it.
+fn endpoint_label(path: &str) -> &'static str {
+    match Endpoint::from_path(path) {
+        Some(endpoint) => endpoint.label(),
+        None if path.starts_with("/admin/") => "admin",
+        None if path.starts_with("/v1/sessions/") => "sessions",
+        None => "other",
+    }
 }
 
 /// Decrements the in-flight gauge however the request ends, dropped futures included.
@@ -85,10 +159,17 @@ where
     fn call(&mut self, mut req: Request<Body>) -> Self::Future {
         let started = Instant::now();
         let guard = InFlight::enter();
-        let id = request_id(&req);
+        // Set around the whole router; made here only if this layer is used without it.
+        let id = match req.headers().get(&X_REQUEST_ID) {
+            Some(id) => id.clone(),
+            None => {
+                let id = new_request_id();
+                req.headers_mut().insert(X_REQUEST_ID.clone(), id.clone());
+                id
+            }
+        };
         let log = Arc::new(RequestLog::default());
-        let endpoint = Endpoint::from_path(req.uri().path()).map_or("other", Endpoint::label);
-        req.headers_mut().insert(X_REQUEST_ID.clone(), id.clone());
+        let endpoint = endpoint_label(req.uri().path());
         req.extensions_mut().insert(RequestId(id.clone()));
         req.extensions_mut().insert(log.clone());
         let future = self.inner.call(req);
@@ -98,7 +179,6 @@ where
             let elapsed = started.elapsed();
             let fields = log.snapshot();
             let headers = response.headers_mut();
-            headers.insert(X_REQUEST_ID.clone(), id.clone());
             headers.insert("x-backstop-attempts", HeaderValue::from(fields.attempts));
             let recovery = fields.recovery_header();
             if let Some(value) = recovery
@@ -162,5 +242,44 @@ fn status_class(status: u16) -> &'static str {
         300..=399 => "3xx",
         400..=499 => "4xx",
         _ => "5xx",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_id(id: &[u8]) -> Request<()> {
+        let mut req = Request::new(());
+        req.headers_mut()
+            .insert(X_REQUEST_ID.clone(), HeaderValue::from_bytes(id).unwrap());
+        req
+    }
+
+    #[test]
+    fn only_a_sane_client_id_survives() {
+        for kept in [&b"a"[..], b"trace-7", &[b'x'; 128]] {
+            let req = drop_invalid_request_id(with_id(kept));
+            assert_eq!(req.headers()[&X_REQUEST_ID].as_bytes(), kept);
+        }
+        for dropped in [
+            &b""[..],
+            b"a b",
+            b"tab\t",
+            "caf\u{e9}".as_bytes(),
+            &[b'x'; 129],
+        ] {
+            let req = drop_invalid_request_id(with_id(dropped));
+            assert!(!req.headers().contains_key(&X_REQUEST_ID), "{dropped:?}");
+        }
+        assert_eq!(new_request_id().len(), 32);
+    }
+
+    #[test]
+    fn endpoint_labels_stay_few() {
+        assert_eq!(endpoint_label("/v1/chat/completions"), "chat_completions");
+        assert_eq!(endpoint_label("/admin/tenants/t/sessions/s"), "admin");
+        assert_eq!(endpoint_label("/v1/sessions/s-123"), "sessions");
+        assert_eq!(endpoint_label("/v1/models"), "other");
     }
 }

@@ -1,6 +1,7 @@
 //! Respond layer (just inside the edge): the boundary where typed errors stop. Every
 //! `Err(GatewayError)` from the layers below, and any panic, becomes a response in the
 //! caller's API shape, so the services above are `Infallible`.
+//! (Not tower-http's `CatchPanicLayer`: it answers a plain-text 500, not the caller's shape.)
 
 use std::{
     convert::Infallible,

@@ -1,0 +1,254 @@
+//! The operator API, behind `[admin] token`: upstream breakers, tenant spend and
+//! budgets, session figures, reset and close. A reset or close is written to the store
+//! before it is answered; if it cannot be, the answer is 503 `store_unavailable`. Plus one
+//! tenant-facing read: a tenant key may read its own sessions' budgets
+//! (`GET /v1/sessions/{id}`), and nothing of other tenants.
+//!
+//! Every route passes the same edge as the proxy (request id, log line, metrics with
+//! `endpoint="admin"` or `"sessions"`) and the respond layer (errors in the OpenAI shape,
+//! `x-should-retry: false`). Then, on the operator routes, [`AdminAuthLayer`]; on the
+//! tenant route, the tenant [`AuthLayer`] and the tenant's request rate, as for any
+//! tenant call. The handlers see only [`AdminState`], which `app` builds.
+
+mod auth;
+
+use std::{collections::HashMap, convert::Infallible, sync::Arc};
+
+use axum::{
+    extract::{Path, State},
+    http::header,
+    response::{IntoResponse, Response},
+    routing::{get, post},
+    Extension, Router,
+};
+use serde_json::{json, Value};
+use tower::ServiceBuilder;
+
+pub use auth::{AdminAuth, AdminAuthLayer};
+
+use crate::{
+    api::ApiKind,
+    budgets::Budgets,
+    error::{respond::error_response, GatewayError},
+    guard::Guards,
+    layers::{
+        auth::{AuthLayer, Tenant, TenantKeys},
+        edge::EdgeLayer,
+        respond::RespondLayer,
+    },
+    telemetry::RequestLog,
+    upstream::health::HealthRegistry,
+};
+
+/// What the admin API reads and changes, and nothing else of the gateway.
+#[derive(Clone)]
+pub struct AdminState {
+    pub health: Arc<HealthRegistry>,
+    /// Each upstream's API, by upstream name.
+    pub upstream_apis: Arc<HashMap<String, ApiKind>>,
+    pub budgets: Arc<Budgets>,
+    pub guards: Arc<Guards>,
+    /// Tenant keys, for `GET /v1/sessions/{id}`.
+    pub tenants: Arc<TenantKeys>,
+    /// `[admin] token`; `None` turns the operator routes off (403 `admin_disabled`).
+    pub token: Option<Arc<str>>,
+}
+
+/// The admin and session routes, each behind the edge, respond and auth layers.
+pub fn routes<S: Clone + Send + Sync + 'static>(state: AdminState) -> Router<S> {
+    let operator = ServiceBuilder::new()
+        .layer(EdgeLayer)
+        .layer(RespondLayer)
+        .layer(AdminAuthLayer::new(state.token.clone()))
+        .map_err(never);
+    let tenant = ServiceBuilder::new()
+        .layer(EdgeLayer)
+        .layer(RespondLayer)
+        .layer(AuthLayer::new(state.tenants.clone()))
+        .map_err(never);
+    let admin = Router::new()
+        .route("/admin/upstreams", get(upstreams))
+        .route("/admin/tenants/{tenant}", get(tenant_view))
+        .route("/admin/tenants/{tenant}/sessions/{session}", get(session))
+        .route(
+            "/admin/tenants/{tenant}/sessions/{session}/reset",
+            post(reset_session),
+        )
+        .route(
+            "/admin/tenants/{tenant}/sessions/{session}/close",
+            post(close_session),
+        )
+        .route_layer(operator);
+    let own = Router::new()
+        .route("/v1/sessions/{session}", get(own_session))
+        .route_layer(tenant);
+    admin.merge(own).with_state(state)
+}
+
+/// Handlers answer with a response, never an error: the layers above expect one.
+fn never(never: Infallible) -> GatewayError {
+    match never {}
+}
+
+fn json_response(value: Value) -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        value.to_string(),
+    )
+        .into_response()
+}
+
+/// A report as JSON, or the refusal in the OpenAI shape, with its code in the request's
+/// log line as the respond layer does for the layers' errors.
+fn answer(log: &RequestLog, result: Result<Value, GatewayError>) -> Response {
+    match result {
+        Ok(value) => json_response(value),
+        Err(err) => {
+            log.update(|f| f.error = Some(err.kind().code));
+            error_response(&err, ApiKind::OpenAi)
+        }
+    }
+}
+
+fn store_error(err: crate::store::StoreError) -> GatewayError {
+    GatewayError::StoreUnavailable {
+        detail: err.to_string(),
+    }
+}
+
+/// `GET /admin/upstreams`: each upstream's breaker.
+async fn upstreams(State(state): State<AdminState>) -> Response {
+    let now = tokio::time::Instant::now();
+    let upstreams: Vec<_> = state
+        .health
+        .snapshot(now)
+        .into_iter()
+        .map(|(name, breaker)| {
+            let api = state.upstream_apis.get(&name).map(|api| api.as_str());
+            json!({"name": name, "api": api, "breaker": breaker})
+        })
+        .collect();
+    json_response(json!({"upstreams": upstreams}))
+}
+
+/// `GET /admin/tenants/{tenant}`: today's spend, by model, and what is left.
+async fn tenant_view(
+    State(state): State<AdminState>,
+    Extension(log): Extension<Arc<RequestLog>>,
+    Path(tenant): Path<String>,
+) -> Response {
+    let report = state
+        .budgets
+        .tenant_report(&tenant)
+        .ok_or(GatewayError::NotFoundAdmin { what: "tenant" });
+    answer(&log, report)
+}
+
+/// `GET /admin/tenants/{tenant}/sessions/{session}`.
+async fn session(
+    State(state): State<AdminState>,
+    Extension(log): Extension<Arc<RequestLog>>,
+    Path((tenant, session)): Path<(String, String)>,
+) -> Response {
+    let report = session_view(&state, &tenant, &session)
+        .and_then(|r| r.ok_or(GatewayError::NotFoundAdmin { what: "tenant" }));
+    answer(&log, report)
+}
+
+/// Budgets, and for guarded tenants the guard's signals and the recovery trace.
+fn session_view(
+    state: &AdminState,
+    tenant: &str,
+    session: &str,
+) -> Result<Option<Value>, GatewayError> {
+    let Some(mut report) = state
+        .budgets
+        .session_report(tenant, session)
+        .map_err(store_error)?
+    else {
+        return Ok(None);
+    };
+    if let Some(guard) =
+        state
+            .guards
+            .report(tenant, session, state.budgets.session_usd(tenant, session))
+    {
+        report["guard"] = guard;
+    }
+    Ok(Some(report))
+}
+
+/// The session's view after an operator's action.
+fn view_after(state: &AdminState, tenant: &str, session: &str) -> Result<Value, GatewayError> {
+    Ok(session_view(state, tenant, session)?.unwrap_or(Value::Null))
+}
+
+/// `POST /admin/tenants/{tenant}/sessions/{session}/close`: refuse the session for good.
+async fn close_session(
+    State(state): State<AdminState>,
+    Extension(log): Extension<Arc<RequestLog>>,
+    Path((tenant, session)): Path<(String, String)>,
+) -> Response {
+    let closed = async {
+        if !state
+            .guards
+            .close(&tenant, &session)
+            .await
+            .map_err(store_error)?
+        {
+            return Err(GatewayError::NotFoundAdmin {
+                what: "guarded tenant",
+            });
+        }
+        view_after(&state, &tenant, &session)
+    };
+    answer(&log, closed.await)
+}
+
+/// `POST /admin/tenants/{tenant}/sessions/{session}/reset`: the session starts over.
+async fn reset_session(
+    State(state): State<AdminState>,
+    Extension(log): Extension<Arc<RequestLog>>,
+    Path((tenant, session)): Path<(String, String)>,
+) -> Response {
+    let reset = async {
+        if !state
+            .budgets
+            .reset_session(&tenant, &session)
+            .await
+            .map_err(store_error)?
+        {
+            return Err(GatewayError::NotFoundAdmin { what: "tenant" });
+        }
+        state
+            .guards
+            .reset(&tenant, &session)
+            .await
+            .map_err(store_error)?;
+        tracing::info!(%tenant, %session, "session reset by an operator");
+        view_after(&state, &tenant, &session)
+    };
+    answer(&log, reset.await)
+}
+
+/// `GET /v1/sessions/{session}` with a tenant key: that tenant's own session only, within
+/// the tenant's request rate like any of its calls.
+async fn own_session(
+    State(state): State<AdminState>,
+    Extension(log): Extension<Arc<RequestLog>>,
+    Extension(tenant): Extension<Arc<Tenant>>,
+    Path(session): Path<String>,
+) -> Response {
+    let report = state
+        .budgets
+        .check_rate(&tenant.name, None)
+        .map_err(GatewayError::from)
+        .and_then(|()| {
+            state
+                .budgets
+                .session_report(&tenant.name, &session)
+                .map_err(store_error)?
+                .ok_or(GatewayError::NotFoundAdmin { what: "session" })
+        });
+    answer(&log, report)
+}
