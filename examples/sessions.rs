@@ -15,8 +15,8 @@ use std::{
 };
 
 use backstop::{
-    budgets::{Budgets, Outcome},
     config::Config,
+    state::{budgets::Budgets, reservation::Outcome},
     store::Store,
 };
 use common::*;

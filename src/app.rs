@@ -40,10 +40,8 @@ use tower::{util::BoxCloneSyncService, ServiceBuilder};
 
 use crate::{
     api::Endpoint,
-    budgets::Budgets,
     config::Config,
     error::{respond::error_response, GatewayError},
-    guard::Guards,
     layers::{
         auth::{AuthLayer, TenantKeys},
         context::ContextLayer,
@@ -59,9 +57,10 @@ use crate::{
     },
     policy::budget::Prices,
     routing::RouteTable,
+    state::{budgets::Budgets, health::HealthRegistry, sessions::SessionGuards},
     store::{Store, StoreError},
     telemetry,
-    upstream::{self, health::HealthRegistry, Forward, StreamLimits, Upstream},
+    upstream::{self, Forward, StreamLimits, Upstream},
     validation::Schemas,
 };
 
@@ -77,7 +76,7 @@ pub struct AppState {
     pub health: Arc<HealthRegistry>,
     pub budgets: Arc<Budgets>,
     pub schemas: Arc<Schemas>,
-    pub guards: Arc<Guards>,
+    pub guards: Arc<SessionGuards>,
     pub metrics: PrometheusHandle,
     /// False while starting and once shutdown has begun: `/readyz` answers 503.
     pub ready: Arc<AtomicBool>,
@@ -103,7 +102,11 @@ impl AppState {
                 config.store.session_idle,
             )),
             schemas: Arc::new(Schemas::new(&config.validation)),
-            guards: Arc::new(Guards::new(&config, config.store.session_idle, store)),
+            guards: Arc::new(SessionGuards::new(
+                &config,
+                config.store.session_idle,
+                store,
+            )),
             tenants: Arc::new(TenantKeys::new(&config)),
             health: Arc::new(HealthRegistry::new(&config)),
             routes: Arc::new(routes),

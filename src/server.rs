@@ -319,11 +319,11 @@ impl Activity {
         }
     }
 
-    fn begin(self: &Arc<Self>) -> InFlight {
+    fn begin(self: &Arc<Self>) -> OpenRequest {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         self.served.fetch_add(1, Ordering::Relaxed);
         self.head_since.store(NONE, Ordering::Relaxed);
-        InFlight(self.clone())
+        OpenRequest(self.clone())
     }
 
     /// When this connection must be closed, as of now: `None` while a request is in
@@ -364,9 +364,9 @@ impl Activity {
 }
 
 /// One request in flight on a connection, until its response body is dropped.
-struct InFlight(Arc<Activity>);
+struct OpenRequest(Arc<Activity>);
 
-impl Drop for InFlight {
+impl Drop for OpenRequest {
     fn drop(&mut self) {
         if self.0.in_flight.fetch_sub(1, Ordering::Relaxed) == 1 {
             self.0.idle_since.store(self.0.now_ms(), Ordering::Relaxed);

@@ -20,8 +20,9 @@ use backstop::{
     },
     policy::classify::TransportFailure,
     routing::RouteTable,
+    state::health::HealthRegistry,
     telemetry::RequestLog,
-    upstream::{build_all, health::HealthRegistry, Attempt, Reply, ReplyBody},
+    upstream::{build_all, Attempt, Reply, ReplyBody},
 };
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};

@@ -22,22 +22,24 @@ use http::{Request, Response};
 use tower::{Layer, Service};
 
 use crate::{
-    budgets::Budgets,
     error::GatewayError,
-    guard::{lock, Guards, TraceEntry},
     layers::{context::RequestContext, edge::RequestId},
     policy::guard::{fingerprint, Kept, SessionGuard},
+    state::{
+        budgets::Budgets,
+        sessions::{lock, SessionGuards, TraceEntry},
+    },
     telemetry::RequestLog,
 };
 
 #[derive(Clone)]
 pub struct GuardLayer {
-    guards: Arc<Guards>,
+    guards: Arc<SessionGuards>,
     budgets: Arc<Budgets>,
 }
 
 impl GuardLayer {
-    pub fn new(guards: Arc<Guards>, budgets: Arc<Budgets>) -> Self {
+    pub fn new(guards: Arc<SessionGuards>, budgets: Arc<Budgets>) -> Self {
         GuardLayer { guards, budgets }
     }
 }
@@ -93,7 +95,7 @@ fn to_keep(
     }
 }
 
-async fn persist(guards: &Guards, tenant: &str, session: &str, keep: Option<Option<Kept>>) {
+async fn persist(guards: &SessionGuards, tenant: &str, session: &str, keep: Option<Option<Kept>>) {
     if let Some(kept) = keep {
         if let Err(err) = guards.persist(tenant, session, kept).await {
             // The state in memory still holds; only its survival of a restart is lost.

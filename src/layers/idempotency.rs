@@ -28,9 +28,9 @@ use tokio::sync::watch;
 use tower::{Layer, Service};
 
 use crate::{
-    budgets::now_ms,
     error::GatewayError,
     layers::context::{identifier, RequestContext},
+    state::budgets::now_ms,
     store::{Store, StoredResponse},
 };
 

@@ -20,7 +20,8 @@ use http_body::Frame;
 use tower::{Layer, Service};
 
 use crate::{
-    budgets::Budgets, error::GatewayError, layers::context::RequestContext, telemetry::RequestLog,
+    error::GatewayError, layers::context::RequestContext, state::budgets::Budgets,
+    telemetry::RequestLog,
 };
 
 #[derive(Clone)]

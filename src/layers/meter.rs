@@ -24,9 +24,9 @@ use tower::{Layer, Service, ServiceExt};
 
 use crate::{
     api::Endpoint,
-    budgets::{Budgets, Outcome},
     config::ApiKind,
     policy::{budget::estimate_prompt_tokens, classify::TransportFailure},
+    state::{budgets::Budgets, reservation::Outcome},
     upstream::{Attempt, AttemptError, Reply},
 };
 

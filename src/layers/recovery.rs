@@ -40,11 +40,9 @@ use crate::{
         classify::{classify, Class, Observed, TransportFailure},
     },
     routing::Target,
+    state::health::{HealthRegistry, UpstreamHealth},
     telemetry::RequestLog,
-    upstream::{
-        health::{HealthRegistry, UpstreamHealth},
-        Attempt, AttemptError, Reply,
-    },
+    upstream::{Attempt, AttemptError, Reply},
 };
 
 /// Asks recovery to start at this target index (a strategy switch by an outer layer).

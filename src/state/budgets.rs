@@ -16,25 +16,22 @@ use std::{
     num::NonZeroU32,
     sync::{
         atomic::{AtomicBool, AtomicU32, Ordering},
-        Arc, Mutex, Weak,
+        Arc, Mutex,
     },
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
+use crate::{
+    config::{Config, Unpriced},
+    policy::budget::{worst_case, Account, Exceeded, Limits, Prices, Usage, SESSION, TENANT_DAY},
+    state::{live::LiveSessions, reservation::Reservation},
+    store::{ReservationRecord, Store, StoreError},
+};
 use governor::{
     clock::Clock,
     middleware::NoOpMiddleware,
     state::{keyed::DashMapStateStore, InMemoryState, NotKeyed},
     Quota, RateLimiter,
-};
-use moka::sync::Cache;
-
-use crate::{
-    config::{Config, Unpriced},
-    policy::budget::{
-        sane_usd, worst_case, Account, Exceeded, Limits, Prices, Usage, SESSION, TENANT_DAY,
-    },
-    store::{Charge, ReservationRecord, Store, StoreError},
 };
 
 /// Governor's clock on tokio's time, so rate limits run on a paused clock in tests.
@@ -90,116 +87,13 @@ impl From<StoreError> for Refusal {
     }
 }
 
-/// (tenant, session).
-pub type SessionKey = (Arc<str>, String);
-
-/// Per-session live state that idles out of memory, except while something still holds
-/// it: the cache (moka, time-to-idle) keeps idle sessions alive, and a registry of weak
-/// references finds a session that the cache dropped while a call, a reservation or an
-/// in-flight slot still held it. Such a session is put back, never rebuilt, so its
-/// reservations and concurrency count are not lost. The registry entry goes when the
-/// cache evicts a session nobody holds (and in [`LiveSessions::sweep`]).
-pub struct LiveSessions<V> {
-    cache: Cache<SessionKey, Arc<V>>,
-    registry: Arc<Mutex<Registry<V>>>,
-}
-
-struct Registry<V> {
-    live: HashMap<SessionKey, Weak<V>>,
-    /// Evicted while held: their entries go once the holders are done.
-    orphans: Vec<SessionKey>,
-}
-
-impl<V> Registry<V> {
-    fn forget_released_orphans(&mut self) {
-        let live = &mut self.live;
-        self.orphans.retain(|key| {
-            let held = live.get(key).is_some_and(|w| w.strong_count() > 0);
-            if !held {
-                live.remove(key);
-            }
-            held
-        });
-    }
-}
-
-impl<V: Send + Sync + 'static> LiveSessions<V> {
-    pub fn new(idle: Duration) -> Self {
-        let registry = Arc::new(Mutex::new(Registry {
-            live: HashMap::new(),
-            orphans: Vec::new(),
-        }));
-        let on_evict = Arc::downgrade(&registry);
-        let cache = Cache::builder()
-            .time_to_idle(idle)
-            .max_capacity(1_000_000)
-            .eviction_listener(move |key: Arc<SessionKey>, value: Arc<V>, _cause| {
-                let Some(registry) = on_evict.upgrade() else {
-                    return;
-                };
-                let mut registry = lock(&registry);
-                // Another value under this key (revived or rebuilt) is not ours to touch.
-                let ours = registry
-                    .live
-                    .get(&*key)
-                    .is_some_and(|w| w.as_ptr() == Arc::as_ptr(&value));
-                if !ours {
-                    return;
-                }
-                if Arc::strong_count(&value) == 1 {
-                    // Only the evicted value itself holds it: nobody can come back for it.
-                    registry.live.remove(&*key);
-                } else {
-                    registry.orphans.push((*key).clone());
-                }
-            })
-            .build();
-        LiveSessions { cache, registry }
-    }
-
-    /// The live value for `key`: cached, still held elsewhere, or loaded by `load`.
-    pub fn get_or_load<E>(
-        &self,
-        key: SessionKey,
-        load: impl FnOnce() -> Result<V, E>,
-    ) -> Result<Arc<V>, E> {
-        if let Some(v) = self.cache.get(&key) {
-            return Ok(v);
-        }
-        let value = {
-            let mut registry = lock(&self.registry);
-            registry.forget_released_orphans();
-            match registry.live.get(&key).and_then(Weak::upgrade) {
-                Some(v) => v,
-                None => {
-                    let v = Arc::new(load()?);
-                    registry.live.insert(key.clone(), Arc::downgrade(&v));
-                    v
-                }
-            }
-        };
-        // Outside the registry lock: an insert may run moka's maintenance, and with it
-        // the eviction listener, which takes that lock.
-        self.cache.insert(key, value.clone());
-        Ok(value)
-    }
-
-    /// Runs the cache's pending evictions and drops registry entries nobody holds.
-    pub fn sweep(&self) {
-        self.cache.run_pending_tasks();
-        let mut registry = lock(&self.registry);
-        registry.live.retain(|_, w| w.strong_count() > 0);
-        registry.orphans.clear();
-    }
-}
-
-struct TenantBook {
-    name: Arc<str>,
-    day_limits: Limits,
-    session_limits: Limits,
-    max_concurrent: Option<u32>,
+pub(super) struct TenantBook {
+    pub(super) name: Arc<str>,
+    pub(super) day_limits: Limits,
+    pub(super) session_limits: Limits,
+    pub(super) max_concurrent: Option<u32>,
     /// (UTC day, that day's account).
-    day: Mutex<(i64, Account)>,
+    pub(super) day: Mutex<(i64, Account)>,
     /// False while the day's settled spend could not be read from the ledger: a tenant
     /// with day caps is then refused (`store_unavailable`) until it can be, not started
     /// at zero.
@@ -210,25 +104,25 @@ struct TenantBook {
 
 /// One session's live state.
 pub struct SessionBook {
-    account: Mutex<Account>,
-    in_flight: AtomicU32,
+    pub(super) account: Mutex<Account>,
+    pub(super) in_flight: AtomicU32,
 }
 
 pub struct Budgets {
     tenants: HashMap<Arc<str>, Arc<TenantBook>>,
     sessions: LiveSessions<SessionBook>,
-    store: Arc<Store>,
-    prices: Prices,
+    pub(super) store: Arc<Store>,
+    pub(super) prices: Prices,
     /// Model names as metric labels: configured names only.
-    model_labels: crate::telemetry::ModelLabels,
+    pub(super) model_labels: crate::telemetry::ModelLabels,
     unpriced: Unpriced,
     pub default_max_tokens: u64,
     /// Reported usage above this is not believed (`billing.max_reported_tokens`).
-    max_reported_tokens: u64,
+    pub(super) max_reported_tokens: u64,
     clock: TokioClock,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -290,13 +184,17 @@ impl Budgets {
         &self.store
     }
 
-    fn tenant(&self, name: &str) -> Option<&Arc<TenantBook>> {
+    pub(super) fn tenant(&self, name: &str) -> Option<&Arc<TenantBook>> {
         self.tenants.get(name)
     }
 
     /// The live session: in memory, or loaded from the ledger. A failed read is an
     /// error, not a session starting at zero.
-    fn session(&self, tenant: &Arc<str>, session: &str) -> Result<Arc<SessionBook>, StoreError> {
+    pub(super) fn session(
+        &self,
+        tenant: &Arc<str>,
+        session: &str,
+    ) -> Result<Arc<SessionBook>, StoreError> {
         self.sessions
             .get_or_load((tenant.clone(), session.to_string()), || {
                 let settled = self.store.session_usage(tenant, session).inspect_err(|err| {
@@ -336,7 +234,7 @@ impl Budgets {
     }
 
     /// Admits one more in-flight request for the session, up to `max_concurrent`.
-    pub fn enter(&self, tenant: &str, session: &str) -> Result<Option<InFlight>, Refusal> {
+    pub fn enter(&self, tenant: &str, session: &str) -> Result<Option<ConcurrencySlot>, Refusal> {
         let Some(book) = self.tenant(tenant) else {
             return Ok(None);
         };
@@ -351,7 +249,7 @@ impl Budgets {
             })
             .is_ok();
         if admitted {
-            Ok(Some(InFlight(live)))
+            Ok(Some(ConcurrencySlot(live)))
         } else {
             Err(Refusal::TooManyConcurrent { limit })
         }
@@ -472,82 +370,6 @@ impl Budgets {
         })
     }
 
-    /// What a session has left, formatted for `x-backstop-budget-remaining`; `None` when
-    /// the session is not budgeted.
-    pub fn remaining_header(&self, tenant: &str, session: &str) -> Option<String> {
-        let book = self.tenant(tenant)?;
-        if book.session_limits.is_unlimited() {
-            return None;
-        }
-        let live = self.session(&book.name, session).ok()?;
-        let (calls, tokens, usd) = lock(&live.account).remaining(&book.session_limits);
-        let mut parts = Vec::new();
-        if let Some(c) = calls {
-            parts.push(format!("calls={c}"));
-        }
-        if let Some(t) = tokens {
-            parts.push(format!("tokens={t}"));
-        }
-        if let Some(u) = usd {
-            parts.push(format!("usd={u:.4}"));
-        }
-        Some(parts.join("; "))
-    }
-
-    /// A session's settled spend in USD (0 for unknown tenants).
-    pub fn session_usd(&self, tenant: &str, session: &str) -> f64 {
-        self.tenant(tenant)
-            .and_then(|book| self.session(&book.name, session).ok())
-            .map_or(0.0, |live| lock(&live.account).settled.usd)
-    }
-
-    /// A session's figures for the admin API and the tenant's own view (`None`: no such
-    /// tenant).
-    pub fn session_report(
-        &self,
-        tenant: &str,
-        session: &str,
-    ) -> Result<Option<serde_json::Value>, StoreError> {
-        let Some(book) = self.tenant(tenant) else {
-            return Ok(None);
-        };
-        let live = self.session(&book.name, session)?;
-        let account = lock(&live.account).clone();
-        let (calls, tokens, usd) = account.remaining(&book.session_limits);
-        Ok(Some(serde_json::json!({
-            "tenant": tenant,
-            "session": session,
-            "used": {"calls": account.settled.calls, "tokens": account.settled.tokens, "usd": account.settled.usd},
-            "reserved": {"calls": account.reserved.calls, "tokens": account.reserved.tokens, "usd": account.reserved.usd},
-            "in_flight": live.in_flight.load(Ordering::Relaxed),
-            "limits": {"max_calls": book.session_limits.calls, "max_tokens": book.session_limits.tokens, "max_usd": book.session_limits.usd, "max_concurrent": book.max_concurrent},
-            "remaining": {"calls": calls, "tokens": tokens, "usd": usd},
-        })))
-    }
-
-    /// A tenant's day for the admin API.
-    pub fn tenant_report(&self, tenant: &str) -> Option<serde_json::Value> {
-        let book = self.tenant(tenant)?;
-        let (day, account) = lock(&book.day).clone();
-        let (_, tokens, usd) = account.remaining(&book.day_limits);
-        let by_model: Vec<_> = self
-            .store
-            .tenant_day_by_model(tenant, day)
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(model, u)| serde_json::json!({"model": model, "calls": u.calls, "tokens": u.tokens, "usd": u.usd}))
-            .collect();
-        Some(serde_json::json!({
-            "tenant": tenant,
-            "day": day,
-            "used_today": {"calls": account.settled.calls, "tokens": account.settled.tokens, "usd": account.settled.usd},
-            "reserved": {"calls": account.reserved.calls, "tokens": account.reserved.tokens, "usd": account.reserved.usd},
-            "limits": {"usd_per_day": book.day_limits.usd, "tokens_per_day": book.day_limits.tokens},
-            "remaining_today": {"usd": usd, "tokens": tokens},
-            "by_model": by_model,
-        }))
-    }
-
     /// Starts a session over: its usage counts from now (the tenant's spend is kept).
     /// `false`: no such tenant.
     pub async fn reset_session(&self, tenant: &str, session: &str) -> Result<bool, StoreError> {
@@ -573,238 +395,20 @@ impl Budgets {
     }
 }
 
-/// One in-flight request of a session; dropping it frees the slot.
-pub struct InFlight(Arc<SessionBook>);
+/// One in-flight request of a session (its place under `session.max_concurrent`);
+/// dropping it frees the slot.
+pub struct ConcurrencySlot(Arc<SessionBook>);
 
-impl Drop for InFlight {
+impl Drop for ConcurrencySlot {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-/// How an upstream call ended, for settling its reservation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// No usable answer (a transport failure or an error status): one call, no tokens.
-    Failed,
-    /// The upstream reported (input, output) tokens; believed up to
-    /// `billing.max_reported_tokens`.
-    Reported { input: u64, output: u64 },
-    /// The upstream reported usage that is not a count (negative, fractional, too big
-    /// for 64 bits): charged the reservation, logged and counted.
-    Invalid,
-    /// An answer without usage (a stream that ended early, a body without `usage`):
-    /// charged the reservation, never less than what may have been spent.
-    Unreported,
-}
-
-/// A reserved upstream call. Settle it with how the call ended; dropped unsettled, it is
-/// charged its full reservation (never less than what may have been spent).
-pub struct Reservation {
-    budgets: Arc<Budgets>,
-    tenant: Arc<TenantBook>,
-    session: Option<(String, Arc<SessionBook>)>,
-    model: String,
-    amount: Usage,
-    /// The durable reservation's id, for budgeted calls.
-    durable: Option<i64>,
-    settled: bool,
-}
-
-impl Reservation {
-    /// Reported usage believed as is, or `None` (with a log line and a count) when it is
-    /// not believable: then the reservation is charged instead.
-    fn believe(&self, outcome: Outcome) -> Option<(u64, u64)> {
-        let limit = self.budgets.max_reported_tokens;
-        let reason = match outcome {
-            Outcome::Failed => return Some((0, 0)),
-            Outcome::Unreported => return None,
-            Outcome::Invalid => "not_a_count",
-            Outcome::Reported { input, output }
-                if input.checked_add(output).is_none_or(|total| total > limit) =>
-            {
-                "over_max_reported_tokens"
-            }
-            Outcome::Reported { input, output } => return Some((input, output)),
-        };
-        let (reported_input, reported_output) = match outcome {
-            Outcome::Reported { input, output } => (Some(input), Some(output)),
-            _ => (None, None),
-        };
-        tracing::warn!(
-            tenant = %self.tenant.name,
-            session = self.session.as_ref().map(|(s, _)| s.as_str()),
-            model = %self.model,
-            reported_input,
-            reported_output,
-            max_reported_tokens = limit,
-            reserved_tokens = self.amount.tokens,
-            reason,
-            "implausible upstream usage; charging the reservation instead"
-        );
-        metrics::counter!("backstop_usage_rejected_total", "reason" => reason).increment(1);
-        None
-    }
-
-    /// The ledger row and the usage to settle for how the call ended.
-    fn charge_for(&self, outcome: Outcome) -> (Charge, Usage) {
-        let (input, output, usd) = match self.believe(outcome) {
-            Some((i, o)) => (
-                i,
-                o,
-                self.budgets.prices.cost(&self.model, i, o).unwrap_or(0.0),
-            ),
-            None => (self.amount.tokens, 0, self.amount.usd),
-        };
-        let actual = Usage {
-            calls: 1,
-            tokens: input.saturating_add(output),
-            usd: sane_usd(usd),
-        };
-        let charge = Charge {
-            ts_ms: now_ms(),
-            day: today(),
-            tenant: self.tenant.name.to_string(),
-            session: self.session.as_ref().map(|(s, _)| s.clone()),
-            model: self.model.clone(),
-            calls: 1,
-            input_tokens: input,
-            output_tokens: output,
-            usd: actual.usd,
-        };
-        (charge, actual)
-    }
-
-    fn apply(&mut self, actual: Usage) {
-        self.settled = true;
-        {
-            let mut day = lock(&self.tenant.day);
-            day.1.settle(self.amount, actual);
-        }
-        if let Some((_, s)) = &self.session {
-            lock(&s.account).settle(self.amount, actual);
-        }
-        let tenant = self.tenant.name.to_string();
-        let model = self.budgets.model_labels.label(&self.model);
-        metrics::counter!("backstop_spend_usd_total", "tenant" => tenant.clone(), "model" => model.to_string()).increment((actual.usd * 1e6) as u64);
-        metrics::counter!("backstop_tokens_total", "tenant" => tenant.clone(), "model" => model.to_string()).increment(actual.tokens);
-        if let Some(limit) = self.tenant.day_limits.usd {
-            let used = lock(&self.tenant.day).1.committed().usd;
-            metrics::gauge!("backstop_tenant_budget_remaining_usd", "tenant" => tenant)
-                .set((limit - used).max(0.0));
-        }
-    }
-
-    /// Gives the reservation back without a charge: the call was never made.
-    fn release(&mut self) {
-        self.settled = true;
-        lock(&self.tenant.day)
-            .1
-            .settle(self.amount, Usage::default());
-        if let Some((_, s)) = &self.session {
-            lock(&s.account).settle(self.amount, Usage::default());
-        }
-    }
-
-    /// Settles with how the call ended and waits until the ledger has it. If the ledger
-    /// write fails, the durable reservation stays and counts in full after a restart.
-    pub async fn settle(mut self, outcome: Outcome) {
-        let (charge, actual) = self.charge_for(outcome);
-        self.apply(actual);
-        if let Err(err) = self.budgets.store.settle(self.durable, charge).await {
-            tracing::error!(
-                tenant = %self.tenant.name,
-                session = self.session.as_ref().map(|(s, _)| s.as_str()),
-                durable = self.durable.is_some(),
-                error = %err,
-                "cannot record a charge in the ledger"
-            );
-        }
-    }
-
-    /// Settles now in memory and writes the ledger in the background (end of a stream).
-    pub fn settle_later(mut self, outcome: Outcome) {
-        let (charge, actual) = self.charge_for(outcome);
-        self.apply(actual);
-        self.budgets.store.settle_later(self.durable, charge);
-    }
-}
-
-impl Drop for Reservation {
-    fn drop(&mut self) {
-        if !self.settled {
-            let (charge, actual) = self.charge_for(Outcome::Unreported);
-            self.apply(actual);
-            self.budgets.store.settle_later(self.durable, charge);
-        }
-    }
-}
-
-impl From<Refusal> for crate::error::GatewayError {
-    fn from(refusal: Refusal) -> Self {
-        use crate::error::GatewayError;
-        let detail = refusal.describe();
-        let reason = match &refusal {
-            Refusal::RateLimited { .. } => "rate_limited",
-            Refusal::Exceeded(_) => "budget_exceeded",
-            Refusal::TooManyConcurrent { .. } => "too_many_concurrent",
-            Refusal::Unpriced { .. } => "unpriced_model",
-            Refusal::StoreUnavailable { .. } => "store_unavailable",
-        };
-        metrics::counter!("backstop_refusals_total", "reason" => reason).increment(1);
-        match refusal {
-            Refusal::RateLimited { retry_after, .. } => GatewayError::RateLimited {
-                detail,
-                retry_after,
-            },
-            Refusal::Exceeded(e) => GatewayError::BudgetExceeded {
-                budget: e.budget,
-                detail,
-            },
-            Refusal::TooManyConcurrent { .. } => GatewayError::TooManyConcurrent { detail },
-            Refusal::Unpriced { .. } => GatewayError::Unpriced { detail },
-            Refusal::StoreUnavailable { .. } => GatewayError::StoreUnavailable { detail },
-        }
-    }
-}
-
-impl Refusal {
-    pub fn describe(&self) -> String {
-        match self {
-            Refusal::RateLimited { scope, retry_after } => {
-                format!("{scope} exceeded; retry after {retry_after:?}")
-            }
-            Refusal::Exceeded(e) => format!(
-                "{} exhausted: limit {}, used {}, this call needs {}",
-                e.budget,
-                fmt_num(e.limit),
-                fmt_num(e.used),
-                fmt_num(e.requested)
-            ),
-            Refusal::TooManyConcurrent { limit } => {
-                format!("session.max_concurrent exceeded: {limit} requests already in flight")
-            }
-            Refusal::Unpriced { model } => {
-                format!("model `{model}` has no price and billing.unpriced = \"refuse\"")
-            }
-            Refusal::StoreUnavailable { detail } => format!(
-                "the budget store is unavailable, so this call cannot be accounted and was not made: {detail}"
-            ),
-        }
-    }
-}
-
-fn fmt_num(v: f64) -> String {
-    if v.fract() == 0.0 {
-        format!("{v:.0}")
-    } else {
-        format!("{v:.4}")
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{state::reservation::Outcome, store::Charge};
 
     fn budgets(tenant_extra: &str) -> Arc<Budgets> {
         budgets_on(
@@ -942,7 +546,7 @@ mod tests {
         let slot = b.enter("t", "s").unwrap();
         let first = b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap();
         // moka's idle clock is its own, not tokio's: evict as `session_idle` would.
-        b.sessions.cache.invalidate_all();
+        b.sessions.evict_all();
         b.forget_idle_limiters();
         assert!(
             matches!(
@@ -959,7 +563,7 @@ mod tests {
         first.settle(reported(1, 1)).await;
         second.settle(reported(1, 1)).await;
         drop(slot);
-        b.sessions.cache.invalidate_all();
+        b.sessions.evict_all();
         b.forget_idle_limiters();
         // Nobody holds it now: rebuilt from the ledger, which has both calls.
         let report = b.session_report("t", "s").unwrap().unwrap();

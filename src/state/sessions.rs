@@ -2,7 +2,7 @@
 //! (tenant, session), for tenants that configure `[tenants.guard]`. Sessions are per
 //! tenant: the same id under two tenants is two sessions. Idle sessions leave memory
 //! (never while a request holds them), but an operator's close and an active trip are
-//! kept in the store ([`Guards::persist`]) and read back when the session returns, after
+//! kept in the store ([`SessionGuards::persist`]) and read back when the session returns, after
 //! idle eviction or a restart.
 
 use std::{
@@ -15,9 +15,9 @@ use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use crate::{
-    budgets::{now_ms, LiveSessions},
     config::Config,
     policy::guard::{restore_trip, GuardConfig, Kept, SessionGuard},
+    state::{budgets::now_ms, live::LiveSessions},
     store::{GuardRecord, Store, StoreError},
 };
 
@@ -69,7 +69,7 @@ impl Entry {
     }
 }
 
-pub struct Guards {
+pub struct SessionGuards {
     configs: HashMap<String, Arc<GuardConfig>>,
     sessions: LiveSessions<Mutex<Entry>>,
     store: Arc<Store>,
@@ -79,7 +79,7 @@ pub fn lock(entry: &Mutex<Entry>) -> MutexGuard<'_, Entry> {
     entry.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-impl Guards {
+impl SessionGuards {
     pub fn new(config: &Config, idle: Duration, store: Arc<Store>) -> Self {
         let configs = config
             .tenants
@@ -90,7 +90,7 @@ impl Guards {
                     .map(|g| (t.name.clone(), Arc::new(g.policy())))
             })
             .collect();
-        Guards {
+        SessionGuards {
             configs,
             sessions: LiveSessions::new(idle),
             store,
