@@ -89,9 +89,10 @@ async fn tenant(
     if let Err(r) = admin_auth(&state, &headers) {
         return *r;
     }
-    match state.budgets.tenant_report(&tenant) {
-        Some(report) => json_response(report),
-        None => refuse(GatewayError::NotFoundAdmin { what: "tenant" }),
+    match state.budgets.tenant_report(&tenant).await {
+        Ok(Some(report)) => json_response(report),
+        Ok(None) => refuse(GatewayError::NotFoundAdmin { what: "tenant" }),
+        Err(err) => refuse(store_error(err)),
     }
 }
 
@@ -104,7 +105,7 @@ async fn session(
     if let Err(r) = admin_auth(&state, &headers) {
         return *r;
     }
-    match session_view(&state, &tenant, &session) {
+    match session_view(&state, &tenant, &session).await {
         Ok(Some(report)) => json_response(report),
         Ok(None) => refuse(GatewayError::NotFoundAdmin { what: "tenant" }),
         Err(err) => refuse(err),
@@ -118,7 +119,7 @@ fn store_error(err: crate::store::StoreError) -> GatewayError {
 }
 
 /// Budgets, and for guarded tenants the guard's signals and the recovery trace.
-fn session_view(
+async fn session_view(
     state: &AppState,
     tenant: &str,
     session: &str,
@@ -126,23 +127,21 @@ fn session_view(
     let Some(mut report) = state
         .budgets
         .session_report(tenant, session)
+        .await
         .map_err(store_error)?
     else {
         return Ok(None);
     };
-    if let Some(guard) =
-        state
-            .guards
-            .report(tenant, session, state.budgets.session_usd(tenant, session))
-    {
+    let session_usd = state.budgets.session_usd(tenant, session).await;
+    if let Some(guard) = state.guards.report(tenant, session, session_usd).await {
         report["guard"] = guard;
     }
     Ok(Some(report))
 }
 
 /// The session's view after an operator's action.
-fn view_after(state: &AppState, tenant: &str, session: &str) -> Response {
-    match session_view(state, tenant, session) {
+async fn view_after(state: &AppState, tenant: &str, session: &str) -> Response {
+    match session_view(state, tenant, session).await {
         Ok(report) => json_response(report.unwrap_or(Value::Null)),
         Err(err) => refuse(err),
     }
@@ -166,7 +165,7 @@ async fn close_session(
         }
         Err(err) => return refuse(store_error(err)),
     }
-    view_after(&state, &tenant, &session)
+    view_after(&state, &tenant, &session).await
 }
 
 /// `POST /admin/tenants/{tenant}/sessions/{session}/reset`: the session starts over.
@@ -187,7 +186,7 @@ async fn reset_session(
         return refuse(store_error(err));
     }
     tracing::info!(%tenant, %session, "session reset by an operator");
-    view_after(&state, &tenant, &session)
+    view_after(&state, &tenant, &session).await
 }
 
 /// `GET /v1/sessions/{session}` with a tenant key: that tenant's own session only.
@@ -199,7 +198,7 @@ async fn own_session(
     let Some(tenant) = presented_key(&headers).and_then(|k| state.tenants.lookup(k)) else {
         return refuse(GatewayError::Unauthorized);
     };
-    match state.budgets.session_report(&tenant.name, &session) {
+    match state.budgets.session_report(&tenant.name, &session).await {
         Ok(Some(report)) => json_response(report),
         Ok(None) => refuse(GatewayError::NotFoundAdmin { what: "session" }),
         Err(err) => refuse(store_error(err)),

@@ -57,8 +57,8 @@ use crate::{
     },
     policy::budget::Prices,
     routing::RouteTable,
-    state::{budgets::Budgets, health::HealthRegistry, sessions::SessionGuards},
-    store::{Store, StoreError},
+    state::{budgets::Budgets, clock::Clock, health::HealthRegistry, sessions::SessionGuards},
+    store::{SqliteStore, Store, StoreError},
     telemetry,
     upstream::{self, Forward, StreamLimits, Upstream},
     validation::Schemas,
@@ -77,6 +77,8 @@ pub struct AppState {
     pub budgets: Arc<Budgets>,
     pub schemas: Arc<Schemas>,
     pub guards: Arc<SessionGuards>,
+    /// The one clock of the live state (tokio time, and the calendar derived from it).
+    pub clock: Clock,
     pub metrics: PrometheusHandle,
     /// False while starting and once shutdown has begun: `/readyz` answers 503.
     pub ready: Arc<AtomicBool>,
@@ -88,9 +90,14 @@ pub struct AppState {
 
 impl AppState {
     pub fn new(config: Config) -> Result<Self, StoreError> {
+        Self::with_clock(config, Clock::system())
+    }
+
+    /// As [`AppState::new`], with the live state on `clock`.
+    pub fn with_clock(config: Config, clock: Clock) -> Result<Self, StoreError> {
         let upstreams = upstream::build_all(&config);
         let routes = RouteTable::new(&config, &upstreams);
-        let store = Arc::new(Store::open_with(&config.store)?);
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_with(&config.store)?);
         warn_unpriced(&config);
         let (stream_limits, cut_streams) = StreamLimits::from_config(&config.server);
         Ok(AppState {
@@ -100,13 +107,16 @@ impl AppState {
                 &config,
                 store.clone(),
                 config.store.session_idle,
+                clock.clone(),
             )),
             schemas: Arc::new(Schemas::new(&config.validation)),
             guards: Arc::new(SessionGuards::new(
                 &config,
                 config.store.session_idle,
                 store,
+                clock.clone(),
             )),
+            clock,
             tenants: Arc::new(TenantKeys::new(&config)),
             health: Arc::new(HealthRegistry::new(&config)),
             routes: Arc::new(routes),
@@ -149,6 +159,7 @@ fn proxy_stack(state: &AppState) -> HttpService {
             state.budgets.store().clone(),
             state.config.store.idempotency_ttl,
             server.max_idempotency_key_bytes,
+            state.clock.clone(),
         ))
         .layer(LimitsLayer::new(state.budgets.clone()))
         .layer(GuardLayer::new(state.guards.clone(), state.budgets.clone()))

@@ -125,10 +125,10 @@ where
         let layer = self.layer.clone();
         Box::pin(async move {
             let ctx = RequestContext::of(&req)?;
-            let entry = ctx
-                .session_id
-                .as_deref()
-                .and_then(|s| layer.guards.entry(&ctx.tenant, s));
+            let entry = match ctx.session_id.as_deref() {
+                Some(s) => layer.guards.entry(&ctx.tenant, s).await,
+                None => None,
+            };
             let (Some(entry), Some(session)) = (entry, ctx.session_id.clone()) else {
                 return inner.call(req).await;
             };
@@ -140,10 +140,10 @@ where
                 .unwrap_or_default();
             let tenant = ctx.tenant.clone();
             let fp = fingerprint(&ctx.json);
-            let usd_before = layer.budgets.session_usd(&tenant, &session);
+            let usd_before = layer.budgets.session_usd(&tenant, &session).await;
             let (admitted, keep) = {
                 let mut e = lock(&entry);
-                let now = tokio::time::Instant::now();
+                let now = layer.guards.now();
                 let (admitted, change) = e.guard.admit(now, &fp, usd_before);
                 transition(&tenant, &session, change, &request_id);
                 let keep = to_keep(change, &e.guard, now);
@@ -188,11 +188,11 @@ where
                 Ok(r) => (r.status().as_u16(), r.status().as_u16() >= 400),
                 Err(e) => (e.kind().status, !e.is_refusal()),
             };
-            let usd_after = layer.budgets.session_usd(&tenant, &session);
+            let usd_after = layer.budgets.session_usd(&tenant, &session).await;
             let fields = log.as_ref().map(|l| l.snapshot()).unwrap_or_default();
             let keep = {
                 let mut e = lock(&entry);
-                let now = tokio::time::Instant::now();
+                let now = layer.guards.now();
                 let change = e.guard.record(now, failed);
                 transition(&tenant, &session, change, &request_id);
                 let keep = to_keep(change, &e.guard, now);

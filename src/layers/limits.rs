@@ -104,12 +104,15 @@ where
                 .check_rate(&ctx.tenant, session)
                 .map_err(GatewayError::from)?;
             let slot = match session {
-                Some(s) => budgets.enter(&ctx.tenant, s).map_err(GatewayError::from)?,
+                Some(s) => budgets
+                    .enter(&ctx.tenant, s)
+                    .await
+                    .map_err(GatewayError::from)?,
                 None => None,
             };
             let result = inner.call(req).await;
             if let (Some(log), Some(session)) = (log, session) {
-                if let Some(remaining) = budgets.remaining_header(&ctx.tenant, session) {
+                if let Some(remaining) = budgets.remaining_header(&ctx.tenant, session).await {
                     log.update(|f| f.budget_remaining = Some(remaining));
                 }
             }

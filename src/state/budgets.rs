@@ -2,14 +2,18 @@
 //! per session an account and an in-flight count. Sessions idle out of memory (moka, with
 //! a time-to-idle) and are rebuilt from the ledger when they come back, so no history is
 //! lost; a session with a call in flight is never rebuilt (see [`LiveSessions`]). The
-//! arithmetic is in [`crate::policy::budget`]; persistence in [`crate::store`].
+//! arithmetic is in [`crate::policy::budget`]; persistence in [`crate::store`]; time
+//! (rate limits and the UTC day) comes from the injected [`Clock`].
 //!
 //! A *budgeted* call (its tenant has a day cap, or it belongs to a session and the tenant
 //! has session caps) has its reservation committed to the store before the upstream call
 //! and settled into the ledger in the same transaction that deletes it; after a crash,
-//! [`Store::open`] charges what was left at its reserved amount. When the store cannot
-//! take the reservation, the call is refused (`store_unavailable`), never made
+//! the store charges what was left at its reserved amount when it opens. When the store
+//! cannot take the reservation, the call is refused (`store_unavailable`), never made
 //! unaccounted. Other calls are reserved in memory only and charged to the ledger after.
+//!
+//! The store is read when a session is first seen (its ledger sum) and when a tenant's
+//! day is first needed; everything after that is in memory.
 
 use std::{
     collections::HashMap,
@@ -18,45 +22,24 @@ use std::{
         atomic::{AtomicBool, AtomicU32, Ordering},
         Arc, Mutex,
     },
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::Duration,
 };
 
-use crate::{
-    config::{Config, Unpriced},
-    policy::budget::{worst_case, Account, Exceeded, Limits, Prices, Usage, SESSION, TENANT_DAY},
-    state::{live::LiveSessions, reservation::Reservation},
-    store::{ReservationRecord, Store, StoreError},
-};
 use governor::{
-    clock::Clock,
     middleware::NoOpMiddleware,
     state::{keyed::DashMapStateStore, InMemoryState, NotKeyed},
     Quota, RateLimiter,
 };
 
-/// Governor's clock on tokio's time, so rate limits run on a paused clock in tests.
-#[derive(Clone, Debug)]
-pub struct TokioClock {
-    origin: tokio::time::Instant,
-}
+use crate::{
+    config::{Config, Unpriced},
+    policy::budget::{worst_case, Account, Exceeded, Limits, Prices, Usage, SESSION, TENANT_DAY},
+    state::{clock::Clock, live::LiveSessions, reservation::Reservation},
+    store::{ReservationRecord, Store, StoreError},
+};
 
-impl Default for TokioClock {
-    fn default() -> Self {
-        TokioClock {
-            origin: tokio::time::Instant::now(),
-        }
-    }
-}
-
-impl Clock for TokioClock {
-    type Instant = Duration;
-    fn now(&self) -> Duration {
-        self.origin.elapsed()
-    }
-}
-
-type Direct = RateLimiter<NotKeyed, InMemoryState, TokioClock, NoOpMiddleware<Duration>>;
-type Keyed = RateLimiter<String, DashMapStateStore<String>, TokioClock, NoOpMiddleware<Duration>>;
+type Direct = RateLimiter<NotKeyed, InMemoryState, Clock, NoOpMiddleware<Duration>>;
+type Keyed = RateLimiter<String, DashMapStateStore<String>, Clock, NoOpMiddleware<Duration>>;
 
 /// Why a call may not go ahead.
 #[derive(Debug, Clone, PartialEq)]
@@ -94,9 +77,9 @@ pub(super) struct TenantBook {
     pub(super) max_concurrent: Option<u32>,
     /// (UTC day, that day's account).
     pub(super) day: Mutex<(i64, Account)>,
-    /// False while the day's settled spend could not be read from the ledger: a tenant
-    /// with day caps is then refused (`store_unavailable`) until it can be, not started
-    /// at zero.
+    /// False until the day's settled spend has been read from the ledger (on first
+    /// use): a tenant with day caps is refused (`store_unavailable`) while it cannot
+    /// be, not started at zero.
     day_known: AtomicBool,
     rate: Option<Direct>,
     session_rate: Option<Keyed>,
@@ -111,7 +94,7 @@ pub struct SessionBook {
 pub struct Budgets {
     tenants: HashMap<Arc<str>, Arc<TenantBook>>,
     sessions: LiveSessions<SessionBook>,
-    pub(super) store: Arc<Store>,
+    pub(super) store: Arc<dyn Store>,
     pub(super) prices: Prices,
     /// Model names as metric labels: configured names only.
     pub(super) model_labels: crate::telemetry::ModelLabels,
@@ -119,21 +102,11 @@ pub struct Budgets {
     pub default_max_tokens: u64,
     /// Reported usage above this is not believed (`billing.max_reported_tokens`).
     pub(super) max_reported_tokens: u64,
-    clock: TokioClock,
+    pub(super) clock: Clock,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
-
-pub fn today() -> i64 {
-    now_ms().div_euclid(86_400_000)
 }
 
 fn per_minute(n: u32) -> Quota {
@@ -141,28 +114,41 @@ fn per_minute(n: u32) -> Quota {
 }
 
 impl Budgets {
-    pub fn new(config: &Config, store: Arc<Store>, session_idle: Duration) -> Self {
-        let clock = TokioClock::default();
-        let day = today();
+    /// Builds the books; nothing is read from the store until it is needed.
+    pub fn new(
+        config: &Config,
+        store: Arc<dyn Store>,
+        session_idle: Duration,
+        clock: Clock,
+    ) -> Self {
+        let day = clock.today();
         let tenants = config
             .tenants
             .iter()
             .map(|t| {
                 let name: Arc<str> = t.name.as_str().into();
-                let settled = store.tenant_day_usage(&t.name, day).inspect_err(|err| {
-                    tracing::error!(tenant = %t.name, error = %err, "cannot read the ledger; the tenant's day caps refuse calls until it can be read");
-                });
-                let day_known = AtomicBool::new(settled.is_ok());
-                let settled = settled.unwrap_or_default();
                 let book = TenantBook {
                     name: name.clone(),
-                    day_limits: Limits { calls: None, tokens: t.budget.tokens_per_day, usd: t.budget.usd_per_day },
-                    session_limits: Limits { calls: t.session.max_calls, tokens: t.session.max_tokens, usd: t.session.max_usd },
+                    day_limits: Limits {
+                        calls: None,
+                        tokens: t.budget.tokens_per_day,
+                        usd: t.budget.usd_per_day,
+                    },
+                    session_limits: Limits {
+                        calls: t.session.max_calls,
+                        tokens: t.session.max_tokens,
+                        usd: t.session.max_usd,
+                    },
                     max_concurrent: t.session.max_concurrent,
-                    day: Mutex::new((day, Account { settled, reserved: Usage::default() })),
-                    day_known,
-                    rate: t.requests_per_minute.map(|n| RateLimiter::direct_with_clock(per_minute(n), clock.clone())),
-                    session_rate: t.session.requests_per_minute.map(|n| RateLimiter::dashmap_with_clock(per_minute(n), clock.clone())),
+                    day: Mutex::new((day, Account::default())),
+                    day_known: AtomicBool::new(false),
+                    rate: t
+                        .requests_per_minute
+                        .map(|n| RateLimiter::direct_with_clock(per_minute(n), clock.clone())),
+                    session_rate: t
+                        .session
+                        .requests_per_minute
+                        .map(|n| RateLimiter::dashmap_with_clock(per_minute(n), clock.clone())),
                 };
                 (name, Arc::new(book))
             })
@@ -180,8 +166,12 @@ impl Budgets {
         }
     }
 
-    pub fn store(&self) -> &Arc<Store> {
+    pub fn store(&self) -> &Arc<dyn Store> {
         &self.store
+    }
+
+    pub fn clock(&self) -> &Clock {
+        &self.clock
     }
 
     pub(super) fn tenant(&self, name: &str) -> Option<&Arc<TenantBook>> {
@@ -190,14 +180,14 @@ impl Budgets {
 
     /// The live session: in memory, or loaded from the ledger. A failed read is an
     /// error, not a session starting at zero.
-    pub(super) fn session(
+    pub(super) async fn session(
         &self,
         tenant: &Arc<str>,
         session: &str,
     ) -> Result<Arc<SessionBook>, StoreError> {
         self.sessions
-            .get_or_load((tenant.clone(), session.to_string()), || {
-                let settled = self.store.session_usage(tenant, session).inspect_err(|err| {
+            .get_or_load((tenant.clone(), session.to_string()), || async {
+                let settled = self.store.session_usage(tenant, session).await.inspect_err(|err| {
                     tracing::error!(%tenant, session, error = %err, "cannot read the ledger for a session");
                 })?;
                 Ok(SessionBook {
@@ -208,6 +198,36 @@ impl Budgets {
                     in_flight: AtomicU32::new(0),
                 })
             })
+            .await
+    }
+
+    /// Reads the tenant's settled spend today from the ledger, once: the first read that
+    /// succeeds sets it, and reads that finish later are dropped, since the account has
+    /// moved on by then.
+    pub(super) async fn know_day(&self, book: &TenantBook) -> Result<(), StoreError> {
+        if book.day_known.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let day = self.clock.today();
+        let settled = self
+            .store
+            .tenant_day_usage(&book.name, day)
+            .await
+            .inspect_err(|err| {
+                tracing::error!(tenant = %book.name, error = %err, "cannot read the ledger; the tenant's day caps refuse calls until it can be read");
+            })?;
+        let mut account = lock(&book.day);
+        if !book.day_known.load(Ordering::Acquire) && account.0 <= day {
+            *account = (
+                day,
+                Account {
+                    settled,
+                    reserved: account.1.reserved,
+                },
+            );
+            book.day_known.store(true, Ordering::Release);
+        }
+        Ok(())
     }
 
     /// Rate limits (tenant, then session) for one client request.
@@ -215,7 +235,7 @@ impl Budgets {
         let Some(book) = self.tenant(tenant) else {
             return Ok(());
         };
-        let now = self.clock.now();
+        let now = governor::clock::Clock::now(&self.clock);
         if let Some(limiter) = &book.rate {
             limiter.check().map_err(|not_until| Refusal::RateLimited {
                 scope: "tenant.requests_per_minute",
@@ -234,14 +254,18 @@ impl Budgets {
     }
 
     /// Admits one more in-flight request for the session, up to `max_concurrent`.
-    pub fn enter(&self, tenant: &str, session: &str) -> Result<Option<ConcurrencySlot>, Refusal> {
+    pub async fn enter(
+        &self,
+        tenant: &str,
+        session: &str,
+    ) -> Result<Option<ConcurrencySlot>, Refusal> {
         let Some(book) = self.tenant(tenant) else {
             return Ok(None);
         };
         let Some(limit) = book.max_concurrent else {
             return Ok(None);
         };
-        let live = self.session(&book.name, session)?;
+        let live = self.session(&book.name, session).await?;
         let admitted = live
             .in_flight
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
@@ -266,8 +290,18 @@ impl Budgets {
         prompt_tokens: u64,
         max_output: u64,
     ) -> Result<Reservation, Refusal> {
+        let Some(book) = self.tenant(tenant).cloned() else {
+            return Err(Refusal::Unpriced {
+                model: model.into(),
+            });
+        };
+        let live = match session {
+            Some(s) => Some((s.to_string(), self.session(&book.name, s).await?)),
+            None => None,
+        };
+        let day_unread = self.know_day(&book).await.err();
         let mut reservation =
-            self.reserve_in_memory(tenant, session, model, prompt_tokens, max_output)?;
+            self.reserve_in_memory(book, live, day_unread, model, prompt_tokens, max_output)?;
         let book = &reservation.tenant;
         let budgeted = !book.day_limits.is_unlimited()
             || (reservation.session.is_some() && !book.session_limits.is_unlimited());
@@ -275,8 +309,8 @@ impl Budgets {
             let id = self.store.next_reservation_id();
             let record = ReservationRecord {
                 id,
-                ts_ms: now_ms(),
-                day: today(),
+                ts_ms: self.clock.now_ms(),
+                day: self.clock.today(),
                 tenant: book.name.to_string(),
                 session: reservation.session.as_ref().map(|(s, _)| s.clone()),
                 model: reservation.model.clone(),
@@ -296,23 +330,16 @@ impl Budgets {
         Ok(reservation)
     }
 
+    /// The reservation's arithmetic, under the day's lock: no await in here.
     fn reserve_in_memory(
         self: &Arc<Self>,
-        tenant: &str,
-        session: Option<&str>,
+        book: Arc<TenantBook>,
+        live: Option<(String, Arc<SessionBook>)>,
+        day_unread: Option<StoreError>,
         model: &str,
         prompt_tokens: u64,
         max_output: u64,
     ) -> Result<Reservation, Refusal> {
-        let Some(book) = self.tenant(tenant).cloned() else {
-            return Err(Refusal::Unpriced {
-                model: model.into(),
-            });
-        };
-        let live = match session {
-            Some(s) => Some((s.to_string(), self.session(&book.name, s)?)),
-            None => None,
-        };
         let usd_capped =
             book.day_limits.usd.is_some() || (live.is_some() && book.session_limits.usd.is_some());
         let want = worst_case(prompt_tokens, max_output, 0.0);
@@ -327,8 +354,8 @@ impl Budgets {
         };
         let want = Usage { usd, ..want };
         let mut day = lock(&book.day);
-        let today = today();
-        if day.0 != today {
+        let today = self.clock.today();
+        if day.0 < today {
             *day = (
                 today,
                 Account {
@@ -337,14 +364,9 @@ impl Budgets {
                 },
             );
         }
-        if !book.day_known.load(Ordering::Acquire) {
-            match self.store.tenant_day_usage(&book.name, today) {
-                Ok(settled) => {
-                    day.1.settled = settled;
-                    book.day_known.store(true, Ordering::Release);
-                }
-                Err(err) if !book.day_limits.is_unlimited() => return Err(err.into()),
-                Err(_) => {}
+        if let Some(err) = day_unread {
+            if !book.day_limits.is_unlimited() {
+                return Err(err.into());
             }
         }
         day.1
@@ -370,14 +392,28 @@ impl Budgets {
         })
     }
 
+    /// A session's settled spend in USD (0 for unknown tenants, or when the session
+    /// cannot be read: the guard's spend velocity fails open, budgets do not).
+    pub async fn session_usd(&self, tenant: &str, session: &str) -> f64 {
+        let Some(book) = self.tenant(tenant) else {
+            return 0.0;
+        };
+        match self.session(&book.name, session).await {
+            Ok(live) => lock(&live.account).settled.usd,
+            Err(_) => 0.0,
+        }
+    }
+
     /// Starts a session over: its usage counts from now (the tenant's spend is kept).
     /// `false`: no such tenant.
     pub async fn reset_session(&self, tenant: &str, session: &str) -> Result<bool, StoreError> {
         let Some(book) = self.tenant(tenant) else {
             return Ok(false);
         };
-        self.store.reset_session(tenant, session, now_ms()).await?;
-        let live = self.session(&book.name, session)?;
+        self.store
+            .reset_session(tenant, session, self.clock.now_ms())
+            .await?;
+        let live = self.session(&book.name, session).await?;
         lock(&live.account).settled = Usage::default();
         Ok(true)
     }
@@ -408,17 +444,20 @@ impl Drop for ConcurrencySlot {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{state::reservation::Outcome, store::Charge};
+    use crate::{
+        state::reservation::Outcome,
+        store::{Charge, SqliteStore},
+    };
 
     fn budgets(tenant_extra: &str) -> Arc<Budgets> {
         budgets_on(
             tenant_extra,
-            Store::open(":memory:").unwrap(),
+            SqliteStore::open(":memory:").unwrap(),
             Duration::from_secs(600),
         )
     }
 
-    fn budgets_on(tenant_extra: &str, store: Store, idle: Duration) -> Arc<Budgets> {
+    fn budgets_on(tenant_extra: &str, store: SqliteStore, idle: Duration) -> Arc<Budgets> {
         let text = format!(
             r#"
             [[prices]]
@@ -439,7 +478,12 @@ mod tests {
             "#
         );
         let config = Config::from_toml_with_env(&text, |_| None).unwrap();
-        Arc::new(Budgets::new(&config, Arc::new(store), idle))
+        Arc::new(Budgets::new(
+            &config,
+            Arc::new(store),
+            idle,
+            Clock::system(),
+        ))
     }
 
     fn reported(input: u64, output: u64) -> Outcome {
@@ -501,12 +545,18 @@ mod tests {
             })
         ));
         // The tenant's day only holds the one reservation.
-        assert_eq!(b.tenant_report("t").unwrap()["reserved"]["tokens"], 200);
+        assert_eq!(
+            b.tenant_report("t").await.unwrap().unwrap()["reserved"]["tokens"],
+            200
+        );
         r.settle(reported(10, 20)).await;
-        let report = b.session_report("t", "s").unwrap().unwrap();
+        let report = b.session_report("t", "s").await.unwrap().unwrap();
         assert_eq!(report["used"]["tokens"], 30);
         assert_eq!(report["reserved"]["tokens"], 0);
-        assert_eq!(b.tenant_report("t").unwrap()["used_today"]["usd"], 0.000225);
+        assert_eq!(
+            b.tenant_report("t").await.unwrap().unwrap()["used_today"]["usd"],
+            0.000225
+        );
     }
 
     #[tokio::test]
@@ -523,8 +573,9 @@ mod tests {
         .unwrap();
         let b = Arc::new(Budgets::new(
             &config,
-            Arc::new(Store::open(":memory:").unwrap()),
+            Arc::new(SqliteStore::open(":memory:").unwrap()),
             Duration::from_secs(60),
+            Clock::system(),
         ));
         assert!(matches!(
             b.reserve("t", Some("s"), "mystery", 1, 1).await,
@@ -540,17 +591,17 @@ mod tests {
     async fn a_session_held_by_a_call_is_not_rebuilt_when_it_idles_out() {
         let b = budgets_on(
             "[tenants.session]\nmax_calls = 2\nmax_concurrent = 1",
-            Store::open(":memory:").unwrap(),
+            SqliteStore::open(":memory:").unwrap(),
             Duration::from_nanos(1),
         );
-        let slot = b.enter("t", "s").unwrap();
+        let slot = b.enter("t", "s").await.unwrap();
         let first = b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap();
         // moka's idle clock is its own, not tokio's: evict as `session_idle` would.
         b.sessions.evict_all();
         b.forget_idle_limiters();
         assert!(
             matches!(
-                b.enter("t", "s"),
+                b.enter("t", "s").await,
                 Err(Refusal::TooManyConcurrent { limit: 1 })
             ),
             "the in-flight slot survived the eviction"
@@ -566,20 +617,20 @@ mod tests {
         b.sessions.evict_all();
         b.forget_idle_limiters();
         // Nobody holds it now: rebuilt from the ledger, which has both calls.
-        let report = b.session_report("t", "s").unwrap().unwrap();
+        let report = b.session_report("t", "s").await.unwrap().unwrap();
         assert_eq!(report["used"]["calls"], 2);
         assert_eq!(report["in_flight"], 0);
-        assert!(b.enter("t", "s").unwrap().is_some());
+        assert!(b.enter("t", "s").await.unwrap().is_some());
     }
 
     #[tokio::test]
     async fn budgeted_reservations_are_durable_until_settled() {
         let b = budgets("[tenants.session]\nmax_calls = 5");
         let r = b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap();
-        assert_eq!(b.store().open_reservations().unwrap(), 1);
+        assert_eq!(b.store().open_reservations().await.unwrap(), 1);
         r.settle(reported(3, 4)).await;
-        assert_eq!(b.store().open_reservations().unwrap(), 0);
-        assert_eq!(b.store().session_usage("t", "s").unwrap().tokens, 7);
+        assert_eq!(b.store().open_reservations().await.unwrap(), 0);
+        assert_eq!(b.store().session_usage("t", "s").await.unwrap().tokens, 7);
         // Dropped unsettled (a cancelled call): charged in full, durably.
         drop(b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap());
         b.store()
@@ -596,11 +647,11 @@ mod tests {
             })
             .await
             .unwrap();
-        assert_eq!(b.store().open_reservations().unwrap(), 0);
-        assert_eq!(b.store().session_usage("t", "s").unwrap().tokens, 27);
+        assert_eq!(b.store().open_reservations().await.unwrap(), 0);
+        assert_eq!(b.store().session_usage("t", "s").await.unwrap().tokens, 27);
         // No session, no day cap: nothing to make durable.
         let r = b.reserve("t", None, "gpt-4o", 10, 10).await.unwrap();
-        assert_eq!(b.store().open_reservations().unwrap(), 0);
+        assert_eq!(b.store().open_reservations().await.unwrap(), 0);
         r.settle(reported(1, 1)).await;
     }
 
@@ -612,7 +663,7 @@ mod tests {
         ));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("ledger.db").to_str().unwrap().to_string();
-        let store = Store::open_with(&crate::config::StoreConfig {
+        let store = SqliteStore::open_with(&crate::config::StoreConfig {
             path: path.clone(),
             busy_timeout: Duration::from_millis(50),
             ..Default::default()
@@ -632,14 +683,17 @@ mod tests {
             refused.err()
         );
         assert_eq!(
-            b.tenant_report("t").unwrap()["reserved"]["tokens"],
+            b.tenant_report("t").await.unwrap().unwrap()["reserved"]["tokens"],
             0,
             "the refused call holds nothing"
         );
         other.execute_batch("COMMIT").unwrap();
         let r = b.reserve("t", None, "gpt-4o", 10, 10).await.unwrap();
         r.settle(reported(1, 1)).await;
-        assert_eq!(b.tenant_report("t").unwrap()["used_today"]["tokens"], 2);
+        assert_eq!(
+            b.tenant_report("t").await.unwrap().unwrap()["used_today"]["tokens"],
+            2
+        );
         drop(b);
         let _ = std::fs::remove_dir_all(dir);
     }
@@ -652,7 +706,7 @@ mod tests {
         ));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("ledger.db").to_str().unwrap().to_string();
-        let store = Store::open(&path).unwrap();
+        let store = SqliteStore::open(&path).unwrap();
         let other = rusqlite::Connection::open(&path).unwrap();
         // The ledger unreadable while the budgets start.
         other
@@ -672,7 +726,10 @@ mod tests {
             .unwrap();
         let r = b.reserve("t", None, "gpt-4o", 10, 10).await.unwrap();
         r.settle(reported(1, 1)).await;
-        assert_eq!(b.tenant_report("t").unwrap()["used_today"]["tokens"], 2);
+        assert_eq!(
+            b.tenant_report("t").await.unwrap().unwrap()["used_today"]["tokens"],
+            2
+        );
         drop(b);
         let _ = std::fs::remove_dir_all(dir);
     }
@@ -694,6 +751,7 @@ mod tests {
             let used = b
                 .store()
                 .session_usage("t", &format!("{outcome:?}"))
+                .await
                 .unwrap();
             assert_eq!(used.tokens, 200, "{outcome:?}");
             assert!((used.usd - 0.00125).abs() < 1e-12, "{outcome:?}: {used:?}");
@@ -704,7 +762,10 @@ mod tests {
             .await
             .unwrap();
         r.settle(reported(5000, 300)).await;
-        assert_eq!(b.store().session_usage("t", "more").unwrap().tokens, 5300);
+        assert_eq!(
+            b.store().session_usage("t", "more").await.unwrap().tokens,
+            5300
+        );
     }
 
     #[tokio::test]

@@ -4,6 +4,7 @@
 
 use std::{
     collections::HashMap,
+    future::Future,
     sync::{Arc, Mutex, Weak},
     time::Duration,
 };
@@ -77,24 +78,37 @@ impl<V: Send + Sync + 'static> LiveSessions<V> {
         LiveSessions { cache, registry }
     }
 
-    /// The live value for `key`: cached, still held elsewhere, or loaded by `load`.
-    pub fn get_or_load<E>(
+    /// The live value for `key`: cached, still held elsewhere, or loaded by `load`. The
+    /// load runs without any lock held; if another caller put a value under `key`
+    /// meanwhile, that one is kept and ours dropped, so there is only ever one.
+    pub async fn get_or_load<E, F>(
         &self,
         key: SessionKey,
-        load: impl FnOnce() -> Result<V, E>,
-    ) -> Result<Arc<V>, E> {
+        load: impl FnOnce() -> F,
+    ) -> Result<Arc<V>, E>
+    where
+        F: Future<Output = Result<V, E>>,
+    {
         if let Some(v) = self.cache.get(&key) {
             return Ok(v);
         }
-        let value = {
+        let held = {
             let mut registry = lock(&self.registry);
             registry.forget_released_orphans();
-            match registry.live.get(&key).and_then(Weak::upgrade) {
-                Some(v) => v,
-                None => {
-                    let v = Arc::new(load()?);
-                    registry.live.insert(key.clone(), Arc::downgrade(&v));
-                    v
+            registry.live.get(&key).and_then(Weak::upgrade)
+        };
+        let value = match held {
+            Some(v) => v,
+            None => {
+                let loaded = load().await?;
+                let mut registry = lock(&self.registry);
+                match registry.live.get(&key).and_then(Weak::upgrade) {
+                    Some(v) => v,
+                    None => {
+                        let v = Arc::new(loaded);
+                        registry.live.insert(key.clone(), Arc::downgrade(&v));
+                        v
+                    }
                 }
             }
         };

@@ -9,12 +9,12 @@ use crate::store::StoreError;
 impl Budgets {
     /// What a session has left, formatted for `x-backstop-budget-remaining`; `None` when
     /// the session is not budgeted.
-    pub fn remaining_header(&self, tenant: &str, session: &str) -> Option<String> {
+    pub async fn remaining_header(&self, tenant: &str, session: &str) -> Option<String> {
         let book = self.tenant(tenant)?;
         if book.session_limits.is_unlimited() {
             return None;
         }
-        let live = self.session(&book.name, session).ok()?;
+        let live = self.session(&book.name, session).await.ok()?;
         let (calls, tokens, usd) = lock(&live.account).remaining(&book.session_limits);
         let mut parts = Vec::new();
         if let Some(c) = calls {
@@ -29,16 +29,9 @@ impl Budgets {
         Some(parts.join("; "))
     }
 
-    /// A session's settled spend in USD (0 for unknown tenants).
-    pub fn session_usd(&self, tenant: &str, session: &str) -> f64 {
-        self.tenant(tenant)
-            .and_then(|book| self.session(&book.name, session).ok())
-            .map_or(0.0, |live| lock(&live.account).settled.usd)
-    }
-
     /// A session's figures for the admin API and the tenant's own view (`None`: no such
     /// tenant).
-    pub fn session_report(
+    pub async fn session_report(
         &self,
         tenant: &str,
         session: &str,
@@ -46,7 +39,7 @@ impl Budgets {
         let Some(book) = self.tenant(tenant) else {
             return Ok(None);
         };
-        let live = self.session(&book.name, session)?;
+        let live = self.session(&book.name, session).await?;
         let account = lock(&live.account).clone();
         let (calls, tokens, usd) = account.remaining(&book.session_limits);
         Ok(Some(serde_json::json!({
@@ -60,19 +53,26 @@ impl Budgets {
         })))
     }
 
-    /// A tenant's day for the admin API.
-    pub fn tenant_report(&self, tenant: &str) -> Option<serde_json::Value> {
-        let book = self.tenant(tenant)?;
+    /// A tenant's day for the admin API (`None`: no such tenant). A ledger that cannot
+    /// be read is an error, not a day without spend.
+    pub async fn tenant_report(
+        &self,
+        tenant: &str,
+    ) -> Result<Option<serde_json::Value>, StoreError> {
+        let Some(book) = self.tenant(tenant) else {
+            return Ok(None);
+        };
+        self.know_day(book).await?;
         let (day, account) = lock(&book.day).clone();
         let (_, tokens, usd) = account.remaining(&book.day_limits);
         let by_model: Vec<_> = self
             .store
             .tenant_day_by_model(tenant, day)
-            .unwrap_or_default()
+            .await?
             .into_iter()
             .map(|(model, u)| serde_json::json!({"model": model, "calls": u.calls, "tokens": u.tokens, "usd": u.usd}))
             .collect();
-        Some(serde_json::json!({
+        Ok(Some(serde_json::json!({
             "tenant": tenant,
             "day": day,
             "used_today": {"calls": account.settled.calls, "tokens": account.settled.tokens, "usd": account.settled.usd},
@@ -80,6 +80,6 @@ impl Budgets {
             "limits": {"usd_per_day": book.day_limits.usd, "tokens_per_day": book.day_limits.tokens},
             "remaining_today": {"usd": usd, "tokens": tokens},
             "by_model": by_model,
-        }))
+        })))
     }
 }

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::budgets::{lock, now_ms, today, Budgets, SessionBook, TenantBook};
+use super::budgets::{lock, Budgets, SessionBook, TenantBook};
 use crate::{
     policy::budget::{sane_usd, Usage},
     store::Charge,
@@ -90,8 +90,8 @@ impl Reservation {
             usd: sane_usd(usd),
         };
         let charge = Charge {
-            ts_ms: now_ms(),
-            day: today(),
+            ts_ms: self.budgets.clock.now_ms(),
+            day: self.budgets.clock.today(),
             tenant: self.tenant.name.to_string(),
             session: self.session.as_ref().map(|(s, _)| s.clone()),
             model: self.model.clone(),
