@@ -458,6 +458,15 @@ mod tests {
     }
 
     fn budgets_on(tenant_extra: &str, store: SqliteStore, idle: Duration) -> Arc<Budgets> {
+        budgets_with(tenant_extra, store, idle, Clock::system())
+    }
+
+    fn budgets_with(
+        tenant_extra: &str,
+        store: SqliteStore,
+        idle: Duration,
+        clock: Clock,
+    ) -> Arc<Budgets> {
         let text = format!(
             r#"
             [[prices]]
@@ -478,12 +487,7 @@ mod tests {
             "#
         );
         let config = Config::from_toml_with_env(&text, |_| None).unwrap();
-        Arc::new(Budgets::new(
-            &config,
-            Arc::new(store),
-            idle,
-            Clock::system(),
-        ))
+        Arc::new(Budgets::new(&config, Arc::new(store), idle, clock))
     }
 
     fn reported(input: u64, output: u64) -> Outcome {
@@ -721,6 +725,10 @@ mod tests {
             b.reserve("t", None, "gpt-4o", 10, 10).await,
             Err(Refusal::StoreUnavailable { .. })
         ));
+        assert!(
+            b.tenant_report("t").await.is_err(),
+            "an unreadable day is an error in the report too, not a day without spend"
+        );
         other
             .execute_batch("ALTER TABLE ledger_away RENAME TO ledger")
             .unwrap();
@@ -732,6 +740,51 @@ mod tests {
         );
         drop(b);
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// The tenant's day is the UTC day of the injected clock: crossing midnight on a
+    /// paused tokio clock starts the day budget over, and the ledger keeps each day apart.
+    #[tokio::test(start_paused = true)]
+    async fn the_day_budget_starts_over_at_utc_midnight() {
+        const DAY_MS: i64 = 86_400_000;
+        let day = 20_000;
+        let clock = Clock::starting_at((day + 1) * DAY_MS - 1000);
+        let b = budgets_with(
+            "[tenants.budget]\ntokens_per_day = 300",
+            SqliteStore::open(":memory:").unwrap(),
+            Duration::from_secs(600),
+            clock.clone(),
+        );
+        let r = b.reserve("t", None, "gpt-4o", 100, 100).await.unwrap();
+        r.settle(reported(100, 150)).await;
+        let Err(Refusal::Exceeded(e)) = b.reserve("t", None, "gpt-4o", 10, 100).await else {
+            panic!("110 tokens fitted in the 50 left today")
+        };
+        assert_eq!((e.budget, e.used), ("tenant.tokens_per_day", 250.0));
+        tokio::time::advance(Duration::from_millis(999)).await;
+        assert!(
+            b.reserve("t", None, "gpt-4o", 10, 100).await.is_err(),
+            "still the same day"
+        );
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(clock.today(), day + 1);
+        let r = b.reserve("t", None, "gpt-4o", 10, 100).await.unwrap();
+        r.settle(reported(10, 20)).await;
+        let report = b.tenant_report("t").await.unwrap().unwrap();
+        assert_eq!(report["day"], day + 1);
+        assert_eq!(report["used_today"]["tokens"], 30);
+        assert_eq!(
+            b.store().tenant_day_usage("t", day).await.unwrap().tokens,
+            250
+        );
+        assert_eq!(
+            b.store()
+                .tenant_day_usage("t", day + 1)
+                .await
+                .unwrap()
+                .tokens,
+            30
+        );
     }
 
     #[tokio::test]

@@ -201,8 +201,10 @@ pub fn spawn_purger(
     clock: Clock,
     every: Duration,
 ) -> tokio::task::JoinHandle<()> {
+    // Due from now, not from when the task first runs.
+    let first = tokio::time::Instant::now() + every;
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        let mut tick = tokio::time::interval_at(first, every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;

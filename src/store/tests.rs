@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use super::*;
-use crate::config::StoreConfig;
+use crate::{config::StoreConfig, state::clock::Clock};
 
 fn charge(session: Option<&str>, day: i64, ts_ms: i64, usd: f64) -> Charge {
     Charge {
@@ -434,4 +434,141 @@ async fn a_memory_store_reads_beside_an_open_write_transaction() {
         !std::path::Path::new(&path).exists(),
         "the scratch file goes with the store"
     );
+}
+
+/// `backstop_store_errors_total{op}` as rendered now (the recorder is process-wide, and
+/// other tests fail writes too: compare before and after, at least).
+fn store_errors(op: &str) -> u64 {
+    let page = crate::telemetry::metrics_handle().render();
+    let prefix = format!("backstop_store_errors_total{{op=\"{op}\"}} ");
+    page.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map_or(0, |n| n.trim().parse().unwrap())
+}
+
+fn response(key: &str) -> StoredResponse {
+    StoredResponse {
+        tenant: "t".into(),
+        key: key.into(),
+        body_hash: "h".into(),
+        status: 200,
+        content_type: "application/json".into(),
+        body: b"{}".to_vec(),
+        expires_ms: i64::MAX,
+    }
+}
+
+/// Every write that fails is the caller's typed error and a count, never an `Ok`: the
+/// awaited ones (reserve, settle, remember, guard) and the one nobody waits for
+/// (`settle_later`, counted by the writer).
+#[tokio::test]
+async fn failed_writes_are_typed_errors_and_counted_never_acknowledged() {
+    let _ = crate::telemetry::metrics_handle();
+    let db = TempDb::new();
+    let store = SqliteStore::open_with(&StoreConfig {
+        busy_timeout: Duration::from_millis(50),
+        ..db.config()
+    })
+    .unwrap();
+    let open = reservation(&store, "s", 1, 300);
+    let open_id = open.id;
+    store.reserve(open).await.unwrap();
+    let before: Vec<u64> = ["reserve", "settle", "remember", "guard"]
+        .iter()
+        .map(|op| store_errors(op))
+        .collect();
+    let other = rusqlite::Connection::open(db.path()).unwrap();
+    other.execute_batch("BEGIN EXCLUSIVE").unwrap();
+    let failed = [
+        store.reserve(reservation(&store, "s", 2, 10)).await,
+        store
+            .settle(Some(open_id), charge(Some("s"), 1, 3, 0.5))
+            .await,
+        store.remember(response("k")).await,
+        store.clear_guard("t", "s").await,
+    ];
+    for (i, result) in failed.into_iter().enumerate() {
+        assert!(
+            matches!(result, Err(StoreError::Write(_))),
+            "write {i}: {result:?}"
+        );
+    }
+    store.settle_later(Some(open_id), charge(Some("s"), 1, 4, 0.25));
+    // Queued behind `settle_later` and failing with it, so its count is in when this
+    // returns.
+    assert!(store.charge(charge(None, 1, 5, 0.0)).await.is_err());
+    other.execute_batch("COMMIT").unwrap();
+    for (op, before) in ["reserve", "settle", "remember", "guard"]
+        .iter()
+        .zip(before)
+    {
+        let want = if *op == "settle" { 3 } else { 1 };
+        assert!(
+            store_errors(op) >= before + want,
+            "{op}: {} after {before}",
+            store_errors(op)
+        );
+    }
+    assert_eq!(
+        store.open_reservations().await.unwrap(),
+        1,
+        "nothing settled it"
+    );
+    assert_eq!(store.session_usage("t", "s").await.unwrap().calls, 0);
+    assert!(store.recall("t", "k", 0).await.unwrap().is_none());
+}
+
+/// A read that fails is a typed error and `backstop_store_errors_total{op="read"}`.
+#[tokio::test]
+async fn failed_reads_are_typed_errors_and_counted() {
+    let _ = crate::telemetry::metrics_handle();
+    let db = TempDb::new();
+    let store = SqliteStore::open(&db.path()).unwrap();
+    let other = rusqlite::Connection::open(db.path()).unwrap();
+    other
+        .execute_batch("ALTER TABLE ledger RENAME TO ledger_away")
+        .unwrap();
+    let before = store_errors("read");
+    let err = store.tenant_day_by_model("t", 1).await.unwrap_err();
+    assert!(matches!(err, StoreError::Sqlite(_)), "{err}");
+    assert!(store.session_usage("t", "s").await.is_err());
+    assert!(store_errors("read") >= before + 2);
+}
+
+/// Expired idempotency rows go on schedule: [`spawn_purger`] purges every
+/// [`PURGE_EVERY`] of tokio time, as of the injected clock's calendar.
+#[tokio::test(start_paused = true)]
+async fn expired_idempotency_rows_are_purged_every_interval_of_tokio_time() {
+    let start_ms = 1_700_000_000_000;
+    let clock = Clock::starting_at(start_ms);
+    let store: Arc<dyn Store> = Arc::new(SqliteStore::open(":memory:").unwrap());
+    for (key, ttl_ms) in [("soon", 30_000), ("later", 600_000)] {
+        store
+            .remember(StoredResponse {
+                expires_ms: start_ms + ttl_ms,
+                ..response(key)
+            })
+            .await
+            .unwrap();
+    }
+    let purger = spawn_purger(store.clone(), clock.clone(), PURGE_EVERY);
+    let kept = |key: &'static str| {
+        let store = store.clone();
+        // Read past the expiry filter: is the row itself still there?
+        async move { store.recall("t", key, 0).await.unwrap().is_some() }
+    };
+    tokio::time::advance(PURGE_EVERY - Duration::from_secs(1)).await;
+    assert!(kept("soon").await, "expired, but no purge is due yet");
+    tokio::time::advance(Duration::from_secs(1)).await;
+    // The purge is a write on the store's own thread: wait for it in real time.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while kept("soon").await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not purged on schedule"
+        );
+        tokio::task::yield_now().await;
+    }
+    assert!(kept("later").await, "not expired yet");
+    purger.abort();
 }
