@@ -115,7 +115,8 @@ pub(crate) fn count_error(op: &'static str) {
     metrics::counter!("backstop_store_errors_total", "op" => op).increment(1);
 }
 
-type Done<'a, T> = BoxFuture<'a, Result<T, StoreError>>;
+/// What every [`Store`] method answers with: boxed, so the trait is object-safe.
+pub type StoreFuture<'a, T> = BoxFuture<'a, Result<T, StoreError>>;
 
 /// The persistence seam. Object-safe: the state tier holds an `Arc<dyn Store>`.
 pub trait Store: Send + Sync {
@@ -126,37 +127,42 @@ pub trait Store: Send + Sync {
     fn next_reservation_id(&self) -> i64;
 
     /// Makes a reservation durable; resolves once it is.
-    fn reserve(&self, reservation: ReservationRecord) -> Done<'_, ()>;
+    fn reserve(&self, reservation: ReservationRecord) -> StoreFuture<'_, ()>;
 
     /// Appends a charge (deleting its durable reservation, if any, atomically with it);
     /// resolves once it is durable. On failure the reservation stays, so a restart still
     /// counts it.
-    fn settle(&self, reservation: Option<i64>, charge: Charge) -> Done<'_, ()>;
+    fn settle(&self, reservation: Option<i64>, charge: Charge) -> StoreFuture<'_, ()>;
 
     /// As [`Store::settle`], without waiting (the end of a stream, a dropped call): a
     /// failure is logged and counted by the store, since no caller is left to tell.
     fn settle_later(&self, reservation: Option<i64>, charge: Charge);
 
     /// Appends a charge with no reservation; resolves once it is durable.
-    fn charge(&self, charge: Charge) -> Done<'_, ()> {
+    fn charge(&self, charge: Charge) -> StoreFuture<'_, ()> {
         self.settle(None, charge)
     }
 
     /// Starts a session's usage over from `at_ms`.
-    fn reset_session<'a>(&'a self, tenant: &'a str, session: &'a str, at_ms: i64) -> Done<'a, ()>;
+    fn reset_session<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+        at_ms: i64,
+    ) -> StoreFuture<'a, ()>;
 
     /// Keeps a response for replay; resolves once it is durable.
-    fn remember(&self, response: StoredResponse) -> Done<'_, ()>;
+    fn remember(&self, response: StoredResponse) -> StoreFuture<'_, ()>;
 
     /// Persists a session's close or trip (replacing what was kept).
-    fn save_guard(&self, record: GuardRecord) -> Done<'_, ()>;
+    fn save_guard(&self, record: GuardRecord) -> StoreFuture<'_, ()>;
 
     /// Forgets a session's close or trip.
-    fn clear_guard<'a>(&'a self, tenant: &'a str, session: &'a str) -> Done<'a, ()>;
+    fn clear_guard<'a>(&'a self, tenant: &'a str, session: &'a str) -> StoreFuture<'a, ()>;
 
     /// Deletes idempotency rows expired at `now_ms` and everything older than
     /// `store.retention`.
-    fn purge(&self, now_ms: i64) -> Done<'_, ()>;
+    fn purge(&self, now_ms: i64) -> StoreFuture<'_, ()>;
 
     /// A kept response that has not expired at `now_ms`.
     fn recall<'a>(
@@ -164,30 +170,30 @@ pub trait Store: Send + Sync {
         tenant: &'a str,
         key: &'a str,
         now_ms: i64,
-    ) -> Done<'a, Option<StoredResponse>>;
+    ) -> StoreFuture<'a, Option<StoredResponse>>;
 
     /// A session's kept close or trip.
     fn guard_state<'a>(
         &'a self,
         tenant: &'a str,
         session: &'a str,
-    ) -> Done<'a, Option<GuardRecord>>;
+    ) -> StoreFuture<'a, Option<GuardRecord>>;
 
     /// A session's usage since its last reset.
-    fn session_usage<'a>(&'a self, tenant: &'a str, session: &'a str) -> Done<'a, Usage>;
+    fn session_usage<'a>(&'a self, tenant: &'a str, session: &'a str) -> StoreFuture<'a, Usage>;
 
     /// A tenant's usage on one UTC day (days since the epoch).
-    fn tenant_day_usage<'a>(&'a self, tenant: &'a str, day: i64) -> Done<'a, Usage>;
+    fn tenant_day_usage<'a>(&'a self, tenant: &'a str, day: i64) -> StoreFuture<'a, Usage>;
 
     /// A tenant's spend on one day, by model, in model order.
     fn tenant_day_by_model<'a>(
         &'a self,
         tenant: &'a str,
         day: i64,
-    ) -> Done<'a, Vec<(String, Usage)>>;
+    ) -> StoreFuture<'a, Vec<(String, Usage)>>;
 
     /// Durable reservations not yet settled (for tests and the admin view).
-    fn open_reservations(&self) -> Done<'_, u64>;
+    fn open_reservations(&self) -> StoreFuture<'_, u64>;
 }
 
 /// How often [`spawn_purger`] purges.

@@ -27,7 +27,7 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 use tokio::sync::{oneshot, Semaphore};
 
 use super::{
-    count_error, writer, Charge, Done, GuardRecord, ReservationRecord, Store, StoreError,
+    count_error, writer, Charge, GuardRecord, ReservationRecord, Store, StoreError, StoreFuture,
     StoredResponse,
 };
 use crate::{config::StoreConfig, policy::budget::Usage};
@@ -367,11 +367,11 @@ impl Store for SqliteStore {
         self.next_reservation.fetch_add(1, Ordering::Relaxed)
     }
 
-    fn reserve(&self, reservation: ReservationRecord) -> Done<'_, ()> {
+    fn reserve(&self, reservation: ReservationRecord) -> StoreFuture<'_, ()> {
         Box::pin(self.write(Op::Reserve(reservation)))
     }
 
-    fn settle(&self, reservation: Option<i64>, charge: Charge) -> Done<'_, ()> {
+    fn settle(&self, reservation: Option<i64>, charge: Charge) -> StoreFuture<'_, ()> {
         Box::pin(self.write(Op::Settle {
             reservation,
             charge,
@@ -392,7 +392,12 @@ impl Store for SqliteStore {
         }
     }
 
-    fn reset_session<'a>(&'a self, tenant: &'a str, session: &'a str, at_ms: i64) -> Done<'a, ()> {
+    fn reset_session<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+        at_ms: i64,
+    ) -> StoreFuture<'a, ()> {
         Box::pin(self.write(Op::ResetSession {
             tenant: tenant.into(),
             session: session.into(),
@@ -400,22 +405,22 @@ impl Store for SqliteStore {
         }))
     }
 
-    fn remember(&self, response: StoredResponse) -> Done<'_, ()> {
+    fn remember(&self, response: StoredResponse) -> StoreFuture<'_, ()> {
         Box::pin(self.write(Op::Remember(response)))
     }
 
-    fn save_guard(&self, record: GuardRecord) -> Done<'_, ()> {
+    fn save_guard(&self, record: GuardRecord) -> StoreFuture<'_, ()> {
         Box::pin(self.write(Op::SaveGuard(record)))
     }
 
-    fn clear_guard<'a>(&'a self, tenant: &'a str, session: &'a str) -> Done<'a, ()> {
+    fn clear_guard<'a>(&'a self, tenant: &'a str, session: &'a str) -> StoreFuture<'a, ()> {
         Box::pin(self.write(Op::ClearGuard {
             tenant: tenant.into(),
             session: session.into(),
         }))
     }
 
-    fn purge(&self, now_ms: i64) -> Done<'_, ()> {
+    fn purge(&self, now_ms: i64) -> StoreFuture<'_, ()> {
         Box::pin(self.write(Op::Purge { now_ms }))
     }
 
@@ -424,7 +429,7 @@ impl Store for SqliteStore {
         tenant: &'a str,
         key: &'a str,
         now_ms: i64,
-    ) -> Done<'a, Option<StoredResponse>> {
+    ) -> StoreFuture<'a, Option<StoredResponse>> {
         let (tenant, key) = (tenant.to_string(), key.to_string());
         Box::pin(self.read(move |c| {
             c.prepare_cached(
@@ -449,7 +454,7 @@ impl Store for SqliteStore {
         &'a self,
         tenant: &'a str,
         session: &'a str,
-    ) -> Done<'a, Option<GuardRecord>> {
+    ) -> StoreFuture<'a, Option<GuardRecord>> {
         let (tenant, session) = (tenant.to_string(), session.to_string());
         Box::pin(self.read(move |c| {
             c.prepare_cached(
@@ -471,7 +476,7 @@ impl Store for SqliteStore {
         }))
     }
 
-    fn session_usage<'a>(&'a self, tenant: &'a str, session: &'a str) -> Done<'a, Usage> {
+    fn session_usage<'a>(&'a self, tenant: &'a str, session: &'a str) -> StoreFuture<'a, Usage> {
         let (tenant, session) = (tenant.to_string(), session.to_string());
         Box::pin(self.read(move |c| {
             let since: i64 = c
@@ -489,7 +494,7 @@ impl Store for SqliteStore {
         }))
     }
 
-    fn tenant_day_usage<'a>(&'a self, tenant: &'a str, day: i64) -> Done<'a, Usage> {
+    fn tenant_day_usage<'a>(&'a self, tenant: &'a str, day: i64) -> StoreFuture<'a, Usage> {
         let tenant = tenant.to_string();
         Box::pin(self.read(move |c| {
             c.prepare_cached(
@@ -504,7 +509,7 @@ impl Store for SqliteStore {
         &'a self,
         tenant: &'a str,
         day: i64,
-    ) -> Done<'a, Vec<(String, Usage)>> {
+    ) -> StoreFuture<'a, Vec<(String, Usage)>> {
         let tenant = tenant.to_string();
         Box::pin(self.read(move |c| {
             let mut stmt = c.prepare(
@@ -518,7 +523,7 @@ impl Store for SqliteStore {
         }))
     }
 
-    fn open_reservations(&self) -> Done<'_, u64> {
+    fn open_reservations(&self) -> StoreFuture<'_, u64> {
         Box::pin(self.read(|c| {
             c.query_row("SELECT COUNT(*) FROM reservations", [], |r| {
                 r.get::<_, i64>(0).map(from_sql)
