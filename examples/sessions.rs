@@ -15,9 +15,9 @@ use std::{
 };
 
 use backstop::{
-    budgets::{Budgets, Outcome},
     config::Config,
-    store::Store,
+    state::{budgets::Budgets, clock::Clock, reservation::Outcome},
+    store::SqliteStore,
 };
 use common::*;
 
@@ -69,8 +69,13 @@ usd_per_day = 100000.0
 
     // 1. The store alone: reserve + settle (settle waits for the commit), 32 at a time.
     let config = Config::from_toml_with_env(&config_text, |_| None).unwrap();
-    let store = Arc::new(Store::open(dir.join("reserve.db").to_str().unwrap()).unwrap());
-    let budgets = Arc::new(Budgets::new(&config, store, Duration::from_secs(600)));
+    let store = Arc::new(SqliteStore::open(dir.join("reserve.db").to_str().unwrap()).unwrap());
+    let budgets = Arc::new(Budgets::new(
+        &config,
+        store,
+        Duration::from_secs(600),
+        Clock::system(),
+    ));
     let ops = 100_000;
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();

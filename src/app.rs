@@ -73,10 +73,8 @@ use tower_http::{
 use crate::{
     admin::AdminState,
     api::Endpoint,
-    budgets::Budgets,
     config::{Config, PriceConfig},
     error::{respond::error_response, GatewayError},
-    guard::Guards,
     layers::{
         auth::{AuthLayer, TenantKeys},
         context::{Call, ContextLayer},
@@ -92,9 +90,10 @@ use crate::{
     },
     policy::budget::Prices,
     routing::RouteTable,
-    store::{Store, StoreError},
+    state::{budgets::Budgets, clock::Clock, health::HealthRegistry, sessions::SessionGuards},
+    store::{SqliteStore, Store, StoreError},
     telemetry,
-    upstream::{self, health::HealthRegistry, Attempt, Forward, StreamLimits, Upstream},
+    upstream::{self, Attempt, Forward, StreamLimits, Upstream},
     validation::Schemas,
 };
 
@@ -110,7 +109,9 @@ pub struct AppState {
     pub health: Arc<HealthRegistry>,
     pub budgets: Arc<Budgets>,
     pub schemas: Arc<Schemas>,
-    pub guards: Arc<Guards>,
+    pub guards: Arc<SessionGuards>,
+    /// The one clock of the live state (tokio time, and the calendar derived from it).
+    pub clock: Clock,
     pub metrics: PrometheusHandle,
     /// False while starting and once shutdown has begun: `/readyz` answers 503.
     pub ready: Arc<AtomicBool>,
@@ -122,9 +123,14 @@ pub struct AppState {
 
 impl AppState {
     pub fn new(config: Config) -> Result<Self, StoreError> {
+        Self::with_clock(config, Clock::system())
+    }
+
+    /// As [`AppState::new`], with the live state on `clock`.
+    pub fn with_clock(config: Config, clock: Clock) -> Result<Self, StoreError> {
         let upstreams = upstream::build_all(&config);
         let routes = RouteTable::new(&config, &upstreams);
-        let store = Arc::new(Store::open_with(&config.store)?);
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_with(&config.store)?);
         warn_unpriced(&config);
         let (stream_limits, cut_streams) = StreamLimits::from_config(&config.server);
         Ok(AppState {
@@ -134,9 +140,16 @@ impl AppState {
                 &config,
                 store.clone(),
                 config.store.session_idle,
+                clock.clone(),
             )),
             schemas: Arc::new(Schemas::new(config.validation.schema_settings())),
-            guards: Arc::new(Guards::new(&config, config.store.session_idle, store)),
+            guards: Arc::new(SessionGuards::new(
+                &config,
+                config.store.session_idle,
+                store,
+                clock.clone(),
+            )),
+            clock,
             tenants: Arc::new(TenantKeys::new(&config)),
             health: Arc::new(HealthRegistry::new(&config)),
             routes: Arc::new(routes),
@@ -192,6 +205,7 @@ fn proxy_stack(state: &AppState) -> HttpService {
                 state.budgets.store().clone(),
                 state.config.store.idempotency_ttl,
                 server.max_idempotency_key_bytes,
+                state.clock.clone(),
             ))
             .layer(LimitsLayer::new(state.budgets.clone()))
             .layer(SessionGuardLayer::new(

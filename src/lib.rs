@@ -7,16 +7,15 @@
 pub mod admin;
 pub mod api;
 pub mod app;
-pub mod budgets;
 pub mod config;
 pub mod demo;
 pub mod error;
-pub mod guard;
 pub mod layers;
 pub mod mock;
 pub mod policy;
 pub mod routing;
 pub mod server;
+pub mod state;
 pub mod store;
 pub mod telemetry;
 pub mod upstream;

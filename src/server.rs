@@ -50,6 +50,8 @@ use tower::{Service, ServiceExt};
 use crate::{
     app::{router, App, AppState},
     config::{Config, ServerConfig},
+    state::clock::Clock,
+    store,
 };
 
 /// A running server.
@@ -79,6 +81,11 @@ impl ServerHandle {
 /// Binds `server.listen` (port 0 picks a free port), starts the built-in mock when
 /// `[mock]` asks for it, and serves until shut down.
 pub async fn spawn(config: Config) -> io::Result<ServerHandle> {
+    spawn_with_clock(config, Clock::system()).await
+}
+
+/// As [`spawn`], with the live state on `clock` (tests move it with [`Clock::skip`]).
+pub async fn spawn_with_clock(config: Config, clock: Clock) -> io::Result<ServerHandle> {
     let mock = match &config.mock {
         Some(m) => Some(crate::mock::spawn(TcpListener::bind(m.listen).await?)),
         None => None,
@@ -87,8 +94,13 @@ pub async fn spawn(config: Config) -> io::Result<ServerHandle> {
     let addr = listener.local_addr()?;
     let limits = config.server.clone();
     warn_if_descriptors_short(limits.max_connections);
-    let state = AppState::new(config).map_err(io::Error::other)?;
+    let state = AppState::with_clock(config, clock).map_err(io::Error::other)?;
     let budgets = state.budgets.clone();
+    let purger = store::spawn_purger(
+        state.budgets.store().clone(),
+        state.clock.clone(),
+        store::PURGE_EVERY,
+    );
     let housekeeping = tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(60));
         loop {
@@ -100,7 +112,7 @@ pub async fn spawn(config: Config) -> io::Result<ServerHandle> {
     let ready = state.ready.clone();
     let app = router(state.clone());
     let task = tokio::spawn(async move {
-        let _housekeeping = AbortOnDrop(housekeeping);
+        let _housekeeping = (AbortOnDrop(housekeeping), AbortOnDrop(purger));
         serve(listener, app, state, limits, rx).await;
     });
     ready.store(true, Ordering::Relaxed);
@@ -319,11 +331,11 @@ impl Activity {
         }
     }
 
-    fn begin(self: &Arc<Self>) -> InFlight {
+    fn begin(self: &Arc<Self>) -> OpenRequest {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         self.served.fetch_add(1, Ordering::Relaxed);
         self.head_since.store(NONE, Ordering::Relaxed);
-        InFlight(self.clone())
+        OpenRequest(self.clone())
     }
 
     /// When this connection must be closed, as of now: `None` while a request is in
@@ -364,9 +376,9 @@ impl Activity {
 }
 
 /// One request in flight on a connection, until its response body is dropped.
-struct InFlight(Arc<Activity>);
+struct OpenRequest(Arc<Activity>);
 
-impl Drop for InFlight {
+impl Drop for OpenRequest {
     fn drop(&mut self) {
         if self.0.in_flight.fetch_sub(1, Ordering::Relaxed) == 1 {
             self.0.idle_since.store(self.0.now_ms(), Ordering::Relaxed);

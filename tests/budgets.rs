@@ -240,8 +240,13 @@ async fn max_concurrent_refuses_the_extra_request_while_others_run() {
         })
     };
     let (a, b) = (slow("conc"), slow("conc"));
-    // Both are in flight well before their 1.5 s upstream delay ends.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Both are in flight (each holds its slot once it reaches the upstream) well before
+    // their 1.5 s upstream delay ends: wait for that, not for a guessed time.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while gw.mock.attempts("conc") < 2 {
+        assert!(std::time::Instant::now() < deadline, "never in flight");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let resp = gw.in_session(CAPPED, "c", "conc", "", &chat(16)).await;
     assert_eq!(resp.status(), 429);
     assert_eq!(json(resp).await["error"]["code"], "too_many_concurrent");

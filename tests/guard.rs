@@ -6,6 +6,7 @@ mod common;
 
 use std::time::Duration;
 
+use backstop::state::clock::Clock;
 use common::*;
 use serde_json::{json, Value};
 
@@ -18,12 +19,20 @@ async fn guarded(cool_down: &str, extra: &str) -> Gateway {
 
 /// As [`guarded`], with `store` as the `[store]` section.
 async fn guarded_on(store: &str, cool_down: &str, extra: &str) -> Gateway {
+    guarded_with(store, cool_down, extra, Clock::system()).await
+}
+
+/// As [`guarded_on`], with the gateway's live state on `clock`.
+async fn guarded_with(store: &str, cool_down: &str, extra: &str, clock: Clock) -> Gateway {
     let (store, cool_down, extra) = (store.to_string(), cool_down.to_string(), extra.to_string());
-    start_with(move |text| {
-        let text = with_store(&text, &store);
-        let prices = admin_and_prices();
-        format!(
-            r#"{text}{prices}
+    start_with_clock(
+        move |text| {
+            // The restarts shut down at once: draining is not what these tests are about.
+            let text =
+                with_store(&text, &store).replace("[server]\n", "[server]\ndrain_delay = \"0s\"\n");
+            let prices = admin_and_prices();
+            format!(
+                r#"{text}{prices}
 [[tenants]]
 name = "guarded"
 api_keys = ["{GUARDED}"]
@@ -40,8 +49,10 @@ name = "also-guarded"
 api_keys = ["{ALSO}"]
 [tenants.guard]
 "#
-        )
-    })
+            )
+        },
+        clock,
+    )
     .await
 }
 
@@ -185,7 +196,10 @@ async fn spend_velocity_trips_the_session() {
 
 #[tokio::test]
 async fn after_the_cool_down_one_probe_decides() {
-    let gw = guarded("1s", "").await;
+    // The guard's time is the gateway's clock, moved past the cool-down instead of slept
+    // through (tokio's own clock cannot be paused under real sockets and store threads).
+    let clock = Clock::system();
+    let gw = guarded_with("path = \":memory:\"", "1s", "", clock.clone()).await;
     for i in 0..5 {
         gw.in_session(GUARDED, "probe", "probe", "status=400", &step(i))
             .await;
@@ -196,7 +210,7 @@ async fn after_the_cool_down_one_probe_decides() {
             .status(),
         429
     );
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    clock.skip(Duration::from_millis(1100));
     // The probe fails: tripped again.
     let resp = gw
         .in_session(GUARDED, "probe", "probe", "status=400", &step(11))
@@ -214,7 +228,7 @@ async fn after_the_cool_down_one_probe_decides() {
             .status(),
         429
     );
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    clock.skip(Duration::from_millis(1100));
     // The next probe succeeds: active again.
     let resp = gw
         .in_session(GUARDED, "probe", "probe", "", &step(13))
@@ -445,6 +459,9 @@ async fn a_trip_and_a_close_outlive_idle_eviction() {
     let gw = guarded_on("path = \":memory:\"\nsession_idle = \"50ms\"", "60s", "").await;
     trip(&gw, "tripped").await;
     close(&gw, "guarded", "closed").await;
+    // A real wait: `session_idle` is moka's time-to-idle, on moka's own clock, which
+    // neither tokio's paused clock nor the injected one moves (moka 0.12 has no public
+    // clock to inject).
     tokio::time::sleep(Duration::from_millis(300)).await;
     for session in ["tripped", "closed"] {
         let resp = gw.in_session(GUARDED, session, "idle", "", &step(1)).await;

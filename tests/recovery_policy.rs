@@ -23,8 +23,9 @@ use backstop::{
         trail::{self, Reason, Step},
     },
     routing::RouteTable,
+    state::health::HealthRegistry,
     telemetry::RequestLog,
-    upstream::{build_all, health::HealthRegistry, AttemptError, Reply},
+    upstream::{build_all, AttemptError, Reply},
 };
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};

@@ -28,16 +28,14 @@ pub use auth::{AdminAuth, AdminAuthLayer};
 
 use crate::{
     api::ApiKind,
-    budgets::Budgets,
     error::{respond::error_response, GatewayError},
-    guard::Guards,
     layers::{
         auth::{AuthLayer, Tenant, TenantKeys},
         edge::EdgeLayer,
         respond::RespondLayer,
     },
+    state::{budgets::Budgets, health::HealthRegistry, sessions::SessionGuards},
     telemetry::RequestLog,
-    upstream::health::HealthRegistry,
 };
 
 /// What the admin API reads and changes, and nothing else of the gateway.
@@ -47,7 +45,7 @@ pub struct AdminState {
     /// Each upstream's API, by upstream name.
     pub upstream_apis: Arc<HashMap<String, ApiKind>>,
     pub budgets: Arc<Budgets>,
-    pub guards: Arc<Guards>,
+    pub guards: Arc<SessionGuards>,
     /// Tenant keys, for `GET /v1/sessions/{id}`.
     pub tenants: Arc<TenantKeys>,
     /// `[admin] token`; `None` turns the operator routes off (403 `admin_disabled`).
@@ -137,10 +135,11 @@ async fn tenant_view(
     Extension(log): Extension<Arc<RequestLog>>,
     Path(tenant): Path<String>,
 ) -> Response {
-    let report = state
-        .budgets
-        .tenant_report(&tenant)
-        .ok_or(GatewayError::NotFoundAdmin { what: "tenant" });
+    let report = match state.budgets.tenant_report(&tenant).await {
+        Ok(Some(report)) => Ok(report),
+        Ok(None) => Err(GatewayError::NotFoundAdmin { what: "tenant" }),
+        Err(err) => Err(store_error(err)),
+    };
     answer(&log, report)
 }
 
@@ -151,12 +150,13 @@ async fn session(
     Path((tenant, session)): Path<(String, String)>,
 ) -> Response {
     let report = session_view(&state, &tenant, &session)
+        .await
         .and_then(|r| r.ok_or(GatewayError::NotFoundAdmin { what: "tenant" }));
     answer(&log, report)
 }
 
 /// Budgets, and for guarded tenants the guard's signals and the recovery trace.
-fn session_view(
+async fn session_view(
     state: &AdminState,
     tenant: &str,
     session: &str,
@@ -164,23 +164,27 @@ fn session_view(
     let Some(mut report) = state
         .budgets
         .session_report(tenant, session)
+        .await
         .map_err(store_error)?
     else {
         return Ok(None);
     };
-    if let Some(guard) =
-        state
-            .guards
-            .report(tenant, session, state.budgets.session_usd(tenant, session))
-    {
+    let session_usd = state.budgets.session_usd(tenant, session).await;
+    if let Some(guard) = state.guards.report(tenant, session, session_usd).await {
         report["guard"] = guard;
     }
     Ok(Some(report))
 }
 
 /// The session's view after an operator's action.
-fn view_after(state: &AdminState, tenant: &str, session: &str) -> Result<Value, GatewayError> {
-    Ok(session_view(state, tenant, session)?.unwrap_or(Value::Null))
+async fn view_after(
+    state: &AdminState,
+    tenant: &str,
+    session: &str,
+) -> Result<Value, GatewayError> {
+    Ok(session_view(state, tenant, session)
+        .await?
+        .unwrap_or(Value::Null))
 }
 
 /// `POST /admin/tenants/{tenant}/sessions/{session}/close`: refuse the session for good.
@@ -200,7 +204,7 @@ async fn close_session(
                 what: "guarded tenant",
             });
         }
-        view_after(&state, &tenant, &session)
+        view_after(&state, &tenant, &session).await
     };
     answer(&log, closed.await)
 }
@@ -226,7 +230,7 @@ async fn reset_session(
             .await
             .map_err(store_error)?;
         tracing::info!(%tenant, %session, "session reset by an operator");
-        view_after(&state, &tenant, &session)
+        view_after(&state, &tenant, &session).await
     };
     answer(&log, reset.await)
 }
@@ -239,16 +243,18 @@ async fn own_session(
     Extension(tenant): Extension<Arc<Tenant>>,
     Path(session): Path<String>,
 ) -> Response {
-    let report = state
-        .budgets
-        .check_rate(&tenant.name, None)
-        .map_err(GatewayError::from)
-        .and_then(|()| {
-            state
-                .budgets
-                .session_report(&tenant.name, &session)
-                .map_err(store_error)?
-                .ok_or(GatewayError::NotFoundAdmin { what: "session" })
-        });
+    let report = async {
+        state
+            .budgets
+            .check_rate(&tenant.name, None)
+            .map_err(GatewayError::from)?;
+        state
+            .budgets
+            .session_report(&tenant.name, &session)
+            .await
+            .map_err(store_error)?
+            .ok_or(GatewayError::NotFoundAdmin { what: "session" })
+    };
+    let report = report.await;
     answer(&log, report)
 }

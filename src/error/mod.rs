@@ -1,6 +1,7 @@
 //! Typed errors raised by the layers. They travel as `Err` through the tower stack and
 //! become HTTP responses in exactly one place, [`respond`].
 
+pub mod budget;
 pub mod respond;
 
 use std::time::Duration;

@@ -27,12 +27,12 @@ use tokio::sync::watch;
 use tower::{Layer, Service};
 
 use crate::{
-    budgets::now_ms,
     error::GatewayError,
     layers::{
         context::{identifier, Call},
         Middleware, Stack,
     },
+    state::clock::Clock,
     store::{Store, StoredResponse},
 };
 
@@ -43,18 +43,20 @@ type Key = (Arc<str>, String);
 
 #[derive(Clone)]
 pub struct IdempotencyLayer {
-    store: Arc<Store>,
+    store: Arc<dyn Store>,
     ttl: Duration,
     max_key_bytes: usize,
+    clock: Clock,
     in_flight: Arc<Mutex<HashMap<Key, watch::Receiver<()>>>>,
 }
 
 impl IdempotencyLayer {
-    pub fn new(store: Arc<Store>, ttl: Duration, max_key_bytes: usize) -> Self {
+    pub fn new(store: Arc<dyn Store>, ttl: Duration, max_key_bytes: usize, clock: Clock) -> Self {
         IdempotencyLayer {
             store,
             ttl,
             max_key_bytes,
+            clock,
             in_flight: Arc::default(),
         }
     }
@@ -116,7 +118,7 @@ struct Keeping {
     body: Body,
     kept: Option<BytesMut>,
     record: Option<StoredResponse>,
-    store: Arc<Store>,
+    store: Arc<dyn Store>,
     leader: Option<Leader>,
 }
 
@@ -198,7 +200,11 @@ where
             let hash = body_hash(&req.request.body);
             let id: Key = (tenant.clone(), key.clone());
             let leader = loop {
-                match layer.store.recall(&tenant, &key, now_ms()) {
+                match layer
+                    .store
+                    .recall(&tenant, &key, layer.clock.now_ms())
+                    .await
+                {
                     Ok(Some(stored)) if stored.body_hash != hash => {
                         return Err(GatewayError::IdempotencyKeyReused)
                     }
@@ -246,7 +252,7 @@ where
                 status: response.status().as_u16(),
                 content_type,
                 body: Vec::new(),
-                expires_ms: now_ms() + layer.ttl.as_millis() as i64,
+                expires_ms: layer.clock.now_ms() + layer.ttl.as_millis() as i64,
             };
             Ok(response.map(|body| {
                 Body::new(Keeping {

@@ -19,7 +19,7 @@ use http_body::Frame;
 use tower::{Layer, Service};
 
 use super::{context::Call, Middleware, Stack};
-use crate::{budgets::Budgets, error::GatewayError};
+use crate::{error::GatewayError, state::budgets::Budgets};
 
 #[derive(Clone)]
 pub struct LimitsLayer {
@@ -83,12 +83,15 @@ where
             .check_rate(&tenant, session.as_deref())
             .map_err(GatewayError::from)?;
         let slot = match session.as_deref() {
-            Some(s) => budgets.enter(&tenant, s).map_err(GatewayError::from)?,
+            Some(s) => budgets
+                .enter(&tenant, s)
+                .await
+                .map_err(GatewayError::from)?,
             None => None,
         };
         let result = inner.call(call).await;
         if let Some(session) = session.as_deref() {
-            if let Some(remaining) = budgets.remaining_header(&tenant, session) {
+            if let Some(remaining) = budgets.remaining_header(&tenant, session).await {
                 log.update(|f| f.budget_remaining = Some(remaining));
             }
         }

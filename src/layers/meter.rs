@@ -20,8 +20,8 @@ use tower::{Layer, Service};
 use super::{Middleware, Stack};
 use crate::{
     api::{Endpoint, ReportedUsage},
-    budgets::{Budgets, Outcome},
     policy::{budget::estimate_prompt_tokens, classify::TransportFailure},
+    state::{budgets::Budgets, reservation::Outcome},
     upstream::{Attempt, AttemptError, Reply},
 };
 

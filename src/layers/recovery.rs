@@ -41,10 +41,8 @@ use crate::{
         trail::{Reason, Step},
     },
     routing::Target,
-    upstream::{
-        health::{HealthRegistry, UpstreamHealth},
-        Attempt, AttemptError, Reply,
-    },
+    state::health::{HealthRegistry, UpstreamHealth},
+    upstream::{Attempt, AttemptError, Reply},
 };
 
 /// Which target of the route gave an answer.

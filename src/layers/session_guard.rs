@@ -18,23 +18,25 @@ use tower::{Layer, Service};
 
 use super::{context::Call, Middleware, Stack};
 use crate::{
-    budgets::Budgets,
     error::GatewayError,
-    guard::{lock, Guards, TraceEntry},
     policy::{
         guard::{fingerprint, Kept, Phase, SessionGuard, Transition},
         trail,
+    },
+    state::{
+        budgets::Budgets,
+        sessions::{lock, SessionGuards, TraceEntry},
     },
 };
 
 #[derive(Clone)]
 pub struct SessionGuardLayer {
-    guards: Arc<Guards>,
+    guards: Arc<SessionGuards>,
     budgets: Arc<Budgets>,
 }
 
 impl SessionGuardLayer {
-    pub fn new(guards: Arc<Guards>, budgets: Arc<Budgets>) -> Self {
+    pub fn new(guards: Arc<SessionGuards>, budgets: Arc<Budgets>) -> Self {
         SessionGuardLayer { guards, budgets }
     }
 }
@@ -81,7 +83,7 @@ fn to_keep(
     }
 }
 
-async fn persist(guards: &Guards, tenant: &str, session: &str, keep: Option<Option<Kept>>) {
+async fn persist(guards: &SessionGuards, tenant: &str, session: &str, keep: Option<Option<Kept>>) {
     if let Some(kept) = keep {
         if let Err(err) = guards.persist(tenant, session, kept).await {
             // The state in memory still holds; only its survival of a restart is lost.
@@ -101,10 +103,10 @@ where
 
     async fn call(&self, mut inner: S, call: Call) -> Result<Response<Body>, GatewayError> {
         let layer = self;
-        let entry = call
-            .session
-            .as_deref()
-            .and_then(|s| layer.guards.entry(&call.tenant, s));
+        let entry = match call.session.as_deref() {
+            Some(s) => layer.guards.entry(&call.tenant, s).await,
+            None => None,
+        };
         let (Some(entry), Some(session)) = (entry, call.session.clone()) else {
             return inner.call(call).await;
         };
@@ -112,10 +114,10 @@ where
         let request_id = call.request_id.to_str().unwrap_or("-").to_owned();
         let tenant = call.tenant.clone();
         let fp = fingerprint(&call.request.json);
-        let usd_before = layer.budgets.session_usd(&tenant, &session);
+        let usd_before = layer.budgets.session_usd(&tenant, &session).await;
         let (admitted, keep) = {
             let mut e = lock(&entry);
-            let now = tokio::time::Instant::now();
+            let now = layer.guards.now();
             let (admitted, change) = e.guard.admit(now, &fp, usd_before);
             transition(&tenant, &session, change, &request_id);
             let keep = to_keep(change, &e.guard, now);
@@ -164,11 +166,11 @@ where
             Ok(r) => (r.status().as_u16(), r.status().as_u16() >= 400),
             Err(e) => (e.kind().status, !e.is_refusal()),
         };
-        let usd_after = layer.budgets.session_usd(&tenant, &session);
+        let usd_after = layer.budgets.session_usd(&tenant, &session).await;
         let fields = log.snapshot();
         let keep = {
             let mut e = lock(&entry);
-            let now = tokio::time::Instant::now();
+            let now = layer.guards.now();
             let change = e.guard.record(now, failed);
             transition(&tenant, &session, change, &request_id);
             let keep = to_keep(change, &e.guard, now);

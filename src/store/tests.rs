@@ -1,6 +1,7 @@
 use std::time::Duration;
 
 use super::*;
+use crate::{config::StoreConfig, state::clock::Clock};
 
 fn charge(session: Option<&str>, day: i64, ts_ms: i64, usd: f64) -> Charge {
     Charge {
@@ -16,7 +17,7 @@ fn charge(session: Option<&str>, day: i64, ts_ms: i64, usd: f64) -> Charge {
     }
 }
 
-fn reservation(store: &Store, session: &str, ts_ms: i64, tokens: u64) -> ReservationRecord {
+fn reservation(store: &SqliteStore, session: &str, ts_ms: i64, tokens: u64) -> ReservationRecord {
     ReservationRecord {
         id: store.next_reservation_id(),
         ts_ms,
@@ -59,7 +60,7 @@ impl Drop for TempDb {
 
 #[tokio::test]
 async fn charges_sum_per_session_and_per_day_and_resets_hide_the_past() {
-    let store = Store::open(":memory:").unwrap();
+    let store = SqliteStore::open(":memory:").unwrap();
     store
         .charge(charge(Some("s1"), 100, 1_000, 0.5))
         .await
@@ -74,7 +75,7 @@ async fn charges_sum_per_session_and_per_day_and_resets_hide_the_past() {
         .await
         .unwrap();
     assert_eq!(
-        store.session_usage("t", "s1").unwrap(),
+        store.session_usage("t", "s1").await.unwrap(),
         Usage {
             calls: 3,
             tokens: 45,
@@ -82,7 +83,7 @@ async fn charges_sum_per_session_and_per_day_and_resets_hide_the_past() {
         }
     );
     assert_eq!(
-        store.tenant_day_usage("t", 100).unwrap(),
+        store.tenant_day_usage("t", 100).await.unwrap(),
         Usage {
             calls: 3,
             tokens: 45,
@@ -91,7 +92,7 @@ async fn charges_sum_per_session_and_per_day_and_resets_hide_the_past() {
     );
     store.reset_session("t", "s1", 1_500).await.unwrap();
     assert_eq!(
-        store.session_usage("t", "s1").unwrap(),
+        store.session_usage("t", "s1").await.unwrap(),
         Usage {
             calls: 1,
             tokens: 15,
@@ -99,33 +100,36 @@ async fn charges_sum_per_session_and_per_day_and_resets_hide_the_past() {
         }
     );
     assert_eq!(
-        store.tenant_day_usage("t", 100).unwrap().usd,
+        store.tenant_day_usage("t", 100).await.unwrap().usd,
         1.75,
         "a session reset keeps the tenant's spend"
     );
-    assert_eq!(store.tenant_day_by_model("t", 100).unwrap()[0].0, "gpt-4o");
+    assert_eq!(
+        store.tenant_day_by_model("t", 100).await.unwrap()[0].0,
+        "gpt-4o"
+    );
 }
 
 #[tokio::test]
 async fn a_file_store_keeps_its_ledger_across_reopening() {
     let db = TempDb::new();
     {
-        let store = Store::open(&db.path()).unwrap();
+        let store = SqliteStore::open(&db.path()).unwrap();
         store.charge(charge(Some("s"), 1, 1, 0.125)).await.unwrap();
     }
-    let store = Store::open(&db.path()).unwrap();
-    assert_eq!(store.session_usage("t", "s").unwrap().usd, 0.125);
+    let store = SqliteStore::open(&db.path()).unwrap();
+    assert_eq!(store.session_usage("t", "s").await.unwrap().usd, 0.125);
 }
 
 #[tokio::test]
 async fn settling_replaces_the_durable_reservation_by_the_charge() {
-    let store = Store::open(":memory:").unwrap();
+    let store = SqliteStore::open(":memory:").unwrap();
     let r = reservation(&store, "s", 10, 500);
     let id = r.id;
     store.reserve(r).await.unwrap();
-    assert_eq!(store.open_reservations().unwrap(), 1);
+    assert_eq!(store.open_reservations().await.unwrap(), 1);
     assert_eq!(
-        store.session_usage("t", "s").unwrap().calls,
+        store.session_usage("t", "s").await.unwrap().calls,
         0,
         "a reservation is not spend"
     );
@@ -133,15 +137,15 @@ async fn settling_replaces_the_durable_reservation_by_the_charge() {
         .settle(Some(id), charge(Some("s"), 1, 20, 0.01))
         .await
         .unwrap();
-    assert_eq!(store.open_reservations().unwrap(), 0);
-    assert_eq!(store.session_usage("t", "s").unwrap().tokens, 15);
+    assert_eq!(store.open_reservations().await.unwrap(), 0);
+    assert_eq!(store.session_usage("t", "s").await.unwrap().tokens, 15);
 }
 
 #[tokio::test]
 async fn reservations_left_by_a_crash_are_charged_at_their_reserved_amount() {
     let db = TempDb::new();
     {
-        let store = Store::open(&db.path()).unwrap();
+        let store = SqliteStore::open(&db.path()).unwrap();
         let settled = reservation(&store, "s", 10, 100);
         let id = settled.id;
         store.reserve(settled).await.unwrap();
@@ -159,22 +163,22 @@ async fn reservations_left_by_a_crash_are_charged_at_their_reserved_amount() {
             .await
             .unwrap();
     }
-    let store = Store::open(&db.path()).unwrap();
+    let store = SqliteStore::open(&db.path()).unwrap();
     assert_eq!(store.recovered_reservations(), 2);
-    assert_eq!(store.open_reservations().unwrap(), 0);
-    let used = store.session_usage("t", "s").unwrap();
+    assert_eq!(store.open_reservations().await.unwrap(), 0);
+    let used = store.session_usage("t", "s").await.unwrap();
     assert_eq!((used.calls, used.tokens), (3, 15 + 1400));
     assert!((used.usd - 1.01).abs() < 1e-9, "{used:?}");
     drop(store);
-    let store = Store::open(&db.path()).unwrap();
+    let store = SqliteStore::open(&db.path()).unwrap();
     assert_eq!(store.recovered_reservations(), 0, "charged once, not again");
-    assert_eq!(store.session_usage("t", "s").unwrap().calls, 3);
+    assert_eq!(store.session_usage("t", "s").await.unwrap().calls, 3);
 }
 
 #[tokio::test]
 async fn a_locked_database_fails_writes_with_a_typed_error_within_the_busy_timeout() {
     let db = TempDb::new();
-    let store = Store::open_with(&StoreConfig {
+    let store = SqliteStore::open_with(&StoreConfig {
         busy_timeout: Duration::from_millis(50),
         ..db.config()
     })
@@ -195,14 +199,14 @@ async fn a_locked_database_fails_writes_with_a_typed_error_within_the_busy_timeo
     assert!(store.charge(charge(Some("s"), 1, 1, 0.1)).await.is_err());
     other.execute_batch("COMMIT").unwrap();
     store.charge(charge(Some("s"), 1, 1, 0.1)).await.unwrap();
-    assert_eq!(store.session_usage("t", "s").unwrap().calls, 1);
+    assert_eq!(store.session_usage("t", "s").await.unwrap().calls, 1);
 }
 
 #[tokio::test]
 async fn a_failed_settle_leaves_the_reservation_to_be_charged_on_restart() {
     let db = TempDb::new();
     {
-        let store = Store::open_with(&StoreConfig {
+        let store = SqliteStore::open_with(&StoreConfig {
             busy_timeout: Duration::from_millis(50),
             ..db.config()
         })
@@ -218,38 +222,38 @@ async fn a_failed_settle_leaves_the_reservation_to_be_charged_on_restart() {
             .is_err());
         other.execute_batch("COMMIT").unwrap();
         assert_eq!(
-            store.open_reservations().unwrap(),
+            store.open_reservations().await.unwrap(),
             1,
             "neither the charge nor the deletion happened"
         );
     }
-    let store = Store::open(&db.path()).unwrap();
+    let store = SqliteStore::open(&db.path()).unwrap();
     assert_eq!(store.recovered_reservations(), 1);
-    assert_eq!(store.session_usage("t", "s").unwrap().tokens, 300);
+    assert_eq!(store.session_usage("t", "s").await.unwrap().tokens, 300);
 }
 
 #[tokio::test]
 async fn absurd_counts_saturate_instead_of_wrapping_negative() {
-    let store = Store::open(":memory:").unwrap();
+    let store = SqliteStore::open(":memory:").unwrap();
     let mut huge = charge(Some("s"), 1, 1, 0.0);
     huge.input_tokens = u64::MAX;
     huge.output_tokens = u64::MAX;
     store.charge(huge.clone()).await.unwrap();
     store.charge(huge).await.unwrap();
-    let used = store.session_usage("t", "s").unwrap();
+    let used = store.session_usage("t", "s").await.unwrap();
     assert_eq!(used.calls, 2);
     assert!(
         used.tokens >= i64::MAX as u64,
         "saturated, not -1 or an overflow error: {used:?}"
     );
-    assert!(store.tenant_day_by_model("t", 1).is_ok());
+    assert!(store.tenant_day_by_model("t", 1).await.is_ok());
 }
 
 #[tokio::test]
 async fn the_wal_stays_under_its_bound_under_sustained_writes() {
     let db = TempDb::new();
     let bound = 256 * 1024;
-    let store = Store::open_with(&StoreConfig {
+    let store = SqliteStore::open_with(&StoreConfig {
         max_wal_bytes: bound,
         ..db.config()
     })
@@ -265,13 +269,13 @@ async fn the_wal_stays_under_its_bound_under_sustained_writes() {
     }
     // One commit may land before the writer truncates: a few pages over at most.
     assert!(largest <= bound + 64 * 1024, "WAL reached {largest} bytes");
-    assert_eq!(store.session_usage("t", "s1").unwrap().calls, 60);
+    assert_eq!(store.session_usage("t", "s1").await.unwrap().calls, 60);
 }
 
 #[tokio::test]
 async fn expired_idempotency_rows_and_rows_past_the_retention_are_purged() {
     let day = 86_400_000;
-    let store = Store::open_with(&StoreConfig {
+    let store = SqliteStore::open_with(&StoreConfig {
         path: ":memory:".into(),
         retention: Duration::from_secs(2 * 86_400),
         ..StoreConfig::default()
@@ -319,19 +323,23 @@ async fn expired_idempotency_rows_and_rows_past_the_retention_are_purged() {
         .unwrap();
     store.purge(now).await.unwrap();
     // Read past the expiry filter: the row itself is gone.
-    assert!(store.recall("t", "old", 0).unwrap().is_none());
-    assert!(store.recall("t", "live", now).unwrap().is_some());
+    assert!(store.recall("t", "old", 0).await.unwrap().is_none());
+    assert!(store.recall("t", "live", now).await.unwrap().is_some());
     assert_eq!(
-        store.session_usage("t", "s").unwrap().usd,
+        store.session_usage("t", "s").await.unwrap().usd,
         2.0,
         "only the row within the retention is left"
     );
-    assert!(store.guard_state("t", "closed-long-ago").unwrap().is_none());
+    assert!(store
+        .guard_state("t", "closed-long-ago")
+        .await
+        .unwrap()
+        .is_none());
 }
 
 #[tokio::test]
 async fn guard_states_are_kept_and_cleared() {
-    let store = Store::open(":memory:").unwrap();
+    let store = SqliteStore::open(":memory:").unwrap();
     let record = GuardRecord {
         tenant: "t".into(),
         session: "s".into(),
@@ -343,10 +351,10 @@ async fn guard_states_are_kept_and_cleared() {
         updated_ms: 1,
     };
     store.save_guard(record.clone()).await.unwrap();
-    assert_eq!(store.guard_state("t", "s").unwrap(), Some(record));
-    assert_eq!(store.guard_state("other", "s").unwrap(), None);
+    assert_eq!(store.guard_state("t", "s").await.unwrap(), Some(record));
+    assert_eq!(store.guard_state("other", "s").await.unwrap(), None);
     store.clear_guard("t", "s").await.unwrap();
-    assert_eq!(store.guard_state("t", "s").unwrap(), None);
+    assert_eq!(store.guard_state("t", "s").await.unwrap(), None);
 }
 
 /// Disk use per request, for the report (debug build; not run by default):
@@ -359,7 +367,7 @@ async fn bytes_per_request() {
     for (budgeted, concurrent) in [(false, 1), (true, 1), (false, 32), (true, 32)] {
         let db = TempDb::new();
         let store = Arc::new(
-            Store::open_with(&StoreConfig {
+            SqliteStore::open_with(&StoreConfig {
                 max_wal_bytes: u64::MAX,
                 ..db.config()
             })
@@ -410,12 +418,12 @@ async fn bytes_per_request() {
 /// never wait for a writer.
 #[tokio::test]
 async fn a_memory_store_reads_beside_an_open_write_transaction() {
-    let store = Store::open(":memory:").unwrap();
+    let store = SqliteStore::open(":memory:").unwrap();
     store.charge(charge(Some("s"), 1, 1, 0.5)).await.unwrap();
     let other = rusqlite::Connection::open(&store.path).unwrap();
     other.execute_batch("BEGIN IMMEDIATE; INSERT INTO ledger (ts_ms, day, tenant, session, model, calls, input_tokens, output_tokens, usd) VALUES (2, 1, 't', 's', 'm', 1, 1, 1, 9.0);").unwrap();
     assert_eq!(
-        store.session_usage("t", "s").unwrap().usd,
+        store.session_usage("t", "s").await.unwrap().usd,
         0.5,
         "reads the committed rows"
     );
@@ -426,4 +434,141 @@ async fn a_memory_store_reads_beside_an_open_write_transaction() {
         !std::path::Path::new(&path).exists(),
         "the scratch file goes with the store"
     );
+}
+
+/// `backstop_store_errors_total{op}` as rendered now (the recorder is process-wide, and
+/// other tests fail writes too: compare before and after, at least).
+fn store_errors(op: &str) -> u64 {
+    let page = crate::telemetry::metrics_handle().render();
+    let prefix = format!("backstop_store_errors_total{{op=\"{op}\"}} ");
+    page.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map_or(0, |n| n.trim().parse().unwrap())
+}
+
+fn response(key: &str) -> StoredResponse {
+    StoredResponse {
+        tenant: "t".into(),
+        key: key.into(),
+        body_hash: "h".into(),
+        status: 200,
+        content_type: "application/json".into(),
+        body: b"{}".to_vec(),
+        expires_ms: i64::MAX,
+    }
+}
+
+/// Every write that fails is the caller's typed error and a count, never an `Ok`: the
+/// awaited ones (reserve, settle, remember, guard) and the one nobody waits for
+/// (`settle_later`, counted by the writer).
+#[tokio::test]
+async fn failed_writes_are_typed_errors_and_counted_never_acknowledged() {
+    let _ = crate::telemetry::metrics_handle();
+    let db = TempDb::new();
+    let store = SqliteStore::open_with(&StoreConfig {
+        busy_timeout: Duration::from_millis(50),
+        ..db.config()
+    })
+    .unwrap();
+    let open = reservation(&store, "s", 1, 300);
+    let open_id = open.id;
+    store.reserve(open).await.unwrap();
+    let before: Vec<u64> = ["reserve", "settle", "remember", "guard"]
+        .iter()
+        .map(|op| store_errors(op))
+        .collect();
+    let other = rusqlite::Connection::open(db.path()).unwrap();
+    other.execute_batch("BEGIN EXCLUSIVE").unwrap();
+    let failed = [
+        store.reserve(reservation(&store, "s", 2, 10)).await,
+        store
+            .settle(Some(open_id), charge(Some("s"), 1, 3, 0.5))
+            .await,
+        store.remember(response("k")).await,
+        store.clear_guard("t", "s").await,
+    ];
+    for (i, result) in failed.into_iter().enumerate() {
+        assert!(
+            matches!(result, Err(StoreError::Write(_))),
+            "write {i}: {result:?}"
+        );
+    }
+    store.settle_later(Some(open_id), charge(Some("s"), 1, 4, 0.25));
+    // Queued behind `settle_later` and failing with it, so its count is in when this
+    // returns.
+    assert!(store.charge(charge(None, 1, 5, 0.0)).await.is_err());
+    other.execute_batch("COMMIT").unwrap();
+    for (op, before) in ["reserve", "settle", "remember", "guard"]
+        .iter()
+        .zip(before)
+    {
+        let want = if *op == "settle" { 3 } else { 1 };
+        assert!(
+            store_errors(op) >= before + want,
+            "{op}: {} after {before}",
+            store_errors(op)
+        );
+    }
+    assert_eq!(
+        store.open_reservations().await.unwrap(),
+        1,
+        "nothing settled it"
+    );
+    assert_eq!(store.session_usage("t", "s").await.unwrap().calls, 0);
+    assert!(store.recall("t", "k", 0).await.unwrap().is_none());
+}
+
+/// A read that fails is a typed error and `backstop_store_errors_total{op="read"}`.
+#[tokio::test]
+async fn failed_reads_are_typed_errors_and_counted() {
+    let _ = crate::telemetry::metrics_handle();
+    let db = TempDb::new();
+    let store = SqliteStore::open(&db.path()).unwrap();
+    let other = rusqlite::Connection::open(db.path()).unwrap();
+    other
+        .execute_batch("ALTER TABLE ledger RENAME TO ledger_away")
+        .unwrap();
+    let before = store_errors("read");
+    let err = store.tenant_day_by_model("t", 1).await.unwrap_err();
+    assert!(matches!(err, StoreError::Sqlite(_)), "{err}");
+    assert!(store.session_usage("t", "s").await.is_err());
+    assert!(store_errors("read") >= before + 2);
+}
+
+/// Expired idempotency rows go on schedule: [`spawn_purger`] purges every
+/// [`PURGE_EVERY`] of tokio time, as of the injected clock's calendar.
+#[tokio::test(start_paused = true)]
+async fn expired_idempotency_rows_are_purged_every_interval_of_tokio_time() {
+    let start_ms = 1_700_000_000_000;
+    let clock = Clock::starting_at(start_ms);
+    let store: Arc<dyn Store> = Arc::new(SqliteStore::open(":memory:").unwrap());
+    for (key, ttl_ms) in [("soon", 30_000), ("later", 600_000)] {
+        store
+            .remember(StoredResponse {
+                expires_ms: start_ms + ttl_ms,
+                ..response(key)
+            })
+            .await
+            .unwrap();
+    }
+    let purger = spawn_purger(store.clone(), clock.clone(), PURGE_EVERY);
+    let kept = |key: &'static str| {
+        let store = store.clone();
+        // Read past the expiry filter: is the row itself still there?
+        async move { store.recall("t", key, 0).await.unwrap().is_some() }
+    };
+    tokio::time::advance(PURGE_EVERY - Duration::from_secs(1)).await;
+    assert!(kept("soon").await, "expired, but no purge is due yet");
+    tokio::time::advance(Duration::from_secs(1)).await;
+    // The purge is a write on the store's own thread: wait for it in real time.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while kept("soon").await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not purged on schedule"
+        );
+        tokio::task::yield_now().await;
+    }
+    assert!(kept("later").await, "not expired yet");
+    purger.abort();
 }

@@ -1,6 +1,7 @@
-//! The store's writer thread (group commit, one transaction per batch, each write
-//! acknowledged with its result), the WAL bound, and the housekeeping thread that
-//! checkpoints passively and schedules purges.
+//! [`SqliteStore`](super::SqliteStore)'s writer thread (group commit, one transaction
+//! per batch, each write acknowledged with its result), the WAL bound, and the thread
+//! that checkpoints passively. (Purges are scheduled on tokio time by
+//! [`super::spawn_purger`] and queued here like any write.)
 //!
 //! The WAL is kept small by the writer itself: every [`WRITER_BACKFILL_EVERY`] it runs a
 //! passive checkpoint between two batches, when no commit can race it, so the whole WAL
@@ -20,7 +21,7 @@ use std::{
 
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
-use super::{to_sql, Op, Write};
+use super::sqlite::{to_sql, Op, Write};
 
 /// Writes committed in one transaction at most.
 const MAX_BATCH: usize = 4096;
@@ -28,8 +29,6 @@ const MAX_BATCH: usize = 4096;
 /// writer, so under sustained load it cannot always finish; the writer's WAL bound
 /// covers that).
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(500);
-/// How often expired rows are purged.
-const PURGE_EVERY: Duration = Duration::from_secs(60);
 /// Ledger rows deleted per purge transaction, and transactions per purge: old rows go
 /// in bounded steps instead of one transaction that stalls every ledger write.
 const PURGE_STEP: i64 = 10_000;
@@ -318,38 +317,17 @@ fn bound_wal(conn: &Connection, settings: &Settings, not_before: &mut Option<Ins
     }
 }
 
-/// While `alive` lives: a passive checkpoint every [`CHECKPOINT_EVERY`] (file stores),
-/// and a purge every [`PURGE_EVERY`], queued behind the writes.
-pub(super) fn spawn_housekeeping(
-    checkpointer: Option<Connection>,
-    alive: Weak<()>,
-    writer: mpsc::Sender<Write>,
-) {
+/// While `alive` lives: a passive checkpoint every [`CHECKPOINT_EVERY`].
+pub(super) fn spawn_checkpointer(conn: Connection, alive: Weak<()>) {
     thread::Builder::new()
         .name("backstop-checkpoint".into())
         .spawn(move || {
-            let mut last_purge = Instant::now();
             while alive.upgrade().is_some() {
                 thread::sleep(CHECKPOINT_EVERY);
-                if let Some(conn) = &checkpointer {
-                    if let Err(err) =
-                        conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
-                    {
-                        tracing::warn!(error = %err, "store checkpoint failed");
-                    }
-                }
-                if last_purge.elapsed() >= PURGE_EVERY {
-                    last_purge = Instant::now();
-                    let op = Op::Purge {
-                        now_ms: std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX)),
-                    };
-                    if writer.send(Write { op, ack: None }).is_err() {
-                        break;
-                    }
+                if let Err(err) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
+                    tracing::warn!(error = %err, "store checkpoint failed");
                 }
             }
         })
-        .expect("spawn store housekeeping");
+        .expect("spawn store checkpointer");
 }

@@ -12,7 +12,6 @@
 //! [`StreamLimits`].
 
 mod headers;
-pub mod health;
 pub mod stream;
 
 use std::{

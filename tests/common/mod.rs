@@ -3,7 +3,7 @@
 
 use std::net::SocketAddr;
 
-use backstop::{config::Config, mock, server};
+use backstop::{config::Config, mock, server, state::clock::Clock};
 use serde_json::Value;
 use tokio::net::TcpListener;
 
@@ -137,10 +137,18 @@ pub async fn start() -> Gateway {
 
 /// Starts the mock and a gateway whose config text `edit` may change.
 pub async fn start_with(edit: impl FnOnce(String) -> String) -> Gateway {
+    start_with_clock(edit, Clock::system()).await
+}
+
+/// As [`start_with`], with the gateway's live state on `clock`: a test moves time for
+/// the state under test with [`Clock::skip`] instead of sleeping.
+pub async fn start_with_clock(edit: impl FnOnce(String) -> String, clock: Clock) -> Gateway {
     let mock = mock::spawn(TcpListener::bind("127.0.0.1:0").await.unwrap());
     let text = edit(config_text(mock.addr, dead_port().await, ""));
     let config = Config::from_toml_with_env(&text, |_| None).expect("test config is valid");
-    let server = server::spawn(config).await.expect("gateway starts");
+    let server = server::spawn_with_clock(config, clock)
+        .await
+        .expect("gateway starts");
     Gateway {
         url: format!("http://{}", server.addr),
         mock,

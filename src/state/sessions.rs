@@ -2,7 +2,7 @@
 //! (tenant, session), for tenants that configure `[tenants.guard]`. Sessions are per
 //! tenant: the same id under two tenants is two sessions. Idle sessions leave memory
 //! (never while a request holds them), but an operator's close and an active trip are
-//! kept in the store ([`Guards::persist`]) and read back when the session returns, after
+//! kept in the store ([`SessionGuards::persist`]) and read back when the session returns, after
 //! idle eviction or a restart.
 
 use std::{
@@ -15,9 +15,9 @@ use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use crate::{
-    budgets::{now_ms, LiveSessions},
     config::Config,
     policy::guard::{restore_trip, GuardPolicy, Kept, SessionGuard},
+    state::{clock::Clock, live::LiveSessions},
     store::{GuardRecord, Store, StoreError},
 };
 
@@ -69,18 +69,19 @@ impl Entry {
     }
 }
 
-pub struct Guards {
+pub struct SessionGuards {
     configs: HashMap<String, Arc<GuardPolicy>>,
     sessions: LiveSessions<Mutex<Entry>>,
-    store: Arc<Store>,
+    store: Arc<dyn Store>,
+    clock: Clock,
 }
 
 pub fn lock(entry: &Mutex<Entry>) -> MutexGuard<'_, Entry> {
     entry.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-impl Guards {
-    pub fn new(config: &Config, idle: Duration, store: Arc<Store>) -> Self {
+impl SessionGuards {
+    pub fn new(config: &Config, idle: Duration, store: Arc<dyn Store>, clock: Clock) -> Self {
         let configs = config
             .tenants
             .iter()
@@ -90,11 +91,17 @@ impl Guards {
                     .map(|g| (t.name.clone(), Arc::new(g.policy())))
             })
             .collect();
-        Guards {
+        SessionGuards {
             configs,
             sessions: LiveSessions::new(idle),
             store,
+            clock,
         }
+    }
+
+    /// Now, on the clock the guards' cool-downs and windows run on.
+    pub fn now(&self) -> Instant {
+        self.clock.now()
     }
 
     pub fn is_guarded(&self, tenant: &str) -> bool {
@@ -102,8 +109,8 @@ impl Guards {
     }
 
     /// What the store kept of a session, as of now.
-    fn kept(&self, tenant: &str, session: &str) -> Option<Kept> {
-        let record = match self.store.guard_state(tenant, session) {
+    async fn kept(&self, tenant: &str, session: &str) -> Option<Kept> {
+        let record = match self.store.guard_state(tenant, session).await {
             Ok(record) => record?,
             Err(err) => {
                 // The guard protects against loops, not money: a session whose kept
@@ -116,7 +123,7 @@ impl Guards {
         Some(if record.closed {
             Kept::Closed
         } else {
-            let left = record.until_ms.saturating_sub(now_ms()).max(0);
+            let left = record.until_ms.saturating_sub(self.clock.now_ms()).max(0);
             Kept::Tripped {
                 remaining: Duration::from_millis(u64::try_from(left).unwrap_or(0)),
                 trip,
@@ -126,20 +133,21 @@ impl Guards {
 
     /// The session's guard, created on first use (with what the store kept of it);
     /// `None` when the tenant has no guard.
-    pub fn entry(&self, tenant: &Arc<str>, session: &str) -> Option<Arc<Mutex<Entry>>> {
+    pub async fn entry(&self, tenant: &Arc<str>, session: &str) -> Option<Arc<Mutex<Entry>>> {
         let config = self.configs.get(&**tenant)?;
         let loaded = self
             .sessions
-            .get_or_load((tenant.clone(), session.to_string()), || {
-                let guard = match self.kept(tenant, session) {
-                    Some(kept) => SessionGuard::restored(config.clone(), kept, Instant::now()),
+            .get_or_load((tenant.clone(), session.to_string()), || async {
+                let guard = match self.kept(tenant, session).await {
+                    Some(kept) => SessionGuard::restored(config.clone(), kept, self.clock.now()),
                     None => SessionGuard::new(config.clone()),
                 };
                 Ok::<_, std::convert::Infallible>(Mutex::new(Entry {
                     guard,
                     trace: VecDeque::with_capacity(1),
                 }))
-            });
+            })
+            .await;
         match loaded {
             Ok(entry) => Some(entry),
             Err(never) => match never {},
@@ -154,7 +162,7 @@ impl Guards {
         session: &str,
         kept: Option<Kept>,
     ) -> Result<(), StoreError> {
-        let now = now_ms();
+        let now = self.clock.now_ms();
         let (closed, until_ms, trip) = match kept {
             None => return self.store.clear_guard(tenant, session).await,
             Some(Kept::Closed) => (
@@ -187,13 +195,13 @@ impl Guards {
     }
 
     /// Signals (counters, risk) and the trace, for the admin API.
-    pub fn report(&self, tenant: &str, session: &str, session_usd: f64) -> Option<Value> {
+    pub async fn report(&self, tenant: &str, session: &str, session_usd: f64) -> Option<Value> {
         let tenant: Arc<str> = tenant.into();
-        let entry = self.entry(&tenant, session)?;
+        let entry = self.entry(&tenant, session).await?;
         let entry = lock(&entry);
         let tool_loop = entry.trace.back().map_or(0, |t| t.tool_loop);
         Some(json!({
-            "signals": entry.guard.signals(Instant::now(), session_usd, tool_loop),
+            "signals": entry.guard.signals(self.clock.now(), session_usd, tool_loop),
             "trace": entry.trace.iter().map(TraceEntry::to_json).collect::<Vec<_>>(),
         }))
     }
@@ -203,7 +211,7 @@ impl Guards {
     /// `false`: the tenant has no guard.
     pub async fn close(&self, tenant: &str, session: &str) -> Result<bool, StoreError> {
         let tenant: Arc<str> = tenant.into();
-        let Some(entry) = self.entry(&tenant, session) else {
+        let Some(entry) = self.entry(&tenant, session).await else {
             return Ok(false);
         };
         self.persist(&tenant, session, Some(Kept::Closed)).await?;
@@ -216,7 +224,7 @@ impl Guards {
 
     pub async fn reset(&self, tenant: &str, session: &str) -> Result<(), StoreError> {
         let tenant: Arc<str> = tenant.into();
-        if let Some(entry) = self.entry(&tenant, session) {
+        if let Some(entry) = self.entry(&tenant, session).await {
             self.persist(&tenant, session, None).await?;
             lock(&entry).guard.reset();
         }

@@ -1,0 +1,833 @@
+//! The live budget state: per tenant a daily account, rate limiters and session limits;
+//! per session an account and an in-flight count. Sessions idle out of memory (moka, with
+//! a time-to-idle) and are rebuilt from the ledger when they come back, so no history is
+//! lost; a session with a call in flight is never rebuilt (see [`LiveSessions`]). The
+//! arithmetic is in [`crate::policy::budget`]; persistence in [`crate::store`]; time
+//! (rate limits and the UTC day) comes from the injected [`Clock`].
+//!
+//! A *budgeted* call (its tenant has a day cap, or it belongs to a session and the tenant
+//! has session caps) has its reservation committed to the store before the upstream call
+//! and settled into the ledger in the same transaction that deletes it; after a crash,
+//! the store charges what was left at its reserved amount when it opens. When the store
+//! cannot take the reservation, the call is refused (`store_unavailable`), never made
+//! unaccounted. Other calls are reserved in memory only and charged to the ledger after.
+//!
+//! The store is read when a session is first seen (its ledger sum) and when a tenant's
+//! day is first needed; everything after that is in memory.
+
+use std::{
+    collections::HashMap,
+    num::NonZeroU32,
+    sync::{
+        atomic::{AtomicBool, AtomicU32, Ordering},
+        Arc, Mutex,
+    },
+    time::Duration,
+};
+
+use governor::{
+    middleware::NoOpMiddleware,
+    state::{keyed::DashMapStateStore, InMemoryState, NotKeyed},
+    Quota, RateLimiter,
+};
+
+use crate::{
+    config::{Config, PriceConfig, Unpriced},
+    policy::budget::{worst_case, Account, Caps, Exceeded, Prices, Usage, SESSION, TENANT_DAY},
+    state::{clock::Clock, live::LiveSessions, reservation::Reservation},
+    store::{ReservationRecord, Store, StoreError},
+};
+
+type Direct = RateLimiter<NotKeyed, InMemoryState, Clock, NoOpMiddleware<Duration>>;
+type Keyed = RateLimiter<String, DashMapStateStore<String>, Clock, NoOpMiddleware<Duration>>;
+
+/// Why a call may not go ahead.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Refusal {
+    RateLimited {
+        scope: &'static str,
+        retry_after: Duration,
+    },
+    Exceeded(Exceeded),
+    TooManyConcurrent {
+        limit: u32,
+    },
+    Unpriced {
+        model: String,
+    },
+    /// The store could not read or record this call's budget: refused rather than made
+    /// unaccounted.
+    StoreUnavailable {
+        detail: String,
+    },
+}
+
+impl From<StoreError> for Refusal {
+    fn from(err: StoreError) -> Self {
+        Refusal::StoreUnavailable {
+            detail: err.to_string(),
+        }
+    }
+}
+
+pub(super) struct TenantBook {
+    pub(super) name: Arc<str>,
+    pub(super) day_limits: Caps,
+    pub(super) session_limits: Caps,
+    pub(super) max_concurrent: Option<u32>,
+    /// (UTC day, that day's account).
+    pub(super) day: Mutex<(i64, Account)>,
+    /// False until the day's settled spend has been read from the ledger (on first
+    /// use): a tenant with day caps is refused (`store_unavailable`) while it cannot
+    /// be, not started at zero.
+    day_known: AtomicBool,
+    rate: Option<Direct>,
+    session_rate: Option<Keyed>,
+}
+
+/// One session's live state.
+pub struct SessionBook {
+    pub(super) account: Mutex<Account>,
+    pub(super) in_flight: AtomicU32,
+}
+
+pub struct Budgets {
+    tenants: HashMap<Arc<str>, Arc<TenantBook>>,
+    sessions: LiveSessions<SessionBook>,
+    pub(super) store: Arc<dyn Store>,
+    pub(super) prices: Prices,
+    /// Model names as metric labels: configured names only.
+    pub(super) model_labels: crate::telemetry::ModelLabels,
+    unpriced: Unpriced,
+    pub default_max_tokens: u64,
+    /// Reported usage above this is not believed (`billing.max_reported_tokens`).
+    pub(super) max_reported_tokens: u64,
+    pub(super) clock: Clock,
+}
+
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn per_minute(n: u32) -> Quota {
+    Quota::per_minute(NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN))
+}
+
+impl Budgets {
+    /// Builds the books; nothing is read from the store until it is needed.
+    pub fn new(
+        config: &Config,
+        store: Arc<dyn Store>,
+        session_idle: Duration,
+        clock: Clock,
+    ) -> Self {
+        let day = clock.today();
+        let tenants = config
+            .tenants
+            .iter()
+            .map(|t| {
+                let name: Arc<str> = t.name.as_str().into();
+                let book = TenantBook {
+                    name: name.clone(),
+                    day_limits: Caps {
+                        calls: None,
+                        tokens: t.budget.tokens_per_day,
+                        usd: t.budget.usd_per_day,
+                    },
+                    session_limits: Caps {
+                        calls: t.session.max_calls,
+                        tokens: t.session.max_tokens,
+                        usd: t.session.max_usd,
+                    },
+                    max_concurrent: t.session.max_concurrent,
+                    day: Mutex::new((day, Account::default())),
+                    day_known: AtomicBool::new(false),
+                    rate: t
+                        .requests_per_minute
+                        .map(|n| RateLimiter::direct_with_clock(per_minute(n), clock.clone())),
+                    session_rate: t
+                        .session
+                        .requests_per_minute
+                        .map(|n| RateLimiter::dashmap_with_clock(per_minute(n), clock.clone())),
+                };
+                (name, Arc::new(book))
+            })
+            .collect();
+        Budgets {
+            tenants,
+            sessions: LiveSessions::new(session_idle),
+            store,
+            prices: Prices::new(config.prices.iter().map(PriceConfig::rate)),
+            model_labels: crate::telemetry::ModelLabels::new(config),
+            unpriced: config.billing.unpriced,
+            default_max_tokens: config.billing.default_max_tokens,
+            max_reported_tokens: config.billing.max_reported_tokens,
+            clock,
+        }
+    }
+
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    pub(super) fn tenant(&self, name: &str) -> Option<&Arc<TenantBook>> {
+        self.tenants.get(name)
+    }
+
+    /// The live session: in memory, or loaded from the ledger. A failed read is an
+    /// error, not a session starting at zero.
+    pub(super) async fn session(
+        &self,
+        tenant: &Arc<str>,
+        session: &str,
+    ) -> Result<Arc<SessionBook>, StoreError> {
+        self.sessions
+            .get_or_load((tenant.clone(), session.to_string()), || async {
+                let settled = self.store.session_usage(tenant, session).await.inspect_err(|err| {
+                    tracing::error!(%tenant, session, error = %err, "cannot read the ledger for a session");
+                })?;
+                Ok(SessionBook {
+                    account: Mutex::new(Account {
+                        settled,
+                        reserved: Usage::default(),
+                    }),
+                    in_flight: AtomicU32::new(0),
+                })
+            })
+            .await
+    }
+
+    /// Reads the tenant's settled spend today from the ledger, once: the first read that
+    /// succeeds sets it, and reads that finish later are dropped, since the account has
+    /// moved on by then.
+    pub(super) async fn know_day(&self, book: &TenantBook) -> Result<(), StoreError> {
+        if book.day_known.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let day = self.clock.today();
+        let settled = self
+            .store
+            .tenant_day_usage(&book.name, day)
+            .await
+            .inspect_err(|err| {
+                tracing::error!(tenant = %book.name, error = %err, "cannot read the ledger; the tenant's day caps refuse calls until it can be read");
+            })?;
+        let mut account = lock(&book.day);
+        if !book.day_known.load(Ordering::Acquire) && account.0 <= day {
+            *account = (
+                day,
+                Account {
+                    settled,
+                    reserved: account.1.reserved,
+                },
+            );
+            book.day_known.store(true, Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Rate limits (tenant, then session) for one client request.
+    pub fn check_rate(&self, tenant: &str, session: Option<&str>) -> Result<(), Refusal> {
+        let Some(book) = self.tenant(tenant) else {
+            return Ok(());
+        };
+        let now = governor::clock::Clock::now(&self.clock);
+        if let Some(limiter) = &book.rate {
+            limiter.check().map_err(|not_until| Refusal::RateLimited {
+                scope: "tenant.requests_per_minute",
+                retry_after: not_until.wait_time_from(now),
+            })?;
+        }
+        if let (Some(limiter), Some(session)) = (&book.session_rate, session) {
+            limiter
+                .check_key(&session.to_string())
+                .map_err(|not_until| Refusal::RateLimited {
+                    scope: "session.requests_per_minute",
+                    retry_after: not_until.wait_time_from(now),
+                })?;
+        }
+        Ok(())
+    }
+
+    /// Admits one more in-flight request for the session, up to `max_concurrent`.
+    pub async fn enter(
+        &self,
+        tenant: &str,
+        session: &str,
+    ) -> Result<Option<ConcurrencySlot>, Refusal> {
+        let Some(book) = self.tenant(tenant) else {
+            return Ok(None);
+        };
+        let Some(limit) = book.max_concurrent else {
+            return Ok(None);
+        };
+        let live = self.session(&book.name, session).await?;
+        let admitted = live
+            .in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .is_ok();
+        if admitted {
+            Ok(Some(ConcurrencySlot(live)))
+        } else {
+            Err(Refusal::TooManyConcurrent { limit })
+        }
+    }
+
+    /// Reserves one upstream call's worst case against the session and the tenant's
+    /// day, atomically: both fit, or neither is touched. A budgeted call's reservation is
+    /// committed to the store before this returns; if it cannot be, the call is refused.
+    pub async fn reserve(
+        self: &Arc<Self>,
+        tenant: &str,
+        session: Option<&str>,
+        model: &str,
+        prompt_tokens: u64,
+        max_output: u64,
+    ) -> Result<Reservation, Refusal> {
+        let Some(book) = self.tenant(tenant).cloned() else {
+            return Err(Refusal::Unpriced {
+                model: model.into(),
+            });
+        };
+        let live = match session {
+            Some(s) => Some((s.to_string(), self.session(&book.name, s).await?)),
+            None => None,
+        };
+        let day_unread = self.know_day(&book).await.err();
+        let mut reservation =
+            self.reserve_in_memory(book, live, day_unread, model, prompt_tokens, max_output)?;
+        let book = &reservation.tenant;
+        let budgeted = !book.day_limits.is_unlimited()
+            || (reservation.session.is_some() && !book.session_limits.is_unlimited());
+        if budgeted {
+            let id = self.store.next_reservation_id();
+            let record = ReservationRecord {
+                id,
+                ts_ms: self.clock.now_ms(),
+                day: self.clock.today(),
+                tenant: book.name.to_string(),
+                session: reservation.session.as_ref().map(|(s, _)| s.clone()),
+                model: reservation.model.clone(),
+                calls: reservation.amount.calls,
+                tokens: reservation.amount.tokens,
+                usd: reservation.amount.usd,
+            };
+            // Named before the write is awaited: if this future is dropped meanwhile,
+            // the reservation's drop settles it (the writer keeps the order).
+            reservation.durable = Some(id);
+            if let Err(err) = self.store.reserve(record).await {
+                tracing::error!(tenant, session, error = %err, "cannot record a reservation; refusing the call");
+                reservation.release();
+                return Err(err.into());
+            }
+        }
+        Ok(reservation)
+    }
+
+    /// The reservation's arithmetic, under the day's lock: no await in here.
+    fn reserve_in_memory(
+        self: &Arc<Self>,
+        book: Arc<TenantBook>,
+        live: Option<(String, Arc<SessionBook>)>,
+        day_unread: Option<StoreError>,
+        model: &str,
+        prompt_tokens: u64,
+        max_output: u64,
+    ) -> Result<Reservation, Refusal> {
+        let usd_capped =
+            book.day_limits.usd.is_some() || (live.is_some() && book.session_limits.usd.is_some());
+        let want = worst_case(prompt_tokens, max_output, 0.0);
+        let usd = match self.prices.cost(model, prompt_tokens, max_output) {
+            Some(usd) => usd,
+            None if usd_capped && self.unpriced == Unpriced::Refuse => {
+                return Err(Refusal::Unpriced {
+                    model: model.into(),
+                })
+            }
+            None => 0.0,
+        };
+        let want = Usage { usd, ..want };
+        let mut day = lock(&book.day);
+        let today = self.clock.today();
+        if day.0 < today {
+            *day = (
+                today,
+                Account {
+                    settled: Usage::default(),
+                    reserved: day.1.reserved,
+                },
+            );
+        }
+        if let Some(err) = day_unread {
+            if !book.day_limits.is_unlimited() {
+                return Err(err.into());
+            }
+        }
+        day.1
+            .check(want, &book.day_limits, TENANT_DAY)
+            .map_err(Refusal::Exceeded)?;
+        if let Some((_, s)) = &live {
+            let mut account = lock(&s.account);
+            account
+                .check(want, &book.session_limits, SESSION)
+                .map_err(Refusal::Exceeded)?;
+            account.reserve(want);
+        }
+        day.1.reserve(want);
+        drop(day);
+        Ok(Reservation {
+            budgets: self.clone(),
+            tenant: book,
+            session: live,
+            model: model.to_string(),
+            amount: want,
+            durable: None,
+            settled: false,
+        })
+    }
+
+    /// A session's settled spend in USD (0 for unknown tenants, or when the session
+    /// cannot be read: the guard's spend velocity fails open, budgets do not).
+    pub async fn session_usd(&self, tenant: &str, session: &str) -> f64 {
+        let Some(book) = self.tenant(tenant) else {
+            return 0.0;
+        };
+        match self.session(&book.name, session).await {
+            Ok(live) => lock(&live.account).settled.usd,
+            Err(_) => 0.0,
+        }
+    }
+
+    /// Starts a session over: its usage counts from now (the tenant's spend is kept).
+    /// `false`: no such tenant.
+    pub async fn reset_session(&self, tenant: &str, session: &str) -> Result<bool, StoreError> {
+        let Some(book) = self.tenant(tenant) else {
+            return Ok(false);
+        };
+        self.store
+            .reset_session(tenant, session, self.clock.now_ms())
+            .await?;
+        let live = self.session(&book.name, session).await?;
+        lock(&live.account).settled = Usage::default();
+        Ok(true)
+    }
+
+    /// Drops rate-limiter state for sessions whose limit has fully replenished (they
+    /// behave as new), so idle sessions do not hold memory forever. Run periodically.
+    pub fn forget_idle_limiters(&self) {
+        for book in self.tenants.values() {
+            if let Some(limiter) = &book.session_rate {
+                limiter.retain_recent();
+                limiter.shrink_to_fit();
+            }
+        }
+        self.sessions.sweep();
+    }
+}
+
+/// One in-flight request of a session (its place under `session.max_concurrent`);
+/// dropping it frees the slot.
+pub struct ConcurrencySlot(Arc<SessionBook>);
+
+impl Drop for ConcurrencySlot {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        state::reservation::Outcome,
+        store::{Charge, SqliteStore},
+    };
+
+    fn budgets(tenant_extra: &str) -> Arc<Budgets> {
+        budgets_on(
+            tenant_extra,
+            SqliteStore::open(":memory:").unwrap(),
+            Duration::from_secs(600),
+        )
+    }
+
+    fn budgets_on(tenant_extra: &str, store: SqliteStore, idle: Duration) -> Arc<Budgets> {
+        budgets_with(tenant_extra, store, idle, Clock::system())
+    }
+
+    fn budgets_with(
+        tenant_extra: &str,
+        store: SqliteStore,
+        idle: Duration,
+        clock: Clock,
+    ) -> Arc<Budgets> {
+        let text = format!(
+            r#"
+            [[prices]]
+            model = "gpt-4o*"
+            input_per_mtok = 2.5
+            output_per_mtok = 10.0
+            [[upstreams]]
+            name = "u"
+            api = "openai"
+            base_url = "http://127.0.0.1:1"
+            [[routes]]
+            model = "*"
+            targets = [{{ upstream = "u" }}]
+            [[tenants]]
+            name = "t"
+            api_keys = ["bk-test-key"]
+            {tenant_extra}
+            "#
+        );
+        let config = Config::from_toml_with_env(&text, |_| None).unwrap();
+        Arc::new(Budgets::new(&config, Arc::new(store), idle, clock))
+    }
+
+    fn reported(input: u64, output: u64) -> Outcome {
+        Outcome::Reported { input, output }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn rate_limits_refuse_with_the_limiters_wait_and_recover_on_time() {
+        let b = budgets("requests_per_minute = 2\n[tenants.session]\nrequests_per_minute = 60");
+        assert!(b.check_rate("t", Some("s")).is_ok());
+        assert!(b.check_rate("t", Some("s")).is_ok());
+        let Err(Refusal::RateLimited { scope, retry_after }) = b.check_rate("t", Some("s")) else {
+            panic!("not limited")
+        };
+        assert_eq!(scope, "tenant.requests_per_minute");
+        assert_eq!(
+            retry_after,
+            Duration::from_secs(30),
+            "GCRA: one request per 30 s"
+        );
+        tokio::time::advance(Duration::from_secs(30)).await;
+        assert!(b.check_rate("t", Some("s")).is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn session_rate_limits_are_per_session() {
+        let b = budgets("[tenants.session]\nrequests_per_minute = 1");
+        assert!(b.check_rate("t", Some("a")).is_ok());
+        assert!(matches!(
+            b.check_rate("t", Some("a")),
+            Err(Refusal::RateLimited {
+                scope: "session.requests_per_minute",
+                ..
+            })
+        ));
+        assert!(
+            b.check_rate("t", Some("b")).is_ok(),
+            "another session has its own limit"
+        );
+        assert!(
+            b.check_rate("t", None).is_ok(),
+            "no session: tenant limits only"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_refused_reservation_touches_neither_account() {
+        let b =
+            budgets("[tenants.session]\nmax_calls = 1\n[tenants.budget]\ntokens_per_day = 1000");
+        let r = b.reserve("t", Some("s"), "gpt-4o", 100, 100).await.unwrap();
+        let Err(e) = b.reserve("t", Some("s"), "gpt-4o", 100, 100).await else {
+            panic!("over the cap")
+        };
+        assert!(matches!(
+            e,
+            Refusal::Exceeded(Exceeded {
+                budget: "session.max_calls",
+                ..
+            })
+        ));
+        // The tenant's day only holds the one reservation.
+        assert_eq!(
+            b.tenant_report("t").await.unwrap().unwrap()["reserved"]["tokens"],
+            200
+        );
+        r.settle(reported(10, 20)).await;
+        let report = b.session_report("t", "s").await.unwrap().unwrap();
+        assert_eq!(report["used"]["tokens"], 30);
+        assert_eq!(report["reserved"]["tokens"], 0);
+        assert_eq!(
+            b.tenant_report("t").await.unwrap().unwrap()["used_today"]["usd"],
+            0.000225
+        );
+    }
+
+    #[tokio::test]
+    async fn unpriced_models_are_refused_under_a_usd_cap_when_configured() {
+        let b = budgets("[tenants.session]\nmax_usd = 1.0");
+        assert!(
+            b.reserve("t", Some("s"), "mystery", 1, 1).await.is_ok(),
+            "free by default"
+        );
+        let config = Config::from_toml_with_env(
+            "[billing]\nunpriced = \"refuse\"\n[[upstreams]]\nname = \"u\"\napi = \"openai\"\nbase_url = \"http://x\"\n[[routes]]\nmodel = \"*\"\ntargets = [{ upstream = \"u\" }]\n[[tenants]]\nname = \"t\"\napi_keys = [\"bk-test-key\"]\n[tenants.session]\nmax_usd = 1.0",
+            |_| None,
+        )
+        .unwrap();
+        let b = Arc::new(Budgets::new(
+            &config,
+            Arc::new(SqliteStore::open(":memory:").unwrap()),
+            Duration::from_secs(60),
+            Clock::system(),
+        ));
+        assert!(matches!(
+            b.reserve("t", Some("s"), "mystery", 1, 1).await,
+            Err(Refusal::Unpriced { .. })
+        ));
+        assert!(
+            b.reserve("t", None, "mystery", 1, 1).await.is_ok(),
+            "no USD cap applies without a session"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_session_held_by_a_call_is_not_rebuilt_when_it_idles_out() {
+        let b = budgets_on(
+            "[tenants.session]\nmax_calls = 2\nmax_concurrent = 1",
+            SqliteStore::open(":memory:").unwrap(),
+            Duration::from_nanos(1),
+        );
+        let slot = b.enter("t", "s").await.unwrap();
+        let first = b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap();
+        // moka's idle clock is its own, not tokio's: evict as `session_idle` would.
+        b.sessions.evict_all();
+        b.forget_idle_limiters();
+        assert!(
+            matches!(
+                b.enter("t", "s").await,
+                Err(Refusal::TooManyConcurrent { limit: 1 })
+            ),
+            "the in-flight slot survived the eviction"
+        );
+        let second = b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap();
+        let Err(Refusal::Exceeded(e)) = b.reserve("t", Some("s"), "gpt-4o", 10, 10).await else {
+            panic!("a third call under max_calls = 2")
+        };
+        assert_eq!((e.budget, e.used), ("session.max_calls", 2.0));
+        first.settle(reported(1, 1)).await;
+        second.settle(reported(1, 1)).await;
+        drop(slot);
+        b.sessions.evict_all();
+        b.forget_idle_limiters();
+        // Nobody holds it now: rebuilt from the ledger, which has both calls.
+        let report = b.session_report("t", "s").await.unwrap().unwrap();
+        assert_eq!(report["used"]["calls"], 2);
+        assert_eq!(report["in_flight"], 0);
+        assert!(b.enter("t", "s").await.unwrap().is_some());
+    }
+
+    #[tokio::test]
+    async fn budgeted_reservations_are_durable_until_settled() {
+        let b = budgets("[tenants.session]\nmax_calls = 5");
+        let r = b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap();
+        assert_eq!(b.store().open_reservations().await.unwrap(), 1);
+        r.settle(reported(3, 4)).await;
+        assert_eq!(b.store().open_reservations().await.unwrap(), 0);
+        assert_eq!(b.store().session_usage("t", "s").await.unwrap().tokens, 7);
+        // Dropped unsettled (a cancelled call): charged in full, durably.
+        drop(b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap());
+        b.store()
+            .charge(Charge {
+                ts_ms: 0,
+                day: 0,
+                tenant: "flush".into(),
+                session: None,
+                model: "m".into(),
+                calls: 1,
+                input_tokens: 0,
+                output_tokens: 0,
+                usd: 0.0,
+            })
+            .await
+            .unwrap();
+        assert_eq!(b.store().open_reservations().await.unwrap(), 0);
+        assert_eq!(b.store().session_usage("t", "s").await.unwrap().tokens, 27);
+        // No session, no day cap: nothing to make durable.
+        let r = b.reserve("t", None, "gpt-4o", 10, 10).await.unwrap();
+        assert_eq!(b.store().open_reservations().await.unwrap(), 0);
+        r.settle(reported(1, 1)).await;
+    }
+
+    #[tokio::test]
+    async fn a_store_that_cannot_take_the_reservation_refuses_the_call() {
+        let dir = std::env::temp_dir().join(format!(
+            "backstop-budgets-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ledger.db").to_str().unwrap().to_string();
+        let store = SqliteStore::open_with(&crate::config::StoreConfig {
+            path: path.clone(),
+            busy_timeout: Duration::from_millis(50),
+            ..Default::default()
+        })
+        .unwrap();
+        let b = budgets_on(
+            "[tenants.budget]\ntokens_per_day = 100000",
+            store,
+            Duration::from_secs(60),
+        );
+        let other = rusqlite::Connection::open(&path).unwrap();
+        other.execute_batch("BEGIN EXCLUSIVE").unwrap();
+        let refused = b.reserve("t", None, "gpt-4o", 10, 10).await;
+        assert!(
+            matches!(refused, Err(Refusal::StoreUnavailable { .. })),
+            "{:?}",
+            refused.err()
+        );
+        assert_eq!(
+            b.tenant_report("t").await.unwrap().unwrap()["reserved"]["tokens"],
+            0,
+            "the refused call holds nothing"
+        );
+        other.execute_batch("COMMIT").unwrap();
+        let r = b.reserve("t", None, "gpt-4o", 10, 10).await.unwrap();
+        r.settle(reported(1, 1)).await;
+        assert_eq!(
+            b.tenant_report("t").await.unwrap().unwrap()["used_today"]["tokens"],
+            2
+        );
+        drop(b);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn a_day_that_cannot_be_read_refuses_instead_of_starting_at_zero() {
+        let dir = std::env::temp_dir().join(format!(
+            "backstop-budgets-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ledger.db").to_str().unwrap().to_string();
+        let store = SqliteStore::open(&path).unwrap();
+        let other = rusqlite::Connection::open(&path).unwrap();
+        // The ledger unreadable while the budgets start.
+        other
+            .execute_batch("ALTER TABLE ledger RENAME TO ledger_away")
+            .unwrap();
+        let b = budgets_on(
+            "[tenants.budget]\ntokens_per_day = 100000",
+            store,
+            Duration::from_secs(60),
+        );
+        assert!(matches!(
+            b.reserve("t", None, "gpt-4o", 10, 10).await,
+            Err(Refusal::StoreUnavailable { .. })
+        ));
+        assert!(
+            b.tenant_report("t").await.is_err(),
+            "an unreadable day is an error in the report too, not a day without spend"
+        );
+        other
+            .execute_batch("ALTER TABLE ledger_away RENAME TO ledger")
+            .unwrap();
+        let r = b.reserve("t", None, "gpt-4o", 10, 10).await.unwrap();
+        r.settle(reported(1, 1)).await;
+        assert_eq!(
+            b.tenant_report("t").await.unwrap().unwrap()["used_today"]["tokens"],
+            2
+        );
+        drop(b);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// The tenant's day is the UTC day of the injected clock: crossing midnight on a
+    /// paused tokio clock starts the day budget over, and the ledger keeps each day apart.
+    #[tokio::test(start_paused = true)]
+    async fn the_day_budget_starts_over_at_utc_midnight() {
+        const DAY_MS: i64 = 86_400_000;
+        let day = 20_000;
+        let clock = Clock::starting_at((day + 1) * DAY_MS - 1000);
+        let b = budgets_with(
+            "[tenants.budget]\ntokens_per_day = 300",
+            SqliteStore::open(":memory:").unwrap(),
+            Duration::from_secs(600),
+            clock.clone(),
+        );
+        let r = b.reserve("t", None, "gpt-4o", 100, 100).await.unwrap();
+        r.settle(reported(100, 150)).await;
+        let Err(Refusal::Exceeded(e)) = b.reserve("t", None, "gpt-4o", 10, 100).await else {
+            panic!("110 tokens fitted in the 50 left today")
+        };
+        assert_eq!((e.budget, e.used), ("tenant.tokens_per_day", 250.0));
+        tokio::time::advance(Duration::from_millis(999)).await;
+        assert!(
+            b.reserve("t", None, "gpt-4o", 10, 100).await.is_err(),
+            "still the same day"
+        );
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(clock.today(), day + 1);
+        let r = b.reserve("t", None, "gpt-4o", 10, 100).await.unwrap();
+        r.settle(reported(10, 20)).await;
+        let report = b.tenant_report("t").await.unwrap().unwrap();
+        assert_eq!(report["day"], day + 1);
+        assert_eq!(report["used_today"]["tokens"], 30);
+        assert_eq!(
+            b.store().tenant_day_usage("t", day).await.unwrap().tokens,
+            250
+        );
+        assert_eq!(
+            b.store()
+                .tenant_day_usage("t", day + 1)
+                .await
+                .unwrap()
+                .tokens,
+            30
+        );
+    }
+
+    #[tokio::test]
+    async fn implausible_usage_is_charged_the_reservation() {
+        let b = budgets("[tenants.session]\nmax_tokens = 1000000");
+        // Reserved: 100 prompt + 100 output tokens, $0.00125.
+        for outcome in [
+            reported(u64::MAX, 1),
+            reported(10_000_001, 0),
+            Outcome::Invalid,
+        ] {
+            let r = b
+                .reserve("t", Some(&format!("{outcome:?}")), "gpt-4o", 100, 100)
+                .await
+                .unwrap();
+            r.settle(outcome).await;
+            let used = b
+                .store()
+                .session_usage("t", &format!("{outcome:?}"))
+                .await
+                .unwrap();
+            assert_eq!(used.tokens, 200, "{outcome:?}");
+            assert!((used.usd - 0.00125).abs() < 1e-12, "{outcome:?}: {used:?}");
+        }
+        // Above the reservation but plausible: believed.
+        let r = b
+            .reserve("t", Some("more"), "gpt-4o", 100, 100)
+            .await
+            .unwrap();
+        r.settle(reported(5000, 300)).await;
+        assert_eq!(
+            b.store().session_usage("t", "more").await.unwrap().tokens,
+            5300
+        );
+    }
+
+    #[tokio::test]
+    async fn a_huge_max_tokens_cannot_wrap_past_a_token_cap() {
+        let b = budgets("[tenants.session]\nmax_tokens = 1000");
+        let Err(Refusal::Exceeded(e)) = b.reserve("t", Some("s"), "gpt-4o", 10, u64::MAX).await
+        else {
+            panic!("2^64 - 1 output tokens fitted under a 1000-token cap")
+        };
+        assert_eq!(e.budget, "session.max_tokens");
+    }
+}

@@ -1,0 +1,85 @@
+//! What the budgets show: the admin and tenant JSON views of a session and a tenant's
+//! day, and the `x-backstop-budget-remaining` header.
+
+use std::sync::atomic::Ordering;
+
+use super::budgets::{lock, Budgets};
+use crate::store::StoreError;
+
+impl Budgets {
+    /// What a session has left, formatted for `x-backstop-budget-remaining`; `None` when
+    /// the session is not budgeted.
+    pub async fn remaining_header(&self, tenant: &str, session: &str) -> Option<String> {
+        let book = self.tenant(tenant)?;
+        if book.session_limits.is_unlimited() {
+            return None;
+        }
+        let live = self.session(&book.name, session).await.ok()?;
+        let (calls, tokens, usd) = lock(&live.account).remaining(&book.session_limits);
+        let mut parts = Vec::new();
+        if let Some(c) = calls {
+            parts.push(format!("calls={c}"));
+        }
+        if let Some(t) = tokens {
+            parts.push(format!("tokens={t}"));
+        }
+        if let Some(u) = usd {
+            parts.push(format!("usd={u:.4}"));
+        }
+        Some(parts.join("; "))
+    }
+
+    /// A session's figures for the admin API and the tenant's own view (`None`: no such
+    /// tenant).
+    pub async fn session_report(
+        &self,
+        tenant: &str,
+        session: &str,
+    ) -> Result<Option<serde_json::Value>, StoreError> {
+        let Some(book) = self.tenant(tenant) else {
+            return Ok(None);
+        };
+        let live = self.session(&book.name, session).await?;
+        let account = lock(&live.account).clone();
+        let (calls, tokens, usd) = account.remaining(&book.session_limits);
+        Ok(Some(serde_json::json!({
+            "tenant": tenant,
+            "session": session,
+            "used": {"calls": account.settled.calls, "tokens": account.settled.tokens, "usd": account.settled.usd},
+            "reserved": {"calls": account.reserved.calls, "tokens": account.reserved.tokens, "usd": account.reserved.usd},
+            "in_flight": live.in_flight.load(Ordering::Relaxed),
+            "limits": {"max_calls": book.session_limits.calls, "max_tokens": book.session_limits.tokens, "max_usd": book.session_limits.usd, "max_concurrent": book.max_concurrent},
+            "remaining": {"calls": calls, "tokens": tokens, "usd": usd},
+        })))
+    }
+
+    /// A tenant's day for the admin API (`None`: no such tenant). A ledger that cannot
+    /// be read is an error, not a day without spend.
+    pub async fn tenant_report(
+        &self,
+        tenant: &str,
+    ) -> Result<Option<serde_json::Value>, StoreError> {
+        let Some(book) = self.tenant(tenant) else {
+            return Ok(None);
+        };
+        self.know_day(book).await?;
+        let (day, account) = lock(&book.day).clone();
+        let (_, tokens, usd) = account.remaining(&book.day_limits);
+        let by_model: Vec<_> = self
+            .store
+            .tenant_day_by_model(tenant, day)
+            .await?
+            .into_iter()
+            .map(|(model, u)| serde_json::json!({"model": model, "calls": u.calls, "tokens": u.tokens, "usd": u.usd}))
+            .collect();
+        Ok(Some(serde_json::json!({
+            "tenant": tenant,
+            "day": day,
+            "used_today": {"calls": account.settled.calls, "tokens": account.settled.tokens, "usd": account.settled.usd},
+            "reserved": {"calls": account.reserved.calls, "tokens": account.reserved.tokens, "usd": account.reserved.usd},
+            "limits": {"usd_per_day": book.day_limits.usd, "tokens_per_day": book.day_limits.tokens},
+            "remaining_today": {"usd": usd, "tokens": tokens},
+            "by_model": by_model,
+        })))
+    }
+}

@@ -1,0 +1,169 @@
+//! A reserved upstream call and how it settles: to the reported usage when it is
+//! believable, else to the full reservation; dropped unsettled (a cancelled call), it is
+//! charged in full and written to the ledger in the background.
+
+use std::sync::Arc;
+
+use super::budgets::{lock, Budgets, SessionBook, TenantBook};
+use crate::{
+    policy::budget::{sane_usd, Usage},
+    store::Charge,
+};
+
+/// How an upstream call ended, for settling its reservation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// No usable answer (a transport failure or an error status): one call, no tokens.
+    Failed,
+    /// The upstream reported (input, output) tokens; believed up to
+    /// `billing.max_reported_tokens`.
+    Reported { input: u64, output: u64 },
+    /// The upstream reported usage that is not a count (negative, fractional, too big
+    /// for 64 bits): charged the reservation, logged and counted.
+    Invalid,
+    /// An answer without usage (a stream that ended early, a body without `usage`):
+    /// charged the reservation, never less than what may have been spent.
+    Unreported,
+}
+
+/// A reserved upstream call. Settle it with how the call ended; dropped unsettled, it is
+/// charged its full reservation (never less than what may have been spent).
+pub struct Reservation {
+    pub(super) budgets: Arc<Budgets>,
+    pub(super) tenant: Arc<TenantBook>,
+    pub(super) session: Option<(String, Arc<SessionBook>)>,
+    pub(super) model: String,
+    pub(super) amount: Usage,
+    /// The durable reservation's id, for budgeted calls.
+    pub(super) durable: Option<i64>,
+    pub(super) settled: bool,
+}
+
+impl Reservation {
+    /// Reported usage believed as is, or `None` (with a log line and a count) when it is
+    /// not believable: then the reservation is charged instead.
+    fn believe(&self, outcome: Outcome) -> Option<(u64, u64)> {
+        let limit = self.budgets.max_reported_tokens;
+        let reason = match outcome {
+            Outcome::Failed => return Some((0, 0)),
+            Outcome::Unreported => return None,
+            Outcome::Invalid => "not_a_count",
+            Outcome::Reported { input, output }
+                if input.checked_add(output).is_none_or(|total| total > limit) =>
+            {
+                "over_max_reported_tokens"
+            }
+            Outcome::Reported { input, output } => return Some((input, output)),
+        };
+        let (reported_input, reported_output) = match outcome {
+            Outcome::Reported { input, output } => (Some(input), Some(output)),
+            _ => (None, None),
+        };
+        tracing::warn!(
+            tenant = %self.tenant.name,
+            session = self.session.as_ref().map(|(s, _)| s.as_str()),
+            model = %self.model,
+            reported_input,
+            reported_output,
+            max_reported_tokens = limit,
+            reserved_tokens = self.amount.tokens,
+            reason,
+            "implausible upstream usage; charging the reservation instead"
+        );
+        metrics::counter!("backstop_usage_rejected_total", "reason" => reason).increment(1);
+        None
+    }
+
+    /// The ledger row and the usage to settle for how the call ended.
+    fn charge_for(&self, outcome: Outcome) -> (Charge, Usage) {
+        let (input, output, usd) = match self.believe(outcome) {
+            Some((i, o)) => (
+                i,
+                o,
+                self.budgets.prices.cost(&self.model, i, o).unwrap_or(0.0),
+            ),
+            None => (self.amount.tokens, 0, self.amount.usd),
+        };
+        let actual = Usage {
+            calls: 1,
+            tokens: input.saturating_add(output),
+            usd: sane_usd(usd),
+        };
+        let charge = Charge {
+            ts_ms: self.budgets.clock.now_ms(),
+            day: self.budgets.clock.today(),
+            tenant: self.tenant.name.to_string(),
+            session: self.session.as_ref().map(|(s, _)| s.clone()),
+            model: self.model.clone(),
+            calls: 1,
+            input_tokens: input,
+            output_tokens: output,
+            usd: actual.usd,
+        };
+        (charge, actual)
+    }
+
+    fn apply(&mut self, actual: Usage) {
+        self.settled = true;
+        {
+            let mut day = lock(&self.tenant.day);
+            day.1.settle(self.amount, actual);
+        }
+        if let Some((_, s)) = &self.session {
+            lock(&s.account).settle(self.amount, actual);
+        }
+        let tenant = self.tenant.name.to_string();
+        let model = self.budgets.model_labels.label(&self.model);
+        metrics::counter!("backstop_spend_usd_total", "tenant" => tenant.clone(), "model" => model.to_string()).increment((actual.usd * 1e6) as u64);
+        metrics::counter!("backstop_tokens_total", "tenant" => tenant.clone(), "model" => model.to_string()).increment(actual.tokens);
+        if let Some(limit) = self.tenant.day_limits.usd {
+            let used = lock(&self.tenant.day).1.committed().usd;
+            metrics::gauge!("backstop_tenant_budget_remaining_usd", "tenant" => tenant)
+                .set((limit - used).max(0.0));
+        }
+    }
+
+    /// Gives the reservation back without a charge: the call was never made.
+    pub(super) fn release(&mut self) {
+        self.settled = true;
+        lock(&self.tenant.day)
+            .1
+            .settle(self.amount, Usage::default());
+        if let Some((_, s)) = &self.session {
+            lock(&s.account).settle(self.amount, Usage::default());
+        }
+    }
+
+    /// Settles with how the call ended and waits until the ledger has it. If the ledger
+    /// write fails, the durable reservation stays and counts in full after a restart.
+    pub async fn settle(mut self, outcome: Outcome) {
+        let (charge, actual) = self.charge_for(outcome);
+        self.apply(actual);
+        if let Err(err) = self.budgets.store.settle(self.durable, charge).await {
+            tracing::error!(
+                tenant = %self.tenant.name,
+                session = self.session.as_ref().map(|(s, _)| s.as_str()),
+                durable = self.durable.is_some(),
+                error = %err,
+                "cannot record a charge in the ledger"
+            );
+        }
+    }
+
+    /// Settles now in memory and writes the ledger in the background (end of a stream).
+    pub fn settle_later(mut self, outcome: Outcome) {
+        let (charge, actual) = self.charge_for(outcome);
+        self.apply(actual);
+        self.budgets.store.settle_later(self.durable, charge);
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.settled {
+            let (charge, actual) = self.charge_for(Outcome::Unreported);
+            self.apply(actual);
+            self.budgets.store.settle_later(self.durable, charge);
+        }
+    }
+}

@@ -1,0 +1,554 @@
+//! [`SqliteStore`]: the embedded store, SQLite in WAL mode.
+//!
+//! Writes go through one writer thread ([`super::writer`]) that commits whatever has
+//! queued up in one transaction (group commit) and acknowledges each write with its
+//! result once it is committed; in WAL mode with `synchronous = NORMAL` a committed write
+//! survives the process being killed. A write that fails (the database locked past
+//! `store.busy_timeout`, a full disk, the writer gone) is a typed [`StoreError`] for its
+//! caller and a `backstop_store_errors_total{op}` count, never silently dropped.
+//!
+//! Reads run on tokio's blocking pool over a small pool of read connections, which WAL
+//! lets run beside the writer (see [`Readers`]).
+//!
+//! Disk: the writer backfills the WAL between batches so that it restarts from its
+//! beginning, and truncates it if it still passes `store.max_wal_bytes`.
+
+use std::{
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicI64, Ordering},
+        mpsc, Arc, Mutex, TryLockError,
+    },
+    thread,
+    time::Duration,
+};
+
+use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
+use tokio::sync::{oneshot, Semaphore};
+
+use super::{
+    count_error, writer, Charge, GuardRecord, ReservationRecord, Store, StoreError, StoreFuture,
+    StoredResponse,
+};
+use crate::{config::StoreConfig, policy::budget::Usage};
+
+pub(super) enum Op {
+    Reserve(ReservationRecord),
+    /// Appends a ledger row and, for a durable reservation, deletes it, atomically.
+    Settle {
+        reservation: Option<i64>,
+        charge: Charge,
+    },
+    ResetSession {
+        tenant: String,
+        session: String,
+        at_ms: i64,
+    },
+    Remember(StoredResponse),
+    SaveGuard(GuardRecord),
+    ClearGuard {
+        tenant: String,
+        session: String,
+    },
+    Purge {
+        now_ms: i64,
+    },
+}
+
+impl Op {
+    /// The `op` label of `backstop_store_errors_total`.
+    pub(super) fn label(&self) -> &'static str {
+        match self {
+            Op::Reserve(_) => "reserve",
+            Op::Settle { .. } => "settle",
+            Op::ResetSession { .. } => "reset_session",
+            Op::Remember(_) => "remember",
+            Op::SaveGuard(_) | Op::ClearGuard { .. } => "guard",
+            Op::Purge { .. } => "purge",
+        }
+    }
+}
+
+type Ack = oneshot::Sender<Result<(), Arc<str>>>;
+
+pub(super) struct Write {
+    pub(super) op: Op,
+    pub(super) ack: Option<Ack>,
+}
+
+/// Read connections, used from tokio's blocking pool.
+///
+/// Why `spawn_blocking` over a pool rather than one reader thread fed by a channel: reads
+/// are short indexed lookups (a session's sum when it is first seen, a kept response, a
+/// guard state), and a slow one (an admin report grouping a day by model) should not
+/// hold up the next session's first request behind it. The semaphore has one permit per
+/// connection and is acquired on the async side, so a burst of new sessions waits
+/// there, never parks blocking threads on a lock, and cannot grow tokio's blocking pool
+/// past the number of connections.
+struct Readers {
+    connections: Vec<Mutex<Connection>>,
+    permits: Arc<Semaphore>,
+}
+
+/// Read connections per store: each is a SQLite page cache (see `open_conn`).
+const READERS: usize = 2;
+
+impl Readers {
+    /// A free connection: with a permit held there always is one.
+    fn with<T>(&self, f: impl FnOnce(&Connection) -> T) -> T {
+        for conn in &self.connections {
+            match conn.try_lock() {
+                Ok(conn) => return f(&conn),
+                // A read that panicked left nothing half-done in a read connection.
+                Err(TryLockError::Poisoned(poisoned)) => return f(&poisoned.into_inner()),
+                Err(TryLockError::WouldBlock) => {}
+            }
+        }
+        let conn = self.connections[0]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        f(&conn)
+    }
+}
+
+pub struct SqliteStore {
+    writer: mpsc::Sender<Write>,
+    readers: Arc<Readers>,
+    next_reservation: AtomicI64,
+    recovered: u64,
+    /// The checkpointer thread runs while this lives.
+    _alive: Arc<()>,
+    /// For `":memory:"`: the private file behind it, removed with the store.
+    _scratch: Option<Scratch>,
+    /// The database file (for tests that open it beside the store).
+    #[cfg(test)]
+    pub(super) path: String,
+}
+
+/// A `":memory:"` store's database: a private file in the temp dir, in WAL mode like any
+/// other. SQLite's shared-cache in-memory databases lock whole tables between their
+/// connections, and `busy_timeout` does not cover those locks: under concurrent calls a
+/// session read failed with "database table is locked" while the writer committed
+/// (found by the k6 steady smoke). Removed when the store is dropped; a crashed process
+/// leaves it in the temp dir.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", self.0.display()));
+        }
+    }
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS ledger (
+    id INTEGER PRIMARY KEY,
+    ts_ms INTEGER NOT NULL,
+    day INTEGER NOT NULL,
+    tenant TEXT NOT NULL,
+    session TEXT,
+    model TEXT NOT NULL,
+    calls INTEGER NOT NULL,
+    input_tokens INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    usd REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS ledger_by_session ON ledger (tenant, session, ts_ms);
+CREATE INDEX IF NOT EXISTS ledger_by_day ON ledger (tenant, day);
+CREATE TABLE IF NOT EXISTS reservations (
+    id INTEGER PRIMARY KEY,
+    ts_ms INTEGER NOT NULL,
+    day INTEGER NOT NULL,
+    tenant TEXT NOT NULL,
+    session TEXT,
+    model TEXT NOT NULL,
+    calls INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,
+    usd REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS idempotency (
+    tenant TEXT NOT NULL,
+    key TEXT NOT NULL,
+    body_hash TEXT NOT NULL,
+    status INTEGER NOT NULL,
+    content_type TEXT NOT NULL,
+    body BLOB NOT NULL,
+    expires_ms INTEGER NOT NULL,
+    PRIMARY KEY (tenant, key)
+);
+CREATE INDEX IF NOT EXISTS idempotency_by_expiry ON idempotency (expires_ms);
+CREATE TABLE IF NOT EXISTS session_resets (
+    tenant TEXT NOT NULL,
+    session TEXT NOT NULL,
+    at_ms INTEGER NOT NULL,
+    PRIMARY KEY (tenant, session)
+);
+CREATE TABLE IF NOT EXISTS guard_states (
+    tenant TEXT NOT NULL,
+    session TEXT NOT NULL,
+    closed INTEGER NOT NULL,
+    until_ms INTEGER NOT NULL,
+    code TEXT NOT NULL,
+    rule TEXT NOT NULL,
+    evidence TEXT NOT NULL,
+    updated_ms INTEGER NOT NULL,
+    PRIMARY KEY (tenant, session)
+);
+";
+
+/// Token and call counts enter SQLite as i64: anything above saturates rather than
+/// wrapping negative.
+pub(super) fn to_sql(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// Counts read back: a negative value (written by an older build) reads as 0.
+fn from_sql(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
+fn open_conn(path: &str, busy_timeout: Duration) -> rusqlite::Result<Connection> {
+    let flags = OpenFlags::SQLITE_OPEN_READ_WRITE
+        | OpenFlags::SQLITE_OPEN_CREATE
+        | OpenFlags::SQLITE_OPEN_URI
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = Connection::open_with_flags(path, flags)?;
+    conn.busy_timeout(busy_timeout)?;
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    conn.pragma_update(None, "synchronous", "NORMAL")?;
+    // The ledger is append-mostly and read by index: a small page cache is enough, and
+    // three connections of the default 2 MB each showed in Backstop's RSS.
+    conn.pragma_update(None, "cache_size", -256)?;
+    Ok(conn)
+}
+
+/// Every reservation left by a process that did not settle it (a crash) becomes a ledger
+/// charge at its reserved amount: the call may have been made and billed, and nothing
+/// proves otherwise. Returns how many.
+fn recover_reservations(conn: &mut Connection) -> rusqlite::Result<u64> {
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    let n = tx.execute(
+        "INSERT INTO ledger (ts_ms, day, tenant, session, model, calls, input_tokens, output_tokens, usd)
+         SELECT ts_ms, day, tenant, session, model, calls, tokens, 0, usd FROM reservations ORDER BY id",
+        [],
+    )?;
+    tx.execute("DELETE FROM reservations", [])?;
+    tx.commit()?;
+    Ok(n as u64)
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the store at `path` with the default `[store]`
+    /// settings; `":memory:"` is a private scratch database that lives as long as this
+    /// store.
+    pub fn open(path: &str) -> Result<SqliteStore, StoreError> {
+        SqliteStore::open_with(&StoreConfig {
+            path: path.to_string(),
+            ..StoreConfig::default()
+        })
+    }
+
+    /// Opens the store that `[store]` describes. Blocking: call it at start-up.
+    pub fn open_with(config: &StoreConfig) -> Result<SqliteStore, StoreError> {
+        let scratch = (config.path == ":memory:").then(|| {
+            Scratch(std::env::temp_dir().join(format!(
+                "backstop-memory-{}.db",
+                uuid::Uuid::new_v4().simple()
+            )))
+        });
+        let path = match &scratch {
+            Some(Scratch(file)) => file.display().to_string(),
+            None => config.path.clone(),
+        };
+        let busy = config.busy_timeout;
+        let mut writer_conn = open_conn(&path, busy)?;
+        writer_conn.execute_batch(SCHEMA)?;
+        let recovered = recover_reservations(&mut writer_conn)?;
+        if recovered > 0 {
+            tracing::warn!(
+                reservations = recovered,
+                "unsettled reservations from before a crash charged at their reserved amount"
+            );
+            metrics::counter!("backstop_reservations_recovered_total").increment(recovered);
+        }
+        let (tx, rx) = mpsc::channel::<Write>();
+        let alive = Arc::new(());
+        let wal = Some(PathBuf::from(format!("{path}-wal")));
+        // Checkpoints copy the WAL into the database and sync it: slow, and on the
+        // commit path they would stall every request waiting for its ledger write.
+        // The writer backfills between batches instead (see `writer`), and truncates
+        // the WAL only if it has grown past the bound anyway.
+        writer_conn.pragma_update(None, "wal_autocheckpoint", 0)?;
+        writer_conn.pragma_update(None, "journal_size_limit", to_sql(config.max_wal_bytes))?;
+        let checkpointer = open_conn(&path, busy)?;
+        writer::spawn_checkpointer(checkpointer, Arc::downgrade(&alive));
+        let connections = (0..READERS)
+            .map(|_| open_conn(&path, busy).map(Mutex::new))
+            .collect::<Result<Vec<_>, _>>()?;
+        let settings = writer::Settings {
+            wal,
+            max_wal_bytes: config.max_wal_bytes,
+            retention: config.retention,
+        };
+        thread::Builder::new()
+            .name("backstop-store".into())
+            .spawn(move || writer::write_loop(writer_conn, rx, settings))
+            .expect("spawn store writer");
+        Ok(SqliteStore {
+            writer: tx,
+            readers: Arc::new(Readers {
+                connections,
+                permits: Arc::new(Semaphore::new(READERS)),
+            }),
+            next_reservation: AtomicI64::new(1),
+            recovered,
+            _alive: alive,
+            _scratch: scratch,
+            #[cfg(test)]
+            path,
+        })
+    }
+
+    /// Queues `op` and waits for its commit. Every failure is counted here or, for a
+    /// failed transaction, by the writer (which knows each write's op).
+    async fn write(&self, op: Op) -> Result<(), StoreError> {
+        let label = op.label();
+        let (ack, done) = oneshot::channel();
+        if self.writer.send(Write { op, ack: Some(ack) }).is_err() {
+            count_error(label);
+            return Err(StoreError::Closed);
+        }
+        match done.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(msg)) => Err(StoreError::Write(msg)),
+            // The writer dropped the write without an answer: it has stopped.
+            Err(_) => {
+                count_error(label);
+                Err(StoreError::Closed)
+            }
+        }
+    }
+
+    /// Runs `f` on a read connection, on tokio's blocking pool.
+    async fn read<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let permit = self.readers.permits.clone().acquire_owned().await;
+        let Ok(permit) = permit else {
+            count_error("read");
+            return Err(StoreError::Closed);
+        };
+        let readers = self.readers.clone();
+        let ran = tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            readers.with(f)
+        })
+        .await;
+        let result = match ran {
+            Ok(result) => result.map_err(StoreError::from),
+            Err(err) => Err(StoreError::Read(err.to_string().into())),
+        };
+        if let Err(err) = &result {
+            tracing::debug!(error = %err, "store read failed");
+            count_error("read");
+        }
+        result
+    }
+}
+
+impl Store for SqliteStore {
+    fn recovered_reservations(&self) -> u64 {
+        self.recovered
+    }
+
+    fn next_reservation_id(&self) -> i64 {
+        self.next_reservation.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn reserve(&self, reservation: ReservationRecord) -> StoreFuture<'_, ()> {
+        Box::pin(self.write(Op::Reserve(reservation)))
+    }
+
+    fn settle(&self, reservation: Option<i64>, charge: Charge) -> StoreFuture<'_, ()> {
+        Box::pin(self.write(Op::Settle {
+            reservation,
+            charge,
+        }))
+    }
+
+    fn settle_later(&self, reservation: Option<i64>, charge: Charge) {
+        let op = Op::Settle {
+            reservation,
+            charge,
+        };
+        if self.writer.send(Write { op, ack: None }).is_err() {
+            tracing::error!(
+                durable = reservation.is_some(),
+                "store writer has stopped: a charge was not written to the ledger"
+            );
+            count_error("settle");
+        }
+    }
+
+    fn reset_session<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+        at_ms: i64,
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(self.write(Op::ResetSession {
+            tenant: tenant.into(),
+            session: session.into(),
+            at_ms,
+        }))
+    }
+
+    fn remember(&self, response: StoredResponse) -> StoreFuture<'_, ()> {
+        Box::pin(self.write(Op::Remember(response)))
+    }
+
+    fn save_guard(&self, record: GuardRecord) -> StoreFuture<'_, ()> {
+        Box::pin(self.write(Op::SaveGuard(record)))
+    }
+
+    fn clear_guard<'a>(&'a self, tenant: &'a str, session: &'a str) -> StoreFuture<'a, ()> {
+        Box::pin(self.write(Op::ClearGuard {
+            tenant: tenant.into(),
+            session: session.into(),
+        }))
+    }
+
+    fn purge(&self, now_ms: i64) -> StoreFuture<'_, ()> {
+        Box::pin(self.write(Op::Purge { now_ms }))
+    }
+
+    fn recall<'a>(
+        &'a self,
+        tenant: &'a str,
+        key: &'a str,
+        now_ms: i64,
+    ) -> StoreFuture<'a, Option<StoredResponse>> {
+        let (tenant, key) = (tenant.to_string(), key.to_string());
+        Box::pin(self.read(move |c| {
+            c.prepare_cached(
+                "SELECT body_hash, status, content_type, body, expires_ms FROM idempotency WHERE tenant = ?1 AND key = ?2 AND expires_ms > ?3",
+            )?
+            .query_row(params![tenant, key, now_ms], |r| {
+                Ok(StoredResponse {
+                    tenant: tenant.clone(),
+                    key: key.clone(),
+                    body_hash: r.get(0)?,
+                    status: u16::try_from(r.get::<_, i64>(1)?).unwrap_or(500),
+                    content_type: r.get(2)?,
+                    body: r.get(3)?,
+                    expires_ms: r.get(4)?,
+                })
+            })
+            .optional()
+        }))
+    }
+
+    fn guard_state<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+    ) -> StoreFuture<'a, Option<GuardRecord>> {
+        let (tenant, session) = (tenant.to_string(), session.to_string());
+        Box::pin(self.read(move |c| {
+            c.prepare_cached(
+                "SELECT closed, until_ms, code, rule, evidence, updated_ms FROM guard_states WHERE tenant = ?1 AND session = ?2",
+            )?
+            .query_row(params![tenant, session], |r| {
+                Ok(GuardRecord {
+                    tenant: tenant.clone(),
+                    session: session.clone(),
+                    closed: r.get::<_, i64>(0)? != 0,
+                    until_ms: r.get(1)?,
+                    code: r.get(2)?,
+                    rule: r.get(3)?,
+                    evidence: r.get(4)?,
+                    updated_ms: r.get(5)?,
+                })
+            })
+            .optional()
+        }))
+    }
+
+    fn session_usage<'a>(&'a self, tenant: &'a str, session: &'a str) -> StoreFuture<'a, Usage> {
+        let (tenant, session) = (tenant.to_string(), session.to_string());
+        Box::pin(self.read(move |c| {
+            let since: i64 = c
+                .prepare_cached(
+                    "SELECT at_ms FROM session_resets WHERE tenant = ?1 AND session = ?2",
+                )?
+                .query_row(params![tenant, session], |r| r.get(0))
+                .optional()?
+                .unwrap_or(i64::MIN);
+            c.prepare_cached(
+                "SELECT TOTAL(calls), TOTAL(input_tokens) + TOTAL(output_tokens), TOTAL(usd)
+                 FROM ledger WHERE tenant = ?1 AND session = ?2 AND ts_ms >= ?3",
+            )?
+            .query_row(params![tenant, session, since], usage_row)
+        }))
+    }
+
+    fn tenant_day_usage<'a>(&'a self, tenant: &'a str, day: i64) -> StoreFuture<'a, Usage> {
+        let tenant = tenant.to_string();
+        Box::pin(self.read(move |c| {
+            c.prepare_cached(
+                "SELECT TOTAL(calls), TOTAL(input_tokens) + TOTAL(output_tokens), TOTAL(usd)
+                 FROM ledger WHERE tenant = ?1 AND day = ?2",
+            )?
+            .query_row(params![tenant, day], usage_row)
+        }))
+    }
+
+    fn tenant_day_by_model<'a>(
+        &'a self,
+        tenant: &'a str,
+        day: i64,
+    ) -> StoreFuture<'a, Vec<(String, Usage)>> {
+        let tenant = tenant.to_string();
+        Box::pin(self.read(move |c| {
+            let mut stmt = c.prepare(
+                "SELECT model, TOTAL(calls), TOTAL(input_tokens) + TOTAL(output_tokens), TOTAL(usd)
+                 FROM ledger WHERE tenant = ?1 AND day = ?2 GROUP BY model ORDER BY model",
+            )?;
+            let rows = stmt.query_map(params![tenant, day], |r| {
+                Ok((r.get::<_, String>(0)?, usage_at(r, 1)?))
+            })?;
+            rows.collect()
+        }))
+    }
+
+    fn open_reservations(&self) -> StoreFuture<'_, u64> {
+        Box::pin(self.read(|c| {
+            c.query_row("SELECT COUNT(*) FROM reservations", [], |r| {
+                r.get::<_, i64>(0).map(from_sql)
+            })
+        }))
+    }
+}
+
+/// Sums are read as SQLite `TOTAL` (a float that never overflows, unlike `SUM`, which
+/// fails the whole query on an i64 overflow) and converted back saturating.
+fn usage_at(r: &rusqlite::Row<'_>, first: usize) -> rusqlite::Result<Usage> {
+    let calls: f64 = r.get(first)?;
+    let tokens: f64 = r.get(first + 1)?;
+    let usd: f64 = r.get(first + 2)?;
+    Ok(Usage {
+        calls: calls.max(0.0) as u64,
+        tokens: tokens.max(0.0) as u64,
+        usd: if usd.is_nan() {
+            0.0
+        } else {
+            usd.clamp(0.0, f64::MAX)
+        },
+    })
+}
+
+fn usage_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Usage> {
+    usage_at(r, 0)
+}
