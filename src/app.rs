@@ -73,6 +73,7 @@ use tower_http::{
 use crate::{
     admin::AdminState,
     api::Endpoint,
+    clock::Clock,
     config::{Config, PriceConfig},
     error::{respond::error_response, GatewayError},
     layers::{
@@ -90,7 +91,7 @@ use crate::{
     },
     policy::budget::Prices,
     routing::RouteTable,
-    state::{budgets::Budgets, clock::Clock, health::HealthRegistry, sessions::SessionGuards},
+    state::{budgets::Budgets, health::HealthRegistry, sessions::SessionGuards},
     store::{SqliteStore, Store, StoreError},
     telemetry,
     upstream::{self, Attempt, Forward, StreamLimits, Upstream},

@@ -7,6 +7,7 @@
 pub mod admin;
 pub mod api;
 pub mod app;
+pub mod clock;
 pub mod config;
 pub mod demo;
 pub mod error;

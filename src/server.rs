@@ -49,8 +49,8 @@ use tower::{Service, ServiceExt};
 
 use crate::{
     app::{router, App, AppState},
+    clock::Clock,
     config::{Config, ServerConfig},
-    state::clock::Clock,
     store,
 };
 

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use backstop::state::clock::Clock;
+use backstop::clock::Clock;
 use common::*;
 use serde_json::{json, Value};
 

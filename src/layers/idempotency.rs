@@ -27,12 +27,12 @@ use tokio::sync::watch;
 use tower::{Layer, Service};
 
 use crate::{
+    clock::Clock,
     error::GatewayError,
     layers::{
         context::{identifier, Call},
         Middleware, Stack,
     },
-    state::clock::Clock,
     store::{Store, StoredResponse},
 };
 

@@ -32,9 +32,10 @@ use governor::{
 };
 
 use crate::{
+    clock::Clock,
     config::{Config, PriceConfig, Unpriced},
     policy::budget::{worst_case, Account, Caps, Exceeded, Prices, Usage, SESSION, TENANT_DAY},
-    state::{clock::Clock, live::LiveSessions, reservation::Reservation},
+    state::{live::LiveSessions, reservation::Reservation},
     store::{ReservationRecord, Store, StoreError},
 };
 

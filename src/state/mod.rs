@@ -1,13 +1,12 @@
 //! The live state tier: everything Backstop keeps in memory between requests, in one
 //! place. Per tenant and session the budgets (rate limiters, concurrency, reservations;
 //! [`budgets`], [`reservation`]) and the session guards with their traces
-//! ([`sessions`]), both on one injected [`clock`]; per upstream the breakers and retry
+//! ([`sessions`]), both on one injected [`crate::clock`]; per upstream the breakers and retry
 //! budgets ([`health`]). The decisions are pure functions in [`crate::policy`]; what
 //! must outlive the process goes to [`crate::store`]. The layers hold this state;
 //! nothing here knows about HTTP.
 
 pub mod budgets;
-pub mod clock;
 pub mod health;
 pub mod live;
 mod report;

@@ -15,9 +15,10 @@ use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use crate::{
+    clock::Clock,
     config::Config,
     policy::guard::{restore_trip, GuardPolicy, Kept, SessionGuard},
-    state::{clock::Clock, live::LiveSessions},
+    state::live::LiveSessions,
     store::{GuardRecord, Store, StoreError},
 };
 

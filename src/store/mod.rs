@@ -27,7 +27,7 @@ use futures_util::future::BoxFuture;
 
 pub use sqlite::SqliteStore;
 
-use crate::{policy::budget::Usage, state::clock::Clock};
+use crate::{clock::Clock, policy::budget::Usage};
 
 /// One charged upstream call.
 #[derive(Debug, Clone)]

@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use super::*;
-use crate::{config::StoreConfig, state::clock::Clock};
+use crate::{clock::Clock, config::StoreConfig};
 
 fn charge(session: Option<&str>, day: i64, ts_ms: i64, usd: f64) -> Charge {
     Charge {

@@ -3,7 +3,7 @@
 
 use std::net::SocketAddr;
 
-use backstop::{config::Config, mock, server, state::clock::Clock};
+use backstop::{clock::Clock, config::Config, mock, server};
 use serde_json::Value;
 use tokio::net::TcpListener;
 

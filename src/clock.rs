@@ -1,4 +1,4 @@
-//! The one clock of the live state. Durations (cool-downs, rate limits, idle times) are
+//! The one injected clock (of the live state and the store). Durations (cool-downs, rate limits, idle times) are
 //! tokio [`Instant`]s; calendar things (the UTC day of a tenant's budget, ledger
 //! timestamps, when a kept trip ends) are wall-clock milliseconds derived from a
 //! [`SystemTime`] read once, at start, plus tokio's elapsed time. So a paused tokio clock
