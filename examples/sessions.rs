@@ -15,8 +15,9 @@ use std::{
 };
 
 use backstop::{
+    clock::Clock,
     config::Config,
-    state::{budgets::Budgets, clock::Clock, reservation::Outcome},
+    state::{budgets::Budgets, reservation::Outcome},
     store::SqliteStore,
 };
 use common::*;
