@@ -129,12 +129,17 @@ impl Keeping {
             record.body = kept.to_vec();
             let store = self.store.clone();
             let leader = self.leader.take();
-            tokio::spawn(async move {
+            // In the request's span, so a failure to keep it is logged with its id.
+            let write = async move {
                 if let Err(err) = store.remember(record).await {
                     tracing::error!(error = %err, "cannot keep a response for replay");
                 }
                 drop(leader);
-            });
+            };
+            tokio::spawn(tracing::Instrument::instrument(
+                write,
+                tracing::Span::current(),
+            ));
         }
     }
 }

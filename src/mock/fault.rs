@@ -27,7 +27,7 @@ use std::time::Duration;
 /// | `drip=1s` | after the first event, one byte per interval, never a whole event |
 /// | `huge_event=N` | after the first event, an event of N bytes that never ends |
 #[derive(Debug, Default, Clone, PartialEq)]
-pub struct Step {
+pub struct FaultStep {
     pub status: Option<u16>,
     pub code: Option<String>,
     pub retry_after: Option<String>,
@@ -52,18 +52,18 @@ pub struct Step {
     pub huge_event: Option<usize>,
 }
 
-impl Step {
+impl FaultStep {
     /// The step for the `attempt`-th (0-based) call of a scenario; the last step repeats.
-    pub fn for_attempt(script: &str, attempt: u64) -> Step {
+    pub fn for_attempt(script: &str, attempt: u64) -> FaultStep {
         let steps: Vec<&str> = script.split(',').collect();
         let index = (attempt as usize).min(steps.len().saturating_sub(1));
-        Step::parse(steps.get(index).copied().unwrap_or(""))
+        FaultStep::parse(steps.get(index).copied().unwrap_or(""))
     }
 
     /// Unknown tokens are ignored, so a typo degrades to a normal answer rather than
     /// a mock that cannot answer.
-    pub fn parse(step: &str) -> Step {
-        let mut out = Step::default();
+    pub fn parse(step: &str) -> FaultStep {
+        let mut out = FaultStep::default();
         for token in step.split(';').map(str::trim).filter(|t| !t.is_empty()) {
             let (key, value) = token.split_once('=').unwrap_or((token, ""));
             match key {
@@ -111,7 +111,7 @@ impl Step {
 #[derive(Debug, Default, Clone)]
 pub struct FaultMix {
     /// (cumulative probability, step), ascending.
-    steps: Vec<(f64, Step)>,
+    steps: Vec<(f64, FaultStep)>,
 }
 
 impl FaultMix {
@@ -129,7 +129,7 @@ impl FaultMix {
                 return Err(format!("{entry:?}: probability must be within 0..=1"));
             }
             total += p;
-            steps.push((total, Step::parse(step)));
+            steps.push((total, FaultStep::parse(step)));
         }
         if total > 1.0 + 1e-9 {
             return Err(format!("probabilities add up to {total}, more than 1"));
@@ -142,7 +142,7 @@ impl FaultMix {
     }
 
     /// The step for a draw `unit` ∈ [0, 1).
-    pub fn pick(&self, unit: f64) -> Step {
+    pub fn pick(&self, unit: f64) -> FaultStep {
         self.steps
             .iter()
             .find(|(cumulative, _)| unit < *cumulative)
@@ -168,14 +168,14 @@ mod tests {
     #[test]
     fn steps_follow_attempts_and_the_last_repeats() {
         let script = "status=503;retry_after=1,reset,ok";
-        assert_eq!(Step::for_attempt(script, 0).status, Some(503));
+        assert_eq!(FaultStep::for_attempt(script, 0).status, Some(503));
         assert_eq!(
-            Step::for_attempt(script, 0).retry_after.as_deref(),
+            FaultStep::for_attempt(script, 0).retry_after.as_deref(),
             Some("1")
         );
-        assert!(Step::for_attempt(script, 1).reset);
-        assert_eq!(Step::for_attempt(script, 2), Step::default());
-        assert_eq!(Step::for_attempt(script, 9), Step::default());
+        assert!(FaultStep::for_attempt(script, 1).reset);
+        assert_eq!(FaultStep::for_attempt(script, 2), FaultStep::default());
+        assert_eq!(FaultStep::for_attempt(script, 9), FaultStep::default());
     }
 
     #[test]
@@ -186,14 +186,14 @@ mod tests {
         assert_eq!(mix.pick(0.19).status, Some(503));
         assert_eq!(mix.pick(0.2).retry_after.as_deref(), Some("1"));
         assert!(mix.pick(0.31).reset);
-        assert_eq!(mix.pick(0.36), Step::default());
+        assert_eq!(mix.pick(0.36), FaultStep::default());
         assert!(FaultMix::parse("reset@0.7|hang@0.7").is_err());
         assert!(FaultMix::parse("reset").is_err());
     }
 
     #[test]
     fn scripted_json_content_and_tool_calls() {
-        let s = Step::parse("content_b64=eyJhIjogMSwgImIiOiAyfQ==;tool=get_weather;tool_args_b64=eyJjaXR5IjoiUGFyaXMifQ==");
+        let s = FaultStep::parse("content_b64=eyJhIjogMSwgImIiOiAyfQ==;tool=get_weather;tool_args_b64=eyJjaXR5IjoiUGFyaXMifQ==");
         assert_eq!(s.content.as_deref(), Some(r#"{"a": 1, "b": 2}"#));
         assert_eq!(s.tool.as_deref(), Some("get_weather"));
         assert_eq!(s.tool_args.as_deref(), Some(r#"{"city":"Paris"}"#));
@@ -201,8 +201,9 @@ mod tests {
 
     #[test]
     fn tokens_parse() {
-        let s =
-            Step::parse("delay=150ms; usage=10/20; cut=2; chunks=7; code=insufficient_quota; hang");
+        let s = FaultStep::parse(
+            "delay=150ms; usage=10/20; cut=2; chunks=7; code=insufficient_quota; hang",
+        );
         assert_eq!(s.delay, Some(Duration::from_millis(150)));
         assert_eq!(s.usage, Some((10, 20)));
         assert_eq!(s.cut, Some(2));

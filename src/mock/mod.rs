@@ -5,7 +5,7 @@
 //! Scripting, by request header:
 //! - `x-mock-scenario: NAME` groups attempts; each scenario counts the attempts it got.
 //! - `x-mock-fault: STEP,STEP,...`: attempt k of the scenario plays step k (the last step
-//!   repeats). A step is `;`-separated tokens, see [`fault::Step`].
+//!   repeats). A step is `;`-separated tokens, see [`fault::FaultStep`].
 //! - Without a script, a random [`FaultMix`] plays: `x-mock-fault-mix: STEP@P|...` per
 //!   request, else the one the mock was started with (`--fault-mix`), for fault storms.
 //!
@@ -34,7 +34,7 @@ use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 use tokio::{net::TcpListener, task::JoinHandle};
 
-pub use fault::{FaultMix, Step};
+pub use fault::{FaultMix, FaultStep};
 
 /// Most scenarios remembered; beyond it the oldest data is dropped wholesale.
 const MAX_SCENARIOS: usize = 100_000;
@@ -221,11 +221,11 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
         })
     });
     let step = match header_str(&parts.headers, "x-mock-fault") {
-        Some(script) => Step::for_attempt(script, attempt),
+        Some(script) => FaultStep::for_attempt(script, attempt),
         None => match header_str(&parts.headers, "x-mock-fault-mix").map(FaultMix::parse) {
             Some(Ok(mix)) => mix.pick(fastrand::f64()),
             _ if !state.mix.is_empty() => state.mix.pick(fastrand::f64()),
-            _ => Step::default(),
+            _ => FaultStep::default(),
         },
     };
 
@@ -251,7 +251,7 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
 }
 
 /// The scripted answer for one attempt.
-fn answer(api: responses::Api, path: &str, request: &Value, step: &Step) -> Response<Body> {
+fn answer(api: responses::Api, path: &str, request: &Value, step: &FaultStep) -> Response<Body> {
     if let Some(status) = step.status.filter(|s| (300..400).contains(s)) {
         return Response::builder()
             .status(status)

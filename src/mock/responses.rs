@@ -12,7 +12,7 @@ use futures_util::{stream, StreamExt};
 use http::{header, Response, StatusCode};
 use serde_json::{json, Value};
 
-use super::Step;
+use super::FaultStep;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Api {
@@ -53,7 +53,7 @@ fn messages(request: &Value) -> &[Value] {
 }
 
 /// `"mock: "` + the last user message, capped at 1,000 characters.
-fn reply_text(request: &Value, step: &Step) -> String {
+fn reply_text(request: &Value, step: &FaultStep) -> String {
     let mut text = base_text(request, step);
     if let Some(pad) = step.pad {
         text.push_str(&"x".repeat(pad));
@@ -61,7 +61,7 @@ fn reply_text(request: &Value, step: &Step) -> String {
     text
 }
 
-fn base_text(request: &Value, step: &Step) -> String {
+fn base_text(request: &Value, step: &FaultStep) -> String {
     if let Some(content) = &step.content {
         return content.clone();
     }
@@ -75,7 +75,7 @@ fn base_text(request: &Value, step: &Step) -> String {
     format!("mock: {truncated}")
 }
 
-fn usage(request: &Value, text: &str, step: &Step) -> (u64, u64) {
+fn usage(request: &Value, text: &str, step: &FaultStep) -> (u64, u64) {
     step.usage.unwrap_or_else(|| {
         let prompt_chars: usize = messages(request)
             .iter()
@@ -95,7 +95,7 @@ fn pieces(text: &str, n: usize) -> Vec<String> {
     chars.chunks(size).map(|c| c.iter().collect()).collect()
 }
 
-pub fn completion(api: Api, request: &Value, step: &Step) -> Response<Body> {
+pub fn completion(api: Api, request: &Value, step: &FaultStep) -> Response<Body> {
     let model = request
         .get("model")
         .and_then(Value::as_str)
@@ -236,7 +236,7 @@ fn anthropic_events(id: u64, model: &str, parts: &[String], usage: (u64, u64)) -
 
 /// An SSE body, paced by `chunk_delay` and broken after `cut` events when asked; or one
 /// of the hostile streams (`endless`, `drip`, `huge_event`) after the first event.
-fn sse(events: Vec<Bytes>, step: &Step) -> Response<Body> {
+fn sse(events: Vec<Bytes>, step: &FaultStep) -> Response<Body> {
     let delay = step.chunk_delay;
     let cut = step.cut;
     let body = if step.endless || step.drip.is_some() || step.huge_event.is_some() {
@@ -273,7 +273,7 @@ type Chunks = futures_util::stream::BoxStream<'static, Result<Bytes, std::io::Er
 
 /// Streams that never end well: the first event, then forever more events (`endless`),
 /// one byte at a time (`drip`), or one event that never ends (`huge_event`).
-fn hostile(events: Vec<Bytes>, step: &Step) -> Chunks {
+fn hostile(events: Vec<Bytes>, step: &FaultStep) -> Chunks {
     let first = events.into_iter().next().unwrap_or_default();
     let head = stream::once(async move { Ok(first) });
     if let Some(every) = step.drip {
@@ -310,7 +310,7 @@ fn hostile(events: Vec<Bytes>, step: &Step) -> Chunks {
     head.chain(tail).boxed()
 }
 
-pub fn embeddings(request: &Value, step: &Step) -> Response<Body> {
+pub fn embeddings(request: &Value, step: &FaultStep) -> Response<Body> {
     let inputs = match request.get("input") {
         Some(Value::Array(items)) => items.len(),
         Some(_) => 1,
@@ -339,7 +339,7 @@ pub fn embeddings(request: &Value, step: &Step) -> Response<Body> {
 }
 
 /// An error in the API's shape, with the status's usual type unless `code` names one.
-pub fn error(api: Api, status: u16, step: &Step) -> Response<Body> {
+pub fn error(api: Api, status: u16, step: &FaultStep) -> Response<Body> {
     let default_type = match (api, status) {
         (Api::Anthropic, 429) => "rate_limit_error",
         (Api::Anthropic, 529) => "overloaded_error",

@@ -29,7 +29,7 @@ pub struct BreakerPolicy {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum State {
+pub enum BreakerState {
     Closed { failures: f64 },
     Open { until: Instant },
     HalfOpen { probes: u32 },
@@ -67,7 +67,7 @@ pub enum Transition {
 #[derive(Debug)]
 pub struct Breaker {
     config: BreakerPolicy,
-    state: State,
+    state: BreakerState,
     /// (attempts, weighted failures) over `config.window`, while closed.
     recent: RollingPair,
 }
@@ -76,7 +76,7 @@ impl Breaker {
     pub fn new(config: BreakerPolicy, now: Instant) -> Self {
         Breaker {
             config,
-            state: State::Closed { failures: 0.0 },
+            state: BreakerState::Closed { failures: 0.0 },
             recent: RollingPair::new(config.window, now),
         }
     }
@@ -86,34 +86,34 @@ impl Breaker {
         attempts > 0.0 && failures / attempts >= self.config.failure_rate
     }
 
-    pub fn state(&self) -> State {
+    pub fn state(&self) -> BreakerState {
         self.state
     }
 
     /// 0 closed, 1 open, 2 half-open (the metrics gauge).
     pub fn gauge(&self) -> f64 {
         match self.state {
-            State::Closed { .. } => 0.0,
-            State::Open { .. } => 1.0,
-            State::HalfOpen { .. } => 2.0,
+            BreakerState::Closed { .. } => 0.0,
+            BreakerState::Open { .. } => 1.0,
+            BreakerState::HalfOpen { .. } => 2.0,
         }
     }
 
     /// Admits a request, or says how long until it could be.
     pub fn admit(&mut self, now: Instant) -> (Result<Admission, Duration>, Option<Transition>) {
         match self.state {
-            State::Closed { .. } => (Ok(Admission::Normal), None),
-            State::Open { until } if now < until => (Err(until - now), None),
-            State::Open { .. } => {
-                self.state = State::HalfOpen { probes: 1 };
+            BreakerState::Closed { .. } => (Ok(Admission::Normal), None),
+            BreakerState::Open { until } if now < until => (Err(until - now), None),
+            BreakerState::Open { .. } => {
+                self.state = BreakerState::HalfOpen { probes: 1 };
                 (Ok(Admission::Probe), Some(Transition::HalfOpened))
             }
-            State::HalfOpen { probes } if probes < self.config.half_open_probes => {
-                self.state = State::HalfOpen { probes: probes + 1 };
+            BreakerState::HalfOpen { probes } if probes < self.config.half_open_probes => {
+                self.state = BreakerState::HalfOpen { probes: probes + 1 };
                 (Ok(Admission::Probe), None)
             }
             // Probes are out; the next verdict comes soon, so ask for a short wait.
-            State::HalfOpen { .. } => (Err(Duration::from_secs(1)), None),
+            BreakerState::HalfOpen { .. } => (Err(Duration::from_secs(1)), None),
         }
     }
 
@@ -124,16 +124,16 @@ impl Breaker {
         verdict: Verdict,
         now: Instant,
     ) -> Option<Transition> {
-        let open = State::Open {
+        let open = BreakerState::Open {
             until: now + self.config.open_for,
         };
         match (self.state, admission, verdict) {
-            (State::Closed { .. }, _, Verdict::Healthy) => {
+            (BreakerState::Closed { .. }, _, Verdict::Healthy) => {
                 self.recent.add(now, 1.0, 0.0);
-                self.state = State::Closed { failures: 0.0 };
+                self.state = BreakerState::Closed { failures: 0.0 };
                 None
             }
-            (State::Closed { failures }, _, Verdict::Failed(weight)) => {
+            (BreakerState::Closed { failures }, _, Verdict::Failed(weight)) => {
                 self.recent.add(now, 1.0, weight);
                 let failures = failures + weight;
                 if failures >= f64::from(self.config.failure_threshold) && self.failing_enough(now)
@@ -142,25 +142,33 @@ impl Breaker {
                     self.state = open;
                     Some(Transition::Opened)
                 } else {
-                    self.state = State::Closed { failures };
+                    self.state = BreakerState::Closed { failures };
                     None
                 }
             }
-            (State::Closed { .. }, _, Verdict::Fatal) => {
+            (BreakerState::Closed { .. }, _, Verdict::Fatal) => {
                 self.recent.clear();
                 self.state = open;
                 Some(Transition::Opened)
             }
-            (State::HalfOpen { .. }, Admission::Probe, Verdict::Healthy | Verdict::Neutral) => {
-                self.state = State::Closed { failures: 0.0 };
+            (
+                BreakerState::HalfOpen { .. },
+                Admission::Probe,
+                Verdict::Healthy | Verdict::Neutral,
+            ) => {
+                self.state = BreakerState::Closed { failures: 0.0 };
                 Some(Transition::Closed)
             }
-            (State::HalfOpen { .. }, Admission::Probe, Verdict::Failed(_) | Verdict::Fatal) => {
+            (
+                BreakerState::HalfOpen { .. },
+                Admission::Probe,
+                Verdict::Failed(_) | Verdict::Fatal,
+            ) => {
                 self.state = open;
                 Some(Transition::Opened)
             }
-            (State::HalfOpen { probes }, Admission::Probe, Verdict::Abandoned) => {
-                self.state = State::HalfOpen {
+            (BreakerState::HalfOpen { probes }, Admission::Probe, Verdict::Abandoned) => {
+                self.state = BreakerState::HalfOpen {
                     probes: probes.saturating_sub(1),
                 };
                 None
@@ -304,9 +312,9 @@ mod tests {
         for _ in 0..100 {
             assert_eq!(b.record(Admission::Normal, Verdict::Neutral, t0), None);
         }
-        assert_eq!(b.state(), State::Closed { failures: 2.0 });
+        assert_eq!(b.state(), BreakerState::Closed { failures: 2.0 });
         b.record(Admission::Normal, Verdict::Healthy, t0);
-        assert_eq!(b.state(), State::Closed { failures: 0.0 });
+        assert_eq!(b.state(), BreakerState::Closed { failures: 0.0 });
     }
 
     #[test]

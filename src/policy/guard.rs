@@ -126,7 +126,7 @@ impl Phase {
 pub type Transition = (Phase, Phase);
 
 #[derive(Debug, Clone, PartialEq)]
-pub enum State {
+pub enum GuardState {
     Active,
     Recovering,
     Tripped { until: Instant, trip: Trip },
@@ -134,14 +134,14 @@ pub enum State {
     Closed,
 }
 
-impl State {
+impl GuardState {
     pub fn phase(&self) -> Phase {
         match self {
-            State::Active => Phase::Active,
-            State::Recovering => Phase::Recovering,
-            State::Tripped { .. } => Phase::Tripped,
-            State::Probing { .. } => Phase::Probing,
-            State::Closed => Phase::Closed,
+            GuardState::Active => Phase::Active,
+            GuardState::Recovering => Phase::Recovering,
+            GuardState::Tripped { .. } => Phase::Tripped,
+            GuardState::Probing { .. } => Phase::Probing,
+            GuardState::Closed => Phase::Closed,
         }
     }
 
@@ -159,7 +159,7 @@ pub struct Refused {
 
 /// What a request looks like to the rules.
 #[derive(Debug, Clone, Default)]
-pub struct Fingerprint {
+pub struct RequestFingerprint {
     /// Hash of the normalised model + messages + tools.
     pub request: u64,
     /// The most repeated (tool call, result) pair in the conversation, with its count.
@@ -193,7 +193,7 @@ pub fn restore_trip(code: &str, rule: &str, evidence: String) -> Trip {
 pub struct SessionGuard {
     /// Shared by every session of the tenant.
     config: std::sync::Arc<GuardPolicy>,
-    state: State,
+    state: GuardState,
     consecutive_failures: u32,
     recent: VecDeque<(Instant, u64)>,
     /// (when, session spend total in USD at that time), oldest first.
@@ -207,7 +207,7 @@ impl SessionGuard {
         // for as long as it stays in the cache).
         SessionGuard {
             config: config.into(),
-            state: State::Active,
+            state: GuardState::Active,
             consecutive_failures: 0,
             recent: VecDeque::with_capacity(1),
             spend: VecDeque::with_capacity(1),
@@ -224,8 +224,8 @@ impl SessionGuard {
     ) -> Self {
         let mut guard = SessionGuard::new(config);
         guard.state = match kept {
-            Kept::Closed => State::Closed,
-            Kept::Tripped { remaining, trip } => State::Tripped {
+            Kept::Closed => GuardState::Closed,
+            Kept::Tripped { remaining, trip } => GuardState::Tripped {
                 until: now + remaining,
                 trip,
             },
@@ -237,24 +237,24 @@ impl SessionGuard {
     /// (cool-down over), so a probe cut short by a restart is probed again.
     pub fn kept(&self, now: Instant) -> Option<Kept> {
         match &self.state {
-            State::Closed => Some(Kept::Closed),
-            State::Tripped { until, trip } => Some(Kept::Tripped {
+            GuardState::Closed => Some(Kept::Closed),
+            GuardState::Tripped { until, trip } => Some(Kept::Tripped {
                 remaining: until.saturating_duration_since(now),
                 trip: trip.clone(),
             }),
-            State::Probing { trip } => Some(Kept::Tripped {
+            GuardState::Probing { trip } => Some(Kept::Tripped {
                 remaining: Duration::ZERO,
                 trip: trip.clone(),
             }),
-            State::Active | State::Recovering => None,
+            GuardState::Active | GuardState::Recovering => None,
         }
     }
 
-    pub fn state(&self) -> &State {
+    pub fn state(&self) -> &GuardState {
         &self.state
     }
 
-    fn set(&mut self, state: State) -> Option<Transition> {
+    fn set(&mut self, state: GuardState) -> Option<Transition> {
         let from = self.state.phase();
         let to = state.phase();
         self.state = state;
@@ -267,7 +267,7 @@ impl SessionGuard {
     }
 
     fn trip(&mut self, now: Instant, trip: Trip) -> Option<Transition> {
-        self.set(State::Tripped {
+        self.set(GuardState::Tripped {
             until: now + self.config.cool_down,
             trip,
         })
@@ -290,7 +290,7 @@ impl SessionGuard {
     pub fn admit(
         &mut self,
         now: Instant,
-        fp: &Fingerprint,
+        fp: &RequestFingerprint,
         session_usd: f64,
     ) -> (Result<(), Refused>, Option<Transition>) {
         let window = self.config.identical_request_window;
@@ -320,7 +320,7 @@ impl SessionGuard {
             self.spend.push_back((now, session_usd));
         }
         match &self.state {
-            State::Closed => {
+            GuardState::Closed => {
                 let trip = Trip {
                     rule: TripRule::Closed,
                     evidence: "an operator closed this session".into(),
@@ -333,7 +333,7 @@ impl SessionGuard {
                     None,
                 );
             }
-            State::Tripped { until, trip } if now < *until => {
+            GuardState::Tripped { until, trip } if now < *until => {
                 return (
                     Err(Refused {
                         trip: trip.clone(),
@@ -342,13 +342,13 @@ impl SessionGuard {
                     None,
                 );
             }
-            State::Tripped { trip, .. } => {
+            GuardState::Tripped { trip, .. } => {
                 let trip = trip.clone();
-                let change = self.set(State::Probing { trip });
+                let change = self.set(GuardState::Probing { trip });
                 self.recent.push_back((now, fp.request));
                 return (Ok(()), change);
             }
-            State::Probing { trip } => {
+            GuardState::Probing { trip } => {
                 // One probe at a time; its outcome decides.
                 return (
                     Err(Refused {
@@ -358,7 +358,7 @@ impl SessionGuard {
                     None,
                 );
             }
-            State::Active | State::Recovering => {}
+            GuardState::Active | GuardState::Recovering => {}
         }
         let repeats = self.recent.iter().filter(|(_, h)| *h == fp.request).count() as u32;
         let rule = if repeats >= self.config.identical_request_limit {
@@ -413,10 +413,10 @@ impl SessionGuard {
     pub fn record(&mut self, now: Instant, failed: bool) -> Option<Transition> {
         if !failed {
             self.consecutive_failures = 0;
-            return self.set(State::Active);
+            return self.set(GuardState::Active);
         }
         self.consecutive_failures += 1;
-        if let State::Probing { trip } = &self.state {
+        if let GuardState::Probing { trip } = &self.state {
             let trip = Trip {
                 evidence: format!(
                     "{}; the probe after the cool-down failed too",
@@ -436,11 +436,11 @@ impl SessionGuard {
             };
             return self.trip(now, trip);
         }
-        self.set(State::Recovering)
+        self.set(GuardState::Recovering)
     }
 
     pub fn close(&mut self) -> Option<Transition> {
-        self.set(State::Closed)
+        self.set(GuardState::Closed)
     }
 
     pub fn reset(&mut self) {
@@ -476,10 +476,10 @@ impl SessionGuard {
             "transitions": self.transitions,
         });
         match &self.state {
-            State::Tripped { until, trip } => {
+            GuardState::Tripped { until, trip } => {
                 out["trip"] = json!({"code": trip.code().as_str(), "rule": trip.rule.as_str(), "evidence": trip.evidence, "probe_in_ms": until.saturating_duration_since(now).as_millis() as u64});
             }
-            State::Probing { trip } => {
+            GuardState::Probing { trip } => {
                 out["trip"] = json!({"code": trip.code().as_str(), "rule": trip.rule.as_str(), "evidence": trip.evidence})
             }
             _ => {}
@@ -508,7 +508,7 @@ fn text_of(content: Option<&Value>) -> String {
 
 /// The request's fingerprint: a hash of its normalised model + messages + tools, and the
 /// most repeated (tool call, tool result) pair in its history.
-pub fn fingerprint(json: &serde_json::Map<String, Value>) -> Fingerprint {
+pub fn fingerprint(json: &serde_json::Map<String, Value>) -> RequestFingerprint {
     use std::hash::Hasher;
     /// Feeds serialised JSON straight into the hasher, without building a string.
     struct HashWriter(std::collections::hash_map::DefaultHasher);
@@ -617,7 +617,7 @@ pub fn fingerprint(json: &serde_json::Map<String, Value>) -> Fingerprint {
                     n,
                 )
             });
-    Fingerprint {
+    RequestFingerprint {
         request: hasher.finish(),
         tool_loop,
     }
@@ -638,8 +638,8 @@ mod tests {
         }
     }
 
-    fn fp(request: u64) -> Fingerprint {
-        Fingerprint {
+    fn fp(request: u64) -> RequestFingerprint {
+        RequestFingerprint {
             request,
             tool_loop: None,
         }
@@ -726,7 +726,7 @@ mod tests {
     fn tool_loops_and_spend_velocity_trip() {
         let t0 = Instant::now();
         let mut g = SessionGuard::new(config());
-        let looping = Fingerprint {
+        let looping = RequestFingerprint {
             request: 1,
             tool_loop: Some((
                 r#"get_weather({"city":"Atlantis"}) returned the same error"#.into(),

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use crate::{
     config::Config,
     policy::{
-        breaker::{Admission, Breaker, BreakerPolicy, State, Transition, Verdict},
+        breaker::{Admission, Breaker, BreakerPolicy, BreakerState, Transition, Verdict},
         retry_budget::RetryBudget,
     },
 };
@@ -82,13 +82,15 @@ impl UpstreamHealth {
     /// The breaker as the admin API shows it.
     pub fn snapshot(&self, now: Instant) -> Value {
         match lock(&self.breaker).state() {
-            State::Closed { failures } => {
+            BreakerState::Closed { failures } => {
                 json!({"state": "closed", "consecutive_failures": failures})
             }
-            State::Open { until } => {
+            BreakerState::Open { until } => {
                 json!({"state": "open", "half_open_in_ms": until.saturating_duration_since(now).as_millis() as u64})
             }
-            State::HalfOpen { probes } => json!({"state": "half_open", "probes_in_flight": probes}),
+            BreakerState::HalfOpen { probes } => {
+                json!({"state": "half_open", "probes_in_flight": probes})
+            }
         }
     }
 }

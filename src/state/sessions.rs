@@ -56,12 +56,12 @@ impl TraceEntry {
     }
 }
 
-pub struct Entry {
+pub struct GuardedSession {
     pub guard: SessionGuard,
     trace: VecDeque<TraceEntry>,
 }
 
-impl Entry {
+impl GuardedSession {
     pub fn trace(&mut self, item: TraceEntry) {
         if self.trace.len() == TRACE_LEN {
             self.trace.pop_front();
@@ -72,12 +72,12 @@ impl Entry {
 
 pub struct SessionGuards {
     configs: HashMap<String, Arc<GuardPolicy>>,
-    sessions: LiveSessions<Mutex<Entry>>,
+    sessions: LiveSessions<Mutex<GuardedSession>>,
     store: Arc<dyn Store>,
     clock: Clock,
 }
 
-pub fn lock(entry: &Mutex<Entry>) -> MutexGuard<'_, Entry> {
+pub fn lock(entry: &Mutex<GuardedSession>) -> MutexGuard<'_, GuardedSession> {
     entry.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -134,7 +134,11 @@ impl SessionGuards {
 
     /// The session's guard, created on first use (with what the store kept of it);
     /// `None` when the tenant has no guard.
-    pub async fn entry(&self, tenant: &Arc<str>, session: &str) -> Option<Arc<Mutex<Entry>>> {
+    pub async fn entry(
+        &self,
+        tenant: &Arc<str>,
+        session: &str,
+    ) -> Option<Arc<Mutex<GuardedSession>>> {
         let config = self.configs.get(&**tenant)?;
         let loaded = self
             .sessions
@@ -143,7 +147,7 @@ impl SessionGuards {
                     Some(kept) => SessionGuard::restored(config.clone(), kept, self.clock.now()),
                     None => SessionGuard::new(config.clone()),
                 };
-                Ok::<_, std::convert::Infallible>(Mutex::new(Entry {
+                Ok::<_, std::convert::Infallible>(Mutex::new(GuardedSession {
                     guard,
                     trace: VecDeque::with_capacity(1),
                 }))

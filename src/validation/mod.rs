@@ -15,7 +15,7 @@ use std::{collections::HashMap, sync::Arc};
 use jsonschema::{error::ValidationErrorKind, Validator};
 use serde_json::{json, Map, Value};
 
-pub use schemas::{fingerprint, Fingerprint, RequestLimits, SchemaSettings, Schemas};
+pub use schemas::{fingerprint, RequestLimits, SchemaFingerprint, SchemaSettings, Schemas};
 
 use crate::api::ApiKind;
 
@@ -72,7 +72,7 @@ pub struct BadSchema(pub String);
 struct Wanted {
     /// Where it sits, for errors (`tool get_weather`).
     what: String,
-    print: Fingerprint,
+    print: SchemaFingerprint,
     /// The operator's (a route's `response_schema`): checked at start-up, no limits.
     trusted: bool,
     validator: Option<Arc<Validator>>,

@@ -33,7 +33,7 @@ const RECURSIVE_COPIES: u64 = 128;
 
 /// A schema's cache key and serialized size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Fingerprint {
+pub struct SchemaFingerprint {
     pub key: u64,
     pub bytes: usize,
 }
@@ -62,14 +62,14 @@ impl std::io::Write for Meter {
 /// The schema's key and size, or `None` when it serializes to more than `limit` bytes
 /// (found without serializing the rest). serde_json's map is ordered by key, so equal
 /// schemas serialize, and hash, equally.
-pub fn fingerprint(schema: &Value, limit: usize) -> Option<Fingerprint> {
+pub fn fingerprint(schema: &Value, limit: usize) -> Option<SchemaFingerprint> {
     let mut meter = Meter {
         hasher: std::collections::hash_map::DefaultHasher::new(),
         bytes: 0,
         limit,
     };
     serde_json::to_writer(&mut meter, schema).ok()?;
-    Some(Fingerprint {
+    Some(SchemaFingerprint {
         key: meter.hasher.finish(),
         bytes: meter.bytes,
     })
@@ -77,7 +77,7 @@ pub fn fingerprint(schema: &Value, limit: usize) -> Option<Fingerprint> {
 
 /// A cached schema and what it is estimated to hold in memory.
 #[derive(Clone)]
-struct Entry {
+struct Cached {
     validator: Arc<Validator>,
     weight: u32,
 }
@@ -104,7 +104,7 @@ pub struct SchemaSettings {
 
 pub struct Schemas {
     request: RequestLimits,
-    tenants: Mutex<HashMap<Arc<str>, Cache<u64, Entry>>>,
+    tenants: Mutex<HashMap<Arc<str>, Cache<u64, Cached>>>,
     cache_bytes: u64,
     /// The least an entry weighs, so that at most `schema_cache_size` fit.
     min_weight: u64,
@@ -132,14 +132,14 @@ impl Schemas {
         self.request
     }
 
-    fn cache(&self, tenant: &str) -> Cache<u64, Entry> {
+    fn cache(&self, tenant: &str) -> Cache<u64, Cached> {
         let mut tenants = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(cache) = tenants.get(tenant) {
             return cache.clone();
         }
         let cache = Cache::builder()
             .max_capacity(self.cache_bytes)
-            .weigher(|_key, entry: &Entry| entry.weight)
+            .weigher(|_key, entry: &Cached| entry.weight)
             .build();
         // Tenants come from the config, so this map stays small.
         tenants.insert(Arc::from(tenant), cache.clone());
@@ -164,7 +164,7 @@ impl Schemas {
     pub fn compile(
         &self,
         tenant: &str,
-        print: Fingerprint,
+        print: SchemaFingerprint,
         schema: &Value,
         trusted: bool,
     ) -> Result<Arc<Validator>, String> {
@@ -183,7 +183,7 @@ impl Schemas {
             .max(self.min_weight);
         cache.insert(
             print.key,
-            Entry {
+            Cached {
                 validator: compiled.clone(),
                 weight: u32::try_from(weight).unwrap_or(u32::MAX),
             },

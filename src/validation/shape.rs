@@ -150,7 +150,7 @@ enum Link {
     /// Applied to the same instance value.
     InPlace,
     /// Applied to a part of the instance.
-    Step(Step),
+    PathStep(PathStep),
     /// Not applied by itself (`$defs`, `contentSchema`, `propertyNames`: a property name
     /// is a string, which no keyword descends into further).
     Other,
@@ -158,7 +158,7 @@ enum Link {
 
 /// Which part of the instance a descending keyword applies its subschema to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-enum Step {
+enum PathStep {
     /// Every array element (`items`, `contains`, ...).
     Element,
     /// Array element `i` (`prefixItems`, draft-7 array `items`).
@@ -171,10 +171,10 @@ enum Step {
     NameNotIn(Vec<String>),
 }
 
-impl Step {
+impl PathStep {
     /// Whether both can apply to one and the same child of an instance.
-    fn overlaps(&self, other: &Step) -> bool {
-        use Step::*;
+    fn overlaps(&self, other: &PathStep) -> bool {
+        use PathStep::*;
         match (self, other) {
             (Element, Element) | (Element, Index(_)) | (Index(_), Element) => true,
             (Index(a), Index(b)) => a == b,
@@ -201,14 +201,14 @@ fn children(schema: &serde_json::Map<String, Value>) -> Vec<(&str, &Value, Link)
                 return Link::InPlace;
             }
             match kw {
-                "items" if value.is_array() => Link::Step(Step::Index(i)),
-                "prefixItems" => Link::Step(Step::Index(i)),
+                "items" if value.is_array() => Link::PathStep(PathStep::Index(i)),
+                "prefixItems" => Link::PathStep(PathStep::Index(i)),
                 "items" | "additionalItems" | "contains" | "unevaluatedItems" => {
-                    Link::Step(Step::Element)
+                    Link::PathStep(PathStep::Element)
                 }
-                "properties" => Link::Step(Step::Name(name.to_string())),
-                "patternProperties" | "unevaluatedProperties" => Link::Step(Step::AnyName),
-                "additionalProperties" => Link::Step(Step::NameNotIn(
+                "properties" => Link::PathStep(PathStep::Name(name.to_string())),
+                "patternProperties" | "unevaluatedProperties" => Link::PathStep(PathStep::AnyName),
+                "additionalProperties" => Link::PathStep(PathStep::NameNotIn(
                     schema
                         .get("properties")
                         .and_then(Value::as_object)
@@ -271,7 +271,7 @@ struct Graph {
     names: Vec<String>,
     edges: Vec<Vec<usize>>,
     /// Descending edges: the part of the instance, and the subschema applied to it.
-    steps: Vec<Vec<(Step, usize)>>,
+    steps: Vec<Vec<(PathStep, usize)>>,
 }
 
 /// jsonschema's base URI for a schema without `$id`.
@@ -282,7 +282,7 @@ struct Walk<'r> {
     pointers: HashMap<*const Value, String>,
     names: Vec<String>,
     edges: Vec<Vec<usize>>,
-    steps: Vec<Vec<(Step, usize)>>,
+    steps: Vec<Vec<(PathStep, usize)>>,
     queue: Vec<(usize, &'r Value, Resolver<'r>, Draft)>,
     dynamic_anchors: HashMap<String, Vec<usize>>,
     recursive_anchors: Vec<usize>,
@@ -332,7 +332,7 @@ impl<'r> Walk<'r> {
                 let child = self.node(child, resolver.clone(), draft, &child_name);
                 match link {
                     Link::InPlace => self.edges[id].push(child),
-                    Link::Step(step) => self.steps[id].push((step, child)),
+                    Link::PathStep(step) => self.steps[id].push((step, child)),
                     Link::Other => {}
                 }
             }
@@ -609,9 +609,9 @@ impl Graph {
         let n = self.names.len();
         // One descending edge per (subschema, step, target), counting the in-place
         // walks that lead to it.
-        let mut hops: Vec<Vec<(Step, usize, u64)>> = vec![Vec::new(); n];
+        let mut hops: Vec<Vec<(PathStep, usize, u64)>> = vec![Vec::new(); n];
         for (from, hop) in hops.iter_mut().enumerate() {
-            let mut counts: HashMap<(&Step, usize), u64> = HashMap::new();
+            let mut counts: HashMap<(&PathStep, usize), u64> = HashMap::new();
             let mut stack = vec![from];
             while let Some(m) = stack.pop() {
                 for (step, to) in &self.steps[m] {
@@ -656,7 +656,7 @@ impl Graph {
             let local: HashMap<usize, usize> =
                 nodes.iter().enumerate().map(|(i, g)| (*g, i)).collect();
             // (step, local target, edge id) inside the component, per local node.
-            let mut inner: Vec<Vec<(&Step, usize, usize)>> = vec![Vec::new(); nodes.len()];
+            let mut inner: Vec<Vec<(&PathStep, usize, usize)>> = vec![Vec::new(); nodes.len()];
             let mut edge_id = 0;
             for (i, g) in nodes.iter().enumerate() {
                 for (step, to, _) in &hops[*g] {
