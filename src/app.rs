@@ -28,9 +28,12 @@
 //! 2. the request id, one rule everywhere: a client `x-request-id` that is not 1–128
 //!    visible ASCII bytes is dropped, a missing one is made, and it is echoed on every
 //!    response;
-//! 3. a tracing span per request (`request_id`, then `tenant` and `session` when known);
-//! 4. `server.body_read_timeout` on the request body (408 `request_body_timeout`, in the
+//! 3. `server.body_read_timeout` on the request body (408 `request_body_timeout`, in the
 //!    caller's shape, from the context layer).
+//!
+//! Just inside each authentication layer (proxy, models, admin, sessions), tower-http's
+//! `TraceLayer` opens the request's span with `request_id`, `tenant` and `session`
+//! ([`EdgeSpan`](crate::layers::edge::EdgeSpan)): every log line inside carries them.
 //!
 //! tower-http's `TimeoutLayer`, `CatchPanicLayer` and `RequestBodyLimitLayer` are not
 //! used: they answer with empty or plain-text bodies, where ours answer in the caller's
@@ -60,14 +63,12 @@ use tower::{
     Layer, ServiceBuilder,
 };
 use tower_http::{
-    classify::{ServerErrorsAsFailures, SharedClassifier},
     request_id::{PropagateRequestId, PropagateRequestIdLayer, SetRequestId, SetRequestIdLayer},
     sensitive_headers::{
         SetSensitiveRequestHeaders, SetSensitiveRequestHeadersLayer, SetSensitiveResponseHeaders,
         SetSensitiveResponseHeadersLayer,
     },
     timeout::{RequestBodyTimeout, RequestBodyTimeoutLayer},
-    trace::{Trace, TraceLayer},
 };
 
 use crate::{
@@ -80,7 +81,7 @@ use crate::{
         auth::{AuthLayer, TenantKeys},
         context::{Call, ContextLayer},
         deadline::DeadlineLayer,
-        edge::{self, EdgeLayer, EdgeSpan, MakeId, X_REQUEST_ID},
+        edge::{self, EdgeLayer, MakeId, X_REQUEST_ID},
         idempotency::IdempotencyLayer,
         limits::LimitsLayer,
         meter::{Billed, MeterLayer},
@@ -225,6 +226,8 @@ fn proxy_stack(state: &AppState) -> HttpService {
         .layer(RespondLayer)
         .layer(DeadlineLayer::new(server.request_timeout))
         .layer(AuthLayer::new(state.tenants.clone()))
+        .map_response(edge::unwrap_body)
+        .layer(edge::span_layer(server.max_session_id_bytes))
         .layer(ContextLayer::new(
             state.routes.clone(),
             server.max_body_bytes,
@@ -245,6 +248,8 @@ fn models_stack(state: &AppState) -> HttpService {
         .layer(EdgeLayer)
         .layer(RespondLayer)
         .layer(AuthLayer::new(state.tenants.clone()))
+        .map_response(edge::unwrap_body)
+        .layer(edge::span_layer(state.config.server.max_session_id_bytes))
         .service(list);
     BoxCloneSyncService::new(stack)
 }
@@ -278,18 +283,7 @@ fn list_models(routes: &RouteTable, headers: &HeaderMap) -> Response {
 pub type App = SetSensitiveRequestHeaders<
     MapRequest<
         SetRequestId<
-            PropagateRequestId<
-                Trace<
-                    SetSensitiveResponseHeaders<RequestBodyTimeout<Router>>,
-                    SharedClassifier<ServerErrorsAsFailures>,
-                    EdgeSpan,
-                    (),
-                    (),
-                    (),
-                    (),
-                    (),
-                >,
-            >,
+            PropagateRequestId<SetSensitiveResponseHeaders<RequestBodyTimeout<Router>>>,
             MakeId,
         >,
         fn(Request<Incoming>) -> Request<Incoming>,
@@ -307,16 +301,6 @@ pub fn router(state: AppState) -> App {
         ))
         .layer(SetRequestIdLayer::new(X_REQUEST_ID.clone(), MakeId))
         .layer(PropagateRequestIdLayer::new(X_REQUEST_ID.clone()))
-        // The span only: the edge layer writes the one log line per request.
-        .layer(
-            TraceLayer::new_for_http()
-                .make_span_with(EdgeSpan)
-                .on_request(())
-                .on_response(())
-                .on_body_chunk(())
-                .on_eos(())
-                .on_failure(()),
-        )
         .layer(SetSensitiveResponseHeadersLayer::new(sensitive))
         .layer(RequestBodyTimeoutLayer::new(body_read_timeout))
         .service(routes(state))
@@ -357,6 +341,7 @@ fn admin_state(state: &AppState) -> AdminState {
         budgets: state.budgets.clone(),
         guards: state.guards.clone(),
         tenants: state.tenants.clone(),
+        max_session_id_bytes: state.config.server.max_session_id_bytes,
         token: state
             .config
             .admin

@@ -31,7 +31,7 @@ use crate::{
     error::{respond::error_response, GatewayError},
     layers::{
         auth::{AuthLayer, Tenant, TenantKeys},
-        edge::EdgeLayer,
+        edge::{self, EdgeLayer},
         respond::RespondLayer,
     },
     state::{budgets::Budgets, health::HealthRegistry, sessions::SessionGuards},
@@ -50,6 +50,8 @@ pub struct AdminState {
     pub tenants: Arc<TenantKeys>,
     /// `[admin] token`; `None` turns the operator routes off (403 `admin_disabled`).
     pub token: Option<Arc<str>>,
+    /// `server.max_session_id_bytes`, for the request span.
+    pub max_session_id_bytes: usize,
 }
 
 /// The admin and session routes, each behind the edge, respond and auth layers.
@@ -58,11 +60,15 @@ pub fn routes<S: Clone + Send + Sync + 'static>(state: AdminState) -> Router<S> 
         .layer(EdgeLayer)
         .layer(RespondLayer)
         .layer(AdminAuthLayer::new(state.token.clone()))
+        .map_response(edge::unwrap_body)
+        .layer(edge::span_layer(state.max_session_id_bytes))
         .map_err(never);
     let tenant = ServiceBuilder::new()
         .layer(EdgeLayer)
         .layer(RespondLayer)
         .layer(AuthLayer::new(state.tenants.clone()))
+        .map_response(edge::unwrap_body)
+        .layer(edge::span_layer(state.max_session_id_bytes))
         .map_err(never);
     let admin = Router::new()
         .route("/admin/upstreams", get(upstreams))

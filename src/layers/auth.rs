@@ -128,7 +128,6 @@ where
         let Some(tenant) = presented_key(req.headers()).and_then(|k| self.keys.lookup(k)) else {
             return Either::Left(ready(Err(GatewayError::Unauthorized)));
         };
-        tracing::Span::current().record("tenant", &*tenant.name);
         if let Some(log) = req.extensions().get::<Arc<RequestLog>>() {
             log.update(|f| f.tenant = Some(tenant.name.clone()));
         }

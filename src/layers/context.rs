@@ -205,7 +205,6 @@ where
         } else {
             parse(endpoint, bytes, &self.routes)?
         };
-        tracing::Span::current().record("session", session.as_deref());
         let log = parts
             .extensions
             .remove::<Arc<RequestLog>>()

@@ -3,9 +3,9 @@
 //! Around the whole router (ordered in [`crate::app`]) sit tower-http's layers, fed by
 //! the pieces here: credentials marked sensitive, one request-id rule
 //! ([`drop_invalid_request_id`] then [`MakeId`]: the client's `x-request-id` when it is
-//! 1–128 visible ASCII bytes, else a new one; echoed on every response), one tracing
-//! span per request ([`EdgeSpan`]: `request_id`, and `tenant` / `session` once known),
-//! and the request body read timeout.
+//! 1–128 visible ASCII bytes, else a new one; echoed on every response) and the request
+//! body read timeout. Inside each stack's authentication, one tracing span per request
+//! ([`EdgeSpan`], [`span_layer`]: `request_id`, `tenant`, `session`).
 //!
 //! [`EdgeLayer`] (outermost on the tenant, model-list and admin routes, step 1 of the
 //! pipeline) puts [`RequestId`] and the [`RequestLog`] in the extensions, counts the
@@ -81,10 +81,17 @@ impl MakeRequestId for MakeId {
     }
 }
 
-/// The span every log line inside the stack is emitted in. `tenant` and `session` are
-/// recorded by the layers that learn them (auth, context).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct EdgeSpan;
+/// The span every log line inside the stack is emitted in, made just inside the auth
+/// layer with all its fields at once (`request_id`, `tenant`, `session`): recording a
+/// field later makes the log formatter re-parse and re-write the span's fields, and a
+/// span around the edge would put the access-log line (which has these fields already)
+/// inside it too; measured, the two cost 10% of a request's instructions.
+#[derive(Clone, Copy, Debug)]
+pub struct EdgeSpan {
+    /// `server.max_session_id_bytes`: a session id the context layer would refuse is not
+    /// recorded.
+    pub max_session_id_bytes: usize,
+}
 
 impl<B> MakeSpan<B> for EdgeSpan {
     fn make_span(&mut self, req: &Request<B>) -> tracing::Span {
@@ -93,13 +100,55 @@ impl<B> MakeSpan<B> for EdgeSpan {
             .get(&X_REQUEST_ID)
             .and_then(|v| v.to_str().ok())
             .unwrap_or("-");
+        let tenant = req
+            .extensions()
+            .get::<Arc<super::auth::Tenant>>()
+            .map(|t| &*t.name);
+        let session =
+            super::context::identifier(req.headers(), "x-session-id", self.max_session_id_bytes)
+                .ok()
+                .flatten();
         tracing::info_span!(
             "request",
             request_id = id,
-            tenant = tracing::field::Empty,
-            session = tracing::field::Empty,
+            tenant,
+            session = session.as_deref(),
         )
     }
+}
+
+/// The tracing layer of every authenticated stack: the span only, no log lines of its
+/// own (the edge layer writes the one access-log line per request).
+pub type SpanLayer = tower_http::trace::TraceLayer<
+    tower_http::classify::SharedClassifier<tower_http::classify::ServerErrorsAsFailures>,
+    EdgeSpan,
+    (),
+    (),
+    (),
+    (),
+    (),
+>;
+
+pub fn span_layer(max_session_id_bytes: usize) -> SpanLayer {
+    tower_http::trace::TraceLayer::new_for_http()
+        .make_span_with(EdgeSpan {
+            max_session_id_bytes,
+        })
+        .on_request(())
+        .on_response(())
+        .on_body_chunk(())
+        .on_eos(())
+        .on_failure(())
+}
+
+/// Trace wraps the response body (to enter the span while it streams); the layers
+/// outside it take `Body`.
+pub fn unwrap_body<B>(response: Response<B>) -> Response<Body>
+where
+    B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+    B::Error: Into<axum::BoxError>,
+{
+    response.map(Body::new)
 }
 
 #[derive(Clone, Default)]
