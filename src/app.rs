@@ -50,7 +50,7 @@ use std::{
 use axum::{
     body::Body,
     extract::State,
-    http::{header, HeaderMap, Request, StatusCode},
+    http::{header, Request, StatusCode},
     response::{IntoResponse, Response},
     routing::{get, post_service},
     Router,
@@ -222,7 +222,7 @@ fn proxy_stack(state: &AppState) -> HttpService {
     );
     // The HTTP level.
     let stack = ServiceBuilder::new()
-        .layer(EdgeLayer)
+        .layer(EdgeLayer::default())
         .layer(RespondLayer)
         .layer(DeadlineLayer::new(server.request_timeout))
         .layer(AuthLayer::new(state.tenants.clone()))
@@ -237,45 +237,71 @@ fn proxy_stack(state: &AppState) -> HttpService {
     BoxCloneSyncService::new(stack)
 }
 
-/// `GET /v1/models`: the same edge, error and auth layers over a listing of the routes.
+/// `GET /v1/models` and `GET /v1/models/{id}`: the same edge, error and auth layers over
+/// the route table.
 fn models_stack(state: &AppState) -> HttpService {
     let routes = state.routes.clone();
-    let list = tower::service_fn(move |req: Request<Body>| {
+    let answer = tower::service_fn(move |req: Request<Body>| {
         let routes = routes.clone();
-        async move { Ok::<_, GatewayError>(list_models(&routes, req.headers())) }
+        async move {
+            let anthropic = req.headers().contains_key("anthropic-version");
+            match req.uri().path().strip_prefix("/v1/models/") {
+                None => Ok(list_models(&routes, anthropic)),
+                Some(id) => retrieve_model(&routes, id, anthropic),
+            }
+        }
     });
     let stack = ServiceBuilder::new()
-        .layer(EdgeLayer)
+        .layer(EdgeLayer::default())
         .layer(RespondLayer)
         .layer(AuthLayer::new(state.tenants.clone()))
         .map_response(edge::unwrap_body)
         .layer(edge::span_layer(state.config.server.max_session_id_bytes))
-        .service(list);
+        .service(answer);
     BoxCloneSyncService::new(stack)
 }
 
-/// Route patterns as a model list, in the Anthropic shape when the caller sent
-/// `anthropic-version` (the Anthropic SDK always does), else the OpenAI shape.
-fn list_models(routes: &RouteTable, headers: &HeaderMap) -> Response {
-    let names = routes.model_names();
-    let body = if headers.contains_key("anthropic-version") {
-        let data: Vec<_> = names
-            .iter()
-            .map(|id| json!({"type": "model", "id": id, "display_name": id, "created_at": "1970-01-01T00:00:00Z"}))
-            .collect();
-        json!({"data": data, "has_more": false, "first_id": names.first(), "last_id": names.last()})
+/// One model object, in the Anthropic shape when the caller sent `anthropic-version`
+/// (the Anthropic SDK always does), else the OpenAI shape.
+fn model_object(id: &str, anthropic: bool) -> serde_json::Value {
+    if anthropic {
+        json!({"type": "model", "id": id, "display_name": id, "created_at": "1970-01-01T00:00:00Z"})
     } else {
-        let data: Vec<_> = names
-            .iter()
-            .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "backstop"}))
-            .collect();
-        json!({"object": "list", "data": data})
-    };
+        json!({"id": id, "object": "model", "created": 0, "owned_by": "backstop"})
+    }
+}
+
+fn json_ok(body: serde_json::Value) -> Response {
     (
         [(header::CONTENT_TYPE, "application/json")],
         body.to_string(),
     )
         .into_response()
+}
+
+/// The concrete model ids the routes serve (see [`RouteTable::model_names`]).
+fn list_models(routes: &RouteTable, anthropic: bool) -> Response {
+    let names = routes.model_names();
+    let data: Vec<_> = names.iter().map(|id| model_object(id, anthropic)).collect();
+    json_ok(if anthropic {
+        json!({"data": data, "has_more": false, "first_id": names.first(), "last_id": names.last()})
+    } else {
+        json!({"object": "list", "data": data})
+    })
+}
+
+/// Any id a route would serve (a glob route serves every id it matches); else 404
+/// `model_not_found`, in the caller's shape.
+fn retrieve_model(
+    routes: &RouteTable,
+    raw: &str,
+    anthropic: bool,
+) -> Result<Response, GatewayError> {
+    let id = percent_encoding::percent_decode_str(raw).decode_utf8_lossy();
+    match routes.resolve(&id) {
+        Some(_) if !id.is_empty() => Ok(json_ok(model_object(&id, anthropic))),
+        _ => Err(GatewayError::ModelNotFound(id.into_owned())),
+    }
 }
 
 /// The whole HTTP surface as served: the router inside the layers every route shares
@@ -317,12 +343,13 @@ fn routes(state: AppState) -> Router {
         )
         .route(Endpoint::Messages.path(), post_service(proxy.clone()))
         .route(Endpoint::Embeddings.path(), post_service(proxy))
-        .route("/v1/models", axum::routing::get_service(models))
+        .route("/v1/models", axum::routing::get_service(models.clone()))
+        .route("/v1/models/{*id}", axum::routing::get_service(models))
         .merge(crate::admin::routes(admin_state(&state)))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .fallback(not_found)
+        .fallback_service(unknown_path_stack())
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
@@ -368,7 +395,7 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
 
 /// A known path with the wrong method: 405 in the caller's API shape, never an empty body.
 async fn method_not_allowed(req: Request<Body>) -> Response {
-    let api = Endpoint::api_for_path(req.uri().path());
+    let api = Endpoint::api_for(req.uri().path(), req.headers());
     let err = GatewayError::MethodNotAllowed {
         method: req.method().to_string(),
         path: req.uri().path().to_string(),
@@ -378,11 +405,20 @@ async fn method_not_allowed(req: Request<Body>) -> Response {
     response
 }
 
-async fn not_found(req: Request<Body>) -> Response {
-    let api = Endpoint::api_for_path(req.uri().path());
-    let err = GatewayError::NotFound {
-        method: req.method().to_string(),
-        path: req.uri().path().to_string(),
-    };
-    error_response(&err, api)
+/// Any other path: 404 `not_found` in the caller's API shape, through the edge (a log
+/// line, `backstop_requests_total{endpoint="unknown"}`) and the respond layer
+/// (`x-should-retry: false`), so an operator sees agents calling what Backstop lacks.
+fn unknown_path_stack() -> HttpService {
+    let refuse = tower::service_fn(|req: Request<Body>| async move {
+        Err::<Response, _>(GatewayError::NotFound {
+            method: req.method().to_string(),
+            path: req.uri().path().to_string(),
+        })
+    });
+    BoxCloneSyncService::new(
+        ServiceBuilder::new()
+            .layer(EdgeLayer::labelled("unknown"))
+            .layer(RespondLayer)
+            .service(refuse),
+    )
 }

@@ -28,8 +28,11 @@ pub struct Route {
 pub struct RouteTable {
     exact: HashMap<String, Arc<Route>>,
     globs: Vec<(WildMatch, Arc<Route>)>,
-    /// Route patterns in config order, for `GET /v1/models`.
-    names: Vec<String>,
+    /// Concrete model ids in config order (exact routes and `models` lists), for
+    /// `GET /v1/models`.
+    ids: Vec<String>,
+    /// Glob patterns with no `models` list: listed only when no concrete id is known.
+    unlisted_globs: Vec<String>,
 }
 
 impl RouteTable {
@@ -48,7 +51,16 @@ impl RouteTable {
                 context_fallback: route.context_fallback.as_ref().map(target),
                 response_schema: route.response_schema_value.clone(),
             });
-            table.names.push(route.model.clone());
+            if !route.is_glob() {
+                table.ids.push(route.model.clone());
+            } else if route.models.is_empty() {
+                table.unlisted_globs.push(route.model.clone());
+            }
+            for id in &route.models {
+                if !table.ids.contains(id) {
+                    table.ids.push(id.clone());
+                }
+            }
             if route.is_glob() {
                 table.globs.push((WildMatch::new(&route.model), resolved));
             } else {
@@ -67,8 +79,14 @@ impl RouteTable {
         })
     }
 
+    /// The models `GET /v1/models` lists: the concrete ids a route serves, or, when the
+    /// config names none, the route patterns themselves.
     pub fn model_names(&self) -> &[String] {
-        &self.names
+        if self.ids.is_empty() {
+            &self.unlisted_globs
+        } else {
+            &self.ids
+        }
     }
 }
 
@@ -112,6 +130,7 @@ mod tests {
         );
         assert_eq!(t.resolve("gpt-4o-mini").unwrap().pattern, "gpt-*");
         assert_eq!(t.resolve("claude").unwrap().pattern, "*");
-        assert_eq!(t.model_names(), ["gpt-*", "gpt-4o", "*"]);
+        // The one exact route is the one concrete id; globs without a list are not ids.
+        assert_eq!(t.model_names(), ["gpt-4o"]);
     }
 }

@@ -57,14 +57,14 @@ pub struct AdminState {
 /// The admin and session routes, each behind the edge, respond and auth layers.
 pub fn routes<S: Clone + Send + Sync + 'static>(state: AdminState) -> Router<S> {
     let operator = ServiceBuilder::new()
-        .layer(EdgeLayer)
+        .layer(EdgeLayer::default())
         .layer(RespondLayer)
         .layer(AdminAuthLayer::new(state.token.clone()))
         .map_response(edge::unwrap_body)
         .layer(edge::span_layer(state.max_session_id_bytes))
         .map_err(never);
     let tenant = ServiceBuilder::new()
-        .layer(EdgeLayer)
+        .layer(EdgeLayer::default())
         .layer(RespondLayer)
         .layer(AuthLayer::new(state.tenants.clone()))
         .map_response(edge::unwrap_body)

@@ -35,6 +35,8 @@ impl ApiKind {
 pub enum Endpoint {
     ChatCompletions,
     Messages,
+    /// Anthropic's `POST /v1/messages/count_tokens`: forwarded, never charged.
+    CountTokens,
     Embeddings,
 }
 
@@ -43,6 +45,7 @@ impl Endpoint {
         match path {
             "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
             "/v1/messages" => Some(Endpoint::Messages),
+            "/v1/messages/count_tokens" => Some(Endpoint::CountTokens),
             "/v1/embeddings" => Some(Endpoint::Embeddings),
             _ => None,
         }
@@ -50,7 +53,7 @@ impl Endpoint {
 
     pub fn api(self) -> ApiKind {
         match self {
-            Endpoint::Messages => ApiKind::Anthropic,
+            Endpoint::Messages | Endpoint::CountTokens => ApiKind::Anthropic,
             Endpoint::ChatCompletions | Endpoint::Embeddings => ApiKind::OpenAi,
         }
     }
@@ -59,6 +62,7 @@ impl Endpoint {
         match self {
             Endpoint::ChatCompletions => "/v1/chat/completions",
             Endpoint::Messages => "/v1/messages",
+            Endpoint::CountTokens => "/v1/messages/count_tokens",
             Endpoint::Embeddings => "/v1/embeddings",
         }
     }
@@ -68,12 +72,35 @@ impl Endpoint {
         match self {
             Endpoint::ChatCompletions => "chat_completions",
             Endpoint::Messages => "messages",
+            Endpoint::CountTokens => "count_tokens",
             Endpoint::Embeddings => "embeddings",
         }
     }
 
+    /// Every endpoint, for tables built once per upstream.
+    pub const ALL: [Endpoint; 4] = [
+        Endpoint::ChatCompletions,
+        Endpoint::Messages,
+        Endpoint::CountTokens,
+        Endpoint::Embeddings,
+    ];
+
     /// The error shape for a request path, before the endpoint is known to be valid.
     pub fn api_for_path(path: &str) -> ApiKind {
         Endpoint::from_path(path).map_or(ApiKind::OpenAi, Endpoint::api)
+    }
+
+    /// The error shape a caller speaks, for any path (an unknown one included): Anthropic
+    /// on `/v1/messages` paths or when the caller sent `anthropic-version` (the Anthropic
+    /// SDK always does), else OpenAI.
+    pub fn api_for(path: &str, headers: &http::HeaderMap) -> ApiKind {
+        match Endpoint::from_path(path) {
+            Some(endpoint) => endpoint.api(),
+            None if path == "/v1/messages" || path.starts_with("/v1/messages/") => {
+                ApiKind::Anthropic
+            }
+            None if headers.contains_key("anthropic-version") => ApiKind::Anthropic,
+            None => ApiKind::OpenAi,
+        }
     }
 }

@@ -10,6 +10,10 @@ use super::{upstream::known, ConfigError};
 pub struct RouteConfig {
     pub model: String,
     pub targets: Vec<TargetConfig>,
+    /// The concrete model ids a glob route serves, for model discovery (`GET /v1/models`
+    /// lists them; a glob is not a model id a client can pick).
+    #[serde(default)]
+    pub models: Vec<String>,
     /// Where a request goes when a target answers `context_length_exceeded`
     /// (typically a model with a larger context window).
     #[serde(default)]
@@ -51,6 +55,24 @@ impl RouteConfig {
         }
         if let Some(fallback) = &self.context_fallback {
             fallback.validate(&format!("{key}.context_fallback"), upstreams)?;
+        }
+        let pattern = wildmatch::WildMatch::new(&self.model);
+        for (i, id) in self.models.iter().enumerate() {
+            if id.trim().is_empty() || id.contains(['*', '?']) {
+                return Err(ConfigError::invalid(
+                    format!("{key}.models[{i}]"),
+                    "must be a concrete model id (no glob characters)",
+                ));
+            }
+            if !pattern.matches(id) {
+                return Err(ConfigError::invalid(
+                    format!("{key}.models[{i}]"),
+                    format_args!(
+                        "{id:?} is not served by this route's model {:?}",
+                        self.model
+                    ),
+                ));
+            }
         }
         Ok(())
     }

@@ -152,18 +152,32 @@ where
 }
 
 #[derive(Clone, Default)]
-pub struct EdgeLayer;
+pub struct EdgeLayer {
+    /// The `endpoint` label for every request of this stack, instead of one from the path.
+    label: Option<&'static str>,
+}
+
+impl EdgeLayer {
+    /// An edge whose requests are all labelled `label` (the unknown-path fallback).
+    pub fn labelled(label: &'static str) -> Self {
+        EdgeLayer { label: Some(label) }
+    }
+}
 
 impl<S> Layer<S> for EdgeLayer {
     type Service = Edge<S>;
     fn layer(&self, inner: S) -> Edge<S> {
-        Edge { inner }
+        Edge {
+            inner,
+            label: self.label,
+        }
     }
 }
 
 #[derive(Clone)]
 pub struct Edge<S> {
     inner: S,
+    label: Option<&'static str>,
 }
 
 /// The `endpoint` metric label: low-cardinality, never a path with ids in it.
@@ -172,6 +186,7 @@ fn endpoint_label(path: &str) -> &'static str {
         Some(endpoint) => endpoint.label(),
         None if path.starts_with("/admin/") => "admin",
         None if path.starts_with("/v1/sessions/") => "sessions",
+        None if path == "/v1/models" || path.starts_with("/v1/models/") => "models",
         None => "other",
     }
 }
@@ -218,7 +233,9 @@ where
             }
         };
         let log = Arc::new(RequestLog::default());
-        let endpoint = endpoint_label(req.uri().path());
+        let endpoint = self
+            .label
+            .unwrap_or_else(|| endpoint_label(req.uri().path()));
         req.extensions_mut().insert(RequestId(id.clone()));
         req.extensions_mut().insert(log.clone());
         let future = self.inner.call(req);
@@ -329,6 +346,8 @@ mod tests {
         assert_eq!(endpoint_label("/v1/chat/completions"), "chat_completions");
         assert_eq!(endpoint_label("/admin/tenants/t/sessions/s"), "admin");
         assert_eq!(endpoint_label("/v1/sessions/s-123"), "sessions");
-        assert_eq!(endpoint_label("/v1/models"), "other");
+        assert_eq!(endpoint_label("/v1/models"), "models");
+        assert_eq!(endpoint_label("/v1/models/gpt-4o"), "models");
+        assert_eq!(endpoint_label("/healthz"), "other");
     }
 }

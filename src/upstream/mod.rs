@@ -60,18 +60,14 @@ impl Upstream {
             value.set_sensitive(true);
             value
         });
-        let urls = [
-            Endpoint::ChatCompletions,
-            Endpoint::Messages,
-            Endpoint::Embeddings,
-        ]
-        .into_iter()
-        .map(|e| {
-            let url = format!("{}{}", config.origin(), e.path());
-            // Validated by `UpstreamConfig::validate`.
-            (e, reqwest::Url::parse(&url).expect("validated base_url"))
-        })
-        .collect();
+        let urls = Endpoint::ALL
+            .into_iter()
+            .map(|e| {
+                let url = format!("{}{}", config.origin(), e.path());
+                // Validated by `UpstreamConfig::validate`.
+                (e, reqwest::Url::parse(&url).expect("validated base_url"))
+            })
+            .collect();
         Upstream {
             name: config.name.as_str().into(),
             api: config.api,

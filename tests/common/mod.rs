@@ -101,6 +101,7 @@ attempt_timeout = "200ms"
 
 [[routes]]
 model = "gpt-*"
+models = ["gpt-4o", "gpt-4o-mini"]
 targets = [{{ upstream = "mock-openai" }}]
 
 [[routes]]

@@ -195,6 +195,7 @@ targets = [{{ upstream = "storm-anthropic-a" }}, {{ upstream = "storm-anthropic-
 
 [[routes]]
 model = "gpt-*"
+models = ["gpt-4o", "gpt-4o-mini"]
 targets = [{{ upstream = "mock-openai" }}]
 
 [[routes]]
@@ -203,10 +204,12 @@ targets = [{{ upstream = "mock-openai", model = "gpt-4o-mini" }}]
 
 [[routes]]
 model = "text-embedding-*"
+models = ["text-embedding-3-small"]
 targets = [{{ upstream = "mock-openai" }}]
 
 [[routes]]
 model = "claude-*"
+models = ["claude-sonnet-4-5", "claude-3-5-haiku-latest"]
 targets = [{{ upstream = "mock-anthropic" }}]
 
 [[routes]]

@@ -1,0 +1,118 @@
+//! Model discovery and unknown paths (issue 11): `GET /v1/models` lists concrete ids,
+//! `GET /v1/models/{id}` answers for any id a route serves, and a path Backstop lacks is
+//! a 404 in the caller's shape that the operator can see in the logs and metrics.
+
+mod common;
+
+use common::*;
+
+async fn get(gw: &Gateway, path: &str, headers: &[(&str, &str)]) -> reqwest::Response {
+    let mut req = gw.http.get(format!("{}{path}", gw.url)).bearer_auth(KEY_A);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    req.send().await.unwrap()
+}
+
+#[tokio::test]
+async fn a_model_is_retrieved_by_any_id_a_route_serves_and_404_otherwise() {
+    let gw = start().await;
+    // Listed under the gpt-* glob, served by that glob but not listed, an exact route.
+    for id in ["gpt-4o-mini", "gpt-5-nano", "rewrite-me"] {
+        let resp = get(&gw, &format!("/v1/models/{id}"), &[]).await;
+        assert_eq!(resp.status(), 200, "{id}");
+        let body = json(resp).await;
+        assert_eq!(body["id"], id);
+        assert_eq!(body["object"], "model");
+    }
+    let anthropic = json(
+        get(
+            &gw,
+            "/v1/models/claude-sonnet-4-5",
+            &[("anthropic-version", "2023-06-01")],
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(anthropic["type"], "model");
+    assert_eq!(anthropic["id"], "claude-sonnet-4-5");
+
+    let missing = get(&gw, "/v1/models/llama-3-70b", &[]).await;
+    assert_eq!(missing.status(), 404);
+    assert_eq!(missing.headers()["x-should-retry"], "false");
+    let body = json(missing).await;
+    assert_eq!(body["error"]["code"], "model_not_found");
+    let missing = get(
+        &gw,
+        "/v1/models/llama-3-70b",
+        &[("anthropic-version", "2023-06-01")],
+    )
+    .await;
+    assert_eq!(missing.status(), 404);
+    let body = json(missing).await;
+    assert_eq!(body["type"], "error", "{body}");
+    assert_eq!(body["error"]["type"], "not_found_error", "{body}");
+
+    // Without a key: 401, like every tenant call.
+    let unauth = gw
+        .http
+        .get(format!("{}/v1/models/gpt-4o", gw.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unauth.status(), 401);
+}
+
+#[tokio::test]
+async fn unknown_paths_are_404_in_the_callers_shape_logged_and_counted() {
+    let gw = start().await;
+    let openai = gw
+        .http
+        .post(format!("{}/v1/assistants", gw.url))
+        .bearer_auth(KEY_A)
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(openai.status(), 404);
+    assert_eq!(openai.headers()["x-should-retry"], "false");
+    assert!(openai.headers().contains_key("x-request-id"));
+    let body = json(openai).await;
+    assert_eq!(body["error"]["code"], "unknown_endpoint", "{body}");
+
+    // An Anthropic path (or the Anthropic SDK's version header) gets Anthropic's shape.
+    for (path, version) in [
+        ("/v1/messages/batches", None),
+        ("/v1/files", Some("2023-06-01")),
+    ] {
+        let mut req = gw
+            .http
+            .post(format!("{}{path}", gw.url))
+            .header("x-api-key", KEY_A);
+        if let Some(v) = version {
+            req = req.header("anthropic-version", v);
+        }
+        let resp = req.body("{}").send().await.unwrap();
+        assert_eq!(resp.status(), 404, "{path}");
+        assert_eq!(resp.headers()["x-should-retry"], "false");
+        let body = json(resp).await;
+        assert_eq!(body["type"], "error", "{path}: {body}");
+        assert_eq!(body["error"]["type"], "not_found_error", "{path}: {body}");
+    }
+
+    let metrics = gw
+        .http
+        .get(format!("{}/metrics", gw.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let unknown: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("backstop_requests_total{") && l.contains("endpoint=\"unknown\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(unknown >= 3.0, "{metrics}");
+}
