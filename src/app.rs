@@ -84,8 +84,8 @@ use crate::{
         edge::{self, EdgeLayer, MakeId, X_REQUEST_ID},
         idempotency::IdempotencyLayer,
         limits::LimitsLayer,
-        meter::{Billed, MeterLayer},
-        recovery::{RecoveryLayer, RetryPolicy},
+        meter::{Billed, MeterLayer, Unmetered},
+        recovery::{Answered, RecoveryLayer, RetryPolicy},
         respond::RespondLayer,
         session_guard::SessionGuardLayer,
         validate::ValidateLayer,
@@ -237,6 +237,39 @@ fn proxy_stack(state: &AppState) -> HttpService {
     BoxCloneSyncService::new(stack)
 }
 
+/// `POST /v1/messages/count_tokens`: routed by `model` to the route's Anthropic targets
+/// and recovered like any call (retries, breakers, failover), but never charged, limited
+/// or guarded: counting tokens spends nothing, and agents do it before each call.
+fn count_tokens_stack(state: &AppState) -> HttpService {
+    let server = &state.config.server;
+    let leaf = check::<Billed, _>(Unmetered::new(Forward::new(
+        upstream::client(),
+        state.stream_limits.clone(),
+    )));
+    let recovered = check::<Call, _>(
+        RecoveryLayer::new(
+            RetryPolicy::from_config(&state.config.retry),
+            state.health.clone(),
+        )
+        .layer(leaf),
+    );
+    let stack = ServiceBuilder::new()
+        .layer(EdgeLayer::default())
+        .layer(RespondLayer)
+        .layer(DeadlineLayer::new(server.request_timeout))
+        .layer(AuthLayer::new(state.tenants.clone()))
+        .map_response(edge::unwrap_body)
+        .layer(edge::span_layer(server.max_session_id_bytes))
+        .layer(ContextLayer::new(
+            state.routes.clone(),
+            server.max_body_bytes,
+            server.max_session_id_bytes,
+        ))
+        .map_response(|answered: Answered| answered.reply.into_response())
+        .service(recovered);
+    BoxCloneSyncService::new(stack)
+}
+
 /// `GET /v1/models` and `GET /v1/models/{id}`: the same edge, error and auth layers over
 /// the route table.
 fn models_stack(state: &AppState) -> HttpService {
@@ -342,6 +375,10 @@ fn routes(state: AppState) -> Router {
             post_service(proxy.clone()),
         )
         .route(Endpoint::Messages.path(), post_service(proxy.clone()))
+        .route(
+            Endpoint::CountTokens.path(),
+            post_service(count_tokens_stack(&state)),
+        )
         .route(Endpoint::Embeddings.path(), post_service(proxy))
         .route("/v1/models", axum::routing::get_service(models.clone()))
         .route("/v1/models/{*id}", axum::routing::get_service(models))

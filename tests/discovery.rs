@@ -116,3 +116,77 @@ async fn unknown_paths_are_404_in_the_callers_shape_logged_and_counted() {
         .sum();
     assert!(unknown >= 3.0, "{metrics}");
 }
+
+#[tokio::test]
+async fn count_tokens_is_forwarded_with_the_provider_key_recovered_and_never_charged() {
+    let gw = start().await;
+    let chat = serde_json::json!({"model": "claude-3", "max_tokens": 10, "messages": [{"role": "user", "content": "hello"}]});
+    // One charged call in the session, so the session's figures exist.
+    let resp = gw
+        .post(
+            "/v1/messages",
+            Some(KEY_A),
+            &[
+                ("x-session-id", "ct-1"),
+                ("anthropic-version", "2023-06-01"),
+            ],
+            chat.to_string(),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    let count = serde_json::json!({"model": "claude-3", "messages": [{"role": "user", "content": "hello"}]});
+    let resp = gw
+        .http
+        .post(format!("{}/v1/messages/count_tokens", gw.url))
+        .header("x-api-key", KEY_A)
+        .header("anthropic-version", "2023-06-01")
+        .header("x-session-id", "ct-1")
+        .header("x-mock-scenario", "count-tokens")
+        .header("x-mock-fault", "status=529,usage=42/0")
+        .body(count.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    // 529 is transient: retried, like any call.
+    assert_eq!(resp.headers()["x-backstop-attempts"], "2");
+    assert_eq!(json(resp).await["input_tokens"], 42);
+    let seen = gw.mock.last_request("count-tokens").unwrap();
+    assert_eq!(seen["path"], "/v1/messages/count_tokens");
+    assert_ne!(
+        seen["headers"]["x-api-key"], KEY_A,
+        "the tenant key went upstream"
+    );
+    assert!(
+        seen["headers"]["x-api-key"].is_string(),
+        "no provider key: {seen}"
+    );
+
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    let report = json(
+        gw.http
+            .get(format!("{}/v1/sessions/ct-1", gw.url))
+            .bearer_auth(KEY_A)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        report["used"]["calls"], 1,
+        "count_tokens was charged: {report}"
+    );
+
+    // An OpenAI-only model has no Anthropic target: a caller error, in Anthropic's shape.
+    let resp = gw
+        .http
+        .post(format!("{}/v1/messages/count_tokens", gw.url))
+        .header("x-api-key", KEY_A)
+        .body(serde_json::json!({"model": "gpt-4o", "messages": []}).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let body = json(resp).await;
+    assert_eq!(body["type"], "error", "{body}");
+}

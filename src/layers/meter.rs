@@ -121,3 +121,38 @@ where
         result.map_err(AttemptError::from)
     }
 }
+
+/// The meter's pass-through, for endpoints that are never charged (Anthropic's
+/// `count_tokens`): the attempt goes to the leaf as it is.
+#[derive(Clone)]
+pub struct Unmetered<S> {
+    inner: S,
+}
+
+impl<S> Unmetered<S> {
+    pub fn new(inner: S) -> Self {
+        Unmetered { inner }
+    }
+}
+
+impl<S> Service<Billed> for Unmetered<S>
+where
+    S: Service<Attempt, Response = Reply, Error = TransportFailure>,
+    S::Future: Send + 'static,
+{
+    type Response = Reply;
+    type Error = AttemptError;
+    type Future = futures_util::future::BoxFuture<'static, Result<Reply, AttemptError>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), AttemptError>> {
+        self.inner.poll_ready(cx).map_err(AttemptError::from)
+    }
+
+    fn call(&mut self, billed: Billed) -> Self::Future {
+        let future = self.inner.call(billed.attempt);
+        Box::pin(async move { future.await.map_err(AttemptError::from) })
+    }
+}

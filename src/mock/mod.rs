@@ -197,7 +197,7 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
     }
     let api = match path.as_str() {
         "/v1/chat/completions" | "/v1/embeddings" => responses::Api::OpenAi,
-        "/v1/messages" => responses::Api::Anthropic,
+        "/v1/messages" | "/v1/messages/count_tokens" => responses::Api::Anthropic,
         _ => {
             return Ok(json_response(
                 StatusCode::NOT_FOUND,
@@ -273,6 +273,7 @@ fn answer(api: responses::Api, path: &str, request: &Value, step: &FaultStep) ->
     }
     match path {
         "/v1/embeddings" => responses::embeddings(request, step),
+        "/v1/messages/count_tokens" => responses::count_tokens(request, step),
         _ => responses::completion(api, request, step),
     }
 }

@@ -310,6 +310,25 @@ fn hostile(events: Vec<Bytes>, step: &FaultStep) -> Chunks {
     head.chain(tail).boxed()
 }
 
+/// Anthropic's `count_tokens`: the scripted input count (`usage=IN/OUT`), else about a
+/// token per four bytes of the messages and system prompt.
+pub fn count_tokens(request: &Value, step: &FaultStep) -> Response<Body> {
+    let estimated = || {
+        let bytes = ["messages", "system", "tools"]
+            .iter()
+            .filter_map(|k| request.get(*k))
+            .map(|v| v.to_string().len())
+            .sum::<usize>();
+        (bytes as u64).div_ceil(4).max(1)
+    };
+    let input = step.usage.map_or_else(estimated, |(input, _)| input);
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(json!({"input_tokens": input}).to_string()))
+        .expect("valid response parts")
+}
+
 pub fn embeddings(request: &Value, step: &FaultStep) -> Response<Body> {
     let inputs = match request.get("input") {
         Some(Value::Array(items)) => items.len(),
