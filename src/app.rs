@@ -228,11 +228,14 @@ fn proxy_stack(state: &AppState) -> HttpService {
         .layer(AuthLayer::new(state.tenants.clone()))
         .map_response(edge::unwrap_body)
         .layer(edge::span_layer(server.max_session_id_bytes))
-        .layer(ContextLayer::new(
-            state.routes.clone(),
-            server.max_body_bytes,
-            server.max_session_id_bytes,
-        ))
+        .layer(
+            ContextLayer::new(
+                state.routes.clone(),
+                server.max_body_bytes,
+                server.max_session_id_bytes,
+            )
+            .session_id_fields(&server.session_id_fields),
+        )
         .service(calls);
     BoxCloneSyncService::new(stack)
 }
@@ -260,11 +263,14 @@ fn count_tokens_stack(state: &AppState) -> HttpService {
         .layer(AuthLayer::new(state.tenants.clone()))
         .map_response(edge::unwrap_body)
         .layer(edge::span_layer(server.max_session_id_bytes))
-        .layer(ContextLayer::new(
-            state.routes.clone(),
-            server.max_body_bytes,
-            server.max_session_id_bytes,
-        ))
+        .layer(
+            ContextLayer::new(
+                state.routes.clone(),
+                server.max_body_bytes,
+                server.max_session_id_bytes,
+            )
+            .session_id_fields(&server.session_id_fields),
+        )
         .map_response(|answered: Answered| answered.reply.into_response())
         .service(recovered);
     BoxCloneSyncService::new(stack)

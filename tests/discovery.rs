@@ -190,3 +190,89 @@ async fn count_tokens_is_forwarded_with_the_provider_key_recovered_and_never_cha
     let body = json(resp).await;
     assert_eq!(body["type"], "error", "{body}");
 }
+
+/// Frameworks that set headers per client, not per run, name the run in the body.
+#[tokio::test]
+async fn a_session_id_comes_from_the_body_when_no_header_names_one() {
+    let gw = start_with(|c| {
+        c.replace(
+            "[server]\n",
+            "[server]\nsession_id_fields = [\"metadata.session_id\", \"user\"]\n",
+        )
+    })
+    .await;
+    let report = |session: &'static str| {
+        let gw = &gw;
+        async move {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            let resp = gw
+                .http
+                .get(format!("{}/v1/sessions/{session}", gw.url))
+                .bearer_auth(KEY_A)
+                .send()
+                .await
+                .unwrap();
+            (resp.status().as_u16(), json(resp).await)
+        }
+    };
+    let chat = |extra: serde_json::Value| {
+        let mut body =
+            serde_json::json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let resp = gw
+        .chat(
+            "body-session",
+            "",
+            chat(serde_json::json!({"metadata": {"session_id": "from-body"}})),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    let (status, body) = report("from-body").await;
+    assert_eq!(
+        (status, &body["used"]["calls"]),
+        (200, &serde_json::json!(1)),
+        "{body}"
+    );
+
+    // The second configured field is used when the first is absent.
+    let resp = gw
+        .chat(
+            "body-user",
+            "",
+            chat(serde_json::json!({"user": "end-user-9"})),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(report("end-user-9").await.1["used"]["calls"], 1);
+
+    // The header wins over the body.
+    let resp = gw
+        .post(
+            "/v1/chat/completions",
+            Some(KEY_A),
+            &[("x-session-id", "from-header")],
+            chat(serde_json::json!({"metadata": {"session_id": "from-body"}})).to_string(),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(report("from-header").await.1["used"]["calls"], 1);
+    assert_eq!(report("from-body").await.1["used"]["calls"], 1);
+
+    // A body session id Backstop cannot honour is refused, never ignored.
+    let resp = gw
+        .chat(
+            "body-bad",
+            "",
+            chat(serde_json::json!({"metadata": {"session_id": 12}})),
+        )
+        .await;
+    assert_eq!(resp.status(), 400);
+    let body = json(resp).await;
+    assert_eq!(body["error"]["code"], "invalid_parameter");
+    assert_eq!(body["error"]["param"], "metadata.session_id");
+    assert_eq!(gw.mock.attempts("body-bad"), 0);
+}

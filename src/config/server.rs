@@ -46,6 +46,10 @@ pub struct ServerConfig {
     pub max_session_id_bytes: usize,
     /// Longest `Idempotency-Key` accepted (visible ASCII only).
     pub max_idempotency_key_bytes: usize,
+    /// Where a session id is read from when the request has no `x-session-id` header
+    /// (which always wins): body fields as dotted paths, tried in order, for agent
+    /// frameworks that set headers per client, not per run.
+    pub session_id_fields: Vec<String>,
 }
 
 impl Default for ServerConfig {
@@ -65,6 +69,7 @@ impl Default for ServerConfig {
             max_stream_duration: Duration::from_secs(600),
             max_session_id_bytes: 256,
             max_idempotency_key_bytes: 255,
+            session_id_fields: vec!["metadata.session_id".into()],
         }
     }
 }
@@ -103,6 +108,22 @@ impl ServerConfig {
         ];
         if let Some((key, _)) = positive.iter().find(|(_, zero)| *zero) {
             return Err(ConfigError::invalid(*key, "must be greater than 0"));
+        }
+        for (i, path) in self.session_id_fields.iter().enumerate() {
+            let valid = path.split('.').all(|part| {
+                !part.is_empty()
+                    && part
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+            });
+            if !valid {
+                return Err(ConfigError::invalid(
+                    format!("server.session_id_fields[{i}]"),
+                    format_args!(
+                        "{path:?} is not a dotted path of field names (e.g. \"metadata.session_id\")"
+                    ),
+                ));
+            }
         }
         Ok(())
     }

@@ -76,6 +76,9 @@ pub struct ContextLayer {
     routes: Arc<RouteTable>,
     max_body_bytes: usize,
     max_session_id_bytes: usize,
+    /// `server.session_id_fields`: body fields (dotted paths) a session id is read from
+    /// when there is no `x-session-id` header.
+    session_fields: Arc<[(&'static str, Vec<String>)]>,
     /// Large bodies parsed at once: one per core, so a burst of them costs time, not
     /// memory (a parsed body is several times its size).
     large_parses: Arc<tokio::sync::Semaphore>,
@@ -92,9 +95,71 @@ impl ContextLayer {
             routes,
             max_body_bytes,
             max_session_id_bytes,
+            session_fields: Arc::from([]),
             large_parses: Arc::new(tokio::sync::Semaphore::new(cores)),
         }
     }
+
+    /// Reads the session id from these body fields (dotted paths, in order) when the
+    /// request has no `x-session-id` header.
+    pub fn session_id_fields(mut self, fields: &[String]) -> Self {
+        self.session_fields = fields
+            .iter()
+            // Named in error messages; a handful of short strings, leaked once per config.
+            .map(|f| {
+                let name: &'static str = Box::leak(f.clone().into_boxed_str());
+                (name, f.split('.').map(str::to_owned).collect())
+            })
+            .collect();
+        self
+    }
+}
+
+/// The session id a body carries in one of `fields` (the first present wins): absent or
+/// blank is `None`; a value that is not a string of at most `max` visible ASCII bytes is
+/// refused naming the field, as the header would be.
+fn session_from_body(
+    json: &serde_json::Map<String, serde_json::Value>,
+    fields: &[(&'static str, Vec<String>)],
+    max: usize,
+) -> Result<Option<Arc<str>>, GatewayError> {
+    use serde_json::Value;
+    for (name, path) in fields {
+        let Some((first, rest)) = path.split_first() else {
+            continue;
+        };
+        let mut found = json.get(first.as_str());
+        for key in rest {
+            found = found.and_then(|v| v.get(key.as_str()));
+        }
+        let invalid = |detail: String| GatewayError::InvalidParameter {
+            param: name,
+            detail,
+        };
+        match found {
+            None | Some(Value::Null) => continue,
+            Some(Value::String(s)) => {
+                let id = s.trim();
+                if id.is_empty() {
+                    continue;
+                }
+                if id.len() > max {
+                    return Err(invalid(format!(
+                        "a session id of {} bytes, over the limit of {max}",
+                        id.len()
+                    )));
+                }
+                if !id.bytes().all(|b| b.is_ascii_graphic()) {
+                    return Err(invalid(
+                        "a session id may hold only visible ASCII characters (0x21-0x7E)".into(),
+                    ));
+                }
+                return Ok(Some(Arc::from(id)));
+            }
+            Some(_) => return Err(invalid("a session id must be a string".into())),
+        }
+    }
+    Ok(None)
 }
 
 /// The context layer's service: takes HTTP, hands the inner layers a [`Call`].
@@ -205,6 +270,20 @@ where
         } else {
             parse(endpoint, bytes, &self.routes)?
         };
+        let session = match session {
+            Some(header) => Some(header),
+            None => {
+                let body = session_from_body(
+                    &request.json,
+                    &self.session_fields,
+                    self.max_session_id_bytes,
+                )?;
+                if let Some(id) = &body {
+                    tracing::Span::current().record("session", &**id);
+                }
+                body
+            }
+        };
         let log = parts
             .extensions
             .remove::<Arc<RequestLog>>()
@@ -255,6 +334,75 @@ pub fn parse(
         .cloned()
         .ok_or_else(|| GatewayError::ModelNotFound(request.model.clone()))?;
     Ok((request, route))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields(paths: &[&str]) -> Vec<(&'static str, Vec<String>)> {
+        let owned: Vec<String> = paths.iter().map(|p| p.to_string()).collect();
+        ContextLayer::new(Arc::new(RouteTable::default()), 1, 1)
+            .session_id_fields(&owned)
+            .session_fields
+            .to_vec()
+    }
+
+    fn body(text: &str) -> serde_json::Map<String, serde_json::Value> {
+        serde_json::from_str(text).unwrap()
+    }
+
+    #[test]
+    fn a_session_id_is_read_from_the_first_body_field_present() {
+        let f = fields(&["metadata.session_id", "user", "metadata.user_id"]);
+        let read = |text: &str| session_from_body(&body(text), &f, 16);
+        assert_eq!(
+            read(r#"{"metadata":{"session_id":"run-1"},"user":"u"}"#)
+                .unwrap()
+                .as_deref(),
+            Some("run-1")
+        );
+        assert_eq!(
+            read(r#"{"user":"u-2","metadata":{"user_id":"x"}}"#)
+                .unwrap()
+                .as_deref(),
+            Some("u-2")
+        );
+        assert_eq!(
+            read(r#"{"metadata":{"user_id":"a-3"}}"#)
+                .unwrap()
+                .as_deref(),
+            Some("a-3")
+        );
+        assert_eq!(
+            read(r#"{"metadata":{"session_id":"  "},"user":null}"#).unwrap(),
+            None
+        );
+        assert_eq!(read(r#"{"messages":[]}"#).unwrap(), None);
+        for bad in [
+            r#"{"metadata":{"session_id":7}}"#,
+            r#"{"metadata":{"session_id":"has space"}}"#,
+            r#"{"metadata":{"session_id":"a-very-long-session-id"}}"#,
+        ] {
+            let err = read(bad).unwrap_err();
+            assert_eq!(err.kind().code, "invalid_parameter", "{bad}");
+            assert!(
+                matches!(
+                    err,
+                    GatewayError::InvalidParameter {
+                        param: "metadata.session_id",
+                        ..
+                    }
+                ),
+                "{bad}"
+            );
+        }
+        // Not configured: never read.
+        assert_eq!(
+            session_from_body(&body(r#"{"user":"u"}"#), &fields(&[]), 16).unwrap(),
+            None
+        );
+    }
 }
 
 /// A fuzz harness for the request parser (issue 16): arbitrary bytes and arbitrary JSON

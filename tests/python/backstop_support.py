@@ -74,6 +74,7 @@ path = "{store_path}"
 listen = "127.0.0.1:{port}"
 max_body_bytes = {MAX_BODY_BYTES}
 request_timeout = "30s"
+session_id_fields = ["metadata.session_id", "metadata.user_id"]
 
 [log]
 format = "json"
@@ -209,7 +210,7 @@ targets = [{{ upstream = "mock-openai" }}]
 
 [[routes]]
 model = "claude-*"
-models = ["claude-sonnet-4-5", "claude-3-5-haiku-latest"]
+models = ["claude-mock-1", "claude-mock-2"]
 targets = [{{ upstream = "mock-anthropic" }}]
 
 [[routes]]
