@@ -1,7 +1,8 @@
 //! Structured output: what a request expects of its answer, whether an answer meets it,
 //! and the corrective follow-up that tells the model exactly what was wrong.
 //!
-//! Checked: OpenAI `response_format` (`json_schema`, `json_object`), each tool call's
+//! Checked: OpenAI `response_format` (`json_schema`, `json_object`), Anthropic's
+//! `output_config.format` / `output_format` (`json_schema`), each tool call's
 //! arguments against that tool's `parameters` (OpenAI) or each `tool_use.input` against
 //! `input_schema` (Anthropic), and a route's `response_schema`. A request that asks for
 //! none of these is never parsed for output.
@@ -202,6 +203,33 @@ impl Expectations {
                 }
                 Some("json_object") => content = Some(PendingContent::JsonObject),
                 _ => {}
+            }
+        }
+        // Anthropic's structured output: `output_config.format` (the SDK's `parse` and
+        // `output_config`), or the beta's `output_format`.
+        if content.is_none() && api == ApiKind::Anthropic {
+            let formats = [
+                (
+                    request.get("output_config").and_then(|c| c.get("format")),
+                    "output_config.format",
+                ),
+                (request.get("output_format"), "output_format"),
+            ];
+            for (format, name) in formats {
+                let Some(format) = format.filter(|f| !f.is_null()) else {
+                    continue;
+                };
+                if format.get("type").and_then(Value::as_str) == Some("json_schema") {
+                    let schema = format
+                        .get("schema")
+                        .ok_or_else(|| BadSchema(format!("{name}.schema is missing")))?;
+                    content = Some(PendingContent::Schema(want(
+                        format!("{name}.schema"),
+                        schema,
+                        false,
+                    )?));
+                    break;
+                }
             }
         }
         if content.is_none() {
@@ -560,6 +588,46 @@ mod tests {
             "{:?}",
             invalid.errors
         );
+    }
+
+    #[test]
+    fn anthropic_structured_output_is_checked_in_both_spellings() {
+        for format_field in ["output_config", "output_format"] {
+            let format = json!({"type": "json_schema", "schema": weather_schema()});
+            let request = if format_field == "output_config" {
+                json!({"output_config": {"format": format}})
+            } else {
+                json!({"output_format": format})
+            };
+            let Value::Object(request) = request else {
+                panic!()
+            };
+            let e = Expectations::from_request(ApiKind::Anthropic, &request, None, &schemas())
+                .unwrap()
+                .expect("a JSON-schema output format is validated");
+            let text = |t: &str| json!({"content": [{"type": "text", "text": t}]});
+            assert!(e
+                .check(&text(r#"{"city": "Rome", "temp_c": 21.5}"#))
+                .is_ok());
+            let invalid = e.check(&text(r#"{"city": "Rome"}"#)).unwrap_err();
+            assert_eq!(invalid.problem, Problem::Schema, "{format_field}");
+            assert_eq!(e.check(&text("sunny")).unwrap_err().problem, Problem::Json);
+        }
+        // OpenAI's request never reads Anthropic's field, and a format without a schema
+        // is refused before any call.
+        let Value::Object(request) = json!({"output_config": {"format": {"type": "json_schema"}}})
+        else {
+            panic!()
+        };
+        assert!(
+            Expectations::from_request(ApiKind::OpenAi, &request, None, &schemas())
+                .unwrap()
+                .is_none()
+        );
+        let err = Expectations::from_request(ApiKind::Anthropic, &request, None, &schemas())
+            .err()
+            .unwrap();
+        assert!(err.0.contains("output_config.format.schema"), "{}", err.0);
     }
 
     #[test]

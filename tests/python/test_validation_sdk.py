@@ -80,3 +80,53 @@ def test_no_format_means_no_validation(backstop, oai, scenario):
     )
     assert completion.choices[0].message.content == "{ not json"
     assert backstop.attempts(scenario) == 1
+
+
+def test_anthropic_native_structured_output_is_corrected(backstop, anth, scenario):
+    # `messages.parse(output_format=...)` sends `output_config.format` with the model's
+    # JSON schema; the first answer breaks it, the correction is accepted.
+    parsed = anth.messages.parse(
+        model="claude-mock-1",
+        max_tokens=256,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        output_format=Weather,
+        extra_headers={"x-mock-scenario": scenario,
+                       "x-mock-fault": _script('{"city": "Paris"}', '{"city": "Paris", "temp_c": 21.5}')},
+    )
+    assert parsed.parsed_output == Weather(city="Paris", temp_c=21.5)
+    assert backstop.attempts(scenario) == 2
+    sent = backstop.last_upstream_request(scenario)["body"]
+    assert sent["output_config"]["format"]["type"] == "json_schema"
+    assert sent["messages"][-2] == {"role": "assistant", "content": '{"city": "Paris"}'}
+    assert "temp_c" in sent["messages"][-1]["content"]
+
+
+def test_anthropic_output_config_dict_schema_runs_out_to_502(backstop, anth, scenario):
+    with pytest.raises(anthropic.APIStatusError) as err:
+        anth.messages.create(
+            model="claude-mock-1",
+            max_tokens=64,
+            messages=[{"role": "user", "content": "Weather in Paris?"}],
+            output_config={"format": {"type": "json_schema", "schema": Weather.model_json_schema()}},
+            extra_headers={"x-mock-scenario": scenario, "x-mock-fault": _script("sunny, about 20 degrees")},
+        )
+    assert err.value.status_code == 502
+    assert err.value.body["error"]["type"] == "output_invalid"
+    assert backstop.attempts(scenario) == 3
+
+
+def test_anthropic_structured_output_trail_and_validation_headers(backstop, scenario):
+    body = {
+        "model": "claude-mock-1", "max_tokens": 64,
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "output_format": {"type": "json_schema", "schema": Weather.model_json_schema()},
+    }
+    r = backstop.post("/v1/messages", json_body=body, headers={
+        "x-api-key": TENANT_A_KEY, "anthropic-version": "2023-06-01", "x-mock-scenario": scenario,
+        "x-mock-fault": _script("not json", '{"city": "Paris", "temp_c": 3}'),
+    })
+    assert r.status_code == 200, r.text
+    assert r.headers["x-backstop-recovery"] == "ok,correct:json,ok"
+    assert r.headers["x-backstop-validation"] == "corrected"
+    assert json.loads(r.json()["content"][0]["text"]) == {"city": "Paris", "temp_c": 3}
+    assert backstop.attempts(scenario) == 2
