@@ -34,7 +34,11 @@ async fn run(
     run_as(http, url, auth.then_some((KEY, None)), total, concurrency).await
 }
 
-/// Like `run`, as a given tenant key and optional session.
+const CHAT: &str = r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"What is the capital of France? Answer in one word."}]}"#;
+const RESPONSES: &str =
+    r#"{"model":"gpt-4o-mini","input":"What is the capital of France? Answer in one word."}"#;
+
+/// Like `run_as`, as a given tenant key and optional session.
 async fn run_as(
     http: &reqwest::Client,
     url: &str,
@@ -42,7 +46,18 @@ async fn run_as(
     total: usize,
     concurrency: usize,
 ) -> (Vec<Duration>, f64) {
-    let body = r#"{"model":"gpt-4o-mini","messages":[{"role":"user","content":"What is the capital of France? Answer in one word."}]}"#;
+    run_body(http, url, CHAT, auth, total, concurrency).await
+}
+
+/// `total` requests of `body` over `concurrency` closed-loop workers; latencies sorted.
+async fn run_body(
+    http: &reqwest::Client,
+    url: &str,
+    body: &'static str,
+    auth: Option<(&'static str, Option<&'static str>)>,
+    total: usize,
+    concurrency: usize,
+) -> (Vec<Duration>, f64) {
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -240,6 +255,35 @@ tokens_per_day = 100000000000
             pct(&b, 0.5),
             pct(&b, 0.99)
         );
+    }
+
+    // The Responses API against chat completions, each against its own direct call.
+    let endpoints = [
+        ("chat completions", "/v1/chat/completions", CHAT),
+        ("responses", "/v1/responses", RESPONSES),
+    ];
+    println!(
+        "\nResponses API vs chat completions: {total} requests per row, added = through - direct\n"
+    );
+    println!(
+        "| endpoint | concurrency | direct p50 / p99 ms | added p50 / p99 ms |\n|---|---|---|---|"
+    );
+    for (name, path, body) in endpoints {
+        let direct = format!("http://127.0.0.1:{mock_port}{path}");
+        let through = format!("http://127.0.0.1:{gw_port}{path}");
+        run_body(&http, &through, body, Some((KEY, None)), 200, 8).await;
+        for concurrency in [1, 32] {
+            let (d, _) = run_body(&http, &direct, body, None, total, concurrency).await;
+            let (b, _) =
+                run_body(&http, &through, body, Some((KEY, None)), total, concurrency).await;
+            println!(
+                "| {name} | {concurrency} | {:.3} / {:.3} | {:+.3} / {:+.3} |",
+                pct(&d, 0.5),
+                pct(&d, 0.99),
+                pct(&b, 0.5) - pct(&d, 0.5),
+                pct(&b, 0.99) - pct(&d, 0.99)
+            );
+        }
     }
 
     let n = 200;
