@@ -35,7 +35,7 @@ use crate::{
     error::GatewayError,
     policy::trail::Step,
     upstream::{Reply, ReplyBody},
-    validation::{corrective_request, replay, Expectations, Invalid, Schemas, Wire},
+    validation::{corrective_request, replay, Expectations, Invalid, Schemas},
 };
 
 #[derive(Clone)]
@@ -95,7 +95,7 @@ where
     async fn call(&self, mut inner: S, call: Call) -> Result<Response<Body>, GatewayError> {
         let layer = self;
         let pending = Expectations::collect(
-            Wire::of(call.endpoint()),
+            call.endpoint().api(),
             &call.request.json,
             call.route.response_schema.as_ref(),
             &layer.schemas,
@@ -182,7 +182,7 @@ where
                     }
                     let mut response = if call.request.stream {
                         let sse = replay::as_sse(
-                            Wire::of(call.endpoint()),
+                            call.endpoint().api(),
                             &answer,
                             call.request.client_wants_stream_usage,
                         );
@@ -217,7 +217,7 @@ where
             if round < config.corrective_retries {
                 call.log.push_step(Step::Correct(invalid.problem.label()));
                 metrics::counter!("backstop_corrective_retries_total", "kind" => invalid.problem.label()).increment(1);
-                json = corrective_request(Wire::of(call.endpoint()), &json, &invalid);
+                json = corrective_request(&json, &invalid);
             }
             last = Some(invalid);
         }

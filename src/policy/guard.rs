@@ -522,17 +522,7 @@ pub fn fingerprint(json: &serde_json::Map<String, Value>) -> RequestFingerprint 
         }
     }
     let mut hasher = HashWriter(std::collections::hash_map::DefaultHasher::new());
-    // Chat and Anthropic messages, and the Responses API's instructions, input and the
-    // stored conversation it continues.
-    for key in [
-        "model",
-        "system",
-        "instructions",
-        "messages",
-        "input",
-        "previous_response_id",
-        "tools",
-    ] {
+    for key in ["model", "system", "messages", "tools"] {
         hasher.0.write(key.as_bytes());
         if let Some(value) = json.get(key) {
             let _ = serde_json::to_writer(&mut hasher, value);
@@ -612,39 +602,6 @@ pub fn fingerprint(json: &serde_json::Map<String, Value>) -> RequestFingerprint 
                 }
                 _ => {}
             }
-        }
-    }
-    // The Responses API: `function_call` items and the `function_call_output` items that
-    // answer them, by `call_id`.
-    let items = json
-        .get("input")
-        .and_then(Value::as_array)
-        .map_or(&[][..], Vec::as_slice);
-    for item in items {
-        match item.get("type").and_then(Value::as_str) {
-            Some("function_call") => {
-                if let (Some(id), Some(name)) = (
-                    item.get("call_id").and_then(Value::as_str),
-                    item.get("name").and_then(Value::as_str),
-                ) {
-                    let args =
-                        canonical(item.get("arguments").and_then(Value::as_str).unwrap_or(""));
-                    calls.insert(id.to_string(), format!("{name}({args})"));
-                }
-            }
-            Some("function_call_output") => {
-                if let Some(call) = item
-                    .get("call_id")
-                    .and_then(Value::as_str)
-                    .and_then(|id| calls.get(id))
-                {
-                    let result = text_of(item.get("output"));
-                    let error = result.to_ascii_lowercase().contains("error");
-                    let entry = pairs.entry((call.clone(), result)).or_insert((0, error));
-                    entry.0 += 1;
-                }
-            }
-            _ => {}
         }
     }
     let tool_loop =
@@ -763,33 +720,6 @@ mod tests {
             .admit(t0 + Duration::from_secs(1200), &fp(42), 0.0)
             .0
             .is_ok());
-    }
-
-    #[test]
-    fn a_responses_api_tool_loop_is_seen_like_a_chat_one() {
-        let mut input = vec![json!({"role": "user", "content": "weather in Atlantis?"})];
-        for i in 0..3 {
-            let id = format!("call_{i}");
-            input.push(json!({"type": "function_call", "call_id": id, "name": "get_weather", "arguments": "{\"city\": \"Atlantis\"}"}));
-            input.push(json!({"type": "function_call_output", "call_id": id, "output": "error: no such city"}));
-        }
-        let serde_json::Value::Object(request) = json!({"model": "gpt-4o", "input": input}) else {
-            panic!()
-        };
-        let fp = fingerprint(&request);
-        let (call, n) = fp.tool_loop.expect("the repeated call is found");
-        assert_eq!(n, 3);
-        assert!(
-            call.starts_with("get_weather(")
-                && call.contains("Atlantis")
-                && call.ends_with("the same error"),
-            "{call}"
-        );
-        // Another previous_response_id is another request.
-        let mut next = request.clone();
-        next.insert("previous_response_id".into(), json!("resp_2"));
-        assert_ne!(fingerprint(&next).request, fp.request);
-        assert_eq!(fingerprint(&request.clone()).request, fp.request);
     }
 
     #[test]

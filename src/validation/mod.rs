@@ -18,29 +18,7 @@ use serde_json::{json, Map, Value};
 
 pub use schemas::{fingerprint, RequestLimits, SchemaFingerprint, SchemaSettings, Schemas};
 
-use crate::api::Endpoint;
-
-/// The wire format of a request and its answer: where formats, tools, tool calls and
-/// the answer's text are found, and how a correction is appended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Wire {
-    /// OpenAI chat completions: `response_format`, `tools[].function`, `choices[0].message`.
-    Chat,
-    /// Anthropic messages: `output_config.format`, `tools[].input_schema`, `content` blocks.
-    Messages,
-    /// OpenAI Responses: `text.format`, flat `tools[]`, `output` items; corrections are
-    /// appended to `input`.
-    Responses,
-}
-
-impl Wire {
-    pub fn of(endpoint: Endpoint) -> Wire {
-        match endpoint {
-            Endpoint::Messages | Endpoint::CountTokens => Wire::Messages,
-            Endpoint::ChatCompletions | Endpoint::Embeddings => Wire::Chat,
-        }
-    }
-}
+use crate::api::ApiKind;
 
 /// What was wrong, by kind (the `x-backstop-recovery` token and metric label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,7 +60,7 @@ enum ContentRule {
 
 /// What one request's answers must satisfy.
 pub struct Expectations {
-    wire: Wire,
+    api: ApiKind,
     content: Option<ContentRule>,
     tools: HashMap<String, Arc<Validator>>,
 }
@@ -110,7 +88,7 @@ enum PendingContent {
 /// A request's schemas, found and fingerprinted on the async worker (cheap, bounded by
 /// the limits); those not cached are compiled by [`Pending::compile`], blocking work.
 pub struct Pending {
-    wire: Wire,
+    api: ApiKind,
     tenant: Arc<str>,
     content: Option<PendingContent>,
     tools: Vec<(String, Wanted)>,
@@ -152,7 +130,7 @@ impl Pending {
             tools.insert(name, resolve(w)?);
         }
         Ok(Expectations {
-            wire: self.wire,
+            api: self.api,
             content,
             tools,
         })
@@ -164,7 +142,7 @@ impl Expectations {
     /// any compilation, more tools than `validation.max_tools` and schemas larger than
     /// `validation.max_schema_bytes` or, together, `validation.max_request_schema_bytes`.
     pub fn collect(
-        wire: Wire,
+        api: ApiKind,
         request: &Map<String, Value>,
         route_schema: Option<&Arc<Value>>,
         schemas: &Schemas,
@@ -211,10 +189,7 @@ impl Expectations {
             })
         };
         let mut content = None;
-        if let Some(format) = request
-            .get("response_format")
-            .filter(|_| wire != Wire::Responses)
-        {
+        if let Some(format) = request.get("response_format") {
             match format.get("type").and_then(Value::as_str) {
                 Some("json_schema") => {
                     let schema = format.pointer("/json_schema/schema").ok_or_else(|| {
@@ -230,36 +205,9 @@ impl Expectations {
                 _ => {}
             }
         }
-        // The Responses API's `text.format`: the schema sits in the format itself.
-        if let Some(format) = request
-            .get("text")
-            .and_then(|t| t.get("format"))
-            .filter(|f| wire == Wire::Responses && !f.is_null())
-        {
-            match format.get("type").and_then(Value::as_str) {
-                Some("json_schema") => {
-                    let schema = format
-                        .get("schema")
-                        .ok_or_else(|| BadSchema("text.format.schema is missing".into()))?;
-                    content = Some(PendingContent::Schema(want(
-                        "text.format.schema".into(),
-                        schema,
-                        false,
-                    )?));
-                }
-                Some("json_object") => content = Some(PendingContent::JsonObject),
-                Some("text") => {}
-                other => {
-                    return Err(BadSchema(format!(
-                        "text.format.type must be one of text, json_schema, json_object; got {}",
-                        other.map_or_else(|| "none".to_string(), |t| format!("{t:?}"))
-                    )))
-                }
-            }
-        }
         // Anthropic's structured output: `output_config.format` (the SDK's `parse` and
         // `output_config`), or the beta's `output_format`.
-        if content.is_none() && wire == Wire::Messages {
+        if content.is_none() && api == ApiKind::Anthropic {
             let formats = [
                 (
                     request.get("output_config").and_then(|c| c.get("format")),
@@ -295,13 +243,12 @@ impl Expectations {
         }
         let mut tools = Vec::new();
         for tool in listed.into_iter().flatten() {
-            let (name, schema) = match wire {
-                Wire::Chat => (
+            let (name, schema) = match api {
+                ApiKind::OpenAi => (
                     tool.pointer("/function/name"),
                     tool.pointer("/function/parameters"),
                 ),
-                Wire::Messages => (tool.get("name"), tool.get("input_schema")),
-                Wire::Responses => (tool.get("name"), tool.get("parameters")),
+                ApiKind::Anthropic => (tool.get("name"), tool.get("input_schema")),
             };
             if let (Some(Value::String(name)), Some(schema)) = (name, schema) {
                 tools.push((name.clone(), want(format!("tool {name}"), schema, false)?));
@@ -311,7 +258,7 @@ impl Expectations {
             return Ok(None);
         }
         Ok(Some(Pending {
-            wire,
+            api,
             tenant: tenant.clone(),
             content,
             tools,
@@ -320,19 +267,19 @@ impl Expectations {
 
     /// [`Expectations::collect`] and [`Pending::compile`] on this thread, for tenant `-`.
     pub fn from_request(
-        wire: Wire,
+        api: ApiKind,
         request: &Map<String, Value>,
         route_schema: Option<&Arc<Value>>,
         schemas: &Schemas,
     ) -> Result<Option<Self>, BadSchema> {
-        Expectations::collect(wire, request, route_schema, schemas, &Arc::from("-"))?
+        Expectations::collect(api, request, route_schema, schemas, &Arc::from("-"))?
             .map(|pending| pending.compile(schemas))
             .transpose()
     }
 
     /// Checks one (non-streaming) answer body.
     pub fn check(&self, answer: &Value) -> Result<(), Invalid> {
-        let calls = tool_calls(self.wire, answer);
+        let calls = tool_calls(self.api, answer);
         for (name, args) in &calls {
             let Some(validator) = self.tools.get(name) else {
                 if self.tools.is_empty() {
@@ -373,7 +320,7 @@ impl Expectations {
         let Some(rule) = self.content.as_ref().filter(|_| calls.is_empty()) else {
             return Ok(());
         };
-        let text = content_text(self.wire, answer);
+        let text = content_text(self.api, answer);
         let parsed = match serde_json::from_str::<Value>(strip_fences(&text)) {
             Ok(v) => v,
             Err(e) => {
@@ -455,9 +402,9 @@ impl std::fmt::Display for ToolArgs {
     }
 }
 
-fn tool_calls(wire: Wire, answer: &Value) -> Vec<(String, ToolArgs)> {
-    match wire {
-        Wire::Chat => answer
+fn tool_calls(api: ApiKind, answer: &Value) -> Vec<(String, ToolArgs)> {
+    match api {
+        ApiKind::OpenAi => answer
             .pointer("/choices/0/message/tool_calls")
             .and_then(Value::as_array)
             .into_iter()
@@ -472,18 +419,7 @@ fn tool_calls(wire: Wire, answer: &Value) -> Vec<(String, ToolArgs)> {
                 Some((name, ToolArgs::Raw(args)))
             })
             .collect(),
-        Wire::Responses => output_items(answer, "function_call")
-            .filter_map(|item| {
-                let name = item.get("name")?.as_str()?.to_string();
-                let args = item
-                    .get("arguments")
-                    .and_then(Value::as_str)
-                    .unwrap_or("")
-                    .to_string();
-                Some((name, ToolArgs::Raw(args)))
-            })
-            .collect(),
-        Wire::Messages => answer
+        ApiKind::Anthropic => answer
             .get("content")
             .and_then(Value::as_array)
             .into_iter()
@@ -499,32 +435,15 @@ fn tool_calls(wire: Wire, answer: &Value) -> Vec<(String, ToolArgs)> {
     }
 }
 
-/// A Responses answer's `output` items of one type.
-fn output_items<'a>(answer: &'a Value, kind: &'a str) -> impl Iterator<Item = &'a Value> + 'a {
-    answer
-        .get("output")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-        .filter(move |item| item.get("type").and_then(Value::as_str) == Some(kind))
-}
-
-/// The answer's text: OpenAI `message.content`, Anthropic's text blocks joined, the
-/// Responses API's `output_text` parts of its message items joined.
-fn content_text(wire: Wire, answer: &Value) -> String {
-    match wire {
-        Wire::Responses => output_items(answer, "message")
-            .filter_map(|m| m.get("content").and_then(Value::as_array))
-            .flatten()
-            .filter(|p| p.get("type").and_then(Value::as_str) == Some("output_text"))
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect(),
-        Wire::Chat => answer
+/// The answer's text: OpenAI `message.content`, Anthropic's text blocks joined.
+fn content_text(api: ApiKind, answer: &Value) -> String {
+    match api {
+        ApiKind::OpenAi => answer
             .pointer("/choices/0/message/content")
             .and_then(Value::as_str)
             .unwrap_or("")
             .to_string(),
-        Wire::Messages => answer
+        ApiKind::Anthropic => answer
             .get("content")
             .and_then(Value::as_array)
             .into_iter()
@@ -536,14 +455,7 @@ fn content_text(wire: Wire, answer: &Value) -> String {
 
 /// The request for the next attempt: the invalid output appended as the assistant's turn,
 /// then a user turn listing the errors by path and asking for the format only.
-///
-/// The Responses API takes them as new `input` items (a string `input` becomes its
-/// first user item), on top of the same `previous_response_id`, if any.
-pub fn corrective_request(
-    wire: Wire,
-    request: &Map<String, Value>,
-    invalid: &Invalid,
-) -> Map<String, Value> {
+pub fn corrective_request(request: &Map<String, Value>, invalid: &Invalid) -> Map<String, Value> {
     let mut next = request.clone();
     let what = match (&invalid.problem, &invalid.tool) {
         (Problem::ToolArgs, Some(tool)) => {
@@ -565,17 +477,9 @@ pub fn corrective_request(
             .collect::<Vec<_>>()
             .join("\n")
     );
-    let field = if wire == Wire::Responses {
-        "input"
-    } else {
-        "messages"
-    };
     let messages = next
-        .entry(field)
+        .entry("messages")
         .or_insert_with(|| Value::Array(Vec::new()));
-    if let Value::String(text) = messages {
-        *messages = json!([{"role": "user", "content": text.clone()}]);
-    }
     if let Value::Array(messages) = messages {
         messages.push(json!({"role": "assistant", "content": invalid.output}));
         messages.push(json!({"role": "user", "content": feedback}));
@@ -603,7 +507,7 @@ mod tests {
         let Value::Object(request) = request else {
             panic!()
         };
-        Expectations::from_request(Wire::Chat, &request, None, &schemas())
+        Expectations::from_request(ApiKind::OpenAi, &request, None, &schemas())
             .unwrap()
             .unwrap()
     }
@@ -673,7 +577,7 @@ mod tests {
         else {
             panic!()
         };
-        let e = Expectations::from_request(Wire::Messages, &request, None, &schemas())
+        let e = Expectations::from_request(ApiKind::Anthropic, &request, None, &schemas())
             .unwrap()
             .unwrap();
         let answer = json!({"content": [{"type": "text", "text": "calling"}, {"type": "tool_use", "name": "get_weather", "input": {"city": "Rome", "temp_c": "warm"}}]});
@@ -698,7 +602,7 @@ mod tests {
             let Value::Object(request) = request else {
                 panic!()
             };
-            let e = Expectations::from_request(Wire::Messages, &request, None, &schemas())
+            let e = Expectations::from_request(ApiKind::Anthropic, &request, None, &schemas())
                 .unwrap()
                 .expect("a JSON-schema output format is validated");
             let text = |t: &str| json!({"content": [{"type": "text", "text": t}]});
@@ -716,103 +620,14 @@ mod tests {
             panic!()
         };
         assert!(
-            Expectations::from_request(Wire::Chat, &request, None, &schemas())
+            Expectations::from_request(ApiKind::OpenAi, &request, None, &schemas())
                 .unwrap()
                 .is_none()
         );
-        let err = Expectations::from_request(Wire::Messages, &request, None, &schemas())
+        let err = Expectations::from_request(ApiKind::Anthropic, &request, None, &schemas())
             .err()
             .unwrap();
         assert!(err.0.contains("output_config.format.schema"), "{}", err.0);
-    }
-
-    #[test]
-    fn the_responses_api_is_checked_and_corrected_in_its_own_shape() {
-        let obj = |v: Value| match v {
-            Value::Object(m) => m,
-            _ => panic!(),
-        };
-        let request = obj(json!({
-            "model": "gpt-4o", "input": "Weather in Rome?", "previous_response_id": "resp_1",
-            "text": {"format": {"type": "json_schema", "name": "w", "schema": weather_schema()}},
-            "tools": [{"type": "function", "name": "get_weather", "parameters": weather_schema()}],
-        }));
-        let e = Expectations::from_request(Wire::Responses, &request, None, &schemas())
-            .unwrap()
-            .expect("text.format and the tools are validated");
-        let message = |t: &str| json!({"output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": t}]}]});
-        assert!(e
-            .check(&message(r#"{"city": "Rome", "temp_c": 20}"#))
-            .is_ok());
-        let invalid = e.check(&message(r#"{"city": "Rome"}"#)).unwrap_err();
-        assert_eq!(invalid.problem, Problem::Schema);
-        let call = json!({"output": [{"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{\"city\": 3}"}]});
-        let bad_call = e.check(&call).unwrap_err();
-        assert_eq!(bad_call.problem, Problem::ToolArgs);
-        assert_eq!(bad_call.tool.as_deref(), Some("get_weather"));
-
-        // The correction is new input on top of the same stored conversation.
-        let next = corrective_request(Wire::Responses, &request, &invalid);
-        assert_eq!(next["previous_response_id"], "resp_1");
-        let input = next["input"].as_array().unwrap();
-        assert_eq!(
-            input[0],
-            json!({"role": "user", "content": "Weather in Rome?"})
-        );
-        assert_eq!(input[1]["role"], "assistant");
-        assert_eq!(input[1]["content"], r#"{"city": "Rome"}"#);
-        assert!(input[2]["content"].as_str().unwrap().contains("temp_c"));
-        assert!(next.get("messages").is_none());
-
-        // Chat's field means nothing here, and an unknown format type is refused.
-        let chat_field = obj(json!({"response_format": {"type": "json_object"}, "input": "x"}));
-        assert!(
-            Expectations::from_request(Wire::Responses, &chat_field, None, &schemas())
-                .unwrap()
-                .is_none()
-        );
-        let unknown = obj(json!({"text": {"format": {"type": "yaml"}}, "input": "x"}));
-        let err = Expectations::from_request(Wire::Responses, &unknown, None, &schemas())
-            .err()
-            .unwrap();
-        assert!(err.0.contains("text.format.type"), "{}", err.0);
-    }
-
-    #[test]
-    fn a_validated_responses_answer_replays_as_its_event_stream() {
-        let answer = json!({"id": "resp_9", "object": "response", "status": "completed", "model": "gpt-4o",
-            "output": [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
-                        "content": [{"type": "output_text", "text": "{\"ok\":true}", "annotations": []}]}],
-            "usage": {"input_tokens": 3, "output_tokens": 4, "total_tokens": 7}});
-        let sse =
-            String::from_utf8(replay::as_sse(Wire::Responses, &answer, false).to_vec()).unwrap();
-        let names: Vec<&str> = sse
-            .lines()
-            .filter_map(|l| l.strip_prefix("event: "))
-            .collect();
-        assert_eq!(
-            names,
-            [
-                "response.created",
-                "response.in_progress",
-                "response.output_item.added",
-                "response.content_part.added",
-                "response.output_text.delta",
-                "response.output_text.done",
-                "response.content_part.done",
-                "response.output_item.done",
-                "response.completed"
-            ]
-        );
-        let last: Value = serde_json::from_str(
-            sse.lines()
-                .rev()
-                .find_map(|l| l.strip_prefix("data: "))
-                .unwrap(),
-        )
-        .unwrap();
-        assert_eq!(last["response"]["usage"]["output_tokens"], 4);
-        assert_eq!(last["sequence_number"], 8);
     }
 
     #[test]
@@ -826,7 +641,7 @@ mod tests {
         let schemas = schemas();
         let (one, two): (Arc<str>, Arc<str>) = (Arc::from("one"), Arc::from("two"));
         let collect = |tenant: &Arc<str>| {
-            Expectations::collect(Wire::Chat, &request, None, &schemas, tenant)
+            Expectations::collect(ApiKind::OpenAi, &request, None, &schemas, tenant)
                 .unwrap()
                 .unwrap()
         };
@@ -843,13 +658,13 @@ mod tests {
             panic!()
         };
         assert!(
-            Expectations::from_request(Wire::Chat, &request, None, &schemas())
+            Expectations::from_request(ApiKind::OpenAi, &request, None, &schemas())
                 .unwrap()
                 .is_none()
         );
         let route = Arc::new(weather_schema());
         assert!(
-            Expectations::from_request(Wire::Chat, &request, Some(&route), &schemas())
+            Expectations::from_request(ApiKind::OpenAi, &request, Some(&route), &schemas())
                 .unwrap()
                 .is_some()
         );
@@ -868,7 +683,7 @@ mod tests {
             output: r#"{"city":"Paris"}"#.into(),
             tool: None,
         };
-        let next = corrective_request(Wire::Chat, &request, &invalid);
+        let next = corrective_request(&request, &invalid);
         let messages = next["messages"].as_array().unwrap();
         assert_eq!(messages.len(), 3);
         assert_eq!(

@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use serde_json::{json, Value};
 
-use super::Wire;
+use crate::api::ApiKind;
 
 fn data(value: &Value) -> String {
     format!("data: {value}\n\n")
@@ -15,111 +15,12 @@ fn event(name: &str, value: &Value) -> String {
 }
 
 /// The SSE body for a complete (non-streaming) answer.
-pub fn as_sse(wire: Wire, answer: &Value, include_usage: bool) -> Bytes {
-    match wire {
-        Wire::Chat => openai(answer, include_usage),
-        Wire::Messages => anthropic(answer),
-        Wire::Responses => responses(answer),
+pub fn as_sse(api: ApiKind, answer: &Value, include_usage: bool) -> Bytes {
+    match api {
+        ApiKind::OpenAi => openai(answer, include_usage),
+        ApiKind::Anthropic => anthropic(answer),
     }
     .into()
-}
-
-/// The Responses API's event sequence for a whole `response` object: created, each
-/// output item added, its text or arguments in one delta, done, then completed (which
-/// carries the usage). Every event has its `type` and a `sequence_number`.
-fn responses(answer: &Value) -> String {
-    let mut out = String::new();
-    let mut seq = 0u64;
-    let mut emit = |name: &str, mut body: Value| {
-        body["type"] = json!(name);
-        body["sequence_number"] = json!(seq);
-        seq += 1;
-        out.push_str(&event(name, &body));
-    };
-    let mut started = answer.clone();
-    started["status"] = json!("in_progress");
-    started["output"] = json!([]);
-    if let Some(obj) = started.as_object_mut() {
-        obj.remove("usage");
-    }
-    emit("response.created", json!({ "response": started.clone() }));
-    emit("response.in_progress", json!({ "response": started }));
-    let items = answer
-        .get("output")
-        .and_then(Value::as_array)
-        .cloned()
-        .unwrap_or_default();
-    for (index, item) in items.iter().enumerate() {
-        let id = item.get("id").cloned().unwrap_or(Value::Null);
-        let mut opening = item.clone();
-        opening["status"] = json!("in_progress");
-        match item.get("type").and_then(Value::as_str) {
-            Some("message") => {
-                opening["content"] = json!([]);
-                emit(
-                    "response.output_item.added",
-                    json!({"output_index": index, "item": opening}),
-                );
-                let parts = item
-                    .get("content")
-                    .and_then(Value::as_array)
-                    .cloned()
-                    .unwrap_or_default();
-                for (part_index, part) in parts.iter().enumerate() {
-                    let text = part.get("text").and_then(Value::as_str).unwrap_or("");
-                    let mut empty = part.clone();
-                    empty["text"] = json!("");
-                    let at =
-                        json!({"item_id": id, "output_index": index, "content_index": part_index});
-                    let with = |extra: Value| {
-                        let mut v = at.clone();
-                        if let (Some(v), Some(extra)) = (v.as_object_mut(), extra.as_object()) {
-                            v.extend(extra.clone());
-                        }
-                        v
-                    };
-                    emit("response.content_part.added", with(json!({"part": empty})));
-                    if part.get("type").and_then(Value::as_str) == Some("output_text") {
-                        emit(
-                            "response.output_text.delta",
-                            with(json!({"delta": text, "logprobs": []})),
-                        );
-                        emit(
-                            "response.output_text.done",
-                            with(json!({"text": text, "logprobs": []})),
-                        );
-                    }
-                    emit("response.content_part.done", with(json!({"part": part})));
-                }
-            }
-            Some("function_call") => {
-                opening["arguments"] = json!("");
-                emit(
-                    "response.output_item.added",
-                    json!({"output_index": index, "item": opening}),
-                );
-                let args = item.get("arguments").and_then(Value::as_str).unwrap_or("");
-                emit(
-                    "response.function_call_arguments.delta",
-                    json!({"item_id": id, "output_index": index, "delta": args}),
-                );
-                emit(
-                    "response.function_call_arguments.done",
-                    json!({"item_id": id, "output_index": index, "arguments": args}),
-                );
-            }
-            _ => emit(
-                "response.output_item.added",
-                json!({"output_index": index, "item": item}),
-            ),
-        }
-        emit(
-            "response.output_item.done",
-            json!({"output_index": index, "item": item}),
-        );
-    }
-    emit("response.completed", json!({ "response": answer }));
-    out
 }
 
 fn openai(answer: &Value, include_usage: bool) -> String {
