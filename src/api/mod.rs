@@ -36,6 +36,8 @@ pub enum Endpoint {
     ChatCompletions,
     Messages,
     Embeddings,
+    /// The OpenAI Responses API (`POST /v1/responses`).
+    Responses,
 }
 
 impl Endpoint {
@@ -44,6 +46,7 @@ impl Endpoint {
             "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
             "/v1/messages" => Some(Endpoint::Messages),
             "/v1/embeddings" => Some(Endpoint::Embeddings),
+            "/v1/responses" => Some(Endpoint::Responses),
             _ => None,
         }
     }
@@ -51,7 +54,9 @@ impl Endpoint {
     pub fn api(self) -> ApiKind {
         match self {
             Endpoint::Messages => ApiKind::Anthropic,
-            Endpoint::ChatCompletions | Endpoint::Embeddings => ApiKind::OpenAi,
+            Endpoint::ChatCompletions | Endpoint::Embeddings | Endpoint::Responses => {
+                ApiKind::OpenAi
+            }
         }
     }
 
@@ -60,6 +65,7 @@ impl Endpoint {
             Endpoint::ChatCompletions => "/v1/chat/completions",
             Endpoint::Messages => "/v1/messages",
             Endpoint::Embeddings => "/v1/embeddings",
+            Endpoint::Responses => "/v1/responses",
         }
     }
 
@@ -69,11 +75,47 @@ impl Endpoint {
             Endpoint::ChatCompletions => "chat_completions",
             Endpoint::Messages => "messages",
             Endpoint::Embeddings => "embeddings",
+            Endpoint::Responses => "responses",
+        }
+    }
+
+    /// Every proxied endpoint (an upstream pre-parses a URL for each).
+    pub const ALL: [Endpoint; 4] = [
+        Endpoint::ChatCompletions,
+        Endpoint::Messages,
+        Endpoint::Embeddings,
+        Endpoint::Responses,
+    ];
+
+    /// The names an answer's `usage` counts are under: (input, output).
+    pub fn usage_fields(self) -> (&'static str, &'static str) {
+        match self {
+            Endpoint::ChatCompletions | Endpoint::Embeddings => {
+                ("prompt_tokens", "completion_tokens")
+            }
+            Endpoint::Messages | Endpoint::Responses => ("input_tokens", "output_tokens"),
+        }
+    }
+
+    /// The request fields that cap the answer's length, in precedence order.
+    pub fn output_cap_fields(self) -> &'static [&'static str] {
+        match self {
+            Endpoint::ChatCompletions | Endpoint::Messages | Endpoint::Embeddings => {
+                &["max_completion_tokens", "max_tokens"]
+            }
+            Endpoint::Responses => &["max_output_tokens"],
         }
     }
 
     /// The error shape for a request path, before the endpoint is known to be valid.
     pub fn api_for_path(path: &str) -> ApiKind {
         Endpoint::from_path(path).map_or(ApiKind::OpenAi, Endpoint::api)
+    }
+
+    /// The stored-response routes of the Responses API (`/v1/responses/{id}...`): no
+    /// model, so not proxied by this stack (see `crate::upstream::objects`).
+    pub fn is_response_object_path(path: &str) -> bool {
+        path.strip_prefix("/v1/responses/")
+            .is_some_and(|rest| !rest.is_empty())
     }
 }

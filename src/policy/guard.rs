@@ -506,7 +506,8 @@ fn text_of(content: Option<&Value>) -> String {
     }
 }
 
-/// The request's fingerprint: a hash of its normalised model + messages + tools, and the
+/// The request's fingerprint: a hash of its normalised model + messages + tools (+ a
+/// Responses request's instructions, input and previous response), and the
 /// most repeated (tool call, tool result) pair in its history.
 pub fn fingerprint(json: &serde_json::Map<String, Value>) -> RequestFingerprint {
     use std::hash::Hasher;
@@ -525,6 +526,15 @@ pub fn fingerprint(json: &serde_json::Map<String, Value>) -> RequestFingerprint 
     for key in ["model", "system", "messages", "tools"] {
         hasher.0.write(key.as_bytes());
         if let Some(value) = json.get(key) {
+            let _ = serde_json::to_writer(&mut hasher, value);
+        }
+    }
+    // The Responses API's conversation (hashed only when present, so a chat request's
+    // fingerprint is what it always was): without it every turn of a Responses session
+    // would look like the same request repeated.
+    for key in ["instructions", "input", "previous_response_id"] {
+        if let Some(value) = json.get(key) {
+            hasher.0.write(key.as_bytes());
             let _ = serde_json::to_writer(&mut hasher, value);
         }
     }
@@ -755,6 +765,18 @@ mod tests {
             .admit(t0 + Duration::from_secs(122), &fp(3), 1.8)
             .0
             .is_ok());
+    }
+
+    #[test]
+    fn responses_turns_have_distinct_fingerprints() {
+        let turn = |input: &str| {
+            let Value::Object(m) = json!({"model": "gpt-4o", "input": input}) else {
+                unreachable!()
+            };
+            fingerprint(&m).request
+        };
+        assert_ne!(turn("first question"), turn("second question"));
+        assert_eq!(turn("same"), turn("same"));
     }
 
     #[test]
