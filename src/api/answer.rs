@@ -136,7 +136,10 @@ mod tests {
             usage(Endpoint::ChatCompletions, br#"{"id":"x"}"#),
             ReportedUsage::Absent
         );
-        assert_eq!(usage(Endpoint::ChatCompletions, b"not json"), ReportedUsage::Absent);
+        assert_eq!(
+            usage(Endpoint::ChatCompletions, b"not json"),
+            ReportedUsage::Absent
+        );
         assert!(!AnswerView::read(Endpoint::ChatCompletions, b"not json", false).is_json);
         assert!(AnswerView::read(Endpoint::ChatCompletions, b"[]", false).is_json);
     }

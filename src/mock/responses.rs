@@ -160,9 +160,7 @@ pub fn completion(api: Api, request: &Value, step: &FaultStep) -> Response<Body>
     }
     let parts = pieces(&text, step.chunks.unwrap_or(4));
     let events = match api {
-        Api::OpenAi | Api::Responses => {
-            openai_events(id, &model, &parts, request, (input, output))
-        }
+        Api::OpenAi | Api::Responses => openai_events(id, &model, &parts, request, (input, output)),
         Api::Anthropic => anthropic_events(id, &model, &parts, (input, output)),
     };
     sse(events, step)

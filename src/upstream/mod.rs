@@ -66,11 +66,11 @@ impl Upstream {
         let urls = Endpoint::ALL
             .into_iter()
             .map(|e| {
-            let url = format!("{}{}", config.origin(), e.path());
-            // Validated by `UpstreamConfig::validate`.
-            (e, reqwest::Url::parse(&url).expect("validated base_url"))
-        })
-        .collect();
+                let url = format!("{}{}", config.origin(), e.path());
+                // Validated by `UpstreamConfig::validate`.
+                (e, reqwest::Url::parse(&url).expect("validated base_url"))
+            })
+            .collect();
         Upstream {
             name: config.name.as_str().into(),
             api: config.api,

@@ -499,7 +499,9 @@ mod tests {
         let event = stream_error_event(Endpoint::Responses, "upstream_stream_error", "cut");
         let text = std::str::from_utf8(&event).unwrap();
         let data: Value = serde_json::from_str(
-            text.strip_prefix("event: error\ndata: ").unwrap().trim_end(),
+            text.strip_prefix("event: error\ndata: ")
+                .unwrap()
+                .trim_end(),
         )
         .unwrap();
         assert_eq!(data["type"], "error");
