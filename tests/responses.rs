@@ -229,24 +229,124 @@ async fn a_function_call_is_answered_as_an_output_item() {
     assert!(item["call_id"].is_string());
 }
 
-#[tokio::test]
-async fn a_text_format_schema_is_passed_through_unvalidated() {
-    let gw = gateway().await;
-    let body = json!({"model": "gpt-4o", "input": "json please", "text": {"format": {
+fn schema_body(input: Value) -> Value {
+    json!({"model": "gpt-4o", "input": input, "text": {"format": {
         "type": "json_schema", "name": "w", "strict": true,
         "schema": {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}}
-    }}});
-    // "not json"
+    }}})
+}
+
+/// "not json", then {"a": 1}.
+const INVALID_THEN_VALID: &str = "content_b64=bm90IGpzb24=,content_b64=eyJhIjogMX0=";
+
+#[tokio::test]
+async fn an_invalid_text_format_answer_is_corrected_with_new_input_items() {
+    let gw = gateway().await;
+    let body = schema_body(json!("json please"));
     let resp = gw
-        .responses(KEY_A, &[], "format", "content_b64=bm90IGpzb24=", &body)
+        .responses(KEY_A, &[], "format", INVALID_THEN_VALID, &body)
         .await;
     assert_eq!(resp.status(), 200);
-    assert!(resp.headers().get("x-backstop-validation").is_none());
-    assert_eq!(gw.mock.attempts("format"), 1);
+    assert_eq!(resp.headers()["x-backstop-validation"], "corrected");
+    assert_eq!(resp.headers()["x-backstop-attempts"], "2");
+    assert_eq!(gw.mock.attempts("format"), 2);
+    let answer = json(resp).await;
+    assert_eq!(answer["output"][0]["content"][0]["text"], r#"{"a": 1}"#);
+    // The string input became the first item; the invalid output and the errors follow.
+    let input = gw.mock.last_request("format").unwrap()["body"]["input"].clone();
+    assert_eq!(input[0], json!({"role": "user", "content": "json please"}));
     assert_eq!(
-        json(resp).await["output"][0]["content"][0]["text"],
-        "not json"
+        input[1],
+        json!({"role": "assistant", "content": "not json"})
     );
+    assert_eq!(input[2]["role"], "user");
+    assert!(
+        input[2]["content"]
+            .as_str()
+            .unwrap()
+            .contains("not valid JSON"),
+        "{input}"
+    );
+}
+
+#[tokio::test]
+async fn a_correction_stays_on_top_of_the_previous_response() {
+    let gw = gateway().await;
+    let mut body = schema_body(json!([{"role": "user", "content": "more"}]));
+    body["previous_response_id"] = json!("resp_before");
+    let resp = gw
+        .responses(KEY_A, &[], "format-prev", INVALID_THEN_VALID, &body)
+        .await;
+    assert_eq!(resp.status(), 200);
+    let sent = gw.mock.last_request("format-prev").unwrap()["body"].clone();
+    assert_eq!(sent["previous_response_id"], "resp_before");
+    assert_eq!(sent["input"].as_array().unwrap().len(), 3);
+}
+
+#[tokio::test]
+async fn invalid_function_call_arguments_are_corrected() {
+    let gw = gateway().await;
+    let body = json!({"model": "gpt-4o", "input": "weather?", "tools": [
+        {"type": "function", "name": "get_weather", "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}
+    ]});
+    // {"town":"Paris"}, then {"city":"Paris"}
+    let fault = "tool=get_weather;tool_args_b64=eyJ0b3duIjoiUGFyaXMifQ==,tool=get_weather;tool_args_b64=eyJjaXR5IjoiUGFyaXMifQ==";
+    let resp = gw.responses(KEY_A, &[], "tool-fix", fault, &body).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-backstop-validation"], "corrected");
+    assert_eq!(
+        json(resp).await["output"][0]["arguments"],
+        r#"{"city":"Paris"}"#
+    );
+    assert_eq!(gw.mock.attempts("tool-fix"), 2);
+}
+
+#[tokio::test]
+async fn a_validated_stream_is_replayed_as_responses_events() {
+    let gw = gateway().await;
+    let mut body = schema_body(json!("json please"));
+    body["stream"] = json!(true);
+    let resp = gw
+        .responses(KEY_A, &[], "format-stream", INVALID_THEN_VALID, &body)
+        .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-backstop-validation"], "corrected");
+    let text = resp.text().await.unwrap();
+    assert!(text.starts_with("event: response.created\n"), "{text}");
+    let last = text.trim_end().rsplit("\n\n").next().unwrap();
+    let completed: Value = serde_json::from_str(
+        last.strip_prefix("event: response.completed\ndata: ")
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        completed["response"]["output"][0]["content"][0]["text"],
+        r#"{"a": 1}"#
+    );
+    assert!(text.contains(r#""delta":"{\"a\": 1}""#), "{text}");
+    // Fetched whole from the upstream, unstreamed.
+    assert_eq!(
+        gw.mock.last_request("format-stream").unwrap()["body"]["stream"],
+        false
+    );
+}
+
+#[tokio::test]
+async fn a_schema_that_does_not_compile_is_refused_before_any_call() {
+    let gw = gateway().await;
+    let mut body = schema_body(json!("x"));
+    body["text"]["format"]["schema"] = json!({"type": "no-such-type"});
+    let resp = gw.responses(KEY_A, &[], "bad-schema", "", &body).await;
+    assert_eq!(resp.status(), 400);
+    assert_eq!(json(resp).await["error"]["code"], "invalid_schema");
+    let mut body = schema_body(json!("x"));
+    body["text"]["format"]
+        .as_object_mut()
+        .unwrap()
+        .remove("schema");
+    let resp = gw.responses(KEY_A, &[], "bad-schema", "", &body).await;
+    assert_eq!(resp.status(), 400);
+    assert_eq!(gw.mock.attempts("bad-schema"), 0);
 }
 
 #[tokio::test]

@@ -17,8 +17,11 @@
 //! API's format: the client's first byte waits for the valid answer. That is the price
 //! of never showing an agent output that breaks its schema.
 //!
-//! `/v1/responses` answers are not validated yet (`text.format`, `function_call` items):
-//! such requests pass straight through, their schemas unchecked.
+//! `/v1/responses` is validated the same way in its own shape: `text.format`
+//! (`json_schema`, `json_object`) against the `output_text` of its message items, each
+//! `function_call` item's `arguments` against its function tool's `parameters`; the
+//! correction is appended as new `input` items, and a validated stream is replayed as
+//! the Responses API's event sequence.
 
 use std::sync::Arc;
 
@@ -34,12 +37,11 @@ use super::{
     Middleware, Stack,
 };
 use crate::{
-    api::Endpoint,
     config::{ValidationConfig, ValidationMode},
     error::GatewayError,
     policy::trail::Step,
     upstream::{Reply, ReplyBody},
-    validation::{corrective_request, replay, Expectations, Invalid, Schemas},
+    validation::{corrective_request, replay, Expectations, Format, Invalid, Schemas},
 };
 
 #[derive(Clone)]
@@ -98,14 +100,8 @@ where
 
     async fn call(&self, mut inner: S, call: Call) -> Result<Response<Body>, GatewayError> {
         let layer = self;
-        if call.endpoint() == Endpoint::Responses {
-            // Not validated yet (see the module doc): passed through as for a request
-            // that expects nothing, so a `text.format` schema is neither refused nor
-            // checked, and a route's `response_schema` is not applied to it.
-            return Ok(inner.call(call).await?.reply.into_response());
-        }
         let pending = Expectations::collect(
-            call.endpoint().api(),
+            Format::of(call.endpoint()),
             &call.request.json,
             call.route.response_schema.as_ref(),
             &layer.schemas,
@@ -192,7 +188,7 @@ where
                     }
                     let mut response = if call.request.stream {
                         let sse = replay::as_sse(
-                            call.endpoint().api(),
+                            Format::of(call.endpoint()),
                             &answer,
                             call.request.client_wants_stream_usage,
                         );
@@ -227,7 +223,7 @@ where
             if round < config.corrective_retries {
                 call.log.push_step(Step::Correct(invalid.problem.label()));
                 metrics::counter!("backstop_corrective_retries_total", "kind" => invalid.problem.label()).increment(1);
-                json = corrective_request(&json, &invalid);
+                json = corrective_request(Format::of(call.endpoint()), &json, &invalid);
             }
             last = Some(invalid);
         }

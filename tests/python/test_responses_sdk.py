@@ -7,6 +7,7 @@ import json
 import time
 
 import openai
+import pydantic
 import pytest
 
 from backstop_support import PROVIDER_OPENAI_KEY, TENANT_A_KEY, assert_no_tenant_key
@@ -174,18 +175,42 @@ def test_an_invalid_max_output_tokens_is_refused_before_the_upstream(backstop, o
     assert backstop.attempts(scenario) == 0
 
 
-def test_a_text_format_schema_is_passed_through(backstop, oai, scenario):
-    response = oai.responses.create(
+class Weather(pydantic.BaseModel):
+    city: str
+    temp_c: float
+
+
+def test_parse_with_a_pydantic_model_is_corrected_after_an_invalid_answer(backstop, oai, scenario):
+    invalid = json.dumps({"city": "Rome"})
+    valid = json.dumps({"city": "Rome", "temp_c": 31.5})
+    raw = oai.responses.with_raw_response.parse(
         model="gpt-4o",
-        input="json please",
-        text={"format": {"type": "json_schema", "name": "answer", "strict": True, "schema": {
-            "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
-            "additionalProperties": False,
-        }}},
-        extra_headers=_hdrs(scenario, **{"x-mock-fault": "content_b64=" + _b64(json.dumps({"a": 1}))}),
+        input="The weather in Rome, as JSON.",
+        text_format=Weather,
+        extra_headers=_hdrs(scenario, **{"x-mock-fault": f"content_b64={_b64(invalid)},content_b64={_b64(valid)}"}),
     )
-    assert json.loads(response.output_text) == {"a": 1}
-    assert backstop.last_upstream_request(scenario)["body"]["text"]["format"]["type"] == "json_schema"
+    assert raw.headers["x-backstop-validation"] == "corrected"
+    parsed = raw.parse()
+    assert parsed.output_parsed == Weather(city="Rome", temp_c=31.5)
+    assert backstop.attempts(scenario) == 2
+    correction = backstop.last_upstream_request(scenario)["body"]["input"]
+    assert correction[0] == {"role": "user", "content": "The weather in Rome, as JSON."}
+    assert correction[1] == {"role": "assistant", "content": invalid}
+    assert "temp_c" in correction[2]["content"]
+
+
+def test_invalid_function_call_arguments_are_corrected(backstop, oai, scenario):
+    bad, good = json.dumps({"town": "Paris"}), json.dumps({"city": "Paris"})
+    fault = f"tool=get_weather;tool_args_b64={_b64(bad)},tool=get_weather;tool_args_b64={_b64(good)}"
+    raw = oai.responses.with_raw_response.create(
+        model="gpt-4o", input="weather in Paris?", tools=[WEATHER_TOOL],
+        extra_headers=_hdrs(scenario, **{"x-mock-fault": fault}),
+    )
+    assert raw.headers["x-backstop-validation"] == "corrected"
+    call = raw.parse().output[0]
+    assert call.type == "function_call"
+    assert json.loads(call.arguments) == {"city": "Paris"}
+    assert backstop.attempts(scenario) == 2
 
 
 def test_stored_responses_are_retrieved_cancelled_listed_and_deleted(backstop, oai, scenario):
