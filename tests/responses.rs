@@ -10,6 +10,7 @@ use common::*;
 use serde_json::{json, Value};
 
 const CAPPED: &str = "bk-capped-key-01";
+const GUARDED: &str = "bk-guarded-key-01";
 
 fn create(model: &str, input: &str) -> Value {
     json!({"model": model, "input": input})
@@ -64,6 +65,13 @@ name = "capped"
 api_keys = ["{CAPPED}"]
 [tenants.session]
 max_tokens = 100000
+
+[[tenants]]
+name = "guarded"
+api_keys = ["{GUARDED}"]
+[tenants.guard]
+identical_request_limit = 3
+tool_loop_limit = 3
 "#
         )
     })
@@ -525,4 +533,77 @@ fn the_responses_upstream_is_configured_or_the_first_openai_target() {
     assert!(err.starts_with("responses.upstream:"), "{err}");
     let err = config_with("[responses]\nupstreams = \"oa\"").unwrap_err();
     assert!(err.contains("upstreams"), "{err}");
+}
+
+#[tokio::test]
+async fn the_guard_stops_a_responses_tool_loop_and_lets_distinct_turns_through() {
+    let gw = gateway().await;
+    let session = [("x-session-id", "agent-1")];
+    // Five different turns of one session: none is a repeat.
+    for i in 0..5 {
+        let resp = gw
+            .responses(
+                GUARDED,
+                &session,
+                "turns",
+                "",
+                &create("gpt-4o", &format!("turn {i}")),
+            )
+            .await;
+        assert_eq!(resp.status(), 200, "turn {i}");
+    }
+    // The same failing function call fed back three times.
+    let mut input = vec![json!({"role": "user", "content": "weather in Atlantis?"})];
+    for i in 0..3 {
+        input.push(json!({"type": "function_call", "call_id": format!("call_{i}"), "name": "get_weather", "arguments": r#"{"city":"Atlantis"}"#}));
+        input.push(json!({"type": "function_call_output", "call_id": format!("call_{i}"), "output": "Error: city not found"}));
+    }
+    let body = json!({"model": "gpt-4o", "input": input});
+    let resp = gw.responses(GUARDED, &session, "loop", "", &body).await;
+    assert_eq!(resp.status(), 429);
+    let error = json(resp).await;
+    assert_eq!(error["error"]["code"], "loop_detected");
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(r#"get_weather({"city":"Atlantis"}) returned the same error 3 times"#),
+        "{message}"
+    );
+    assert_eq!(gw.mock.attempts("loop"), 0);
+}
+
+#[tokio::test]
+async fn the_same_responses_request_a_fourth_time_is_a_loop() {
+    let gw = gateway().await;
+    let session = [("x-session-id", "agent-2")];
+    for _ in 0..3 {
+        let resp = gw
+            .responses(GUARDED, &session, "same", "", &create("gpt-4o", "again"))
+            .await;
+        assert_eq!(resp.status(), 200);
+    }
+    let resp = gw
+        .responses(GUARDED, &session, "same", "", &create("gpt-4o", "again"))
+        .await;
+    assert_eq!(resp.status(), 429);
+    assert_eq!(json(resp).await["error"]["code"], "loop_detected");
+    assert_eq!(gw.mock.attempts("same"), 3);
+}
+
+#[tokio::test]
+async fn an_idempotency_key_replays_a_response() {
+    let gw = gateway().await;
+    let key = [("idempotency-key", "resp-key-1")];
+    let body = create("gpt-4o", "once");
+    let first = gw.responses(KEY_A, &key, "idem", "", &body).await;
+    assert_eq!(first.status(), 200);
+    let first = first.text().await.unwrap();
+    let again = gw.responses(KEY_A, &key, "idem", "", &body).await;
+    assert_eq!(again.headers()["x-backstop-replayed"], "true");
+    assert_eq!(again.text().await.unwrap(), first);
+    assert_eq!(gw.mock.attempts("idem"), 1);
+    let other = gw
+        .responses(KEY_A, &key, "idem", "", &create("gpt-4o", "twice"))
+        .await;
+    assert_eq!(other.status(), 422);
+    assert_eq!(json(other).await["error"]["code"], "idempotency_key_reused");
 }
