@@ -10,7 +10,7 @@ import openai
 import pydantic
 import pytest
 
-from backstop_support import PROVIDER_OPENAI_KEY, TENANT_A_KEY, assert_no_tenant_key
+from backstop_support import GUARDED_KEY, PROVIDER_OPENAI_KEY, TENANT_A_KEY, assert_no_tenant_key
 
 
 def _hdrs(scenario: str, **extra: str) -> dict:
@@ -229,3 +229,28 @@ def test_stored_responses_are_retrieved_cancelled_listed_and_deleted(backstop, o
     assert up["headers"]["authorization"] == f"Bearer {PROVIDER_OPENAI_KEY}"
     assert_no_tenant_key(up)
     assert backstop.attempts(scenario) == 4
+
+
+def test_a_responses_tool_loop_is_refused_by_the_guard(backstop, scenario):
+    client = openai.OpenAI(api_key=GUARDED_KEY, base_url=backstop.openai_base_url, max_retries=2, timeout=20)
+    hdrs = _hdrs(scenario, **{"x-session-id": scenario})
+    args = json.dumps({"city": "Atlantis"})
+    fault = f"tool=get_weather;tool_args_b64={_b64(args)}"
+    items = [{"role": "user", "content": "What is the weather in Atlantis?"}]
+    with pytest.raises(openai.RateLimitError) as err:
+        # The agent feeds the same failing call back until the guard stops it.
+        for _ in range(5):
+            response = client.responses.create(
+                model="gpt-4o", input=items, tools=[WEATHER_TOOL],
+                extra_headers={**hdrs, "x-mock-fault": fault},
+            )
+            call = next(i for i in response.output if i.type == "function_call")
+            items += [
+                call.model_dump(exclude_none=True),
+                {"type": "function_call_output", "call_id": call.call_id, "output": "Error: city not found"},
+            ]
+    assert err.value.code == "loop_detected"
+    assert 'get_weather({"city":"Atlantis"}) returned the same error 3 times' in err.value.message
+    assert err.value.response.headers["x-should-retry"] == "false"
+    assert backstop.attempts(scenario) == 3
+    client.close()
