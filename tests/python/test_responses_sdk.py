@@ -254,3 +254,18 @@ def test_a_responses_tool_loop_is_refused_by_the_guard(backstop, scenario):
     assert err.value.response.headers["x-should-retry"] == "false"
     assert backstop.attempts(scenario) == 3
     client.close()
+
+
+def test_a_stream_cut_midway_ends_with_an_error_event(backstop, oai, scenario):
+    events = list(
+        oai.responses.create(
+            model="gpt-4o", input="cut me", stream=True,
+            extra_headers=_hdrs(scenario, **{"x-mock-fault": "cut=4"}),
+        )
+    )
+    assert events[0].type == "response.created"
+    last = events[-1]
+    assert last.type == "error"
+    assert last.code == "upstream_stream_error"
+    assert last.message
+    assert backstop.attempts(scenario) == 1
