@@ -184,8 +184,7 @@ fn check<Req, S: tower::Service<Req>>(service: S) -> S {
 }
 
 /// The proxy stack for `/v1/chat/completions`, `/v1/messages`, `/v1/embeddings` and
-/// `/v1/responses`,
-/// built inside out so each seam is checked where it is made.
+/// `/v1/responses`, built inside out so each seam is checked where it is made.
 fn proxy_stack(state: &AppState) -> HttpService {
     let server = &state.config.server;
     // The attempt level: one upstream call, metered.
