@@ -52,7 +52,7 @@ use axum::{
     extract::State,
     http::{header, Request, StatusCode},
     response::{IntoResponse, Response},
-    routing::{get, post_service},
+    routing::{get, get_service, post_service},
     Router,
 };
 use hyper::body::Incoming;
@@ -95,7 +95,7 @@ use crate::{
     state::{budgets::Budgets, health::HealthRegistry, sessions::SessionGuards},
     store::{SqliteStore, Store, StoreError},
     telemetry,
-    upstream::{self, Attempt, Forward, StreamLimits, Upstream},
+    upstream::{self, objects::ForwardObject, Attempt, Forward, StreamLimits, Upstream},
     validation::Schemas,
 };
 
@@ -183,8 +183,8 @@ fn check<Req, S: tower::Service<Req>>(service: S) -> S {
     service
 }
 
-/// The proxy stack for `/v1/chat/completions`, `/v1/messages` and `/v1/embeddings`,
-/// built inside out so each seam is checked where it is made.
+/// The proxy stack for `/v1/chat/completions`, `/v1/messages`, `/v1/embeddings` and
+/// `/v1/responses`, built inside out so each seam is checked where it is made.
 fn proxy_stack(state: &AppState) -> HttpService {
     let server = &state.config.server;
     // The attempt level: one upstream call, metered.
@@ -276,8 +276,34 @@ fn count_tokens_stack(state: &AppState) -> HttpService {
     BoxCloneSyncService::new(stack)
 }
 
-/// `GET /v1/models` and `GET /v1/models/{id}`: the same edge, error and auth layers over
-/// the route table.
+/// The Responses API's stored-response routes (`/v1/responses/{id}`, `.../cancel`,
+/// `.../input_items`): edge, errors, deadline, auth and span as for the proxy, then one
+/// forwarded call to the `[responses] upstream` with its key; no budget, guard or
+/// validation, since nothing is generated (see [`upstream::objects`]).
+fn response_objects_stack(state: &AppState) -> HttpService {
+    let server = &state.config.server;
+    let upstream = state
+        .config
+        .responses_upstream()
+        .and_then(|name| state.upstreams.get(name).cloned());
+    let leaf = check::<Request<Body>, _>(ForwardObject::new(
+        upstream::client(),
+        upstream,
+        server.max_body_bytes,
+        state.stream_limits.max_response_bytes,
+    ));
+    let stack = ServiceBuilder::new()
+        .layer(EdgeLayer::default())
+        .layer(RespondLayer)
+        .layer(DeadlineLayer::new(server.request_timeout))
+        .layer(AuthLayer::new(state.tenants.clone()))
+        .map_response(edge::unwrap_body)
+        .layer(edge::span_layer(server.max_session_id_bytes))
+        .service(leaf);
+    BoxCloneSyncService::new(stack)
+}
+
+/// `GET /v1/models`: the same edge, error and auth layers over a listing of the routes.
 fn models_stack(state: &AppState) -> HttpService {
     let routes = state.routes.clone();
     let answer = tower::service_fn(move |req: Request<Body>| {
@@ -375,6 +401,7 @@ pub fn router(state: AppState) -> App {
 fn routes(state: AppState) -> Router {
     let proxy = proxy_stack(&state);
     let models = models_stack(&state);
+    let objects = response_objects_stack(&state);
     Router::new()
         .route(
             Endpoint::ChatCompletions.path(),
@@ -385,9 +412,16 @@ fn routes(state: AppState) -> Router {
             Endpoint::CountTokens.path(),
             post_service(count_tokens_stack(&state)),
         )
-        .route(Endpoint::Embeddings.path(), post_service(proxy))
-        .route("/v1/models", axum::routing::get_service(models.clone()))
-        .route("/v1/models/{*id}", axum::routing::get_service(models))
+        .route(Endpoint::Embeddings.path(), post_service(proxy.clone()))
+        .route(Endpoint::Responses.path(), post_service(proxy))
+        .route(
+            "/v1/responses/{id}",
+            get_service(objects.clone()).delete_service(objects.clone()),
+        )
+        .route("/v1/responses/{id}/cancel", post_service(objects.clone()))
+        .route("/v1/responses/{id}/input_items", get_service(objects))
+        .route("/v1/models", get_service(models.clone()))
+        .route("/v1/models/{*id}", get_service(models))
         .merge(crate::admin::routes(admin_state(&state)))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))

@@ -9,7 +9,7 @@ use std::{
 };
 
 use backstop::{
-    api::{ApiKind, Endpoint},
+    api::Endpoint,
     config::Config,
     error::GatewayError,
     layers::{
@@ -168,7 +168,7 @@ impl Service<Billed> for Script {
                         map.insert(*k, HeaderValue::from_static(v));
                     }
                     Ok(Reply::whole(
-                        ApiKind::OpenAi,
+                        Endpoint::ChatCompletions,
                         StatusCode::from_u16(status).unwrap(),
                         map,
                         Bytes::from_static(body.as_bytes()),

@@ -6,7 +6,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::ApiKind;
+use super::Endpoint;
 
 /// The usage an answer reports, before any judgement of whether to believe it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,13 +30,14 @@ pub struct AnswerView {
 }
 
 impl AnswerView {
-    /// Reads a 2xx body once; `keep` keeps the whole parsed answer for validation.
-    pub fn read(api: ApiKind, body: &[u8], keep: bool) -> AnswerView {
+    /// Reads a 2xx body of `endpoint` once (its usage field names are the endpoint's, not
+    /// only its API's); `keep` keeps the whole parsed answer for validation.
+    pub fn read(endpoint: Endpoint, body: &[u8], keep: bool) -> AnswerView {
         if keep {
             return match serde_json::from_slice::<Value>(body) {
                 Ok(json) => AnswerView {
                     is_json: true,
-                    usage: usage_of(api, json.get("usage")),
+                    usage: usage_of(endpoint, json.get("usage")),
                     json: Some(json),
                 },
                 Err(_) => AnswerView::not_json(),
@@ -51,7 +52,7 @@ impl AnswerView {
         match serde_json::from_slice::<WithUsage>(body) {
             Ok(WithUsage { usage }) => AnswerView {
                 is_json: true,
-                usage: usage_of(api, usage.as_ref()),
+                usage: usage_of(endpoint, usage.as_ref()),
                 json: None,
             },
             // Not an object: JSON still (`[]`), or not JSON at all.
@@ -72,14 +73,11 @@ impl AnswerView {
     }
 }
 
-fn usage_of(api: ApiKind, usage: Option<&Value>) -> ReportedUsage {
+fn usage_of(endpoint: Endpoint, usage: Option<&Value>) -> ReportedUsage {
     let Some(usage) = usage.filter(|u| u.is_object()) else {
         return ReportedUsage::Absent;
     };
-    let (input, output) = match api {
-        ApiKind::OpenAi => ("prompt_tokens", "completion_tokens"),
-        ApiKind::Anthropic => ("input_tokens", "output_tokens"),
-    };
+    let (input, output) = endpoint.usage_fields();
     let count = |field: &str| match usage.get(field) {
         None | Some(Value::Null) => Some(0),
         Some(v) => v.as_u64(),
@@ -94,7 +92,7 @@ fn usage_of(api: ApiKind, usage: Option<&Value>) -> ReportedUsage {
 mod tests {
     use super::*;
 
-    fn usage(api: ApiKind, body: &[u8]) -> ReportedUsage {
+    fn usage(api: Endpoint, body: &[u8]) -> ReportedUsage {
         let fast = AnswerView::read(api, body, false);
         let kept = AnswerView::read(api, body, true);
         // Either way of reading says the same about the answer.
@@ -108,32 +106,42 @@ mod tests {
         let counts = |input, output| ReportedUsage::Counts { input, output };
         assert_eq!(
             usage(
-                ApiKind::OpenAi,
+                Endpoint::ChatCompletions,
                 br#"{"usage":{"prompt_tokens":5,"completion_tokens":7,"total_tokens":12}}"#
             ),
             counts(5, 7)
         );
         assert_eq!(
             usage(
-                ApiKind::OpenAi,
+                Endpoint::ChatCompletions,
                 br#"{"usage":{"prompt_tokens":9,"total_tokens":9}}"#
             ),
             counts(9, 0)
         );
         assert_eq!(
             usage(
-                ApiKind::Anthropic,
+                Endpoint::Messages,
                 br#"{"usage":{"input_tokens":3,"output_tokens":4}}"#
             ),
             counts(3, 4)
         );
         assert_eq!(
-            usage(ApiKind::OpenAi, br#"{"id":"x"}"#),
+            usage(
+                Endpoint::Responses,
+                br#"{"object":"response","usage":{"input_tokens":8,"output_tokens":2,"total_tokens":10}}"#
+            ),
+            counts(8, 2)
+        );
+        assert_eq!(
+            usage(Endpoint::ChatCompletions, br#"{"id":"x"}"#),
             ReportedUsage::Absent
         );
-        assert_eq!(usage(ApiKind::OpenAi, b"not json"), ReportedUsage::Absent);
-        assert!(!AnswerView::read(ApiKind::OpenAi, b"not json", false).is_json);
-        assert!(AnswerView::read(ApiKind::OpenAi, b"[]", false).is_json);
+        assert_eq!(
+            usage(Endpoint::ChatCompletions, b"not json"),
+            ReportedUsage::Absent
+        );
+        assert!(!AnswerView::read(Endpoint::ChatCompletions, b"not json", false).is_json);
+        assert!(AnswerView::read(Endpoint::ChatCompletions, b"[]", false).is_json);
     }
 
     #[test]
@@ -146,7 +154,7 @@ mod tests {
         ] {
             let body = format!(r#"{{"usage":{u}}}"#);
             assert_eq!(
-                usage(ApiKind::OpenAi, body.as_bytes()),
+                usage(Endpoint::ChatCompletions, body.as_bytes()),
                 ReportedUsage::Invalid,
                 "{u}"
             );

@@ -38,6 +38,8 @@ pub enum Endpoint {
     /// Anthropic's `POST /v1/messages/count_tokens`: forwarded, never charged.
     CountTokens,
     Embeddings,
+    /// The OpenAI Responses API (`POST /v1/responses`).
+    Responses,
 }
 
 impl Endpoint {
@@ -47,6 +49,7 @@ impl Endpoint {
             "/v1/messages" => Some(Endpoint::Messages),
             "/v1/messages/count_tokens" => Some(Endpoint::CountTokens),
             "/v1/embeddings" => Some(Endpoint::Embeddings),
+            "/v1/responses" => Some(Endpoint::Responses),
             _ => None,
         }
     }
@@ -54,7 +57,9 @@ impl Endpoint {
     pub fn api(self) -> ApiKind {
         match self {
             Endpoint::Messages | Endpoint::CountTokens => ApiKind::Anthropic,
-            Endpoint::ChatCompletions | Endpoint::Embeddings => ApiKind::OpenAi,
+            Endpoint::ChatCompletions | Endpoint::Embeddings | Endpoint::Responses => {
+                ApiKind::OpenAi
+            }
         }
     }
 
@@ -64,6 +69,7 @@ impl Endpoint {
             Endpoint::Messages => "/v1/messages",
             Endpoint::CountTokens => "/v1/messages/count_tokens",
             Endpoint::Embeddings => "/v1/embeddings",
+            Endpoint::Responses => "/v1/responses",
         }
     }
 
@@ -74,16 +80,41 @@ impl Endpoint {
             Endpoint::Messages => "messages",
             Endpoint::CountTokens => "count_tokens",
             Endpoint::Embeddings => "embeddings",
+            Endpoint::Responses => "responses",
         }
     }
 
-    /// Every endpoint, for tables built once per upstream.
-    pub const ALL: [Endpoint; 4] = [
+    /// Every proxied endpoint (an upstream pre-parses a URL for each).
+    pub const ALL: [Endpoint; 5] = [
         Endpoint::ChatCompletions,
         Endpoint::Messages,
         Endpoint::CountTokens,
         Endpoint::Embeddings,
+        Endpoint::Responses,
     ];
+
+    /// The names an answer's `usage` counts are under: (input, output).
+    pub fn usage_fields(self) -> (&'static str, &'static str) {
+        match self {
+            Endpoint::ChatCompletions | Endpoint::Embeddings => {
+                ("prompt_tokens", "completion_tokens")
+            }
+            Endpoint::Messages | Endpoint::CountTokens | Endpoint::Responses => {
+                ("input_tokens", "output_tokens")
+            }
+        }
+    }
+
+    /// The request fields that cap the answer's length, in precedence order.
+    pub fn output_cap_fields(self) -> &'static [&'static str] {
+        match self {
+            Endpoint::ChatCompletions
+            | Endpoint::Messages
+            | Endpoint::CountTokens
+            | Endpoint::Embeddings => &["max_completion_tokens", "max_tokens"],
+            Endpoint::Responses => &["max_output_tokens"],
+        }
+    }
 
     /// The error shape for a request path, before the endpoint is known to be valid.
     pub fn api_for_path(path: &str) -> ApiKind {
@@ -102,5 +133,12 @@ impl Endpoint {
             None if headers.contains_key("anthropic-version") => ApiKind::Anthropic,
             None => ApiKind::OpenAi,
         }
+    }
+
+    /// The stored-response routes of the Responses API (`/v1/responses/{id}...`): no
+    /// model, so not proxied by this stack (see `crate::upstream::objects`).
+    pub fn is_response_object_path(path: &str) -> bool {
+        path.strip_prefix("/v1/responses/")
+            .is_some_and(|rest| !rest.is_empty())
     }
 }

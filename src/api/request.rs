@@ -30,7 +30,8 @@ pub struct ParsedRequest {
     pub endpoint: Endpoint,
     pub model: String,
     pub stream: bool,
-    /// The completion cap the caller set (`max_tokens` / `max_completion_tokens`).
+    /// The completion cap the caller set (`max_tokens` / `max_completion_tokens`, or
+    /// the Responses API's `max_output_tokens`).
     pub max_output_tokens: Option<u64>,
     /// An OpenAI stream for which the caller itself asked usage to be reported.
     pub client_wants_stream_usage: bool,
@@ -54,7 +55,7 @@ impl ParsedRequest {
         };
         let stream = matches!(json.get("stream"), Some(Value::Bool(true)));
         let mut max_output_tokens = None;
-        for param in ["max_completion_tokens", "max_tokens"] {
+        for &param in endpoint.output_cap_fields() {
             match json.get(param) {
                 None | Some(Value::Null) => {}
                 Some(v) => match v.as_u64().filter(|n| *n <= MAX_OUTPUT_TOKENS) {

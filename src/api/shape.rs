@@ -1,7 +1,7 @@
 use bytes::Bytes;
 use serde_json::json;
 
-use super::ApiKind;
+use super::{ApiKind, Endpoint};
 
 /// What an error says, independent of the API shape it will be written in.
 pub struct ErrorParts<'a> {
@@ -34,14 +34,20 @@ pub fn error_body(api: ApiKind, parts: &ErrorParts<'_>) -> Bytes {
     Bytes::from(value.to_string())
 }
 
-/// A well-formed SSE event that ends a stream which failed after its first byte.
-pub fn stream_error_event(api: ApiKind, code: &str, message: &str) -> Bytes {
-    match api {
-        ApiKind::OpenAi => {
+/// A well-formed SSE event that ends a stream which failed after its first byte, in the
+/// endpoint's own event format.
+pub fn stream_error_event(endpoint: Endpoint, code: &str, message: &str) -> Bytes {
+    match endpoint {
+        // The Responses API's error event is typed and flat, like its other events.
+        Endpoint::Responses => {
+            let body = json!({"type": "error", "code": code, "message": message, "param": null});
+            Bytes::from(format!("event: error\ndata: {body}\n\n"))
+        }
+        Endpoint::ChatCompletions | Endpoint::Embeddings => {
             let body = json!({"error": {"message": message, "type": "upstream_error", "code": code, "param": null}});
             Bytes::from(format!("data: {body}\n\n"))
         }
-        ApiKind::Anthropic => {
+        Endpoint::Messages | Endpoint::CountTokens => {
             let body = json!({"type": "error", "error": {"type": code, "message": message}});
             Bytes::from(format!("event: error\ndata: {body}\n\n"))
         }

@@ -5,6 +5,7 @@
 mod budget;
 mod env;
 mod recovery;
+mod responses;
 mod route;
 mod server;
 mod tenant;
@@ -19,6 +20,7 @@ pub use budget::{
     BillingConfig, PriceConfig, SessionLimitsConfig, StoreConfig, TenantBudgetConfig, Unpriced,
 };
 pub use recovery::{AdminConfig, BreakerConfig, RetryConfig};
+pub use responses::ResponsesConfig;
 pub use route::{RouteConfig, TargetConfig};
 pub use server::{LogConfig, LogFormat, MockConfig, ServerConfig};
 pub use tenant::{GuardConfig, TenantConfig};
@@ -44,6 +46,9 @@ pub struct Config {
     pub admin: AdminConfig,
     #[serde(default)]
     pub validation: ValidationConfig,
+    /// Where the Responses API's stored-response routes go.
+    #[serde(default)]
+    pub responses: ResponsesConfig,
     #[serde(default)]
     pub store: StoreConfig,
     #[serde(default)]
@@ -183,6 +188,7 @@ impl Config {
                 ));
             }
         }
+        self.responses.validate(self)?;
         if self.tenants.is_empty() {
             return Err(ConfigError::invalid(
                 "tenants",

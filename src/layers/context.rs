@@ -2,9 +2,9 @@
 //! resolves the route, turning the HTTP request into a [`Call`]: the typed per-request
 //! context every inner layer takes (so none of them can be mounted before this one, and
 //! none touches the body or the request extensions again). Refuses with 413 (too large),
-//! 400 (not JSON, not an object, a repeated key, no `model`, an invalid `max_tokens`, an
-//! `x-session-id` that is too long or not visible ASCII) or 404 `model_not_found`, all
-//! before any upstream call. Nothing the client controls is silently dropped: an
+//! 400 (not JSON, not an object, a repeated key, no `model`, an invalid `max_tokens` or
+//! `max_output_tokens`, an `x-session-id` that is too long or not visible ASCII) or 404
+//! `model_not_found`, all before any upstream call. Nothing the client controls is silently dropped: an
 //! identifier Backstop cannot honour is refused, so caps and the guard can never be
 //! bypassed by its spelling.
 //!

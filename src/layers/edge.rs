@@ -184,6 +184,7 @@ pub struct Edge<S> {
 fn endpoint_label(path: &str) -> &'static str {
     match Endpoint::from_path(path) {
         Some(endpoint) => endpoint.label(),
+        None if Endpoint::is_response_object_path(path) => "response_objects",
         None if path.starts_with("/admin/") => "admin",
         None if path.starts_with("/v1/sessions/") => "sessions",
         None if path == "/v1/models" || path.starts_with("/v1/models/") => "models",

@@ -9,9 +9,11 @@
 //! reservation instead.
 //!
 //! The worst case is the prompt estimated from the body size plus the request's
-//! `max_tokens` (or `billing.default_max_tokens`). OpenAI streams are asked for
+//! `max_tokens` (`max_output_tokens` for `/v1/responses`; else
+//! `billing.default_max_tokens`). OpenAI chat streams are asked for
 //! `stream_options.include_usage` when the client did not ask, and that extra chunk is
-//! removed from what the client receives; a stream settles when it ends.
+//! removed from what the client receives (a Responses stream always reports usage in
+//! `response.completed`, so it is asked for nothing); a stream settles when it ends.
 
 use std::sync::Arc;
 

@@ -16,6 +16,12 @@
 //! to stream), validated, corrected if needed, and replayed to the client as SSE in its
 //! API's format: the client's first byte waits for the valid answer. That is the price
 //! of never showing an agent output that breaks its schema.
+//!
+//! `/v1/responses` is validated the same way in its own shape: `text.format`
+//! (`json_schema`, `json_object`) against the `output_text` of its message items, each
+//! `function_call` item's `arguments` against its function tool's `parameters`; the
+//! correction is appended as new `input` items, and a validated stream is replayed as
+//! the Responses API's event sequence.
 
 use std::sync::Arc;
 
@@ -35,7 +41,7 @@ use crate::{
     error::GatewayError,
     policy::trail::Step,
     upstream::{Reply, ReplyBody},
-    validation::{corrective_request, replay, Expectations, Invalid, Schemas},
+    validation::{corrective_request, replay, Expectations, Format, Invalid, Schemas},
 };
 
 #[derive(Clone)]
@@ -95,7 +101,7 @@ where
     async fn call(&self, mut inner: S, call: Call) -> Result<Response<Body>, GatewayError> {
         let layer = self;
         let pending = Expectations::collect(
-            call.endpoint().api(),
+            Format::of(call.endpoint()),
             &call.request.json,
             call.route.response_schema.as_ref(),
             &layer.schemas,
@@ -182,7 +188,7 @@ where
                     }
                     let mut response = if call.request.stream {
                         let sse = replay::as_sse(
-                            call.endpoint().api(),
+                            Format::of(call.endpoint()),
                             &answer,
                             call.request.client_wants_stream_usage,
                         );
@@ -217,7 +223,7 @@ where
             if round < config.corrective_retries {
                 call.log.push_step(Step::Correct(invalid.problem.label()));
                 metrics::counter!("backstop_corrective_retries_total", "kind" => invalid.problem.label()).increment(1);
-                json = corrective_request(&json, &invalid);
+                json = corrective_request(Format::of(call.endpoint()), &json, &invalid);
             }
             last = Some(invalid);
         }

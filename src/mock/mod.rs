@@ -1,5 +1,5 @@
-//! The fault-injecting mock upstream: speaks the OpenAI and Anthropic APIs (streaming
-//! and not) on one port, with faults scripted per request. It is part of the product:
+//! The fault-injecting mock upstream: speaks the OpenAI (chat, embeddings, Responses)
+//! and Anthropic APIs (streaming and not) on one port, with faults scripted per request. It is part of the product:
 //! the default config, the tests, the demo and the load tests all run against it.
 //!
 //! Scripting, by request header:
@@ -14,6 +14,7 @@
 
 mod fault;
 mod responses;
+mod responses_api;
 
 use std::{
     collections::HashMap,
@@ -198,6 +199,8 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
     let api = match path.as_str() {
         "/v1/chat/completions" | "/v1/embeddings" => responses::Api::OpenAi,
         "/v1/messages" | "/v1/messages/count_tokens" => responses::Api::Anthropic,
+        "/v1/responses" => responses::Api::Responses,
+        p if p.starts_with("/v1/responses/") => responses::Api::Responses,
         _ => {
             return Ok(json_response(
                 StatusCode::NOT_FOUND,
@@ -216,6 +219,7 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
         json!({
             "method": parts.method.as_str(),
             "path": path,
+            "query": parts.uri.query(),
             "headers": headers_json(&parts.headers),
             "body": if request.is_null() { Value::String(String::from_utf8_lossy(&bytes).into_owned()) } else { request.clone() },
         })
@@ -238,7 +242,7 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
     if step.reset {
         return Err(Reset);
     }
-    let mut response = answer(api, &path, &request, &step);
+    let mut response = answer(api, &parts.method, &path, &request, &step);
     for (name, value) in &step.headers {
         if let (Ok(name), Ok(value)) = (
             http::HeaderName::from_bytes(name.as_bytes()),
@@ -251,7 +255,13 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
 }
 
 /// The scripted answer for one attempt.
-fn answer(api: responses::Api, path: &str, request: &Value, step: &FaultStep) -> Response<Body> {
+fn answer(
+    api: responses::Api,
+    method: &Method,
+    path: &str,
+    request: &Value,
+    step: &FaultStep,
+) -> Response<Body> {
     if let Some(status) = step.status.filter(|s| (300..400).contains(s)) {
         return Response::builder()
             .status(status)
@@ -274,6 +284,8 @@ fn answer(api: responses::Api, path: &str, request: &Value, step: &FaultStep) ->
     match path {
         "/v1/embeddings" => responses::embeddings(request, step),
         "/v1/messages/count_tokens" => responses::count_tokens(request, step),
+        "/v1/responses" => responses_api::create(request, step),
+        p if p.starts_with("/v1/responses/") => responses_api::stored(method, p),
         _ => responses::completion(api, request, step),
     }
 }

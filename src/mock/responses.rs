@@ -18,22 +18,24 @@ use super::FaultStep;
 pub enum Api {
     OpenAi,
     Anthropic,
+    /// The OpenAI Responses API: OpenAI's error shape.
+    Responses,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
-fn next_id() -> u64 {
+pub(super) fn next_id() -> u64 {
     NEXT_ID.fetch_add(1, Ordering::Relaxed)
 }
 
-fn now_secs() -> u64 {
+pub(super) fn now_secs() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
 }
 
 /// The text of a message's `content`: a string, or the text parts of a content array.
-fn content_text(content: &Value) -> String {
+pub(super) fn content_text(content: &Value) -> String {
     match content {
         Value::String(s) => s.clone(),
         Value::Array(parts) => parts
@@ -88,13 +90,15 @@ fn usage(request: &Value, text: &str, step: &FaultStep) -> (u64, u64) {
 }
 
 /// Splits `text` into `n` pieces that concatenate back to it.
-fn pieces(text: &str, n: usize) -> Vec<String> {
+pub(super) fn pieces(text: &str, n: usize) -> Vec<String> {
     let chars: Vec<char> = text.chars().collect();
     let n = n.clamp(1, chars.len().max(1));
     let size = chars.len().div_ceil(n).max(1);
     chars.chunks(size).map(|c| c.iter().collect()).collect()
 }
 
+/// A chat completion or an Anthropic message (Responses requests are answered by
+/// `responses_api`, never here: they are served the chat shape if they arrive).
 pub fn completion(api: Api, request: &Value, step: &FaultStep) -> Response<Body> {
     let model = request
         .get("model")
@@ -112,7 +116,7 @@ pub fn completion(api: Api, request: &Value, step: &FaultStep) -> Response<Body>
     if !streaming {
         let tool_args = step.tool_args.clone().unwrap_or_else(|| "{}".into());
         let body = match (api, &step.tool) {
-            (Api::OpenAi, None) => json!({
+            (Api::OpenAi | Api::Responses, None) => json!({
                 "id": format!("chatcmpl-mock-{id}"),
                 "object": "chat.completion",
                 "created": now_secs(),
@@ -120,7 +124,7 @@ pub fn completion(api: Api, request: &Value, step: &FaultStep) -> Response<Body>
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
                 "usage": {"prompt_tokens": input, "completion_tokens": output, "total_tokens": input.saturating_add(output)},
             }),
-            (Api::OpenAi, Some(tool)) => json!({
+            (Api::OpenAi | Api::Responses, Some(tool)) => json!({
                 "id": format!("chatcmpl-mock-{id}"),
                 "object": "chat.completion",
                 "created": now_secs(),
@@ -156,7 +160,7 @@ pub fn completion(api: Api, request: &Value, step: &FaultStep) -> Response<Body>
     }
     let parts = pieces(&text, step.chunks.unwrap_or(4));
     let events = match api {
-        Api::OpenAi => openai_events(id, &model, &parts, request, (input, output)),
+        Api::OpenAi | Api::Responses => openai_events(id, &model, &parts, request, (input, output)),
         Api::Anthropic => anthropic_events(id, &model, &parts, (input, output)),
     };
     sse(events, step)
@@ -236,7 +240,7 @@ fn anthropic_events(id: u64, model: &str, parts: &[String], usage: (u64, u64)) -
 
 /// An SSE body, paced by `chunk_delay` and broken after `cut` events when asked; or one
 /// of the hostile streams (`endless`, `drip`, `huge_event`) after the first event.
-fn sse(events: Vec<Bytes>, step: &FaultStep) -> Response<Body> {
+pub(super) fn sse(events: Vec<Bytes>, step: &FaultStep) -> Response<Body> {
     let delay = step.chunk_delay;
     let cut = step.cut;
     let body = if step.endless || step.drip.is_some() || step.huge_event.is_some() {
@@ -367,15 +371,15 @@ pub fn error(api: Api, status: u16, step: &FaultStep) -> Response<Body> {
         (Api::Anthropic, 404) => "not_found_error",
         (Api::Anthropic, 400..=499) => "invalid_request_error",
         (Api::Anthropic, _) => "api_error",
-        (Api::OpenAi, 429) => "rate_limit_exceeded",
-        (Api::OpenAi, 401) => "invalid_api_key",
-        (Api::OpenAi, 400..=499) => "invalid_request_error",
-        (Api::OpenAi, _) => "server_error",
+        (Api::OpenAi | Api::Responses, 429) => "rate_limit_exceeded",
+        (Api::OpenAi | Api::Responses, 401) => "invalid_api_key",
+        (Api::OpenAi | Api::Responses, 400..=499) => "invalid_request_error",
+        (Api::OpenAi | Api::Responses, _) => "server_error",
     };
     let code = step.code.as_deref().unwrap_or(default_type);
     let message = format!("mock upstream fault: status {status} ({code})");
     let body = match api {
-        Api::OpenAi => {
+        Api::OpenAi | Api::Responses => {
             json!({"error": {"message": message, "type": code, "code": code, "param": null}})
         }
         Api::Anthropic => json!({"type": "error", "error": {"type": code, "message": message}}),
@@ -394,7 +398,7 @@ pub fn error(api: Api, status: u16, step: &FaultStep) -> Response<Body> {
         .expect("valid response parts")
 }
 
-fn json_ok(value: Value) -> Response<Body> {
+pub(super) fn json_ok(value: Value) -> Response<Body> {
     Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "application/json")

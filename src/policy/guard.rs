@@ -506,8 +506,11 @@ fn text_of(content: Option<&Value>) -> String {
     }
 }
 
-/// The request's fingerprint: a hash of its normalised model + messages + tools, and the
-/// most repeated (tool call, tool result) pair in its history.
+/// The request's fingerprint: a hash of its normalised model + messages + tools (+ a
+/// Responses request's instructions, input and previous response), and the
+/// most repeated (tool call, tool result) pair in its history (chat `tool_calls` / `tool`
+/// messages, Anthropic `tool_use` / `tool_result` blocks, Responses `function_call` /
+/// `function_call_output` input items).
 pub fn fingerprint(json: &serde_json::Map<String, Value>) -> RequestFingerprint {
     use std::hash::Hasher;
     /// Feeds serialised JSON straight into the hasher, without building a string.
@@ -525,6 +528,15 @@ pub fn fingerprint(json: &serde_json::Map<String, Value>) -> RequestFingerprint 
     for key in ["model", "system", "messages", "tools"] {
         hasher.0.write(key.as_bytes());
         if let Some(value) = json.get(key) {
+            let _ = serde_json::to_writer(&mut hasher, value);
+        }
+    }
+    // The Responses API's conversation (hashed only when present, so a chat request's
+    // fingerprint is what it always was): without it every turn of a Responses session
+    // would look like the same request repeated.
+    for key in ["instructions", "input", "previous_response_id"] {
+        if let Some(value) = json.get(key) {
+            hasher.0.write(key.as_bytes());
             let _ = serde_json::to_writer(&mut hasher, value);
         }
     }
@@ -602,6 +614,33 @@ pub fn fingerprint(json: &serde_json::Map<String, Value>) -> RequestFingerprint 
                 }
                 _ => {}
             }
+        }
+    }
+    // The Responses API's `input` items: `function_call` (by `call_id`) and its
+    // `function_call_output`.
+    let items = json
+        .get("input")
+        .and_then(Value::as_array)
+        .map_or(&[][..], Vec::as_slice);
+    for item in items {
+        let call_id = item.get("call_id").and_then(Value::as_str);
+        match (item.get("type").and_then(Value::as_str), call_id) {
+            (Some("function_call"), Some(id)) => {
+                if let Some(name) = item.get("name").and_then(Value::as_str) {
+                    let args =
+                        canonical(item.get("arguments").and_then(Value::as_str).unwrap_or(""));
+                    calls.insert(id.to_string(), format!("{name}({args})"));
+                }
+            }
+            (Some("function_call_output"), Some(id)) => {
+                if let Some(call) = calls.get(id) {
+                    let result = text_of(item.get("output"));
+                    let error = result.to_ascii_lowercase().contains("error");
+                    let entry = pairs.entry((call.clone(), result)).or_insert((0, error));
+                    entry.0 += 1;
+                }
+            }
+            _ => {}
         }
     }
     let tool_loop =
@@ -755,6 +794,38 @@ mod tests {
             .admit(t0 + Duration::from_secs(122), &fp(3), 1.8)
             .0
             .is_ok());
+    }
+
+    #[test]
+    fn a_responses_tool_loop_is_seen_in_input_items() {
+        let mut input = vec![json!({"role": "user", "content": "weather in Atlantis"})];
+        for i in 0..3 {
+            input.push(json!({"type": "function_call", "call_id": format!("c{i}"), "name": "get_weather",
+                              "arguments": if i == 1 { r#"{ "city": "Atlantis" }"# } else { r#"{"city":"Atlantis"}"# }}));
+            input.push(json!({"type": "function_call_output", "call_id": format!("c{i}"), "output": "Error: city not found"}));
+        }
+        let Value::Object(m) = json!({"model": "gpt-4o", "input": input}) else {
+            unreachable!()
+        };
+        assert_eq!(
+            fingerprint(&m).tool_loop,
+            Some((
+                r#"get_weather({"city":"Atlantis"}) returned the same error"#.to_string(),
+                3
+            ))
+        );
+    }
+
+    #[test]
+    fn responses_turns_have_distinct_fingerprints() {
+        let turn = |input: &str| {
+            let Value::Object(m) = json!({"model": "gpt-4o", "input": input}) else {
+                unreachable!()
+            };
+            fingerprint(&m).request
+        };
+        assert_ne!(turn("first question"), turn("second question"));
+        assert_eq!(turn("same"), turn("same"));
     }
 
     #[test]

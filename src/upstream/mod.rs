@@ -12,6 +12,7 @@
 //! [`StreamLimits`].
 
 mod headers;
+pub mod objects;
 pub mod stream;
 
 use std::{
@@ -40,6 +41,8 @@ pub struct Upstream {
     /// The upstream URL per endpoint, parsed once (parsing, IDNA included, showed up
     /// in profiles when done per request).
     urls: HashMap<Endpoint, reqwest::Url>,
+    /// `base_url` without a trailing `/`: the stored-response routes append their path.
+    origin: String,
     credential: Option<HeaderValue>,
     pub attempt_timeout: Duration,
     anthropic_version: HeaderValue,
@@ -72,6 +75,7 @@ impl Upstream {
             name: config.name.as_str().into(),
             api: config.api,
             urls,
+            origin: config.origin().to_string(),
             credential,
             attempt_timeout: config.attempt_timeout,
             anthropic_version: HeaderValue::from_str(&config.anthropic_version)
@@ -168,7 +172,7 @@ impl Reply {
     /// A reply read whole, its view read once (for a 2xx; `keep_answer` keeps the
     /// parsed answer too).
     pub fn whole(
-        api: ApiKind,
+        endpoint: Endpoint,
         status: StatusCode,
         headers: HeaderMap,
         body: Bytes,
@@ -176,7 +180,7 @@ impl Reply {
     ) -> Reply {
         let view = status
             .is_success()
-            .then(|| AnswerView::read(api, &body, keep_answer));
+            .then(|| AnswerView::read(endpoint, &body, keep_answer));
         Reply {
             status,
             headers,
@@ -316,7 +320,7 @@ async fn send(
     let url = upstream.urls[&request.endpoint].clone();
     let body = request.upstream_body(
         attempt.model.as_deref(),
-        attempt.stream_usage && request.endpoint.api() == ApiKind::OpenAi,
+        attempt.stream_usage && request.endpoint == Endpoint::ChatCompletions,
     );
     let headers = headers::upstream_request_headers(&attempt.headers, upstream);
     let deadline = tokio::time::Instant::now() + attempt.timeout;
@@ -354,7 +358,7 @@ async fn send(
         };
         let usage = Arc::new(stream::StreamUsage::default());
         let relay = stream::Relay {
-            api: request.endpoint.api(),
+            endpoint: request.endpoint,
             idle: upstream.attempt_timeout,
             max_event_bytes: limits.max_event_bytes,
             max_duration: limits.max_duration,
@@ -377,7 +381,7 @@ async fn send(
         bytes
     };
     Ok(Reply::whole(
-        request.endpoint.api(),
+        request.endpoint,
         status,
         headers,
         body,

@@ -27,7 +27,7 @@ use futures_util::{
 };
 use serde_json::Value;
 
-use crate::api::{stream_error_event, ApiKind};
+use crate::api::{stream_error_event, Endpoint};
 
 type OnEnd = Box<dyn FnOnce(Option<(u64, u64)>) + Send>;
 
@@ -84,11 +84,11 @@ impl StreamUsage {
         }
     }
 
-    /// Reads usage from one event's JSON, in either API's format.
-    fn observe(&self, api: ApiKind, event: &Value) {
+    /// Reads usage from one event's JSON, in the endpoint's event format.
+    fn observe(&self, endpoint: Endpoint, event: &Value) {
         let mut state = self.lock();
-        match api {
-            ApiKind::OpenAi => {
+        match endpoint {
+            Endpoint::ChatCompletions | Endpoint::Embeddings => {
                 if let Some(usage) = event.get("usage").filter(|u| u.is_object()) {
                     state.input = usage
                         .get("prompt_tokens")
@@ -100,7 +100,21 @@ impl StreamUsage {
                         .or(state.output);
                 }
             }
-            ApiKind::Anthropic => {
+            // Only the final event carries usage: `response.completed` (or
+            // `response.incomplete` / `response.failed`), under `response.usage`.
+            Endpoint::Responses => {
+                if let Some(usage) = event.pointer("/response/usage").filter(|u| u.is_object()) {
+                    state.input = usage
+                        .get("input_tokens")
+                        .and_then(Value::as_u64)
+                        .or(state.input);
+                    state.output = usage
+                        .get("output_tokens")
+                        .and_then(Value::as_u64)
+                        .or(state.output);
+                }
+            }
+            Endpoint::Messages | Endpoint::CountTokens => {
                 let usage = event
                     .pointer("/message/usage")
                     .or_else(|| event.get("usage"));
@@ -163,7 +177,8 @@ enum Passed {
 
 /// What the relay does with the events it passes.
 pub(super) struct Relay {
-    pub api: ApiKind,
+    /// The endpoint streamed: its events' format (usage, the closing error event).
+    pub endpoint: Endpoint,
     /// Longest wait for the next complete event.
     pub idle: Duration,
     pub max_event_bytes: usize,
@@ -194,12 +209,14 @@ impl Relay {
             let event = &complete[offset..offset + len];
             let mut remove = false;
             if let Some(json) = event_json(event) {
-                self.usage.observe(self.api, &json);
+                self.usage.observe(self.endpoint, &json);
                 let usage_only = json
                     .get("choices")
                     .and_then(Value::as_array)
                     .is_some_and(Vec::is_empty);
-                remove = self.strip_usage_chunk && self.api == ApiKind::OpenAi && usage_only;
+                remove = self.strip_usage_chunk
+                    && self.endpoint == Endpoint::ChatCompletions
+                    && usage_only;
             }
             if remove {
                 kept.get_or_insert_with(|| BytesMut::from(&complete[..offset]));
@@ -396,7 +413,7 @@ impl RelayState {
             _ => BytesMut::new(),
         };
         self.pending.clear();
-        out.extend_from_slice(&stream_error_event(self.relay.api, code, message));
+        out.extend_from_slice(&stream_error_event(self.relay.endpoint, code, message));
         out.freeze()
     }
 }
@@ -415,9 +432,9 @@ fn first_boundary(buf: &[u8]) -> Option<usize> {
 mod tests {
     use super::*;
 
-    fn relay(strip: bool, api: ApiKind) -> Relay {
+    fn relay(strip: bool, endpoint: Endpoint) -> Relay {
         Relay {
-            api,
+            endpoint,
             idle: Duration::from_secs(1),
             max_event_bytes: 1024,
             max_duration: Duration::from_secs(60),
@@ -429,7 +446,7 @@ mod tests {
 
     #[test]
     fn the_injected_usage_chunk_is_removed_and_read() {
-        let r = relay(true, ApiKind::OpenAi);
+        let r = relay(true, Endpoint::ChatCompletions);
         let input = Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n");
         let (out, _) = r.pass(input);
         assert_eq!(
@@ -445,7 +462,7 @@ mod tests {
 
     #[test]
     fn a_client_requested_usage_chunk_is_kept() {
-        let r = relay(false, ApiKind::OpenAi);
+        let r = relay(false, Endpoint::ChatCompletions);
         let input = Bytes::from_static(
             b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\n",
         );
@@ -454,7 +471,7 @@ mod tests {
 
     #[test]
     fn anthropic_usage_comes_from_start_and_delta() {
-        let r = relay(false, ApiKind::Anthropic);
+        let r = relay(false, Endpoint::Messages);
         r.pass(Bytes::from_static(b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":11,\"output_tokens\":1}}}\n\n"));
         r.pass(Bytes::from_static(b"event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":42}}\n\n"));
         let seen = Arc::new(Mutex::new(None));
@@ -462,6 +479,34 @@ mod tests {
         r.usage.finish();
         r.usage.on_end(move |u| *s.lock().unwrap() = u);
         assert_eq!(*seen.lock().unwrap(), Some((11, 42)));
+    }
+
+    #[test]
+    fn responses_usage_comes_from_response_completed() {
+        let r = relay(false, Endpoint::Responses);
+        let input = Bytes::from_static(b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"usage\":null}}\n\nevent: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"usage\"}\n\nevent: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":12,\"output_tokens\":5,\"total_tokens\":17}}}\n\n");
+        // Nothing is removed from a Responses stream: it always reports usage itself.
+        assert_eq!(r.pass(input.clone()).0, input);
+        let seen = Arc::new(Mutex::new(None));
+        let s = seen.clone();
+        r.usage.finish();
+        r.usage.on_end(move |u| *s.lock().unwrap() = u);
+        assert_eq!(*seen.lock().unwrap(), Some((12, 5)));
+    }
+
+    #[test]
+    fn a_responses_stream_ends_with_a_responses_error_event() {
+        let event = stream_error_event(Endpoint::Responses, "upstream_stream_error", "cut");
+        let text = std::str::from_utf8(&event).unwrap();
+        let data: Value = serde_json::from_str(
+            text.strip_prefix("event: error\ndata: ")
+                .unwrap()
+                .trim_end(),
+        )
+        .unwrap();
+        assert_eq!(data["type"], "error");
+        assert_eq!(data["code"], "upstream_stream_error");
+        assert_eq!(data["message"], "cut");
     }
 
     #[test]
@@ -529,7 +574,7 @@ mod tests {
                 .filter(|(_, usage)| !(strip && *usage))
                 .map(|(e, _)| e.as_str())
                 .collect();
-            let r = relay(strip, ApiKind::OpenAi);
+            let r = relay(strip, Endpoint::ChatCompletions);
             let usage = r.usage.clone();
             let out = run(r, cut(input.as_bytes(), &cuts));
             proptest::prop_assert_eq!(String::from_utf8_lossy(&out), expected);
@@ -550,7 +595,7 @@ mod tests {
             bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 1..4096),
             cuts in proptest::collection::vec(0.0f64..1.0, 0..10),
         ) {
-            let out = run(relay(true, ApiKind::Anthropic), cut(&bytes, &cuts));
+            let out = run(relay(true, Endpoint::Messages), cut(&bytes, &cuts));
             let text = String::from_utf8_lossy(&out);
             let longest_event = bytes
                 .split(|b| *b == b'\n')
@@ -564,7 +609,7 @@ mod tests {
             } else {
                 // What was relayed is a prefix of what came (whole events only), then
                 // the one error event.
-                let error = stream_error_event(ApiKind::Anthropic, "upstream_stream_error", End::EventTooLarge.describe().2);
+                let error = stream_error_event(Endpoint::Messages, "upstream_stream_error", End::EventTooLarge.describe().2);
                 proptest::prop_assert!(out.ends_with(&error), "{text}");
                 let relayed = &out[..out.len() - error.len()];
                 proptest::prop_assert!(bytes.starts_with(relayed));
@@ -577,7 +622,7 @@ mod tests {
         let mut input = b"data: {\"a\":1}\n\n".to_vec();
         input.extend(std::iter::repeat_n(b'x', 5000));
         let out = run(
-            relay(false, ApiKind::OpenAi),
+            relay(false, Endpoint::ChatCompletions),
             cut(&input, &[0.001, 0.3, 0.6]),
         );
         let text = String::from_utf8_lossy(&out);

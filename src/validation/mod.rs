@@ -18,7 +18,37 @@ use serde_json::{json, Map, Value};
 
 pub use schemas::{fingerprint, RequestLimits, SchemaFingerprint, SchemaSettings, Schemas};
 
-use crate::api::ApiKind;
+use crate::api::{ApiKind, Endpoint};
+
+/// The wire shape a request and its answer are in: where the format, the tools' schemas,
+/// the answer's text and its tool calls are found, and how a correction is appended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// OpenAI chat completions.
+    Chat,
+    /// Anthropic messages.
+    Messages,
+    /// The OpenAI Responses API: `text.format`, flat function tools, `output` items.
+    Responses,
+}
+
+impl From<ApiKind> for Format {
+    fn from(api: ApiKind) -> Self {
+        match api {
+            ApiKind::OpenAi => Format::Chat,
+            ApiKind::Anthropic => Format::Messages,
+        }
+    }
+}
+
+impl Format {
+    pub fn of(endpoint: Endpoint) -> Format {
+        match endpoint {
+            Endpoint::Responses => Format::Responses,
+            other => other.api().into(),
+        }
+    }
+}
 
 /// What was wrong, by kind (the `x-backstop-recovery` token and metric label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,7 +90,7 @@ enum ContentRule {
 
 /// What one request's answers must satisfy.
 pub struct Expectations {
-    api: ApiKind,
+    format: Format,
     content: Option<ContentRule>,
     tools: HashMap<String, Arc<Validator>>,
 }
@@ -88,7 +118,7 @@ enum PendingContent {
 /// A request's schemas, found and fingerprinted on the async worker (cheap, bounded by
 /// the limits); those not cached are compiled by [`Pending::compile`], blocking work.
 pub struct Pending {
-    api: ApiKind,
+    format: Format,
     tenant: Arc<str>,
     content: Option<PendingContent>,
     tools: Vec<(String, Wanted)>,
@@ -130,7 +160,7 @@ impl Pending {
             tools.insert(name, resolve(w)?);
         }
         Ok(Expectations {
-            api: self.api,
+            format: self.format,
             content,
             tools,
         })
@@ -142,12 +172,13 @@ impl Expectations {
     /// any compilation, more tools than `validation.max_tools` and schemas larger than
     /// `validation.max_schema_bytes` or, together, `validation.max_request_schema_bytes`.
     pub fn collect(
-        api: ApiKind,
+        format: impl Into<Format>,
         request: &Map<String, Value>,
         route_schema: Option<&Arc<Value>>,
         schemas: &Schemas,
         tenant: &Arc<str>,
     ) -> Result<Option<Pending>, BadSchema> {
+        let format = format.into();
         let limits = schemas.request_limits();
         let listed = request.get("tools").and_then(Value::as_array);
         let count = listed.map_or(0, Vec::len);
@@ -189,17 +220,28 @@ impl Expectations {
             })
         };
         let mut content = None;
-        if let Some(format) = request.get("response_format") {
-            match format.get("type").and_then(Value::as_str) {
+        // Chat: `response_format.json_schema.schema`; Responses: `text.format.schema`.
+        let (asked, at) = match format {
+            Format::Responses => (
+                request.get("text").and_then(|t| t.get("format")),
+                "text.format.schema",
+            ),
+            _ => (
+                request.get("response_format"),
+                "response_format.json_schema.schema",
+            ),
+        };
+        if let Some(asked) = asked {
+            match asked.get("type").and_then(Value::as_str) {
                 Some("json_schema") => {
-                    let schema = format.pointer("/json_schema/schema").ok_or_else(|| {
-                        BadSchema("response_format.json_schema.schema is missing".into())
-                    })?;
-                    content = Some(PendingContent::Schema(want(
-                        "response_format.json_schema.schema".into(),
-                        schema,
-                        false,
-                    )?));
+                    let pointer = match format {
+                        Format::Responses => "/schema",
+                        _ => "/json_schema/schema",
+                    };
+                    let schema = asked
+                        .pointer(pointer)
+                        .ok_or_else(|| BadSchema(format!("{at} is missing")))?;
+                    content = Some(PendingContent::Schema(want(at.into(), schema, false)?));
                 }
                 Some("json_object") => content = Some(PendingContent::JsonObject),
                 _ => {}
@@ -207,7 +249,7 @@ impl Expectations {
         }
         // Anthropic's structured output: `output_config.format` (the SDK's `parse` and
         // `output_config`), or the beta's `output_format`.
-        if content.is_none() && api == ApiKind::Anthropic {
+        if content.is_none() && format == Format::Messages {
             let formats = [
                 (
                     request.get("output_config").and_then(|c| c.get("format")),
@@ -243,12 +285,14 @@ impl Expectations {
         }
         let mut tools = Vec::new();
         for tool in listed.into_iter().flatten() {
-            let (name, schema) = match api {
-                ApiKind::OpenAi => (
+            let (name, schema) = match format {
+                Format::Chat => (
                     tool.pointer("/function/name"),
                     tool.pointer("/function/parameters"),
                 ),
-                ApiKind::Anthropic => (tool.get("name"), tool.get("input_schema")),
+                Format::Messages => (tool.get("name"), tool.get("input_schema")),
+                // Built-in tools (web_search, file_search, ...) carry no parameters.
+                Format::Responses => (tool.get("name"), tool.get("parameters")),
             };
             if let (Some(Value::String(name)), Some(schema)) = (name, schema) {
                 tools.push((name.clone(), want(format!("tool {name}"), schema, false)?));
@@ -258,7 +302,7 @@ impl Expectations {
             return Ok(None);
         }
         Ok(Some(Pending {
-            api,
+            format,
             tenant: tenant.clone(),
             content,
             tools,
@@ -267,19 +311,19 @@ impl Expectations {
 
     /// [`Expectations::collect`] and [`Pending::compile`] on this thread, for tenant `-`.
     pub fn from_request(
-        api: ApiKind,
+        format: impl Into<Format>,
         request: &Map<String, Value>,
         route_schema: Option<&Arc<Value>>,
         schemas: &Schemas,
     ) -> Result<Option<Self>, BadSchema> {
-        Expectations::collect(api, request, route_schema, schemas, &Arc::from("-"))?
+        Expectations::collect(format, request, route_schema, schemas, &Arc::from("-"))?
             .map(|pending| pending.compile(schemas))
             .transpose()
     }
 
     /// Checks one (non-streaming) answer body.
     pub fn check(&self, answer: &Value) -> Result<(), Invalid> {
-        let calls = tool_calls(self.api, answer);
+        let calls = tool_calls(self.format, answer);
         for (name, args) in &calls {
             let Some(validator) = self.tools.get(name) else {
                 if self.tools.is_empty() {
@@ -320,7 +364,7 @@ impl Expectations {
         let Some(rule) = self.content.as_ref().filter(|_| calls.is_empty()) else {
             return Ok(());
         };
-        let text = content_text(self.api, answer);
+        let text = content_text(self.format, answer);
         let parsed = match serde_json::from_str::<Value>(strip_fences(&text)) {
             Ok(v) => v,
             Err(e) => {
@@ -402,9 +446,26 @@ impl std::fmt::Display for ToolArgs {
     }
 }
 
-fn tool_calls(api: ApiKind, answer: &Value) -> Vec<(String, ToolArgs)> {
-    match api {
-        ApiKind::OpenAi => answer
+/// A Responses answer's `output` items of one type.
+fn output_items<'a>(answer: &'a Value, kind: &'a str) -> impl Iterator<Item = &'a Value> {
+    answer
+        .get("output")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter(move |item| item.get("type").and_then(Value::as_str) == Some(kind))
+}
+
+fn tool_calls(format: Format, answer: &Value) -> Vec<(String, ToolArgs)> {
+    match format {
+        Format::Responses => output_items(answer, "function_call")
+            .filter_map(|item| {
+                let name = item.get("name")?.as_str()?.to_string();
+                let args = item.get("arguments").and_then(Value::as_str).unwrap_or("");
+                Some((name, ToolArgs::Raw(args.to_string())))
+            })
+            .collect(),
+        Format::Chat => answer
             .pointer("/choices/0/message/tool_calls")
             .and_then(Value::as_array)
             .into_iter()
@@ -419,7 +480,7 @@ fn tool_calls(api: ApiKind, answer: &Value) -> Vec<(String, ToolArgs)> {
                 Some((name, ToolArgs::Raw(args)))
             })
             .collect(),
-        ApiKind::Anthropic => answer
+        Format::Messages => answer
             .get("content")
             .and_then(Value::as_array)
             .into_iter()
@@ -435,15 +496,22 @@ fn tool_calls(api: ApiKind, answer: &Value) -> Vec<(String, ToolArgs)> {
     }
 }
 
-/// The answer's text: OpenAI `message.content`, Anthropic's text blocks joined.
-fn content_text(api: ApiKind, answer: &Value) -> String {
-    match api {
-        ApiKind::OpenAi => answer
+/// The answer's text: OpenAI `message.content`, Anthropic's text blocks joined, the
+/// Responses API's `output_text` parts of its message items joined.
+fn content_text(format: Format, answer: &Value) -> String {
+    match format {
+        Format::Responses => output_items(answer, "message")
+            .filter_map(|item| item.get("content").and_then(Value::as_array))
+            .flatten()
+            .filter(|part| part.get("type").and_then(Value::as_str) == Some("output_text"))
+            .filter_map(|part| part.get("text").and_then(Value::as_str))
+            .collect(),
+        Format::Chat => answer
             .pointer("/choices/0/message/content")
             .and_then(Value::as_str)
             .unwrap_or("")
             .to_string(),
-        ApiKind::Anthropic => answer
+        Format::Messages => answer
             .get("content")
             .and_then(Value::as_array)
             .into_iter()
@@ -454,8 +522,14 @@ fn content_text(api: ApiKind, answer: &Value) -> String {
 }
 
 /// The request for the next attempt: the invalid output appended as the assistant's turn,
-/// then a user turn listing the errors by path and asking for the format only.
-pub fn corrective_request(request: &Map<String, Value>, invalid: &Invalid) -> Map<String, Value> {
+/// then a user turn listing the errors by path and asking for the format only (chat and
+/// Anthropic `messages`; the Responses API's `input` items, a string `input` becoming
+/// the first user item, on top of the same `previous_response_id` if there is one).
+pub fn corrective_request(
+    format: Format,
+    request: &Map<String, Value>,
+    invalid: &Invalid,
+) -> Map<String, Value> {
     let mut next = request.clone();
     let what = match (&invalid.problem, &invalid.tool) {
         (Problem::ToolArgs, Some(tool)) => {
@@ -477,10 +551,21 @@ pub fn corrective_request(request: &Map<String, Value>, invalid: &Invalid) -> Ma
             .collect::<Vec<_>>()
             .join("\n")
     );
-    let messages = next
-        .entry("messages")
-        .or_insert_with(|| Value::Array(Vec::new()));
-    if let Value::Array(messages) = messages {
+    let turns = match format {
+        Format::Responses => {
+            let input = next
+                .entry("input")
+                .or_insert_with(|| Value::Array(Vec::new()));
+            if let Value::String(text) = input {
+                *input = json!([{"role": "user", "content": text}]);
+            }
+            input
+        }
+        Format::Chat | Format::Messages => next
+            .entry("messages")
+            .or_insert_with(|| Value::Array(Vec::new())),
+    };
+    if let Value::Array(messages) = turns {
         messages.push(json!({"role": "assistant", "content": invalid.output}));
         messages.push(json!({"role": "user", "content": feedback}));
     }
@@ -538,6 +623,41 @@ mod tests {
                 "```json\n{\"city\": \"Oslo\", \"temp_c\": -3}\n```"
             ))
             .is_ok());
+    }
+
+    #[test]
+    fn responses_text_format_and_function_calls_are_read_in_their_own_shape() {
+        let Value::Object(request) = json!({
+            "text": {"format": {"type": "json_schema", "name": "w", "schema": weather_schema()}},
+            "tools": [{"type": "function", "name": "get_weather", "parameters": weather_schema()},
+                      {"type": "web_search"}],
+        }) else {
+            unreachable!()
+        };
+        let e = Expectations::from_request(Format::Responses, &request, None, &schemas())
+            .unwrap()
+            .unwrap();
+        let text = |t: &str| json!({"output": [{"type": "reasoning", "summary": []}, {"type": "message", "content": [{"type": "output_text", "text": t}]}]});
+        assert!(e.check(&text(r#"{"city": "Rome", "temp_c": 30}"#)).is_ok());
+        assert_eq!(
+            e.check(&text(r#"{"city": "Rome"}"#)).unwrap_err().problem,
+            Problem::Schema
+        );
+        let call = |args: &str| json!({"output": [{"type": "function_call", "name": "get_weather", "call_id": "c1", "arguments": args}]});
+        assert!(e.check(&call(r#"{"city": "Rome", "temp_c": 30}"#)).is_ok());
+        let invalid = e.check(&call(r#"{"city": 1}"#)).unwrap_err();
+        assert_eq!(invalid.problem, Problem::ToolArgs);
+
+        // The correction is new input items; a string input becomes the first one.
+        let Value::Object(request) = json!({"input": "hi", "previous_response_id": "r1"}) else {
+            unreachable!()
+        };
+        let next = corrective_request(Format::Responses, &request, &invalid);
+        assert_eq!(next["previous_response_id"], "r1");
+        let input = next["input"].as_array().unwrap();
+        assert_eq!(input[0], json!({"role": "user", "content": "hi"}));
+        assert_eq!(input[1]["role"], "assistant");
+        assert!(next.get("messages").is_none());
     }
 
     #[test]
@@ -683,7 +803,7 @@ mod tests {
             output: r#"{"city":"Paris"}"#.into(),
             tool: None,
         };
-        let next = corrective_request(&request, &invalid);
+        let next = corrective_request(Format::Chat, &request, &invalid);
         let messages = next["messages"].as_array().unwrap();
         assert_eq!(messages.len(), 3);
         assert_eq!(

@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use serde_json::{json, Value};
 
-use crate::api::ApiKind;
+use super::Format;
 
 fn data(value: &Value) -> String {
     format!("data: {value}\n\n")
@@ -15,12 +15,101 @@ fn event(name: &str, value: &Value) -> String {
 }
 
 /// The SSE body for a complete (non-streaming) answer.
-pub fn as_sse(api: ApiKind, answer: &Value, include_usage: bool) -> Bytes {
-    match api {
-        ApiKind::OpenAi => openai(answer, include_usage),
-        ApiKind::Anthropic => anthropic(answer),
+pub fn as_sse(format: impl Into<Format>, answer: &Value, include_usage: bool) -> Bytes {
+    match format.into() {
+        Format::Chat => openai(answer, include_usage),
+        Format::Messages => anthropic(answer),
+        Format::Responses => responses(answer),
     }
     .into()
+}
+
+/// The Responses API's event sequence for a whole `response` object: created, each
+/// output item added with its content or arguments, done, then `response.completed`
+/// carrying the whole response (and its usage).
+fn responses(answer: &Value) -> String {
+    let mut seq = 0u64;
+    let mut out = String::new();
+    let mut emit = |name: &str, mut value: Value| {
+        value["type"] = json!(name);
+        value["sequence_number"] = json!(seq);
+        seq += 1;
+        out += &event(name, &value);
+    };
+    let mut started = answer.clone();
+    started["status"] = json!("in_progress");
+    started["output"] = json!([]);
+    started["usage"] = Value::Null;
+    emit("response.created", json!({"response": started}));
+    emit("response.in_progress", json!({"response": started}));
+    let items = answer.get("output").and_then(Value::as_array);
+    for (i, item) in items.into_iter().flatten().enumerate() {
+        let id = item.get("id").cloned().unwrap_or(Value::Null);
+        let mut added = item.clone();
+        match item.get("type").and_then(Value::as_str) {
+            Some("message") => {
+                added["content"] = json!([]);
+                added["status"] = json!("in_progress");
+                emit(
+                    "response.output_item.added",
+                    json!({"output_index": i, "item": added}),
+                );
+                let parts = item.get("content").and_then(Value::as_array);
+                for (c, part) in parts.into_iter().flatten().enumerate() {
+                    let at = |extra: Value| {
+                        let mut v = json!({"item_id": id, "output_index": i, "content_index": c});
+                        if let (Value::Object(v), Value::Object(extra)) = (&mut v, extra) {
+                            v.extend(extra);
+                        }
+                        v
+                    };
+                    let mut empty = part.clone();
+                    if empty.get("text").is_some() {
+                        empty["text"] = json!("");
+                    }
+                    emit("response.content_part.added", at(json!({"part": empty})));
+                    if let Some(text) = part.get("text").and_then(Value::as_str) {
+                        emit(
+                            "response.output_text.delta",
+                            at(json!({"delta": text, "logprobs": []})),
+                        );
+                        emit(
+                            "response.output_text.done",
+                            at(json!({"text": text, "logprobs": []})),
+                        );
+                    }
+                    emit("response.content_part.done", at(json!({"part": part})));
+                }
+            }
+            Some("function_call") => {
+                added["arguments"] = json!("");
+                added["status"] = json!("in_progress");
+                emit(
+                    "response.output_item.added",
+                    json!({"output_index": i, "item": added}),
+                );
+                let args = item.get("arguments").cloned().unwrap_or(json!(""));
+                emit(
+                    "response.function_call_arguments.delta",
+                    json!({"item_id": id, "output_index": i, "delta": args}),
+                );
+                emit(
+                    "response.function_call_arguments.done",
+                    json!({"item_id": id, "output_index": i, "arguments": args}),
+                );
+            }
+            _ => emit(
+                "response.output_item.added",
+                json!({"output_index": i, "item": added}),
+            ),
+        }
+        emit(
+            "response.output_item.done",
+            json!({"output_index": i, "item": item}),
+        );
+    }
+    emit("response.completed", json!({"response": answer}));
+    out
 }
 
 fn openai(answer: &Value, include_usage: bool) -> String {

@@ -92,6 +92,11 @@ budget_floor = 100000
 [breaker]
 failure_threshold = 100000
 
+# The stored-response routes (/v1/responses/{id}...) go to the mock with the provider key
+# (the default would be the first openai upstream a route targets: quota-a).
+[responses]
+upstream = "mock-openai"
+
 [[upstreams]]
 name = "mock-openai"
 api = "openai"

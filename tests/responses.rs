@@ -1,0 +1,609 @@
+//! The OpenAI Responses API end to end (`POST /v1/responses` and the stored-response
+//! routes): the real gateway in front of real mocks, the same policy as chat.
+
+mod common;
+
+use std::time::Duration;
+
+use backstop::config::Config;
+use common::*;
+use serde_json::{json, Value};
+
+const CAPPED: &str = "bk-capped-key-01";
+const GUARDED: &str = "bk-guarded-key-01";
+
+fn create(model: &str, input: &str) -> Value {
+    json!({"model": model, "input": input})
+}
+
+impl Gateway {
+    /// A `POST /v1/responses` as tenant `key`, in `scenario`, playing `fault`.
+    async fn responses(
+        &self,
+        key: &str,
+        extra: &[(&str, &str)],
+        scenario: &str,
+        fault: &str,
+        body: &Value,
+    ) -> reqwest::Response {
+        let mut headers = vec![("x-mock-scenario", scenario)];
+        if !fault.is_empty() {
+            headers.push(("x-mock-fault", fault));
+        }
+        headers.extend_from_slice(extra);
+        self.post("/v1/responses", Some(key), &headers, body.to_string())
+            .await
+    }
+
+    async fn session_tokens(&self, key: &str, session: &str) -> Value {
+        let report = json(
+            self.http
+                .get(format!("{}/v1/sessions/{session}", self.url))
+                .bearer_auth(key)
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        report["used"]["tokens"].clone()
+    }
+}
+
+/// A gateway with a `capped` tenant (session token cap, priced models) and a `fo-*`
+/// route that fails over from an upstream nothing listens on to the mock.
+async fn gateway() -> Gateway {
+    start_with(move |text| {
+        let prices = admin_and_prices();
+        format!(
+            r#"{text}{prices}
+[[routes]]
+model = "fo-*"
+targets = [{{ upstream = "dead" }}, {{ upstream = "mock-openai", model = "gpt-4o-mini" }}]
+
+[[tenants]]
+name = "capped"
+api_keys = ["{CAPPED}"]
+[tenants.session]
+max_tokens = 100000
+
+[[tenants]]
+name = "guarded"
+api_keys = ["{GUARDED}"]
+[tenants.guard]
+identical_request_limit = 3
+tool_loop_limit = 3
+"#
+        )
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_response_is_forwarded_untouched_with_the_provider_key() {
+    let gw = gateway().await;
+    let body = json!({
+        "model": "gpt-4o", "input": "hello", "store": false,
+        "previous_response_id": "resp_earlier", "instructions": "be brief",
+        "text": {"format": {"type": "text"}},
+    });
+    let resp = gw.responses(KEY_A, &[], "create", "", &body).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-backstop-attempts"], "1");
+    let answer = json(resp).await;
+    assert_eq!(answer["object"], "response");
+    assert_eq!(answer["output"][0]["content"][0]["type"], "output_text");
+    assert_eq!(answer["output"][0]["content"][0]["text"], "mock: hello");
+    let seen = gw.mock.last_request("create").unwrap();
+    assert_eq!(seen["path"], "/v1/responses");
+    assert_eq!(
+        seen["headers"]["authorization"],
+        "Bearer sk-provider-openai"
+    );
+    assert!(!seen["headers"].to_string().contains(KEY_A));
+    // As received: `previous_response_id` and `store` included, no `stream_options`.
+    assert_eq!(seen["body"], body);
+}
+
+#[tokio::test]
+async fn transient_failures_are_retried_with_exact_attempts() {
+    let gw = gateway().await;
+    let resp = gw
+        .responses(
+            KEY_A,
+            &[],
+            "retry",
+            "status=503,status=503,ok",
+            &create("gpt-4o", "hi"),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-backstop-attempts"], "3");
+    assert_eq!(
+        resp.headers()["x-backstop-recovery"],
+        "retry:503,retry:503,ok"
+    );
+    assert_eq!(gw.mock.attempts("retry"), 3);
+    assert_eq!(
+        json(resp).await["output"][0]["content"][0]["text"],
+        "mock: hi"
+    );
+}
+
+#[tokio::test]
+async fn an_unreachable_target_fails_over_to_the_next() {
+    let gw = gateway().await;
+    let resp = gw
+        .responses(KEY_A, &[], "fo", "", &create("fo-x", "hi"))
+        .await;
+    assert_eq!(resp.status(), 200);
+    let recovery = resp.headers()["x-backstop-recovery"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(recovery.contains("failover:mock-openai"), "{recovery}");
+    assert_eq!(gw.mock.attempts("fo"), 1);
+    assert_eq!(
+        gw.mock.last_request("fo").unwrap()["body"]["model"],
+        "gpt-4o-mini"
+    );
+    assert_eq!(
+        json(resp).await["output"][0]["content"][0]["text"],
+        "mock: hi"
+    );
+}
+
+#[tokio::test]
+async fn usage_settles_the_session_budget() {
+    let gw = gateway().await;
+    let session = [("x-session-id", "rs-1")];
+    let body = json!({"model": "gpt-4o", "input": "hello", "max_output_tokens": 500});
+    let resp = gw
+        .responses(CAPPED, &session, "usage", "usage=40/60", &body)
+        .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(json(resp).await["usage"]["total_tokens"], 100);
+    assert_eq!(gw.session_tokens(CAPPED, "rs-1").await, 100);
+}
+
+#[tokio::test]
+async fn a_streamed_response_is_relayed_and_its_usage_settled() {
+    let gw = gateway().await;
+    let session = [("x-session-id", "rs-stream")];
+    let body = json!({"model": "gpt-4o", "input": "hello", "stream": true});
+    let resp = gw
+        .responses(CAPPED, &session, "stream", "status=503,usage=120/30", &body)
+        .await;
+    assert_eq!(resp.status(), 200);
+    // Retried before its first event.
+    assert_eq!(resp.headers()["x-backstop-attempts"], "2");
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let text = resp.text().await.unwrap();
+    assert!(text.starts_with("event: response.created\n"), "{text}");
+    assert!(
+        text.contains("event: response.output_text.delta\n"),
+        "{text}"
+    );
+    assert!(text.trim_end().ends_with("}"), "{text}");
+    let last = text.trim_end().rsplit("\n\n").next().unwrap();
+    assert!(last.starts_with("event: response.completed\n"), "{last}");
+    let seen = gw.mock.last_request("stream").unwrap();
+    assert!(
+        seen["body"].get("stream_options").is_none(),
+        "the Responses API reports usage itself: {seen}"
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(gw.session_tokens(CAPPED, "rs-stream").await, 150);
+}
+
+#[tokio::test]
+async fn a_stream_cut_midway_ends_with_a_responses_error_event() {
+    let gw = gateway().await;
+    let body = json!({"model": "gpt-4o", "input": "hello", "stream": true});
+    let resp = gw.responses(KEY_A, &[], "cut", "cut=3", &body).await;
+    assert_eq!(resp.status(), 200);
+    let text = resp.text().await.unwrap();
+    assert!(text.starts_with("event: response.created\n"), "{text}");
+    let last = text.trim_end().rsplit("\n\n").next().unwrap();
+    let data = last
+        .strip_prefix("event: error\ndata: ")
+        .unwrap_or_else(|| panic!("{text}"));
+    let event: Value = serde_json::from_str(data).unwrap();
+    assert_eq!(event["type"], "error");
+    assert_eq!(event["code"], "upstream_stream_error");
+    assert!(event["message"].is_string());
+    assert_eq!(
+        gw.mock.attempts("cut"),
+        1,
+        "a stream past its first event is not retried"
+    );
+}
+
+#[tokio::test]
+async fn a_function_call_is_answered_as_an_output_item() {
+    let gw = gateway().await;
+    let body = json!({"model": "gpt-4o", "input": "weather?", "tools": [
+        {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    ]});
+    // {"city":"Paris"}
+    let fault = "tool=get_weather;tool_args_b64=eyJjaXR5IjoiUGFyaXMifQ==";
+    let answer = json(gw.responses(KEY_A, &[], "tool", fault, &body).await).await;
+    let item = &answer["output"][0];
+    assert_eq!(item["type"], "function_call");
+    assert_eq!(item["name"], "get_weather");
+    assert_eq!(item["arguments"], r#"{"city":"Paris"}"#);
+    assert!(item["call_id"].is_string());
+}
+
+fn schema_body(input: Value) -> Value {
+    json!({"model": "gpt-4o", "input": input, "text": {"format": {
+        "type": "json_schema", "name": "w", "strict": true,
+        "schema": {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}}
+    }}})
+}
+
+/// "not json", then {"a": 1}.
+const INVALID_THEN_VALID: &str = "content_b64=bm90IGpzb24=,content_b64=eyJhIjogMX0=";
+
+#[tokio::test]
+async fn an_invalid_text_format_answer_is_corrected_with_new_input_items() {
+    let gw = gateway().await;
+    let body = schema_body(json!("json please"));
+    let resp = gw
+        .responses(KEY_A, &[], "format", INVALID_THEN_VALID, &body)
+        .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-backstop-validation"], "corrected");
+    assert_eq!(resp.headers()["x-backstop-attempts"], "2");
+    assert_eq!(gw.mock.attempts("format"), 2);
+    let answer = json(resp).await;
+    assert_eq!(answer["output"][0]["content"][0]["text"], r#"{"a": 1}"#);
+    // The string input became the first item; the invalid output and the errors follow.
+    let input = gw.mock.last_request("format").unwrap()["body"]["input"].clone();
+    assert_eq!(input[0], json!({"role": "user", "content": "json please"}));
+    assert_eq!(
+        input[1],
+        json!({"role": "assistant", "content": "not json"})
+    );
+    assert_eq!(input[2]["role"], "user");
+    assert!(
+        input[2]["content"]
+            .as_str()
+            .unwrap()
+            .contains("not valid JSON"),
+        "{input}"
+    );
+}
+
+#[tokio::test]
+async fn a_correction_stays_on_top_of_the_previous_response() {
+    let gw = gateway().await;
+    let mut body = schema_body(json!([{"role": "user", "content": "more"}]));
+    body["previous_response_id"] = json!("resp_before");
+    let resp = gw
+        .responses(KEY_A, &[], "format-prev", INVALID_THEN_VALID, &body)
+        .await;
+    assert_eq!(resp.status(), 200);
+    let sent = gw.mock.last_request("format-prev").unwrap()["body"].clone();
+    assert_eq!(sent["previous_response_id"], "resp_before");
+    assert_eq!(sent["input"].as_array().unwrap().len(), 3);
+}
+
+#[tokio::test]
+async fn invalid_function_call_arguments_are_corrected() {
+    let gw = gateway().await;
+    let body = json!({"model": "gpt-4o", "input": "weather?", "tools": [
+        {"type": "function", "name": "get_weather", "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}
+    ]});
+    // {"town":"Paris"}, then {"city":"Paris"}
+    let fault = "tool=get_weather;tool_args_b64=eyJ0b3duIjoiUGFyaXMifQ==,tool=get_weather;tool_args_b64=eyJjaXR5IjoiUGFyaXMifQ==";
+    let resp = gw.responses(KEY_A, &[], "tool-fix", fault, &body).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-backstop-validation"], "corrected");
+    assert_eq!(
+        json(resp).await["output"][0]["arguments"],
+        r#"{"city":"Paris"}"#
+    );
+    assert_eq!(gw.mock.attempts("tool-fix"), 2);
+}
+
+#[tokio::test]
+async fn a_validated_stream_is_replayed_as_responses_events() {
+    let gw = gateway().await;
+    let mut body = schema_body(json!("json please"));
+    body["stream"] = json!(true);
+    let resp = gw
+        .responses(KEY_A, &[], "format-stream", INVALID_THEN_VALID, &body)
+        .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-backstop-validation"], "corrected");
+    let text = resp.text().await.unwrap();
+    assert!(text.starts_with("event: response.created\n"), "{text}");
+    let last = text.trim_end().rsplit("\n\n").next().unwrap();
+    let completed: Value = serde_json::from_str(
+        last.strip_prefix("event: response.completed\ndata: ")
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        completed["response"]["output"][0]["content"][0]["text"],
+        r#"{"a": 1}"#
+    );
+    assert!(text.contains(r#""delta":"{\"a\": 1}""#), "{text}");
+    // Fetched whole from the upstream, unstreamed.
+    assert_eq!(
+        gw.mock.last_request("format-stream").unwrap()["body"]["stream"],
+        false
+    );
+}
+
+#[tokio::test]
+async fn a_schema_that_does_not_compile_is_refused_before_any_call() {
+    let gw = gateway().await;
+    let mut body = schema_body(json!("x"));
+    body["text"]["format"]["schema"] = json!({"type": "no-such-type"});
+    let resp = gw.responses(KEY_A, &[], "bad-schema", "", &body).await;
+    assert_eq!(resp.status(), 400);
+    assert_eq!(json(resp).await["error"]["code"], "invalid_schema");
+    let mut body = schema_body(json!("x"));
+    body["text"]["format"]
+        .as_object_mut()
+        .unwrap()
+        .remove("schema");
+    let resp = gw.responses(KEY_A, &[], "bad-schema", "", &body).await;
+    assert_eq!(resp.status(), 400);
+    assert_eq!(gw.mock.attempts("bad-schema"), 0);
+}
+
+#[tokio::test]
+async fn bad_requests_are_refused_before_any_upstream_call() {
+    let gw = gateway().await;
+    for (body, code, param) in [
+        (
+            json!({"model": "gpt-4o", "input": "x", "max_output_tokens": -1}),
+            "invalid_parameter",
+            json!("max_output_tokens"),
+        ),
+        (
+            json!({"model": "gpt-4o", "input": "x", "max_output_tokens": "10"}),
+            "invalid_parameter",
+            json!("max_output_tokens"),
+        ),
+        (
+            json!({"model": "gpt-4o", "input": "x", "max_output_tokens": 1e40}),
+            "invalid_parameter",
+            json!("max_output_tokens"),
+        ),
+        (json!({"input": "x"}), "missing_model", Value::Null),
+        (
+            json!({"model": "nope", "input": "x"}),
+            "model_not_found",
+            Value::Null,
+        ),
+    ] {
+        let resp = gw.responses(KEY_A, &[], "bad", "", &body).await;
+        let status = resp.status();
+        let error = json(resp).await;
+        assert!(status.is_client_error(), "{status} {error}");
+        assert_eq!(error["error"]["code"], code, "{error}");
+        if !param.is_null() {
+            assert_eq!(error["error"]["param"], param);
+        }
+    }
+    let resp = gw
+        .post("/v1/responses", Some(KEY_A), &[], "{not json")
+        .await;
+    assert_eq!(resp.status(), 400);
+    assert_eq!(json(resp).await["error"]["code"], "invalid_json");
+    let resp = gw
+        .post(
+            "/v1/responses",
+            None,
+            &[],
+            create("gpt-4o", "x").to_string(),
+        )
+        .await;
+    assert_eq!(resp.status(), 401);
+    // A Responses request for a model served by an Anthropic upstream.
+    let resp = gw
+        .responses(KEY_A, &[], "bad", "", &create("claude-x", "x"))
+        .await;
+    assert_eq!(resp.status(), 400);
+    assert_eq!(gw.mock.attempts("bad"), 0);
+}
+
+#[tokio::test]
+async fn stored_response_routes_are_forwarded_with_the_provider_key() {
+    let gw = gateway().await;
+    let url = |path: &str| format!("{}{path}", gw.url);
+    let scenario = [("x-mock-scenario", "stored")];
+    let send = |req: reqwest::RequestBuilder| async move {
+        let mut req = req.bearer_auth(KEY_A);
+        for (k, v) in scenario {
+            req = req.header(k, v);
+        }
+        req.send().await.unwrap()
+    };
+
+    let resp = send(gw.http.get(url("/v1/responses/resp_123"))).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-backstop-attempts"], "1");
+    let body = json(resp).await;
+    assert_eq!(body["id"], "resp_123");
+    assert_eq!(body["object"], "response");
+    let seen = gw.mock.last_request("stored").unwrap();
+    assert_eq!(seen["method"], "GET");
+    assert_eq!(seen["path"], "/v1/responses/resp_123");
+    assert_eq!(
+        seen["headers"]["authorization"],
+        "Bearer sk-provider-openai"
+    );
+    assert!(!seen["headers"].to_string().contains(KEY_A));
+
+    let body = json(send(gw.http.delete(url("/v1/responses/resp_123"))).await).await;
+    assert_eq!(body["deleted"], true);
+    assert_eq!(gw.mock.last_request("stored").unwrap()["method"], "DELETE");
+
+    let body = json(send(gw.http.post(url("/v1/responses/resp_123/cancel"))).await).await;
+    assert_eq!(body["status"], "cancelled");
+
+    let resp = send(
+        gw.http
+            .get(url("/v1/responses/resp_123/input_items?limit=5&order=asc")),
+    )
+    .await;
+    assert_eq!(json(resp).await["object"], "list");
+    let seen = gw.mock.last_request("stored").unwrap();
+    assert_eq!(seen["path"], "/v1/responses/resp_123/input_items");
+    assert_eq!(seen["query"], "limit=5&order=asc");
+    assert_eq!(gw.mock.attempts("stored"), 4);
+
+    // Tenant auth applies; nothing else is forwarded.
+    let resp = gw
+        .http
+        .get(url("/v1/responses/resp_123"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 401);
+    assert_eq!(json(resp).await["error"]["code"], "invalid_api_key");
+    let resp = send(gw.http.get(url("/v1/responses/a.b"))).await;
+    assert_eq!(resp.status(), 404);
+    let resp = send(gw.http.post(url("/v1/responses/resp_123"))).await;
+    assert_eq!(resp.status(), 405);
+    assert_eq!(gw.mock.attempts("stored"), 4);
+
+    // The upstream's errors come back as it sent them, in OpenAI's shape.
+    let resp = gw
+        .http
+        .get(url("/v1/responses/resp_404"))
+        .bearer_auth(KEY_A)
+        .header("x-mock-fault", "status=404")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 404);
+    assert!(json(resp).await["error"]["message"].is_string());
+}
+
+fn config_with(extra: &str) -> Result<Config, String> {
+    let text = format!(
+        r#"
+[[upstreams]]
+name = "claude"
+api = "anthropic"
+base_url = "http://127.0.0.1:1"
+[[upstreams]]
+name = "oa"
+api = "openai"
+base_url = "http://127.0.0.1:2"
+[[upstreams]]
+name = "oa-2"
+api = "openai"
+base_url = "http://127.0.0.1:3"
+[[routes]]
+model = "claude-*"
+targets = [{{ upstream = "claude" }}]
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "oa-2" }}, {{ upstream = "oa" }}]
+[[tenants]]
+name = "t"
+api_keys = ["bk-config-key-1"]
+{extra}
+"#
+    );
+    Config::from_toml_with_env(&text, |_| None).map_err(|e| e.to_string())
+}
+
+#[test]
+fn the_responses_upstream_is_configured_or_the_first_openai_target() {
+    assert_eq!(config_with("").unwrap().responses_upstream(), Some("oa-2"));
+    assert_eq!(
+        config_with("[responses]\nupstream = \"oa\"")
+            .unwrap()
+            .responses_upstream(),
+        Some("oa")
+    );
+    let err = config_with("[responses]\nupstream = \"claude\"").unwrap_err();
+    assert!(err.starts_with("responses.upstream:"), "{err}");
+    let err = config_with("[responses]\nupstream = \"nobody\"").unwrap_err();
+    assert!(err.starts_with("responses.upstream:"), "{err}");
+    let err = config_with("[responses]\nupstreams = \"oa\"").unwrap_err();
+    assert!(err.contains("upstreams"), "{err}");
+}
+
+#[tokio::test]
+async fn the_guard_stops_a_responses_tool_loop_and_lets_distinct_turns_through() {
+    let gw = gateway().await;
+    let session = [("x-session-id", "agent-1")];
+    // Five different turns of one session: none is a repeat.
+    for i in 0..5 {
+        let resp = gw
+            .responses(
+                GUARDED,
+                &session,
+                "turns",
+                "",
+                &create("gpt-4o", &format!("turn {i}")),
+            )
+            .await;
+        assert_eq!(resp.status(), 200, "turn {i}");
+    }
+    // The same failing function call fed back three times.
+    let mut input = vec![json!({"role": "user", "content": "weather in Atlantis?"})];
+    for i in 0..3 {
+        input.push(json!({"type": "function_call", "call_id": format!("call_{i}"), "name": "get_weather", "arguments": r#"{"city":"Atlantis"}"#}));
+        input.push(json!({"type": "function_call_output", "call_id": format!("call_{i}"), "output": "Error: city not found"}));
+    }
+    let body = json!({"model": "gpt-4o", "input": input});
+    let resp = gw.responses(GUARDED, &session, "loop", "", &body).await;
+    assert_eq!(resp.status(), 429);
+    let error = json(resp).await;
+    assert_eq!(error["error"]["code"], "loop_detected");
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(r#"get_weather({"city":"Atlantis"}) returned the same error 3 times"#),
+        "{message}"
+    );
+    assert_eq!(gw.mock.attempts("loop"), 0);
+}
+
+#[tokio::test]
+async fn the_same_responses_request_a_fourth_time_is_a_loop() {
+    let gw = gateway().await;
+    let session = [("x-session-id", "agent-2")];
+    for _ in 0..3 {
+        let resp = gw
+            .responses(GUARDED, &session, "same", "", &create("gpt-4o", "again"))
+            .await;
+        assert_eq!(resp.status(), 200);
+    }
+    let resp = gw
+        .responses(GUARDED, &session, "same", "", &create("gpt-4o", "again"))
+        .await;
+    assert_eq!(resp.status(), 429);
+    assert_eq!(json(resp).await["error"]["code"], "loop_detected");
+    assert_eq!(gw.mock.attempts("same"), 3);
+}
+
+#[tokio::test]
+async fn an_idempotency_key_replays_a_response() {
+    let gw = gateway().await;
+    let key = [("idempotency-key", "resp-key-1")];
+    let body = create("gpt-4o", "once");
+    let first = gw.responses(KEY_A, &key, "idem", "", &body).await;
+    assert_eq!(first.status(), 200);
+    let first = first.text().await.unwrap();
+    let again = gw.responses(KEY_A, &key, "idem", "", &body).await;
+    assert_eq!(again.headers()["x-backstop-replayed"], "true");
+    assert_eq!(again.text().await.unwrap(), first);
+    assert_eq!(gw.mock.attempts("idem"), 1);
+    let other = gw
+        .responses(KEY_A, &key, "idem", "", &create("gpt-4o", "twice"))
+        .await;
+    assert_eq!(other.status(), 422);
+    assert_eq!(json(other).await["error"]["code"], "idempotency_key_reused");
+}
