@@ -378,6 +378,21 @@ async fn bad_requests_are_refused_before_any_upstream_call() {
         ),
         (json!({"input": "x"}), "missing_model", Value::Null),
         (
+            json!({"model": "gpt-4o", "input": 5}),
+            "invalid_parameter",
+            json!("input"),
+        ),
+        (
+            json!({"model": "gpt-4o", "input": ["just a string item"]}),
+            "invalid_parameter",
+            json!("input"),
+        ),
+        (
+            json!({"model": "gpt-4o", "input": "x", "text": {"format": {"type": "yaml"}}}),
+            "invalid_schema",
+            Value::Null,
+        ),
+        (
             json!({"model": "nope", "input": "x"}),
             "model_not_found",
             Value::Null,

@@ -24,6 +24,38 @@ pub enum RequestError {
     },
 }
 
+/// The Responses API's `input`: a string, or a list of items that each say what they
+/// are (`type`, or a message's `role`). Anything else is refused before any upstream
+/// call, as chat refuses a malformed body.
+fn check_responses_input(input: Option<&Value>) -> Result<(), RequestError> {
+    let invalid = |detail: String| RequestError::InvalidParameter {
+        param: "input",
+        detail,
+    };
+    match input {
+        None | Some(Value::Null) | Some(Value::String(_)) => Ok(()),
+        Some(Value::Array(items)) => {
+            for (i, item) in items.iter().enumerate() {
+                let says = |key: &str| item.get(key).is_some_and(Value::is_string);
+                if !item.is_object() || !(says("type") || says("role")) {
+                    return Err(invalid(format!(
+                        "input[{i}] must be an object with a string `type` or `role`"
+                    )));
+                }
+            }
+            Ok(())
+        }
+        Some(other) => Err(invalid(format!(
+            "must be a string or a list of input items, got {}",
+            match other {
+                Value::Bool(_) => "a boolean",
+                Value::Number(_) => "a number",
+                _ => "an object",
+            }
+        ))),
+    }
+}
+
 /// One request body, parsed.
 #[derive(Debug, Clone)]
 pub struct ParsedRequest {
@@ -72,6 +104,9 @@ impl ParsedRequest {
                     }
                 },
             }
+        }
+        if endpoint == Endpoint::Responses {
+            check_responses_input(json.get("input"))?;
         }
         let client_wants_stream_usage = json
             .get("stream_options")

@@ -244,6 +244,17 @@ impl Expectations {
                     content = Some(PendingContent::Schema(want(at.into(), schema, false)?));
                 }
                 Some("json_object") => content = Some(PendingContent::JsonObject),
+                Some("text") => {}
+                // Chat leaves an unknown `response_format` to the upstream; the Responses
+                // API's `text.format` is refused here, so it never costs a call.
+                _ if format == Format::Responses => {
+                    return Err(BadSchema(format!(
+                        "text.format.type must be one of text, json_schema, json_object; got {}",
+                        asked
+                            .get("type")
+                            .map_or_else(|| "none".to_string(), Value::to_string)
+                    )))
+                }
                 _ => {}
             }
         }
