@@ -85,6 +85,7 @@ use crate::{
         idempotency::IdempotencyLayer,
         limits::LimitsLayer,
         meter::{Billed, MeterLayer, Unmetered},
+        owners::ResponseOwnersLayer,
         recovery::{Answered, RecoveryLayer, RetryPolicy},
         respond::RespondLayer,
         session_guard::SessionGuardLayer,
@@ -92,7 +93,9 @@ use crate::{
     },
     policy::budget::Prices,
     routing::RouteTable,
-    state::{budgets::Budgets, health::HealthRegistry, sessions::SessionGuards},
+    state::{
+        budgets::Budgets, health::HealthRegistry, owners::ResponseOwners, sessions::SessionGuards,
+    },
     store::{SqliteStore, Store, StoreError},
     telemetry,
     upstream::{self, objects::ForwardObject, Attempt, Forward, StreamLimits, Upstream},
@@ -112,6 +115,8 @@ pub struct AppState {
     pub budgets: Arc<Budgets>,
     pub schemas: Arc<Schemas>,
     pub guards: Arc<SessionGuards>,
+    /// Which tenant created each stored response (the Responses API).
+    pub owners: Arc<ResponseOwners>,
     /// The one clock of the live state (tokio time, and the calendar derived from it).
     pub clock: Clock,
     pub metrics: PrometheusHandle,
@@ -145,6 +150,7 @@ impl AppState {
                 clock.clone(),
             )),
             schemas: Arc::new(Schemas::new(config.validation.schema_settings())),
+            owners: Arc::new(ResponseOwners::new(store.clone(), clock.clone())),
             guards: Arc::new(SessionGuards::new(
                 &config,
                 config.store.session_idle,
@@ -193,6 +199,7 @@ fn proxy_stack(state: &AppState) -> HttpService {
         state.stream_limits.clone(),
     ));
     let metered = check::<Billed, _>(MeterLayer::new(state.budgets.clone()).layer(leaf));
+    let metered = check::<Billed, _>(ResponseOwnersLayer::new(state.owners.clone()).layer(metered));
     // The call level: a parsed, routed request, answered by one target.
     let recovered = check::<Call, _>(
         RecoveryLayer::new(
@@ -289,6 +296,7 @@ fn response_objects_stack(state: &AppState) -> HttpService {
     let leaf = check::<Request<Body>, _>(ForwardObject::new(
         upstream::client(),
         upstream,
+        state.owners.clone(),
         server.max_body_bytes,
         state.stream_limits.max_response_bytes,
     ));

@@ -442,43 +442,55 @@ async fn stored_response_routes_are_forwarded_with_the_provider_key() {
         req.send().await.unwrap()
     };
 
-    let resp = send(gw.http.get(url("/v1/responses/resp_123"))).await;
+    // Only a response the tenant created is its to read: create one first.
+    let created = json(
+        gw.responses(
+            KEY_A,
+            &[],
+            "stored-create",
+            "",
+            &create("gpt-4o", "keep me"),
+        )
+        .await,
+    )
+    .await;
+    let id = created["id"].as_str().unwrap().to_string();
+    let resp = send(gw.http.get(url(&format!("/v1/responses/{id}")))).await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-backstop-attempts"], "1");
     let body = json(resp).await;
-    assert_eq!(body["id"], "resp_123");
+    assert_eq!(body["id"], id.as_str());
     assert_eq!(body["object"], "response");
     let seen = gw.mock.last_request("stored").unwrap();
     assert_eq!(seen["method"], "GET");
-    assert_eq!(seen["path"], "/v1/responses/resp_123");
+    assert_eq!(seen["path"], format!("/v1/responses/{id}"));
     assert_eq!(
         seen["headers"]["authorization"],
         "Bearer sk-provider-openai"
     );
     assert!(!seen["headers"].to_string().contains(KEY_A));
 
-    let body = json(send(gw.http.delete(url("/v1/responses/resp_123"))).await).await;
+    let body = json(send(gw.http.delete(url(&format!("/v1/responses/{id}")))).await).await;
     assert_eq!(body["deleted"], true);
     assert_eq!(gw.mock.last_request("stored").unwrap()["method"], "DELETE");
 
-    let body = json(send(gw.http.post(url("/v1/responses/resp_123/cancel"))).await).await;
+    let body = json(send(gw.http.post(url(&format!("/v1/responses/{id}/cancel")))).await).await;
     assert_eq!(body["status"], "cancelled");
 
-    let resp = send(
-        gw.http
-            .get(url("/v1/responses/resp_123/input_items?limit=5&order=asc")),
-    )
+    let resp = send(gw.http.get(url(&format!(
+        "/v1/responses/{id}/input_items?limit=5&order=asc"
+    ))))
     .await;
     assert_eq!(json(resp).await["object"], "list");
     let seen = gw.mock.last_request("stored").unwrap();
-    assert_eq!(seen["path"], "/v1/responses/resp_123/input_items");
+    assert_eq!(seen["path"], format!("/v1/responses/{id}/input_items"));
     assert_eq!(seen["query"], "limit=5&order=asc");
     assert_eq!(gw.mock.attempts("stored"), 4);
 
     // Tenant auth applies; nothing else is forwarded.
     let resp = gw
         .http
-        .get(url("/v1/responses/resp_123"))
+        .get(url(&format!("/v1/responses/{id}")))
         .send()
         .await
         .unwrap();
@@ -486,14 +498,14 @@ async fn stored_response_routes_are_forwarded_with_the_provider_key() {
     assert_eq!(json(resp).await["error"]["code"], "invalid_api_key");
     let resp = send(gw.http.get(url("/v1/responses/a.b"))).await;
     assert_eq!(resp.status(), 404);
-    let resp = send(gw.http.post(url("/v1/responses/resp_123"))).await;
+    let resp = send(gw.http.post(url(&format!("/v1/responses/{id}")))).await;
     assert_eq!(resp.status(), 405);
     assert_eq!(gw.mock.attempts("stored"), 4);
 
     // The upstream's errors come back as it sent them, in OpenAI's shape.
     let resp = gw
         .http
-        .get(url("/v1/responses/resp_404"))
+        .get(url(&format!("/v1/responses/{id}")))
         .bearer_auth(KEY_A)
         .header("x-mock-fault", "status=404")
         .send()
@@ -501,6 +513,87 @@ async fn stored_response_routes_are_forwarded_with_the_provider_key() {
         .unwrap();
     assert_eq!(resp.status(), 404);
     assert!(json(resp).await["error"]["message"].is_string());
+
+    // Another tenant, or an id nobody created through Backstop: as if it did not exist,
+    // and the upstream is never asked.
+    let before = gw.mock.attempts("stored");
+    for (key, path) in [
+        (KEY_B, format!("/v1/responses/{id}")),
+        (KEY_B, format!("/v1/responses/{id}/input_items")),
+        (KEY_A, "/v1/responses/resp_someone_elses".to_string()),
+    ] {
+        let resp = gw
+            .http
+            .get(url(&path))
+            .bearer_auth(key)
+            .header("x-mock-scenario", "stored")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 404, "{path}");
+        assert_eq!(json(resp).await["error"]["code"], "not_found");
+    }
+    for req in [
+        gw.http.delete(url(&format!("/v1/responses/{id}"))),
+        gw.http.post(url(&format!("/v1/responses/{id}/cancel"))),
+    ] {
+        let resp = req
+            .bearer_auth(KEY_B)
+            .header("x-mock-scenario", "stored")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 404);
+    }
+    assert_eq!(gw.mock.attempts("stored"), before);
+
+    // A streamed create is recorded from its first event.
+    let stream = json!({"model": "gpt-4o", "input": "stream me", "stream": true});
+    let text = gw
+        .responses(KEY_A, &[], "stored-stream", "", &stream)
+        .await
+        .text()
+        .await
+        .unwrap();
+    let streamed = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find_map(|e| {
+            e.pointer("/response/id")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        })
+        .expect("the stream names its response");
+    let resp = send(gw.http.get(url(&format!("/v1/responses/{streamed}")))).await;
+    assert_eq!(resp.status(), 200);
+    let resp = gw
+        .http
+        .get(url(&format!("/v1/responses/{streamed}")))
+        .bearer_auth(KEY_B)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 404);
+
+    // `store: false` is not stored upstream, so it is nobody's to read.
+    let unstored = json(
+        gw.responses(
+            KEY_A,
+            &[],
+            "stored-no",
+            "",
+            &json!({"model": "gpt-4o", "input": "x", "store": false}),
+        )
+        .await,
+    )
+    .await;
+    let resp = send(gw.http.get(url(&format!(
+        "/v1/responses/{}",
+        unstored["id"].as_str().unwrap()
+    ))))
+    .await;
+    assert_eq!(resp.status(), 404);
 }
 
 fn config_with(extra: &str) -> Result<Config, String> {

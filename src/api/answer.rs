@@ -27,6 +27,8 @@ pub struct AnswerView {
     pub usage: ReportedUsage,
     /// The parsed answer, kept only when it is to be validated.
     pub json: Option<Value>,
+    /// A Responses answer's `id` (whose stored response its tenant may read later).
+    pub id: Option<String>,
 }
 
 impl AnswerView {
@@ -38,28 +40,41 @@ impl AnswerView {
                 Ok(json) => AnswerView {
                     is_json: true,
                     usage: usage_of(endpoint, json.get("usage")),
+                    id: response_id(endpoint, json.get("id")),
                     json: Some(json),
                 },
                 Err(_) => AnswerView::not_json(),
             };
         }
-        /// Only `usage` is built; the rest is checked for syntax and skipped.
+        /// Only `usage` (and a Responses answer's `id`) is built; the rest is checked
+        /// for syntax and skipped.
         #[derive(Deserialize)]
-        struct WithUsage {
+        struct WithUsage<Id> {
             #[serde(default)]
             usage: Option<Value>,
+            #[serde(default)]
+            id: Option<Id>,
         }
-        match serde_json::from_slice::<WithUsage>(body) {
-            Ok(WithUsage { usage }) => AnswerView {
+        let read = if endpoint == Endpoint::Responses {
+            serde_json::from_slice::<WithUsage<Value>>(body)
+                .map(|w| (w.usage, response_id(endpoint, w.id.as_ref())))
+        } else {
+            serde_json::from_slice::<WithUsage<serde::de::IgnoredAny>>(body)
+                .map(|w| (w.usage, None))
+        };
+        match read {
+            Ok((usage, id)) => AnswerView {
                 is_json: true,
                 usage: usage_of(endpoint, usage.as_ref()),
                 json: None,
+                id,
             },
             // Not an object: JSON still (`[]`), or not JSON at all.
             Err(_) => AnswerView {
                 is_json: serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok(),
                 usage: ReportedUsage::Absent,
                 json: None,
+                id: None,
             },
         }
     }
@@ -69,8 +84,15 @@ impl AnswerView {
             is_json: false,
             usage: ReportedUsage::Absent,
             json: None,
+            id: None,
         }
     }
+}
+
+fn response_id(endpoint: Endpoint, id: Option<&Value>) -> Option<String> {
+    (endpoint == Endpoint::Responses)
+        .then(|| id.and_then(Value::as_str).map(str::to_owned))
+        .flatten()
 }
 
 fn usage_of(endpoint: Endpoint, usage: Option<&Value>) -> ReportedUsage {

@@ -39,6 +39,7 @@ pub mod edge;
 pub mod idempotency;
 pub mod limits;
 pub mod meter;
+pub mod owners;
 pub mod recovery;
 pub mod respond;
 pub mod session_guard;

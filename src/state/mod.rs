@@ -9,6 +9,7 @@
 pub mod budgets;
 pub mod health;
 pub mod live;
+pub mod owners;
 mod report;
 pub mod reservation;
 pub mod sessions;

@@ -21,7 +21,10 @@ use http::{Method, Request, Response};
 use http_body_util::{BodyExt, Limited};
 
 use super::{headers, read_capped, transport, Upstream};
-use crate::{error::GatewayError, policy::classify::TransportFailure, telemetry::RequestLog};
+use crate::{
+    error::GatewayError, policy::classify::TransportFailure, state::owners::ResponseOwners,
+    telemetry::RequestLog,
+};
 
 /// What may follow `/v1/responses/{id}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +65,8 @@ pub struct ForwardObject {
     client: reqwest::Client,
     /// `None` when no route reaches an `openai` upstream: every call is 404.
     upstream: Option<Arc<Upstream>>,
+    /// Who created which response: a tenant is answered for its own only.
+    owners: Arc<ResponseOwners>,
     max_body_bytes: usize,
     max_response_bytes: usize,
 }
@@ -70,12 +75,14 @@ impl ForwardObject {
     pub fn new(
         client: reqwest::Client,
         upstream: Option<Arc<Upstream>>,
+        owners: Arc<ResponseOwners>,
         max_body_bytes: usize,
         max_response_bytes: usize,
     ) -> Self {
         ForwardObject {
             client,
             upstream,
+            owners,
             max_body_bytes,
             max_response_bytes,
         }
@@ -106,6 +113,24 @@ impl ForwardObject {
         };
         let path = object_path(&parts.method, parts.uri.path()).ok_or_else(not_found)?;
         let upstream = self.upstream.clone().ok_or_else(not_found)?;
+        // Another tenant's response is answered as if it did not exist.
+        let id = path
+            .trim_start_matches("/v1/responses/")
+            .split('/')
+            .next()
+            .unwrap_or_default();
+        let tenant = parts
+            .extensions
+            .get::<Arc<crate::layers::auth::Tenant>>()
+            .ok_or(GatewayError::Internal)?;
+        let owned = self.owners.owns(&tenant.name, id).await.map_err(|err| {
+            GatewayError::StoreUnavailable {
+                detail: err.to_string(),
+            }
+        })?;
+        if !owned {
+            return Err(GatewayError::NotFoundAdmin { what: "response" });
+        }
         let limit = self.max_body_bytes;
         let body = Limited::new(body, limit)
             .collect()

@@ -37,6 +37,9 @@ struct UsageState {
     output: Option<u64>,
     ended: bool,
     on_end: Option<OnEnd>,
+    /// The Responses API's response id, from its first event that names one.
+    response_id: Option<String>,
+    on_response_id: Option<Box<dyn FnOnce(String) + Send>>,
 }
 
 /// The token usage a stream reported, delivered once when it ends (or is dropped).
@@ -59,6 +62,19 @@ impl StreamUsage {
 
     /// Calls `f` with (input, output) tokens when the stream ends; `None` if the stream
     /// reported none.
+    /// Calls `f` with a Responses stream's response id as soon as an event names it (at
+    /// once if one already has).
+    pub fn on_response_id(&self, f: impl FnOnce(String) + Send + 'static) {
+        let mut state = self.lock();
+        match state.response_id.clone() {
+            Some(id) => {
+                drop(state);
+                f(id);
+            }
+            None => state.on_response_id = Some(Box::new(f)),
+        }
+    }
+
     pub fn on_end(&self, f: impl FnOnce(Option<(u64, u64)>) + Send + 'static) {
         let mut state = self.lock();
         if state.ended {
@@ -103,6 +119,17 @@ impl StreamUsage {
             // Only the final event carries usage: `response.completed` (or
             // `response.incomplete` / `response.failed`), under `response.usage`.
             Endpoint::Responses => {
+                if state.response_id.is_none() {
+                    if let Some(id) = event.pointer("/response/id").and_then(Value::as_str) {
+                        state.response_id = Some(id.to_owned());
+                        if let Some(f) = state.on_response_id.take() {
+                            let id = id.to_owned();
+                            drop(state);
+                            f(id);
+                            state = self.lock();
+                        }
+                    }
+                }
                 if let Some(usage) = event.pointer("/response/usage").filter(|u| u.is_object()) {
                     state.input = usage
                         .get("input_tokens")

@@ -213,22 +213,34 @@ def test_invalid_function_call_arguments_are_corrected(backstop, oai, scenario):
     assert backstop.attempts(scenario) == 2
 
 
-def test_stored_responses_are_retrieved_cancelled_listed_and_deleted(backstop, oai, scenario):
+def test_stored_responses_are_retrieved_cancelled_listed_and_deleted(backstop, oai, oai_b, scenario):
     hdrs = _hdrs(scenario)
-    stored = oai.responses.retrieve("resp_stored_1", extra_headers=hdrs)
-    assert stored.id == "resp_stored_1"
+    rid = oai.responses.create(model="gpt-4o", input="keep this", extra_headers=hdrs).id
+    stored = oai.responses.retrieve(rid, extra_headers=hdrs)
+    assert stored.id == rid
     assert stored.output_text == "mock: stored response"
-    items = oai.responses.input_items.list("resp_stored_1", limit=5, extra_headers=hdrs)
+    items = oai.responses.input_items.list(rid, limit=5, extra_headers=hdrs)
     assert [i.type for i in items.data] == ["message"]
-    assert backstop.last_upstream_request(scenario)["path"] == "/v1/responses/resp_stored_1/input_items"
-    cancelled = oai.responses.cancel("resp_stored_1", extra_headers=hdrs)
+    assert backstop.last_upstream_request(scenario)["path"] == f"/v1/responses/{rid}/input_items"
+    cancelled = oai.responses.cancel(rid, extra_headers=hdrs)
     assert cancelled.status == "cancelled"
-    oai.responses.delete("resp_stored_1", extra_headers=hdrs)
+    oai.responses.delete(rid, extra_headers=hdrs)
     up = backstop.last_upstream_request(scenario)
     assert up["method"] == "DELETE"
     assert up["headers"]["authorization"] == f"Bearer {PROVIDER_OPENAI_KEY}"
     assert_no_tenant_key(up)
-    assert backstop.attempts(scenario) == 4
+    assert backstop.attempts(scenario) == 5
+
+
+def test_another_tenants_stored_response_does_not_exist_for_you(backstop, oai, oai_b, scenario):
+    hdrs = _hdrs(scenario)
+    rid = oai.responses.create(model="gpt-4o", input="mine", extra_headers=hdrs).id
+    for call in (lambda: oai_b.responses.retrieve(rid, extra_headers=hdrs),
+                 lambda: oai_b.responses.delete(rid, extra_headers=hdrs),
+                 lambda: oai_b.responses.cancel(rid, extra_headers=hdrs)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert backstop.attempts(scenario) == 1  # only the create reached the upstream
 
 
 def test_a_responses_tool_loop_is_refused_by_the_guard(backstop, scenario):
