@@ -4,8 +4,19 @@
 //! upstream names the response (the answer's `id`, or a stream's first event), in memory
 //! at once (so a read right after the create finds it) and in the store (so it outlives a
 //! restart), for as long as the provider keeps responses.
+//!
+//! Store writes are batched: owners recorded within [`FLUSH_EVERY`] go to the store in
+//! one group commit. One commit per create measured 46,000 instructions a call (a fifth
+//! of a proxied call); a crash can lose the owners of the last quarter second, whose
+//! responses then answer 404 after the restart.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
+    time::Duration,
+};
 
 use moka::sync::Cache;
 
@@ -20,10 +31,16 @@ pub const OWNER_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
 /// Recent owners kept in memory; older ones are read back from the store.
 const RECENT: u64 = 100_000;
 
+/// How long recorded owners wait to be written to the store together.
+pub const FLUSH_EVERY: Duration = Duration::from_millis(250);
+
 pub struct ResponseOwners {
     recent: Cache<String, Arc<str>>,
     store: Arc<dyn Store>,
     clock: Clock,
+    /// Recorded, not yet written.
+    pending: Mutex<Vec<StoredResponse>>,
+    flushing: AtomicBool,
 }
 
 /// The store key of a response's owner (in the idempotency table, scoped by tenant, in
@@ -41,30 +58,48 @@ impl ResponseOwners {
                 .build(),
             store,
             clock,
+            pending: Mutex::new(Vec::new()),
+            flushing: AtomicBool::new(false),
         }
     }
 
-    /// `tenant` created response `id`. The store write runs in the background; a failed
-    /// one is logged and counted by the store, and the owner still holds in memory.
+    /// `tenant` created response `id`: known in memory at once, written to the store
+    /// with the others recorded within [`FLUSH_EVERY`]. A failed write is logged and
+    /// counted by the store; the owner still holds in memory.
     pub fn record(self: &Arc<Self>, tenant: &Arc<str>, id: String) {
         self.recent.insert(id.clone(), tenant.clone());
-        let this = self.clone();
-        let tenant = tenant.to_string();
-        tokio::spawn(async move {
-            let ttl = i64::try_from(OWNER_TTL.as_millis()).unwrap_or(i64::MAX);
-            let record = StoredResponse {
-                tenant,
-                key: key(&id),
-                body_hash: String::new(),
-                status: 200,
-                content_type: String::new(),
-                body: Vec::new(),
-                expires_ms: this.clock.now_ms().saturating_add(ttl),
-            };
-            if let Err(err) = this.store.remember(record).await {
+        let ttl = i64::try_from(OWNER_TTL.as_millis()).unwrap_or(i64::MAX);
+        let record = StoredResponse {
+            tenant: tenant.to_string(),
+            key: key(&id),
+            body_hash: String::new(),
+            status: 200,
+            content_type: String::new(),
+            body: Vec::new(),
+            expires_ms: self.clock.now_ms().saturating_add(ttl),
+        };
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(record);
+        if !self.flushing.swap(true, Ordering::AcqRel) {
+            let this = self.clone();
+            tokio::spawn(async move { this.flush_after(FLUSH_EVERY).await });
+        }
+    }
+
+    /// Writes what is pending after `wait`, all queued at once so the store commits them
+    /// together; then the next record starts the next wait.
+    async fn flush_after(self: Arc<Self>, wait: Duration) {
+        tokio::time::sleep(wait).await;
+        self.flushing.store(false, Ordering::Release);
+        let batch = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        let writes = batch.into_iter().map(|record| self.store.remember(record));
+        for result in futures_util::future::join_all(writes).await {
+            if let Err(err) = result {
                 tracing::error!(error = %err, "cannot keep a stored response's owner");
             }
-        });
+        }
     }
 
     /// Whether `tenant` created response `id` (an id nobody recorded is nobody's).
