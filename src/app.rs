@@ -227,7 +227,21 @@ fn proxy_stack(state: &AppState) -> HttpService {
             ))
             .service(recovered),
     );
-    // The HTTP level.
+    http_front(state, calls)
+}
+
+/// The HTTP level of every stack that serves calls: edge, errors, deadline, tenant auth,
+/// the request span, and the context layer that turns HTTP into a [`Call`] for `calls`.
+fn http_front<S>(state: &AppState, calls: S) -> HttpService
+where
+    S: tower::Service<Call, Response = Response, Error = GatewayError>
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let server = &state.config.server;
     let stack = ServiceBuilder::new()
         .layer(EdgeLayer::default())
         .layer(RespondLayer)
@@ -251,7 +265,6 @@ fn proxy_stack(state: &AppState) -> HttpService {
 /// and recovered like any call (retries, breakers, failover), but never charged, limited
 /// or guarded: counting tokens spends nothing, and agents do it before each call.
 fn count_tokens_stack(state: &AppState) -> HttpService {
-    let server = &state.config.server;
     let leaf = check::<Billed, _>(Unmetered::new(Forward::new(
         upstream::client(),
         state.stream_limits.clone(),
@@ -263,24 +276,10 @@ fn count_tokens_stack(state: &AppState) -> HttpService {
         )
         .layer(leaf),
     );
-    let stack = ServiceBuilder::new()
-        .layer(EdgeLayer::default())
-        .layer(RespondLayer)
-        .layer(DeadlineLayer::new(server.request_timeout))
-        .layer(AuthLayer::new(state.tenants.clone()))
-        .map_response(edge::unwrap_body)
-        .layer(edge::span_layer(server.max_session_id_bytes))
-        .layer(
-            ContextLayer::new(
-                state.routes.clone(),
-                server.max_body_bytes,
-                server.max_session_id_bytes,
-            )
-            .session_id_fields(&server.session_id_fields),
-        )
+    let calls = ServiceBuilder::new()
         .map_response(|answered: Answered| answered.reply.into_response())
         .service(recovered);
-    BoxCloneSyncService::new(stack)
+    http_front(state, calls)
 }
 
 /// The Responses API's stored-response routes (`/v1/responses/{id}`, `.../cancel`,

@@ -103,21 +103,11 @@ impl StreamUsage {
     /// Reads usage from one event's JSON, in the endpoint's event format.
     fn observe(&self, endpoint: Endpoint, event: &Value) {
         let mut state = self.lock();
-        match endpoint {
-            Endpoint::ChatCompletions | Endpoint::Embeddings => {
-                if let Some(usage) = event.get("usage").filter(|u| u.is_object()) {
-                    state.input = usage
-                        .get("prompt_tokens")
-                        .and_then(Value::as_u64)
-                        .or(state.input);
-                    state.output = usage
-                        .get("completion_tokens")
-                        .and_then(Value::as_u64)
-                        .or(state.output);
-                }
-            }
+        let usage = match endpoint {
+            Endpoint::ChatCompletions | Endpoint::Embeddings => event.get("usage"),
             // Only the final event carries usage: `response.completed` (or
-            // `response.incomplete` / `response.failed`), under `response.usage`.
+            // `response.incomplete` / `response.failed`), under `response.usage`. The
+            // first event names the response.
             Endpoint::Responses => {
                 if state.response_id.is_none() {
                     if let Some(id) = event.pointer("/response/id").and_then(Value::as_str) {
@@ -130,32 +120,16 @@ impl StreamUsage {
                         }
                     }
                 }
-                if let Some(usage) = event.pointer("/response/usage").filter(|u| u.is_object()) {
-                    state.input = usage
-                        .get("input_tokens")
-                        .and_then(Value::as_u64)
-                        .or(state.input);
-                    state.output = usage
-                        .get("output_tokens")
-                        .and_then(Value::as_u64)
-                        .or(state.output);
-                }
+                event.pointer("/response/usage")
             }
-            Endpoint::Messages | Endpoint::CountTokens => {
-                let usage = event
-                    .pointer("/message/usage")
-                    .or_else(|| event.get("usage"));
-                if let Some(usage) = usage {
-                    state.input = usage
-                        .get("input_tokens")
-                        .and_then(Value::as_u64)
-                        .or(state.input);
-                    state.output = usage
-                        .get("output_tokens")
-                        .and_then(Value::as_u64)
-                        .or(state.output);
-                }
-            }
+            Endpoint::Messages | Endpoint::CountTokens => event
+                .pointer("/message/usage")
+                .or_else(|| event.get("usage")),
+        };
+        if let Some(usage) = usage.filter(|u| u.is_object()) {
+            let (input, output) = endpoint.usage_fields();
+            state.input = usage.get(input).and_then(Value::as_u64).or(state.input);
+            state.output = usage.get(output).and_then(Value::as_u64).or(state.output);
         }
     }
 }
