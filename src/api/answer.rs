@@ -46,28 +46,26 @@ impl AnswerView {
                 Err(_) => AnswerView::not_json(),
             };
         }
-        /// Only `usage` (and a Responses answer's `id`) is built; the rest is checked
-        /// for syntax and skipped.
+        /// Only the usage counts (and a Responses answer's `id`) are built; the rest is
+        /// checked for syntax and skipped.
         #[derive(Deserialize)]
-        struct WithUsage<Id> {
+        struct Head<'a> {
             #[serde(default)]
-            usage: Option<Value>,
-            #[serde(default)]
-            id: Option<Id>,
+            usage: UsageCounts,
+            #[serde(default, borrow)]
+            id: TextOrOther<'a>,
         }
-        let read = if endpoint == Endpoint::Responses {
-            serde_json::from_slice::<WithUsage<Value>>(body)
-                .map(|w| (w.usage, response_id(endpoint, w.id.as_ref())))
-        } else {
-            serde_json::from_slice::<WithUsage<serde::de::IgnoredAny>>(body)
-                .map(|w| (w.usage, None))
-        };
-        match read {
-            Ok((usage, id)) => AnswerView {
+        match serde_json::from_slice::<Head<'_>>(body) {
+            Ok(head) => AnswerView {
                 is_json: true,
-                usage: usage_of(endpoint, usage.as_ref()),
+                usage: head.usage.reported(endpoint),
                 json: None,
-                id,
+                id: match head.id {
+                    TextOrOther::Text(id) if endpoint == Endpoint::Responses => {
+                        Some(id.into_owned())
+                    }
+                    _ => None,
+                },
             },
             // Not an object: JSON still (`[]`), or not JSON at all.
             Err(_) => AnswerView {
@@ -95,12 +93,169 @@ fn response_id(endpoint: Endpoint, id: Option<&Value>) -> Option<String> {
         .flatten()
 }
 
+/// A `usage` value read without building it: the four count fields of either API (the
+/// endpoint picks its two), anything else skipped; `Absent` when it is not an object.
+#[derive(Default)]
+enum UsageCounts {
+    #[default]
+    Absent,
+    Fields([Option<Value>; 4]),
+}
+
+const COUNT_FIELDS: [&str; 4] = [
+    "prompt_tokens",
+    "completion_tokens",
+    "input_tokens",
+    "output_tokens",
+];
+
+impl UsageCounts {
+    fn reported(self, endpoint: Endpoint) -> ReportedUsage {
+        let UsageCounts::Fields(fields) = self else {
+            return ReportedUsage::Absent;
+        };
+        let (input, output) = endpoint.usage_fields();
+        let count = |name: &str| {
+            let at = COUNT_FIELDS.iter().position(|f| *f == name)?;
+            fields[at].as_ref()
+        };
+        counts(count(input), count(output))
+    }
+}
+
+impl<'de> Deserialize<'de> for UsageCounts {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = UsageCounts;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a usage value")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<UsageCounts, A::Error> {
+                let mut fields: [Option<Value>; 4] = Default::default();
+                while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                    match COUNT_FIELDS.iter().position(|f| *f == key) {
+                        Some(at) => fields[at] = map.next_value::<Option<Value>>()?,
+                        None => {
+                            map.next_value::<serde::de::IgnoredAny>()?;
+                        }
+                    }
+                }
+                Ok(UsageCounts::Fields(fields))
+            }
+            fn visit_unit<E>(self) -> Result<UsageCounts, E> {
+                Ok(UsageCounts::Absent)
+            }
+            fn visit_none<E>(self) -> Result<UsageCounts, E> {
+                Ok(UsageCounts::Absent)
+            }
+            fn visit_some<D: serde::Deserializer<'de>>(
+                self,
+                d: D,
+            ) -> Result<UsageCounts, D::Error> {
+                d.deserialize_any(self)
+            }
+            // Any other JSON value is not a usage object: skipped.
+            fn visit_bool<E>(self, _: bool) -> Result<UsageCounts, E> {
+                Ok(UsageCounts::Absent)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<UsageCounts, E> {
+                Ok(UsageCounts::Absent)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<UsageCounts, E> {
+                Ok(UsageCounts::Absent)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<UsageCounts, E> {
+                Ok(UsageCounts::Absent)
+            }
+            fn visit_str<E>(self, _: &str) -> Result<UsageCounts, E> {
+                Ok(UsageCounts::Absent)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<UsageCounts, A::Error> {
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(UsageCounts::Absent)
+            }
+        }
+        d.deserialize_any(Visit)
+    }
+}
+
+/// A string field kept borrowed, or any other value skipped.
+#[derive(Default)]
+enum TextOrOther<'a> {
+    Text(std::borrow::Cow<'a, str>),
+    #[default]
+    Other,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for TextOrOther<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Visit<'a> {
+            type Value = TextOrOther<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("any value")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<TextOrOther<'a>, E> {
+                Ok(TextOrOther::Text(v.into()))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<TextOrOther<'a>, E> {
+                Ok(TextOrOther::Text(v.to_owned().into()))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<TextOrOther<'a>, A::Error> {
+                while map
+                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                    .is_some()
+                {}
+                Ok(TextOrOther::Other)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<TextOrOther<'a>, A::Error> {
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(TextOrOther::Other)
+            }
+            fn visit_unit<E>(self) -> Result<TextOrOther<'a>, E> {
+                Ok(TextOrOther::Other)
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<TextOrOther<'a>, E> {
+                Ok(TextOrOther::Other)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<TextOrOther<'a>, E> {
+                Ok(TextOrOther::Other)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<TextOrOther<'a>, E> {
+                Ok(TextOrOther::Other)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<TextOrOther<'a>, E> {
+                Ok(TextOrOther::Other)
+            }
+        }
+        d.deserialize_any(Visit(std::marker::PhantomData))
+    }
+}
+
 fn usage_of(endpoint: Endpoint, usage: Option<&Value>) -> ReportedUsage {
     let Some(usage) = usage.filter(|u| u.is_object()) else {
         return ReportedUsage::Absent;
     };
     let (input, output) = endpoint.usage_fields();
-    let count = |field: &str| match usage.get(field) {
+    counts(usage.get(input), usage.get(output))
+}
+
+/// Absent or null counts 0; anything but a non-negative integer is invalid.
+fn counts(input: Option<&Value>, output: Option<&Value>) -> ReportedUsage {
+    let count = |v: Option<&Value>| match v {
         None | Some(Value::Null) => Some(0),
         Some(v) => v.as_u64(),
     };
@@ -162,6 +317,42 @@ mod tests {
             usage(Endpoint::ChatCompletions, b"not json"),
             ReportedUsage::Absent
         );
+        // Details objects beside the counts, a usage that is not an object, nulls.
+        assert_eq!(
+            usage(
+                Endpoint::Responses,
+                br#"{"id":{"x":[1]},"usage":{"input_tokens_details":{"cached_tokens":1},"input_tokens":8,"output_tokens":null}}"#
+            ),
+            counts(8, 0)
+        );
+        for odd in [
+            r#""usage":5"#,
+            r#""usage":"x""#,
+            r#""usage":[1,{}]"#,
+            r#""usage":null"#,
+        ] {
+            let body = format!(r#"{{"id":"resp_1",{odd}}}"#);
+            assert_eq!(
+                usage(Endpoint::Responses, body.as_bytes()),
+                ReportedUsage::Absent,
+                "{odd}"
+            );
+            let view = AnswerView::read(Endpoint::Responses, body.as_bytes(), false);
+            assert_eq!(view.id.as_deref(), Some("resp_1"), "{odd}");
+        }
+        // Only a Responses answer's id is kept, and only a string one, either way of reading.
+        for keep in [false, true] {
+            let read = |e, b: &[u8]| AnswerView::read(e, b, keep).id;
+            assert_eq!(
+                read(Endpoint::Responses, br#"{"id":"resp_\u0041"}"#).as_deref(),
+                Some("resp_A")
+            );
+            assert_eq!(read(Endpoint::Responses, br#"{"id":7}"#), None);
+            assert_eq!(
+                read(Endpoint::ChatCompletions, br#"{"id":"chatcmpl-1"}"#),
+                None
+            );
+        }
         assert!(!AnswerView::read(Endpoint::ChatCompletions, b"not json", false).is_json);
         assert!(AnswerView::read(Endpoint::ChatCompletions, b"[]", false).is_json);
     }

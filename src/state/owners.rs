@@ -5,113 +5,134 @@
 //! at once (so a read right after the create finds it) and in the store (so it outlives a
 //! restart), for as long as the provider keeps responses.
 //!
-//! Store writes are batched: owners recorded within [`FLUSH_EVERY`] go to the store in
-//! one group commit. One commit per create measured 46,000 instructions a call (a fifth
-//! of a proxied call); a crash can lose the owners of the last quarter second, whose
-//! responses then answer 404 after the restart.
+//! Store writes are batched: owners recorded within [`FLUSH_EVERY`] go to the store as
+//! one write (one commit), into a table of their own (one B-tree row per create). One
+//! commit per create measured 46,000 instructions a call (a fifth of a proxied call); a
+//! crash can lose the owners of the last quarter second, whose responses then answer 404
+//! after the restart.
 
 use std::{
-    sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc, Mutex,
-    },
+    collections::HashMap,
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
-use moka::sync::Cache;
-
 use crate::{
     clock::Clock,
-    store::{Store, StoreError, StoredResponse},
+    store::{OwnerRecord, Store, StoreError},
 };
 
 /// How long an owner is kept: OpenAI keeps a stored response for 30 days.
 pub const OWNER_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
 
-/// Recent owners kept in memory; older ones are read back from the store.
-const RECENT: u64 = 100_000;
-
 /// How long recorded owners wait to be written to the store together.
 pub const FLUSH_EVERY: Duration = Duration::from_millis(250);
 
 pub struct ResponseOwners {
-    recent: Cache<String, Arc<str>>,
     store: Arc<dyn Store>,
     clock: Clock,
-    /// Recorded, not yet written.
-    pending: Mutex<Vec<StoredResponse>>,
-    flushing: AtomicBool,
+    unwritten: Mutex<Unwritten>,
 }
 
-/// The store key of a response's owner (in the idempotency table, scoped by tenant, in
-/// a namespace no `Idempotency-Key` can reach: those are `endpoint:key`).
-fn key(id: &str) -> String {
-    format!("owner/responses/{id}")
+/// Owners not yet in the store: answered from here until their write lands. (Reads of
+/// stored responses are rare and creates are hot, so a create costs one map insert and
+/// a read of an older response one store read; no cache of written owners is kept.)
+#[derive(Default)]
+struct Unwritten {
+    /// Recorded since the last flush began.
+    pending: HashMap<String, Arc<str>>,
+    /// Being written by the flush in progress.
+    writing: HashMap<String, Arc<str>>,
+    /// A flush is scheduled or running.
+    flushing: bool,
 }
+
+/// Owners kept in memory while the store refuses their writes, at most.
+const MAX_UNWRITTEN: usize = 100_000;
 
 impl ResponseOwners {
     pub fn new(store: Arc<dyn Store>, clock: Clock) -> Self {
         ResponseOwners {
-            recent: Cache::builder()
-                .max_capacity(RECENT)
-                .time_to_live(Duration::from_secs(3600))
-                .build(),
             store,
             clock,
-            pending: Mutex::new(Vec::new()),
-            flushing: AtomicBool::new(false),
+            unwritten: Mutex::new(Unwritten::default()),
         }
     }
 
-    /// `tenant` created response `id`: known in memory at once, written to the store
-    /// with the others recorded within [`FLUSH_EVERY`]. A failed write is logged and
-    /// counted by the store; the owner still holds in memory.
+    fn unwritten(&self) -> std::sync::MutexGuard<'_, Unwritten> {
+        self.unwritten.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `tenant` created response `id`: known at once, written to the store with the
+    /// others recorded within [`FLUSH_EVERY`]. A failed write is logged and counted by
+    /// the store (those owners are then known until the restart only).
     pub fn record(self: &Arc<Self>, tenant: &Arc<str>, id: String) {
-        self.recent.insert(id.clone(), tenant.clone());
-        let ttl = i64::try_from(OWNER_TTL.as_millis()).unwrap_or(i64::MAX);
-        let record = StoredResponse {
-            tenant: tenant.to_string(),
-            key: key(&id),
-            body_hash: String::new(),
-            status: 200,
-            content_type: String::new(),
-            body: Vec::new(),
-            expires_ms: self.clock.now_ms().saturating_add(ttl),
-        };
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(record);
-        if !self.flushing.swap(true, Ordering::AcqRel) {
+        let mut unwritten = self.unwritten();
+        unwritten.pending.insert(id, tenant.clone());
+        if !std::mem::replace(&mut unwritten.flushing, true) {
+            drop(unwritten);
             let this = self.clone();
             tokio::spawn(async move { this.flush_after(FLUSH_EVERY).await });
         }
     }
 
-    /// Writes what is pending after `wait`, all queued at once so the store commits them
-    /// together; then the next record starts the next wait.
+    /// Writes what is pending after `wait` as one store write (one commit, however the
+    /// writer thread is scheduled); then the next record starts the next wait.
     async fn flush_after(self: Arc<Self>, wait: Duration) {
         tokio::time::sleep(wait).await;
-        self.flushing.store(false, Ordering::Release);
-        let batch = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
-        let writes = batch.into_iter().map(|record| self.store.remember(record));
-        for result in futures_util::future::join_all(writes).await {
-            if let Err(err) = result {
-                tracing::error!(error = %err, "cannot keep a stored response's owner");
+        let ttl = i64::try_from(OWNER_TTL.as_millis()).unwrap_or(i64::MAX);
+        let expires_ms = self.clock.now_ms().saturating_add(ttl);
+        let batch: Vec<OwnerRecord> = {
+            let mut unwritten = self.unwritten();
+            unwritten.flushing = false;
+            let pending = std::mem::take(&mut unwritten.pending);
+            let batch = pending
+                .iter()
+                .map(|(id, tenant)| OwnerRecord {
+                    id: id.clone(),
+                    tenant: tenant.to_string(),
+                    expires_ms,
+                })
+                .collect();
+            unwritten.writing.extend(pending);
+            batch
+        };
+        if batch.is_empty() {
+            return;
+        }
+        let ids: Vec<String> = batch.iter().map(|o| o.id.clone()).collect();
+        let result = self.store.record_owners(batch).await;
+        let mut unwritten = self.unwritten();
+        let flushed: Vec<_> = ids
+            .iter()
+            .filter_map(|id| unwritten.writing.remove_entry(id))
+            .collect();
+        if let Err(err) = result {
+            tracing::error!(error = %err, owners = ids.len(), "cannot keep stored responses' owners");
+            // Still known in memory, and written with the next batch: a failed write
+            // must not disown a live response (bounded by MAX_UNWRITTEN).
+            for (id, tenant) in flushed {
+                if unwritten.pending.len() < MAX_UNWRITTEN {
+                    unwritten.pending.entry(id).or_insert(tenant);
+                }
             }
         }
     }
 
     /// Whether `tenant` created response `id` (an id nobody recorded is nobody's).
     pub async fn owns(&self, tenant: &str, id: &str) -> Result<bool, StoreError> {
-        if let Some(owner) = self.recent.get(id) {
-            return Ok(&*owner == tenant);
+        {
+            let unwritten = self.unwritten();
+            if let Some(owner) = unwritten
+                .pending
+                .get(id)
+                .or_else(|| unwritten.writing.get(id))
+            {
+                return Ok(&**owner == tenant);
+            }
         }
-        let kept = self
-            .store
-            .recall(tenant, &key(id), self.clock.now_ms())
-            .await?;
-        Ok(kept.is_some())
+        let owner = self.store.owner_of(id, self.clock.now_ms()).await?;
+        Ok(owner.as_deref() == Some(tenant))
     }
 }
 

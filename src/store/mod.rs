@@ -1,6 +1,7 @@
 //! Persistence behind one trait, [`Store`]: the spend ledger (one row per charged
 //! upstream call), the reservations of budgeted calls still in flight, session resets,
-//! the session guard's closes and trips, and responses kept for idempotent replays.
+//! the session guard's closes and trips, responses kept for idempotent replays, and
+//! which tenant created each stored response of the Responses API.
 //! Budget windows are sums over the ledger, so nothing is kept twice and a restart
 //! rebuilds every window from what was settled. The live state ([`crate::state`]) and
 //! the layers hold an `Arc<dyn Store>`; [`SqliteStore`] is the embedded implementation
@@ -15,7 +16,7 @@
 //!   over by a crash are charged at their reserved amount when the store opens, so caps
 //!   hold across `kill -9`;
 //! - no call blocks the async worker threads;
-//! - expired idempotency rows and rows older than `store.retention` go when
+//! - expired idempotency rows and owners, and rows older than `store.retention` go when
 //!   [`Store::purge`] runs, which [`spawn_purger`] does every [`PURGE_EVERY`].
 
 mod sqlite;
@@ -71,6 +72,14 @@ pub struct StoredResponse {
     pub status: u16,
     pub content_type: String,
     pub body: Vec<u8>,
+    pub expires_ms: i64,
+}
+
+/// The tenant that created a stored response of the Responses API, until it expires.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OwnerRecord {
+    pub id: String,
+    pub tenant: String,
     pub expires_ms: i64,
 }
 
@@ -154,13 +163,20 @@ pub trait Store: Send + Sync {
     /// Keeps a response for replay; resolves once it is durable.
     fn remember(&self, response: StoredResponse) -> StoreFuture<'_, ()>;
 
+    /// Records who created these stored responses, in one write (one commit for the
+    /// batch); resolves once they are durable.
+    fn record_owners(&self, owners: Vec<OwnerRecord>) -> StoreFuture<'_, ()>;
+
+    /// The tenant that created stored response `id`, if it has not expired at `now_ms`.
+    fn owner_of<'a>(&'a self, id: &'a str, now_ms: i64) -> StoreFuture<'a, Option<String>>;
+
     /// Persists a session's close or trip (replacing what was kept).
     fn save_guard(&self, record: GuardRecord) -> StoreFuture<'_, ()>;
 
     /// Forgets a session's close or trip.
     fn clear_guard<'a>(&'a self, tenant: &'a str, session: &'a str) -> StoreFuture<'a, ()>;
 
-    /// Deletes idempotency rows expired at `now_ms` and everything older than
+    /// Deletes idempotency rows and owners expired at `now_ms` and everything older than
     /// `store.retention`.
     fn purge(&self, now_ms: i64) -> StoreFuture<'_, ()>;
 

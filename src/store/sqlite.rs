@@ -27,8 +27,8 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 use tokio::sync::{oneshot, Semaphore};
 
 use super::{
-    count_error, writer, Charge, GuardRecord, ReservationRecord, Store, StoreError, StoreFuture,
-    StoredResponse,
+    count_error, writer, Charge, GuardRecord, OwnerRecord, ReservationRecord, Store, StoreError,
+    StoreFuture, StoredResponse,
 };
 use crate::{config::StoreConfig, policy::budget::Usage};
 
@@ -45,6 +45,7 @@ pub(super) enum Op {
         at_ms: i64,
     },
     Remember(StoredResponse),
+    RecordOwners(Vec<OwnerRecord>),
     SaveGuard(GuardRecord),
     ClearGuard {
         tenant: String,
@@ -63,6 +64,7 @@ impl Op {
             Op::Settle { .. } => "settle",
             Op::ResetSession { .. } => "reset_session",
             Op::Remember(_) => "remember",
+            Op::RecordOwners(_) => "owners",
             Op::SaveGuard(_) | Op::ClearGuard { .. } => "guard",
             Op::Purge { .. } => "purge",
         }
@@ -178,6 +180,13 @@ CREATE TABLE IF NOT EXISTS idempotency (
     PRIMARY KEY (tenant, key)
 );
 CREATE INDEX IF NOT EXISTS idempotency_by_expiry ON idempotency (expires_ms);
+-- One B-tree and no expiry index: a create writes one row into it, and the purge that
+-- scans it runs once a minute.
+CREATE TABLE IF NOT EXISTS response_owners (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    expires_ms INTEGER NOT NULL
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS session_resets (
     tenant TEXT NOT NULL,
     session TEXT NOT NULL,
@@ -407,6 +416,21 @@ impl Store for SqliteStore {
 
     fn remember(&self, response: StoredResponse) -> StoreFuture<'_, ()> {
         Box::pin(self.write(Op::Remember(response)))
+    }
+
+    fn record_owners(&self, owners: Vec<OwnerRecord>) -> StoreFuture<'_, ()> {
+        Box::pin(self.write(Op::RecordOwners(owners)))
+    }
+
+    fn owner_of<'a>(&'a self, id: &'a str, now_ms: i64) -> StoreFuture<'a, Option<String>> {
+        let id = id.to_string();
+        Box::pin(self.read(move |c| {
+            c.prepare_cached(
+                "SELECT tenant FROM response_owners WHERE id = ?1 AND expires_ms > ?2",
+            )?
+            .query_row(params![id, now_ms], |r| r.get(0))
+            .optional()
+        }))
     }
 
     fn save_guard(&self, record: GuardRecord) -> StoreFuture<'_, ()> {

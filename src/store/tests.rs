@@ -338,6 +338,40 @@ async fn expired_idempotency_rows_and_rows_past_the_retention_are_purged() {
 }
 
 #[tokio::test]
+async fn response_owners_are_kept_in_one_write_read_by_id_and_purged_when_expired() {
+    let store = SqliteStore::open(":memory:").unwrap();
+    let owner = |id: &str, tenant: &str, expires_ms| OwnerRecord {
+        id: id.into(),
+        tenant: tenant.into(),
+        expires_ms,
+    };
+    store
+        .record_owners(vec![
+            owner("resp_a", "t1", 1_000),
+            owner("resp_b", "t2", 5_000),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(
+        store.owner_of("resp_a", 500).await.unwrap().as_deref(),
+        Some("t1")
+    );
+    assert_eq!(
+        store.owner_of("resp_b", 500).await.unwrap().as_deref(),
+        Some("t2")
+    );
+    assert_eq!(store.owner_of("resp_c", 500).await.unwrap(), None);
+    // Expired: not an owner any more, then gone at the purge.
+    assert_eq!(store.owner_of("resp_a", 1_000).await.unwrap(), None);
+    store.purge(2_000).await.unwrap();
+    assert_eq!(store.owner_of("resp_a", 0).await.unwrap(), None);
+    assert_eq!(
+        store.owner_of("resp_b", 2_000).await.unwrap().as_deref(),
+        Some("t2")
+    );
+}
+
+#[tokio::test]
 async fn guard_states_are_kept_and_cleared() {
     let store = SqliteStore::open(":memory:").unwrap();
     let record = GuardRecord {

@@ -181,6 +181,15 @@ fn commit(conn: &mut Connection, batch: &[Write]) -> rusqlite::Result<()> {
                     r.expires_ms
                 ])?;
             }
+            Op::RecordOwners(owners) => {
+                let mut insert = tx.prepare_cached(
+                    "INSERT INTO response_owners (id, tenant, expires_ms) VALUES (?1, ?2, ?3)
+                     ON CONFLICT (id) DO UPDATE SET tenant = excluded.tenant, expires_ms = excluded.expires_ms",
+                )?;
+                for o in owners {
+                    insert.execute(params![o.id, o.tenant, o.expires_ms])?;
+                }
+            }
             Op::SaveGuard(g) => {
                 tx.prepare_cached(
                     "INSERT INTO guard_states (tenant, session, closed, until_ms, code, rule, evidence, updated_ms)
@@ -219,6 +228,10 @@ fn purge(conn: &mut Connection, now_ms: i64, retention: Duration) -> rusqlite::R
         "DELETE FROM idempotency WHERE expires_ms <= ?1",
         params![now_ms],
     )?;
+    let owners = tx.execute(
+        "DELETE FROM response_owners WHERE expires_ms <= ?1",
+        params![now_ms],
+    )?;
     tx.execute(
         "DELETE FROM session_resets WHERE at_ms < ?1",
         params![cutoff],
@@ -252,8 +265,10 @@ fn purge(conn: &mut Connection, now_ms: i64, retention: Duration) -> rusqlite::R
             break;
         }
     }
-    if idempotency + ledger > 0 {
-        tracing::info!(idempotency, ledger, "store purged expired rows");
+    if idempotency + owners + ledger > 0 {
+        tracing::info!(idempotency, owners, ledger, "store purged expired rows");
+        metrics::counter!("backstop_store_purged_rows_total", "table" => "response_owners")
+            .increment(owners as u64);
         metrics::counter!("backstop_store_purged_rows_total", "table" => "idempotency")
             .increment(idempotency as u64);
         metrics::counter!("backstop_store_purged_rows_total", "table" => "ledger")
