@@ -22,6 +22,8 @@ pub struct Route {
     pub context_fallback: Option<Target>,
     /// The schema every answer must match (`response_schema`), if the route sets one.
     pub response_schema: Option<Arc<serde_json::Value>>,
+    /// The route's `validation.stream`, if it overrides the global one.
+    pub validation_stream: Option<crate::config::StreamValidation>,
 }
 
 #[derive(Debug, Default)]
@@ -50,6 +52,7 @@ impl RouteTable {
                 targets: route.targets.iter().map(target).collect(),
                 context_fallback: route.context_fallback.as_ref().map(target),
                 response_schema: route.response_schema_value.clone(),
+                validation_stream: route.validation.stream,
             });
             if !route.is_glob() {
                 table.ids.push(route.model.clone());

@@ -214,7 +214,7 @@ async fn tool_use_input_is_validated_for_anthropic() {
 }
 
 #[tokio::test]
-async fn a_validated_stream_is_replayed_as_sse() {
+async fn a_buffered_stream_relays_the_accepted_attempts_own_events() {
     let gw = start().await;
     let mut body = structured("gpt-4o");
     body["stream"] = json!(true);
@@ -223,6 +223,7 @@ async fn a_validated_stream_is_replayed_as_sse() {
         .await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    assert_eq!(resp.headers()["x-backstop-validation"], "corrected");
     let text = resp.text().await.unwrap();
     let content: String = text
         .lines()
@@ -237,11 +238,21 @@ async fn a_validated_stream_is_replayed_as_sse() {
         .collect();
     assert_eq!(content, VALID);
     assert!(text.trim_end().ends_with("data: [DONE]"));
+    // The corrective attempt streamed too, and its own chunks are what the client got:
+    // one chat.completion.chunk id throughout, the second attempt's.
+    assert_eq!(gw.mock.attempts("stream-validate"), 2);
     assert_eq!(
         gw.mock.last_request("stream-validate").unwrap()["body"]["stream"],
-        false,
-        "fetched whole for validation"
+        true,
+        "streamed, not fetched whole"
     );
+    let ids: std::collections::HashSet<String> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| v["id"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(ids.len(), 1, "{text}");
 }
 
 #[tokio::test]

@@ -5,6 +5,7 @@ pub mod answer;
 pub mod json;
 pub mod request;
 mod shape;
+pub mod sse;
 
 pub use answer::{AnswerView, ReportedUsage};
 pub use request::{ParsedRequest, RequestError, MAX_OUTPUT_TOKENS};

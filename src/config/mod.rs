@@ -25,7 +25,7 @@ pub use route::{RouteConfig, TargetConfig};
 pub use server::{LogConfig, LogFormat, MockConfig, ServerConfig};
 pub use tenant::{GuardConfig, TenantConfig};
 pub use upstream::{UpstreamConfig, NEVER_FORWARDED};
-pub use validation::{ValidationConfig, ValidationMode};
+pub use validation::{StreamValidation, ValidationConfig, ValidationMode};
 
 /// The whole configuration file.
 #[derive(Debug, Clone, Deserialize)]

@@ -22,6 +22,9 @@ pub struct RouteConfig {
     /// asked for no format (agents that must always answer in a fixed envelope).
     #[serde(default)]
     pub response_schema: Option<String>,
+    /// Overrides of `[validation]` for this route (`stream`).
+    #[serde(default)]
+    pub validation: super::validation::RouteValidation,
     /// The schema, loaded from `response_schema` and checked to compile.
     #[serde(skip)]
     pub response_schema_value: Option<std::sync::Arc<serde_json::Value>>,

@@ -30,6 +30,9 @@ pub struct ValidationConfig {
     pub max_tools: usize,
     /// Schema compilations running at once, off the async workers.
     pub max_concurrent_compiles: usize,
+    /// How a streamed answer with a structured-output format is validated (per route:
+    /// `[[routes]] validation = { stream = "..." }`).
+    pub stream: StreamValidation,
 }
 
 impl Default for ValidationConfig {
@@ -46,8 +49,30 @@ impl Default for ValidationConfig {
             max_schema_fanout: 1024,
             max_tools: 256,
             max_concurrent_compiles: 2,
+            stream: StreamValidation::Buffer,
         }
     }
+}
+
+/// `validation.stream`: how a stream whose content has a schema (`response_format`,
+/// `text.format`, an Anthropic output format, a route's `response_schema`) is validated.
+/// Tool calls are held and checked one by one either way.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum StreamValidation {
+    /// Validated (and corrected) before the client sees it; then the accepted attempt's
+    /// own events are relayed verbatim.
+    Buffer,
+    /// Relayed as it arrives and validated at the end: an invalid answer ends the stream
+    /// with an `output_invalid` error event instead of its closing event.
+    Passthrough,
+}
+
+/// A route's own validation settings.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteValidation {
+    pub stream: Option<StreamValidation>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]

@@ -44,6 +44,7 @@ pub mod recovery;
 pub mod respond;
 pub mod session_guard;
 pub mod validate;
+mod validate_stream;
 
 use std::{
     future::Future,

@@ -12,36 +12,34 @@
 //! tenant are compiled on a blocking thread, at most `max_concurrent_compiles` at once,
 //! so a slow compilation neither stalls other clients nor outlives the request deadline.
 //!
-//! A streamed request that needs validation is fetched whole (the upstream is asked not
-//! to stream), validated, corrected if needed, and replayed to the client as SSE in its
-//! API's format: the client's first byte waits for the valid answer. That is the price
-//! of never showing an agent output that breaks its schema.
+//! A streamed request that needs validation streams: tool calls are held only until
+//! their arguments are checked, a content schema is buffered or passed through by
+//! `validation.stream` ([`super::validate_stream`]).
 //!
 //! `/v1/responses` is validated the same way in its own shape: `text.format`
 //! (`json_schema`, `json_object`) against the `output_text` of its message items, each
 //! `function_call` item's `arguments` against its function tool's `parameters`; the
-//! correction is appended as new `input` items, and a validated stream is replayed as
-//! the Responses API's event sequence.
+//! correction is appended as new `input` items.
 
 use std::sync::Arc;
 
 use axum::body::Body;
 use bytes::Bytes;
-use http::{header, HeaderValue, Response};
-use serde_json::{Map, Value};
+use http::{HeaderValue, Response};
 use tower::{Layer, Service, ServiceExt};
 
 use super::{
     context::{Call, TargetIndex},
     recovery::Answered,
+    validate_stream::{Early, Plan, Settings, StreamRun},
     Middleware, Stack,
 };
 use crate::{
-    config::{ValidationConfig, ValidationMode},
+    config::{StreamValidation, ValidationConfig, ValidationMode},
     error::GatewayError,
     policy::trail::Step,
     upstream::{Reply, ReplyBody},
-    validation::{corrective_request, replay, Expectations, Format, Invalid, Schemas},
+    validation::{corrective_request, Expectations, Format, Invalid, Schemas},
 };
 
 #[derive(Clone)]
@@ -63,16 +61,6 @@ impl<S> Layer<S> for ValidateLayer {
     fn layer(&self, inner: S) -> Validate<S> {
         Stack::new(self.clone(), inner)
     }
-}
-
-/// The request without streaming: validation needs the whole answer.
-fn unstreamed(json: &Map<String, Value>) -> Map<String, Value> {
-    let mut json = json.clone();
-    if json.get("stream") == Some(&Value::Bool(true)) {
-        json.insert("stream".into(), Value::Bool(false));
-        json.remove("stream_options");
-    }
-    json
 }
 
 fn outcome_header(response: &mut Response<Body>, value: &'static str) {
@@ -127,6 +115,24 @@ where
             pending.compile(&layer.schemas)
         }
         .map_err(|bad| GatewayError::InvalidSchema(bad.0))?;
+        if call.request.stream {
+            let stream = call.route.validation_stream.unwrap_or(layer.config.stream);
+            let plan = match (layer.config.mode, stream) {
+                (ValidationMode::Annotate, _) => Plan::Annotate,
+                (ValidationMode::Enforce, StreamValidation::Buffer) => Plan::Buffer,
+                (ValidationMode::Enforce, StreamValidation::Passthrough) => Plan::Incremental,
+            };
+            let settings = Settings {
+                plan,
+                corrective_retries: layer.config.corrective_retries,
+            };
+            let run = StreamRun::new(inner, call, Arc::new(expectations), settings);
+            return match run.respond().await {
+                Ok(response) => Ok(response),
+                Err(Early::Reply(response)) => Ok(*response),
+                Err(Early::Error(err)) => Err(err),
+            };
+        }
         run(inner, &layer.config, Arc::new(expectations), call).await
     }
 }
@@ -141,7 +147,7 @@ where
     S: Service<Call, Response = Answered, Error = GatewayError> + Clone + Send + 'static,
     S::Future: Send + 'static,
 {
-    let original = unstreamed(&call.request.json);
+    let original = call.request.json.clone();
     let targets = call.route.targets.len();
     let mut start = TargetIndex(0);
     let mut attempts = 0;
@@ -171,14 +177,11 @@ where
             };
             // Validation is CPU work that grows with the answer and the schema: off the
             // async workers.
-            let (answer, verdict) = {
+            let verdict = {
                 let expectations = expectations.clone();
-                tokio::task::spawn_blocking(move || {
-                    let verdict = expectations.check(&answer);
-                    (answer, verdict)
-                })
-                .await
-                .map_err(|_| GatewayError::Internal)?
+                tokio::task::spawn_blocking(move || expectations.check(&answer))
+                    .await
+                    .map_err(|_| GatewayError::Internal)?
             };
             let fixed = round > 0 || start.0 > 0;
             let invalid = match verdict {
@@ -186,21 +189,7 @@ where
                     if fixed {
                         metrics::counter!("backstop_validation_fixed_total").increment(1);
                     }
-                    let mut response = if call.request.stream {
-                        let sse = replay::as_sse(
-                            Format::of(call.endpoint()),
-                            &answer,
-                            call.request.client_wants_stream_usage,
-                        );
-                        reply.headers.insert(
-                            header::CONTENT_TYPE,
-                            HeaderValue::from_static("text/event-stream"),
-                        );
-                        reply.headers.remove(header::CONTENT_LENGTH);
-                        response(reply, Body::from(sse))
-                    } else {
-                        response(reply, Body::from(bytes))
-                    };
+                    let mut response = response(reply, Body::from(bytes));
                     outcome_header(&mut response, if fixed { "corrected" } else { "valid" });
                     return Ok(response);
                 }

@@ -7,9 +7,9 @@
 //! `input_schema` (Anthropic), and a route's `response_schema`. A request that asks for
 //! none of these is never parsed for output.
 
-pub mod replay;
 mod schemas;
 pub mod shape;
+pub mod stream;
 
 use std::{collections::HashMap, sync::Arc};
 
@@ -330,6 +330,12 @@ impl Expectations {
         Expectations::collect(format, request, route_schema, schemas, &Arc::from("-"))?
             .map(|pending| pending.compile(schemas))
             .transpose()
+    }
+
+    /// Whether the answer's content has a rule (a schema or JSON object mode), beyond
+    /// its tool calls.
+    pub fn checks_content(&self) -> bool {
+        self.content.is_some()
     }
 
     /// Checks one (non-streaming) answer body.

@@ -1,0 +1,734 @@
+//! Validated streams (the validate layer's streaming half): the upstream streams, and
+//! its events are relayed as they arrive except what must be checked first.
+//!
+//! - **Tool calls** are held from their first event until their arguments are complete,
+//!   checked against the tool's schema, then released in the upstream's own framing.
+//!   Text, thinking, reasoning and every other event flow at once; an event that comes
+//!   after a held call waits behind it, so the client sees the upstream's order.
+//! - **A content schema** (`response_format`, `text.format`, an Anthropic output format,
+//!   a route's `response_schema`) is checked on the whole answer. `validation.stream =
+//!   "buffer"` holds every event until that verdict, then relays the accepted attempt's
+//!   events verbatim; `"passthrough"` relays as it comes and, when the answer is invalid,
+//!   ends the stream with an `output_invalid` error event in place of its closing event.
+//! - **Annotate mode** holds nothing; an invalid answer gets one `backstop_validation`
+//!   event before the closing event (the response head said `x-backstop-validation:
+//!   deferred`).
+//!
+//! An invalid call (or buffered answer) is corrected like a whole answer: a corrective
+//! attempt, then the route's next target, then `output_invalid`. When nothing was sent
+//! yet, the client gets the accepted attempt's stream from its first event, and a final
+//! failure is a plain 502. When the first attempt's text was already sent, the
+//! corrective attempt continues the same answer: its opening events and its text (and
+//! thinking/reasoning) are dropped, since the client already has an answer's text, and
+//! only its tool calls are released, their indices (and the Responses API's
+//! `sequence_number`s and final `output`) renumbered to follow what was sent.
+
+use std::{
+    collections::{HashMap, HashSet, VecDeque},
+    sync::Arc,
+};
+
+use axum::body::Body;
+use bytes::Bytes;
+use futures_util::{stream::BoxStream, StreamExt};
+use http::{HeaderMap, HeaderValue, Response, StatusCode};
+use serde_json::{json, Map, Value};
+use tower::{Service, ServiceExt};
+
+use super::{
+    context::{Call, TargetIndex},
+    recovery::Answered,
+};
+use crate::{
+    api::{
+        sse::{Splitter, SseEvent},
+        stream_error_event,
+    },
+    error::GatewayError,
+    policy::trail::Step,
+    upstream::ReplyBody,
+    validation::{corrective_request, stream::Assembler, Expectations, Format, Invalid},
+};
+
+/// How the whole-answer verdict is applied to a stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Plan {
+    /// Hold every event until the verdict (a content schema, `validation.stream =
+    /// "buffer"`).
+    Buffer,
+    /// Hold tool calls only; a content verdict comes at the end.
+    Incremental,
+    /// Hold nothing; flag an invalid answer at the end.
+    Annotate,
+}
+
+pub(super) struct Settings {
+    pub plan: Plan,
+    pub corrective_retries: u32,
+}
+
+/// An event waiting to be released.
+struct Queued {
+    event: SseEvent,
+    call: Option<u64>,
+    terminal: bool,
+}
+
+/// Holds events until what they wait for is checked, and releases them in order.
+struct Gate {
+    queue: VecDeque<Queued>,
+    unchecked: HashSet<u64>,
+    hold_all: bool,
+    hold_terminal: bool,
+}
+
+impl Gate {
+    fn new(plan: Plan, checks_content: bool) -> Gate {
+        Gate {
+            queue: VecDeque::new(),
+            unchecked: HashSet::new(),
+            hold_all: plan == Plan::Buffer && checks_content,
+            hold_terminal: checks_content,
+        }
+    }
+
+    fn push(&mut self, event: SseEvent, call: Option<u64>, terminal: bool, hold_calls: bool) {
+        if let Some(call) = call.filter(|_| hold_calls) {
+            self.unchecked.insert(call);
+        }
+        self.queue.push_back(Queued {
+            event,
+            call: call.filter(|_| hold_calls),
+            terminal,
+        });
+    }
+
+    fn release(&mut self) -> Vec<Queued> {
+        let mut out = Vec::new();
+        while let Some(front) = self.queue.front() {
+            let waits = self.hold_all
+                || front.call.is_some_and(|c| self.unchecked.contains(&c))
+                || (front.terminal && self.hold_terminal);
+            if waits {
+                break;
+            }
+            out.extend(self.queue.pop_front());
+        }
+        out
+    }
+}
+
+/// What the client has been sent, for a corrective attempt to follow on from.
+#[derive(Default)]
+struct Sent {
+    any: bool,
+    /// OpenAI chat tool-call indices.
+    chat_calls: HashSet<u64>,
+    /// Anthropic content blocks started.
+    blocks: u64,
+    /// Responses API: the next free `output_index`, the last `sequence_number`, and the
+    /// items completed (for the final `response.completed`).
+    outputs: u64,
+    sequence: Option<u64>,
+    items: Vec<Value>,
+}
+
+impl Sent {
+    fn note(&mut self, format: Format, event: &SseEvent) {
+        self.any = true;
+        let Some(json) = &event.json else { return };
+        match format {
+            Format::Chat => {
+                for tc in json
+                    .pointer("/choices/0/delta/tool_calls")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
+                    self.chat_calls
+                        .insert(tc.get("index").and_then(Value::as_u64).unwrap_or(0));
+                }
+            }
+            Format::Messages => {
+                if event.kind() == Some("content_block_start") {
+                    let index = json.get("index").and_then(Value::as_u64).unwrap_or(0);
+                    self.blocks = self.blocks.max(index + 1);
+                }
+            }
+            Format::Responses => {
+                if let Some(i) = json.get("output_index").and_then(Value::as_u64) {
+                    self.outputs = self.outputs.max(i + 1);
+                }
+                if let Some(s) = json.get("sequence_number").and_then(Value::as_u64) {
+                    self.sequence = Some(s);
+                }
+                if event.kind() == Some("response.output_item.done") {
+                    if let Some(item) = json.get("item") {
+                        self.items.push(item.clone());
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Rewrites a corrective attempt's events to continue an answer the client already has.
+struct Follow {
+    format: Format,
+    chat_base: u64,
+    next_index: u64,
+    remap: HashMap<u64, u64>,
+    dropped: HashSet<u64>,
+    next_sequence: u64,
+    prior_items: Vec<Value>,
+    items: Vec<Value>,
+}
+
+impl Follow {
+    fn after(format: Format, sent: &Sent) -> Follow {
+        Follow {
+            format,
+            chat_base: sent.chat_calls.len() as u64,
+            next_index: match format {
+                Format::Messages => sent.blocks,
+                _ => sent.outputs,
+            },
+            remap: HashMap::new(),
+            dropped: HashSet::new(),
+            next_sequence: sent.sequence.map_or(0, |s| s + 1),
+            prior_items: sent.items.clone(),
+            items: Vec::new(),
+        }
+    }
+
+    fn map(&mut self, event: SseEvent) -> Option<SseEvent> {
+        let Some(mut json) = event.json.clone() else {
+            return Some(event);
+        };
+        match self.format {
+            Format::Chat => {
+                let Some(choice) = json.pointer_mut("/choices/0") else {
+                    return Some(event);
+                };
+                let finished = choice.get("finish_reason").is_some_and(|f| !f.is_null());
+                let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut) else {
+                    return finished.then_some(event);
+                };
+                for text in [
+                    "content",
+                    "reasoning_content",
+                    "reasoning",
+                    "refusal",
+                    "role",
+                ] {
+                    delta.remove(text);
+                }
+                if let Some(calls) = delta.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                    for tc in calls {
+                        let index = tc.get("index").and_then(Value::as_u64).unwrap_or(0);
+                        tc["index"] = json!(index + self.chat_base);
+                    }
+                } else if !finished {
+                    return None;
+                }
+                Some(event.rewritten(json))
+            }
+            Format::Messages => {
+                let index = json.get("index").and_then(Value::as_u64);
+                match event.kind() {
+                    Some("message_start" | "ping") => None,
+                    Some("content_block_start") => {
+                        let index = index.unwrap_or(0);
+                        let is_tool = json.pointer("/content_block/type").and_then(Value::as_str)
+                            == Some("tool_use");
+                        if !is_tool {
+                            self.dropped.insert(index);
+                            return None;
+                        }
+                        let to = self.next_index;
+                        self.next_index += 1;
+                        self.remap.insert(index, to);
+                        json["index"] = json!(to);
+                        Some(event.rewritten(json))
+                    }
+                    Some("content_block_delta" | "content_block_stop") => {
+                        let index = index?;
+                        if self.dropped.contains(&index) {
+                            return None;
+                        }
+                        json["index"] = json!(self.remap.get(&index).copied().unwrap_or(index));
+                        Some(event.rewritten(json))
+                    }
+                    _ => Some(event),
+                }
+            }
+            Format::Responses => {
+                let kind = event.kind().unwrap_or("").to_owned();
+                if matches!(
+                    kind.as_str(),
+                    "response.created" | "response.in_progress" | "response.queued"
+                ) {
+                    return None;
+                }
+                if let Some(index) = json.get("output_index").and_then(Value::as_u64) {
+                    if kind == "response.output_item.added" {
+                        if json.pointer("/item/type").and_then(Value::as_str)
+                            != Some("function_call")
+                        {
+                            self.dropped.insert(index);
+                            return None;
+                        }
+                        let to = self.next_index;
+                        self.next_index += 1;
+                        self.remap.insert(index, to);
+                    }
+                    if self.dropped.contains(&index) {
+                        return None;
+                    }
+                    let to = self.remap.get(&index).copied().unwrap_or(index);
+                    json["output_index"] = json!(to);
+                    if kind == "response.output_item.done" {
+                        self.items.extend(json.get("item").cloned());
+                    }
+                }
+                if matches!(
+                    kind.as_str(),
+                    "response.completed" | "response.incomplete" | "response.failed"
+                ) {
+                    if let Some(response) = json.get_mut("response").and_then(Value::as_object_mut)
+                    {
+                        let mut output = self.prior_items.clone();
+                        output.extend(self.items.iter().cloned());
+                        response.insert("output".into(), Value::Array(output));
+                    }
+                }
+                if json.get("sequence_number").is_some() {
+                    json["sequence_number"] = json!(self.next_sequence);
+                    self.next_sequence += 1;
+                }
+                Some(event.rewritten(json))
+            }
+        }
+    }
+}
+
+/// Why the stream could not even start: answered before any event was sent.
+pub(super) enum Early {
+    /// The upstream's own non-2xx answer, as the client's response.
+    Reply(Box<Response<Body>>),
+    Error(GatewayError),
+}
+
+type Source = BoxStream<'static, Result<Bytes, axum::Error>>;
+
+pub(super) struct StreamRun<S> {
+    inner: S,
+    call: Call,
+    expectations: Arc<Expectations>,
+    settings: Settings,
+    format: Format,
+    original: Map<String, Value>,
+    json: Map<String, Value>,
+    start: TargetIndex,
+    next: Option<TargetIndex>,
+    round: u32,
+    attempts: u32,
+    corrected: bool,
+    head: Option<(StatusCode, HeaderMap)>,
+    source: Option<Source>,
+    splitter: Splitter,
+    assembler: Assembler,
+    gate: Gate,
+    follow: Option<Follow>,
+    sent: Sent,
+    out: VecDeque<Bytes>,
+    verdict_done: bool,
+    done: bool,
+    last: Option<Invalid>,
+}
+
+impl<S> StreamRun<S>
+where
+    S: Service<Call, Response = Answered, Error = GatewayError> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    pub(super) fn new(
+        inner: S,
+        call: Call,
+        expectations: Arc<Expectations>,
+        settings: Settings,
+    ) -> Self {
+        let format = Format::of(call.endpoint());
+        let original = call.request.json.clone();
+        let checks_content = expectations.checks_content();
+        StreamRun {
+            inner,
+            gate: Gate::new(settings.plan, checks_content),
+            settings,
+            expectations,
+            format,
+            json: original.clone(),
+            original,
+            start: TargetIndex(0),
+            next: Some(TargetIndex(1)),
+            round: 0,
+            attempts: 0,
+            corrected: false,
+            head: None,
+            source: None,
+            splitter: Splitter::default(),
+            assembler: Assembler::new(format),
+            follow: None,
+            sent: Sent::default(),
+            out: VecDeque::new(),
+            verdict_done: false,
+            done: false,
+            last: None,
+            call,
+        }
+    }
+
+    /// Runs until the first event can be sent: the response to give the client, its
+    /// body relaying the rest.
+    pub(super) async fn respond(mut self) -> Result<Response<Body>, Early> {
+        self.attempt().await?;
+        self.pull().await?;
+        let (status, mut headers) = self.head.take().unwrap_or_default();
+        headers.remove(http::header::CONTENT_LENGTH);
+        let outcome = match (self.settings.plan, self.expectations.checks_content()) {
+            (Plan::Buffer, true) if self.corrected => "corrected",
+            (Plan::Buffer, true) => "valid",
+            _ => "deferred",
+        };
+        headers.insert("x-backstop-validation", HeaderValue::from_static(outcome));
+        let first: Vec<Bytes> = self.out.drain(..).collect();
+        let head = futures_util::stream::iter(first.into_iter().map(Ok::<_, std::io::Error>));
+        let rest = futures_util::stream::unfold(self, |mut run| async move {
+            if let Err(early) = run.pull().await {
+                // Only before the first event; kept for completeness.
+                let code = match early {
+                    Early::Error(err) => err.kind().code,
+                    Early::Reply(_) => "upstream_error",
+                };
+                run.done = true;
+                return Some((
+                    stream_error_event(run.call.endpoint(), code, "the stream could not continue"),
+                    run,
+                ));
+            }
+            let chunk = run.out.pop_front()?;
+            Some((chunk, run))
+        })
+        .map(Ok::<_, std::io::Error>);
+        let mut response = Response::new(Body::from_stream(head.chain(rest)));
+        *response.status_mut() = status;
+        *response.headers_mut() = headers;
+        Ok(response)
+    }
+
+    /// Starts the next attempt with `self.json` from `self.start`.
+    async fn attempt(&mut self) -> Result<(), Early> {
+        let mut call = self.call.with_json(self.json.clone());
+        call.start = self.start;
+        self.attempts += 1;
+        let answered = self.inner.clone().oneshot(call).await;
+        let Answered { reply, by } = match answered {
+            Ok(a) => a,
+            Err(err) => return self.fail(Early::Error(err)),
+        };
+        if !reply.status.is_success() {
+            tracing::debug!(
+                status = reply.status.as_u16(),
+                "validated stream's attempt refused"
+            );
+            return self.fail(Early::Reply(Box::new(reply.into_response())));
+        }
+        self.next = by.map_or(self.next, |by| by.next());
+        let ReplyBody::Stream(body) = reply.body else {
+            return self.fail(Early::Error(GatewayError::UpstreamMalformed {
+                upstream: "-".into(),
+            }));
+        };
+        if !self.sent.any {
+            self.head = Some((reply.status, reply.headers));
+        }
+        self.source = Some(body.into_data_stream().boxed());
+        Ok(())
+    }
+
+    /// A failure before anything was sent is the response; after, an error event.
+    fn fail(&mut self, early: Early) -> Result<(), Early> {
+        if !self.sent.any {
+            return Err(early);
+        }
+        let (code, message) = match &early {
+            Early::Error(err) => (err.kind().code, err.to_string()),
+            Early::Reply(r) => (
+                "upstream_error",
+                format!(
+                    "the corrective attempt was answered with HTTP {}",
+                    r.status().as_u16()
+                ),
+            ),
+        };
+        self.end_with(stream_error_event(self.call.endpoint(), code, &message));
+        Ok(())
+    }
+
+    fn end_with(&mut self, event: Bytes) {
+        self.source = None;
+        self.out.push_back(event);
+        self.done = true;
+    }
+
+    /// Reads on until there is something to send, or the stream is over.
+    async fn pull(&mut self) -> Result<(), Early> {
+        while self.out.is_empty() && !self.done {
+            let Some(source) = self.source.as_mut() else {
+                self.done = true;
+                break;
+            };
+            let (events, ended) = match source.next().await {
+                Some(Ok(chunk)) => (self.splitter.push(&chunk), false),
+                // The relay ends a broken stream with its own error event; a body error
+                // here is the connection itself failing.
+                Some(Err(_)) | None => (self.splitter.finish().into_iter().collect(), true),
+            };
+            let mut restarted = false;
+            for event in events {
+                if self.event(event).await? {
+                    restarted = true;
+                    break;
+                }
+            }
+            if ended && !restarted && !self.done {
+                self.end().await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes one event; `true` when it made the run start another attempt.
+    async fn event(&mut self, event: SseEvent) -> Result<bool, Early> {
+        let event = match self.follow.as_mut() {
+            Some(follow) => match follow.map(event) {
+                Some(event) => event,
+                None => return Ok(false),
+            },
+            None => event,
+        };
+        let read = self.assembler.read(&event);
+        let hold_calls = self.settings.plan != Plan::Annotate;
+        self.gate.push(event, read.call, read.terminal, hold_calls);
+        for key in &read.completed {
+            let verdict = self.expectations.check(&self.assembler.call_answer(*key));
+            match verdict {
+                Ok(()) => {
+                    self.gate.unchecked.remove(key);
+                }
+                Err(invalid) if self.settings.plan == Plan::Annotate => {
+                    self.gate.unchecked.remove(key);
+                    self.last.get_or_insert(invalid);
+                }
+                Err(invalid) => return self.invalid(invalid).await.map(|()| true),
+            }
+        }
+        if read.terminal && !self.verdict_done && self.verdict().await? {
+            return Ok(true);
+        }
+        self.flush();
+        Ok(false)
+    }
+
+    /// The whole-answer verdict (content schema); `true` when it restarted the run.
+    async fn verdict(&mut self) -> Result<bool, Early> {
+        self.verdict_done = true;
+        if !self.gate.hold_terminal {
+            return Ok(false);
+        }
+        let answer = self.assembler.answer();
+        let expectations = self.expectations.clone();
+        let verdict = tokio::task::spawn_blocking(move || expectations.check(&answer))
+            .await
+            .map_err(|_| Early::Error(GatewayError::Internal))?;
+        let invalid = match verdict {
+            Ok(()) => {
+                self.gate.hold_all = false;
+                self.gate.hold_terminal = false;
+                return Ok(false);
+            }
+            Err(invalid) => invalid,
+        };
+        match self.settings.plan {
+            Plan::Buffer => self.invalid(invalid).await.map(|()| true),
+            Plan::Incremental => {
+                count_failure(&invalid);
+                // Passthrough: what was relayed stays; the closing event does not come.
+                self.flush_before_terminal();
+                let message = format!(
+                    "the answer failed validation: {}",
+                    invalid.errors.join("; ")
+                );
+                self.end_with(stream_error_event(
+                    self.call.endpoint(),
+                    "output_invalid",
+                    &message,
+                ));
+                metrics::counter!("backstop_stream_validation_total", "outcome" => "invalid_passthrough")
+                    .increment(1);
+                Ok(true)
+            }
+            Plan::Annotate => {
+                self.last.get_or_insert(invalid);
+                self.gate.hold_terminal = false;
+                Ok(false)
+            }
+        }
+    }
+
+    /// The stream ended: complete what is open, judge, release the rest.
+    async fn end(&mut self) -> Result<(), Early> {
+        for key in self.assembler.finish() {
+            if let Err(invalid) = self.expectations.check(&self.assembler.call_answer(key)) {
+                if self.settings.plan != Plan::Annotate {
+                    self.invalid(invalid).await?;
+                    return Ok(());
+                }
+                self.last.get_or_insert(invalid);
+            }
+            self.gate.unchecked.remove(&key);
+        }
+        if !self.verdict_done && self.verdict().await? {
+            return Ok(());
+        }
+        self.gate.hold_all = false;
+        self.gate.hold_terminal = false;
+        self.flush();
+        if let Some(invalid) = self.last.take() {
+            // Annotate, and the stream never sent its closing event: flag at the end.
+            count_failure(&invalid);
+            self.out.push_back(self.flag(&invalid));
+        }
+        if self.corrected {
+            metrics::counter!("backstop_validation_fixed_total").increment(1);
+        }
+        self.done = true;
+        Ok(())
+    }
+
+    fn flush(&mut self) {
+        if self.settings.plan == Plan::Annotate && !self.gate.hold_terminal {
+            if let Some(invalid) = self.last.take() {
+                // The flag goes just before the closing event.
+                if self.gate.queue.iter().any(|q| q.terminal) {
+                    self.flush_before_terminal();
+                    count_failure(&invalid);
+                    self.out.push_back(self.flag(&invalid));
+                } else {
+                    self.last = Some(invalid);
+                }
+            }
+        }
+        for q in self.gate.release() {
+            self.sent.note(self.format, &q.event);
+            self.out.push_back(q.event.raw);
+        }
+    }
+
+    fn flush_before_terminal(&mut self) {
+        while let Some(front) = self.gate.queue.front() {
+            if front.terminal {
+                break;
+            }
+            let q = self.gate.queue.pop_front().expect("front exists");
+            self.sent.note(self.format, &q.event);
+            self.out.push_back(q.event.raw);
+        }
+    }
+
+    /// The annotate-mode event that flags an invalid answer, in the API's framing (an
+    /// event type no SDK acts on).
+    fn flag(&self, invalid: &Invalid) -> Bytes {
+        let (kind, errors) = (invalid.problem.label(), &invalid.errors);
+        let event = match self.format {
+            Format::Chat => SseEvent::write(
+                None,
+                &json!({"object": "chat.completion.chunk", "choices": [],
+                    "backstop_validation": {"outcome": "invalid", "kind": kind, "errors": errors}}),
+            ),
+            Format::Messages => SseEvent::write(
+                Some("backstop_validation"),
+                &json!({"type": "backstop_validation", "outcome": "invalid", "kind": kind, "errors": errors}),
+            ),
+            Format::Responses => SseEvent::write(
+                Some("backstop.validation"),
+                &json!({"type": "backstop.validation", "outcome": "invalid", "kind": kind, "errors": errors}),
+            ),
+        };
+        event.raw
+    }
+
+    /// An invalid call or answer (not in annotate mode): correct, switch, or give up.
+    async fn invalid(&mut self, invalid: Invalid) -> Result<(), Early> {
+        count_failure(&invalid);
+        tracing::debug!(kind = invalid.problem.label(), errors = ?invalid.errors, round = self.round, "streamed answer failed validation");
+        self.source = None;
+        let targets = self.call.route.targets.len();
+        if self.round < self.settings.corrective_retries {
+            self.call
+                .log
+                .push_step(Step::Correct(invalid.problem.label()));
+            metrics::counter!("backstop_corrective_retries_total", "kind" => invalid.problem.label())
+                .increment(1);
+            self.json = corrective_request(self.format, &self.json, &invalid);
+            self.round += 1;
+        } else {
+            match self.next.filter(|n| n.0 < targets) {
+                Some(next) => {
+                    self.start = next;
+                    self.next = Some(TargetIndex(next.0 + 1));
+                    self.round = 0;
+                    self.json = self.original.clone();
+                    self.call.log.push_step(Step::Switch(
+                        self.call.route.targets[next.0].upstream.name.clone(),
+                    ));
+                }
+                None => {
+                    let attempts = self.attempts;
+                    let errors = invalid.errors.clone();
+                    if !self.sent.any {
+                        return Err(Early::Error(GatewayError::OutputInvalid {
+                            errors,
+                            attempts,
+                        }));
+                    }
+                    let message = format!(
+                        "the answer failed validation after {attempts} attempts: {}",
+                        errors.join("; ")
+                    );
+                    self.end_with(stream_error_event(
+                        self.call.endpoint(),
+                        "output_invalid",
+                        &message,
+                    ));
+                    return Ok(());
+                }
+            }
+        }
+        self.corrected = true;
+        self.splitter = Splitter::default();
+        self.assembler = Assembler::new(self.format);
+        self.gate = Gate::new(self.settings.plan, self.expectations.checks_content());
+        self.verdict_done = false;
+        self.follow = self
+            .sent
+            .any
+            .then(|| Follow::after(self.format, &self.sent));
+        self.attempt().await
+    }
+}
+
+fn count_failure(invalid: &Invalid) {
+    metrics::counter!("backstop_validation_failures_total", "kind" => invalid.problem.label())
+        .increment(1);
+}
