@@ -47,7 +47,11 @@ use crate::{
     error::GatewayError,
     policy::trail::Step,
     upstream::ReplyBody,
-    validation::{corrective_request, stream::Assembler, Expectations, Format, Invalid},
+    validation::{
+        corrective_request,
+        stream::{Assembler, Read},
+        Expectations, Format, Invalid,
+    },
 };
 
 /// How the whole-answer verdict is applied to a stream.
@@ -72,6 +76,7 @@ struct Queued {
     event: SseEvent,
     call: Option<u64>,
     terminal: bool,
+    opening: bool,
 }
 
 /// Holds events until what they wait for is checked, and releases them in order.
@@ -80,6 +85,8 @@ struct Gate {
     unchecked: HashSet<u64>,
     hold_all: bool,
     hold_terminal: bool,
+    /// Something past the opening events was released.
+    opened: bool,
 }
 
 impl Gate {
@@ -89,22 +96,40 @@ impl Gate {
             unchecked: HashSet::new(),
             hold_all: plan == Plan::Buffer && checks_content,
             hold_terminal: checks_content,
+            opened: false,
         }
     }
 
-    fn push(&mut self, event: SseEvent, call: Option<u64>, terminal: bool, hold_calls: bool) {
-        if let Some(call) = call.filter(|_| hold_calls) {
+    fn push(&mut self, event: SseEvent, read: &Read, hold_calls: bool) {
+        let call = read.call.filter(|_| hold_calls);
+        if let Some(call) = call {
             self.unchecked.insert(call);
         }
         self.queue.push_back(Queued {
             event,
-            call: call.filter(|_| hold_calls),
-            terminal,
+            call,
+            terminal: read.terminal,
+            opening: read.opening,
         });
     }
 
     fn release(&mut self) -> Vec<Queued> {
         let mut out = Vec::new();
+        if !self.opened {
+            // Opening events go with the first event after them, once it can.
+            let Some(first) = self.queue.iter().position(|q| !q.opening) else {
+                return out;
+            };
+            let blocked = self.hold_all
+                || self.queue[first]
+                    .call
+                    .is_some_and(|c| self.unchecked.contains(&c))
+                || (self.queue[first].terminal && self.hold_terminal);
+            if blocked {
+                return out;
+            }
+            self.opened = true;
+        }
         while let Some(front) = self.queue.front() {
             let waits = self.hold_all
                 || front.call.is_some_and(|c| self.unchecked.contains(&c))
@@ -519,7 +544,7 @@ where
         };
         let read = self.assembler.read(&event);
         let hold_calls = self.settings.plan != Plan::Annotate;
-        self.gate.push(event, read.call, read.terminal, hold_calls);
+        self.gate.push(event, &read, hold_calls);
         for key in &read.completed {
             let verdict = self.expectations.check(&self.assembler.call_answer(*key));
             match verdict {
@@ -603,6 +628,7 @@ where
         }
         self.gate.hold_all = false;
         self.gate.hold_terminal = false;
+        self.gate.opened = true;
         self.flush();
         if let Some(invalid) = self.last.take() {
             // Annotate, and the stream never sent its closing event: flag at the end.

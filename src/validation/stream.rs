@@ -32,6 +32,10 @@ pub struct Read {
     /// The stream's closing event (`[DONE]`, `message_stop`, `response.completed`):
     /// what a verdict on the whole answer must come before.
     pub terminal: bool,
+    /// An opening event that says nothing yet (`response.created`, `message_start`, a
+    /// chat chunk with only the role): held back with what follows it, so an answer
+    /// whose first content is refused was never begun for the client.
+    pub opening: bool,
 }
 
 /// A streamed answer, assembled event by event.
@@ -89,6 +93,12 @@ impl Assembler {
         let Some(choice) = json.pointer("/choices/0") else {
             return;
         };
+        let says_nothing =
+            |v: Option<&Value>| v.is_none_or(|v| v.is_null() || v.as_str() == Some(""));
+        let delta = choice.get("delta");
+        read.opening = delta.and_then(Value::as_object).is_some_and(|d| {
+            d.keys().all(|k| k == "role" || k == "content") && says_nothing(d.get("content"))
+        }) && choice.get("finish_reason").is_none_or(Value::is_null);
         if let Some(text) = choice.pointer("/delta/content").and_then(Value::as_str) {
             self.text.push_str(text);
         }
@@ -123,6 +133,7 @@ impl Assembler {
     fn read_messages(&mut self, json: &Value, read: &mut Read) {
         let index = json.get("index").and_then(Value::as_u64);
         match json.get("type").and_then(Value::as_str) {
+            Some("message_start" | "ping") => read.opening = true,
             Some("content_block_start") => {
                 let block = json.get("content_block");
                 if block.and_then(|b| b.get("type")).and_then(Value::as_str) == Some("tool_use") {
@@ -178,6 +189,9 @@ impl Assembler {
         let index = json.get("output_index").and_then(Value::as_u64);
         let ours = |s: &Self| index.filter(|i| s.calls.contains_key(i));
         match json.get("type").and_then(Value::as_str) {
+            Some("response.created" | "response.in_progress" | "response.queued") => {
+                read.opening = true;
+            }
             Some("response.output_item.added") => {
                 let item = json.get("item").unwrap_or(&Value::Null);
                 if item.get("type").and_then(Value::as_str) == Some("function_call") {
