@@ -26,6 +26,22 @@ use std::time::Duration;
 /// | `endless` | a stream that never ends (an event every `chunk_delay`, default 10ms) |
 /// | `drip=1s` | after the first event, one byte per interval, never a whole event |
 /// | `huge_event=N` | after the first event, an event of N bytes that never ends |
+///
+/// With `tool=NAME`, a streaming request gets the call in the API's own framing, its
+/// arguments cut into `chunks` argument deltas; with `content=`/`content_b64=` as well,
+/// the answer is that text first, then the call. The tokens below add to an answer:
+///
+/// | token | effect |
+/// |---|---|
+/// | `thinking=TEXT` / `thinking_b64=B64` | Anthropic: a `thinking` block first, signed with [`thinking_signature`]; streamed as `thinking_delta`s and one `signature_delta` |
+/// | `redacted_thinking=DATA` | Anthropic: a `redacted_thinking` block (after the thinking block), streamed whole |
+/// | `reasoning=TEXT` / `reasoning_b64=B64` | chat: `reasoning_content` (streamed before any content or tool delta); Responses: a `reasoning` item first, with a summary and `encrypted_content` |
+/// | `future` | fields and events from a future API version: every streamed event/chunk and non-streamed body gains `"x_future":{"n":1}`; Anthropic and Responses streams get an event of an unknown type after the first event; chat chunks also gain `service_tier`, `system_fingerprint`, `obfuscation` and `choices[].logprobs` |
+///
+/// Anthropic requests whose assistant messages carry a `thinking` block are checked: a
+/// signature other than [`thinking_signature`] of its text is answered 400
+/// `invalid_request_error`, as a real Claude rejects an altered thinking block (scripted
+/// errors come first).
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct FaultStep {
     pub status: Option<u16>,
@@ -50,6 +66,10 @@ pub struct FaultStep {
     pub endless: bool,
     pub drip: Option<Duration>,
     pub huge_event: Option<usize>,
+    pub thinking: Option<String>,
+    pub redacted_thinking: Option<String>,
+    pub reasoning: Option<String>,
+    pub future: bool,
 }
 
 impl FaultStep {
@@ -98,6 +118,12 @@ impl FaultStep {
                 "endless" => out.endless = true,
                 "drip" => out.drip = humantime::parse_duration(value).ok(),
                 "huge_event" => out.huge_event = value.parse().ok(),
+                "thinking" => out.thinking = Some(value.to_string()),
+                "thinking_b64" => out.thinking = decode_b64(value),
+                "redacted_thinking" => out.redacted_thinking = Some(value.to_string()),
+                "reasoning" => out.reasoning = Some(value.to_string()),
+                "reasoning_b64" => out.reasoning = decode_b64(value),
+                "future" => out.future = true,
                 _ => {}
             }
         }
@@ -149,6 +175,15 @@ impl FaultMix {
             .map(|(_, s)| s.clone())
             .unwrap_or_default()
     }
+}
+
+/// The signature of a mock thinking block: base64 of SHA-256 of
+/// `"mock-signature:" + TEXT`. Deterministic, so the mock can check it on the next turn.
+pub fn thinking_signature(text: &str) -> String {
+    use base64::Engine;
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(format!("mock-signature:{text}").as_bytes());
+    base64::engine::general_purpose::STANDARD.encode(digest)
 }
 
 fn decode_b64(value: &str) -> Option<String> {
@@ -210,5 +245,21 @@ mod tests {
         assert_eq!(s.chunks, Some(7));
         assert_eq!(s.code.as_deref(), Some("insufficient_quota"));
         assert!(s.hang);
+    }
+
+    #[test]
+    fn thinking_reasoning_and_future_tokens_parse() {
+        let s = FaultStep::parse(
+            "thinking_b64=aG1tLCAyKzI=;redacted_thinking=EmwKAhgB==;reasoning=why;future",
+        );
+        assert_eq!(s.thinking.as_deref(), Some("hmm, 2+2"));
+        assert_eq!(s.redacted_thinking.as_deref(), Some("EmwKAhgB=="));
+        assert_eq!(s.reasoning.as_deref(), Some("why"));
+        assert!(s.future);
+        let s = FaultStep::parse("thinking=plan;reasoning_b64=d2h5");
+        assert_eq!(s.thinking.as_deref(), Some("plan"));
+        assert_eq!(s.reasoning.as_deref(), Some("why"));
+        assert_eq!(thinking_signature("plan"), thinking_signature("plan"));
+        assert_ne!(thinking_signature("plan"), thinking_signature("plan!"));
     }
 }

@@ -12,7 +12,7 @@ use futures_util::{stream, StreamExt};
 use http::{header, Response, StatusCode};
 use serde_json::{json, Value};
 
-use super::FaultStep;
+use super::{fault::thinking_signature, FaultStep};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Api {
@@ -97,83 +97,162 @@ pub(super) fn pieces(text: &str, n: usize) -> Vec<String> {
     chars.chunks(size).map(|c| c.iter().collect()).collect()
 }
 
+/// The `x_future` field a `future` step adds to every JSON it sends.
+pub(super) fn future_field() -> Value {
+    json!({"n": 1})
+}
+
+/// The first thinking block of the request's assistant messages whose signature is not
+/// the mock's own: the message a real Claude answers such a request with.
+fn bad_thinking_signature(request: &Value) -> Option<String> {
+    for (n, message) in messages(request).iter().enumerate() {
+        if message.get("role").and_then(Value::as_str) != Some("assistant") {
+            continue;
+        }
+        let Some(parts) = message.get("content").and_then(Value::as_array) else {
+            continue;
+        };
+        for (m, part) in parts.iter().enumerate() {
+            if part.get("type").and_then(Value::as_str) != Some("thinking") {
+                continue;
+            }
+            let thinking = part.get("thinking").and_then(Value::as_str).unwrap_or("");
+            let signature = part.get("signature").and_then(Value::as_str);
+            if signature != Some(thinking_signature(thinking).as_str()) {
+                return Some(format!(
+                    "messages.{n}.content.{m}: Invalid `signature` in `thinking` block"
+                ));
+            }
+        }
+    }
+    None
+}
+
+/// What one chat or Anthropic answer holds, whether streamed or not.
+struct Answer<'a> {
+    id: u64,
+    model: &'a str,
+    /// The text, when the answer has one: always without a tool, with one only when
+    /// the step scripts `content`.
+    text: Option<&'a str>,
+    /// The tool call: name and arguments.
+    tool: Option<(&'a str, &'a str)>,
+    usage: (u64, u64),
+    step: &'a FaultStep,
+}
+
 /// A chat completion or an Anthropic message (Responses requests are answered by
 /// `responses_api`, never here: they are served the chat shape if they arrive).
 pub fn completion(api: Api, request: &Value, step: &FaultStep) -> Response<Body> {
+    if api == Api::Anthropic {
+        if let Some(message) = bad_thinking_signature(request) {
+            return Response::builder()
+                .status(StatusCode::BAD_REQUEST)
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from(
+                    json!({"type": "error", "error": {"type": "invalid_request_error", "message": message}})
+                        .to_string(),
+                ))
+                .expect("valid response parts");
+        }
+    }
     let model = request
         .get("model")
         .and_then(Value::as_str)
         .unwrap_or("mock-model")
         .to_string();
     let text = reply_text(request, step);
-    let (input, output) = usage(request, &text, step);
+    let usage = usage(request, &text, step);
     let streaming = !step.plain
         && request
             .get("stream")
             .and_then(Value::as_bool)
             .unwrap_or(false);
-    let id = next_id();
+    let tool_args = step.tool_args.clone().unwrap_or_else(|| "{}".into());
+    let answer = Answer {
+        id: next_id(),
+        model: &model,
+        text: (step.tool.is_none() || step.content.is_some()).then_some(text.as_str()),
+        tool: step.tool.as_deref().map(|name| (name, tool_args.as_str())),
+        usage,
+        step,
+    };
     if !streaming {
-        let tool_args = step.tool_args.clone().unwrap_or_else(|| "{}".into());
-        let body = match (api, &step.tool) {
-            (Api::OpenAi | Api::Responses, None) => json!({
-                "id": format!("chatcmpl-mock-{id}"),
-                "object": "chat.completion",
-                "created": now_secs(),
-                "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": input, "completion_tokens": output, "total_tokens": input.saturating_add(output)},
-            }),
-            (Api::OpenAi | Api::Responses, Some(tool)) => json!({
-                "id": format!("chatcmpl-mock-{id}"),
-                "object": "chat.completion",
-                "created": now_secs(),
-                "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": null, "tool_calls": [
-                    {"id": format!("call_mock_{id}"), "type": "function", "function": {"name": tool, "arguments": tool_args}}
-                ]}, "finish_reason": "tool_calls"}],
-                "usage": {"prompt_tokens": input, "completion_tokens": output, "total_tokens": input.saturating_add(output)},
-            }),
-            (Api::Anthropic, None) => json!({
-                "id": format!("msg_mock_{id}"),
-                "type": "message",
-                "role": "assistant",
-                "model": model,
-                "content": [{"type": "text", "text": text}],
-                "stop_reason": "end_turn",
-                "stop_sequence": null,
-                "usage": {"input_tokens": input, "output_tokens": output},
-            }),
-            (Api::Anthropic, Some(tool)) => json!({
-                "id": format!("msg_mock_{id}"),
-                "type": "message",
-                "role": "assistant",
-                "model": model,
-                "content": [{"type": "tool_use", "id": format!("toolu_mock_{id}"), "name": tool,
-                             "input": serde_json::from_str::<Value>(&tool_args).unwrap_or(Value::String(tool_args.clone()))}],
-                "stop_reason": "tool_use",
-                "stop_sequence": null,
-                "usage": {"input_tokens": input, "output_tokens": output},
-            }),
+        let mut body = match api {
+            Api::OpenAi | Api::Responses => chat_body(&answer),
+            Api::Anthropic => anthropic_body(&answer),
         };
+        if step.future {
+            body["x_future"] = future_field();
+        }
         return json_ok(body);
     }
-    let parts = pieces(&text, step.chunks.unwrap_or(4));
     let events = match api {
-        Api::OpenAi | Api::Responses => openai_events(id, &model, &parts, request, (input, output)),
-        Api::Anthropic => anthropic_events(id, &model, &parts, (input, output)),
+        Api::OpenAi | Api::Responses => openai_events(&answer, request),
+        Api::Anthropic => anthropic_events(&answer),
     };
     sse(events, step)
 }
 
-fn openai_events(
-    id: u64,
-    model: &str,
-    parts: &[String],
-    request: &Value,
-    usage: (u64, u64),
-) -> Vec<Bytes> {
+fn chat_body(a: &Answer<'_>) -> Value {
+    let (input, output) = a.usage;
+    let mut message = json!({"role": "assistant", "content": a.text});
+    if let Some((name, args)) = a.tool {
+        message["tool_calls"] = json!([
+            {"id": format!("call_mock_{}", a.id), "type": "function", "function": {"name": name, "arguments": args}}
+        ]);
+    }
+    if let Some(reasoning) = &a.step.reasoning {
+        message["reasoning_content"] = json!(reasoning);
+    }
+    json!({
+        "id": format!("chatcmpl-mock-{}", a.id),
+        "object": "chat.completion",
+        "created": now_secs(),
+        "model": a.model,
+        "choices": [{"index": 0, "message": message, "finish_reason": if a.tool.is_some() { "tool_calls" } else { "stop" }}],
+        "usage": {"prompt_tokens": input, "completion_tokens": output, "total_tokens": input.saturating_add(output)},
+    })
+}
+
+/// The content blocks of an Anthropic answer, in order: thinking, redacted thinking,
+/// text, tool use.
+fn anthropic_blocks(a: &Answer<'_>) -> Vec<Value> {
+    let mut blocks = Vec::new();
+    if let Some(thinking) = &a.step.thinking {
+        blocks.push(json!({"type": "thinking", "thinking": thinking, "signature": thinking_signature(thinking)}));
+    }
+    if let Some(data) = &a.step.redacted_thinking {
+        blocks.push(json!({"type": "redacted_thinking", "data": data}));
+    }
+    if let Some(text) = a.text {
+        blocks.push(json!({"type": "text", "text": text}));
+    }
+    if let Some((name, args)) = a.tool {
+        blocks.push(json!({"type": "tool_use", "id": format!("toolu_mock_{}", a.id), "name": name,
+                           "input": serde_json::from_str::<Value>(args).unwrap_or(Value::String(args.to_string()))}));
+    }
+    blocks
+}
+
+fn anthropic_body(a: &Answer<'_>) -> Value {
+    json!({
+        "id": format!("msg_mock_{}", a.id),
+        "type": "message",
+        "role": "assistant",
+        "model": a.model,
+        "content": anthropic_blocks(a),
+        "stop_reason": if a.tool.is_some() { "tool_use" } else { "end_turn" },
+        "stop_sequence": null,
+        "usage": {"input_tokens": a.usage.0, "output_tokens": a.usage.1},
+    })
+}
+
+fn openai_events(a: &Answer<'_>, request: &Value) -> Vec<Bytes> {
     let created = now_secs();
+    let id = a.id;
+    let model = a.model;
+    let n = a.step.chunks.unwrap_or(4);
     let chunk = |delta: Value, finish: Value| {
         json!({
             "id": format!("chatcmpl-mock-{id}"), "object": "chat.completion.chunk",
@@ -181,26 +260,68 @@ fn openai_events(
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
         })
     };
-    let mut events = vec![chunk(
-        json!({"role": "assistant", "content": ""}),
-        Value::Null,
-    )];
-    events.extend(
-        parts
-            .iter()
-            .map(|p| chunk(json!({"content": p}), Value::Null)),
-    );
-    events.push(chunk(json!({}), json!("stop")));
+    let first = match a.text {
+        Some(_) => json!({"role": "assistant", "content": ""}),
+        None => json!({"role": "assistant", "content": null}),
+    };
+    let mut events = vec![chunk(first, Value::Null)];
+    if let Some(reasoning) = &a.step.reasoning {
+        events.extend(
+            pieces(reasoning, n)
+                .iter()
+                .map(|p| chunk(json!({"reasoning_content": p}), Value::Null)),
+        );
+    }
+    if let Some(text) = a.text {
+        events.extend(
+            pieces(text, n)
+                .iter()
+                .map(|p| chunk(json!({"content": p}), Value::Null)),
+        );
+    }
+    if let Some((name, args)) = a.tool {
+        events.push(chunk(
+            json!({"tool_calls": [{"index": 0, "id": format!("call_mock_{id}"), "type": "function",
+                                   "function": {"name": name, "arguments": ""}}]}),
+            Value::Null,
+        ));
+        events.extend(pieces(args, n).iter().map(|p| {
+            chunk(
+                json!({"tool_calls": [{"index": 0, "function": {"arguments": p}}]}),
+                Value::Null,
+            )
+        }));
+    }
+    let finish = if a.tool.is_some() {
+        "tool_calls"
+    } else {
+        "stop"
+    };
+    events.push(chunk(json!({}), json!(finish)));
     let include_usage = request
         .pointer("/stream_options/include_usage")
         .and_then(Value::as_bool)
         .unwrap_or(false);
     if include_usage {
+        let usage = a.usage;
         events.push(json!({
             "id": format!("chatcmpl-mock-{id}"), "object": "chat.completion.chunk",
             "created": created, "model": model, "choices": [],
             "usage": {"prompt_tokens": usage.0, "completion_tokens": usage.1, "total_tokens": usage.0.saturating_add(usage.1)},
         }));
+    }
+    if a.step.future {
+        for event in &mut events {
+            event["x_future"] = future_field();
+            event["service_tier"] = json!("default");
+            event["system_fingerprint"] = json!("fp_mock_future");
+            event["obfuscation"] = json!("mockobf");
+            if let Some(choices) = event["choices"].as_array_mut() {
+                for choice in choices {
+                    choice["logprobs"] = Value::Null;
+                }
+            }
+        }
     }
     let mut out: Vec<Bytes> = events
         .iter()
@@ -210,32 +331,95 @@ fn openai_events(
     out
 }
 
-fn anthropic_events(id: u64, model: &str, parts: &[String], usage: (u64, u64)) -> Vec<Bytes> {
-    let event = |name: &str, data: Value| Bytes::from(format!("event: {name}\ndata: {data}\n\n"));
-    let mut out = vec![
-        event(
-            "message_start",
-            json!({"type": "message_start", "message": {
-            "id": format!("msg_mock_{id}"), "type": "message", "role": "assistant", "model": model,
-            "content": [], "stop_reason": null, "stop_sequence": null,
-            "usage": {"input_tokens": usage.0, "output_tokens": 1}}}),
-        ),
-        event(
-            "content_block_start",
-            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-        ),
-        event("ping", json!({"type": "ping"})),
-    ];
-    out.extend(parts.iter().map(|p| {
-        event("content_block_delta", json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": p}}))
-    }));
-    out.push(event(
-        "content_block_stop",
-        json!({"type": "content_block_stop", "index": 0}),
-    ));
-    out.push(event("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": usage.1}})));
-    out.push(event("message_stop", json!({"type": "message_stop"})));
-    out
+fn anthropic_events(a: &Answer<'_>) -> Vec<Bytes> {
+    let n = a.step.chunks.unwrap_or(4);
+    let mut events: Vec<(&str, Value)> = vec![(
+        "message_start",
+        json!({"type": "message_start", "message": {
+        "id": format!("msg_mock_{}", a.id), "type": "message", "role": "assistant", "model": a.model,
+        "content": [], "stop_reason": null, "stop_sequence": null,
+        "usage": {"input_tokens": a.usage.0, "output_tokens": 1}}}),
+    )];
+    for (index, block) in anthropic_blocks(a).into_iter().enumerate() {
+        let delta = |delta: Value| {
+            (
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": index, "delta": delta}),
+            )
+        };
+        let start = |block: Value| {
+            (
+                "content_block_start",
+                json!({"type": "content_block_start", "index": index, "content_block": block}),
+            )
+        };
+        let kind = block["type"].as_str().unwrap_or_default();
+        let field = |name: &str| block[name].as_str().unwrap_or_default().to_string();
+        let mut deltas = Vec::new();
+        let opening = match kind {
+            "thinking" => {
+                let thinking = field("thinking");
+                deltas.extend(
+                    pieces(&thinking, n)
+                        .into_iter()
+                        .map(|p| delta(json!({"type": "thinking_delta", "thinking": p}))),
+                );
+                deltas.push(delta(
+                    json!({"type": "signature_delta", "signature": field("signature")}),
+                ));
+                start(json!({"type": "thinking", "thinking": ""}))
+            }
+            "text" => {
+                deltas.extend(
+                    pieces(&field("text"), n)
+                        .into_iter()
+                        .map(|p| delta(json!({"type": "text_delta", "text": p}))),
+                );
+                start(json!({"type": "text", "text": ""}))
+            }
+            "tool_use" => {
+                let (_, args) = a.tool.unwrap_or_default();
+                deltas.extend(
+                    pieces(args, n)
+                        .into_iter()
+                        .map(|p| delta(json!({"type": "input_json_delta", "partial_json": p}))),
+                );
+                start(
+                    json!({"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}),
+                )
+            }
+            _ => start(block.clone()),
+        };
+        events.push(opening);
+        if index == 0 {
+            events.push(("ping", json!({"type": "ping"})));
+        }
+        events.extend(deltas);
+        events.push((
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": index}),
+        ));
+    }
+    let stop_reason = if a.tool.is_some() {
+        "tool_use"
+    } else {
+        "end_turn"
+    };
+    events.push(("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": null}, "usage": {"output_tokens": a.usage.1}})));
+    events.push(("message_stop", json!({"type": "message_stop"})));
+    if a.step.future {
+        for (_, data) in &mut events {
+            data["x_future"] = future_field();
+        }
+        events.insert(
+            1,
+            ("x_future_event", json!({"type": "x_future_event", "n": 1})),
+        );
+    }
+    events
+        .into_iter()
+        .map(|(name, data)| Bytes::from(format!("event: {name}\ndata: {data}\n\n")))
+        .collect()
 }
 
 /// An SSE body, paced by `chunk_delay` and broken after `cut` events when asked; or one
@@ -404,4 +588,396 @@ pub(super) fn json_ok(value: Value) -> Response<Body> {
         .header(header::CONTENT_TYPE, "application/json")
         .body(Body::from(value.to_string()))
         .expect("valid response parts")
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    pub(in crate::mock) const ARGS_B64: &str = "eyJjaXR5IjoiUGFyaXMifQ==";
+    pub(in crate::mock) const ARGS: &str = r#"{"city":"Paris"}"#;
+
+    pub(in crate::mock) async fn body_of(response: Response<Body>) -> (StatusCode, String) {
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8(bytes.to_vec()).unwrap())
+    }
+
+    /// The SSE events of a body: (event name, or "" without one; data, parsed when JSON).
+    pub(in crate::mock) fn events(body: &str) -> Vec<(String, Value)> {
+        body.split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                let mut name = String::new();
+                let mut data = Value::Null;
+                for line in e.lines() {
+                    if let Some(n) = line.strip_prefix("event: ") {
+                        name = n.to_string();
+                    }
+                    if let Some(d) = line.strip_prefix("data: ") {
+                        data = serde_json::from_str(d).unwrap_or(Value::String(d.into()));
+                    }
+                }
+                (name, data)
+            })
+            .collect()
+    }
+
+    fn chat(stream: bool) -> Value {
+        json!({"model": "m", "stream": stream, "stream_options": {"include_usage": true},
+               "messages": [{"role": "user", "content": "hello"}]})
+    }
+
+    async fn run(api: Api, request: &Value, script: &str) -> (StatusCode, String) {
+        body_of(completion(api, request, &FaultStep::parse(script))).await
+    }
+
+    fn deltas(events: &[(String, Value)], pointer: &str) -> Vec<(usize, String)> {
+        events
+            .iter()
+            .enumerate()
+            .filter_map(|(i, (_, d))| Some((i, d.pointer(pointer)?.as_str()?.to_string())))
+            .collect()
+    }
+
+    fn joined(found: &[(usize, String)]) -> String {
+        found.iter().map(|(_, s)| s.as_str()).collect()
+    }
+
+    #[tokio::test]
+    async fn chat_streams_tool_call_arguments_in_pieces() {
+        let script = format!("tool=get_weather;tool_args_b64={ARGS_B64};chunks=3;usage=5/7");
+        let (status, body) = run(Api::OpenAi, &chat(true), &script).await;
+        assert_eq!(status, StatusCode::OK);
+        let ev = events(&body);
+        let choice = |i: usize| ev[i].1["choices"][0].clone();
+        assert_eq!(
+            choice(0)["delta"],
+            json!({"role": "assistant", "content": null})
+        );
+        let head = &choice(1)["delta"]["tool_calls"][0];
+        assert_eq!(head["index"], 0);
+        assert!(head["id"].as_str().unwrap().starts_with("call_mock_"));
+        assert_eq!(head["type"], "function");
+        assert_eq!(
+            head["function"],
+            json!({"name": "get_weather", "arguments": ""})
+        );
+        let args = deltas(&ev[2..], "/choices/0/delta/tool_calls/0/function/arguments");
+        assert_eq!(args.len(), 3);
+        assert_eq!(joined(&args), ARGS);
+        assert!(deltas(&ev, "/choices/0/delta/content").is_empty());
+        let n = ev.len();
+        assert_eq!(choice(n - 3)["delta"], json!({}));
+        assert_eq!(choice(n - 3)["finish_reason"], "tool_calls");
+        assert_eq!(ev[n - 2].1["usage"]["completion_tokens"], 7);
+        assert_eq!(ev[n - 1].1, json!("[DONE]"));
+    }
+
+    #[tokio::test]
+    async fn chat_text_comes_before_the_tool_call() {
+        let script = format!("content=Let me check;tool=get_weather;tool_args_b64={ARGS_B64}");
+        let (_, body) = run(Api::OpenAi, &chat(true), &script).await;
+        let ev = events(&body);
+        assert_eq!(
+            ev[0].1["choices"][0]["delta"],
+            json!({"role": "assistant", "content": ""})
+        );
+        let text = deltas(&ev, "/choices/0/delta/content");
+        let calls = deltas(&ev, "/choices/0/delta/tool_calls/0/function/arguments");
+        assert_eq!(joined(&text[1..]), "Let me check");
+        assert_eq!(joined(&calls), ARGS);
+        assert!(text.last().unwrap().0 < calls[0].0);
+
+        let (_, body) = run(Api::OpenAi, &chat(false), &script).await;
+        let body: Value = serde_json::from_str(&body).unwrap();
+        let message = &body["choices"][0]["message"];
+        assert_eq!(message["content"], "Let me check");
+        assert_eq!(message["tool_calls"][0]["function"]["name"], "get_weather");
+        assert_eq!(message["tool_calls"][0]["function"]["arguments"], ARGS);
+        assert_eq!(body["choices"][0]["finish_reason"], "tool_calls");
+    }
+
+    #[tokio::test]
+    async fn chat_reasoning_content_comes_first() {
+        let script = "reasoning=think it through;content=four;tool=calc";
+        let (_, body) = run(Api::OpenAi, &chat(true), script).await;
+        let ev = events(&body);
+        let reasoning = deltas(&ev, "/choices/0/delta/reasoning_content");
+        let text = deltas(&ev, "/choices/0/delta/content");
+        assert_eq!(joined(&reasoning), "think it through");
+        assert_eq!(joined(&text), "four");
+        assert!(reasoning.last().unwrap().0 < text[1].0);
+        let (_, body) = run(Api::OpenAi, &chat(false), script).await;
+        let body: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            body["choices"][0]["message"]["reasoning_content"],
+            "think it through"
+        );
+        assert_eq!(body["choices"][0]["message"]["content"], "four");
+    }
+
+    #[tokio::test]
+    async fn chat_future_fields() {
+        let (_, body) = run(Api::OpenAi, &chat(true), "future").await;
+        let ev = events(&body);
+        for (_, data) in &ev[..ev.len() - 1] {
+            assert_eq!(data["x_future"], json!({"n": 1}));
+            assert_eq!(data["service_tier"], "default");
+            assert!(data["obfuscation"].is_string());
+        }
+        assert_eq!(ev[0].1["choices"][0]["logprobs"], Value::Null);
+        assert!(ev[0].1["choices"][0]
+            .as_object()
+            .unwrap()
+            .contains_key("logprobs"));
+        let (_, body) = run(Api::OpenAi, &chat(false), "future").await;
+        let body: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(body["x_future"], json!({"n": 1}));
+    }
+
+    #[tokio::test]
+    async fn chat_plain_answers_are_unchanged() {
+        let (_, body) = run(Api::OpenAi, &chat(true), "chunks=2;usage=3/4").await;
+        assert!(body.contains(r#""choices":[{"delta":{"content":"","role":"assistant"},"finish_reason":null,"index":0}]"#));
+        assert!(body.contains(
+            r#""choices":[{"delta":{"content":"mock: "},"finish_reason":null,"index":0}]"#
+        ));
+        assert!(body.contains(
+            r#""choices":[{"delta":{"content":"hello"},"finish_reason":null,"index":0}]"#
+        ));
+        assert!(body.contains(r#""choices":[{"delta":{},"finish_reason":"stop","index":0}]"#));
+        assert!(
+            body.contains(r#""usage":{"completion_tokens":4,"prompt_tokens":3,"total_tokens":7}"#)
+        );
+        assert!(body.ends_with("}\n\ndata: [DONE]\n\n"));
+        assert_eq!(events(&body).len(), 6);
+        assert!(
+            !body.contains("x_future") && !body.contains("reasoning") && !body.contains("tool")
+        );
+        let (_, body) = run(Api::OpenAi, &chat(false), "").await;
+        assert!(body.contains(r#""choices":[{"finish_reason":"stop","index":0,"message":{"content":"mock: hello","role":"assistant"}}]"#));
+        let (_, body) = run(Api::OpenAi, &chat(false), "tool=t").await;
+        assert!(body.contains(r#""message":{"content":null,"role":"assistant","tool_calls":[{"function":{"arguments":"{}","name":"t"},"id":"call_mock_"#));
+    }
+
+    fn anthropic(stream: bool) -> Value {
+        json!({"model": "claude", "stream": stream, "max_tokens": 10,
+               "messages": [{"role": "user", "content": "hello"}]})
+    }
+
+    fn names(ev: &[(String, Value)]) -> Vec<&str> {
+        ev.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    #[tokio::test]
+    async fn anthropic_streams_text_then_tool_use() {
+        let script = format!("content=Checking;tool=get_weather;tool_args_b64={ARGS_B64};chunks=2");
+        let (_, body) = run(Api::Anthropic, &anthropic(true), &script).await;
+        let ev = events(&body);
+        assert_eq!(
+            names(&ev),
+            [
+                "message_start",
+                "content_block_start",
+                "ping",
+                "content_block_delta",
+                "content_block_delta",
+                "content_block_stop",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_delta",
+                "content_block_stop",
+                "message_delta",
+                "message_stop"
+            ]
+        );
+        assert_eq!(
+            ev[1].1["content_block"],
+            json!({"type": "text", "text": ""})
+        );
+        assert_eq!(ev[3].1["delta"]["type"], "text_delta");
+        assert_eq!(joined(&deltas(&ev, "/delta/text")), "Checking");
+        assert_eq!(ev[5].1["index"], 0);
+        let tool = &ev[6].1;
+        assert_eq!(tool["index"], 1);
+        assert_eq!(tool["content_block"]["type"], "tool_use");
+        assert_eq!(tool["content_block"]["name"], "get_weather");
+        assert_eq!(tool["content_block"]["input"], json!({}));
+        assert!(tool["content_block"]["id"]
+            .as_str()
+            .unwrap()
+            .starts_with("toolu_mock_"));
+        assert_eq!(ev[7].1["delta"]["type"], "input_json_delta");
+        assert_eq!(ev[7].1["index"], 1);
+        assert_eq!(joined(&deltas(&ev, "/delta/partial_json")), ARGS);
+        assert_eq!(ev[9].1["index"], 1);
+        assert_eq!(ev[10].1["delta"]["stop_reason"], "tool_use");
+
+        let (_, body) = run(Api::Anthropic, &anthropic(false), &script).await;
+        let body: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            body["content"][0],
+            json!({"type": "text", "text": "Checking"})
+        );
+        assert_eq!(body["content"][1]["type"], "tool_use");
+        assert_eq!(body["content"][1]["input"], json!({"city": "Paris"}));
+        assert_eq!(body["stop_reason"], "tool_use");
+    }
+
+    #[tokio::test]
+    async fn anthropic_thinking_blocks_are_signed() {
+        // base64 of SHA-256("mock-signature:Let me think") = ab5078da…e6f31b.
+        const SIG: &str = "q1B42pknuGVPgzyQIrDnzUfX/vigc3v0YsAuY9fm8xs=";
+        assert_eq!(thinking_signature("Let me think"), SIG);
+        let digest = base64::engine::general_purpose::STANDARD
+            .decode(SIG)
+            .unwrap();
+        assert_eq!(digest.len(), 32);
+        assert_eq!((digest[0], digest[1], digest[31]), (0xab, 0x50, 0x1b));
+        let script =
+            "thinking=Let me think;redacted_thinking=EmwKAhgB;content=four;tool=calc;chunks=3";
+        let (_, body) = run(Api::Anthropic, &anthropic(true), script).await;
+        let ev = events(&body);
+        assert_eq!(
+            ev[1].1["content_block"],
+            json!({"type": "thinking", "thinking": ""})
+        );
+        assert_eq!(ev[2].0, "ping");
+        let thinking = deltas(&ev, "/delta/thinking");
+        assert_eq!(thinking.len(), 3);
+        assert_eq!(joined(&thinking), "Let me think");
+        let sig = deltas(&ev, "/delta/signature");
+        assert_eq!(sig.len(), 1);
+        assert_eq!(sig[0].1, SIG);
+        assert!(sig[0].0 > thinking.last().unwrap().0);
+        assert_eq!(ev[sig[0].0].1["delta"]["type"], "signature_delta");
+        assert_eq!(ev[sig[0].0 + 1].0, "content_block_stop");
+        assert_eq!(ev[sig[0].0 + 1].1["index"], 0);
+        let redacted = &ev[sig[0].0 + 2];
+        assert_eq!(redacted.1["index"], 1);
+        assert_eq!(
+            redacted.1["content_block"],
+            json!({"type": "redacted_thinking", "data": "EmwKAhgB"})
+        );
+        assert_eq!(ev[sig[0].0 + 3].0, "content_block_stop");
+        assert_eq!(ev[sig[0].0 + 4].1["index"], 2);
+        assert_eq!(ev[sig[0].0 + 4].1["content_block"]["type"], "text");
+        let starts: Vec<&Value> = ev
+            .iter()
+            .filter(|(n, _)| n == "content_block_start")
+            .map(|(_, d)| &d["content_block"]["type"])
+            .collect();
+        assert_eq!(
+            starts,
+            ["thinking", "redacted_thinking", "text", "tool_use"]
+        );
+
+        let (_, body) = run(Api::Anthropic, &anthropic(false), script).await;
+        let body: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            body["content"][0],
+            json!({"type": "thinking", "thinking": "Let me think", "signature": SIG})
+        );
+        assert_eq!(
+            body["content"][1],
+            json!({"type": "redacted_thinking", "data": "EmwKAhgB"})
+        );
+        assert_eq!(body["content"][2]["type"], "text");
+        assert_eq!(body["content"][3]["type"], "tool_use");
+    }
+
+    #[tokio::test]
+    async fn anthropic_rejects_an_altered_thinking_block() {
+        let (_, first) = run(Api::Anthropic, &anthropic(false), "thinking=Let me think").await;
+        let first: Value = serde_json::from_str(&first).unwrap();
+        let next = |content: &Value| {
+            json!({"model": "claude", "max_tokens": 10, "messages": [
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": content},
+                {"role": "user", "content": "go on"},
+            ]})
+        };
+        let (status, _) = run(Api::Anthropic, &next(&first["content"]), "").await;
+        assert_eq!(status, StatusCode::OK);
+
+        let mut altered = first["content"].clone();
+        altered[0]["thinking"] = json!("Let me think again");
+        let (status, body) = run(Api::Anthropic, &next(&altered), "").await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        let body: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(body["type"], "error");
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert_eq!(
+            body["error"]["message"],
+            "messages.1.content.0: Invalid `signature` in `thinking` block"
+        );
+
+        let mut unsigned = first["content"].clone();
+        unsigned[0].as_object_mut().unwrap().remove("signature");
+        let (status, _) = run(Api::Anthropic, &next(&unsigned), "").await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        // Streaming requests are checked too.
+        let mut request = next(&altered);
+        request["stream"] = json!(true);
+        let (status, _) = run(Api::Anthropic, &request, "").await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+    }
+
+    #[tokio::test]
+    async fn anthropic_future_events_and_fields() {
+        let (_, body) = run(Api::Anthropic, &anthropic(true), "future").await;
+        let ev = events(&body);
+        assert_eq!(ev[0].0, "message_start");
+        assert_eq!(ev[1].0, "x_future_event");
+        assert_eq!(ev[1].1, json!({"type": "x_future_event", "n": 1}));
+        for (name, data) in ev.iter().filter(|(n, _)| n != "x_future_event") {
+            assert_eq!(data["x_future"], json!({"n": 1}), "{name}");
+        }
+        let (_, body) = run(Api::Anthropic, &anthropic(false), "future").await;
+        let body: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(body["x_future"], json!({"n": 1}));
+    }
+
+    #[tokio::test]
+    async fn anthropic_plain_answers_are_unchanged() {
+        let (_, body) = run(Api::Anthropic, &anthropic(true), "chunks=2;usage=3/4").await;
+        let ev = events(&body);
+        assert_eq!(
+            names(&ev),
+            [
+                "message_start",
+                "content_block_start",
+                "ping",
+                "content_block_delta",
+                "content_block_delta",
+                "content_block_stop",
+                "message_delta",
+                "message_stop"
+            ]
+        );
+        assert!(body.contains("event: content_block_start\ndata: {\"content_block\":{\"text\":\"\",\"type\":\"text\"},\"index\":0,\"type\":\"content_block_start\"}\n\nevent: ping\ndata: {\"type\":\"ping\"}\n\n"));
+        assert!(body.contains("event: content_block_delta\ndata: {\"delta\":{\"text\":\"hello\",\"type\":\"text_delta\"},\"index\":0,\"type\":\"content_block_delta\"}\n\n"));
+        assert!(body.ends_with("event: message_delta\ndata: {\"delta\":{\"stop_reason\":\"end_turn\",\"stop_sequence\":null},\"type\":\"message_delta\",\"usage\":{\"output_tokens\":4}}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n"));
+        let (_, body) = run(Api::Anthropic, &anthropic(false), "usage=3/4").await;
+        assert!(
+            body.contains(r#""content":[{"text":"mock: hello","type":"text"}],"id":"msg_mock_"#)
+        );
+        assert!(body.ends_with(r#""role":"assistant","stop_reason":"end_turn","stop_sequence":null,"type":"message","usage":{"input_tokens":3,"output_tokens":4}}"#));
+    }
+
+    #[tokio::test]
+    async fn new_events_are_cut_and_paced_like_the_rest() {
+        let script = "thinking=abcd;tool=t;cut=3";
+        let response = completion(Api::Anthropic, &anthropic(true), &FaultStep::parse(script));
+        let result = response.into_body().collect().await;
+        assert!(result.is_err(), "the stream breaks after 3 events");
+        tokio::time::pause();
+        let script = "reasoning=abcd;chunk_delay=1s";
+        let started = tokio::time::Instant::now();
+        let (_, body) = run(Api::OpenAi, &chat(true), script).await;
+        let n = events(&body).len() as u64;
+        assert!(started.elapsed() >= std::time::Duration::from_secs(n - 2));
+    }
 }
