@@ -21,7 +21,8 @@
 //! corrective attempt continues the same answer: its opening events and its text (and
 //! thinking/reasoning) are dropped, since the client already has an answer's text, and
 //! only its tool calls are released, their indices (and the Responses API's
-//! `sequence_number`s and final `output`) renumbered to follow what was sent.
+//! `sequence_number`s, final `output` and response id) renumbered to follow what was
+//! sent: the SDKs' stream helpers refuse a stream whose response changes identity.
 
 use std::{
     collections::{HashMap, HashSet, VecDeque},
@@ -156,6 +157,8 @@ struct Sent {
     outputs: u64,
     sequence: Option<u64>,
     items: Vec<Value>,
+    /// The response id the client was told (`response.created`).
+    response_id: Option<Value>,
 }
 
 impl Sent {
@@ -187,6 +190,9 @@ impl Sent {
                 if let Some(s) = json.get("sequence_number").and_then(Value::as_u64) {
                     self.sequence = Some(s);
                 }
+                if self.response_id.is_none() {
+                    self.response_id = json.pointer("/response/id").cloned();
+                }
                 if event.kind() == Some("response.output_item.done") {
                     if let Some(item) = json.get("item") {
                         self.items.push(item.clone());
@@ -207,6 +213,7 @@ struct Follow {
     next_sequence: u64,
     prior_items: Vec<Value>,
     items: Vec<Value>,
+    response_id: Option<Value>,
 }
 
 impl Follow {
@@ -223,6 +230,7 @@ impl Follow {
             next_sequence: sent.sequence.map_or(0, |s| s + 1),
             prior_items: sent.items.clone(),
             items: Vec::new(),
+            response_id: sent.response_id.clone(),
         }
     }
 
@@ -325,6 +333,10 @@ impl Follow {
                         let mut output = self.prior_items.clone();
                         output.extend(self.items.iter().cloned());
                         response.insert("output".into(), Value::Array(output));
+                        // One response, as far as the client knows: the id it was told.
+                        if let Some(id) = &self.response_id {
+                            response.insert("id".into(), id.clone());
+                        }
                     }
                 }
                 if json.get("sequence_number").is_some() {
