@@ -114,28 +114,24 @@ impl Gate {
         });
     }
 
+    /// Whether `q` must wait (for its call's check, or the whole-answer verdict).
+    fn waits(&self, q: &Queued) -> bool {
+        self.hold_all
+            || q.call.is_some_and(|c| self.unchecked.contains(&c))
+            || (q.terminal && self.hold_terminal)
+    }
+
     fn release(&mut self) -> Vec<Queued> {
         let mut out = Vec::new();
         if !self.opened {
             // Opening events go with the first event after them, once it can.
-            let Some(first) = self.queue.iter().position(|q| !q.opening) else {
-                return out;
-            };
-            let blocked = self.hold_all
-                || self.queue[first]
-                    .call
-                    .is_some_and(|c| self.unchecked.contains(&c))
-                || (self.queue[first].terminal && self.hold_terminal);
-            if blocked {
-                return out;
+            match self.queue.iter().find(|q| !q.opening) {
+                Some(first) if !self.waits(first) => self.opened = true,
+                _ => return out,
             }
-            self.opened = true;
         }
         while let Some(front) = self.queue.front() {
-            let waits = self.hold_all
-                || front.call.is_some_and(|c| self.unchecked.contains(&c))
-                || (front.terminal && self.hold_terminal);
-            if waits {
+            if self.waits(front) {
                 break;
             }
             out.extend(self.queue.pop_front());
@@ -668,20 +664,21 @@ where
             }
         }
         for q in self.gate.release() {
-            self.sent.note(self.format, &q.event);
-            self.out.push_back(q.event.raw);
+            self.send(q);
         }
     }
 
+    /// Sends what is queued up to the closing event, checked or not.
     fn flush_before_terminal(&mut self) {
-        while let Some(front) = self.gate.queue.front() {
-            if front.terminal {
-                break;
-            }
+        while self.gate.queue.front().is_some_and(|q| !q.terminal) {
             let q = self.gate.queue.pop_front().expect("front exists");
-            self.sent.note(self.format, &q.event);
-            self.out.push_back(q.event.raw);
+            self.send(q);
         }
+    }
+
+    fn send(&mut self, q: Queued) {
+        self.sent.note(self.format, &q.event);
+        self.out.push_back(q.event.raw);
     }
 
     /// The annotate-mode event that flags an invalid answer, in the API's framing (an

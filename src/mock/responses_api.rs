@@ -145,12 +145,10 @@ impl Item<'_> {
             Item::Reasoning(text) => {
                 let item_id = format!("rs_mock_{id}");
                 let at = |extra: Value| {
-                    let mut v =
-                        json!({"item_id": item_id, "output_index": index, "summary_index": 0});
-                    if let (Value::Object(v), Value::Object(extra)) = (&mut v, extra) {
-                        v.extend(extra);
-                    }
-                    v
+                    with_fields(
+                        json!({"item_id": item_id, "output_index": index, "summary_index": 0}),
+                        extra,
+                    )
                 };
                 events.push((
                     "response.output_item.added",
@@ -178,12 +176,10 @@ impl Item<'_> {
             Item::Message(text) => {
                 let item_id = format!("msg_mock_{id}");
                 let at = |extra: Value| {
-                    let mut v =
-                        json!({"item_id": item_id, "output_index": index, "content_index": 0});
-                    if let (Value::Object(v), Value::Object(extra)) = (&mut v, extra) {
-                        v.extend(extra);
-                    }
-                    v
+                    with_fields(
+                        json!({"item_id": item_id, "output_index": index, "content_index": 0}),
+                        extra,
+                    )
                 };
                 events.push((
                     "response.output_item.added",
@@ -290,6 +286,14 @@ pub fn create(request: &Value, step: &FaultStep) -> Response<Body> {
         })
         .collect();
     sse(events, step)
+}
+
+/// `base` with the fields of `extra` added.
+fn with_fields(mut base: Value, extra: Value) -> Value {
+    if let (Value::Object(base), Value::Object(extra)) = (&mut base, extra) {
+        base.extend(extra);
+    }
+    base
 }
 
 /// The stored-response routes (`/v1/responses/{id}...`): canned answers.

@@ -27,7 +27,7 @@ use futures_util::{
 };
 use serde_json::Value;
 
-use crate::api::{stream_error_event, Endpoint};
+use crate::api::{sse::first_boundary, stream_error_event, Endpoint};
 
 type OnEnd = Box<dyn FnOnce(Option<(u64, u64)>) + Send>;
 
@@ -416,16 +416,6 @@ impl RelayState {
         self.pending.clear();
         out.extend_from_slice(&stream_error_event(self.relay.endpoint, code, message));
         out.freeze()
-    }
-}
-
-/// The end of the first complete event in `buf`.
-fn first_boundary(buf: &[u8]) -> Option<usize> {
-    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
     }
 }
 
