@@ -26,6 +26,7 @@ use std::time::Duration;
 /// | `endless` | a stream that never ends (an event every `chunk_delay`, default 10ms) |
 /// | `drip=1s` | after the first event, one byte per interval, never a whole event |
 /// | `huge_event=N` | after the first event, an event of N bytes that never ends |
+/// | `events_b64=B64` | a streaming request gets exactly these raw SSE bytes (base64), one event per write, paced by `chunk_delay` |
 ///
 /// With `tool=NAME`, a streaming request gets the call in the API's own framing, its
 /// arguments cut into `chunks` argument deltas; with `content=`/`content_b64=` as well,
@@ -70,6 +71,8 @@ pub struct FaultStep {
     pub redacted_thinking: Option<String>,
     pub reasoning: Option<String>,
     pub future: bool,
+    /// Raw SSE bytes to stream verbatim (`events_b64`).
+    pub events: Option<Vec<u8>>,
 }
 
 impl FaultStep {
@@ -124,6 +127,7 @@ impl FaultStep {
                 "reasoning" => out.reasoning = Some(value.to_string()),
                 "reasoning_b64" => out.reasoning = decode_b64(value),
                 "future" => out.future = true,
+                "events_b64" => out.events = decode_b64_bytes(value),
                 _ => {}
             }
         }
@@ -187,13 +191,36 @@ pub fn thinking_signature(text: &str) -> String {
 }
 
 fn decode_b64(value: &str) -> Option<String> {
+    String::from_utf8(decode_b64_bytes(value)?).ok()
+}
+
+fn decode_b64_bytes(value: &str) -> Option<Vec<u8>> {
     use base64::Engine;
-    let engine = base64::engine::general_purpose::STANDARD;
-    let bytes = engine
+    base64::engine::general_purpose::STANDARD
         .decode(value)
         .or_else(|_| base64::engine::general_purpose::URL_SAFE.decode(value))
-        .ok()?;
-    String::from_utf8(bytes).ok()
+        .ok()
+}
+
+/// The events of a raw SSE body, each with its blank-line terminator (a trailing
+/// unterminated piece is its own last event), for writing one event at a time.
+pub fn split_events(raw: &[u8]) -> Vec<bytes::Bytes> {
+    let mut events = Vec::new();
+    let mut start = 0;
+    let mut i = 0;
+    while i + 1 < raw.len() {
+        if raw[i] == b'\n' && raw[i + 1] == b'\n' {
+            events.push(bytes::Bytes::copy_from_slice(&raw[start..i + 2]));
+            start = i + 2;
+            i = start;
+        } else {
+            i += 1;
+        }
+    }
+    if start < raw.len() {
+        events.push(bytes::Bytes::copy_from_slice(&raw[start..]));
+    }
+    events
 }
 
 #[cfg(test)]
@@ -261,5 +288,25 @@ mod tests {
         assert_eq!(s.reasoning.as_deref(), Some("why"));
         assert_eq!(thinking_signature("plan"), thinking_signature("plan"));
         assert_ne!(thinking_signature("plan"), thinking_signature("plan!"));
+    }
+
+    #[test]
+    fn raw_events_parse_and_split_per_event() {
+        // "data: {}\n\nevent: x\ndata: 1\n\n", standard base64 with padding.
+        let s =
+            FaultStep::parse("events_b64=ZGF0YToge30KCmV2ZW50OiB4CmRhdGE6IDEKCg==;chunk_delay=5ms");
+        let raw = s.events.expect("decoded");
+        assert_eq!(raw, b"data: {}\n\nevent: x\ndata: 1\n\n");
+        assert_eq!(s.chunk_delay, Some(Duration::from_millis(5)));
+        let events = split_events(&raw);
+        assert_eq!(
+            events,
+            vec![&b"data: {}\n\n"[..], &b"event: x\ndata: 1\n\n"[..]]
+        );
+        assert_eq!(
+            split_events(b"data: a\n\ndata: b"),
+            vec![&b"data: a\n\n"[..], &b"data: b"[..]]
+        );
+        assert_eq!(FaultStep::parse("events_b64=%%%").events, None);
     }
 }

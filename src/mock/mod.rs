@@ -281,6 +281,10 @@ fn answer(
             )))
             .expect("static response");
     }
+    let streaming = request.get("stream").and_then(Value::as_bool) == Some(true);
+    if let Some(raw) = step.events.as_deref().filter(|_| streaming) {
+        return responses::sse(fault::split_events(raw), step);
+    }
     match path {
         "/v1/embeddings" => responses::embeddings(request, step),
         "/v1/messages/count_tokens" => responses::count_tokens(request, step),
