@@ -94,9 +94,13 @@ use crate::{
     policy::budget::Prices,
     routing::RouteTable,
     state::{
-        budgets::Budgets, health::HealthRegistry, owners::ResponseOwners, sessions::SessionGuards,
+        budgets::Budgets,
+        health::HealthRegistry,
+        owners::ResponseOwners,
+        sessions::SessionGuards,
+        shared::{Redis, SharedBudgets},
     },
-    store::{SqliteStore, Store, StoreError},
+    store::{RedisStore, SqliteStore, Store, StoreError},
     telemetry,
     upstream::{self, objects::ForwardObject, Attempt, Forward, StreamLimits, Upstream},
     validation::Schemas,
@@ -137,18 +141,36 @@ impl AppState {
     pub fn with_clock(config: Config, clock: Clock) -> Result<Self, StoreError> {
         let upstreams = upstream::build_all(&config);
         let routes = RouteTable::new(&config, &upstreams);
-        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_with(&config.store)?);
+        let embedded: Arc<dyn Store> = Arc::new(SqliteStore::open_with(&config.store)?);
+        let redis = match config.state.backend {
+            crate::config::StateBackend::Redis => {
+                Some(Redis::new(&config.state).map_err(|e| StoreError::Unavailable(e.into()))?)
+            }
+            crate::config::StateBackend::Embedded => None,
+        };
+        let store: Arc<dyn Store> = match &redis {
+            Some(redis) => Arc::new(RedisStore::new(embedded, redis.clone())),
+            None => embedded,
+        };
+        let mut budgets = Budgets::new(
+            &config,
+            store.clone(),
+            config.store.session_idle,
+            clock.clone(),
+        );
+        if let Some(redis) = &redis {
+            let shared = SharedBudgets::new(redis.clone(), config.store.retention);
+            if tokio::runtime::Handle::try_current().is_ok() {
+                shared.spawn_renewer();
+            }
+            budgets = budgets.with_shared(shared);
+        }
         warn_unpriced(&config);
         let (stream_limits, cut_streams) = StreamLimits::from_config(&config.server);
         Ok(AppState {
             stream_limits,
             cut_streams: Arc::new(cut_streams),
-            budgets: Arc::new(Budgets::new(
-                &config,
-                store.clone(),
-                config.store.session_idle,
-                clock.clone(),
-            )),
+            budgets: Arc::new(budgets),
             schemas: Arc::new(Schemas::new(config.validation.schema_settings())),
             owners: Arc::new(ResponseOwners::new(store.clone(), clock.clone())),
             guards: Arc::new(SessionGuards::new(
@@ -210,12 +232,20 @@ fn proxy_stack(state: &AppState) -> HttpService {
     );
     let calls = check::<Call, _>(
         ServiceBuilder::new()
-            .layer(IdempotencyLayer::new(
-                state.budgets.store().clone(),
-                state.config.store.idempotency_ttl,
-                server.max_idempotency_key_bytes,
-                state.clock.clone(),
-            ))
+            .layer(
+                IdempotencyLayer::new(
+                    state.budgets.store().clone(),
+                    state.config.store.idempotency_ttl,
+                    server.max_idempotency_key_bytes,
+                    state.clock.clone(),
+                )
+                .shared(
+                    server.request_timeout,
+                    state.budgets.shared().is_some()
+                        && state.config.state.on_unavailable
+                            == crate::config::OnUnavailable::Closed,
+                ),
+            )
             .layer(LimitsLayer::new(state.budgets.clone()))
             .layer(SessionGuardLayer::new(
                 state.guards.clone(),

@@ -82,6 +82,8 @@ pub fn routes<S: Clone + Send + Sync + 'static>(state: AdminState) -> Router<S> 
             "/admin/tenants/{tenant}/sessions/{session}/close",
             post(close_session),
         )
+        .route("/admin/state", get(state_view))
+        .route("/admin/state/adopt", post(adopt_state))
         .route_layer(operator);
     let own = Router::new()
         .route("/v1/sessions/{session}", get(own_session))
@@ -115,9 +117,62 @@ fn answer(log: &RequestLog, result: Result<Value, GatewayError>) -> Response {
 }
 
 fn store_error(err: crate::store::StoreError) -> GatewayError {
-    GatewayError::StoreUnavailable {
-        detail: err.to_string(),
+    match err {
+        crate::store::StoreError::Unavailable(detail) => GatewayError::StateUnavailable {
+            detail: detail.to_string(),
+            retry_after: std::time::Duration::from_secs(1),
+        },
+        err => GatewayError::StoreUnavailable {
+            detail: err.to_string(),
+        },
     }
+}
+
+/// `GET /admin/state`: where the shared state lives and whether it answers now.
+async fn state_view(State(state): State<AdminState>) -> Response {
+    let Some(shared) = state.budgets.shared() else {
+        return json_response(json!({"backend": "embedded", "available": true}));
+    };
+    let redis = &shared.redis;
+    let ping = redis
+        .run("ping", |mut c| async move {
+            redis::cmd("PING").query_async::<String>(&mut c).await
+        })
+        .await;
+    json_response(json!({
+        "backend": "redis",
+        "available": ping.is_ok(),
+        "error": ping.err().map(|e| e.to_string()),
+        "on_unavailable": format!("{:?}", redis.on_unavailable).to_lowercase(),
+        "replicas": redis.replicas,
+        "reservation_ttl_ms": redis.reservation_ttl.as_millis() as u64,
+        "blind_admissions": redis.blind_admissions(),
+        // Breakers are this replica's own view (see README, "Running several replicas").
+        "breakers": "per replica: GET /admin/upstreams on each",
+    }))
+}
+
+/// `POST /admin/state/adopt`: after Redis lost its data and was restored (or accepted as
+/// empty), work under what it holds now.
+async fn adopt_state(
+    State(state): State<AdminState>,
+    Extension(log): Extension<Arc<RequestLog>>,
+) -> Response {
+    let adopted = async {
+        let Some(shared) = state.budgets.shared() else {
+            return Ok(json!({"adopted": false, "backend": "embedded"}));
+        };
+        shared
+            .redis
+            .adopt()
+            .await
+            .map_err(|err| GatewayError::StateUnavailable {
+                detail: err.to_string(),
+                retry_after: std::time::Duration::from_secs(1),
+            })?;
+        Ok(json!({"adopted": true, "backend": "redis"}))
+    };
+    answer(&log, adopted.await)
 }
 
 /// `GET /admin/upstreams`: each upstream's breaker.
@@ -253,6 +308,7 @@ async fn own_session(
         state
             .budgets
             .check_rate(&tenant.name, None)
+            .await
             .map_err(GatewayError::from)?;
         state
             .budgets

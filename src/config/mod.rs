@@ -8,6 +8,7 @@ mod recovery;
 mod responses;
 mod route;
 mod server;
+mod state;
 mod tenant;
 mod upstream;
 mod validation;
@@ -23,6 +24,7 @@ pub use recovery::{AdminConfig, BreakerConfig, RetryConfig};
 pub use responses::ResponsesConfig;
 pub use route::{RouteConfig, TargetConfig};
 pub use server::{LogConfig, LogFormat, MockConfig, ServerConfig};
+pub use state::{OnUnavailable, StateBackend, StateConfig};
 pub use tenant::{GuardConfig, TenantConfig};
 pub use upstream::{UpstreamConfig, NEVER_FORWARDED};
 pub use validation::{StreamValidation, ValidationConfig, ValidationMode};
@@ -51,6 +53,9 @@ pub struct Config {
     pub responses: ResponsesConfig,
     #[serde(default)]
     pub store: StoreConfig,
+    /// Where replicas share budgets, rate limits, the guard and idempotency.
+    #[serde(default)]
+    pub state: StateConfig,
     #[serde(default)]
     pub billing: BillingConfig,
     #[serde(default)]
@@ -156,6 +161,7 @@ impl Config {
         }
         self.billing.validate()?;
         self.store.validate()?;
+        self.state.validate()?;
         if self.upstreams.is_empty() {
             return Err(ConfigError::invalid(
                 "upstreams",

@@ -13,6 +13,7 @@ impl From<Refusal> for GatewayError {
             Refusal::TooManyConcurrent { .. } => "too_many_concurrent",
             Refusal::Unpriced { .. } => "unpriced_model",
             Refusal::StoreUnavailable { .. } => "store_unavailable",
+            Refusal::StateUnavailable { .. } => "state_unavailable",
         };
         metrics::counter!("backstop_refusals_total", "reason" => reason).increment(1);
         match refusal {
@@ -27,6 +28,10 @@ impl From<Refusal> for GatewayError {
             Refusal::TooManyConcurrent { .. } => GatewayError::TooManyConcurrent { detail },
             Refusal::Unpriced { .. } => GatewayError::Unpriced { detail },
             Refusal::StoreUnavailable { .. } => GatewayError::StoreUnavailable { detail },
+            Refusal::StateUnavailable { retry_after, .. } => GatewayError::StateUnavailable {
+                detail,
+                retry_after,
+            },
         }
     }
 }
@@ -52,6 +57,9 @@ impl Refusal {
             }
             Refusal::StoreUnavailable { detail } => format!(
                 "the budget store is unavailable, so this call cannot be accounted and was not made: {detail}"
+            ),
+            Refusal::StateUnavailable { detail, .. } => format!(
+                "the shared state is unavailable, so this call cannot be accounted and was not made: {detail}"
             ),
         }
     }

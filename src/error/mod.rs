@@ -89,6 +89,13 @@ pub enum GatewayError {
     /// rather than served unaccounted.
     #[error("{detail}")]
     StoreUnavailable { detail: String },
+    /// The shared state (Redis) cannot decide this call's budget or idempotency, or has
+    /// lost its data: refused rather than decided blind (`[state] on_unavailable`).
+    #[error("{detail}")]
+    StateUnavailable {
+        detail: String,
+        retry_after: Duration,
+    },
     #[error("no such {what}")]
     NotFoundAdmin { what: &'static str },
     #[error("the admin API is disabled: set [admin] token in the config")]
@@ -257,6 +264,7 @@ impl GatewayError {
             ),
             Unpriced { .. } => (402, "budget_error", "unpriced_model", "unpriced_model"),
             StoreUnavailable { .. } => (503, "server_error", "store_unavailable", "api_error"),
+            StateUnavailable { .. } => (503, "server_error", "state_unavailable", "api_error"),
             NotFoundAdmin { .. } => (404, "invalid_request_error", "not_found", "not_found_error"),
             AdminDisabled => (
                 403,
@@ -279,7 +287,8 @@ impl GatewayError {
         match self {
             GatewayError::CircuitOpen { retry_after }
             | GatewayError::RateLimited { retry_after, .. }
-            | GatewayError::SessionRefused { retry_after, .. } => Some(*retry_after),
+            | GatewayError::SessionRefused { retry_after, .. }
+            | GatewayError::StateUnavailable { retry_after, .. } => Some(*retry_after),
             _ => None,
         }
     }
@@ -294,6 +303,7 @@ impl GatewayError {
                 | GatewayError::TooManyConcurrent { .. }
                 | GatewayError::Unpriced { .. }
                 | GatewayError::StoreUnavailable { .. }
+                | GatewayError::StateUnavailable { .. }
                 | GatewayError::SessionRefused { .. }
         )
     }

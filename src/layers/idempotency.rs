@@ -33,8 +33,11 @@ use crate::{
         context::{identifier, Call},
         Middleware, Stack,
     },
-    store::{Store, StoredResponse},
+    store::{Claim, Store, StoreError, StoredResponse},
 };
+
+/// How often a duplicate polls while another replica makes the call.
+const POLL: Duration = Duration::from_millis(25);
 
 /// Largest response kept for replay.
 const MAX_KEPT: usize = 8 * 1024 * 1024;
@@ -48,6 +51,12 @@ pub struct IdempotencyLayer {
     max_key_bytes: usize,
     clock: Clock,
     in_flight: Arc<Mutex<HashMap<Key, watch::Receiver<()>>>>,
+    /// How long a claim on a shared store holds (the request timeout): a replica that
+    /// dies mid-call frees the key by then.
+    lease: Duration,
+    /// Refuse (503 `state_unavailable`) rather than serve without replay when the store
+    /// cannot be read (`[state] on_unavailable = "closed"` with a shared store).
+    fail_closed: bool,
 }
 
 impl IdempotencyLayer {
@@ -58,6 +67,29 @@ impl IdempotencyLayer {
             max_key_bytes,
             clock,
             in_flight: Arc::default(),
+            lease: Duration::from_secs(120),
+            fail_closed: false,
+        }
+    }
+
+    /// Claims on a shared store last `lease`; `fail_closed` refuses when it is down.
+    pub fn shared(mut self, lease: Duration, fail_closed: bool) -> Self {
+        self.lease = lease;
+        self.fail_closed = fail_closed;
+        self
+    }
+
+    /// A store error: refused when failing closed, else `None` (serve without replay).
+    fn unavailable(&self, err: StoreError) -> Option<GatewayError> {
+        tracing::error!(error = %err, "idempotency lookup failed");
+        match err {
+            StoreError::Unavailable(detail) if self.fail_closed => {
+                Some(GatewayError::StateUnavailable {
+                    detail: format!("idempotency cannot be checked: {detail}"),
+                    retry_after: Duration::from_secs(1),
+                })
+            }
+            _ => None,
         }
     }
 }
@@ -89,10 +121,15 @@ struct Leader {
     key: Key,
     in_flight: Arc<Mutex<HashMap<Key, watch::Receiver<()>>>>,
     _done: watch::Sender<()>,
+    /// The key claimed on a shared store, given back unless its response was kept.
+    claim: Option<(Arc<dyn Store>, String)>,
 }
 
 impl Drop for Leader {
     fn drop(&mut self) {
+        if let Some((store, key)) = self.claim.take() {
+            store.release_claim(&self.key.0, &key);
+        }
         self.in_flight
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -131,10 +168,15 @@ impl Keeping {
             let leader = self.leader.take();
             // In the request's span, so a failure to keep it is logged with its id.
             let write = async move {
-                if let Err(err) = store.remember(record).await {
-                    tracing::error!(error = %err, "cannot keep a response for replay");
+                match store.remember(record).await {
+                    // Kept: the claim became the response, nothing to give back.
+                    Ok(()) => {
+                        if let Some(mut leader) = leader {
+                            leader.claim = None;
+                        }
+                    }
+                    Err(err) => tracing::error!(error = %err, "cannot keep a response for replay"),
                 }
-                drop(leader);
             };
             tokio::spawn(tracing::Instrument::instrument(
                 write,
@@ -204,40 +246,81 @@ where
             let key = format!("{}:{key}", req.endpoint().label());
             let hash = body_hash(&req.request.body);
             let id: Key = (tenant.clone(), key.clone());
-            let leader = loop {
-                match layer
-                    .store
-                    .recall(&tenant, &key, layer.clock.now_ms())
-                    .await
-                {
-                    Ok(Some(stored)) if stored.body_hash != hash => {
-                        return Err(GatewayError::IdempotencyKeyReused)
-                    }
-                    Ok(Some(stored)) => return Ok(replay(stored)),
-                    Ok(None) => {}
-                    Err(err) => {
-                        tracing::error!(error = %err, "idempotency lookup failed; serving without replay");
-                        return inner.call(req).await;
-                    }
-                }
-                let waiting = {
-                    let mut map = layer.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-                    match map.get(&id) {
-                        Some(rx) => Some(rx.clone()),
-                        None => {
-                            let (tx, rx) = watch::channel(());
-                            map.insert(id.clone(), rx);
-                            break Leader {
-                                key: id.clone(),
-                                in_flight: layer.in_flight.clone(),
-                                _done: tx,
-                            };
+            let waiting_since = tokio::time::Instant::now();
+            let leader = 'claimed: loop {
+                let mut leader = loop {
+                    match layer
+                        .store
+                        .recall(&tenant, &key, layer.clock.now_ms())
+                        .await
+                    {
+                        Ok(Some(stored)) if stored.body_hash != hash => {
+                            return Err(GatewayError::IdempotencyKeyReused)
+                        }
+                        Ok(Some(stored)) => return Ok(replay(stored)),
+                        Ok(None) => {}
+                        Err(err) => {
+                            if let Some(refused) = layer.unavailable(err) {
+                                return Err(refused);
+                            }
+                            return inner.call(req).await;
                         }
                     }
+                    let waiting = {
+                        let mut map = layer.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+                        match map.get(&id) {
+                            Some(rx) => Some(rx.clone()),
+                            None => {
+                                let (tx, rx) = watch::channel(());
+                                map.insert(id.clone(), rx);
+                                break Leader {
+                                    key: id.clone(),
+                                    in_flight: layer.in_flight.clone(),
+                                    _done: tx,
+                                    claim: None,
+                                };
+                            }
+                        }
+                    };
+                    if let Some(mut rx) = waiting {
+                        // Resolves when the leader is done (its sender dropped); then look again.
+                        let _ = rx.changed().await;
+                    }
                 };
-                if let Some(mut rx) = waiting {
-                    // Resolves when the leader is done (its sender dropped); then look again.
-                    let _ = rx.changed().await;
+                // The leader here; with a shared store, also across replicas.
+                match layer
+                    .store
+                    .claim(&tenant, &key, layer.lease.as_millis() as i64)
+                    .await
+                {
+                    Ok(Claim::Claimed) => {
+                        if layer.store.is_shared() {
+                            leader.claim = Some((layer.store.clone(), key.clone()));
+                        }
+                        break 'claimed leader;
+                    }
+                    Ok(Claim::Done(stored)) if stored.body_hash != hash => {
+                        return Err(GatewayError::IdempotencyKeyReused)
+                    }
+                    Ok(Claim::Done(stored)) => return Ok(replay(stored)),
+                    Ok(Claim::Pending) => {
+                        drop(leader);
+                        if waiting_since.elapsed() > layer.lease {
+                            return Err(GatewayError::StateUnavailable {
+                                detail:
+                                    "another request with this Idempotency-Key is still running"
+                                        .into(),
+                                retry_after: Duration::from_secs(1),
+                            });
+                        }
+                        tokio::time::sleep(POLL).await;
+                    }
+                    Err(err) => {
+                        if let Some(refused) = layer.unavailable(err) {
+                            return Err(refused);
+                        }
+                        break 'claimed leader;
+                    }
                 }
             };
             let response = inner.call(req).await?;

@@ -81,6 +81,7 @@ where
         let (tenant, session, log) = (call.tenant.clone(), call.session.clone(), call.log.clone());
         budgets
             .check_rate(&tenant, session.as_deref())
+            .await
             .map_err(GatewayError::from)?;
         let slot = match session.as_deref() {
             Some(s) => budgets

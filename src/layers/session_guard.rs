@@ -110,6 +110,7 @@ where
         let (Some(entry), Some(session)) = (entry, call.session.clone()) else {
             return inner.call(call).await;
         };
+        layer.guards.sync(&call.tenant, &session, &entry).await;
         let log = call.log.clone();
         let request_id = call.request_id.to_str().unwrap_or("-").to_owned();
         let tenant = call.tenant.clone();

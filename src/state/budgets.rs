@@ -35,7 +35,11 @@ use crate::{
     clock::Clock,
     config::{Config, PriceConfig, Unpriced},
     policy::budget::{worst_case, Account, Caps, Exceeded, Prices, Usage, SESSION, TENANT_DAY},
-    state::{live::LiveSessions, reservation::Reservation},
+    state::{
+        live::LiveSessions,
+        reservation::Reservation,
+        shared::{Admission, AdmitError, SharedBudgets, SharedSlot, Unavailable},
+    },
     store::{ReservationRecord, Store, StoreError},
 };
 
@@ -60,6 +64,11 @@ pub enum Refusal {
     /// unaccounted.
     StoreUnavailable {
         detail: String,
+    },
+    /// The shared state (Redis) is down, slow or lost its data.
+    StateUnavailable {
+        detail: String,
+        retry_after: Duration,
     },
 }
 
@@ -104,6 +113,10 @@ pub struct Budgets {
     /// Reported usage above this is not believed (`billing.max_reported_tokens`).
     pub(super) max_reported_tokens: u64,
     pub(super) clock: Clock,
+    /// Redis, when replicas share the state (`[state] backend = "redis"`): then the
+    /// books here are only the fallback while it is unavailable.
+    pub(super) shared: Option<Arc<SharedBudgets>>,
+    pub(super) tenant_rpm: HashMap<Arc<str>, (Option<u32>, Option<u32>)>,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -123,6 +136,23 @@ impl Budgets {
         clock: Clock,
     ) -> Self {
         let day = clock.today();
+        // With shared state, the local limiters only stand in while Redis is away: each
+        // replica then takes its share of the limit.
+        let replicas = match config.state.backend {
+            crate::config::StateBackend::Redis => config.state.replicas.max(1),
+            crate::config::StateBackend::Embedded => 1,
+        };
+        let share = |n: u32| (n / replicas).max(1);
+        let tenant_rpm = config
+            .tenants
+            .iter()
+            .map(|t| {
+                (
+                    Arc::<str>::from(t.name.as_str()),
+                    (t.requests_per_minute, t.session.requests_per_minute),
+                )
+            })
+            .collect();
         let tenants = config
             .tenants
             .iter()
@@ -143,13 +173,12 @@ impl Budgets {
                     max_concurrent: t.session.max_concurrent,
                     day: Mutex::new((day, Account::default())),
                     day_known: AtomicBool::new(false),
-                    rate: t
-                        .requests_per_minute
-                        .map(|n| RateLimiter::direct_with_clock(per_minute(n), clock.clone())),
-                    session_rate: t
-                        .session
-                        .requests_per_minute
-                        .map(|n| RateLimiter::dashmap_with_clock(per_minute(n), clock.clone())),
+                    rate: t.requests_per_minute.map(|n| {
+                        RateLimiter::direct_with_clock(per_minute(share(n)), clock.clone())
+                    }),
+                    session_rate: t.session.requests_per_minute.map(|n| {
+                        RateLimiter::dashmap_with_clock(per_minute(share(n)), clock.clone())
+                    }),
                 };
                 (name, Arc::new(book))
             })
@@ -164,7 +193,35 @@ impl Budgets {
             default_max_tokens: config.billing.default_max_tokens,
             max_reported_tokens: config.billing.max_reported_tokens,
             clock,
+            shared: None,
+            tenant_rpm,
         }
+    }
+
+    /// Shares the budgets, rate limits and concurrency through Redis.
+    pub fn with_shared(mut self, shared: Arc<SharedBudgets>) -> Self {
+        self.shared = Some(shared);
+        self
+    }
+
+    pub fn shared(&self) -> Option<&Arc<SharedBudgets>> {
+        self.shared.as_ref()
+    }
+
+    /// What a Redis failure means for a decision: refused (`closed`, or lost state), or
+    /// `None` to decide on this replica's own state (`open`), counted as blind.
+    fn unavailable(&self, err: Unavailable, what: &'static str) -> Option<Refusal> {
+        let shared = self.shared.as_ref()?;
+        if err != Unavailable::Lost
+            && shared.redis.on_unavailable == crate::config::OnUnavailable::Open
+        {
+            shared.redis.count_blind(what);
+            return None;
+        }
+        Some(Refusal::StateUnavailable {
+            detail: err.to_string(),
+            retry_after: Duration::from_secs(1),
+        })
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -232,10 +289,27 @@ impl Budgets {
     }
 
     /// Rate limits (tenant, then session) for one client request.
-    pub fn check_rate(&self, tenant: &str, session: Option<&str>) -> Result<(), Refusal> {
+    pub async fn check_rate(&self, tenant: &str, session: Option<&str>) -> Result<(), Refusal> {
         let Some(book) = self.tenant(tenant) else {
             return Ok(());
         };
+        if let (Some(shared), Some(&(rpm, session_rpm))) =
+            (&self.shared, self.tenant_rpm.get(tenant))
+        {
+            if rpm.is_some() || (session.is_some() && session_rpm.is_some()) {
+                match shared.rate(tenant, session, rpm, session_rpm).await {
+                    Ok(None) => return Ok(()),
+                    Ok(Some((scope, retry_after))) => {
+                        return Err(Refusal::RateLimited { scope, retry_after })
+                    }
+                    // Rate limits fall back to this replica's share of the limit.
+                    Err(_) => {
+                        metrics::counter!("backstop_state_fallbacks_total", "op" => "rate_local")
+                            .increment(1)
+                    }
+                }
+            }
+        }
         let now = governor::clock::Clock::now(&self.clock);
         if let Some(limiter) = &book.rate {
             limiter.check().map_err(|not_until| Refusal::RateLimited {
@@ -266,6 +340,17 @@ impl Budgets {
         let Some(limit) = book.max_concurrent else {
             return Ok(None);
         };
+        if let Some(shared) = &self.shared {
+            match shared.enter(tenant, session, limit).await {
+                Ok(Some(slot)) => return Ok(Some(ConcurrencySlot::Shared(slot))),
+                Ok(None) => return Err(Refusal::TooManyConcurrent { limit }),
+                Err(err) => {
+                    if let Some(refusal) = self.unavailable(err, "concurrency") {
+                        return Err(refusal);
+                    }
+                }
+            }
+        }
         let live = self.session(&book.name, session).await?;
         let admitted = live
             .in_flight
@@ -274,7 +359,7 @@ impl Budgets {
             })
             .is_ok();
         if admitted {
-            Ok(Some(ConcurrencySlot(live)))
+            Ok(Some(ConcurrencySlot::Local(live)))
         } else {
             Err(Refusal::TooManyConcurrent { limit })
         }
@@ -296,6 +381,44 @@ impl Budgets {
                 model: model.into(),
             });
         };
+        let budgeted = !book.day_limits.is_unlimited()
+            || (session.is_some() && !book.session_limits.is_unlimited());
+        if let (Some(shared), true) = (&self.shared, budgeted) {
+            let want =
+                self.worst_case(&book, session.is_some(), model, prompt_tokens, max_output)?;
+            let admitted = shared
+                .admit(Admission {
+                    tenant,
+                    session,
+                    day: self.clock.today(),
+                    want,
+                    day_caps: &book.day_limits,
+                    session_caps: &book.session_limits,
+                    session_names: SESSION,
+                    day_names: TENANT_DAY,
+                })
+                .await;
+            match admitted {
+                Ok(held) => {
+                    return Ok(Reservation {
+                        budgets: self.clone(),
+                        tenant: book,
+                        session: None,
+                        model: model.to_string(),
+                        amount: want,
+                        durable: None,
+                        shared: Some(held),
+                        settled: false,
+                    })
+                }
+                Err(AdmitError::Over(e)) => return Err(Refusal::Exceeded(e)),
+                Err(AdmitError::Unavailable(err)) => {
+                    if let Some(refusal) = self.unavailable(err, "budget") {
+                        return Err(refusal);
+                    }
+                }
+            }
+        }
         let live = match session {
             Some(s) => Some((s.to_string(), self.session(&book.name, s).await?)),
             None => None,
@@ -331,18 +454,18 @@ impl Budgets {
         Ok(reservation)
     }
 
-    /// The reservation's arithmetic, under the day's lock: no await in here.
-    fn reserve_in_memory(
-        self: &Arc<Self>,
-        book: Arc<TenantBook>,
-        live: Option<(String, Arc<SessionBook>)>,
-        day_unread: Option<StoreError>,
+    /// A call's worst case, priced; refused when a USD cap applies and the model has no
+    /// price (`billing.unpriced = "refuse"`).
+    fn worst_case(
+        &self,
+        book: &TenantBook,
+        in_session: bool,
         model: &str,
         prompt_tokens: u64,
         max_output: u64,
-    ) -> Result<Reservation, Refusal> {
+    ) -> Result<Usage, Refusal> {
         let usd_capped =
-            book.day_limits.usd.is_some() || (live.is_some() && book.session_limits.usd.is_some());
+            book.day_limits.usd.is_some() || (in_session && book.session_limits.usd.is_some());
         let want = worst_case(prompt_tokens, max_output, 0.0);
         let usd = match self.prices.cost(model, prompt_tokens, max_output) {
             Some(usd) => usd,
@@ -353,7 +476,20 @@ impl Budgets {
             }
             None => 0.0,
         };
-        let want = Usage { usd, ..want };
+        Ok(Usage { usd, ..want })
+    }
+
+    /// The reservation's arithmetic, under the day's lock: no await in here.
+    fn reserve_in_memory(
+        self: &Arc<Self>,
+        book: Arc<TenantBook>,
+        live: Option<(String, Arc<SessionBook>)>,
+        day_unread: Option<StoreError>,
+        model: &str,
+        prompt_tokens: u64,
+        max_output: u64,
+    ) -> Result<Reservation, Refusal> {
+        let want = self.worst_case(&book, live.is_some(), model, prompt_tokens, max_output)?;
         let mut day = lock(&book.day);
         let today = self.clock.today();
         if day.0 < today {
@@ -389,6 +525,7 @@ impl Budgets {
             model: model.to_string(),
             amount: want,
             durable: None,
+            shared: None,
             settled: false,
         })
     }
@@ -399,6 +536,12 @@ impl Budgets {
         let Some(book) = self.tenant(tenant) else {
             return 0.0;
         };
+        if let Some(shared) = &self.shared {
+            return match shared.session_usage(tenant, session).await {
+                Ok((settled, _)) => settled.usd,
+                Err(_) => 0.0,
+            };
+        }
         match self.session(&book.name, session).await {
             Ok(live) => lock(&live.account).settled.usd,
             Err(_) => 0.0,
@@ -411,6 +554,12 @@ impl Budgets {
         let Some(book) = self.tenant(tenant) else {
             return Ok(false);
         };
+        if let Some(shared) = &self.shared {
+            shared
+                .reset_session(tenant, session)
+                .await
+                .map_err(|e| StoreError::Unavailable(e.to_string().into()))?;
+        }
         self.store
             .reset_session(tenant, session, self.clock.now_ms())
             .await?;
@@ -434,11 +583,17 @@ impl Budgets {
 
 /// One in-flight request of a session (its place under `session.max_concurrent`);
 /// dropping it frees the slot.
-pub struct ConcurrencySlot(Arc<SessionBook>);
+pub enum ConcurrencySlot {
+    Local(Arc<SessionBook>),
+    /// Held in Redis (shared by replicas); freed there on drop.
+    Shared(SharedSlot),
+}
 
 impl Drop for ConcurrencySlot {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        if let ConcurrencySlot::Local(book) = self {
+            book.in_flight.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -498,9 +653,10 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn rate_limits_refuse_with_the_limiters_wait_and_recover_on_time() {
         let b = budgets("requests_per_minute = 2\n[tenants.session]\nrequests_per_minute = 60");
-        assert!(b.check_rate("t", Some("s")).is_ok());
-        assert!(b.check_rate("t", Some("s")).is_ok());
-        let Err(Refusal::RateLimited { scope, retry_after }) = b.check_rate("t", Some("s")) else {
+        assert!(b.check_rate("t", Some("s")).await.is_ok());
+        assert!(b.check_rate("t", Some("s")).await.is_ok());
+        let Err(Refusal::RateLimited { scope, retry_after }) = b.check_rate("t", Some("s")).await
+        else {
             panic!("not limited")
         };
         assert_eq!(scope, "tenant.requests_per_minute");
@@ -510,26 +666,26 @@ mod tests {
             "GCRA: one request per 30 s"
         );
         tokio::time::advance(Duration::from_secs(30)).await;
-        assert!(b.check_rate("t", Some("s")).is_ok());
+        assert!(b.check_rate("t", Some("s")).await.is_ok());
     }
 
     #[tokio::test(start_paused = true)]
     async fn session_rate_limits_are_per_session() {
         let b = budgets("[tenants.session]\nrequests_per_minute = 1");
-        assert!(b.check_rate("t", Some("a")).is_ok());
+        assert!(b.check_rate("t", Some("a")).await.is_ok());
         assert!(matches!(
-            b.check_rate("t", Some("a")),
+            b.check_rate("t", Some("a")).await,
             Err(Refusal::RateLimited {
                 scope: "session.requests_per_minute",
                 ..
             })
         ));
         assert!(
-            b.check_rate("t", Some("b")).is_ok(),
+            b.check_rate("t", Some("b")).await.is_ok(),
             "another session has its own limit"
         );
         assert!(
-            b.check_rate("t", None).is_ok(),
+            b.check_rate("t", None).await.is_ok(),
             "no session: tenant limits only"
         );
     }

@@ -13,3 +13,4 @@ pub mod owners;
 mod report;
 pub mod reservation;
 pub mod sessions;
+pub mod shared;

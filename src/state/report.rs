@@ -3,10 +3,29 @@
 
 use std::sync::atomic::Ordering;
 
-use super::budgets::{lock, Budgets};
-use crate::store::StoreError;
+use super::budgets::{lock, Budgets, TenantBook};
+use crate::{policy::budget::Account, store::StoreError};
 
 impl Budgets {
+    /// A session's account and requests in flight: from Redis when replicas share the
+    /// state (in flight is then not known here: 0), else this process's.
+    async fn session_account(
+        &self,
+        book: &TenantBook,
+        session: &str,
+    ) -> Result<(Account, u32), StoreError> {
+        if let Some(shared) = &self.shared {
+            let (settled, reserved) = shared
+                .session_usage(&book.name, session)
+                .await
+                .map_err(|e| StoreError::Unavailable(e.to_string().into()))?;
+            return Ok((Account { settled, reserved }, 0));
+        }
+        let live = self.session(&book.name, session).await?;
+        let account = lock(&live.account).clone();
+        Ok((account, live.in_flight.load(Ordering::Relaxed)))
+    }
+
     /// What a session has left, formatted for `x-backstop-budget-remaining`; `None` when
     /// the session is not budgeted.
     pub async fn remaining_header(&self, tenant: &str, session: &str) -> Option<String> {
@@ -14,8 +33,8 @@ impl Budgets {
         if book.session_limits.is_unlimited() {
             return None;
         }
-        let live = self.session(&book.name, session).await.ok()?;
-        let (calls, tokens, usd) = lock(&live.account).remaining(&book.session_limits);
+        let account = self.session_account(book, session).await.ok()?.0;
+        let (calls, tokens, usd) = account.remaining(&book.session_limits);
         let mut parts = Vec::new();
         if let Some(c) = calls {
             parts.push(format!("calls={c}"));
@@ -39,15 +58,14 @@ impl Budgets {
         let Some(book) = self.tenant(tenant) else {
             return Ok(None);
         };
-        let live = self.session(&book.name, session).await?;
-        let account = lock(&live.account).clone();
+        let (account, in_flight) = self.session_account(book, session).await?;
         let (calls, tokens, usd) = account.remaining(&book.session_limits);
         Ok(Some(serde_json::json!({
             "tenant": tenant,
             "session": session,
             "used": {"calls": account.settled.calls, "tokens": account.settled.tokens, "usd": account.settled.usd},
             "reserved": {"calls": account.reserved.calls, "tokens": account.reserved.tokens, "usd": account.reserved.usd},
-            "in_flight": live.in_flight.load(Ordering::Relaxed),
+            "in_flight": in_flight,
             "limits": {"max_calls": book.session_limits.calls, "max_tokens": book.session_limits.tokens, "max_usd": book.session_limits.usd, "max_concurrent": book.max_concurrent},
             "remaining": {"calls": calls, "tokens": tokens, "usd": usd},
         })))
@@ -62,8 +80,20 @@ impl Budgets {
         let Some(book) = self.tenant(tenant) else {
             return Ok(None);
         };
-        self.know_day(book).await?;
-        let (day, account) = lock(&book.day).clone();
+        let (day, account) = match &self.shared {
+            Some(shared) => {
+                let day = self.clock.today();
+                let (settled, reserved) = shared
+                    .day_usage(tenant, day)
+                    .await
+                    .map_err(|e| StoreError::Unavailable(e.to_string().into()))?;
+                (day, Account { settled, reserved })
+            }
+            None => {
+                self.know_day(book).await?;
+                lock(&book.day).clone()
+            }
+        };
         let (_, tokens, usd) = account.remaining(&book.day_limits);
         let by_model: Vec<_> = self
             .store

@@ -4,7 +4,10 @@
 
 use std::sync::Arc;
 
-use super::budgets::{lock, Budgets, SessionBook, TenantBook};
+use super::{
+    budgets::{lock, Budgets, SessionBook, TenantBook},
+    shared::{SharedCharge, SharedReservation},
+};
 use crate::{
     policy::budget::{sane_usd, Usage},
     store::Charge,
@@ -36,6 +39,8 @@ pub struct Reservation {
     pub(super) amount: Usage,
     /// The durable reservation's id, for budgeted calls.
     pub(super) durable: Option<i64>,
+    /// Held in Redis instead (replicas share the state): settled there, not here.
+    pub(super) shared: Option<SharedReservation>,
     pub(super) settled: bool,
 }
 
@@ -61,7 +66,7 @@ impl Reservation {
         };
         tracing::warn!(
             tenant = %self.tenant.name,
-            session = self.session.as_ref().map(|(s, _)| s.as_str()),
+            session = self.session_name(),
             model = %self.model,
             reported_input,
             reported_output,
@@ -72,6 +77,13 @@ impl Reservation {
         );
         metrics::counter!("backstop_usage_rejected_total", "reason" => reason).increment(1);
         None
+    }
+
+    fn session_name(&self) -> Option<&str> {
+        match &self.shared {
+            Some(held) => held.session.as_deref(),
+            None => self.session.as_ref().map(|(s, _)| s.as_str()),
+        }
     }
 
     /// The ledger row and the usage to settle for how the call ended.
@@ -93,7 +105,7 @@ impl Reservation {
             ts_ms: self.budgets.clock.now_ms(),
             day: self.budgets.clock.today(),
             tenant: self.tenant.name.to_string(),
-            session: self.session.as_ref().map(|(s, _)| s.clone()),
+            session: self.session_name().map(str::to_string),
             model: self.model.clone(),
             calls: 1,
             input_tokens: input,
@@ -105,7 +117,7 @@ impl Reservation {
 
     fn apply(&mut self, actual: Usage) {
         self.settled = true;
-        {
+        if self.shared.is_none() {
             let mut day = lock(&self.tenant.day);
             day.1.settle(self.amount, actual);
         }
@@ -116,7 +128,7 @@ impl Reservation {
         let model = self.budgets.model_labels.label(&self.model);
         metrics::counter!("backstop_spend_usd_total", "tenant" => tenant.clone(), "model" => model.to_string()).increment((actual.usd * 1e6) as u64);
         metrics::counter!("backstop_tokens_total", "tenant" => tenant.clone(), "model" => model.to_string()).increment(actual.tokens);
-        if let Some(limit) = self.tenant.day_limits.usd {
+        if let (Some(limit), None) = (self.tenant.day_limits.usd, &self.shared) {
             let used = lock(&self.tenant.day).1.committed().usd;
             metrics::gauge!("backstop_tenant_budget_remaining_usd", "tenant" => tenant)
                 .set((limit - used).max(0.0));
@@ -126,6 +138,10 @@ impl Reservation {
     /// Gives the reservation back without a charge: the call was never made.
     pub(super) fn release(&mut self) {
         self.settled = true;
+        debug_assert!(
+            self.shared.is_none(),
+            "shared reservations are never released"
+        );
         lock(&self.tenant.day)
             .1
             .settle(self.amount, Usage::default());
@@ -139,6 +155,9 @@ impl Reservation {
     pub async fn settle(mut self, outcome: Outcome) {
         let (charge, actual) = self.charge_for(outcome);
         self.apply(actual);
+        if let Some(held) = self.shared.take() {
+            return settle_shared(self.budgets.clone(), held, charge).await;
+        }
         if let Err(err) = self.budgets.store.settle(self.durable, charge).await {
             tracing::error!(
                 tenant = %self.tenant.name,
@@ -154,7 +173,54 @@ impl Reservation {
     pub fn settle_later(mut self, outcome: Outcome) {
         let (charge, actual) = self.charge_for(outcome);
         self.apply(actual);
-        self.budgets.store.settle_later(self.durable, charge);
+        self.write_later(charge);
+    }
+
+    fn write_later(&mut self, charge: Charge) {
+        match self.shared.take() {
+            Some(held) => {
+                if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    rt.spawn(settle_shared(self.budgets.clone(), held, charge));
+                }
+            }
+            None => self.budgets.store.settle_later(self.durable, charge),
+        }
+    }
+}
+
+/// Settles a reservation held in Redis. If Redis cannot take it now, the reservation
+/// expires there within `reservation_ttl` (freeing the worst case) and this charge is
+/// logged with everything needed to restore it.
+async fn settle_shared(budgets: Arc<Budgets>, held: SharedReservation, charge: Charge) {
+    let Some(shared) = budgets.shared.as_ref() else {
+        return;
+    };
+    let settled = shared
+        .settle(
+            &held,
+            SharedCharge {
+                tenant: &charge.tenant,
+                model: &charge.model,
+                input_tokens: charge.input_tokens,
+                output_tokens: charge.output_tokens,
+                usd: charge.usd,
+                ts_ms: charge.ts_ms,
+            },
+        )
+        .await;
+    if let Err(err) = settled {
+        metrics::counter!("backstop_state_unsettled_total").increment(1);
+        tracing::error!(
+            tenant = %charge.tenant,
+            session = charge.session.as_deref(),
+            model = %charge.model,
+            reservation = %held.id,
+            input_tokens = charge.input_tokens,
+            output_tokens = charge.output_tokens,
+            usd = charge.usd,
+            error = %err,
+            "cannot settle a charge in redis"
+        );
     }
 }
 
@@ -163,7 +229,7 @@ impl Drop for Reservation {
         if !self.settled {
             let (charge, actual) = self.charge_for(Outcome::Unreported);
             self.apply(actual);
-            self.budgets.store.settle_later(self.durable, charge);
+            self.write_later(charge);
         }
     }
 }

@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use crate::{
     clock::Clock,
     config::Config,
-    policy::guard::{restore_trip, GuardPolicy, Kept, SessionGuard},
+    policy::guard::{restore_trip, GuardPolicy, Kept, Phase, SessionGuard},
     state::live::LiveSessions,
     store::{GuardRecord, Store, StoreError},
 };
@@ -111,17 +111,23 @@ impl SessionGuards {
 
     /// What the store kept of a session, as of now.
     async fn kept(&self, tenant: &str, session: &str) -> Option<Kept> {
-        let record = match self.store.guard_state(tenant, session).await {
-            Ok(record) => record?,
+        match self.kept_record(tenant, session).await {
+            Ok(kept) => kept,
             Err(err) => {
                 // The guard protects against loops, not money: a session whose kept
                 // state cannot be read starts fresh (budgets still fail closed).
                 tracing::error!(tenant, session, error = %err, "cannot read a session's guard state");
-                return None;
+                None
             }
+        }
+    }
+
+    async fn kept_record(&self, tenant: &str, session: &str) -> Result<Option<Kept>, StoreError> {
+        let Some(record) = self.store.guard_state(tenant, session).await? else {
+            return Ok(None);
         };
         let trip = restore_trip(&record.code, &record.rule, record.evidence);
-        Some(if record.closed {
+        Ok(Some(if record.closed {
             Kept::Closed
         } else {
             let left = record.until_ms.saturating_sub(self.clock.now_ms()).max(0);
@@ -129,7 +135,36 @@ impl SessionGuards {
                 remaining: Duration::from_millis(u64::try_from(left).unwrap_or(0)),
                 trip,
             }
-        })
+        }))
+    }
+
+    /// With a store shared by replicas, brings this replica's guard of a session in line
+    /// with the shared close or trip before each request: a session tripped or closed on
+    /// another replica is refused here too, one reset there is reset here. The windows
+    /// (identical requests, tool loops, failures, spend velocity) stay this replica's.
+    /// When the store cannot be read, the local state decides.
+    pub async fn sync(&self, tenant: &Arc<str>, session: &str, entry: &Mutex<GuardedSession>) {
+        if !self.store.is_shared() {
+            return;
+        }
+        let Some(config) = self.configs.get(&**tenant) else {
+            return;
+        };
+        let Ok(shared) = self.kept_record(tenant, session).await else {
+            return;
+        };
+        let mut e = lock(entry);
+        let phase = e.guard.state().phase();
+        match shared {
+            Some(Kept::Closed) if phase != Phase::Closed => {
+                e.guard = SessionGuard::restored(config.clone(), Kept::Closed, self.clock.now());
+            }
+            Some(kept) if !phase.is_kept() => {
+                e.guard = SessionGuard::restored(config.clone(), kept, self.clock.now());
+            }
+            None if phase.is_kept() => e.guard = SessionGuard::new(config.clone()),
+            _ => {}
+        }
     }
 
     /// The session's guard, created on first use (with what the store kept of it);

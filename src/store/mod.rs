@@ -19,6 +19,7 @@
 //! - expired idempotency rows and owners, and rows older than `store.retention` go when
 //!   [`Store::purge`] runs, which [`spawn_purger`] does every [`PURGE_EVERY`].
 
+mod redis;
 mod sqlite;
 mod writer;
 
@@ -26,6 +27,7 @@ use std::{sync::Arc, time::Duration};
 
 use futures_util::future::BoxFuture;
 
+pub use redis::RedisStore;
 pub use sqlite::SqliteStore;
 
 use crate::{clock::Clock, policy::budget::Usage};
@@ -75,6 +77,17 @@ pub struct StoredResponse {
     pub expires_ms: i64,
 }
 
+/// Who makes the call for an idempotency key.
+#[derive(Debug, Clone)]
+pub enum Claim {
+    /// This request: no one else holds the key.
+    Claimed,
+    /// Another request (on any replica) is making it: wait and look again.
+    Pending,
+    /// It was made: replay this.
+    Done(StoredResponse),
+}
+
 /// The tenant that created a stored response of the Responses API, until it expires.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OwnerRecord {
@@ -111,6 +124,9 @@ pub enum StoreError {
     /// is shutting down).
     #[error("store read failed: {0}")]
     Read(Arc<str>),
+    /// The shared state (Redis) is down, slow or lost its data.
+    #[error("{0}")]
+    Unavailable(Arc<str>),
 }
 
 impl From<rusqlite::Error> for StoreError {
@@ -169,6 +185,26 @@ pub trait Store: Send + Sync {
 
     /// The tenant that created stored response `id`, if it has not expired at `now_ms`.
     fn owner_of<'a>(&'a self, id: &'a str, now_ms: i64) -> StoreFuture<'a, Option<String>>;
+
+    /// Claims an idempotency key for one request, across every process sharing this
+    /// store, for `lease_ms` at most. A store private to one process has nothing to
+    /// claim against (the layer's in-process map does it).
+    fn claim<'a>(
+        &'a self,
+        _tenant: &'a str,
+        _key: &'a str,
+        _lease_ms: i64,
+    ) -> StoreFuture<'a, Claim> {
+        Box::pin(async { Ok(Claim::Claimed) })
+    }
+
+    /// Gives back a claim whose request did not end in a response to keep.
+    fn release_claim(&self, _tenant: &str, _key: &str) {}
+
+    /// Whether other processes share this store (guard states are then read per request).
+    fn is_shared(&self) -> bool {
+        false
+    }
 
     /// Persists a session's close or trip (replacing what was kept).
     fn save_guard(&self, record: GuardRecord) -> StoreFuture<'_, ()>;

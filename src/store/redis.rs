@@ -1,0 +1,315 @@
+//! The store when replicas share Redis: idempotency records (claimed atomically, replayed
+//! from any replica), the guard's closes and trips, and Responses API owners live in
+//! Redis; the spend ledger stays in the inner (embedded) store, which the budgets no
+//! longer consult for limits (those are counters in Redis, see [`crate::state::shared`]).
+//! Every Redis error or timeout is [`StoreError::Unavailable`].
+
+use std::sync::Arc;
+
+use base64::Engine;
+use serde_json::{json, Value};
+
+use super::{
+    Charge, Claim, GuardRecord, OwnerRecord, ReservationRecord, Store, StoreError, StoreFuture,
+    StoredResponse,
+};
+use crate::{policy::budget::Usage, state::shared::Redis};
+
+/// A key's value while its first request runs.
+const PENDING: &str = "pending";
+
+pub struct RedisStore {
+    inner: Arc<dyn Store>,
+    redis: Arc<Redis>,
+}
+
+impl RedisStore {
+    pub fn new(inner: Arc<dyn Store>, redis: Arc<Redis>) -> RedisStore {
+        RedisStore { inner, redis }
+    }
+
+    fn idem_key(&self, tenant: &str, key: &str) -> String {
+        self.redis.key(tenant, &format!("idempotency:{key}"))
+    }
+
+    fn guard_key(&self, tenant: &str, session: &str) -> String {
+        self.redis.key(tenant, &format!("guard:{session}"))
+    }
+}
+
+fn unavailable(err: crate::state::shared::Unavailable) -> StoreError {
+    StoreError::Unavailable(err.to_string().into())
+}
+
+fn encode(r: &StoredResponse) -> String {
+    json!({
+        "body_hash": r.body_hash, "status": r.status, "content_type": r.content_type,
+        "body": base64::engine::general_purpose::STANDARD.encode(&r.body),
+    })
+    .to_string()
+}
+
+fn decode(tenant: &str, key: &str, text: &str) -> Option<StoredResponse> {
+    let v: Value = serde_json::from_str(text).ok()?;
+    Some(StoredResponse {
+        tenant: tenant.to_string(),
+        key: key.to_string(),
+        body_hash: v["body_hash"].as_str()?.to_string(),
+        status: u16::try_from(v["status"].as_u64()?).ok()?,
+        content_type: v["content_type"].as_str()?.to_string(),
+        body: base64::engine::general_purpose::STANDARD
+            .decode(v["body"].as_str()?)
+            .ok()?,
+        expires_ms: 0,
+    })
+}
+
+impl Store for RedisStore {
+    fn recovered_reservations(&self) -> u64 {
+        self.inner.recovered_reservations()
+    }
+
+    fn next_reservation_id(&self) -> i64 {
+        self.inner.next_reservation_id()
+    }
+
+    fn reserve(&self, reservation: ReservationRecord) -> StoreFuture<'_, ()> {
+        self.inner.reserve(reservation)
+    }
+
+    fn settle(&self, reservation: Option<i64>, charge: Charge) -> StoreFuture<'_, ()> {
+        self.inner.settle(reservation, charge)
+    }
+
+    fn settle_later(&self, reservation: Option<i64>, charge: Charge) {
+        self.inner.settle_later(reservation, charge)
+    }
+
+    fn reset_session<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+        at_ms: i64,
+    ) -> StoreFuture<'a, ()> {
+        self.inner.reset_session(tenant, session, at_ms)
+    }
+
+    fn remember(&self, response: StoredResponse) -> StoreFuture<'_, ()> {
+        Box::pin(async move {
+            let key = self.idem_key(&response.tenant, &response.key);
+            let ttl = (response.expires_ms - crate::clock::Clock::system().now_ms()).max(1000);
+            let value = encode(&response);
+            self.redis
+                .run("remember", |mut c| async move {
+                    redis::cmd("SET")
+                        .arg(&key)
+                        .arg(value)
+                        .arg("PX")
+                        .arg(ttl)
+                        .query_async::<()>(&mut c)
+                        .await
+                })
+                .await
+                .map_err(unavailable)
+        })
+    }
+
+    fn claim<'a>(&'a self, tenant: &'a str, key: &'a str, lease_ms: i64) -> StoreFuture<'a, Claim> {
+        Box::pin(async move {
+            let k = self.idem_key(tenant, key);
+            let (claimed, value): (Option<String>, Option<String>) = self
+                .redis
+                .run("claim", |mut c| async move {
+                    redis::pipe()
+                        .cmd("SET")
+                        .arg(&k)
+                        .arg(PENDING)
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(lease_ms.max(1000))
+                        .cmd("GET")
+                        .arg(&k)
+                        .query_async(&mut c)
+                        .await
+                })
+                .await
+                .map_err(unavailable)?;
+            Ok(match (claimed, value) {
+                (Some(_), _) => Claim::Claimed,
+                (None, Some(v)) if v == PENDING => Claim::Pending,
+                (None, Some(v)) => match decode(tenant, key, &v) {
+                    Some(stored) => Claim::Done(stored),
+                    None => Claim::Pending,
+                },
+                // Expired between the two commands: try again.
+                (None, None) => Claim::Pending,
+            })
+        })
+    }
+
+    fn release_claim(&self, tenant: &str, key: &str) {
+        let k = self.idem_key(tenant, key);
+        let redis = self.redis.clone();
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                // Only our own pending claim; a kept response stays. A failure leaves
+                // the claim to expire with its lease.
+                let script = redis::Script::new(
+                    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+                );
+                let mut inv = script.prepare_invoke();
+                inv.key(&k).arg(PENDING);
+                let _ = redis
+                    .run("release", |mut c| async move {
+                        inv.invoke_async::<i64>(&mut c).await
+                    })
+                    .await;
+            });
+        }
+    }
+
+    fn is_shared(&self) -> bool {
+        true
+    }
+
+    fn record_owners(&self, owners: Vec<OwnerRecord>) -> StoreFuture<'_, ()> {
+        Box::pin(async move {
+            let now = crate::clock::Clock::system().now_ms();
+            let mut pipe = redis::pipe();
+            for o in &owners {
+                pipe.cmd("SET")
+                    .arg(self.redis.global(&format!("owner:{}", o.id)))
+                    .arg(&o.tenant)
+                    .arg("PX")
+                    .arg((o.expires_ms - now).max(1000))
+                    .ignore();
+            }
+            self.redis
+                .run("owners", |mut c| async move {
+                    pipe.query_async::<()>(&mut c).await
+                })
+                .await
+                .map_err(unavailable)
+        })
+    }
+
+    fn owner_of<'a>(&'a self, id: &'a str, _now_ms: i64) -> StoreFuture<'a, Option<String>> {
+        Box::pin(async move {
+            let key = self.redis.global(&format!("owner:{id}"));
+            self.redis
+                .run("owner_of", |mut c| async move {
+                    redis::cmd("GET").arg(&key).query_async(&mut c).await
+                })
+                .await
+                .map_err(unavailable)
+        })
+    }
+
+    fn save_guard(&self, record: GuardRecord) -> StoreFuture<'_, ()> {
+        Box::pin(async move {
+            let key = self.guard_key(&record.tenant, &record.session);
+            let value = json!({
+                "closed": record.closed, "until_ms": record.until_ms, "code": record.code,
+                "rule": record.rule, "evidence": record.evidence, "updated_ms": record.updated_ms,
+            })
+            .to_string();
+            self.redis
+                .run("save_guard", |mut c| async move {
+                    redis::cmd("SET")
+                        .arg(&key)
+                        .arg(value)
+                        .query_async::<()>(&mut c)
+                        .await
+                })
+                .await
+                .map_err(unavailable)
+        })
+    }
+
+    fn clear_guard<'a>(&'a self, tenant: &'a str, session: &'a str) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let key = self.guard_key(tenant, session);
+            self.redis
+                .run("clear_guard", |mut c| async move {
+                    redis::cmd("DEL").arg(&key).query_async::<()>(&mut c).await
+                })
+                .await
+                .map_err(unavailable)
+        })
+    }
+
+    fn purge(&self, now_ms: i64) -> StoreFuture<'_, ()> {
+        self.inner.purge(now_ms)
+    }
+
+    fn recall<'a>(
+        &'a self,
+        tenant: &'a str,
+        key: &'a str,
+        _now_ms: i64,
+    ) -> StoreFuture<'a, Option<StoredResponse>> {
+        Box::pin(async move {
+            let k = self.idem_key(tenant, key);
+            let value: Option<String> = self
+                .redis
+                .run("recall", |mut c| async move {
+                    redis::cmd("GET").arg(&k).query_async(&mut c).await
+                })
+                .await
+                .map_err(unavailable)?;
+            Ok(value
+                .filter(|v| v != PENDING)
+                .and_then(|v| decode(tenant, key, &v)))
+        })
+    }
+
+    fn guard_state<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+    ) -> StoreFuture<'a, Option<GuardRecord>> {
+        Box::pin(async move {
+            let key = self.guard_key(tenant, session);
+            let value: Option<String> = self
+                .redis
+                .run("guard_state", |mut c| async move {
+                    redis::cmd("GET").arg(&key).query_async(&mut c).await
+                })
+                .await
+                .map_err(unavailable)?;
+            let Some(v) = value.and_then(|v| serde_json::from_str::<Value>(&v).ok()) else {
+                return Ok(None);
+            };
+            Ok(Some(GuardRecord {
+                tenant: tenant.to_string(),
+                session: session.to_string(),
+                closed: v["closed"].as_bool().unwrap_or(false),
+                until_ms: v["until_ms"].as_i64().unwrap_or(0),
+                code: v["code"].as_str().unwrap_or_default().to_string(),
+                rule: v["rule"].as_str().unwrap_or_default().to_string(),
+                evidence: v["evidence"].as_str().unwrap_or_default().to_string(),
+                updated_ms: v["updated_ms"].as_i64().unwrap_or(0),
+            }))
+        })
+    }
+
+    fn session_usage<'a>(&'a self, tenant: &'a str, session: &'a str) -> StoreFuture<'a, Usage> {
+        self.inner.session_usage(tenant, session)
+    }
+
+    fn tenant_day_usage<'a>(&'a self, tenant: &'a str, day: i64) -> StoreFuture<'a, Usage> {
+        self.inner.tenant_day_usage(tenant, day)
+    }
+
+    fn tenant_day_by_model<'a>(
+        &'a self,
+        tenant: &'a str,
+        day: i64,
+    ) -> StoreFuture<'a, Vec<(String, Usage)>> {
+        self.inner.tenant_day_by_model(tenant, day)
+    }
+
+    fn open_reservations(&self) -> StoreFuture<'_, u64> {
+        self.inner.open_reservations()
+    }
+}

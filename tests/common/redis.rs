@@ -1,0 +1,190 @@
+//! Processes for the replica tests: a real `redis-server` and the mock upstream as its
+//! own process, both killed on drop, so several gateway binaries can share them.
+#![allow(dead_code)]
+
+use std::{
+    io::{Read, Write},
+    net::TcpStream,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+
+/// A port nothing listens on (bound, then released).
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// A `redis-server` child with nothing persisted: killing it loses its data, which is
+/// what the restart test wants.
+pub struct Redis {
+    pub port: u16,
+    child: Child,
+}
+
+impl Redis {
+    /// Starts an empty `redis-server` on a free port and waits until it answers PING.
+    pub fn start() -> Redis {
+        Redis::start_on(free_port())
+    }
+
+    /// As [`Redis::start`], on `port` (a restart on the port of a killed server).
+    pub fn start_on(port: u16) -> Redis {
+        let spawned = Command::new("redis-server")
+            .args(["--port", &port.to_string()])
+            .args(["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn();
+        let child = match spawned {
+            Ok(child) => child,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!(
+                "redis-server is not installed: the replica tests need a real Redis \
+                 (.ci/run installs it: apt-get install redis-server)"
+            ),
+            Err(e) => panic!("cannot start redis-server: {e}"),
+        };
+        let redis = Redis { port, child };
+        redis.wait_ready();
+        redis
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if self.ping() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("redis-server on port {} did not answer PING", self.port);
+    }
+
+    /// True when the server answers `PING` with `+PONG` within 500 ms.
+    pub fn ping(&self) -> bool {
+        let Ok(mut conn) = TcpStream::connect(("127.0.0.1", self.port)) else {
+            return false;
+        };
+        let timeout = Some(Duration::from_millis(500));
+        conn.set_read_timeout(timeout).unwrap();
+        conn.set_write_timeout(timeout).unwrap();
+        let mut reply = [0u8; 7];
+        conn.write_all(b"PING\r\n").is_ok()
+            && conn.read_exact(&mut reply).is_ok()
+            && &reply == b"+PONG\r\n"
+    }
+
+    /// SIGSTOP: the server keeps its sockets open and answers nothing.
+    pub fn pause(&self) {
+        signal("STOP", self.pid());
+    }
+
+    /// SIGCONT after [`Redis::pause`].
+    pub fn resume(&self) {
+        signal("CONT", self.pid());
+    }
+
+    /// SIGKILL: the data is gone (nothing is saved); returns the port for a restart.
+    pub fn kill(mut self) -> u16 {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.port
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        // SIGKILL also ends a stopped process.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn signal(name: &str, pid: u32) {
+    let status = Command::new("kill")
+        .args([&format!("-{name}"), &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{name} {pid}");
+}
+
+/// `backstop mock-upstream` as its own process: every replica sends to it, and its
+/// `/mock/stats` counts the attempts of all of them together.
+pub struct MockUpstream {
+    pub port: u16,
+    child: Child,
+}
+
+impl MockUpstream {
+    pub async fn start() -> MockUpstream {
+        let port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_backstop"))
+            .args(["mock-upstream", "--listen", &format!("127.0.0.1:{port}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mock = MockUpstream { port, child };
+        let http = reqwest::Client::new();
+        for _ in 0..200 {
+            if http.get(mock.stats_url()).send().await.is_ok() {
+                return mock;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("the mock upstream did not start");
+    }
+
+    pub fn base_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn stats_url(&self) -> String {
+        format!("{}/mock/stats", self.base_url())
+    }
+
+    /// Attempts the mock has seen for `scenario`, from every replica.
+    pub async fn attempts(&self, scenario: &str) -> u64 {
+        let text = reqwest::get(self.stats_url())
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let stats: Value = serde_json::from_str(&text).unwrap();
+        stats["scenarios"][scenario].as_u64().unwrap_or(0)
+    }
+
+    /// Waits until the mock has seen `n` attempts for `scenario`.
+    pub async fn wait_for(&self, scenario: &str, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let seen = self.attempts(scenario).await;
+            if seen >= n {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the mock saw {seen} of {n} attempts for {scenario}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+impl Drop for MockUpstream {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

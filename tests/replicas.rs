@@ -1,0 +1,654 @@
+//! Replicas on one Redis (`[state] backend = "redis"`): three real gateway binaries share
+//! one `redis-server` and one mock upstream process, and are driven round-robin as a load
+//! balancer would. Caps stay exact across them, a loop tripped on one is refused by all,
+//! an idempotent request is made once, a killed replica's reservations expire, and a
+//! stopped or emptied Redis is refused (or admitted, when configured open) as documented.
+//!
+//! These need `redis-server` on PATH (`.ci/run` installs it); without it they fail.
+//! Redis's own key expiry runs on Redis's clock, so the reservation test waits real
+//! seconds (reservation_ttl is 2 s there).
+
+mod common;
+#[path = "common/redis.rs"]
+mod redis_support;
+
+use std::{
+    future::Future,
+    sync::atomic::{AtomicUsize, Ordering},
+    time::{Duration, Instant},
+};
+
+use common::{Binary, TempDir, ADMIN};
+use redis_support::{free_port, MockUpstream, Redis};
+use serde_json::{json, Value};
+
+const CALLS: &str = "bk-replica-calls-key";
+const USD: &str = "bk-replica-usd-key-1";
+const LIMITED: &str = "bk-replica-rpm-key-1";
+const GUARDED: &str = "bk-replica-guard-key";
+const BUDGETED: &str = "bk-replica-budget-key";
+
+/// `[state]` lines for a replica that refuses budgeted calls while Redis is away.
+const CLOSED: &str = "reservation_ttl = \"5m\"\non_unavailable = \"closed\"";
+/// As [`CLOSED`], admitting them instead.
+const OPEN: &str = "reservation_ttl = \"5m\"\non_unavailable = \"open\"";
+
+/// Gateway binaries on one Redis and one mock upstream, each with its own port and
+/// its own SQLite store.
+struct Cluster {
+    // Field order is drop order: the replicas stop before the mock they call.
+    replicas: Vec<Binary>,
+    mock: MockUpstream,
+    http: reqwest::Client,
+    next: AtomicUsize,
+    _dir: TempDir,
+}
+
+/// What the replicas of one test share: one Redis under one key prefix, one mock.
+struct Shared<'a> {
+    redis: &'a Redis,
+    prefix: &'a str,
+    replicas: usize,
+    mock: &'a MockUpstream,
+    tenants: &'a str,
+}
+
+/// One replica's config: `state` is added to its `[state]` table.
+fn replica_config(port: u16, store: &std::path::Path, state: &str, shared: &Shared) -> String {
+    let Shared {
+        redis,
+        prefix,
+        replicas,
+        mock,
+        tenants,
+    } = shared;
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:{port}"
+request_timeout = "30s"
+drain_delay = "0s"
+shutdown_grace = "1s"
+
+[log]
+level = "warn"
+
+[store]
+path = "{store}"
+
+[state]
+backend = "redis"
+url = "{url}"
+key_prefix = "{prefix}"
+command_timeout = "100ms"
+replicas = {replicas}
+{state}
+
+[admin]
+token = "{ADMIN}"
+
+# 1000 in + 1000 out = $0.0125 a call.
+[[prices]]
+model = "gpt-4o*"
+input_per_mtok = 2.5
+output_per_mtok = 10.0
+
+[[upstreams]]
+name = "mock"
+api = "openai"
+forward_headers = ["x-mock-*"]
+base_url = "{mock_url}"
+api_key = "sk-mock-not-secret"
+# Longer than any test: a hanging call stays in flight until its replica is killed.
+attempt_timeout = "30s"
+
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "mock" }}]
+{tenants}
+"#,
+        store = store.display(),
+        url = redis.url(),
+        mock_url = mock.base_url(),
+    )
+}
+
+impl Cluster {
+    /// One replica per entry of `states` (its `[state]` extra lines), all with `tenants`,
+    /// under a key prefix of their own.
+    async fn start(redis: &Redis, states: &[&str], tenants: &str) -> Cluster {
+        let dir = TempDir::new("backstop-replicas");
+        let mock = MockUpstream::start().await;
+        let prefix = format!("test-{}", uuid::Uuid::new_v4().simple());
+        let mut replicas = Vec::new();
+        for (i, state) in states.iter().enumerate() {
+            let port = free_port();
+            let config = dir.0.join(format!("replica-{i}.toml"));
+            let shared = Shared {
+                redis,
+                prefix: &prefix,
+                replicas: states.len(),
+                mock: &mock,
+                tenants,
+            };
+            let store = dir.0.join(format!("replica-{i}.db"));
+            let text = replica_config(port, &store, state, &shared);
+            std::fs::write(&config, text).unwrap();
+            replicas.push(Binary::start(&config, port).await);
+        }
+        Cluster {
+            replicas,
+            mock,
+            http: reqwest::Client::new(),
+            next: AtomicUsize::new(0),
+            _dir: dir,
+        }
+    }
+
+    /// The next replica, round-robin.
+    fn rr(&self) -> usize {
+        self.next.fetch_add(1, Ordering::Relaxed) % self.replicas.len()
+    }
+
+    /// A chat completion to replica `i`, not yet sent.
+    fn request(
+        &self,
+        i: usize,
+        key: &str,
+        headers: &[(&str, &str)],
+        body: &Value,
+    ) -> reqwest::RequestBuilder {
+        let mut req = self
+            .http
+            .post(format!("{}/v1/chat/completions", self.replicas[i].url))
+            .bearer_auth(key)
+            .body(body.to_string());
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        req
+    }
+
+    /// As [`Cluster::request`], sent; the future owns everything, so it can be spawned.
+    fn call(
+        &self,
+        i: usize,
+        key: &str,
+        headers: &[(&str, &str)],
+        body: &Value,
+    ) -> impl Future<Output = Answer> + Send + 'static {
+        let req = self.request(i, key, headers, body);
+        async move { Answer::read(req.send().await.expect("the replica answers")).await }
+    }
+
+    /// `GET /v1/sessions/{session}` on replica `i` with the tenant's key.
+    async fn session(&self, i: usize, key: &str, session: &str) -> Value {
+        let resp = self
+            .http
+            .get(format!("{}/v1/sessions/{session}", self.replicas[i].url))
+            .bearer_auth(key)
+            .send()
+            .await
+            .unwrap();
+        let answer = Answer::read(resp).await;
+        assert_eq!(answer.status, 200, "session view: {}", answer.text);
+        answer.json()
+    }
+
+    /// An admin API call on replica `i`, bounded so that a stalled Redis cannot hang it.
+    async fn admin(&self, i: usize, method: reqwest::Method, path: &str) -> Answer {
+        let resp = self
+            .http
+            .request(method, format!("{}{path}", self.replicas[i].url))
+            .bearer_auth(ADMIN)
+            .timeout(Duration::from_secs(3))
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
+        Answer::read(resp).await
+    }
+}
+
+/// A response read whole.
+struct Answer {
+    status: u16,
+    headers: reqwest::header::HeaderMap,
+    text: String,
+}
+
+impl Answer {
+    async fn read(resp: reqwest::Response) -> Answer {
+        Answer {
+            status: resp.status().as_u16(),
+            headers: resp.headers().clone(),
+            text: resp.text().await.unwrap(),
+        }
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.text).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text))
+    }
+
+    fn code(&self) -> String {
+        self.json()["error"]["code"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+
+    fn replayed(&self) -> bool {
+        self.header("x-backstop-replayed") == Some("true")
+    }
+}
+
+fn chat(max_tokens: u64) -> Value {
+    json!({"model": "gpt-4o", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hello"}]})
+}
+
+fn step(n: usize) -> Value {
+    json!({"model": "gpt-4o", "messages": [{"role": "user", "content": format!("step {n}")}]})
+}
+
+fn assert_budget_refusal(answer: &Answer) {
+    assert_eq!(answer.status, 402, "{}", answer.text);
+    assert_eq!(answer.code(), "budget_exceeded", "{}", answer.text);
+    assert_eq!(answer.header("x-should-retry"), Some("false"));
+}
+
+/// `n` concurrent calls, spread round-robin over the replicas.
+async fn race(
+    cluster: &Cluster,
+    n: usize,
+    key: &str,
+    headers: &[(&str, &str)],
+    body: &Value,
+) -> Vec<Answer> {
+    let tasks: Vec<_> = (0..n)
+        .map(|_| tokio::spawn(cluster.call(cluster.rr(), key, headers, body)))
+        .collect();
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.unwrap());
+    }
+    answers
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caps_are_exact_across_three_replicas() {
+    let redis = Redis::start();
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "calls"
+api_keys = ["{CALLS}"]
+[tenants.session]
+max_calls = 10
+
+[[tenants]]
+name = "usd"
+api_keys = ["{USD}"]
+[tenants.session]
+max_usd = 0.05
+"#
+    );
+    let cluster = Cluster::start(&redis, &[CLOSED, CLOSED, CLOSED], &tenants).await;
+
+    // 40 overlapping calls against 10: the shared reservations let exactly 10 through.
+    let headers = [
+        ("x-session-id", "race"),
+        ("x-mock-scenario", "race"),
+        ("x-mock-fault", "delay=100ms"),
+    ];
+    let answers = race(&cluster, 40, CALLS, &headers, &chat(16)).await;
+    let passed = answers.iter().filter(|a| a.status == 200).count();
+    assert_eq!(passed, 10);
+    for refused in answers.iter().filter(|a| a.status != 200) {
+        assert_budget_refusal(refused);
+    }
+    assert_eq!(cluster.mock.attempts("race").await, 10);
+    for i in 0..3 {
+        assert_eq!(
+            cluster.session(i, CALLS, "race").await["used"]["calls"],
+            10,
+            "replica {i}"
+        );
+    }
+
+    // A USD cap: each call reserves its prompt estimate (~20 tokens) + 1000 output tokens,
+    // ~$0.01005, and settles at $0.0125 (usage 1000/1000). A call fits while settled +
+    // reserved + its own reservation ≤ $0.05, which holds for exactly 4 whatever the
+    // interleaving (5 reservations are $0.05025; 4 settled are $0.05).
+    let headers = [
+        ("x-session-id", "usd"),
+        ("x-mock-scenario", "usd"),
+        ("x-mock-fault", "delay=100ms;usage=1000/1000"),
+    ];
+    let answers = race(&cluster, 40, USD, &headers, &chat(1000)).await;
+    let passed = answers.iter().filter(|a| a.status == 200).count();
+    for refused in answers.iter().filter(|a| a.status != 200) {
+        assert_budget_refusal(refused);
+    }
+    assert_eq!(passed, 4);
+    assert_eq!(cluster.mock.attempts("usd").await, 4);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut spent = Vec::new();
+    for i in 0..3 {
+        let report = cluster.session(i, USD, "usd").await;
+        assert_eq!(report["used"]["calls"], 4, "replica {i}: {report}");
+        let usd = report["used"]["usd"].as_f64().unwrap();
+        assert!(usd <= 0.05 + 1e-9, "replica {i} over the cap: {report}");
+        assert!((usd - 0.05).abs() < 1e-9, "replica {i}: {report}");
+        spent.push(usd);
+    }
+    assert!(
+        spent.iter().all(|s| *s == spent[0]),
+        "every replica reports the same spend: {spent:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_rate_limit_is_shared_by_the_replicas() {
+    let redis = Redis::start();
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "limited"
+api_keys = ["{LIMITED}"]
+requests_per_minute = 30
+"#
+    );
+    let cluster = Cluster::start(&redis, &[CLOSED, CLOSED, CLOSED], &tenants).await;
+    // A token comes back every 2 s (60 s / 30): the 60 calls go in waves of 6 so they are
+    // over well before that.
+    let started = Instant::now();
+    let headers = [("x-mock-scenario", "rpm")];
+    let mut answers = Vec::new();
+    for _ in 0..10 {
+        answers.extend(race(&cluster, 6, LIMITED, &headers, &step(1)).await);
+    }
+    let elapsed = started.elapsed();
+    println!("60 calls over 3 replicas took {elapsed:?}");
+    let passed = answers.iter().filter(|a| a.status == 200).count();
+    assert_eq!(passed, 30, "in {elapsed:?}");
+    for refused in answers.iter().filter(|a| a.status != 200) {
+        assert_eq!(refused.status, 429, "{}", refused.text);
+        assert_eq!(refused.code(), "rate_limited", "{}", refused.text);
+        let retry_after: u64 = refused
+            .header("retry-after")
+            .expect("a retry-after header")
+            .parse()
+            .unwrap();
+        assert!((1..=60).contains(&retry_after), "{retry_after}");
+    }
+    assert_eq!(cluster.mock.attempts("rpm").await, 30);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loop_tripped_on_one_replica_is_refused_by_all() {
+    let redis = Redis::start();
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "guarded"
+api_keys = ["{GUARDED}"]
+[tenants.guard]
+identical_request_limit = 3
+identical_request_window = "10m"
+cool_down = "60s"
+"#
+    );
+    let cluster = Cluster::start(&redis, &[CLOSED, CLOSED, CLOSED], &tenants).await;
+    let headers = [("x-session-id", "loop"), ("x-mock-scenario", "loop")];
+    let (a, b, c) = (0, 1, 2);
+    for n in 0..3 {
+        let answer = cluster.call(a, GUARDED, &headers, &step(1)).await;
+        assert_eq!(answer.status, 200, "call {n}: {}", answer.text);
+    }
+    let fourth = cluster.call(a, GUARDED, &headers, &step(1)).await;
+    assert_eq!(fourth.status, 429, "{}", fourth.text);
+    assert_eq!(fourth.code(), "loop_detected");
+    // The trip is the session's, not replica A's: other requests elsewhere are refused too.
+    for (replica, n) in [(b, 2), (c, 3)] {
+        let answer = cluster.call(replica, GUARDED, &headers, &step(n)).await;
+        assert_eq!(answer.status, 429, "replica {replica}: {}", answer.text);
+        assert_eq!(answer.code(), "loop_detected", "replica {replica}");
+        assert!(answer.header("retry-after").is_some());
+    }
+    assert_eq!(cluster.mock.attempts("loop").await, 3);
+
+    let reset = cluster
+        .admin(
+            c,
+            reqwest::Method::POST,
+            "/admin/tenants/guarded/sessions/loop/reset",
+        )
+        .await;
+    assert_eq!(reset.status, 200, "{}", reset.text);
+    for (replica, n) in [(a, 4), (b, 5)] {
+        let answer = cluster.call(replica, GUARDED, &headers, &step(n)).await;
+        assert_eq!(
+            answer.status, 200,
+            "replica {replica} after the reset: {}",
+            answer.text
+        );
+    }
+    assert_eq!(cluster.mock.attempts("loop").await, 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_idempotency_key_is_one_upstream_call_across_replicas() {
+    let redis = Redis::start();
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "budgeted"
+api_keys = ["{BUDGETED}"]
+[tenants.session]
+max_calls = 100
+"#
+    );
+    let cluster = Cluster::start(&redis, &[CLOSED, CLOSED, CLOSED], &tenants).await;
+    let headers = [
+        ("idempotency-key", "together"),
+        ("x-session-id", "idem"),
+        ("x-mock-scenario", "idem"),
+        ("x-mock-fault", "delay=300ms"),
+    ];
+    let body = step(1);
+    let on_a = tokio::spawn(cluster.call(0, BUDGETED, &headers, &body));
+    let on_b = tokio::spawn(cluster.call(1, BUDGETED, &headers, &body));
+    let (on_a, on_b) = (on_a.await.unwrap(), on_b.await.unwrap());
+    assert_eq!((on_a.status, on_b.status), (200, 200));
+    assert_eq!(on_a.text, on_b.text, "both got the same answer");
+    assert_eq!(
+        [&on_a, &on_b].iter().filter(|a| a.replayed()).count(),
+        1,
+        "exactly one made the call, the other is a replay"
+    );
+    assert_eq!(cluster.mock.attempts("idem").await, 1);
+
+    // A third replica replays it too; the same key with another body is refused.
+    let on_c = cluster.call(2, BUDGETED, &headers, &body).await;
+    assert_eq!(on_c.status, 200);
+    assert!(on_c.replayed());
+    assert_eq!(on_c.text, on_a.text);
+    let reused = cluster.call(2, BUDGETED, &headers, &step(2)).await;
+    assert_eq!(reused.status, 422, "{}", reused.text);
+    assert_eq!(reused.code(), "idempotency_key_reused");
+    assert_eq!(cluster.mock.attempts("idem").await, 1);
+    for i in 0..3 {
+        assert_eq!(
+            cluster.session(i, BUDGETED, "idem").await["used"]["calls"],
+            1,
+            "replica {i}: the replays were not charged"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_replicas_reservations_expire_uncharged() {
+    let redis = Redis::start();
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "budgeted"
+api_keys = ["{BUDGETED}"]
+[tenants.session]
+max_calls = 4
+"#
+    );
+    let state = "reservation_ttl = \"2s\"\non_unavailable = \"closed\"";
+    let mut cluster = Cluster::start(&redis, &[state, state, state], &tenants).await;
+    let hanging = [
+        ("x-session-id", "k"),
+        ("x-mock-scenario", "held"),
+        ("x-mock-fault", "hang"),
+    ];
+    // Three calls in flight on replica A, each holding a reservation.
+    let held: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(cluster.request(0, BUDGETED, &hanging, &chat(16)).send()))
+        .collect();
+    cluster.mock.wait_for("held", 3).await;
+    cluster.replicas.remove(0).kill();
+    let killed = Instant::now();
+    for call in held {
+        assert!(
+            call.await.unwrap().is_err(),
+            "a killed replica answers nothing"
+        );
+    }
+    // Now replica 0 is B and replica 1 is C.
+    let (b, c) = (0, 1);
+    let headers = [("x-session-id", "k"), ("x-mock-scenario", "after")];
+    let answer = cluster.call(b, BUDGETED, &headers, &chat(16)).await;
+    assert_eq!(answer.status, 200, "one call is left: {}", answer.text);
+    assert_budget_refusal(&cluster.call(c, BUDGETED, &headers, &chat(16)).await);
+    assert_budget_refusal(&cluster.call(b, BUDGETED, &headers, &chat(16)).await);
+
+    // Past reservation_ttl the dead replica's reservations are gone, never charged: of
+    // the 4 calls, 1 was settled, so 3 more go through.
+    let expired = killed + Duration::from_millis(3500);
+    tokio::time::sleep_until(expired.into()).await;
+    for replica in [b, c, b] {
+        let answer = cluster.call(replica, BUDGETED, &headers, &chat(16)).await;
+        assert_eq!(answer.status, 200, "replica {replica}: {}", answer.text);
+    }
+    assert_budget_refusal(&cluster.call(c, BUDGETED, &headers, &chat(16)).await);
+    assert_eq!(cluster.mock.attempts("after").await, 4);
+    for i in [b, c] {
+        let report = cluster.session(i, BUDGETED, "k").await;
+        assert_eq!(report["used"]["calls"], 4, "replica {i}: {report}");
+    }
+}
+
+fn assert_state_unavailable(answer: &Answer) {
+    assert_eq!(answer.status, 503, "{}", answer.text);
+    assert_eq!(answer.code(), "state_unavailable", "{}", answer.text);
+    assert!(
+        answer.header("retry-after").is_some(),
+        "a retry-after header"
+    );
+    assert_eq!(answer.header("x-should-retry"), Some("false"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_or_emptied_redis_is_refused_or_admitted_as_configured() {
+    let redis = Redis::start();
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "budgeted"
+api_keys = ["{BUDGETED}"]
+[tenants.session]
+max_calls = 1000
+[tenants.budget]
+usd_per_day = 100.0
+"#
+    );
+    let cluster = Cluster::start(&redis, &[CLOSED, OPEN], &tenants).await;
+    let (closed, open) = (0, 1);
+    let headers = [("x-session-id", "s"), ("x-mock-scenario", "stall")];
+    for replica in [closed, open] {
+        let answer = cluster.call(replica, BUDGETED, &headers, &chat(16)).await;
+        assert_eq!(answer.status, 200, "replica {replica}: {}", answer.text);
+    }
+    let state = cluster
+        .admin(closed, reqwest::Method::GET, "/admin/state")
+        .await
+        .json();
+    assert_eq!(state["backend"], "redis", "{state}");
+    assert_eq!(state["available"], true, "{state}");
+
+    // SIGSTOP: connections stay open and nothing answers, the worst case for a timeout.
+    redis.pause();
+    let started = Instant::now();
+    let answer = cluster.call(closed, BUDGETED, &headers, &chat(16)).await;
+    let elapsed = started.elapsed();
+    println!("closed replica decided in {elapsed:?} with Redis stopped (command_timeout 100ms)");
+    assert!(elapsed < Duration::from_millis(1500), "{elapsed:?}");
+    assert_state_unavailable(&answer);
+    let started = Instant::now();
+    let answer = cluster.call(open, BUDGETED, &headers, &chat(16)).await;
+    let elapsed = started.elapsed();
+    println!("open replica decided in {elapsed:?} with Redis stopped");
+    assert_eq!(answer.status, 200, "open admits: {}", answer.text);
+    assert!(elapsed < Duration::from_millis(1500), "{elapsed:?}");
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let state = cluster
+            .admin(closed, reqwest::Method::GET, "/admin/state")
+            .await
+            .json();
+        if state["available"] == false {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still available: {state}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // SIGCONT: service comes back by itself.
+    redis.resume();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let answer = cluster.call(closed, BUDGETED, &headers, &chat(16)).await;
+        if answer.status == 200 {
+            break;
+        }
+        assert_state_unavailable(&answer);
+        assert!(Instant::now() < deadline, "not back after SIGCONT");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // An empty Redis on the same port: its counts are lost, so budgeted calls are refused
+    // until an operator adopts the new state, never served against zeroed budgets.
+    let port = redis.kill();
+    let _redis = Redis::start_on(port);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let answer = cluster.call(closed, BUDGETED, &headers, &chat(16)).await;
+        assert_state_unavailable(&answer);
+        let message = answer.json()["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_lowercase();
+        if message.contains("lost") || message.contains("generation") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the lost state is never named: {}",
+            answer.text
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let adopted = cluster
+        .admin(closed, reqwest::Method::POST, "/admin/state/adopt")
+        .await;
+    assert_eq!(adopted.status, 200, "{}", adopted.text);
+    let answer = cluster.call(closed, BUDGETED, &headers, &chat(16)).await;
+    assert_eq!(answer.status, 200, "after adopt: {}", answer.text);
+}
