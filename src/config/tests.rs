@@ -130,6 +130,50 @@ fn shipped_configs_are_valid() {
     Config::load(format!("{root}/config/backstop.toml")).unwrap();
     let example = std::fs::read_to_string(format!("{root}/config/backstop.example.toml")).unwrap();
     Config::from_toml_with_env(&example, |v| Some(format!("{v}-value-for-test"))).unwrap();
+    let replicas =
+        std::fs::read_to_string(format!("{root}/config/backstop.replicas.toml")).unwrap();
+    let config =
+        Config::from_toml_with_env(&replicas, |v| Some(format!("{v}-value-for-test"))).unwrap();
+    assert_eq!(config.state.backend, super::StateBackend::Redis);
+}
+
+#[test]
+fn state_settings_are_checked_by_key() {
+    let cases = [
+        ("[state]\nbackend = \"redis\"\n", "state.url"),
+        (
+            "[state]\nbackend = \"redis\"\nurl = \"http://x\"\n",
+            "state.url",
+        ),
+        (
+            "[state]\nbackend = \"redis\"\nurl = \"rediss://x\"\n",
+            "state.url",
+        ),
+        ("[state]\nkey_prefix = \"a{b}\"\n", "state.key_prefix"),
+        (
+            "[state]\ncommand_timeout = \"0s\"\n",
+            "state.command_timeout",
+        ),
+        (
+            "[state]\nreservation_ttl = \"10ms\"\n",
+            "state.reservation_ttl",
+        ),
+        ("[state]\nreplicas = 0\n", "state.replicas"),
+        ("[state]\non_unavailable = \"maybe\"\n", "state"),
+    ];
+    for (state, key) in cases {
+        let err = error_of(&format!("{BASE}\n{state}"));
+        assert!(err.contains(key), "expected {key} in: {err}");
+    }
+    let ok = load(&format!(
+        "{BASE}\n[state]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:6379/0\"\n"
+    ))
+    .unwrap();
+    assert_eq!(ok.state.on_unavailable, super::OnUnavailable::Closed);
+    assert_eq!(
+        ok.state.command_timeout,
+        std::time::Duration::from_millis(100)
+    );
 }
 
 #[test]

@@ -294,12 +294,9 @@ fn cap_usd(v: Option<f64>) -> i64 {
     v.map_or(-1, micro)
 }
 
-/// The admission: one script over the tenant's generation, reservations, day and
-/// session. Replies `{"ok"}`, `{"lost"}` or `{"over", scope, which, limit, used}`.
-const ADMIT: &str = r#"
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'lost'} end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+/// Shared by the admission and settle scripts: a reservation record is
+/// `day_key|session_key|calls|tokens|micro_usd`; `unreserve` takes it off both scopes.
+const UNRESERVE: &str = r#"
 local function split(s)
   local out, start = {}, 1
   while true do
@@ -318,6 +315,14 @@ local function unreserve(rec)
     end
   end
 end
+"#;
+
+/// The admission: one script over the tenant's generation, reservations, day and
+/// session. Replies `{"ok"}`, `{"lost"}` or `{"over", scope, which, limit, used}`.
+const ADMIT: &str = r#"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'lost'} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 256)) do
   local rec = redis.call('HGET', KEYS[3], id)
   if rec then unreserve(rec); redis.call('HDEL', KEYS[3], id) end
@@ -361,26 +366,8 @@ return {'ok'}
 /// it was already.
 const SETTLE: &str = r#"
 if not redis.call('SET', KEYS[5], '1', 'NX', 'EX', 86400) then return 0 end
-local function split(s)
-  local out, start = {}, 1
-  while true do
-    local i = string.find(s, '|', start, true)
-    if not i then table.insert(out, string.sub(s, start)); return out end
-    table.insert(out, string.sub(s, start, i - 1)); start = i + 1
-  end
-end
 local rec = redis.call('HGET', KEYS[2], ARGV[1])
-if rec then
-  local r = split(rec)
-  for _, k in ipairs({r[1], r[2]}) do
-    if k ~= '' then
-      redis.call('HINCRBY', k, 'rcalls', -tonumber(r[3]))
-      redis.call('HINCRBY', k, 'rtokens', -tonumber(r[4]))
-      redis.call('HINCRBY', k, 'rusd', -tonumber(r[5]))
-    end
-  end
-  redis.call('HDEL', KEYS[2], ARGV[1])
-end
+if rec then unreserve(rec); redis.call('HDEL', KEYS[2], ARGV[1]) end
 redis.call('ZREM', KEYS[1], ARGV[1])
 local fields = {'calls', 'tokens', 'usd'}
 for i = 1, 3 do redis.call('HINCRBY', KEYS[3], fields[i], tonumber(ARGV[i + 1])) end
@@ -474,8 +461,8 @@ impl SharedBudgets {
     pub fn new(redis: Arc<Redis>, session_retention: Duration) -> Arc<SharedBudgets> {
         Arc::new(SharedBudgets {
             redis,
-            admit: Script::new(ADMIT),
-            settle: Script::new(SETTLE),
+            admit: Script::new(&format!("{UNRESERVE}{ADMIT}")),
+            settle: Script::new(&format!("{UNRESERVE}{SETTLE}")),
             rate: Script::new(RATE),
             enter: Script::new(ENTER),
             renew: Script::new(RENEW),
