@@ -93,6 +93,8 @@ pub(super) struct TenantBook {
     day_known: AtomicBool,
     rate: Option<Direct>,
     session_rate: Option<Keyed>,
+    /// The configured per-minute limits (tenant, session), for the shared limiter.
+    rpm: (Option<u32>, Option<u32>),
 }
 
 /// One session's live state.
@@ -116,7 +118,6 @@ pub struct Budgets {
     /// Redis, when replicas share the state (`[state] backend = "redis"`): then the
     /// books here are only the fallback while it is unavailable.
     pub(super) shared: Option<Arc<SharedBudgets>>,
-    pub(super) tenant_rpm: HashMap<Arc<str>, (Option<u32>, Option<u32>)>,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -143,16 +144,6 @@ impl Budgets {
             crate::config::StateBackend::Embedded => 1,
         };
         let share = |n: u32| (n / replicas).max(1);
-        let tenant_rpm = config
-            .tenants
-            .iter()
-            .map(|t| {
-                (
-                    Arc::<str>::from(t.name.as_str()),
-                    (t.requests_per_minute, t.session.requests_per_minute),
-                )
-            })
-            .collect();
         let tenants = config
             .tenants
             .iter()
@@ -179,6 +170,7 @@ impl Budgets {
                     session_rate: t.session.requests_per_minute.map(|n| {
                         RateLimiter::dashmap_with_clock(per_minute(share(n)), clock.clone())
                     }),
+                    rpm: (t.requests_per_minute, t.session.requests_per_minute),
                 };
                 (name, Arc::new(book))
             })
@@ -194,7 +186,6 @@ impl Budgets {
             max_reported_tokens: config.billing.max_reported_tokens,
             clock,
             shared: None,
-            tenant_rpm,
         }
     }
 
@@ -293,9 +284,8 @@ impl Budgets {
         let Some(book) = self.tenant(tenant) else {
             return Ok(());
         };
-        if let (Some(shared), Some(&(rpm, session_rpm))) =
-            (&self.shared, self.tenant_rpm.get(tenant))
-        {
+        if let Some(shared) = &self.shared {
+            let (rpm, session_rpm) = book.rpm;
             if rpm.is_some() || (session.is_some() && session_rpm.is_some()) {
                 match shared.rate(tenant, session, rpm, session_rpm).await {
                     Ok(None) => return Ok(()),

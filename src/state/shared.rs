@@ -131,12 +131,6 @@ impl Redis {
         );
     }
 
-    /// Whether the last calls reached Redis (the breaker is closed).
-    pub fn available(&self) -> bool {
-        let down = *self.down_until.lock().unwrap_or_else(|e| e.into_inner());
-        down.is_none()
-    }
-
     /// Runs one Redis operation, bounded by `command_timeout` and behind the breaker.
     pub async fn run<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T, Unavailable>
     where
@@ -268,6 +262,7 @@ impl Redis {
 pub struct SharedReservation {
     pub id: String,
     pub session: Option<String>,
+    /// The day and session (or no-session) keys it was reserved on: settled there.
     day_key: String,
     session_key: String,
 }
@@ -547,11 +542,7 @@ impl SharedBudgets {
                     id,
                     session: a.session.map(str::to_string),
                     day_key,
-                    session_key: if a.session.is_some() {
-                        session_key
-                    } else {
-                        String::new()
-                    },
+                    session_key,
                 })
             }
             Some("over") => {
@@ -597,20 +588,10 @@ impl SharedBudgets {
         let set = self.redis.key(tenant, "reservations");
         self.unhold(&set, &reservation.id);
         let mut inv = self.settle.prepare_invoke();
-        let day_key = if reservation.day_key.is_empty() {
-            self.day_key(tenant, 0)
-        } else {
-            reservation.day_key.clone()
-        };
-        let session_key = if reservation.session_key.is_empty() {
-            self.redis.key(tenant, "no-session")
-        } else {
-            reservation.session_key.clone()
-        };
         inv.key(&set)
             .key(self.redis.key(tenant, "reservation-records"))
-            .key(day_key)
-            .key(session_key)
+            .key(&reservation.day_key)
+            .key(&reservation.session_key)
             .key(
                 self.redis
                     .key(tenant, &format!("settled:{}", reservation.id)),

@@ -97,15 +97,14 @@ impl Store for RedisStore {
     fn remember(&self, response: StoredResponse) -> StoreFuture<'_, ()> {
         Box::pin(async move {
             let key = self.idem_key(&response.tenant, &response.key);
-            let ttl = (response.expires_ms - crate::clock::Clock::system().now_ms()).max(1000);
-            let value = encode(&response);
+            let (value, expires) = (encode(&response), response.expires_ms);
             self.redis
                 .run("remember", |mut c| async move {
                     redis::cmd("SET")
                         .arg(&key)
                         .arg(value)
-                        .arg("PX")
-                        .arg(ttl)
+                        .arg("PXAT")
+                        .arg(expires)
                         .query_async::<()>(&mut c)
                         .await
                 })
@@ -174,14 +173,13 @@ impl Store for RedisStore {
 
     fn record_owners(&self, owners: Vec<OwnerRecord>) -> StoreFuture<'_, ()> {
         Box::pin(async move {
-            let now = crate::clock::Clock::system().now_ms();
             let mut pipe = redis::pipe();
             for o in &owners {
                 pipe.cmd("SET")
                     .arg(self.redis.global(&format!("owner:{}", o.id)))
                     .arg(&o.tenant)
-                    .arg("PX")
-                    .arg((o.expires_ms - now).max(1000))
+                    .arg("PXAT")
+                    .arg(o.expires_ms)
                     .ignore();
             }
             self.redis
