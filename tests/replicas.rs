@@ -29,9 +29,15 @@ const GUARDED: &str = "bk-replica-guard-key";
 const BUDGETED: &str = "bk-replica-budget-key";
 
 /// `[state]` lines for a replica that refuses budgeted calls while Redis is away.
-const CLOSED: &str = "reservation_ttl = \"5m\"\non_unavailable = \"closed\"";
+const CLOSED: &str =
+    "command_timeout = \"100ms\"\nreservation_ttl = \"5m\"\non_unavailable = \"closed\"";
 /// As [`CLOSED`], admitting them instead.
-const OPEN: &str = "reservation_ttl = \"5m\"\non_unavailable = \"open\"";
+const OPEN: &str =
+    "command_timeout = \"100ms\"\nreservation_ttl = \"5m\"\non_unavailable = \"open\"";
+/// As [`CLOSED`], with time for a loaded machine: for tests whose exact counts must not
+/// fall back to a replica's own state because a call took more than 100 ms.
+const PATIENT: &str =
+    "command_timeout = \"2s\"\nreservation_ttl = \"5m\"\non_unavailable = \"closed\"";
 
 /// Gateway binaries on one Redis and one mock upstream, each with its own port and
 /// its own SQLite store.
@@ -80,7 +86,6 @@ path = "{store}"
 backend = "redis"
 url = "{url}"
 key_prefix = "{prefix}"
-command_timeout = "100ms"
 replicas = {replicas}
 {state}
 
@@ -437,6 +442,76 @@ cool_down = "60s"
         );
     }
     assert_eq!(cluster.mock.attempts("loop").await, 5);
+}
+
+/// The guard's windows are the session's, not a replica's: identical requests spread
+/// over the replicas (in turn, then all at once) trip at the configured count, as they
+/// would on one gateway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loop_spread_over_the_replicas_trips_at_the_configured_count() {
+    let redis = Redis::start();
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "guarded"
+api_keys = ["{GUARDED}"]
+[tenants.guard]
+identical_request_limit = 3
+identical_request_window = "10m"
+max_consecutive_failures = 3
+cool_down = "60s"
+"#
+    );
+    let cluster = Cluster::start(&redis, &[PATIENT, PATIENT, PATIENT], &tenants).await;
+    let headers = [("x-session-id", "spread"), ("x-mock-scenario", "spread")];
+    for replica in [0, 1, 2] {
+        let answer = cluster.call(replica, GUARDED, &headers, &step(1)).await;
+        assert_eq!(answer.status, 200, "replica {replica}: {}", answer.text);
+    }
+    let fourth = cluster.call(0, GUARDED, &headers, &step(1)).await;
+    assert_eq!(fourth.status, 429, "{}", fourth.text);
+    assert_eq!(fourth.code(), "loop_detected");
+    assert_eq!(cluster.mock.attempts("spread").await, 3);
+
+    // Twelve identical requests at once over three replicas: exactly three are made.
+    let headers = [
+        ("x-session-id", "burst"),
+        ("x-mock-scenario", "burst"),
+        ("x-mock-fault", "delay=50ms"),
+    ];
+    let answers = race(&cluster, 12, GUARDED, &headers, &step(7)).await;
+    let made = answers.iter().filter(|a| a.status == 200).count();
+    assert_eq!(
+        made,
+        3,
+        "{:?}",
+        answers
+            .iter()
+            .map(|a| (a.status, &a.text))
+            .collect::<Vec<_>>()
+    );
+    assert!(answers
+        .iter()
+        .filter(|a| a.status != 200)
+        .all(|a| a.code() == "loop_detected"));
+    assert_eq!(cluster.mock.attempts("burst").await, 3);
+
+    // Consecutive failures count across replicas too.
+    let headers = [
+        ("x-session-id", "failing"),
+        ("x-mock-scenario", "failing"),
+        ("x-mock-fault", "status=400;code=context_length_exceeded"),
+    ];
+    for (n, replica) in [0, 1, 2].into_iter().enumerate() {
+        let answer = cluster
+            .call(replica, GUARDED, &headers, &step(10 + n))
+            .await;
+        assert_eq!(answer.status, 400, "replica {replica}: {}", answer.text);
+    }
+    let tripped = cluster.call(0, GUARDED, &headers, &step(20)).await;
+    assert_eq!(tripped.status, 429, "{}", tripped.text);
+    assert_eq!(tripped.code(), "session_tripped");
+    assert_eq!(cluster.mock.attempts("failing").await, 3);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

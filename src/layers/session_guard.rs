@@ -110,16 +110,20 @@ where
         let (Some(entry), Some(session)) = (entry, call.session.clone()) else {
             return inner.call(call).await;
         };
-        layer.guards.sync(&call.tenant, &session, &entry).await;
         let log = call.log.clone();
         let request_id = call.request_id.to_str().unwrap_or("-").to_owned();
         let tenant = call.tenant.clone();
         let fp = fingerprint(&call.request.json);
         let usd_before = layer.budgets.session_usd(&tenant, &session).await;
+        let (admitted, change) = layer
+            .guards
+            .update(&tenant, &session, &entry, |guard, now| {
+                guard.admit(now, &fp, usd_before)
+            })
+            .await;
         let (admitted, keep) = {
             let mut e = lock(&entry);
             let now = layer.guards.now();
-            let (admitted, change) = e.guard.admit(now, &fp, usd_before);
             transition(&tenant, &session, change, &request_id);
             let keep = to_keep(change, &e.guard, now);
             if let Err(refused) = &admitted {
@@ -169,10 +173,15 @@ where
         };
         let usd_after = layer.budgets.session_usd(&tenant, &session).await;
         let fields = log.snapshot();
+        let change = layer
+            .guards
+            .update(&tenant, &session, &entry, |guard, now| {
+                guard.record(now, failed)
+            })
+            .await;
         let keep = {
             let mut e = lock(&entry);
             let now = layer.guards.now();
-            let change = e.guard.record(now, failed);
             transition(&tenant, &session, change, &request_id);
             let keep = to_keep(change, &e.guard, now);
             let state = e.guard.state().label();

@@ -189,6 +189,20 @@ pub fn restore_trip(code: &str, rule: &str, evidence: String) -> Trip {
     Trip { rule, evidence }
 }
 
+/// A guard's counted state on the wall clock (ms since the epoch), as replicas share it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct GuardSnapshot {
+    pub phase: String,
+    pub until_ms: i64,
+    pub code: Option<String>,
+    pub rule: Option<String>,
+    pub evidence: Option<String>,
+    pub consecutive_failures: u32,
+    pub recent: Vec<(i64, u64)>,
+    pub spend: Vec<(i64, f64)>,
+    pub transitions: u64,
+}
+
 #[derive(Debug, Clone)]
 pub struct SessionGuard {
     /// Shared by every session of the tenant.
@@ -447,6 +461,82 @@ impl SessionGuard {
         *self = SessionGuard::new(self.config.clone());
     }
 
+    /// Everything the rules count, on the wall clock (`now` is `now_ms`), for replicas
+    /// that share a session.
+    pub fn snapshot(&self, now: Instant, now_ms: i64) -> GuardSnapshot {
+        let at = |t: Instant| {
+            now_ms.saturating_sub(
+                i64::try_from(now.saturating_duration_since(t).as_millis()).unwrap_or(i64::MAX),
+            )
+        };
+        let (phase, until_ms, trip) = match &self.state {
+            GuardState::Active => ("active", 0, None),
+            GuardState::Recovering => ("recovering", 0, None),
+            GuardState::Tripped { until, trip } => (
+                "tripped",
+                now_ms.saturating_add(
+                    i64::try_from(until.saturating_duration_since(now).as_millis())
+                        .unwrap_or(i64::MAX),
+                ),
+                Some(trip),
+            ),
+            GuardState::Probing { trip } => ("probing", 0, Some(trip)),
+            GuardState::Closed => ("closed", 0, None),
+        };
+        GuardSnapshot {
+            phase: phase.into(),
+            until_ms,
+            code: trip.map(|t| t.code().as_str().to_string()),
+            rule: trip.map(|t| t.rule.as_str().to_string()),
+            evidence: trip.map(|t| t.evidence.clone()),
+            consecutive_failures: self.consecutive_failures,
+            recent: self.recent.iter().map(|(t, h)| (at(*t), *h)).collect(),
+            spend: self.spend.iter().map(|(t, usd)| (at(*t), *usd)).collect(),
+            transitions: self.transitions,
+        }
+    }
+
+    /// A guard counting from a snapshot taken on another replica.
+    pub fn from_snapshot(
+        config: impl Into<std::sync::Arc<GuardPolicy>>,
+        snap: GuardSnapshot,
+        now: Instant,
+        now_ms: i64,
+    ) -> Self {
+        let at = |ms: i64| {
+            let ago = u64::try_from(now_ms.saturating_sub(ms)).unwrap_or(0);
+            now.checked_sub(Duration::from_millis(ago)).unwrap_or(now)
+        };
+        let trip = || {
+            restore_trip(
+                snap.code.as_deref().unwrap_or(""),
+                snap.rule.as_deref().unwrap_or(""),
+                snap.evidence.clone().unwrap_or_default(),
+            )
+        };
+        let state = match snap.phase.as_str() {
+            "recovering" => GuardState::Recovering,
+            "tripped" => GuardState::Tripped {
+                until: now
+                    + Duration::from_millis(
+                        u64::try_from(snap.until_ms.saturating_sub(now_ms)).unwrap_or(0),
+                    ),
+                trip: trip(),
+            },
+            "probing" => GuardState::Probing { trip: trip() },
+            "closed" => GuardState::Closed,
+            _ => GuardState::Active,
+        };
+        SessionGuard {
+            config: config.into(),
+            state,
+            consecutive_failures: snap.consecutive_failures,
+            recent: snap.recent.iter().map(|(ms, h)| (at(*ms), *h)).collect(),
+            spend: snap.spend.iter().map(|(ms, usd)| (at(*ms), *usd)).collect(),
+            transitions: snap.transitions,
+        }
+    }
+
     /// The counters behind the rules and a risk score in [0, 1]: how close the nearest
     /// rule is to firing.
     pub fn signals(&self, now: Instant, session_usd: f64, last_tool_loop: u32) -> Value {
@@ -681,6 +771,50 @@ mod tests {
         RequestFingerprint {
             request,
             tool_loop: None,
+        }
+    }
+
+    /// A guard carried to another replica as a snapshot goes on counting where it was:
+    /// its windows, failures and trip (with the cool-down left) come through, with
+    /// the times as far in the past on the other replica's clock.
+    #[test]
+    fn a_snapshot_carries_every_count_to_another_replica() {
+        let t0 = Instant::now() + Duration::from_secs(3600);
+        let mut g = SessionGuard::new(config());
+        for _ in 0..2 {
+            assert!(g.admit(t0, &fp(7), 0.1).0.is_ok());
+            g.record(t0, true);
+        }
+        let later = t0 + Duration::from_secs(30);
+        let snap = g.snapshot(later, 1_000_000);
+        let json = serde_json::to_string(&snap).unwrap();
+        // Another replica, whose monotonic clock reads something else entirely.
+        let elsewhere = Instant::now() + Duration::from_secs(7200);
+        let mut h = SessionGuard::from_snapshot(
+            config(),
+            serde_json::from_str(&json).unwrap(),
+            elsewhere,
+            1_000_000,
+        );
+        assert_eq!(h.snapshot(elsewhere, 1_000_000), snap);
+        // The third identical request is still allowed, the fourth trips: counted across.
+        assert!(h.admit(elsewhere, &fp(7), 0.1).0.is_ok());
+        let (refused, _) = h.admit(elsewhere, &fp(7), 0.1);
+        assert_eq!(
+            refused.unwrap_err().trip.rule,
+            TripRule::IdenticalRequestLimit
+        );
+        // The trip and its cool-down come back the same way.
+        let tripped = h.snapshot(elsewhere, 1_000_000);
+        assert_eq!(tripped.phase, "tripped");
+        assert_eq!(tripped.until_ms, 1_060_000);
+        let k = SessionGuard::from_snapshot(config(), tripped, t0, 1_010_000);
+        let refused = k.clone().admit(t0, &fp(8), 0.0).0.unwrap_err();
+        assert_eq!(refused.retry_after, Duration::from_secs(50));
+        // Requests older than the window drop out after the move as before it.
+        let mut old = SessionGuard::from_snapshot(config(), snap, t0, 1_000_000 + 601_000);
+        for _ in 0..3 {
+            assert!(old.admit(t0, &fp(7), 0.0).0.is_ok());
         }
     }
 

@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use crate::{
     clock::Clock,
     config::Config,
-    policy::guard::{restore_trip, GuardPolicy, Kept, Phase, SessionGuard},
+    policy::guard::{restore_trip, GuardPolicy, Kept, SessionGuard},
     state::live::LiveSessions,
     store::{GuardRecord, Store, StoreError},
 };
@@ -59,6 +59,8 @@ impl TraceEntry {
 pub struct GuardedSession {
     pub guard: SessionGuard,
     trace: VecDeque<TraceEntry>,
+    /// The shared state's version `guard` is at (replicas sharing a store).
+    version: u64,
 }
 
 impl GuardedSession {
@@ -75,7 +77,13 @@ pub struct SessionGuards {
     sessions: LiveSessions<Mutex<GuardedSession>>,
     store: Arc<dyn Store>,
     clock: Clock,
+    /// A session's shared state is forgotten after this long unused, as its memory is.
+    idle: Duration,
 }
+
+/// How many times a guard update is redone because another replica changed the same
+/// session meanwhile, before this replica decides on its own state.
+const MAX_RACES: usize = 8;
 
 pub fn lock(entry: &Mutex<GuardedSession>) -> MutexGuard<'_, GuardedSession> {
     entry.lock().unwrap_or_else(|e| e.into_inner())
@@ -97,6 +105,7 @@ impl SessionGuards {
             sessions: LiveSessions::new(idle),
             store,
             clock,
+            idle,
         }
     }
 
@@ -138,33 +147,59 @@ impl SessionGuards {
         }))
     }
 
-    /// With a store shared by replicas, brings this replica's guard of a session in line
-    /// with the shared close or trip before each request: a session tripped or closed on
-    /// another replica is refused here too, one reset there is reset here. The windows
-    /// (identical requests, tool loops, failures, spend velocity) stay this replica's.
-    /// When the store cannot be read, the local state decides.
-    pub async fn sync(&self, tenant: &Arc<str>, session: &str, entry: &Mutex<GuardedSession>) {
-        if !self.store.is_shared() {
-            return;
+    /// Runs `f` on a session's guard. With a store shared by replicas, the guard is
+    /// first brought up to the shared state, and what `f` changed is written back only
+    /// if no other replica changed it meanwhile (else it is reloaded and `f` runs
+    /// again), so every rule counts every replica's requests. When the store cannot be
+    /// reached, or races go on, this replica's own guard decides.
+    pub async fn update<R>(
+        &self,
+        tenant: &Arc<str>,
+        session: &str,
+        entry: &Mutex<GuardedSession>,
+        f: impl Fn(&mut SessionGuard, Instant) -> R,
+    ) -> R {
+        if let (true, Some(config)) = (self.store.is_shared(), self.configs.get(&**tenant)) {
+            let ttl = u64::try_from(self.idle.as_millis()).unwrap_or(u64::MAX);
+            for _ in 0..MAX_RACES {
+                let Ok(Some((version, state))) = self.store.guard_window(tenant, session).await
+                else {
+                    break;
+                };
+                let (result, snapshot) = {
+                    let mut e = lock(entry);
+                    let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
+                    if version != e.version {
+                        e.guard = match serde_json::from_str(&state) {
+                            Ok(snap) => {
+                                SessionGuard::from_snapshot(config.clone(), snap, now, now_ms)
+                            }
+                            // Nothing shared yet (or reset): a fresh guard.
+                            Err(_) => SessionGuard::new(config.clone()),
+                        };
+                        e.version = version;
+                    }
+                    let result = f(&mut e.guard, now);
+                    let snapshot = serde_json::to_string(&e.guard.snapshot(now, now_ms));
+                    (result, snapshot.unwrap_or_default())
+                };
+                match self
+                    .store
+                    .save_guard_window(tenant, session, version, snapshot, ttl)
+                    .await
+                {
+                    Ok(Some(saved)) => {
+                        lock(entry).version = saved;
+                        return result;
+                    }
+                    // Another replica got there first: load its state and redo.
+                    Ok(None) => lock(entry).version = u64::MAX,
+                    Err(_) => return result,
+                }
+            }
         }
-        let Some(config) = self.configs.get(&**tenant) else {
-            return;
-        };
-        let Ok(shared) = self.kept_record(tenant, session).await else {
-            return;
-        };
         let mut e = lock(entry);
-        let phase = e.guard.state().phase();
-        match shared {
-            Some(Kept::Closed) if phase != Phase::Closed => {
-                e.guard = SessionGuard::restored(config.clone(), Kept::Closed, self.clock.now());
-            }
-            Some(kept) if !phase.is_kept() => {
-                e.guard = SessionGuard::restored(config.clone(), kept, self.clock.now());
-            }
-            None if phase.is_kept() => e.guard = SessionGuard::new(config.clone()),
-            _ => {}
-        }
+        f(&mut e.guard, self.clock.now())
     }
 
     /// The session's guard, created on first use (with what the store kept of it);
@@ -185,6 +220,7 @@ impl SessionGuards {
                 Ok::<_, std::convert::Infallible>(Mutex::new(GuardedSession {
                     guard,
                     trace: VecDeque::with_capacity(1),
+                    version: 0,
                 }))
             })
             .await;
@@ -255,7 +291,9 @@ impl SessionGuards {
             return Ok(false);
         };
         self.persist(&tenant, session, Some(Kept::Closed)).await?;
-        let change = lock(&entry).guard.close();
+        let change = self
+            .update(&tenant, session, &entry, |guard, _| guard.close())
+            .await;
         if let Some((from, to)) = change {
             tracing::warn!(%tenant, session, from = from.label(), to = to.label(), "session closed by an operator");
         }
@@ -266,7 +304,8 @@ impl SessionGuards {
         let tenant: Arc<str> = tenant.into();
         if let Some(entry) = self.entry(&tenant, session).await {
             self.persist(&tenant, session, None).await?;
-            lock(&entry).guard.reset();
+            self.update(&tenant, session, &entry, |guard, _| guard.reset())
+                .await;
         }
         Ok(())
     }

@@ -201,6 +201,29 @@ pub trait Store: Send + Sync {
     /// Gives back a claim whose request did not end in a response to keep.
     fn release_claim(&self, _tenant: &str, _key: &str) {}
 
+    /// A session guard's counted state as replicas share it, with its version (0: none
+    /// yet). `None` from a store no other process shares.
+    fn guard_window<'a>(
+        &'a self,
+        _tenant: &'a str,
+        _session: &'a str,
+    ) -> StoreFuture<'a, Option<(u64, String)>> {
+        Box::pin(async { Ok(None) })
+    }
+
+    /// Replaces a session guard's shared state if it is still at `version`: the new
+    /// version, or `None` when another replica changed it first (load and redo).
+    fn save_guard_window<'a>(
+        &'a self,
+        _tenant: &'a str,
+        _session: &'a str,
+        _version: u64,
+        _state: String,
+        _ttl_ms: u64,
+    ) -> StoreFuture<'a, Option<u64>> {
+        Box::pin(async { Ok(None) })
+    }
+
     /// Whether other processes share this store (guard states are then read per request).
     fn is_shared(&self) -> bool {
         false

@@ -21,11 +21,25 @@ const PENDING: &str = "pending";
 pub struct RedisStore {
     inner: Arc<dyn Store>,
     redis: Arc<Redis>,
+    save_window: redis::Script,
 }
+
+/// Compare-and-set of a guard's shared state: the new version, or 0 if it moved on.
+const SAVE_WINDOW: &str = r#"
+local v = tonumber(redis.call('HGET', KEYS[1], 'v') or '0')
+if v ~= tonumber(ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], 'v', v + 1, 'state', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
+return v + 1
+"#;
 
 impl RedisStore {
     pub fn new(inner: Arc<dyn Store>, redis: Arc<Redis>) -> RedisStore {
-        RedisStore { inner, redis }
+        RedisStore {
+            inner,
+            redis,
+            save_window: redis::Script::new(SAVE_WINDOW),
+        }
     }
 
     fn idem_key(&self, tenant: &str, key: &str) -> String {
@@ -169,6 +183,53 @@ impl Store for RedisStore {
 
     fn is_shared(&self) -> bool {
         true
+    }
+
+    fn guard_window<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+    ) -> StoreFuture<'a, Option<(u64, String)>> {
+        Box::pin(async move {
+            let key = self.redis.key(tenant, &format!("guard-window:{session}"));
+            let (version, state): (Option<u64>, Option<String>) = self
+                .redis
+                .run("guard_window", |mut c| async move {
+                    redis::cmd("HMGET")
+                        .arg(&key)
+                        .arg(&["v", "state"])
+                        .query_async(&mut c)
+                        .await
+                })
+                .await
+                .map_err(unavailable)?;
+            Ok(Some((version.unwrap_or(0), state.unwrap_or_default())))
+        })
+    }
+
+    fn save_guard_window<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+        version: u64,
+        state: String,
+        ttl_ms: u64,
+    ) -> StoreFuture<'a, Option<u64>> {
+        Box::pin(async move {
+            let mut inv = self.save_window.prepare_invoke();
+            inv.key(self.redis.key(tenant, &format!("guard-window:{session}")))
+                .arg(version)
+                .arg(state)
+                .arg(ttl_ms.max(1000));
+            let saved: i64 = self
+                .redis
+                .run("save_guard_window", |mut c| async move {
+                    inv.invoke_async(&mut c).await
+                })
+                .await
+                .map_err(unavailable)?;
+            Ok(u64::try_from(saved).ok().filter(|v| *v > 0))
+        })
     }
 
     fn record_owners(&self, owners: Vec<OwnerRecord>) -> StoreFuture<'_, ()> {
