@@ -74,18 +74,30 @@ fn body(n: usize) -> String {
     )
 }
 
-async fn call(http: &reqwest::Client, url: &str, auth: bool, n: usize) -> (Duration, u16) {
+/// Request `n`, in session `n % sessions` (one session when `sessions` is 1).
+async fn call(
+    http: &reqwest::Client,
+    url: &str,
+    auth: bool,
+    n: usize,
+    sessions: usize,
+) -> (Duration, u16) {
     let mut req = http
         .post(url)
         .header("content-type", "application/json")
         .body(body(n));
     if auth {
-        req = req.bearer_auth(KEY).header("x-session-id", "bench-session");
+        req = req
+            .bearer_auth(KEY)
+            .header("x-session-id", format!("bench-{}", n % sessions.max(1)));
     }
     let t = Instant::now();
     let resp = req.send().await.unwrap();
     let status = resp.status().as_u16();
-    resp.bytes().await.unwrap();
+    let body = resp.bytes().await.unwrap();
+    if status != 200 && status != 503 {
+        eprintln!("{status}: {}", String::from_utf8_lossy(&body));
+    }
     (t.elapsed(), status)
 }
 
@@ -97,7 +109,7 @@ async fn paced(http: &reqwest::Client, url: &str, auth: bool, seconds: u64) -> V
         tick.tick().await;
         let (http, url) = (http.clone(), url.to_string());
         tasks.push(tokio::spawn(
-            async move { call(&http, &url, auth, n).await },
+            async move { call(&http, &url, auth, n, 1).await },
         ));
     }
     let mut lat = Vec::new();
@@ -111,7 +123,13 @@ async fn paced(http: &reqwest::Client, url: &str, auth: bool, seconds: u64) -> V
 }
 
 /// Closed loop over several gateways in turn: calls (each one reservation) per second.
-async fn closed_loop(http: &reqwest::Client, urls: &[String], total: usize, c: usize) -> f64 {
+async fn closed_loop(
+    http: &reqwest::Client,
+    urls: &[String],
+    sessions: usize,
+    total: usize,
+    c: usize,
+) -> f64 {
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -123,7 +141,7 @@ async fn closed_loop(http: &reqwest::Client, urls: &[String], total: usize, c: u
                 if n >= total {
                     break;
                 }
-                let (_, status) = call(&http, &urls[n % urls.len()], true, n).await;
+                let (_, status) = call(&http, &urls[n % urls.len()], true, n, sessions).await;
                 assert_eq!(status, 200);
             }
         }));
@@ -201,7 +219,7 @@ async fn main() {
         .collect();
     // Warm every path.
     for url in [&direct, &embedded, &shared[0]] {
-        closed_loop(&http, std::slice::from_ref(url), 500, 16).await;
+        closed_loop(&http, std::slice::from_ref(url), 1, 500, 16).await;
     }
 
     println!("Paced 1,000 RPS for {seconds} s per row; budgets + rate limits + guard on, one session; release build, same run\n");
@@ -221,12 +239,14 @@ async fn main() {
     }
 
     let total = 6000;
-    let one = closed_loop(&http, std::slice::from_ref(&embedded), total, 32).await;
-    let three = closed_loop(&http, &shared, total, 32).await;
     println!("\nReserved calls per second, closed loop at concurrency 32, {total} calls:");
-    println!("| setup | calls/s |\n|---|---|");
-    println!("| embedded, 1 replica | {one:.0} |");
-    println!("| redis, 3 replicas round-robin | {three:.0} |");
+    println!("| setup | sessions | calls/s |\n|---|---|---|");
+    for sessions in [1, 64] {
+        let one = closed_loop(&http, std::slice::from_ref(&embedded), sessions, total, 32).await;
+        let three = closed_loop(&http, &shared, sessions, total, 32).await;
+        println!("| embedded, 1 replica | {sessions} | {one:.0} |");
+        println!("| redis, 3 replicas round-robin | {sessions} | {three:.0} |");
+    }
 
     Command::new("kill")
         .args(["-STOP", &redis.pid().to_string()])
@@ -234,7 +254,7 @@ async fn main() {
         .unwrap();
     let mut decided = Vec::new();
     for n in 0..20 {
-        let (d, status) = call(&http, &shared[n % 3], true, n).await;
+        let (d, status) = call(&http, &shared[n % 3], true, n, 1).await;
         assert_eq!(status, 503);
         decided.push(d);
         tokio::time::sleep(Duration::from_millis(1100)).await;

@@ -19,7 +19,7 @@ use crate::{
     config::Config,
     policy::guard::{restore_trip, GuardPolicy, Kept, SessionGuard},
     state::live::LiveSessions,
-    store::{GuardRecord, Store, StoreError},
+    store::{GuardRecord, Store, StoreError, WindowSave},
 };
 
 /// Trace entries kept per session.
@@ -61,6 +61,9 @@ pub struct GuardedSession {
     trace: VecDeque<TraceEntry>,
     /// The shared state's version `guard` is at (replicas sharing a store).
     version: u64,
+    /// One shared-state update of this session at a time from this replica, so races
+    /// (and their retries) are only ever between replicas.
+    updating: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl GuardedSession {
@@ -161,40 +164,41 @@ impl SessionGuards {
     ) -> R {
         if let (true, Some(config)) = (self.store.is_shared(), self.configs.get(&**tenant)) {
             let ttl = u64::try_from(self.idle.as_millis()).unwrap_or(u64::MAX);
+            let turn = lock(entry).updating.clone();
+            let _turn = turn.lock().await;
+            // Optimistic: this replica's guard is assumed current; if another replica
+            // wrote since, the save hands back its state, which is loaded and redone.
+            let mut newer: Option<(u64, String)> = None;
             for _ in 0..MAX_RACES {
-                let Ok(Some((version, state))) = self.store.guard_window(tenant, session).await
-                else {
-                    break;
-                };
-                let (result, snapshot) = {
+                let (result, snapshot, version) = {
                     let mut e = lock(entry);
                     let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
-                    if version != e.version {
+                    if let Some((version, state)) = newer.take() {
                         e.guard = match serde_json::from_str(&state) {
                             Ok(snap) => {
                                 SessionGuard::from_snapshot(config.clone(), snap, now, now_ms)
                             }
-                            // Nothing shared yet (or reset): a fresh guard.
+                            // Nothing shared (expired, or Redis emptied): a fresh guard.
                             Err(_) => SessionGuard::new(config.clone()),
                         };
                         e.version = version;
                     }
                     let result = f(&mut e.guard, now);
                     let snapshot = serde_json::to_string(&e.guard.snapshot(now, now_ms));
-                    (result, snapshot.unwrap_or_default())
+                    (result, snapshot.unwrap_or_default(), e.version)
                 };
                 match self
                     .store
                     .save_guard_window(tenant, session, version, snapshot, ttl)
                     .await
                 {
-                    Ok(Some(saved)) => {
+                    Ok(Some(WindowSave::Saved(saved))) => {
                         lock(entry).version = saved;
                         return result;
                     }
-                    // Another replica got there first: load its state and redo.
-                    Ok(None) => lock(entry).version = u64::MAX,
-                    Err(_) => return result,
+                    Ok(Some(WindowSave::Moved(version, state))) => newer = Some((version, state)),
+                    // Unreachable, or not shared after all: this replica's guard decided.
+                    Ok(None) | Err(_) => return result,
                 }
             }
         }
@@ -221,6 +225,7 @@ impl SessionGuards {
                     guard,
                     trace: VecDeque::with_capacity(1),
                     version: 0,
+                    updating: Arc::default(),
                 }))
             })
             .await;

@@ -88,6 +88,13 @@ pub enum Claim {
     Done(StoredResponse),
 }
 
+/// How a compare-and-set of a guard's shared state went.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WindowSave {
+    Saved(u64),
+    Moved(u64, String),
+}
+
 /// The tenant that created a stored response of the Responses API, until it expires.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OwnerRecord {
@@ -201,18 +208,10 @@ pub trait Store: Send + Sync {
     /// Gives back a claim whose request did not end in a response to keep.
     fn release_claim(&self, _tenant: &str, _key: &str) {}
 
-    /// A session guard's counted state as replicas share it, with its version (0: none
-    /// yet). `None` from a store no other process shares.
-    fn guard_window<'a>(
-        &'a self,
-        _tenant: &'a str,
-        _session: &'a str,
-    ) -> StoreFuture<'a, Option<(u64, String)>> {
-        Box::pin(async { Ok(None) })
-    }
-
-    /// Replaces a session guard's shared state if it is still at `version`: the new
-    /// version, or `None` when another replica changed it first (load and redo).
+    /// Replaces a session guard's state shared by replicas if it is still at
+    /// `version` (0: none yet): `Saved(new version)`, or `Moved` with the version and
+    /// state another replica wrote first (load it and redo). A store no other process
+    /// shares has nothing to save: `None`.
     fn save_guard_window<'a>(
         &'a self,
         _tenant: &'a str,
@@ -220,7 +219,7 @@ pub trait Store: Send + Sync {
         _version: u64,
         _state: String,
         _ttl_ms: u64,
-    ) -> StoreFuture<'a, Option<u64>> {
+    ) -> StoreFuture<'a, Option<WindowSave>> {
         Box::pin(async { Ok(None) })
     }
 

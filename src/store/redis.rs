@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use super::{
     Charge, Claim, GuardRecord, OwnerRecord, ReservationRecord, Store, StoreError, StoreFuture,
-    StoredResponse,
+    StoredResponse, WindowSave,
 };
 use crate::{policy::budget::Usage, state::shared::Redis};
 
@@ -24,13 +24,15 @@ pub struct RedisStore {
     save_window: redis::Script,
 }
 
-/// Compare-and-set of a guard's shared state: the new version, or 0 if it moved on.
+/// Compare-and-set of a guard's shared state: `{"saved", version}`, or, when another
+/// replica wrote first, `{"moved", version, state}` (one round trip either way).
 const SAVE_WINDOW: &str = r#"
-local v = tonumber(redis.call('HGET', KEYS[1], 'v') or '0')
-if v ~= tonumber(ARGV[1]) then return 0 end
+local cur = redis.call('HMGET', KEYS[1], 'v', 'state')
+local v = tonumber(cur[1] or '0')
+if v ~= tonumber(ARGV[1]) then return {'moved', tostring(v), cur[2] or ''} end
 redis.call('HSET', KEYS[1], 'v', v + 1, 'state', ARGV[2])
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
-return v + 1
+return {'saved', tostring(v + 1)}
 "#;
 
 impl RedisStore {
@@ -185,28 +187,6 @@ impl Store for RedisStore {
         true
     }
 
-    fn guard_window<'a>(
-        &'a self,
-        tenant: &'a str,
-        session: &'a str,
-    ) -> StoreFuture<'a, Option<(u64, String)>> {
-        Box::pin(async move {
-            let key = self.redis.key(tenant, &format!("guard-window:{session}"));
-            let (version, state): (Option<u64>, Option<String>) = self
-                .redis
-                .run("guard_window", |mut c| async move {
-                    redis::cmd("HMGET")
-                        .arg(&key)
-                        .arg(&["v", "state"])
-                        .query_async(&mut c)
-                        .await
-                })
-                .await
-                .map_err(unavailable)?;
-            Ok(Some((version.unwrap_or(0), state.unwrap_or_default())))
-        })
-    }
-
     fn save_guard_window<'a>(
         &'a self,
         tenant: &'a str,
@@ -214,21 +194,25 @@ impl Store for RedisStore {
         version: u64,
         state: String,
         ttl_ms: u64,
-    ) -> StoreFuture<'a, Option<u64>> {
+    ) -> StoreFuture<'a, Option<WindowSave>> {
         Box::pin(async move {
             let mut inv = self.save_window.prepare_invoke();
             inv.key(self.redis.key(tenant, &format!("guard-window:{session}")))
                 .arg(version)
                 .arg(state)
                 .arg(ttl_ms.max(1000));
-            let saved: i64 = self
+            let reply: Vec<String> = self
                 .redis
                 .run("save_guard_window", |mut c| async move {
                     inv.invoke_async(&mut c).await
                 })
                 .await
                 .map_err(unavailable)?;
-            Ok(u64::try_from(saved).ok().filter(|v| *v > 0))
+            let version = reply.get(1).and_then(|v| v.parse().ok()).unwrap_or(0);
+            Ok(Some(match reply.first().map(String::as_str) {
+                Some("saved") => WindowSave::Saved(version),
+                _ => WindowSave::Moved(version, reply.get(2).cloned().unwrap_or_default()),
+            }))
         })
     }
 
