@@ -353,6 +353,77 @@ max_usd = 0.05
         spent.iter().all(|s| *s == spent[0]),
         "every replica reports the same spend: {spent:?}"
     );
+    // The tenant's day by model, summed from the shared spend stream: the same on all.
+    for i in 0..3 {
+        let view = cluster
+            .admin(i, reqwest::Method::GET, "/admin/tenants/usd")
+            .await;
+        assert_eq!(view.status, 200, "{}", view.text);
+        let view = view.json();
+        assert_eq!(view["used_today"]["calls"], 4, "replica {i}: {view}");
+        let models = view["by_model"].as_array().unwrap();
+        assert_eq!(models.len(), 1, "replica {i}: {view}");
+        assert_eq!(models[0]["calls"], 4, "replica {i}: {view}");
+        assert_eq!(models[0]["tokens"], 8000, "replica {i}: {view}");
+        assert!((models[0]["usd"].as_f64().unwrap() - 0.05).abs() < 1e-9);
+    }
+}
+
+/// `max_concurrent` counts a session's requests on every replica, and every replica
+/// reports them in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_concurrency_is_shared_by_the_replicas() {
+    let redis = Redis::start();
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "budgeted"
+api_keys = ["{BUDGETED}"]
+[tenants.session]
+max_concurrent = 2
+"#
+    );
+    let cluster = Cluster::start(&redis, &[CLOSED, CLOSED, CLOSED], &tenants).await;
+    let slow = [
+        ("x-session-id", "together"),
+        ("x-mock-scenario", "slow"),
+        ("x-mock-fault", "delay=1500ms"),
+    ];
+    let held: Vec<_> = [0, 1]
+        .into_iter()
+        .map(|i| tokio::spawn(cluster.call(i, BUDGETED, &slow, &chat(16))))
+        .collect();
+    cluster.mock.wait_for("slow", 2).await;
+    assert_eq!(
+        cluster.session(2, BUDGETED, "together").await["in_flight"],
+        2
+    );
+    let third = cluster
+        .call(2, BUDGETED, &[("x-session-id", "together")], &chat(16))
+        .await;
+    assert_eq!(third.status, 429, "{}", third.text);
+    assert_eq!(third.code(), "too_many_concurrent");
+    for h in held {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+    let after = cluster
+        .call(2, BUDGETED, &[("x-session-id", "together")], &chat(16))
+        .await;
+    assert_eq!(
+        after.status, 200,
+        "the slots are free again: {}",
+        after.text
+    );
+    // A slot is given back as its response ends (in the background): soon, not at once.
+    let mut in_flight = Value::Null;
+    for _ in 0..50 {
+        in_flight = cluster.session(0, BUDGETED, "together").await["in_flight"].clone();
+        if in_flight == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(in_flight, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

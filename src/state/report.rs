@@ -8,18 +8,27 @@ use crate::{policy::budget::Account, store::StoreError};
 
 impl Budgets {
     /// A session's account and requests in flight: from Redis when replicas share the
-    /// state (in flight is then not known here: 0), else this process's.
+    /// state, else this process's.
     async fn session_account(
         &self,
         book: &TenantBook,
         session: &str,
     ) -> Result<(Account, u32), StoreError> {
         if let Some(shared) = &self.shared {
+            let unavailable =
+                |e: super::shared::Unavailable| StoreError::Unavailable(e.to_string().into());
             let (settled, reserved) = shared
                 .session_usage(&book.name, session)
                 .await
-                .map_err(|e| StoreError::Unavailable(e.to_string().into()))?;
-            return Ok((Account { settled, reserved }, 0));
+                .map_err(unavailable)?;
+            let in_flight = match book.max_concurrent {
+                Some(_) => shared
+                    .in_flight(&book.name, session)
+                    .await
+                    .map_err(unavailable)?,
+                None => 0,
+            };
+            return Ok((Account { settled, reserved }, in_flight));
         }
         let live = self.session(&book.name, session).await?;
         let account = lock(&live.account).clone();
@@ -95,10 +104,14 @@ impl Budgets {
             }
         };
         let (_, tokens, usd) = account.remaining(&book.day_limits);
-        let by_model: Vec<_> = self
-            .store
-            .tenant_day_by_model(tenant, day)
-            .await?
+        let by_model = match &self.shared {
+            Some(shared) => shared
+                .day_by_model(tenant, day)
+                .await
+                .map_err(|e| StoreError::Unavailable(e.to_string().into()))?,
+            None => self.store.tenant_day_by_model(tenant, day).await?,
+        };
+        let by_model: Vec<_> = by_model
             .into_iter()
             .map(|(model, u)| serde_json::json!({"model": model, "calls": u.calls, "tokens": u.tokens, "usd": u.usd}))
             .collect();

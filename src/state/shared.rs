@@ -421,6 +421,9 @@ if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], tonumb
 return 1
 "#;
 
+/// Most spend-stream entries one admin read sums.
+pub const MAX_STREAM_READ: usize = 100_000;
+
 /// What one admission asks for.
 pub struct Admission<'a> {
     pub tenant: &'a str,
@@ -731,6 +734,65 @@ impl SharedBudgets {
                 usd: n(5) as f64 / 1e6,
             },
         ))
+    }
+
+    /// A tenant's spend on one UTC day by model, in model order, summed from its spend
+    /// stream (whose entry ids are the Redis clock's milliseconds). For the admin view:
+    /// it reads the day's entries (at most [`MAX_STREAM_READ`]).
+    pub async fn day_by_model(
+        &self,
+        tenant: &str,
+        day: i64,
+    ) -> Result<Vec<(String, Usage)>, Unavailable> {
+        let key = self.redis.key(tenant, "spend");
+        let start = day.saturating_mul(86_400_000);
+        let entries: Vec<(String, Vec<String>)> = self
+            .redis
+            .run("spend_by_model", |mut c| async move {
+                redis::cmd("XRANGE")
+                    .arg(&key)
+                    .arg(start)
+                    .arg(start + 86_399_999)
+                    .arg("COUNT")
+                    .arg(MAX_STREAM_READ)
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        let mut by_model: std::collections::BTreeMap<String, Usage> = Default::default();
+        for (_, fields) in entries {
+            let field = |name: &str| {
+                fields
+                    .chunks(2)
+                    .find(|kv| kv[0] == name)
+                    .and_then(|kv| kv.get(1))
+                    .map(String::as_str)
+            };
+            let n = |name: &str| field(name).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            let usage = by_model
+                .entry(field("model").unwrap_or_default().to_string())
+                .or_default();
+            usage.calls += 1;
+            usage.tokens += n("input_tokens") + n("output_tokens");
+            usage.usd += n("usd_micro") as f64 / 1e6;
+        }
+        Ok(by_model.into_iter().collect())
+    }
+
+    /// A session's requests holding a concurrency slot now (on any replica).
+    pub async fn in_flight(&self, tenant: &str, session: &str) -> Result<u32, Unavailable> {
+        let set = self.redis.key(tenant, &format!("concurrent:{session}"));
+        let now_ms = crate::clock::Clock::system().now_ms();
+        self.redis
+            .run("in_flight", |mut c| async move {
+                redis::cmd("ZCOUNT")
+                    .arg(&set)
+                    .arg(format!("({now_ms}"))
+                    .arg("+inf")
+                    .query_async(&mut c)
+                    .await
+            })
+            .await
     }
 
     /// Starts a session's usage over (what is reserved stays).
