@@ -798,3 +798,29 @@ usd_per_day = 100.0
     let answer = cluster.call(closed, BUDGETED, &headers, &chat(16)).await;
     assert_eq!(answer.status, 200, "after adopt: {}", answer.text);
 }
+
+/// `rediss://`: the replicas reach a TLS-only Redis and count together through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_a_redis_over_tls() {
+    let dir = TempDir::new("backstop-redis-tls");
+    let redis = Redis::start_tls(&dir.0);
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "calls"
+api_keys = ["{CALLS}"]
+[tenants.session]
+max_calls = 2
+"#
+    );
+    let cluster = Cluster::start(&redis, &[CLOSED, CLOSED], &tenants).await;
+    let headers = [("x-session-id", "tls"), ("x-mock-scenario", "tls")];
+    for replica in [0, 1] {
+        let answer = cluster.call(replica, CALLS, &headers, &chat(16)).await;
+        assert_eq!(answer.status, 200, "replica {replica}: {}", answer.text);
+    }
+    let third = cluster.call(0, CALLS, &headers, &chat(16)).await;
+    assert_budget_refusal(&third);
+    assert_eq!(cluster.mock.attempts("tls").await, 2);
+    assert_eq!(cluster.session(1, CALLS, "tls").await["used"]["calls"], 2);
+}

@@ -9,7 +9,8 @@ use super::ConfigError;
 #[serde(deny_unknown_fields, default)]
 pub struct StateConfig {
     pub backend: StateBackend,
-    /// `redis://host:port/db`; required with `backend = "redis"`.
+    /// `redis://host:port/db`, or `rediss://` for TLS (the system's trusted roots);
+    /// required with `backend = "redis"`.
     pub url: Option<String>,
     /// Every key starts with this; a tenant's keys also share one hash tag (`{tenant}`).
     pub key_prefix: String,
@@ -77,12 +78,6 @@ impl StateConfig {
                     return Err(ConfigError::invalid(
                         "state.url",
                         "must be a redis:// or rediss:// URL",
-                    ))
-                }
-                Some(url) if url.starts_with("rediss://") => {
-                    return Err(ConfigError::invalid(
-                        "state.url",
-                        "rediss:// (TLS) is not built into this binary yet; use redis:// over a private network or a TLS sidecar",
                     ))
                 }
                 _ => {}

@@ -145,10 +145,6 @@ fn state_settings_are_checked_by_key() {
             "[state]\nbackend = \"redis\"\nurl = \"http://x\"\n",
             "state.url",
         ),
-        (
-            "[state]\nbackend = \"redis\"\nurl = \"rediss://x\"\n",
-            "state.url",
-        ),
         ("[state]\nkey_prefix = \"a{b}\"\n", "state.key_prefix"),
         (
             "[state]\ncommand_timeout = \"0s\"\n",

@@ -22,6 +22,8 @@ pub fn free_port() -> u16 {
 pub struct Redis {
     pub port: u16,
     child: Child,
+    /// Serving TLS only (`rediss://`), with a self-signed certificate.
+    tls: bool,
 }
 
 impl Redis {
@@ -46,12 +48,61 @@ impl Redis {
             ),
             Err(e) => panic!("cannot start redis-server: {e}"),
         };
-        let redis = Redis { port, child };
+        let redis = Redis {
+            port,
+            child,
+            tls: false,
+        };
+        redis.wait_ready();
+        redis
+    }
+
+    /// A `redis-server` that speaks TLS only, with a self-signed certificate made in
+    /// `dir` by the `openssl` command line (clients are not asked for certificates).
+    pub fn start_tls(dir: &std::path::Path) -> Redis {
+        let (cert, key) = (dir.join("redis.crt"), dir.join("redis.key"));
+        let made = Command::new("openssl")
+            .args([
+                "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            ])
+            .args(["-subj", "/CN=127.0.0.1", "-keyout"])
+            .arg(&key)
+            .arg("-out")
+            .arg(&cert)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("openssl makes the test certificate");
+        assert!(made.success(), "openssl req failed");
+        let port = free_port();
+        let child = Command::new("redis-server")
+            .args(["--port", "0", "--tls-port", &port.to_string()])
+            .arg("--tls-cert-file")
+            .arg(&cert)
+            .arg("--tls-key-file")
+            .arg(&key)
+            .arg("--tls-ca-cert-file")
+            .arg(&cert)
+            .args(["--tls-auth-clients", "no"])
+            .args(["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server (.ci/run installs it)");
+        let redis = Redis {
+            port,
+            child,
+            tls: true,
+        };
         redis.wait_ready();
         redis
     }
 
     pub fn url(&self) -> String {
+        if self.tls {
+            // The certificate is self-signed: the test checks the transport, not trust.
+            return format!("rediss://127.0.0.1:{}/0#insecure", self.port);
+        }
         format!("redis://127.0.0.1:{}/0", self.port)
     }
 
@@ -75,6 +126,10 @@ impl Redis {
         let Ok(mut conn) = TcpStream::connect(("127.0.0.1", self.port)) else {
             return false;
         };
+        if self.tls {
+            // Listening is all a plain socket can tell of a TLS server.
+            return true;
+        }
         let timeout = Some(Duration::from_millis(500));
         conn.set_read_timeout(timeout).unwrap();
         conn.set_write_timeout(timeout).unwrap();
