@@ -27,6 +27,7 @@ fn config(
     primary: std::net::SocketAddr,
     backup: std::net::SocketAddr,
     down: std::net::SocketAddr,
+    max_ratio: f64,
 ) -> Config {
     let text = format!(
         r#"
@@ -43,6 +44,7 @@ base_delay = "200ms"
 max_delay = "5s"
 max_retry_after = "10s"
 budget_ratio = 0.2
+budget_max_ratio = {max_ratio}
 [breaker]
 failure_threshold = 5
 open_for = "30s"
@@ -132,16 +134,24 @@ async fn call(http: &reqwest::Client, url: &str, model: &str) -> (u16, Duration,
     }
 }
 
-pub async fn run(requests: usize, concurrency: usize) {
+/// One storm's figures, through one gateway.
+struct Storm {
+    results: Vec<(u16, Duration, String)>,
+    attempts: u64,
+    wall: Duration,
+    trips: f64,
+    refused: f64,
+}
+
+/// The storm against two fresh mocks through a fresh gateway whose retry budget goes up
+/// to `max_ratio` (0.2: the fixed budget). Metrics are process-wide: what this storm
+/// added is read as the difference.
+async fn storm(requests: usize, concurrency: usize, max_ratio: f64) -> (Storm, mock::MockHandle) {
     let mix = FaultMix::parse(STORM).expect("storm mix parses");
     let bind = || TcpListener::bind("127.0.0.1:0");
     let primary = mock::spawn_with(bind().await.expect("bind"), mix.clone());
     let backup = mock::spawn_with(bind().await.expect("bind"), mix);
-    let down = mock::spawn_with(
-        bind().await.expect("bind"),
-        FaultMix::parse("status=503@1").expect("parses"),
-    );
-    let gateway = server::spawn(config(primary.addr, backup.addr, down.addr))
+    let gateway = server::spawn(config(primary.addr, backup.addr, backup.addr, max_ratio))
         .await
         .expect("gateway starts");
     let url = format!("http://{}/v1/chat/completions", gateway.addr);
@@ -149,11 +159,18 @@ pub async fn run(requests: usize, concurrency: usize) {
         .pool_max_idle_per_host(256)
         .build()
         .expect("client");
-
-    println!(
-        "Fault storm: {requests} requests, {concurrency} concurrent clients, route with 2 targets"
-    );
-    println!("each upstream: 20% 503, 10% 429 (Retry-After 1 s), 5% reset, 5% hang past attempt_timeout (1 s)\n");
+    let counted = || {
+        let page = telemetry::metrics_handle().render();
+        let trips = sum_by(&page, "backstop_breaker_transitions_total", "to")
+            .get("open")
+            .copied()
+            .unwrap_or(0.0);
+        let refused = sum_by(&page, "backstop_retry_budget_exhausted_total", "upstream")
+            .values()
+            .fold(0.0, |a, b| a + b);
+        (trips, refused)
+    };
+    let before = counted();
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let started = Instant::now();
     let mut tasks = Vec::new();
@@ -172,53 +189,81 @@ pub async fn run(requests: usize, concurrency: usize) {
         results.extend(t.await.unwrap_or_default());
     }
     let wall = started.elapsed();
-    let ok = results.iter().filter(|r| r.0 == 200).count();
+    let after = counted();
+    gateway.shutdown().await;
     let attempts = primary.state_total() + backup.state_total();
-    let mut latencies: Vec<Duration> = results.iter().map(|r| r.1).collect();
-    latencies.sort();
-    let mut statuses: BTreeMap<u16, usize> = BTreeMap::new();
-    for r in &results {
-        *statuses.entry(r.0).or_default() += 1;
-    }
-    let page = telemetry::metrics_handle().render();
-    let classes = sum_by(&page, "backstop_upstream_attempts_total", "class");
-    let trips = sum_by(&page, "backstop_breaker_transitions_total", "to")
-        .get("open")
-        .copied()
-        .unwrap_or(0.0);
-    let budget: f64 = sum_by(&page, "backstop_retry_budget_exhausted_total", "upstream")
-        .values()
-        .sum();
+    (
+        Storm {
+            results,
+            attempts,
+            wall,
+            trips: after.0 - before.0,
+            refused: after.1 - before.1,
+        },
+        primary,
+    )
+}
 
-    println!("| figure | value |\n|---|---|");
-    println!("| client requests | {} |", results.len());
+impl Storm {
+    /// (label, value) rows for the table.
+    fn rows(&self) -> Vec<(&'static str, String)> {
+        let n = self.results.len().max(1);
+        let ok = self.results.iter().filter(|r| r.0 == 200).count();
+        let mut latencies: Vec<Duration> = self.results.iter().map(|r| r.1).collect();
+        latencies.sort();
+        let mut statuses: BTreeMap<u16, usize> = BTreeMap::new();
+        for r in &self.results {
+            *statuses.entry(r.0).or_default() += 1;
+        }
+        vec![
+            ("client requests", self.results.len().to_string()),
+            (
+                "client-visible success",
+                format!("{ok} ({:.1}%)", ok as f64 * 100.0 / n as f64),
+            ),
+            (
+                "client statuses",
+                statuses
+                    .iter()
+                    .map(|(s, n)| format!("{s}: {n}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            ),
+            ("upstream attempts", self.attempts.to_string()),
+            (
+                "amplification (attempts / request)",
+                format!("{:.2}", self.attempts as f64 / n as f64),
+            ),
+            (
+                "latency p50 / p99",
+                format!(
+                    "{:.1} ms / {:.1} ms",
+                    pct(&latencies, 0.5),
+                    pct(&latencies, 0.99)
+                ),
+            ),
+            ("breaker trips (to open)", format!("{}", self.trips)),
+            (
+                "retries refused by the retry budget",
+                format!("{}", self.refused),
+            ),
+            ("wall time", format!("{:.1} s", self.wall.as_secs_f64())),
+        ]
+    }
+}
+
+pub async fn run(requests: usize, concurrency: usize) {
     println!(
-        "| client-visible success | {ok} ({:.1}%) |",
-        ok as f64 * 100.0 / results.len().max(1) as f64
+        "Fault storm: {requests} requests, {concurrency} concurrent clients, route with 2 targets"
     );
+    println!("each upstream: 20% 503, 10% 429 (Retry-After 1 s), 5% reset, 5% hang past attempt_timeout (1 s)\n");
+    let (adaptive, primary) = storm(requests, concurrency, 1.0).await;
+    let (fixed, _) = storm(requests, concurrency, 0.2).await;
     println!(
-        "| client statuses | {} |",
-        statuses
-            .iter()
-            .map(|(s, n)| format!("{s}: {n}"))
-            .collect::<Vec<_>>()
-            .join(", ")
+        "| figure | adaptive retry budget (default) | fixed budget (ratio 0.2) |\n|---|---|---|"
     );
-    println!("| upstream attempts | {attempts} |");
-    println!(
-        "| amplification (attempts / request) | {:.2} |",
-        attempts as f64 / results.len().max(1) as f64
-    );
-    println!(
-        "| latency p50 / p99 | {:.1} ms / {:.1} ms |",
-        pct(&latencies, 0.5),
-        pct(&latencies, 0.99)
-    );
-    println!("| breaker trips (to open) | {trips} |");
-    println!("| retries refused by the retry budget | {budget} |");
-    println!("| wall time | {:.1} s |", wall.as_secs_f64());
-    for (class, n) in &classes {
-        println!("| attempts classified {class} | {n} |");
+    for ((label, a), (_, f)) in adaptive.rows().into_iter().zip(fixed.rows()) {
+        println!("| {label} | {a} | {f} |");
     }
 
     // The same storm without Backstop: one attempt straight at one upstream.
@@ -240,6 +285,15 @@ pub async fn run(requests: usize, concurrency: usize) {
     );
 
     println!("\nHard down: one upstream answering 503 to everything (breaker threshold 5)\n");
+    let down = mock::spawn_with(
+        TcpListener::bind("127.0.0.1:0").await.expect("bind"),
+        FaultMix::parse("status=503@1").expect("parses"),
+    );
+    let gateway = server::spawn(config(primary.addr, primary.addr, down.addr, 1.0))
+        .await
+        .expect("gateway starts");
+    let url = format!("http://{}/v1/chat/completions", gateway.addr);
+    let http = reqwest::Client::new();
     let mut before_open = 0;
     let mut opened_after = None;
     for i in 0..20 {

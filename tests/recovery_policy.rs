@@ -327,10 +327,11 @@ async fn each_taxonomy_row_makes_the_exact_attempts() {
         ),
         (
             "timeout",
+            // A hang is not waited out again while a healthy target can answer now.
             vec![Fail(TransportFailure::Timeout), OK],
             200,
-            "retry:timeout,ok",
-            vec!["primary", "primary"],
+            "defer:timeout,failover:backup,ok",
+            vec!["primary", "backup"],
         ),
         // caller fault: one attempt, passed through
         (
@@ -472,6 +473,57 @@ async fn retry_after_inside_the_cap_is_waited_in_virtual_time() {
     assert_eq!(out.elapsed, Duration::from_millis(750));
 }
 
+/// A wait on one target (a Retry-After, or after a hang) is traded for an immediate
+/// attempt on a healthy second target; with no second target the first is waited on as
+/// before.
+#[tokio::test(start_paused = true)]
+async fn a_healthy_spare_target_beats_waiting() {
+    let h = harness(|c| c);
+    let script = Script::new(&[Status(429, "", &[("retry-after", "2")]), OK]);
+    let out = h.send("two", &script, LONG).await;
+    assert_eq!((out.status, out.elapsed), (200, Duration::ZERO));
+    assert_eq!(out.recovery, "defer:429,failover:backup,ok");
+    assert_eq!(script.upstreams(), ["primary", "backup"]);
+
+    let h = harness(|c| c);
+    let script = Script::new(&[Fail(TransportFailure::Timeout), OK]);
+    let out = h.send("one", &script, LONG).await;
+    assert_eq!(
+        out.recovery, "retry:timeout,ok",
+        "no spare: retried in place"
+    );
+    assert_eq!(script.upstreams(), ["primary", "primary"]);
+
+    // The spare failing too, the deferred target resumes with its attempts left, once
+    // its Retry-After has passed.
+    let h = harness(|c| c);
+    let script = Script::new(&[
+        Status(429, "", &[("retry-after", "2")]),
+        E503,
+        E503,
+        E503,
+        OK,
+    ]);
+    let out = h.send("two", &script, LONG).await;
+    assert_eq!(out.status, 200);
+    assert_eq!(
+        out.recovery,
+        "defer:429,failover:backup,retry:503,retry:503,giveup:503,failover:primary,ok"
+    );
+    assert_eq!(
+        script.upstreams(),
+        ["primary", "backup", "backup", "backup", "primary"]
+    );
+    assert!(out.elapsed >= Duration::from_secs(2), "{:?}", out.elapsed);
+    assert!(script.calls()[4].2 >= Duration::from_secs(2));
+
+    // A 429 without Retry-After waits only the backoff: retried in place.
+    let h = harness(|c| c);
+    let script = Script::new(&[Status(429, "", &[]), OK]);
+    let out = h.send("two", &script, LONG).await;
+    assert_eq!(out.recovery, "retry:429,ok");
+}
+
 #[tokio::test(start_paused = true)]
 async fn retry_after_beyond_the_cap_fails_fast_with_the_upstreams_answer() {
     let h = harness(|c| c);
@@ -592,7 +644,28 @@ async fn credential_failures_open_the_breaker_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn the_retry_budget_caps_retries_during_an_outage() {
-    // Floor 2, ratio 0.2, threshold high enough that the breaker stays out of it.
+    // A fixed budget (max ratio = ratio): floor 2, ratio 0.2, threshold high enough
+    // that the breaker stays out of it.
+    let h = harness(|c| {
+        c.replace(
+            "budget_floor = 10",
+            "budget_floor = 2\nbudget_max_ratio = 0.2",
+        )
+        .replace("failure_threshold = 5", "failure_threshold = 100000")
+    });
+    let down = Script::new(&[E503]);
+    for _ in 0..100 {
+        h.send("one", &down, LONG).await;
+    }
+    // 100 first attempts, at most 2 + 0.2 × 100 = 22 retries.
+    assert_eq!(down.calls().len(), 100 + 22);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_adaptive_budget_clamps_an_outage_and_spends_on_a_storm() {
+    // Adaptive (the default, up to 1.0 while retries work): in an outage every retry
+    // fails, so the allowance falls to the ratio; only the first retries, granted before
+    // any failed, get more. Same floor and threshold as above.
     let h = harness(|c| {
         c.replace("budget_floor = 10", "budget_floor = 2")
             .replace("failure_threshold = 5", "failure_threshold = 100000")
@@ -601,6 +674,24 @@ async fn the_retry_budget_caps_retries_during_an_outage() {
     for _ in 0..100 {
         h.send("one", &down, LONG).await;
     }
-    // 100 first attempts, at most 2 + 0.2 × 100 = 22 retries.
-    assert_eq!(down.calls().len(), 100 + 22);
+    let retries = down.calls().len() - 100;
+    assert!(
+        (22..=27).contains(&retries),
+        "{retries} retries for 100 requests"
+    );
+
+    // A storm where every other attempt fails and retries work: each request's one
+    // retry is granted, far beyond a fixed 20%.
+    let h = harness(|c| {
+        c.replace("budget_floor = 10", "budget_floor = 2")
+            .replace("failure_threshold = 5", "failure_threshold = 100000")
+    });
+    let plays: Vec<Play> = (0..100).flat_map(|_| [E503, OK]).collect();
+    let storm = Script::new(&plays);
+    let mut ok = 0;
+    for _ in 0..100 {
+        ok += usize::from(h.send("one", &storm, LONG).await.status == 200);
+    }
+    assert_eq!(ok, 100, "every request's retry was granted and worked");
+    assert_eq!(storm.calls().len(), 200);
 }

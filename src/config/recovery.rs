@@ -17,8 +17,12 @@ pub struct RetryConfig {
     /// A longer `Retry-After` (or one past the deadline) is not waited: fail fast.
     #[serde(with = "humantime_serde")]
     pub max_retry_after: Duration,
-    /// Retries may add at most this fraction over first attempts (rolling window).
+    /// Retries may add this fraction over first attempts (rolling window) when recent
+    /// retries fail: the most an outage is amplified.
     pub budget_ratio: f64,
+    /// ... and up to this fraction when recent retries succeed (a storm of independent
+    /// faults). Equal to `budget_ratio`: a fixed budget.
+    pub budget_max_ratio: f64,
     /// Retries always allowed per window per upstream, however quiet it is.
     pub budget_floor: u32,
     #[serde(with = "humantime_serde")]
@@ -33,6 +37,7 @@ impl Default for RetryConfig {
             max_delay: Duration::from_secs(5),
             max_retry_after: Duration::from_secs(10),
             budget_ratio: 0.2,
+            budget_max_ratio: 1.0,
             budget_floor: 10,
             budget_window: Duration::from_secs(10),
         }
@@ -56,6 +61,12 @@ impl RetryConfig {
         if !(0.0..=10.0).contains(&self.budget_ratio) || self.budget_ratio.is_nan() {
             return Err(ConfigError::invalid(
                 "retry.budget_ratio",
+                "must be between 0 and 10",
+            ));
+        }
+        if !(0.0..=10.0).contains(&self.budget_max_ratio) || self.budget_max_ratio.is_nan() {
+            return Err(ConfigError::invalid(
+                "retry.budget_max_ratio",
                 "must be between 0 and 10",
             ));
         }

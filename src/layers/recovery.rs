@@ -180,7 +180,24 @@ enum Failure {
 enum Next {
     Answer(Result<Answered, GatewayError>),
     Failover,
+    /// Try the other targets first, then come back to this one with the attempts it has
+    /// left, not before `not_before` (its Retry-After).
+    Defer {
+        used: u32,
+        not_before: Instant,
+        reason: Reason,
+    },
     ContextFallback,
+}
+
+/// A target in the queue: how many of its attempts are used, and how long to wait
+/// before the next one (a deferred Retry-After).
+struct Visit<'a> {
+    by: AnsweredBy,
+    target: &'a Target,
+    used: u32,
+    /// A deferred target: its Retry-After, and the failure it resumes after.
+    deferred: Option<(Instant, Reason)>,
 }
 
 /// What one classified attempt means.
@@ -282,13 +299,18 @@ where
         let deadline = call.deadline.at;
         let api = call.endpoint().api();
         let route = call.route.clone();
-        let mut queue: VecDeque<(AnsweredBy, &Target)> = route
+        let mut queue: VecDeque<Visit<'_>> = route
             .targets
             .iter()
             .enumerate()
             .skip(call.start.0)
             .filter(|(_, t)| t.upstream.api == api)
-            .map(|(i, t)| (AnsweredBy::Target(TargetIndex(i)), t))
+            .map(|(i, target)| Visit {
+                by: AnsweredBy::Target(TargetIndex(i)),
+                target,
+                used: 0,
+                deferred: None,
+            })
             .collect();
         if queue.is_empty() {
             // Nothing past `start` speaks the caller's API: a route/endpoint mismatch.
@@ -305,7 +327,23 @@ where
         let mut last: Option<Failure> = None;
         let mut open_for: Option<Duration> = None;
         let mut first = true;
-        while let Some((by, target)) = queue.pop_front() {
+        while let Some(Visit {
+            by,
+            target,
+            used,
+            deferred,
+        }) = queue.pop_front()
+        {
+            if let Some((at, reason)) = deferred {
+                // Resuming is a retry of that target: the budget has its say, and its
+                // Retry-After is waited only now that the others failed.
+                let health = self.health.get(&target.upstream.name);
+                if !health.is_some_and(|h| h.withdraw(Instant::now())) {
+                    self.trail.steps.push(Step::Budget(reason));
+                    continue;
+                }
+                tokio::time::sleep_until(at.min(deadline)).await;
+            }
             if !first {
                 self.trail
                     .steps
@@ -313,8 +351,14 @@ where
                 metrics::counter!("backstop_failovers_total", "to" => target.upstream.name.to_string()).increment(1);
             }
             first = false;
+            // A healthy target still to come: worth more than waiting on this one.
+            let spare = queue.iter().any(|v| {
+                self.health
+                    .get(&v.target.upstream.name)
+                    .is_some_and(|h| h.is_closed())
+            });
             match self
-                .try_target(&call, target, &mut last, &mut open_for)
+                .try_target(&call, target, used, spare, &mut last, &mut open_for)
                 .await
             {
                 Next::Answer(mut result) => {
@@ -324,6 +368,16 @@ where
                     return self.finish(result, &call);
                 }
                 Next::Failover => {}
+                Next::Defer {
+                    used,
+                    not_before,
+                    reason,
+                } => queue.push_back(Visit {
+                    by,
+                    target,
+                    used,
+                    deferred: Some((not_before, reason)),
+                }),
                 Next::ContextFallback => match route
                     .context_fallback
                     .as_ref()
@@ -331,7 +385,12 @@ where
                 {
                     Some(fallback) => {
                         queue.clear();
-                        queue.push_back((AnsweredBy::ContextFallback, fallback));
+                        queue.push_back(Visit {
+                            by: AnsweredBy::ContextFallback,
+                            target: fallback,
+                            used: 0,
+                            deferred: None,
+                        });
                     }
                     None => break,
                 },
@@ -355,6 +414,8 @@ where
         &mut self,
         call: &Call,
         target: &Target,
+        used: u32,
+        spare: bool,
         last: &mut Option<Failure>,
         open_for: &mut Option<Duration>,
     ) -> Next {
@@ -364,7 +425,7 @@ where
             return Next::Answer(Err(GatewayError::Internal));
         };
         let deadline = call.deadline.at;
-        for attempt_no in 0..self.policy.max_attempts {
+        for attempt_no in used..self.policy.max_attempts {
             let now = Instant::now();
             let admitted = match health.admit(now) {
                 Ok(admission) => Admitted {
@@ -398,7 +459,12 @@ where
             metrics::counter!("backstop_upstream_attempts_total", "upstream" => upstream.name.to_string(), "class" => tried.class.label()).increment(1);
             let opened = admitted.settle(verdict(&tried.class)) == Some(Transition::Opened);
             tracing::debug!(upstream = %upstream.name, attempt = attempt_no + 1, class = tried.class.label(), reason = %tried.reason, "upstream attempt");
-            let (failure, retry_after, reason) = match self.judge(call, tried, upstream, timeout) {
+            let judged = self.judge(call, tried, upstream, timeout);
+            if attempt_no > 0 {
+                // What the retry budget learns: did the retry it granted work?
+                health.record_retry(Instant::now(), matches!(judged, Judged::Go(_)));
+            }
+            let (failure, retry_after, reason) = match judged {
                 Judged::Go(next) => return next,
                 Judged::Failed {
                     failure,
@@ -415,6 +481,22 @@ where
                 self.trail.steps.push(Step::GiveUp(reason));
                 return Next::Failover;
             };
+            // Waiting here (the upstream's Retry-After, or after a hang) is slower than
+            // an attempt on a healthy target now.
+            // (A Retry-After past the cap or the deadline is not waited at all: below.)
+            let waitable =
+                |d: Duration| d <= self.policy.max_retry_after && Instant::now() + d < deadline;
+            let waits = retry_after.is_some_and(|d| !d.is_zero() && waitable(d))
+                || reason == Reason::Transport(TransportFailure::Timeout);
+            if spare && waits {
+                // Not given up: the other targets go first, then this one resumes.
+                self.trail.steps.push(Step::Defer(reason));
+                return Next::Defer {
+                    used: attempt_no + 1,
+                    not_before: Instant::now() + retry_after.unwrap_or_default(),
+                    reason,
+                };
+            }
             if !self
                 .wait_to_retry(
                     health,

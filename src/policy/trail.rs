@@ -39,6 +39,9 @@ pub enum Step {
     Retry(Reason),
     /// A failure this target will not be asked again for.
     GiveUp(Reason),
+    /// A failure whose wait here (a Retry-After, a hang) is traded for the next target
+    /// now; this target resumes with its attempts left if the others fail.
+    Defer(Reason),
     /// A transient failure not retried: the upstream's retry budget is spent.
     Budget(Reason),
     /// The caller's fault, passed through unchanged.
@@ -63,6 +66,7 @@ impl fmt::Display for Step {
             Step::Ok => f.write_str("ok"),
             Step::Retry(r) => write!(f, "retry:{r}"),
             Step::GiveUp(r) => write!(f, "giveup:{r}"),
+            Step::Defer(r) => write!(f, "defer:{r}"),
             Step::Budget(r) => write!(f, "budget:{r}"),
             Step::Pass(r) => write!(f, "pass:{r}"),
             Step::Failover(to) => write!(f, "failover:{to}"),

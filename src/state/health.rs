@@ -79,6 +79,16 @@ impl UpstreamHealth {
         granted
     }
 
+    /// How a retry the budget granted went (an answer, or another failure).
+    pub fn record_retry(&self, now: Instant, worked: bool) {
+        lock(&self.budget).record(now, worked);
+    }
+
+    /// Whether the breaker lets traffic through unhindered now (closed).
+    pub fn is_closed(&self) -> bool {
+        matches!(lock(&self.breaker).state(), BreakerState::Closed { .. })
+    }
+
     /// The breaker as the admin API shows it.
     pub fn snapshot(&self, now: Instant) -> Value {
         match lock(&self.breaker).state() {
@@ -115,7 +125,13 @@ impl HealthRegistry {
             .upstreams
             .iter()
             .map(|u| {
-                let budget = RetryBudget::new(r.budget_ratio, r.budget_floor, r.budget_window, now);
+                let budget = RetryBudget::new(
+                    r.budget_ratio,
+                    r.budget_max_ratio,
+                    r.budget_floor,
+                    r.budget_window,
+                    now,
+                );
                 (
                     u.name.clone(),
                     UpstreamHealth::new(&u.name, breaker, budget, now),
