@@ -28,7 +28,9 @@ fn config(
     backup: std::net::SocketAddr,
     down: std::net::SocketAddr,
     max_ratio: f64,
+    hedge: Option<&str>,
 ) -> Config {
+    let hedge = hedge.map_or(String::new(), |after| format!("hedge_after = \"{after}\""));
     let text = format!(
         r#"
 [server]
@@ -69,6 +71,7 @@ attempt_timeout = "1s"
 [[routes]]
 model = "gpt-*"
 targets = [{{ upstream = "primary" }}, {{ upstream = "backup" }}]
+{hedge}
 [[routes]]
 model = "down-model"
 targets = [{{ upstream = "down" }}]
@@ -146,14 +149,25 @@ struct Storm {
 /// The storm against two fresh mocks through a fresh gateway whose retry budget goes up
 /// to `max_ratio` (0.2: the fixed budget). Metrics are process-wide: what this storm
 /// added is read as the difference.
-async fn storm(requests: usize, concurrency: usize, max_ratio: f64) -> (Storm, mock::MockHandle) {
+async fn storm(
+    requests: usize,
+    concurrency: usize,
+    max_ratio: f64,
+    hedge: Option<&str>,
+) -> (Storm, mock::MockHandle) {
     let mix = FaultMix::parse(STORM).expect("storm mix parses");
     let bind = || TcpListener::bind("127.0.0.1:0");
     let primary = mock::spawn_with(bind().await.expect("bind"), mix.clone());
     let backup = mock::spawn_with(bind().await.expect("bind"), mix);
-    let gateway = server::spawn(config(primary.addr, backup.addr, backup.addr, max_ratio))
-        .await
-        .expect("gateway starts");
+    let gateway = server::spawn(config(
+        primary.addr,
+        backup.addr,
+        backup.addr,
+        max_ratio,
+        hedge,
+    ))
+    .await
+    .expect("gateway starts");
     let url = format!("http://{}/v1/chat/completions", gateway.addr);
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(256)
@@ -257,13 +271,17 @@ pub async fn run(requests: usize, concurrency: usize) {
         "Fault storm: {requests} requests, {concurrency} concurrent clients, route with 2 targets"
     );
     println!("each upstream: 20% 503, 10% 429 (Retry-After 1 s), 5% reset, 5% hang past attempt_timeout (1 s)\n");
-    let (adaptive, primary) = storm(requests, concurrency, 1.0).await;
-    let (fixed, _) = storm(requests, concurrency, 0.2).await;
-    println!(
-        "| figure | adaptive retry budget (default) | fixed budget (ratio 0.2) |\n|---|---|---|"
-    );
-    for ((label, a), (_, f)) in adaptive.rows().into_iter().zip(fixed.rows()) {
-        println!("| {label} | {a} | {f} |");
+    let (adaptive, primary) = storm(requests, concurrency, 1.0, None).await;
+    let (hedged, _) = storm(requests, concurrency, 1.0, Some("300ms")).await;
+    let (fixed, _) = storm(requests, concurrency, 0.2, None).await;
+    println!("| figure | adaptive retry budget (default) | adaptive + `hedge_after = \"300ms\"` | fixed budget (ratio 0.2) |\n|---|---|---|---|");
+    for (((label, a), (_, h)), (_, f)) in adaptive
+        .rows()
+        .into_iter()
+        .zip(hedged.rows())
+        .zip(fixed.rows())
+    {
+        println!("| {label} | {a} | {h} | {f} |");
     }
 
     // The same storm without Backstop: one attempt straight at one upstream.
@@ -289,7 +307,7 @@ pub async fn run(requests: usize, concurrency: usize) {
         TcpListener::bind("127.0.0.1:0").await.expect("bind"),
         FaultMix::parse("status=503@1").expect("parses"),
     );
-    let gateway = server::spawn(config(primary.addr, primary.addr, down.addr, 1.0))
+    let gateway = server::spawn(config(primary.addr, primary.addr, down.addr, 1.0, None))
         .await
         .expect("gateway starts");
     let url = format!("http://{}/v1/chat/completions", gateway.addr);

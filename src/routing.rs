@@ -24,6 +24,8 @@ pub struct Route {
     pub response_schema: Option<Arc<serde_json::Value>>,
     /// The route's `validation.stream`, if it overrides the global one.
     pub validation_stream: Option<crate::config::StreamValidation>,
+    /// `hedge_after`: when a second attempt races a slow first one (off when `None`).
+    pub hedge_after: Option<std::time::Duration>,
 }
 
 #[derive(Debug, Default)]
@@ -53,6 +55,7 @@ impl RouteTable {
                 context_fallback: route.context_fallback.as_ref().map(target),
                 response_schema: route.response_schema_value.clone(),
                 validation_stream: route.validation.stream,
+                hedge_after: route.hedge_after,
             });
             if !route.is_glob() {
                 table.ids.push(route.model.clone());

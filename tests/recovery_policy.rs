@@ -473,6 +473,48 @@ async fn retry_after_inside_the_cap_is_waited_in_virtual_time() {
     assert_eq!(out.elapsed, Duration::from_millis(750));
 }
 
+/// Hedging (opt-in per route): a first attempt slower than `hedge_after` gets a second
+/// on the next target; the first answer wins and the slow one is cancelled. A fast
+/// answer is never hedged; a hedge that fails leaves the first attempt to finish.
+#[tokio::test(start_paused = true)]
+async fn a_slow_first_attempt_is_hedged_on_the_next_target() {
+    let hedged = |c: String| {
+        c.replace(
+            "context_fallback = { upstream = \"big\", model = \"big-context\" }",
+            "context_fallback = { upstream = \"big\", model = \"big-context\" }\nhedge_after = \"100ms\"",
+        )
+    };
+    let h = harness(hedged);
+    let script = Script::new(&[Fail(TransportFailure::Timeout), OK]);
+    let out = h.send("two", &script, LONG).await;
+    assert_eq!(out.status, 200);
+    assert_eq!(out.recovery, "hedge:backup,ok");
+    assert_eq!(out.elapsed, Duration::from_millis(100));
+    assert_eq!(script.upstreams(), ["primary", "backup"]);
+
+    let h = harness(hedged);
+    let script = Script::new(&[OK]);
+    let out = h.send("two", &script, LONG).await;
+    assert_eq!(out.recovery, "ok", "answered before hedge_after: no hedge");
+    assert_eq!(script.upstreams(), ["primary"]);
+
+    // The hedge fails at once (a 503 whose Retry-After is past the cap): the first run
+    // goes on, fails over after its timeout, and its answer is the one returned.
+    let h = harness(hedged);
+    let script = Script::new(&[
+        Fail(TransportFailure::Timeout),
+        Status(503, "", &[("retry-after", "30")]),
+        OK,
+    ]);
+    let out = h.send("two", &script, LONG).await;
+    assert_eq!(out.status, 200, "{:?}", out.error);
+    assert_eq!(script.upstreams(), ["primary", "backup", "backup"]);
+    assert_eq!(
+        out.recovery,
+        "hedge:backup,giveup:503,defer:timeout,failover:backup,ok"
+    );
+}
+
 /// A wait on one target (a Retry-After, or after a hang) is traded for an immediate
 /// attempt on a healthy second target; with no second target the first is waited on as
 /// before.

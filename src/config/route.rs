@@ -25,6 +25,10 @@ pub struct RouteConfig {
     /// Overrides of `[validation]` for this route (`stream`).
     #[serde(default)]
     pub validation: super::validation::RouteValidation,
+    /// Hedging (off by default): a non-streaming request whose first target has not
+    /// answered after this long also goes to the next target; the first answer wins.
+    #[serde(default, with = "humantime_serde")]
+    pub hedge_after: Option<std::time::Duration>,
     /// The schema, loaded from `response_schema` and checked to compile.
     #[serde(skip)]
     pub response_schema_value: Option<std::sync::Arc<serde_json::Value>>,
@@ -58,6 +62,20 @@ impl RouteConfig {
         }
         if let Some(fallback) = &self.context_fallback {
             fallback.validate(&format!("{key}.context_fallback"), upstreams)?;
+        }
+        if let Some(after) = self.hedge_after {
+            if after.is_zero() {
+                return Err(ConfigError::invalid(
+                    format!("{key}.hedge_after"),
+                    "must be greater than 0",
+                ));
+            }
+            if self.targets.len() < 2 {
+                return Err(ConfigError::invalid(
+                    format!("{key}.hedge_after"),
+                    "hedging needs a second target to send the hedge to",
+                ));
+            }
         }
         let pattern = wildmatch::WildMatch::new(&self.model);
         for (i, id) in self.models.iter().enumerate() {

@@ -219,3 +219,25 @@ fn budget_values_must_be_positive_and_are_named_by_key() {
     let err = error_of(&format!("[billing]\nunpriced = \"maybe\"\n{BASE}"));
     assert!(err.contains("billing.unpriced"), "{err}");
 }
+
+#[test]
+fn hedging_needs_a_delay_and_a_second_target() {
+    let one = BASE.replace(
+        "targets = [{ upstream = \"openai\" }, { upstream = \"openai\", model = \"gpt-4.1-mini\" }]",
+        "targets = [{ upstream = \"openai\" }]\nhedge_after = \"300ms\"",
+    );
+    assert!(error_of(&one).contains("routes[0].hedge_after"));
+    let zero = BASE.replace(
+        "targets = [{ upstream = \"openai\" }, { upstream = \"openai\", model = \"gpt-4.1-mini\" }]",
+        "targets = [{ upstream = \"openai\" }, { upstream = \"openai\", model = \"gpt-4.1-mini\" }]\nhedge_after = \"0s\"",
+    );
+    assert!(error_of(&zero).contains("routes[0].hedge_after"));
+    let ok = BASE.replace(
+        "targets = [{ upstream = \"openai\" }, { upstream = \"openai\", model = \"gpt-4.1-mini\" }]",
+        "targets = [{ upstream = \"openai\" }, { upstream = \"openai\", model = \"gpt-4.1-mini\" }]\nhedge_after = \"300ms\"",
+    );
+    assert_eq!(
+        load(&ok).unwrap().routes[0].hedge_after,
+        Some(std::time::Duration::from_millis(300))
+    );
+}

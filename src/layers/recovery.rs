@@ -131,13 +131,70 @@ where
     type Error = GatewayError;
 
     async fn call(&self, inner: S, call: Call) -> Result<Answered, GatewayError> {
-        let run = Run {
+        let run = |inner| Run {
             inner,
             policy: self.policy.clone(),
             health: self.health.clone(),
             trail: Trail::default(),
         };
-        run.recover(call).await
+        let hedge = call
+            .route
+            .hedge_after
+            .filter(|_| !call.request.stream)
+            .and_then(|after| Some((after, self.hedge_target(&call)?)));
+        let Some((after, to)) = hedge else {
+            return run(inner).recover(call).await;
+        };
+        // The first run, and after `after` without an answer a second from the next
+        // healthy target: the first success wins and the other is dropped (its attempt
+        // is cancelled and charged as any unfinished attempt is).
+        let mut hedged = call.clone();
+        hedged.start = to;
+        let first = run(inner.clone()).recover(call.clone());
+        tokio::pin!(first);
+        tokio::select! {
+            result = &mut first => return result,
+            _ = tokio::time::sleep(after) => {}
+        }
+        let name = call.route.targets[to.0].upstream.name.clone();
+        metrics::counter!("backstop_hedges_total", "to" => name.to_string()).increment(1);
+        call.log.push_step(Step::Hedge(name));
+        let second = run(inner).recover(hedged);
+        tokio::pin!(second);
+        let won = |r: &Result<Answered, GatewayError>| {
+            r.as_ref().is_ok_and(|a| a.reply.status.is_success())
+        };
+        tokio::select! {
+            result = &mut first => if won(&result) { result } else {
+                let other = second.await;
+                if won(&other) { other } else { result }
+            },
+            result = &mut second => if won(&result) { result } else {
+                let other = first.await;
+                if won(&other) { other } else { result }
+            },
+        }
+    }
+}
+
+impl RecoveryLayer {
+    /// Where a hedge goes: the first target after the call's start that speaks its API
+    /// and whose breaker is closed.
+    fn hedge_target(&self, call: &Call) -> Option<TargetIndex> {
+        let api = call.endpoint().api();
+        call.route
+            .targets
+            .iter()
+            .enumerate()
+            .skip(call.start.0 + 1)
+            .find(|(_, t)| {
+                t.upstream.api == api
+                    && self
+                        .health
+                        .get(&t.upstream.name)
+                        .is_some_and(|h| h.is_closed())
+            })
+            .map(|(i, _)| TargetIndex(i))
     }
 }
 

@@ -52,9 +52,16 @@ pub struct MockState {
     scenarios: Mutex<HashMap<String, Scenario>>,
     /// Faults for requests that script none (`--fault-mix`).
     mix: FaultMix,
+    /// The draws for `mix`: seeded for reproducible scenarios, else from entropy.
+    rng: Mutex<fastrand::Rng>,
 }
 
 impl MockState {
+    /// The next draw in [0, 1) for a fault mix.
+    fn draw(&self) -> f64 {
+        self.rng.lock().unwrap_or_else(|e| e.into_inner()).f64()
+    }
+
     /// Counts an attempt and returns its 0-based index within the scenario.
     fn record(&self, scenario: Option<&str>, last: impl FnOnce() -> Value) -> u64 {
         self.total.fetch_add(1, Ordering::Relaxed);
@@ -146,11 +153,18 @@ pub fn spawn(listener: TcpListener) -> MockHandle {
 
 /// Serves the mock, playing `mix` for requests that script no fault of their own.
 pub fn spawn_with(listener: TcpListener, mix: FaultMix) -> MockHandle {
+    spawn_seeded(listener, mix, fastrand::u64(..))
+}
+
+/// As [`spawn_with`], drawing the mix's faults from `seed`: the same seed plays the
+/// same sequence of faults (which request gets which still depends on arrival order).
+pub fn spawn_seeded(listener: TcpListener, mix: FaultMix, seed: u64) -> MockHandle {
     let addr = listener
         .local_addr()
         .expect("bound listener has an address");
     let state = Arc::new(MockState {
         mix,
+        rng: Mutex::new(fastrand::Rng::with_seed(seed)),
         ..MockState::default()
     });
     let shared = state.clone();
@@ -227,8 +241,8 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
     let step = match header_str(&parts.headers, "x-mock-fault") {
         Some(script) => FaultStep::for_attempt(script, attempt),
         None => match header_str(&parts.headers, "x-mock-fault-mix").map(FaultMix::parse) {
-            Some(Ok(mix)) => mix.pick(fastrand::f64()),
-            _ if !state.mix.is_empty() => state.mix.pick(fastrand::f64()),
+            Some(Ok(mix)) => mix.pick(state.draw()),
+            _ if !state.mix.is_empty() => state.mix.pick(state.draw()),
             _ => FaultStep::default(),
         },
     };

@@ -48,6 +48,8 @@ pub enum Step {
     Pass(Reason),
     /// The next target is tried.
     Failover(Arc<str>),
+    /// The first target is slow (`hedge_after`): this target is asked too, at once.
+    Hedge(Arc<str>),
     /// The upstream's breaker is open: skipped without a call.
     Open(Arc<str>),
     /// `context_length_exceeded` sent to the route's context fallback.
@@ -70,6 +72,7 @@ impl fmt::Display for Step {
             Step::Budget(r) => write!(f, "budget:{r}"),
             Step::Pass(r) => write!(f, "pass:{r}"),
             Step::Failover(to) => write!(f, "failover:{to}"),
+            Step::Hedge(to) => write!(f, "hedge:{to}"),
             Step::Open(upstream) => write!(f, "open:{upstream}"),
             Step::Fallback(to) => write!(f, "fallback:{to}"),
             Step::Refused(code) => write!(f, "refused:{code}"),

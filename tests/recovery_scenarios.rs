@@ -1,0 +1,292 @@
+//! Recovery scenarios end to end: the real server in front of real mocks whose faults are
+//! drawn from fixed seeds. Each asserts counts (success, attempts per request, exact
+//! attempts, breaker refusals), never timings; latencies are printed (`--nocapture`) and
+//! measured by `backstop demo`.
+
+use std::{
+    sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use backstop::{
+    config::Config,
+    mock::{self, FaultMix, MockHandle},
+    server,
+};
+use serde_json::Value;
+use tokio::net::TcpListener;
+
+const KEY: &str = "bk-scenario-key-0001";
+
+async fn mock_on(mix: &str, seed: u64) -> MockHandle {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    mock::spawn_seeded(listener, FaultMix::parse(mix).unwrap(), seed)
+}
+
+/// A gateway with route `gpt-*` over `primary` then `backup`, the demo's recovery
+/// settings, and `breaker` appended to `[breaker]`. Both upstreams get the client's
+/// `x-mock-*` headers unless `backup_scripted` is false.
+async fn gateway(
+    primary: &MockHandle,
+    backup: &MockHandle,
+    breaker: &str,
+    backup_scripted: bool,
+) -> server::ServerHandle {
+    let backup_forwards = if backup_scripted {
+        "forward_headers = [\"x-mock-*\"]"
+    } else {
+        ""
+    };
+    let text = format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+request_timeout = "30s"
+[log]
+level = "error"
+[store]
+path = ":memory:"
+[retry]
+max_attempts = 3
+base_delay = "200ms"
+max_delay = "5s"
+max_retry_after = "10s"
+[breaker]
+failure_threshold = 5
+{breaker}
+[[upstreams]]
+name = "primary"
+api = "openai"
+forward_headers = ["x-mock-*"]
+base_url = "http://{primary}"
+attempt_timeout = "1s"
+[[upstreams]]
+name = "backup"
+api = "openai"
+{backup_forwards}
+base_url = "http://{backup}"
+attempt_timeout = "1s"
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "primary" }}, {{ upstream = "backup" }}]
+[[tenants]]
+name = "scenarios"
+api_keys = ["{KEY}"]
+"#,
+        primary = primary.addr,
+        backup = backup.addr,
+    );
+    server::spawn(Config::from_toml_with_env(&text, |_| None).unwrap())
+        .await
+        .unwrap()
+}
+
+struct Outcome {
+    status: u16,
+    code: String,
+    took: Duration,
+    recovery: String,
+}
+
+async fn call(http: &reqwest::Client, url: &str, headers: &[(&str, &str)]) -> Outcome {
+    let started = Instant::now();
+    let mut req = http
+        .post(url)
+        .bearer_auth(KEY)
+        .header("content-type", "application/json")
+        .body(r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello"}]}"#);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = req.send().await.unwrap();
+    let status = resp.status().as_u16();
+    let recovery = resp
+        .headers()
+        .get("x-backstop-recovery")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    let body: Value = serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap_or_default();
+    Outcome {
+        status,
+        code: body["error"]["code"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
+        took: started.elapsed(),
+        recovery,
+    }
+}
+
+/// `total` requests over `concurrency` closed-loop clients.
+async fn drive(
+    url: &str,
+    total: usize,
+    concurrency: usize,
+    headers: &'static [(&'static str, &'static str)],
+) -> Vec<Outcome> {
+    let http = reqwest::Client::new();
+    let next = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let (http, url, next) = (http.clone(), url.to_string(), next.clone());
+            tokio::spawn(async move {
+                let mut out = Vec::new();
+                while next.fetch_add(1, Ordering::Relaxed) < total {
+                    out.push(call(&http, &url, headers).await);
+                }
+                out
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    all
+}
+
+fn p99_ms(outcomes: &[Outcome]) -> f64 {
+    let mut took: Vec<Duration> = outcomes.iter().map(|o| o.took).collect();
+    took.sort();
+    took[(took.len() - 1) * 99 / 100].as_secs_f64() * 1e3
+}
+
+/// The storm of issue 14: each attempt on either target fails 20% with 503, 10% with
+/// 429 (Retry-After 1 s), 5% by a reset, 5% by hanging past the 1 s attempt timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transient_storm_is_recovered_at_low_amplification() {
+    let primary = mock_on(backstop::demo::STORM, 14).await;
+    let backup = mock_on(backstop::demo::STORM, 41).await;
+    let gw = gateway(&primary, &backup, "", true).await;
+    let url = format!("http://{}/v1/chat/completions", gw.addr);
+    let outcomes = drive(&url, 600, 32, &[]).await;
+    let ok = outcomes.iter().filter(|o| o.status == 200).count();
+    let attempts = primary.state_total() + backup.state_total();
+    let per_request = attempts as f64 / outcomes.len() as f64;
+    println!(
+        "storm: {ok}/600 succeeded, {per_request:.2} attempts per request, p99 {:.0} ms",
+        p99_ms(&outcomes)
+    );
+    let mut slow: Vec<&Outcome> = outcomes.iter().collect();
+    slow.sort_by_key(|o| std::cmp::Reverse(o.took));
+    for o in slow.iter().take(8) {
+        println!("slow: {:?} {} {}", o.took, o.status, o.recovery);
+    }
+    assert!(ok * 1000 >= 600 * 990, "{ok} of 600 succeeded");
+    assert!(per_request <= 1.7, "{per_request:.2} attempts per request");
+}
+
+/// Both targets answer 503 to everything: each breaker opens after `failure_threshold`
+/// attempts, and from then on requests are refused without touching the network.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hard_down_route_costs_almost_nothing() {
+    let primary = mock_on("status=503@1", 1).await;
+    let backup = mock_on("status=503@1", 2).await;
+    let gw = gateway(&primary, &backup, "open_for = \"60s\"", true).await;
+    let url = format!("http://{}/v1/chat/completions", gw.addr);
+    let outcomes = drive(&url, 200, 1, &[]).await;
+    assert_eq!(
+        primary.state_total(),
+        5,
+        "the primary's breaker opened at its threshold"
+    );
+    assert_eq!(backup.state_total(), 5, "and the backup's");
+    let attempts = primary.state_total() + backup.state_total();
+    assert!(attempts as f64 / 200.0 <= 0.2);
+    let refused: Vec<_> = outcomes
+        .iter()
+        .filter(|o| o.code == "circuit_open")
+        .collect();
+    assert!(
+        refused.len() >= 195,
+        "{} refused as circuit_open",
+        refused.len()
+    );
+    assert!(refused.iter().all(|o| o.status == 503));
+    let mut took: Vec<Duration> = refused.iter().map(|o| o.took).collect();
+    took.sort();
+    println!(
+        "hard down: {attempts} attempts for 200 requests; refusals p50 {:?}",
+        took[took.len() / 2]
+    );
+}
+
+/// A brownout: the primary fails 90%, the backup is healthy. The primary's breaker
+/// takes it out of the way, and once it recovers, traffic goes back to it within its
+/// probe interval (`open_for`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_browned_out_target_is_ejected_and_readmitted_when_it_recovers() {
+    // The brownout is the client's `x-mock-fault-mix`, which only the primary is given:
+    // when the client stops sending it, the primary has recovered.
+    let primary = mock_on("", 7).await;
+    let backup = mock_on("", 8).await;
+    let gw = gateway(&primary, &backup, "open_for = \"1s\"", false).await;
+    let url = format!("http://{}/v1/chat/completions", gw.addr);
+    let outcomes = drive(&url, 400, 8, &[("x-mock-fault-mix", "status=503@0.9")]).await;
+    let ok = outcomes.iter().filter(|o| o.status == 200).count();
+    let attempts = primary.state_total() + backup.state_total();
+    let per_request = attempts as f64 / 400.0;
+    println!("brownout: {ok}/400 succeeded, {per_request:.2} attempts per request");
+    assert!(ok * 1000 >= 400 * 995, "{ok} of 400 succeeded");
+    assert!(per_request <= 1.2, "{per_request:.2} attempts per request");
+
+    // Recovered: within the probe interval the breaker half-opens, the probe succeeds,
+    // and the primary serves everything again.
+    let http = reqwest::Client::new();
+    let (started, served) = (Instant::now(), primary.state_total());
+    while primary.state_total() == served && started.elapsed() < Duration::from_secs(5) {
+        assert_eq!(call(&http, &url, &[]).await.status, 200);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "traffic never went back to the primary"
+    );
+    println!(
+        "brownout: the primary served again after {:?}",
+        started.elapsed()
+    );
+    let before = (primary.state_total(), backup.state_total());
+    for _ in 0..20 {
+        assert_eq!(call(&http, &url, &[]).await.status, 200);
+    }
+    assert_eq!(
+        primary.state_total() - before.0,
+        20,
+        "all traffic is the primary's again"
+    );
+    assert_eq!(backup.state_total(), before.1);
+}
+
+/// Caller faults are the caller's: exactly one attempt each, no retry, no failover, and
+/// no breaker opens however many there are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caller_faults_get_exactly_one_attempt_and_never_open_a_breaker() {
+    let primary = mock_on("", 3).await;
+    let backup = mock_on("", 4).await;
+    let gw = gateway(&primary, &backup, "", true).await;
+    let url = format!("http://{}/v1/chat/completions", gw.addr);
+    let http = reqwest::Client::new();
+    for status in [400, 404, 422] {
+        let fault = format!("status={status}");
+        for n in 0..20 {
+            let scenario = format!("caller-{status}-{n}");
+            let out = call(
+                &http,
+                &url,
+                &[("x-mock-fault", &fault), ("x-mock-scenario", &scenario)],
+            )
+            .await;
+            assert_eq!(out.status, status);
+            assert_eq!(primary.attempts(&scenario), 1);
+            assert_eq!(backup.attempts(&scenario), 0);
+        }
+    }
+    let out = call(&http, &url, &[("x-mock-scenario", "after")]).await;
+    assert_eq!(out.status, 200, "the primary's breaker is still closed");
+    assert_eq!(primary.attempts("after"), 1);
+}
