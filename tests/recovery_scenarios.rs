@@ -163,12 +163,14 @@ async fn a_transient_storm_is_recovered_at_low_amplification() {
     let backup = mock_on(backstop::demo::STORM, 41).await;
     let gw = gateway(&primary, &backup, "", true).await;
     let url = format!("http://{}/v1/chat/completions", gw.addr);
-    let outcomes = drive(&url, 600, 32, &[]).await;
+    // 1,000 requests, as the demo: over fewer, the handful of requests that exhaust all
+    // six attempts (0.4^6) makes the share too noisy to hold a 99% line.
+    let outcomes = drive(&url, 1000, 32, &[]).await;
     let ok = outcomes.iter().filter(|o| o.status == 200).count();
     let attempts = primary.state_total() + backup.state_total();
     let per_request = attempts as f64 / outcomes.len() as f64;
     println!(
-        "storm: {ok}/600 succeeded, {per_request:.2} attempts per request, p99 {:.0} ms",
+        "storm: {ok}/1000 succeeded, {per_request:.2} attempts per request, p99 {:.0} ms",
         p99_ms(&outcomes)
     );
     let mut slow: Vec<&Outcome> = outcomes.iter().collect();
@@ -176,7 +178,7 @@ async fn a_transient_storm_is_recovered_at_low_amplification() {
     for o in slow.iter().take(8) {
         println!("slow: {:?} {} {}", o.took, o.status, o.recovery);
     }
-    assert!(ok * 1000 >= 600 * 990, "{ok} of 600 succeeded");
+    assert!(ok >= 990, "{ok} of 1000 succeeded");
     assert!(per_request <= 1.7, "{per_request:.2} attempts per request");
 }
 
