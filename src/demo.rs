@@ -5,6 +5,7 @@
 //! `Retry-After: 1`, 5% with a connection reset and 5% by hanging past `attempt_timeout`.
 //! Phase 2, hard down: one upstream that always answers 503, until its breaker opens,
 //! then the latency of requests refused while it is open.
+//! Phase 3, a brownout: the primary fails 30%, below its breaker, the backup none.
 
 use std::{
     collections::BTreeMap,
@@ -345,4 +346,77 @@ pub async fn run(requests: usize, concurrency: usize) {
         pct(&open_latency, 0.99)
     );
     gateway.shutdown().await;
+
+    brownout(requests, concurrency).await;
+}
+
+/// Phase 3: the primary fails 30% (below its breaker's failure rate), the backup none.
+async fn brownout(requests: usize, concurrency: usize) {
+    println!("\nBrownout: the primary fails 30% with 503, the backup is healthy\n");
+    let bind = || TcpListener::bind("127.0.0.1:0");
+    let primary = mock::spawn_with(
+        bind().await.expect("bind"),
+        FaultMix::parse("status=503@0.3").expect("parses"),
+    );
+    let backup = mock::spawn_with(bind().await.expect("bind"), FaultMix::default());
+    let gateway = server::spawn(config(primary.addr, backup.addr, backup.addr, 1.0, None))
+        .await
+        .expect("gateway starts");
+    let url = format!("http://{}/v1/chat/completions", gateway.addr);
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(256)
+        .build()
+        .expect("client");
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency {
+        let (http, url, next) = (http.clone(), url.clone(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < requests {
+                out.push(call(&http, &url, "gpt-4o").await);
+            }
+            out
+        }));
+    }
+    let mut results = Vec::new();
+    for t in tasks {
+        results.extend(t.await.unwrap_or_default());
+    }
+    gateway.shutdown().await;
+    let ok = results.iter().filter(|r| r.0 == 200).count();
+    let mut latencies: Vec<Duration> = results.iter().map(|r| r.1).collect();
+    latencies.sort();
+    let attempts = primary.state_total() + backup.state_total();
+    println!("| figure | value |\n|---|---|");
+    println!(
+        "| client-visible success | {ok} ({:.1}%) |",
+        ok as f64 * 100.0 / results.len().max(1) as f64
+    );
+    println!(
+        "| amplification (attempts / request) | {:.2} |",
+        attempts as f64 / results.len().max(1) as f64
+    );
+    println!(
+        "| attempts on the primary / the backup | {} / {} (the primary demoted once it is an outlier) |",
+        primary.state_total(),
+        backup.state_total()
+    );
+    println!(
+        "| latency p50 / p99 | {:.1} ms / {:.1} ms |",
+        pct(&latencies, 0.5),
+        pct(&latencies, 0.99)
+    );
+    let direct = format!("http://{}/v1/chat/completions", primary.addr);
+    let mut direct_ok = 0;
+    for _ in 0..200 {
+        let body = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hello"}]}"#;
+        if let Ok(r) = http.post(&direct).body(body).send().await {
+            direct_ok += usize::from(r.status().is_success());
+        }
+    }
+    println!(
+        "| for comparison: 200 calls straight to the primary, no Backstop | {:.1}% success |",
+        direct_ok as f64 / 2.0
+    );
 }

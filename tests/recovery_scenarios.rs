@@ -264,6 +264,54 @@ async fn a_browned_out_target_is_ejected_and_readmitted_when_it_recovers() {
     assert_eq!(backup.state_total(), before.1);
 }
 
+/// A milder brownout, below the breaker's failure rate: the primary fails 30%, the
+/// backup 0%. The primary is demoted behind the backup once it is an outlier, and back in
+/// front within a breaker window of recovering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_failing_far_more_than_its_peer_is_demoted_until_it_recovers() {
+    let primary = mock_on("", 5).await;
+    let backup = mock_on("", 6).await;
+    let gw = gateway(&primary, &backup, "window = \"2s\"", false).await;
+    let url = format!("http://{}/v1/chat/completions", gw.addr);
+    let outcomes = drive(&url, 400, 8, &[("x-mock-fault-mix", "status=503@0.3")]).await;
+    let ok = outcomes.iter().filter(|o| o.status == 200).count();
+    let attempts = primary.state_total() + backup.state_total();
+    let per_request = attempts as f64 / 400.0;
+    println!(
+        "30% brownout: {ok}/400 succeeded, {per_request:.2} attempts per request, {} on the primary",
+        primary.state_total()
+    );
+    assert_eq!(ok, 400);
+    assert!(per_request <= 1.15, "{per_request:.2} attempts per request");
+    assert!(
+        primary.state_total() < 100,
+        "the primary took {} attempts: not demoted",
+        primary.state_total()
+    );
+
+    // Recovered: its window empties, it is back in front and keeps the traffic.
+    let http = reqwest::Client::new();
+    let (started, served) = (Instant::now(), primary.state_total());
+    while primary.state_total() == served && started.elapsed() < Duration::from_secs(6) {
+        assert_eq!(call(&http, &url, &[]).await.status, 200);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        primary.state_total() > served,
+        "traffic never went back to the primary"
+    );
+    println!(
+        "30% brownout: the primary served again after {:?}",
+        started.elapsed()
+    );
+    let before = (primary.state_total(), backup.state_total());
+    for _ in 0..20 {
+        assert_eq!(call(&http, &url, &[]).await.status, 200);
+    }
+    assert_eq!(primary.state_total() - before.0, 20);
+    assert_eq!(backup.state_total(), before.1);
+}
+
 /// Caller faults are the caller's: exactly one attempt each, no retry, no failover, and
 /// no breaker opens however many there are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

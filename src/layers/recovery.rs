@@ -38,6 +38,7 @@ use crate::{
         backoff::{next_wait, Backoff, Wait},
         breaker::{Admission, Transition, Verdict},
         classify::{classify, Class, Observed, TransportFailure},
+        outlier,
         trail::{Reason, Step},
     },
     routing::Target,
@@ -369,6 +370,9 @@ where
                 deferred: None,
             })
             .collect();
+        if queue.len() > 1 {
+            self.demote_outliers(&mut queue);
+        }
         if queue.is_empty() {
             // Nothing past `start` speaks the caller's API: a route/endpoint mismatch.
             let other = route.targets[0].upstream.api;
@@ -464,6 +468,32 @@ where
             },
         };
         self.finish(result, &call)
+    }
+
+    /// Moves targets failing far more than their peers (a brownout the breaker does not
+    /// see) behind them, keeping the route's order otherwise.
+    fn demote_outliers(&self, queue: &mut VecDeque<Visit<'_>>) {
+        let now = Instant::now();
+        let recent: Vec<(f64, f64)> = queue
+            .iter()
+            .map(|v| {
+                self.health
+                    .get(&v.target.upstream.name)
+                    .map_or((0.0, 0.0), |h| h.recent(now))
+            })
+            .collect();
+        let demoted = outlier::demoted(&recent);
+        if !demoted.contains(&true) {
+            return;
+        }
+        let (front, back): (Vec<_>, Vec<_>) = queue
+            .drain(..)
+            .zip(demoted)
+            .partition(|(_, demote)| !demote);
+        for (visit, _) in &back {
+            metrics::counter!("backstop_outlier_demotions_total", "upstream" => visit.target.upstream.name.to_string()).increment(1);
+        }
+        queue.extend(front.into_iter().chain(back).map(|(visit, _)| visit));
     }
 
     /// Attempts on one target until it answers, or is to be left.

@@ -99,6 +99,11 @@ impl Breaker {
         }
     }
 
+    /// Recent (attempts, weighted failures) over the window, for outlier demotion.
+    pub fn recent(&self, now: Instant) -> (f64, f64) {
+        self.recent.totals(now)
+    }
+
     /// Admits a request, or says how long until it could be.
     pub fn admit(&mut self, now: Instant) -> (Result<Admission, Duration>, Option<Transition>) {
         match self.state {

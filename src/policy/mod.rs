@@ -7,6 +7,7 @@ pub mod breaker;
 pub mod budget;
 pub mod classify;
 pub mod guard;
+pub mod outlier;
 pub mod retry_budget;
 pub mod trail;
 pub mod window;

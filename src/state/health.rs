@@ -84,6 +84,11 @@ impl UpstreamHealth {
         lock(&self.budget).record(now, worked);
     }
 
+    /// Recent (attempts, weighted failures), for outlier demotion.
+    pub fn recent(&self, now: Instant) -> (f64, f64) {
+        lock(&self.breaker).recent(now)
+    }
+
     /// Whether the breaker lets traffic through unhindered now (closed).
     pub fn is_closed(&self) -> bool {
         matches!(lock(&self.breaker).state(), BreakerState::Closed { .. })
