@@ -25,7 +25,7 @@ pub struct Route {
     /// The route's `validation.stream`, if it overrides the global one.
     pub validation_stream: Option<crate::config::StreamValidation>,
     /// `hedge_after`: when a second attempt races a slow first one (off when `None`).
-    pub hedge_after: Option<std::time::Duration>,
+    pub hedge_after: Option<crate::config::HedgeAfter>,
 }
 
 #[derive(Debug, Default)]

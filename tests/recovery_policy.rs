@@ -515,6 +515,35 @@ async fn a_slow_first_attempt_is_hedged_on_the_next_target() {
     );
 }
 
+/// `hedge_after = "p95"`: the delay is the first target's recent answer times' 95th
+/// percentile, and there is no hedge until it has answered 20 times.
+#[tokio::test(start_paused = true)]
+async fn a_percentile_hedge_waits_for_a_record_then_follows_it() {
+    let h = harness(|c| {
+        c.replace(
+            "context_fallback = { upstream = \"big\", model = \"big-context\" }",
+            "context_fallback = { upstream = \"big\", model = \"big-context\" }\nhedge_after = \"p95\"",
+        )
+    });
+    let slow = Script::new(&[Fail(TransportFailure::Timeout), OK]);
+    let out = h.send("two", &slow, LONG).await;
+    assert_eq!(
+        out.recovery, "defer:timeout,failover:backup,ok",
+        "no record yet"
+    );
+    // Twenty answers taking no (virtual) time: the 95th percentile is 0, floored at 1 ms.
+    for _ in 0..20 {
+        assert_eq!(
+            h.send("two", &Script::new(&[OK]), LONG).await.recovery,
+            "ok"
+        );
+    }
+    let slow = Script::new(&[Fail(TransportFailure::Timeout), OK]);
+    let out = h.send("two", &slow, LONG).await;
+    assert_eq!(out.recovery, "hedge:backup,ok");
+    assert_eq!(out.elapsed, Duration::from_millis(1));
+}
+
 /// A wait on one target (a Retry-After, or after a hang) is traded for an immediate
 /// attempt on a healthy second target; with no second target the first is waited on as
 /// before.

@@ -22,7 +22,7 @@ pub use budget::{
 };
 pub use recovery::{AdminConfig, BreakerConfig, RetryConfig};
 pub use responses::ResponsesConfig;
-pub use route::{RouteConfig, TargetConfig};
+pub use route::{HedgeAfter, RouteConfig, TargetConfig};
 pub use server::{LogConfig, LogFormat, MockConfig, ServerConfig};
 pub use state::{OnUnavailable, StateBackend, StateConfig};
 pub use tenant::{GuardConfig, TenantConfig};

@@ -26,9 +26,10 @@ pub struct RouteConfig {
     #[serde(default)]
     pub validation: super::validation::RouteValidation,
     /// Hedging (off by default): a non-streaming request whose first target has not
-    /// answered after this long also goes to the next target; the first answer wins.
-    #[serde(default, with = "humantime_serde")]
-    pub hedge_after: Option<std::time::Duration>,
+    /// answered after this long (`"300ms"`, or a percentile of that target's recent
+    /// answer times, `"p95"`) also goes to the next target; the first answer wins.
+    #[serde(default)]
+    pub hedge_after: Option<HedgeAfter>,
     /// The schema, loaded from `response_schema` and checked to compile.
     #[serde(skip)]
     pub response_schema_value: Option<std::sync::Arc<serde_json::Value>>,
@@ -64,7 +65,7 @@ impl RouteConfig {
             fallback.validate(&format!("{key}.context_fallback"), upstreams)?;
         }
         if let Some(after) = self.hedge_after {
-            if after.is_zero() {
+            if after == HedgeAfter::After(std::time::Duration::ZERO) {
                 return Err(ConfigError::invalid(
                     format!("{key}.hedge_after"),
                     "must be greater than 0",
@@ -149,5 +150,35 @@ impl TargetConfig {
             ));
         }
         Ok(())
+    }
+}
+
+/// When a hedge goes out: after a fixed delay, or at a percentile of the first target's
+/// recent answer times (no hedge until it has answered [`HedgeAfter::MIN_SAMPLES`] times).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum HedgeAfter {
+    After(std::time::Duration),
+    /// The quantile, in (0, 1).
+    Percentile(f64),
+}
+
+impl HedgeAfter {
+    pub const MIN_SAMPLES: usize = 20;
+}
+
+impl<'de> serde::Deserialize<'de> for HedgeAfter {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        if let Some(p) = text.strip_prefix('p') {
+            return match p.parse::<f64>() {
+                Ok(p) if p > 0.0 && p < 100.0 => Ok(HedgeAfter::Percentile(p / 100.0)),
+                _ => Err(serde::de::Error::custom(format!(
+                    "{text:?}: a percentile is p1 to p99.9"
+                ))),
+            };
+        }
+        humantime::parse_duration(&text)
+            .map(HedgeAfter::After)
+            .map_err(|e| serde::de::Error::custom(format!("{text:?}: {e} (or a percentile, p95)")))
     }
 }

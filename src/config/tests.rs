@@ -238,6 +238,24 @@ fn hedging_needs_a_delay_and_a_second_target() {
     );
     assert_eq!(
         load(&ok).unwrap().routes[0].hedge_after,
-        Some(std::time::Duration::from_millis(300))
+        Some(super::HedgeAfter::After(std::time::Duration::from_millis(
+            300
+        )))
     );
+    let p95 = ok.replace("hedge_after = \"300ms\"", "hedge_after = \"p95\"");
+    assert_eq!(
+        load(&p95).unwrap().routes[0].hedge_after,
+        Some(super::HedgeAfter::Percentile(0.95))
+    );
+    for bad in ["p0", "p100", "soon"] {
+        let text = ok.replace(
+            "hedge_after = \"300ms\"",
+            &format!("hedge_after = \"{bad}\""),
+        );
+        assert!(
+            error_of(&text).contains("hedge_after"),
+            "{bad}: {}",
+            error_of(&text)
+        );
+    }
 }

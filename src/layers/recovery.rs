@@ -33,6 +33,7 @@ use super::{
 };
 use crate::{
     api::ApiKind,
+    config::HedgeAfter,
     error::{GatewayError, Protocol},
     policy::{
         backoff::{next_wait, Backoff, Wait},
@@ -142,7 +143,7 @@ where
             .route
             .hedge_after
             .filter(|_| !call.request.stream)
-            .and_then(|after| Some((after, self.hedge_target(&call)?)));
+            .and_then(|after| Some((self.hedge_delay(&call, after)?, self.hedge_target(&call)?)));
         let Some((after, to)) = hedge else {
             return run(inner).recover(call).await;
         };
@@ -179,6 +180,19 @@ where
 }
 
 impl RecoveryLayer {
+    /// How long the first target may take before the hedge: fixed, or the percentile of
+    /// its recent answer times (`None`, no hedge, until it has enough of them).
+    fn hedge_delay(&self, call: &Call, after: HedgeAfter) -> Option<Duration> {
+        match after {
+            HedgeAfter::After(delay) => Some(delay),
+            HedgeAfter::Percentile(q) => self
+                .health
+                .get(&call.route.targets.get(call.start.0)?.upstream.name)?
+                .latency_quantile(q, HedgeAfter::MIN_SAMPLES)
+                .map(|d| d.max(Duration::from_millis(1))),
+        }
+    }
+
     /// Where a hedge goes: the first target after the call's start that speaks its API
     /// and whose breaker is closed.
     fn hedge_target(&self, call: &Call) -> Option<TargetIndex> {
@@ -534,6 +548,7 @@ where
                 return Next::Failover;
             }
             let timeout = upstream.attempt_timeout.min(remaining);
+            let started = Instant::now();
             let tried = match self.attempt(call, target, timeout).await {
                 Ok(tried) => tried,
                 Err(refusal) => {
@@ -546,6 +561,9 @@ where
             metrics::counter!("backstop_upstream_attempts_total", "upstream" => upstream.name.to_string(), "class" => tried.class.label()).increment(1);
             let opened = admitted.settle(verdict(&tried.class)) == Some(Transition::Opened);
             tracing::debug!(upstream = %upstream.name, attempt = attempt_no + 1, class = tried.class.label(), reason = %tried.reason, "upstream attempt");
+            if tried.class == Class::Success {
+                health.record_latency(started.elapsed());
+            }
             let judged = self.judge(call, tried, upstream, timeout);
             if attempt_no > 0 {
                 // What the retry budget learns: did the retry it granted work?

@@ -19,7 +19,12 @@ pub struct UpstreamHealth {
     name: String,
     breaker: Mutex<Breaker>,
     budget: Mutex<RetryBudget>,
+    /// The last [`LATENCIES`] successful attempts' durations, for percentile hedging.
+    latencies: Mutex<std::collections::VecDeque<Duration>>,
 }
+
+/// How many answer times an upstream keeps for percentile hedging.
+const LATENCIES: usize = 256;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -32,6 +37,7 @@ impl UpstreamHealth {
             name: name.to_string(),
             breaker: Mutex::new(Breaker::new(breaker, now)),
             budget: Mutex::new(budget),
+            latencies: Mutex::default(),
         }
     }
 
@@ -82,6 +88,27 @@ impl UpstreamHealth {
     /// How a retry the budget granted went (an answer, or another failure).
     pub fn record_retry(&self, now: Instant, worked: bool) {
         lock(&self.budget).record(now, worked);
+    }
+
+    /// A successful attempt took `took`.
+    pub fn record_latency(&self, took: Duration) {
+        let mut latencies = lock(&self.latencies);
+        if latencies.len() == LATENCIES {
+            latencies.pop_front();
+        }
+        latencies.push_back(took);
+    }
+
+    /// The `q` quantile of recent successful attempts' durations, once there are at
+    /// least `min_samples` of them.
+    pub fn latency_quantile(&self, q: f64, min_samples: usize) -> Option<Duration> {
+        let mut sorted: Vec<Duration> = lock(&self.latencies).iter().copied().collect();
+        if sorted.len() < min_samples.max(1) {
+            return None;
+        }
+        sorted.sort_unstable();
+        let index = ((sorted.len() - 1) as f64 * q.clamp(0.0, 1.0)).round() as usize;
+        Some(sorted[index])
     }
 
     /// Recent (attempts, weighted failures), for outlier demotion.
