@@ -34,6 +34,7 @@ async fn gateway(
     backup: &MockHandle,
     breaker: &str,
     backup_scripted: bool,
+    route: &str,
 ) -> server::ServerHandle {
     let backup_forwards = if backup_scripted {
         "forward_headers = [\"x-mock-*\"]"
@@ -72,6 +73,7 @@ attempt_timeout = "1s"
 [[routes]]
 model = "gpt-*"
 targets = [{{ upstream = "primary" }}, {{ upstream = "backup" }}]
+{route}
 [[tenants]]
 name = "scenarios"
 api_keys = ["{KEY}"]
@@ -159,9 +161,20 @@ fn p99_ms(outcomes: &[Outcome]) -> f64 {
 /// 429 (Retry-After 1 s), 5% by a reset, 5% by hanging past the 1 s attempt timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transient_storm_is_recovered_at_low_amplification() {
+    storm("").await;
+}
+
+/// The same storm with hedging on: as many successes, no more attempts (a hang's
+/// attempt is made anyway; the hedge replaces the retry that would follow it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hedged_storm_is_recovered_at_the_same_amplification() {
+    storm("hedge_after = \"300ms\"").await;
+}
+
+async fn storm(route: &str) {
     let primary = mock_on(backstop::demo::STORM, 14).await;
     let backup = mock_on(backstop::demo::STORM, 41).await;
-    let gw = gateway(&primary, &backup, "", true).await;
+    let gw = gateway(&primary, &backup, "", true, route).await;
     let url = format!("http://{}/v1/chat/completions", gw.addr);
     // 1,000 requests, as the demo: over fewer, the handful of requests that exhaust all
     // six attempts (0.4^6) makes the share too noisy to hold a 99% line.
@@ -170,7 +183,7 @@ async fn a_transient_storm_is_recovered_at_low_amplification() {
     let attempts = primary.state_total() + backup.state_total();
     let per_request = attempts as f64 / outcomes.len() as f64;
     println!(
-        "storm: {ok}/1000 succeeded, {per_request:.2} attempts per request, p99 {:.0} ms",
+        "storm {route:?}: {ok}/1000 succeeded, {per_request:.2} attempts per request, p99 {:.0} ms",
         p99_ms(&outcomes)
     );
     let mut slow: Vec<&Outcome> = outcomes.iter().collect();
@@ -188,7 +201,7 @@ async fn a_transient_storm_is_recovered_at_low_amplification() {
 async fn a_hard_down_route_costs_almost_nothing() {
     let primary = mock_on("status=503@1", 1).await;
     let backup = mock_on("status=503@1", 2).await;
-    let gw = gateway(&primary, &backup, "open_for = \"60s\"", true).await;
+    let gw = gateway(&primary, &backup, "open_for = \"60s\"", true, "").await;
     let url = format!("http://{}/v1/chat/completions", gw.addr);
     let outcomes = drive(&url, 200, 1, &[]).await;
     assert_eq!(
@@ -226,7 +239,7 @@ async fn a_browned_out_target_is_ejected_and_readmitted_when_it_recovers() {
     // when the client stops sending it, the primary has recovered.
     let primary = mock_on("", 7).await;
     let backup = mock_on("", 8).await;
-    let gw = gateway(&primary, &backup, "open_for = \"1s\"", false).await;
+    let gw = gateway(&primary, &backup, "open_for = \"1s\"", false, "").await;
     let url = format!("http://{}/v1/chat/completions", gw.addr);
     let outcomes = drive(&url, 400, 8, &[("x-mock-fault-mix", "status=503@0.9")]).await;
     let ok = outcomes.iter().filter(|o| o.status == 200).count();
@@ -271,7 +284,7 @@ async fn a_browned_out_target_is_ejected_and_readmitted_when_it_recovers() {
 async fn a_target_failing_far_more_than_its_peer_is_demoted_until_it_recovers() {
     let primary = mock_on("", 5).await;
     let backup = mock_on("", 6).await;
-    let gw = gateway(&primary, &backup, "window = \"2s\"", false).await;
+    let gw = gateway(&primary, &backup, "window = \"2s\"", false, "").await;
     let url = format!("http://{}/v1/chat/completions", gw.addr);
     let outcomes = drive(&url, 400, 8, &[("x-mock-fault-mix", "status=503@0.3")]).await;
     let ok = outcomes.iter().filter(|o| o.status == 200).count();
@@ -318,7 +331,7 @@ async fn a_target_failing_far_more_than_its_peer_is_demoted_until_it_recovers() 
 async fn caller_faults_get_exactly_one_attempt_and_never_open_a_breaker() {
     let primary = mock_on("", 3).await;
     let backup = mock_on("", 4).await;
-    let gw = gateway(&primary, &backup, "", true).await;
+    let gw = gateway(&primary, &backup, "", true, "").await;
     let url = format!("http://{}/v1/chat/completions", gw.addr);
     let http = reqwest::Client::new();
     for status in [400, 404, 422] {
