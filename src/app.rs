@@ -327,7 +327,7 @@ fn response_objects_stack(state: &AppState) -> HttpService {
         upstream,
         state.owners.clone(),
         server.max_body_bytes,
-        state.stream_limits.max_response_bytes,
+        state.stream_limits.clone(),
     ));
     let stack = ServiceBuilder::new()
         .layer(EdgeLayer::default())

@@ -437,6 +437,63 @@ async fn bad_requests_are_refused_before_any_upstream_call() {
     assert_eq!(gw.mock.attempts("bad"), 0);
 }
 
+/// `GET /v1/responses/{id}?stream=true` is relayed as an event stream, as it comes:
+/// the first event reaches the client long before the upstream has finished.
+#[tokio::test]
+async fn a_stored_response_streamed_back_is_relayed_as_it_comes() {
+    let gw = gateway().await;
+    let created = json(
+        gw.responses(
+            KEY_A,
+            &[],
+            "stream-back-create",
+            "",
+            &create("gpt-4o", "keep me"),
+        )
+        .await,
+    )
+    .await;
+    let id = created["id"].as_str().unwrap().to_string();
+    let sent = std::time::Instant::now();
+    let resp = gw
+        .http
+        .get(format!("{}/v1/responses/{id}?stream=true", gw.url))
+        .bearer_auth(KEY_A)
+        .header("x-mock-scenario", "stream-back")
+        .header("x-mock-fault", "chunks=5;chunk_delay=200ms")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let mut body = resp.bytes_stream();
+    let mut first = None;
+    let mut text = Vec::new();
+    while let Some(chunk) = futures_util::StreamExt::next(&mut body).await {
+        first.get_or_insert_with(|| sent.elapsed());
+        text.extend_from_slice(&chunk.unwrap());
+    }
+    let (first, total) = (first.unwrap(), sent.elapsed());
+    assert!(
+        total >= std::time::Duration::from_millis(800),
+        "paced: {total:?}"
+    );
+    assert!(
+        first + std::time::Duration::from_millis(400) < total,
+        "the first event after {first:?} of {total:?}: read whole, not relayed"
+    );
+    let text = String::from_utf8(text).unwrap();
+    assert!(text.starts_with("event: response.created"), "{text}");
+    let last = text.trim_end().rsplit("\n\n").next().unwrap();
+    assert!(last.starts_with("event: response.completed"), "{last}");
+    assert!(last.contains(&id), "the stored response's own id: {last}");
+    let seen = gw.mock.last_request("stream-back").unwrap();
+    assert_eq!(seen["query"], "stream=true");
+}
+
 #[tokio::test]
 async fn stored_response_routes_are_forwarded_with_the_provider_key() {
     let gw = gateway().await;

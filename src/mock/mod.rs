@@ -256,7 +256,14 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
     if step.reset {
         return Err(Reset);
     }
-    let mut response = answer(api, &parts.method, &path, &request, &step);
+    let mut response = answer(
+        api,
+        &parts.method,
+        &path,
+        parts.uri.query(),
+        &request,
+        &step,
+    );
     for (name, value) in &step.headers {
         if let (Ok(name), Ok(value)) = (
             http::HeaderName::from_bytes(name.as_bytes()),
@@ -273,6 +280,7 @@ fn answer(
     api: responses::Api,
     method: &Method,
     path: &str,
+    query: Option<&str>,
     request: &Value,
     step: &FaultStep,
 ) -> Response<Body> {
@@ -303,7 +311,7 @@ fn answer(
         "/v1/embeddings" => responses::embeddings(request, step),
         "/v1/messages/count_tokens" => responses::count_tokens(request, step),
         "/v1/responses" => responses_api::create(request, step),
-        p if p.starts_with("/v1/responses/") => responses_api::stored(method, p),
+        p if p.starts_with("/v1/responses/") => responses_api::stored(method, p, query, step),
         _ => responses::completion(api, request, step),
     }
 }

@@ -233,7 +233,11 @@ impl Item<'_> {
 /// `POST /v1/responses`.
 pub fn create(request: &Value, step: &FaultStep) -> Response<Body> {
     let id = next_id();
-    let response_id = format!("resp_mock_{id}");
+    answer(&format!("resp_mock_{id}"), id, request, step)
+}
+
+/// A response `response_id` to `request`, whole or streamed as the request asks.
+fn answer(response_id: &str, id: u64, request: &Value, step: &FaultStep) -> Response<Body> {
     let text = reply_text(request, step);
     let usage = usage(request, &text, step);
     let streaming = !step.plain && request.get("stream").and_then(Value::as_bool) == Some(true);
@@ -249,7 +253,7 @@ pub fn create(request: &Value, step: &FaultStep) -> Response<Body> {
         items.push(Item::Call(tool, &args));
     }
     let output: Vec<Value> = items.iter().map(|item| item.done(id)).collect();
-    let done = response(&response_id, request, "completed", json!(output), usage);
+    let done = response(response_id, request, "completed", json!(output), usage);
     if !streaming {
         let mut done = done;
         if step.future {
@@ -296,10 +300,21 @@ fn with_fields(mut base: Value, extra: Value) -> Value {
     base
 }
 
-/// The stored-response routes (`/v1/responses/{id}...`): canned answers.
-pub fn stored(method: &Method, path: &str) -> Response<Body> {
+/// The stored-response routes (`/v1/responses/{id}...`): canned answers. `GET` with
+/// `?stream=true` replays the stored response as its event stream (paced by the step).
+pub fn stored(
+    method: &Method,
+    path: &str,
+    query: Option<&str>,
+    step: &FaultStep,
+) -> Response<Body> {
     let rest = path.trim_start_matches("/v1/responses/");
     let (id, tail) = rest.split_once('/').unwrap_or((rest, ""));
+    let streamed = query.is_some_and(|q| q.split('&').any(|kv| kv == "stream=true"));
+    if method == Method::GET && tail.is_empty() && streamed {
+        let request = json!({"model": "mock-model", "stream": true, "input": "stored response"});
+        return answer(id, next_id(), &request, step);
+    }
     let stored = |status: &str| {
         let request = json!({"model": "mock-model"});
         let output = json!([message_item(0, "mock: stored response", "completed")]);

@@ -16,11 +16,11 @@ use std::{
 };
 
 use axum::body::Body;
-use futures_util::future::BoxFuture;
+use futures_util::{future::BoxFuture, StreamExt};
 use http::{Method, Request, Response};
 use http_body_util::{BodyExt, Limited};
 
-use super::{headers, read_capped, transport, Upstream};
+use super::{headers, read_capped, stream, transport, Endpoint, StreamLimits, Upstream};
 use crate::{
     error::GatewayError, policy::classify::TransportFailure, state::owners::ResponseOwners,
     telemetry::RequestLog,
@@ -68,7 +68,8 @@ pub struct ForwardObject {
     /// Who created which response: a tenant is answered for its own only.
     owners: Arc<ResponseOwners>,
     max_body_bytes: usize,
-    max_response_bytes: usize,
+    /// Bounds on what comes back: a whole body, or a relayed event stream.
+    limits: StreamLimits,
 }
 
 impl ForwardObject {
@@ -77,14 +78,14 @@ impl ForwardObject {
         upstream: Option<Arc<Upstream>>,
         owners: Arc<ResponseOwners>,
         max_body_bytes: usize,
-        max_response_bytes: usize,
+        limits: StreamLimits,
     ) -> Self {
         ForwardObject {
             client,
             upstream,
             owners,
             max_body_bytes,
-            max_response_bytes,
+            limits,
         }
     }
 }
@@ -169,8 +170,36 @@ impl ForwardObject {
             let response = request.send().await.map_err(|e| transport(&e))?;
             let status = response.status();
             let headers = headers::client_response_headers(response.headers());
-            let bytes = read_capped(response, self.max_response_bytes).await?;
-            Ok::<_, TransportFailure>((status, headers, bytes))
+            let is_sse = response
+                .headers()
+                .get(http::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|ct| ct.starts_with("text/event-stream"));
+            if !(status.is_success() && is_sse) {
+                let bytes = read_capped(response, self.limits.max_response_bytes).await?;
+                return Ok::<_, TransportFailure>((status, headers, Body::from(bytes)));
+            }
+            // `GET /v1/responses/{id}?stream=true`: relayed as it comes, with the bounds
+            // of any relayed stream, once its first chunk is in.
+            let mut chunks = StreamExt::boxed(response.bytes_stream());
+            let first = loop {
+                match chunks.next().await {
+                    None => return Err(TransportFailure::Reset),
+                    Some(Err(err)) => return Err(transport(&err)),
+                    Some(Ok(chunk)) if chunk.is_empty() => continue,
+                    Some(Ok(chunk)) => break chunk,
+                }
+            };
+            let relay = stream::Relay {
+                endpoint: Endpoint::Responses,
+                idle: upstream.attempt_timeout,
+                max_event_bytes: self.limits.max_event_bytes,
+                max_duration: self.limits.max_duration,
+                cut: self.limits.cut.clone(),
+                usage: Arc::default(),
+                strip_usage_chunk: false,
+            };
+            Ok((status, headers, relay.body(first, chunks)))
         };
         let log = parts.extensions.get::<Arc<RequestLog>>().cloned();
         if let Some(log) = &log {
@@ -179,7 +208,7 @@ impl ForwardObject {
                 f.attempts = 1;
             });
         }
-        let (status, headers, bytes) = tokio::time::timeout(upstream.attempt_timeout, exchange)
+        let (status, headers, body) = tokio::time::timeout(upstream.attempt_timeout, exchange)
             .await
             .map_err(|_| TransportFailure::Timeout)
             .and_then(|r| r)
@@ -191,7 +220,7 @@ impl ForwardObject {
                 status: status.as_u16(),
             });
         }
-        let mut out = Response::new(Body::from(bytes));
+        let mut out = Response::new(body);
         *out.status_mut() = status;
         *out.headers_mut() = headers;
         Ok(out)
