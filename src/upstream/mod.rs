@@ -336,25 +336,18 @@ async fn send(
 
     let status = response.status();
     let headers = headers::client_response_headers(response.headers());
-    let is_sse = response
-        .headers()
-        .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|ct| ct.starts_with("text/event-stream"));
+    let is_sse = is_event_stream(&response);
 
     if request.stream && status.is_success() && !is_sse {
         return Err(TransportFailure::NotAStream);
     }
     let body = if request.stream && is_sse && status.is_success() {
         let mut chunks = response.bytes_stream().boxed();
-        let first = loop {
-            match tokio::time::timeout_at(deadline, chunks.next()).await {
-                Err(_) => return Err(TransportFailure::Timeout),
-                Ok(None) => return Err(TransportFailure::Reset),
-                Ok(Some(Err(err))) => return Err(log_err(err)),
-                Ok(Some(Ok(chunk))) if chunk.is_empty() => continue,
-                Ok(Some(Ok(chunk))) => break chunk,
-            }
+        let first = match tokio::time::timeout_at(deadline, first_chunk(&mut chunks)).await {
+            Err(_) => return Err(TransportFailure::Timeout),
+            Ok(Err(FirstChunk::Ended)) => return Err(TransportFailure::Reset),
+            Ok(Err(FirstChunk::Failed(err))) => return Err(log_err(err)),
+            Ok(Ok(chunk)) => chunk,
         };
         let usage = Arc::new(stream::StreamUsage::default());
         let relay = stream::Relay {
@@ -387,4 +380,33 @@ async fn send(
         body,
         attempt.keep_answer,
     ))
+}
+
+/// Whether an upstream answered with an event stream.
+pub(crate) fn is_event_stream(response: &reqwest::Response) -> bool {
+    response
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("text/event-stream"))
+}
+
+/// A stream's first non-empty chunk: a relay starts once it is in.
+pub(crate) async fn first_chunk(
+    chunks: &mut futures_util::stream::BoxStream<'static, reqwest::Result<Bytes>>,
+) -> Result<Bytes, FirstChunk> {
+    loop {
+        match chunks.next().await {
+            None => return Err(FirstChunk::Ended),
+            Some(Err(err)) => return Err(FirstChunk::Failed(err)),
+            Some(Ok(chunk)) if chunk.is_empty() => continue,
+            Some(Ok(chunk)) => return Ok(chunk),
+        }
+    }
+}
+
+/// Why a stream gave no first chunk.
+pub(crate) enum FirstChunk {
+    Ended,
+    Failed(reqwest::Error),
 }

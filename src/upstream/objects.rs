@@ -20,7 +20,10 @@ use futures_util::{future::BoxFuture, StreamExt};
 use http::{Method, Request, Response};
 use http_body_util::{BodyExt, Limited};
 
-use super::{headers, read_capped, stream, transport, Endpoint, StreamLimits, Upstream};
+use super::{
+    first_chunk, headers, is_event_stream, read_capped, stream, transport, Endpoint, FirstChunk,
+    StreamLimits, Upstream,
+};
 use crate::{
     error::GatewayError, policy::classify::TransportFailure, state::owners::ResponseOwners,
     telemetry::RequestLog,
@@ -170,25 +173,17 @@ impl ForwardObject {
             let response = request.send().await.map_err(|e| transport(&e))?;
             let status = response.status();
             let headers = headers::client_response_headers(response.headers());
-            let is_sse = response
-                .headers()
-                .get(http::header::CONTENT_TYPE)
-                .and_then(|v| v.to_str().ok())
-                .is_some_and(|ct| ct.starts_with("text/event-stream"));
-            if !(status.is_success() && is_sse) {
+            if !(status.is_success() && is_event_stream(&response)) {
                 let bytes = read_capped(response, self.limits.max_response_bytes).await?;
                 return Ok::<_, TransportFailure>((status, headers, Body::from(bytes)));
             }
             // `GET /v1/responses/{id}?stream=true`: relayed as it comes, with the bounds
             // of any relayed stream, once its first chunk is in.
             let mut chunks = StreamExt::boxed(response.bytes_stream());
-            let first = loop {
-                match chunks.next().await {
-                    None => return Err(TransportFailure::Reset),
-                    Some(Err(err)) => return Err(transport(&err)),
-                    Some(Ok(chunk)) if chunk.is_empty() => continue,
-                    Some(Ok(chunk)) => break chunk,
-                }
+            let first = match first_chunk(&mut chunks).await {
+                Ok(chunk) => chunk,
+                Err(FirstChunk::Ended) => return Err(TransportFailure::Reset),
+                Err(FirstChunk::Failed(err)) => return Err(transport(&err)),
             };
             let relay = stream::Relay {
                 endpoint: Endpoint::Responses,
