@@ -44,13 +44,18 @@ const MAX_KEPT: usize = 8 * 1024 * 1024;
 
 type Key = (Arc<str>, String);
 
+/// The keys whose first request is still running here, each with what its duplicates
+/// wait on. Kept in the app state, so a duplicate that arrives after a reload still
+/// waits for the original started under the old config.
+pub type InFlight = Arc<Mutex<HashMap<Key, watch::Receiver<()>>>>;
+
 #[derive(Clone)]
 pub struct IdempotencyLayer {
     store: Arc<dyn Store>,
     ttl: Duration,
     max_key_bytes: usize,
     clock: Clock,
-    in_flight: Arc<Mutex<HashMap<Key, watch::Receiver<()>>>>,
+    in_flight: InFlight,
     /// How long a claim on a shared store holds (the request timeout): a replica that
     /// dies mid-call frees the key by then.
     lease: Duration,
@@ -70,6 +75,12 @@ impl IdempotencyLayer {
             lease: Duration::from_secs(120),
             fail_closed: false,
         }
+    }
+
+    /// Shares the in-flight keys with the layers of other configs (see [`InFlight`]).
+    pub fn in_flight(mut self, in_flight: InFlight) -> Self {
+        self.in_flight = in_flight;
+        self
     }
 
     /// Claims on a shared store last `lease`; `fail_closed` refuses when it is down.
@@ -119,7 +130,7 @@ fn body_hash(body: &[u8]) -> String {
 /// the waiting duplicates look again.
 struct Leader {
     key: Key,
-    in_flight: Arc<Mutex<HashMap<Key, watch::Receiver<()>>>>,
+    in_flight: InFlight,
     _done: watch::Sender<()>,
     /// The key claimed on a shared store, given back unless its response was kept.
     claim: Option<(Arc<dyn Store>, String)>,

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use super::window::RollingPair;
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BreakerPolicy {
     /// Consecutive upstream-fault failures (429s count half) that open it.
     pub failure_threshold: u32,
@@ -79,6 +79,15 @@ impl Breaker {
             state: BreakerState::Closed { failures: 0.0 },
             recent: RollingPair::new(config.window, now),
         }
+    }
+
+    /// A reloaded policy: the state carries on; the failure-rate window starts over
+    /// only if its length changed.
+    pub fn reconfigure(&mut self, config: BreakerPolicy, now: Instant) {
+        if config.window != self.config.window {
+            self.recent = RollingPair::new(config.window, now);
+        }
+        self.config = config;
     }
 
     fn failing_enough(&self, now: Instant) -> bool {

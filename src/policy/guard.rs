@@ -229,6 +229,11 @@ impl SessionGuard {
         }
     }
 
+    /// A reloaded config's policy; the state, counters and windows carry on.
+    pub fn set_policy(&mut self, config: std::sync::Arc<GuardPolicy>) {
+        self.config = config;
+    }
+
     /// A session coming back with what was kept of it; a trip whose cool-down has
     /// passed is due its probe.
     pub fn restored(

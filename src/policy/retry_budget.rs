@@ -41,6 +41,17 @@ impl RetryBudget {
         }
     }
 
+    /// A reloaded budget's ratios and floor; what was spent carries on, unless the
+    /// window's length changed (then `fresh`'s empty windows are taken).
+    pub fn reconfigure(&mut self, fresh: RetryBudget) {
+        let same_window = self.spent.window() == fresh.spent.window();
+        let (spent, outcomes) = (self.spent.clone(), self.outcomes.clone());
+        *self = fresh;
+        if same_window {
+            (self.spent, self.outcomes) = (spent, outcomes);
+        }
+    }
+
     /// A first attempt was made: it earns the budget a fraction of a retry.
     pub fn deposit(&mut self, now: Instant) {
         self.spent.add(now, 1.0, 0.0);

@@ -29,6 +29,11 @@ impl RollingPair {
     }
 
     /// Adds to the current bucket.
+    /// The window's length (as bucketed).
+    pub fn window(&self) -> Duration {
+        self.bucket * BUCKETS as u32
+    }
+
     pub fn add(&mut self, now: Instant, a: f64, b: f64) {
         let epoch = self.epoch(now);
         let slot = &mut self.slots[(epoch % BUCKETS as u64) as usize];

@@ -85,14 +85,16 @@ pub(super) struct TenantBook {
     pub(super) day_limits: Caps,
     pub(super) session_limits: Caps,
     pub(super) max_concurrent: Option<u32>,
-    /// (UTC day, that day's account).
-    pub(super) day: Mutex<(i64, Account)>,
+    /// (UTC day, that day's account). Shared with the books of later configs (a reload),
+    /// so calls in flight under the old one settle into the same account.
+    pub(super) day: Arc<Mutex<(i64, Account)>>,
     /// False until the day's settled spend has been read from the ledger (on first
     /// use): a tenant with day caps is refused (`store_unavailable`) while it cannot
     /// be, not started at zero.
-    day_known: AtomicBool,
-    rate: Option<Direct>,
-    session_rate: Option<Keyed>,
+    day_known: Arc<AtomicBool>,
+    /// Kept across a reload that leaves the tenant's rate as it was.
+    rate: Option<Arc<Direct>>,
+    session_rate: Option<Arc<Keyed>>,
     /// The configured per-minute limits (tenant, session), for the shared limiter.
     rpm: (Option<u32>, Option<u32>),
 }
@@ -136,7 +138,28 @@ impl Budgets {
         session_idle: Duration,
         clock: Clock,
     ) -> Self {
-        let day = clock.today();
+        Budgets {
+            tenants: HashMap::new(),
+            sessions: LiveSessions::new(session_idle),
+            store,
+            prices: Prices::default(),
+            model_labels: crate::telemetry::ModelLabels::new(config),
+            unpriced: config.billing.unpriced,
+            default_max_tokens: 0,
+            max_reported_tokens: 0,
+            clock,
+            shared: None,
+        }
+        .reconfigured(config)
+    }
+
+    /// The books under a new config (a reload): limits, prices and billing from
+    /// `config`; the live state of every tenant and session that keeps its name (spend
+    /// today, reservations, sessions, in-flight counts, and a rate limiter whose rate is
+    /// unchanged) shared with `self`, so calls in flight under `self` settle into the
+    /// same accounts. Tenants no longer configured are dropped with their books.
+    pub fn reconfigured(&self, config: &Config) -> Self {
+        let day = self.clock.today();
         // With shared state, the local limiters only stand in while Redis is away: each
         // replica then takes its share of the limit.
         let replicas = match config.state.backend {
@@ -144,11 +167,16 @@ impl Budgets {
             crate::config::StateBackend::Embedded => 1,
         };
         let share = |n: u32| (n / replicas).max(1);
+        let clock = &self.clock;
         let tenants = config
             .tenants
             .iter()
             .map(|t| {
                 let name: Arc<str> = t.name.as_str().into();
+                let old = self.tenants.get(&name);
+                let rpm = (t.requests_per_minute, t.session.requests_per_minute);
+                let kept_rate = old.filter(|o| o.rpm.0 == rpm.0);
+                let kept_session_rate = old.filter(|o| o.rpm.1 == rpm.1);
                 let book = TenantBook {
                     name: name.clone(),
                     day_limits: Caps {
@@ -162,30 +190,45 @@ impl Budgets {
                         usd: t.session.max_usd,
                     },
                     max_concurrent: t.session.max_concurrent,
-                    day: Mutex::new((day, Account::default())),
-                    day_known: AtomicBool::new(false),
-                    rate: t.requests_per_minute.map(|n| {
-                        RateLimiter::direct_with_clock(per_minute(share(n)), clock.clone())
-                    }),
-                    session_rate: t.session.requests_per_minute.map(|n| {
-                        RateLimiter::dashmap_with_clock(per_minute(share(n)), clock.clone())
-                    }),
-                    rpm: (t.requests_per_minute, t.session.requests_per_minute),
+                    day: old.map_or_else(
+                        || Arc::new(Mutex::new((day, Account::default()))),
+                        |o| o.day.clone(),
+                    ),
+                    day_known: old.map_or_else(Arc::default, |o| o.day_known.clone()),
+                    rate: match kept_rate {
+                        Some(o) => o.rate.clone(),
+                        None => t.requests_per_minute.map(|n| {
+                            Arc::new(RateLimiter::direct_with_clock(
+                                per_minute(share(n)),
+                                clock.clone(),
+                            ))
+                        }),
+                    },
+                    session_rate: match kept_session_rate {
+                        Some(o) => o.session_rate.clone(),
+                        None => t.session.requests_per_minute.map(|n| {
+                            Arc::new(RateLimiter::dashmap_with_clock(
+                                per_minute(share(n)),
+                                clock.clone(),
+                            ))
+                        }),
+                    },
+                    rpm,
                 };
                 (name, Arc::new(book))
             })
             .collect();
         Budgets {
             tenants,
-            sessions: LiveSessions::new(session_idle),
-            store,
+            sessions: self.sessions.clone(),
+            store: self.store.clone(),
             prices: Prices::new(config.prices.iter().map(PriceConfig::rate)),
             model_labels: crate::telemetry::ModelLabels::new(config),
             unpriced: config.billing.unpriced,
             default_max_tokens: config.billing.default_max_tokens,
             max_reported_tokens: config.billing.max_reported_tokens,
-            clock,
-            shared: None,
+            clock: self.clock.clone(),
+            shared: self.shared.clone(),
         }
     }
 

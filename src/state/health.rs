@@ -2,7 +2,11 @@
 //! budget, behind small locks, with their metrics. The decisions live in
 //! [`crate::policy`]; this only keeps the state and reports transitions.
 
-use std::{collections::HashMap, sync::Mutex, time::Duration};
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use serde_json::{json, Value};
 use tokio::time::Instant;
@@ -39,6 +43,18 @@ impl UpstreamHealth {
             budget: Mutex::new(budget),
             latencies: Mutex::default(),
         }
+    }
+
+    /// Takes a reloaded config's policies; the state (open or closed, recent failures,
+    /// retries spent) carries on.
+    fn reconfigure(
+        &self,
+        breaker: BreakerPolicy,
+        budget: &impl Fn(Instant) -> RetryBudget,
+        now: Instant,
+    ) {
+        lock(&self.breaker).reconfigure(breaker, now);
+        lock(&self.budget).reconfigure(budget(now));
     }
 
     /// Admits an attempt, or returns how long until the breaker half-opens.
@@ -139,42 +155,42 @@ impl UpstreamHealth {
 
 /// Health of every configured upstream, by name.
 pub struct HealthRegistry {
-    upstreams: HashMap<String, UpstreamHealth>,
+    upstreams: HashMap<String, Arc<UpstreamHealth>>,
 }
 
 impl HealthRegistry {
     pub fn new(config: &Config) -> Self {
+        HealthRegistry {
+            upstreams: HashMap::new(),
+        }
+        .reconfigured(config)
+    }
+
+    /// The registry under a new config (a reload): an upstream that keeps its name keeps
+    /// its breaker, retry budget and latencies (shared with `self`, so attempts in flight
+    /// under the old config count too), taking the new policy; new names start closed.
+    pub fn reconfigured(&self, config: &Config) -> Self {
         let now = Instant::now();
-        let breaker = BreakerPolicy {
-            failure_threshold: config.breaker.failure_threshold,
-            open_for: config.breaker.open_for,
-            half_open_probes: config.breaker.half_open_probes,
-            failure_rate: config.breaker.failure_rate,
-            window: config.breaker.window,
-        };
-        let r = &config.retry;
+        let (breaker, budget) = policies(config);
         let upstreams = config
             .upstreams
             .iter()
             .map(|u| {
-                let budget = RetryBudget::new(
-                    r.budget_ratio,
-                    r.budget_max_ratio,
-                    r.budget_floor,
-                    r.budget_window,
-                    now,
-                );
-                (
-                    u.name.clone(),
-                    UpstreamHealth::new(&u.name, breaker, budget, now),
-                )
+                let health = match self.upstreams.get(&u.name) {
+                    Some(kept) => {
+                        kept.reconfigure(breaker, &budget, now);
+                        kept.clone()
+                    }
+                    None => Arc::new(UpstreamHealth::new(&u.name, breaker, budget(now), now)),
+                };
+                (u.name.clone(), health)
             })
             .collect();
         HealthRegistry { upstreams }
     }
 
     pub fn get(&self, upstream: &str) -> Option<&UpstreamHealth> {
-        self.upstreams.get(upstream)
+        self.upstreams.get(upstream).map(|h| &**h)
     }
 
     pub fn snapshot(&self, now: Instant) -> Vec<(String, Value)> {
@@ -186,4 +202,26 @@ impl HealthRegistry {
         all.sort_by(|a, b| a.0.cmp(&b.0));
         all
     }
+}
+
+/// The breaker policy and a retry budget maker, from `[breaker]` and `[retry]`.
+fn policies(config: &Config) -> (BreakerPolicy, impl Fn(Instant) -> RetryBudget) {
+    let breaker = BreakerPolicy {
+        failure_threshold: config.breaker.failure_threshold,
+        open_for: config.breaker.open_for,
+        half_open_probes: config.breaker.half_open_probes,
+        failure_rate: config.breaker.failure_rate,
+        window: config.breaker.window,
+    };
+    let r = config.retry.clone();
+    let budget = move |now| {
+        RetryBudget::new(
+            r.budget_ratio,
+            r.budget_max_ratio,
+            r.budget_floor,
+            r.budget_window,
+            now,
+        )
+    };
+    (breaker, budget)
 }

@@ -25,6 +25,16 @@ pub struct LiveSessions<V> {
     registry: Arc<Mutex<Registry<V>>>,
 }
 
+/// A handle on the same sessions (a reloaded config's books share them).
+impl<V> Clone for LiveSessions<V> {
+    fn clone(&self) -> Self {
+        LiveSessions {
+            cache: self.cache.clone(),
+            registry: self.registry.clone(),
+        }
+    }
+}
+
 struct Registry<V> {
     live: HashMap<SessionKey, Weak<V>>,
     /// Evicted while held: their entries go once the holders are done.

@@ -64,6 +64,8 @@ pub struct GuardedSession {
     /// One shared-state update of this session at a time from this replica, so races
     /// (and their retries) are only ever between replicas.
     updating: Arc<tokio::sync::Mutex<()>>,
+    /// The config generation `guard`'s policy is from (see [`SessionGuards::reconfigured`]).
+    generation: u64,
 }
 
 impl GuardedSession {
@@ -77,6 +79,9 @@ impl GuardedSession {
 
 pub struct SessionGuards {
     configs: HashMap<String, Arc<GuardPolicy>>,
+    /// Counts reloads: a session whose policy is from an older one takes the current one
+    /// when next used here (never an older one, from a request still in flight).
+    generation: u64,
     sessions: LiveSessions<Mutex<GuardedSession>>,
     store: Arc<dyn Store>,
     clock: Clock,
@@ -88,27 +93,46 @@ pub struct SessionGuards {
 /// session meanwhile, before this replica decides on its own state.
 const MAX_RACES: usize = 8;
 
+/// Each guarded tenant's policy.
+fn policies(config: &Config) -> HashMap<String, Arc<GuardPolicy>> {
+    config
+        .tenants
+        .iter()
+        .filter_map(|t| {
+            t.guard
+                .as_ref()
+                .map(|g| (t.name.clone(), Arc::new(g.policy())))
+        })
+        .collect()
+}
+
 pub fn lock(entry: &Mutex<GuardedSession>) -> MutexGuard<'_, GuardedSession> {
     entry.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl SessionGuards {
     pub fn new(config: &Config, idle: Duration, store: Arc<dyn Store>, clock: Clock) -> Self {
-        let configs = config
-            .tenants
-            .iter()
-            .filter_map(|t| {
-                t.guard
-                    .as_ref()
-                    .map(|g| (t.name.clone(), Arc::new(g.policy())))
-            })
-            .collect();
         SessionGuards {
-            configs,
+            configs: policies(config),
+            generation: 0,
             sessions: LiveSessions::new(idle),
             store,
             clock,
             idle,
+        }
+    }
+
+    /// The guards under a new config (a reload): the new tenants' policies over the same
+    /// live sessions, so counters, windows, trips and closes carry on. A tenant whose
+    /// guard is removed is no longer guarded; one that gets a guard starts one per session.
+    pub fn reconfigured(&self, config: &Config) -> Self {
+        SessionGuards {
+            configs: policies(config),
+            generation: self.generation + 1,
+            sessions: self.sessions.clone(),
+            store: self.store.clone(),
+            clock: self.clock.clone(),
+            idle: self.idle,
         }
     }
 
@@ -226,13 +250,22 @@ impl SessionGuards {
                     trace: VecDeque::with_capacity(1),
                     version: 0,
                     updating: Arc::default(),
+                    generation: self.generation,
                 }))
             })
             .await;
-        match loaded {
-            Ok(entry) => Some(entry),
+        let entry = match loaded {
+            Ok(entry) => entry,
             Err(never) => match never {},
+        };
+        {
+            let mut e = lock(&entry);
+            if e.generation < self.generation {
+                e.guard.set_policy(config.clone());
+                e.generation = self.generation;
+            }
         }
+        Some(entry)
     }
 
     /// Writes what must outlive memory of a session's state (a close or a trip), or
