@@ -43,7 +43,7 @@ use std::{
     collections::HashMap,
     sync::{
         atomic::{AtomicBool, Ordering},
-        Arc,
+        Arc, Weak,
     },
 };
 
@@ -72,7 +72,7 @@ use tower_http::{
 };
 
 use crate::{
-    admin::AdminState,
+    admin::{AdminState, Reload},
     api::Endpoint,
     clock::Clock,
     config::{Config, PriceConfig},
@@ -82,7 +82,7 @@ use crate::{
         context::{Call, ContextLayer},
         deadline::DeadlineLayer,
         edge::{self, EdgeLayer, MakeId, X_REQUEST_ID},
-        idempotency::IdempotencyLayer,
+        idempotency::{IdempotencyLayer, InFlight},
         limits::LimitsLayer,
         meter::{Billed, MeterLayer, Unmetered},
         owners::ResponseOwnersLayer,
@@ -130,6 +130,8 @@ pub struct AppState {
     pub stream_limits: StreamLimits,
     /// Set when the shutdown grace elapses: open streams end with an error event.
     pub cut_streams: Arc<tokio::sync::watch::Sender<bool>>,
+    /// Idempotency keys whose first request is running (shared across reloads).
+    pub idempotent_in_flight: InFlight,
 }
 
 impl AppState {
@@ -187,7 +189,47 @@ impl AppState {
             config: Arc::new(config),
             metrics: telemetry::metrics_handle(),
             ready: Arc::new(AtomicBool::new(false)),
+            idempotent_in_flight: InFlight::default(),
         })
+    }
+
+    /// The state under a reloaded `config`: what it defines (routes, upstreams, tenant
+    /// keys, limits, prices, policies) from `config`; what is live (spend, reservations,
+    /// sessions, trips, breakers, idempotency, stored-response owners, the store and the
+    /// shared state) carried on for every name that stays. Requests in flight keep the
+    /// old state they hold and finish under it. `config`'s restart-only parts (see
+    /// [`crate::reload`]) must already be the running ones.
+    pub fn reconfigured(&self, config: Config) -> AppState {
+        let upstreams = upstream::build_all(&config);
+        let routes = RouteTable::new(&config, &upstreams);
+        warn_unpriced(&config);
+        let settings = config.validation.schema_settings();
+        let schemas = if format!("{settings:?}")
+            == format!("{:?}", self.config.validation.schema_settings())
+        {
+            self.schemas.clone()
+        } else {
+            Arc::new(Schemas::new(settings))
+        };
+        let (mut stream_limits, _) = StreamLimits::from_config(&config.server);
+        stream_limits.cut = self.stream_limits.cut.clone();
+        AppState {
+            routes: Arc::new(routes),
+            upstreams: Arc::new(upstreams),
+            tenants: Arc::new(TenantKeys::new(&config)),
+            health: Arc::new(self.health.reconfigured(&config)),
+            budgets: Arc::new(self.budgets.reconfigured(&config)),
+            guards: Arc::new(self.guards.reconfigured(&config)),
+            schemas,
+            owners: self.owners.clone(),
+            clock: self.clock.clone(),
+            metrics: self.metrics.clone(),
+            ready: self.ready.clone(),
+            stream_limits,
+            cut_streams: self.cut_streams.clone(),
+            idempotent_in_flight: self.idempotent_in_flight.clone(),
+            config: Arc::new(config),
+        }
     }
 }
 
@@ -239,6 +281,7 @@ fn proxy_stack(state: &AppState) -> HttpService {
                     server.max_idempotency_key_bytes,
                     state.clock.clone(),
                 )
+                .in_flight(state.idempotent_in_flight.clone())
                 .shared(
                     server.request_timeout,
                     state.budgets.shared().is_some()
@@ -418,8 +461,13 @@ pub type App = SetSensitiveRequestHeaders<
     >,
 >;
 
-/// The full HTTP surface.
+/// The full HTTP surface, with no reload (`POST /admin/reload` answers 409).
 pub fn router(state: AppState) -> App {
+    router_with(state, crate::admin::no_reload())
+}
+
+/// The full HTTP surface; `POST /admin/reload` and the config stamp go to `reload`.
+pub fn router_with(state: AppState, reload: Weak<dyn Reload>) -> App {
     let sensitive = edge::sensitive_headers();
     let body_read_timeout = state.config.server.body_read_timeout;
     ServiceBuilder::new()
@@ -431,11 +479,11 @@ pub fn router(state: AppState) -> App {
         .layer(PropagateRequestIdLayer::new(X_REQUEST_ID.clone()))
         .layer(SetSensitiveResponseHeadersLayer::new(sensitive))
         .layer(RequestBodyTimeoutLayer::new(body_read_timeout))
-        .service(routes(state))
+        .service(routes(state, reload))
 }
 
 /// The routes; the proxy, model-list and admin ones each behind their own stack.
-fn routes(state: AppState) -> Router {
+fn routes(state: AppState, reload: Weak<dyn Reload>) -> Router {
     let proxy = proxy_stack(&state);
     let models = models_stack(&state);
     let objects = response_objects_stack(&state);
@@ -459,7 +507,7 @@ fn routes(state: AppState) -> Router {
         .route("/v1/responses/{id}/input_items", get_service(objects))
         .route("/v1/models", get_service(models.clone()))
         .route("/v1/models/{*id}", get_service(models))
-        .merge(crate::admin::routes(admin_state(&state)))
+        .merge(crate::admin::routes(admin_state(&state, reload)))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -469,8 +517,9 @@ fn routes(state: AppState) -> Router {
 }
 
 /// What the admin API may see: its own narrow state, not [`AppState`].
-fn admin_state(state: &AppState) -> AdminState {
+fn admin_state(state: &AppState, reload: Weak<dyn Reload>) -> AdminState {
     AdminState {
+        reload,
         health: state.health.clone(),
         upstream_apis: Arc::new(
             state

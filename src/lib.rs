@@ -14,6 +14,7 @@ pub mod error;
 pub mod layers;
 pub mod mock;
 pub mod policy;
+pub mod reload;
 pub mod routing;
 pub mod server;
 pub mod state;

@@ -83,6 +83,7 @@ fn main() -> ExitCode {
                         return ExitCode::FAILURE;
                     }
                 };
+                server::reload_on_sighup(&handle);
                 server::shutdown_signal().await;
                 handle.shutdown().await;
                 tracing::info!("stopped");

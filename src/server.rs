@@ -48,15 +48,19 @@ use tokio::{
 use tower::{Service, ServiceExt};
 
 use crate::{
-    app::{router, App, AppState},
+    admin::Reloaded,
+    app::AppState,
     clock::Clock,
     config::{Config, ServerConfig},
+    error::GatewayError,
+    reload::{Generation, Live},
     store,
 };
 
 /// A running server.
 pub struct ServerHandle {
     pub addr: SocketAddr,
+    live: Arc<Live>,
     shutdown: watch::Sender<bool>,
     task: JoinHandle<()>,
     mock: Option<crate::mock::MockHandle>,
@@ -70,6 +74,16 @@ impl ServerHandle {
         if let Some(mock) = self.mock {
             mock.shutdown();
         }
+    }
+
+    /// Re-reads the config file and swaps it in, as `SIGHUP` and `POST /admin/reload` do.
+    pub async fn reload(&self) -> Result<Reloaded, GatewayError> {
+        self.live.reload().await
+    }
+
+    /// The generation serving new requests now.
+    pub fn current(&self) -> Arc<Generation> {
+        self.live.current()
     }
 
     /// Begins a graceful shutdown without waiting for it (`/readyz` turns 503 at once).
@@ -95,30 +109,32 @@ pub async fn spawn_with_clock(config: Config, clock: Clock) -> io::Result<Server
     let limits = config.server.clone();
     warn_if_descriptors_short(limits.max_connections);
     let state = AppState::with_clock(config, clock).map_err(io::Error::other)?;
-    let budgets = state.budgets.clone();
     let purger = store::spawn_purger(
         state.budgets.store().clone(),
         state.clock.clone(),
         store::PURGE_EVERY,
     );
+    let ready = state.ready.clone();
+    let live = Live::new(state);
+    let idle = live.clone();
     let housekeeping = tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(60));
         loop {
             tick.tick().await;
-            budgets.forget_idle_limiters();
+            idle.current().state.budgets.forget_idle_limiters();
         }
     });
     let (tx, rx) = watch::channel(false);
-    let ready = state.ready.clone();
-    let app = router(state.clone());
+    let served = live.clone();
     let task = tokio::spawn(async move {
         let _housekeeping = (AbortOnDrop(housekeeping), AbortOnDrop(purger));
-        serve(listener, app, state, limits, rx).await;
+        serve(listener, served, limits, rx).await;
     });
     ready.store(true, Ordering::Relaxed);
     tracing::info!(%addr, "backstop listening");
     Ok(ServerHandle {
         addr,
+        live,
         shutdown: tx,
         task,
         mock,
@@ -128,11 +144,12 @@ pub async fn spawn_with_clock(config: Config, clock: Clock) -> io::Result<Server
 /// The accept loop, then the drain.
 async fn serve(
     listener: TcpListener,
-    app: App,
-    state: AppState,
+    live: Arc<Live>,
     limits: ServerConfig,
     mut stop: watch::Receiver<bool>,
 ) {
+    // Shared by every generation: readiness and the end-of-grace signal.
+    let state = live.current().state.clone();
     let limits = Arc::new(limits);
     let permits = Arc::new(Semaphore::new(limits.max_connections));
     let (close_tx, close_rx) = watch::channel(false);
@@ -159,7 +176,7 @@ async fn serve(
                     backoff = ACCEPT_BACKOFF_MIN;
                     match permits.clone().try_acquire_owned() {
                         Ok(permit) => {
-                            let conn = Connection { app: app.clone(), limits: limits.clone(), _permit: permit };
+                            let conn = Connection { live: live.clone(), limits: limits.clone(), _permit: permit };
                             connections.spawn(conn.run(tcp, close_rx.clone()));
                         }
                         Err(_) => refuse_over_capacity(tcp, limits.max_connections),
@@ -256,7 +273,7 @@ fn refuse_over_capacity(tcp: TcpStream, limit: usize) {
 
 /// One accepted connection and what it holds.
 struct Connection {
-    app: App,
+    live: Arc<Live>,
     limits: Arc<ServerConfig>,
     _permit: OwnedSemaphorePermit,
 }
@@ -270,7 +287,7 @@ impl Connection {
             activity: activity.clone(),
         });
         let service = TowerToHyperService::new(Counted {
-            app: self.app,
+            live: self.live,
             activity: activity.clone(),
         });
         let conn = http1::Builder::new()
@@ -386,10 +403,12 @@ impl Drop for OpenRequest {
     }
 }
 
-/// The app, counting each request in flight until its body has been sent.
+/// The current generation's app, counting each request in flight until its body has
+/// been sent. Each request takes the generation current when it arrives (not when its
+/// connection opened), so a keep-alive connection sees a reload at its next request.
 #[derive(Clone)]
 struct Counted {
-    app: App,
+    live: Arc<Live>,
     activity: Arc<Activity>,
 }
 
@@ -404,7 +423,7 @@ impl Service<Request<Incoming>> for Counted {
 
     fn call(&mut self, req: Request<Incoming>) -> Self::Future {
         let guard = self.activity.begin();
-        let app = self.app.clone();
+        let app = self.live.current().app.clone();
         Box::pin(async move {
             let response = app.oneshot(req).await?;
             Ok(response.map(|body| {
@@ -478,6 +497,30 @@ impl Drop for AbortOnDrop {
 }
 
 /// Resolves on SIGTERM or SIGINT.
+/// Reloads the config on every `SIGHUP` until the server stops (a no-op off Unix). An
+/// invalid file is logged and changes nothing.
+pub fn reload_on_sighup(handle: &ServerHandle) {
+    #[cfg(unix)]
+    {
+        let live = Arc::downgrade(&handle.live);
+        let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        else {
+            tracing::warn!("cannot listen for SIGHUP: reload with POST /admin/reload");
+            return;
+        };
+        tokio::spawn(async move {
+            while hup.recv().await.is_some() {
+                let Some(live) = live.upgrade() else { return };
+                tracing::info!("SIGHUP: reloading the config");
+                // The outcome is logged and counted by the reload itself.
+                let _ = live.reload().await;
+            }
+        });
+    }
+    #[cfg(not(unix))]
+    let _ = handle;
+}
+
 pub async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;

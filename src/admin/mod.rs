@@ -11,6 +11,7 @@
 //! tenant call. The handlers see only [`AdminState`], which `app` builds.
 
 mod auth;
+mod reload;
 
 use std::{collections::HashMap, convert::Infallible, sync::Arc};
 
@@ -25,6 +26,7 @@ use serde_json::{json, Value};
 use tower::ServiceBuilder;
 
 pub use auth::{AdminAuth, AdminAuthLayer};
+pub use reload::{no_reload, ConfigStamp, Reload, Reloaded};
 
 use crate::{
     api::ApiKind,
@@ -41,6 +43,9 @@ use crate::{
 /// What the admin API reads and changes, and nothing else of the gateway.
 #[derive(Clone)]
 pub struct AdminState {
+    /// The running server's reloader (`POST /admin/reload`); weak, since the server
+    /// holds the routes that hold this.
+    pub reload: std::sync::Weak<dyn Reload>,
     pub health: Arc<HealthRegistry>,
     /// Each upstream's API, by upstream name.
     pub upstream_apis: Arc<HashMap<String, ApiKind>>,
@@ -84,6 +89,8 @@ pub fn routes<S: Clone + Send + Sync + 'static>(state: AdminState) -> Router<S> 
         )
         .route("/admin/state", get(state_view))
         .route("/admin/state/adopt", post(adopt_state))
+        .route("/admin/reload", post(reload_config))
+        .route("/admin/config", get(config_view))
         .route_layer(operator);
     let own = Router::new()
         .route("/v1/sessions/{session}", get(own_session))
@@ -173,6 +180,28 @@ async fn adopt_state(
         Ok(json!({"adopted": true, "backend": "redis"}))
     };
     answer(&log, adopted.await)
+}
+
+/// `POST /admin/reload`: re-read the config file and swap it in (as `SIGHUP` does); 400
+/// `config_invalid` with the key-path errors when it is invalid (the running config is
+/// kept).
+async fn reload_config(
+    State(state): State<AdminState>,
+    Extension(log): Extension<Arc<RequestLog>>,
+) -> Response {
+    let reloaded = match state.reload.upgrade() {
+        Some(reload) => reload.reload().await.map(|r| r.to_json()),
+        None => Err(GatewayError::ReloadUnavailable(
+            "the server is shutting down",
+        )),
+    };
+    answer(&log, reloaded)
+}
+
+/// `GET /admin/config`: which config is running (version, load time, file).
+async fn config_view(State(state): State<AdminState>) -> Response {
+    let stamp = state.reload.upgrade().map(|r| r.stamp());
+    json_response(json!({ "config": stamp }))
 }
 
 /// `GET /admin/upstreams`: each upstream's breaker.

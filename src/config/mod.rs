@@ -66,6 +66,9 @@ pub struct Config {
     pub routes: Vec<RouteConfig>,
     #[serde(default)]
     pub tenants: Vec<TenantConfig>,
+    /// The file this was loaded from ([`Config::load`]): what a reload reads again.
+    #[serde(skip)]
+    pub source: Option<std::path::PathBuf>,
 }
 
 /// Why a configuration was refused. `key` is the path of the offending key.
@@ -102,7 +105,9 @@ impl Config {
             source,
         })?;
         let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
-        Self::from_toml_in(&text, |var| std::env::var(var).ok(), &base)
+        let mut config = Self::from_toml_in(&text, |var| std::env::var(var).ok(), &base)?;
+        config.source = Some(path.to_path_buf());
+        Ok(config)
     }
 
     /// Parses config text, resolving `${VAR}` through `lookup` (the process environment in

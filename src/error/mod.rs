@@ -100,6 +100,12 @@ pub enum GatewayError {
     NotFoundAdmin { what: &'static str },
     #[error("the admin API is disabled: set [admin] token in the config")]
     AdminDisabled,
+    /// A reload found the config file invalid: the running config is kept.
+    #[error("the config file is invalid; the running config is kept: {0}")]
+    ConfigInvalid(String),
+    /// A reload was asked of a gateway whose config did not come from a file.
+    #[error("cannot reload: {0}")]
+    ReloadUnavailable(&'static str),
     #[error("internal error")]
     Internal,
 }
@@ -271,6 +277,18 @@ impl GatewayError {
                 "permission_error",
                 "admin_disabled",
                 "permission_error",
+            ),
+            ConfigInvalid(_) => (
+                400,
+                "invalid_request_error",
+                "config_invalid",
+                "invalid_request_error",
+            ),
+            ReloadUnavailable(_) => (
+                409,
+                "invalid_request_error",
+                "reload_unavailable",
+                "invalid_request_error",
             ),
             Internal => (500, "internal_error", "internal_error", "api_error"),
         };

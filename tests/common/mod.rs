@@ -273,16 +273,21 @@ impl Binary {
     /// SIGTERM, then waits for the graceful stop (another process: blocking here cannot
     /// deadlock it); returns what the binary wrote to a piped stderr.
     pub fn terminate(mut self) -> String {
-        std::process::Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .unwrap();
+        self.signal("TERM");
         let _ = self.child.wait();
         let mut text = String::new();
         if let Some(err) = self.child.stderr.as_mut() {
             std::io::Read::read_to_string(err, &mut text).unwrap();
         }
         text
+    }
+
+    /// Sends the process a signal (`"HUP"`, ...).
+    pub fn signal(&self, name: &str) {
+        std::process::Command::new("kill")
+            .args([&format!("-{name}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
     }
 
     /// SIGKILL: no graceful shutdown, no flushing.

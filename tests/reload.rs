@@ -1,0 +1,480 @@
+//! Config reload without a restart: what changes, what carries on, what is refused.
+//! Real gateway and mock on real sockets; the config is a real file, rewritten and
+//! reloaded (`POST /admin/reload`, the server handle, and `SIGHUP` on the binary).
+
+mod common;
+
+use std::{path::PathBuf, time::Duration};
+
+use backstop::{config::Config, mock, server};
+use common::*;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+
+const CAPPED: &str = "bk-capped-key-01";
+const GUARDED: &str = "bk-guarded-key-01";
+const LATE: &str = "bk-late-key-0001";
+
+/// A gateway serving a config file: the test config plus `extra`; `rewrite` replaces the
+/// extra part and leaves the rest as it was.
+struct Reloadable {
+    gw: Gateway,
+    base: String,
+    path: PathBuf,
+    _dir: TempDir,
+}
+
+fn tenants(max_calls: u32) -> String {
+    let prices = admin_and_prices();
+    format!(
+        r#"{prices}
+[breaker]
+failure_threshold = 2
+open_for = "60s"
+
+[[tenants]]
+name = "capped"
+api_keys = ["{CAPPED}"]
+[tenants.session]
+max_calls = {max_calls}
+
+[[tenants]]
+name = "guarded"
+api_keys = ["{GUARDED}"]
+[tenants.guard]
+max_consecutive_failures = 2
+cool_down = "60s"
+"#
+    )
+}
+
+impl Reloadable {
+    async fn start(extra: &str) -> Reloadable {
+        let mock = mock::spawn(TcpListener::bind("127.0.0.1:0").await.unwrap());
+        let base = config_text(mock.addr, dead_port().await, "");
+        let dir = TempDir::new("backstop-reload");
+        let path = dir.0.join("backstop.toml");
+        std::fs::write(&path, format!("{base}{extra}")).unwrap();
+        let config = Config::load(&path).expect("test config is valid");
+        let server = server::spawn(config).await.expect("gateway starts");
+        Reloadable {
+            gw: Gateway {
+                url: format!("http://{}", server.addr),
+                mock,
+                server,
+                http: reqwest::Client::new(),
+            },
+            base,
+            path,
+            _dir: dir,
+        }
+    }
+
+    fn rewrite(&self, extra: &str) {
+        self.rewrite_all(&format!("{}{extra}", self.base));
+    }
+
+    fn rewrite_all(&self, text: &str) {
+        std::fs::write(&self.path, text).unwrap();
+    }
+
+    /// `POST /admin/reload`, as an operator would.
+    async fn reload(&self) -> reqwest::Response {
+        self.gw
+            .http
+            .post(format!("{}/admin/reload", self.gw.url))
+            .bearer_auth(ADMIN)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    async fn admin(&self, path: &str) -> Value {
+        let resp = self
+            .gw
+            .http
+            .get(format!("{}{path}", self.gw.url))
+            .bearer_auth(ADMIN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "{path}");
+        json(resp).await
+    }
+
+    /// A stream of `chunks` chunks 150 ms apart, its head received.
+    async fn stream(
+        &self,
+        key: &str,
+        session: &str,
+        scenario: &str,
+        chunks: u32,
+    ) -> reqwest::Response {
+        let fault = format!("chunks={chunks};chunk_delay=150ms");
+        let resp = self
+            .gw
+            .post(
+                "/v1/chat/completions",
+                Some(key),
+                &[
+                    ("x-session-id", session),
+                    ("x-mock-scenario", scenario),
+                    ("x-mock-fault", &fault),
+                ],
+                json!({"model": "gpt-4o", "max_tokens": 50, "stream": true,
+                       "messages": [{"role": "user", "content": "long"}]})
+                .to_string(),
+            )
+            .await;
+        assert_eq!(resp.status(), 200);
+        resp
+    }
+
+    async fn call(&self, key: &str, session: &str, fault: &str) -> reqwest::Response {
+        self.gw
+            .in_session(key, session, "reload", fault, &chat("hello"))
+            .await
+    }
+}
+
+fn chat(content: &str) -> Value {
+    json!({"model": "gpt-4o", "max_tokens": 50, "messages": [{"role": "user", "content": content}]})
+}
+
+async fn budget_refusal(resp: reqwest::Response) -> Value {
+    assert_eq!(resp.status(), 402);
+    let body = json(resp).await;
+    assert_eq!(body["error"]["code"], "budget_exceeded", "{body}");
+    assert_eq!(body["error"]["param"], "session.max_calls", "{body}");
+    body
+}
+
+#[tokio::test]
+async fn a_raised_cap_applies_mid_stream_and_earlier_calls_still_count() {
+    let r = Reloadable::start(&tenants(5)).await;
+    // A stream in flight across the reload: 6 chunks, 150 ms apart.
+    let stream = r.stream(CAPPED, "s", "reload-stream", 6).await;
+    for _ in 0..4 {
+        assert_eq!(r.call(CAPPED, "s", "").await.status(), 200);
+    }
+    let body = budget_refusal(r.call(CAPPED, "s", "").await).await;
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains('5'),
+        "{body}"
+    );
+
+    r.rewrite(&tenants(10));
+    let resp = r.reload().await;
+    assert_eq!(resp.status(), 200);
+    let reloaded = json(resp).await;
+    assert_eq!(reloaded["reloaded"], true);
+    assert_eq!(reloaded["config"]["version"], 2);
+    assert_eq!(reloaded["restart_required"], json!([]));
+
+    // The stream started under the old config runs to its end.
+    let text = stream.text().await.unwrap();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    assert!(text.matches("\"delta\"").count() >= 6, "{text}");
+
+    // 5 calls made (the stream among them); 5 more under the new cap, then refused.
+    for i in 0..5 {
+        assert_eq!(
+            r.call(CAPPED, "s", "").await.status(),
+            200,
+            "call {}",
+            i + 6
+        );
+    }
+    let body = budget_refusal(r.call(CAPPED, "s", "").await).await;
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("10"),
+        "{body}"
+    );
+    let report = r.admin("/admin/tenants/capped/sessions/s").await;
+    assert_eq!(report["used"]["calls"], 10, "{report}");
+    assert_eq!(
+        r.gw.mock.attempts("reload") + r.gw.mock.attempts("reload-stream"),
+        10
+    );
+    assert_eq!(r.admin("/admin/config").await["config"]["version"], 2);
+}
+
+#[tokio::test]
+async fn an_invalid_file_keeps_the_running_config_and_says_where() {
+    let r = Reloadable::start(&tenants(2)).await;
+    assert_eq!(r.call(CAPPED, "s", "").await.status(), 200);
+
+    r.rewrite(&tenants(2).replace("max_calls = 2", "max_calls = \"ten\""));
+    let resp = r.reload().await;
+    assert_eq!(resp.status(), 400);
+    assert_eq!(resp.headers()["x-should-retry"], "false");
+    let body = json(resp).await;
+    assert_eq!(body["error"]["code"], "config_invalid", "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("tenants[2].session.max_calls"),
+        "{message}"
+    );
+
+    // The same error text as check-config gives for the file.
+    let check = Config::load(&r.path).unwrap_err().to_string();
+    assert!(message.ends_with(&check), "{message} vs {check}");
+
+    r.rewrite("[[upstreams]]\nname = \"x\"\n");
+    let body = json(r.reload().await).await;
+    assert_eq!(body["error"]["code"], "config_invalid", "{body}");
+
+    // Nothing changed: version 1, the old cap (2) still holds, the session still counts.
+    assert_eq!(r.admin("/admin/config").await["config"]["version"], 1);
+    assert_eq!(r.call(CAPPED, "s", "").await.status(), 200);
+    budget_refusal(r.call(CAPPED, "s", "").await).await;
+    let metrics =
+        r.gw.http
+            .get(format!("{}/metrics", r.gw.url))
+            .send()
+            .await
+            .unwrap();
+    let metrics = metrics.text().await.unwrap();
+    assert!(
+        metrics.contains("backstop_config_reloads_total{outcome=\"invalid\"}"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn state_carries_on_for_names_that_stay() {
+    let r = Reloadable::start(&tenants(5)).await;
+    // A breaker opened (the dead upstream), a session tripped, spend, an idempotent call.
+    for _ in 0..2 {
+        let resp =
+            r.gw.post(
+                "/v1/chat/completions",
+                Some(KEY_A),
+                &[],
+                json!({"model": "dead-model", "messages": [{"role": "user", "content": "x"}]})
+                    .to_string(),
+            )
+            .await;
+        assert!(resp.status().is_server_error());
+    }
+    let breaker = |v: &Value, name: &str| {
+        v["upstreams"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|u| u["name"] == name)
+            .map(|u| u["breaker"]["state"].clone())
+            .unwrap()
+    };
+    assert_eq!(breaker(&r.admin("/admin/upstreams").await, "dead"), "open");
+    for _ in 0..2 {
+        let resp = r.call(GUARDED, "loop", "status=400").await;
+        assert_eq!(resp.status(), 400);
+    }
+    assert_eq!(r.call(GUARDED, "loop", "").await.status(), 429);
+    for _ in 0..3 {
+        assert_eq!(
+            r.call(CAPPED, "spent", "usage=1000/500").await.status(),
+            200
+        );
+    }
+    let spend_before = r.admin("/admin/tenants/capped").await;
+    let keyed = || {
+        r.gw.post(
+            "/v1/chat/completions",
+            Some(KEY_A),
+            &[("idempotency-key", "once"), ("x-mock-scenario", "keyed")],
+            chat("once").to_string(),
+        )
+    };
+    assert_eq!(keyed().await.status(), 200);
+
+    // The reload: a new route and a new tenant, team-b removed, the guard's threshold
+    // raised; everything named as before keeps its state.
+    let late = format!(
+        "{}\n[[routes]]\nmodel = \"late-model\"\ntargets = [{{ upstream = \"mock-openai\" }}]\n\n[[tenants]]\nname = \"late\"\napi_keys = [\"{LATE}\"]\n",
+        tenants(5).replace("max_consecutive_failures = 2", "max_consecutive_failures = 4")
+    );
+    r.rewrite_all(&format!("{}{late}", r.base).replace(
+        "[[tenants]]\nname = \"team-b\"\napi_keys = [\"bk-test-b-key\"]\n",
+        "",
+    ));
+    let resp = r.reload().await;
+    assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
+
+    assert_eq!(breaker(&r.admin("/admin/upstreams").await, "dead"), "open");
+    let tripped = r.call(GUARDED, "loop", "").await;
+    assert_eq!(tripped.status(), 429);
+    assert_eq!(json(tripped).await["error"]["code"], "session_tripped");
+    let spend_after = r.admin("/admin/tenants/capped").await;
+    assert_eq!(spend_after["today"], spend_before["today"], "{spend_after}");
+    let replayed = keyed().await;
+    assert_eq!(replayed.status(), 200);
+    assert_eq!(replayed.headers()["x-backstop-replayed"], "true");
+    assert_eq!(r.gw.mock.attempts("keyed"), 1);
+
+    // New names are served; a removed tenant's key no longer is.
+    let resp =
+        r.gw.post(
+            "/v1/chat/completions",
+            Some(LATE),
+            &[],
+            json!({"model": "late-model", "messages": [{"role": "user", "content": "x"}]})
+                .to_string(),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    let resp =
+        r.gw.post(
+            "/v1/chat/completions",
+            Some(KEY_B),
+            &[],
+            chat("x").to_string(),
+        )
+        .await;
+    assert_eq!(resp.status(), 401);
+}
+
+#[tokio::test]
+async fn a_stream_in_flight_finishes_on_the_upstream_it_started_with() {
+    let r = Reloadable::start(&tenants(5)).await;
+    let stream = r.stream(KEY_A, "any", "before", 5).await;
+    // gpt-* now goes to the dead upstream.
+    let moved = r.base.replacen(
+        "model = \"gpt-*\"\nmodels = [\"gpt-4o\", \"gpt-4o-mini\"]\ntargets = [{ upstream = \"mock-openai\" }]",
+        "model = \"gpt-*\"\nmodels = [\"gpt-4o\", \"gpt-4o-mini\"]\ntargets = [{ upstream = \"dead\" }]",
+        1,
+    );
+    assert_ne!(moved, r.base);
+    r.rewrite_all(&format!("{moved}{}", tenants(5)));
+    assert_eq!(r.reload().await.status(), 200);
+    let text = stream.text().await.unwrap();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let after =
+        r.gw.post(
+            "/v1/chat/completions",
+            Some(KEY_A),
+            &[("x-mock-scenario", "after")],
+            chat("x").to_string(),
+        )
+        .await;
+    assert!(after.status().is_server_error(), "{}", after.status());
+    assert_eq!(r.gw.mock.attempts("after"), 0);
+    assert_eq!(r.gw.mock.attempts("before"), 1);
+}
+
+#[tokio::test]
+async fn start_up_keys_are_kept_and_named() {
+    let r = Reloadable::start(&tenants(5)).await;
+    let changed = r
+        .base
+        .replace("listen = \"127.0.0.1:0\"", "listen = \"127.0.0.1:1\"")
+        .replace("level = \"warn\"", "level = \"debug\"");
+    r.rewrite_all(&format!("{changed}{}", tenants(7)));
+    let resp = r.reload().await;
+    assert_eq!(resp.status(), 200);
+    let body = json(resp).await;
+    assert_eq!(
+        body["restart_required"],
+        json!(["server.listen", "log"]),
+        "{body}"
+    );
+    // Still served where it was; the rest applied.
+    let current = r.gw.server.current();
+    assert_eq!(current.state.config.server.listen.port(), 0);
+    assert_eq!(current.state.config.tenants[2].session.max_calls, Some(7));
+    assert_eq!(r.call(CAPPED, "s", "").await.status(), 200);
+}
+
+#[tokio::test]
+async fn reload_needs_the_admin_token() {
+    let r = Reloadable::start(&tenants(5)).await;
+    let resp =
+        r.gw.http
+            .post(format!("{}/admin/reload", r.gw.url))
+            .bearer_auth(KEY_A)
+            .send()
+            .await
+            .unwrap();
+    assert_eq!(resp.status(), 401);
+    assert_eq!(r.admin("/admin/config").await["config"]["version"], 1);
+}
+
+#[tokio::test]
+async fn sighup_reloads_the_real_binary() {
+    let dir = TempDir::new("backstop-sighup");
+    let port = dead_port().await;
+    let mock_port = dead_port().await;
+    let path = dir.0.join("backstop.toml");
+    let text = |max_calls: u32| {
+        format!(
+            r#"
+[server]
+listen = "127.0.0.1:{port}"
+drain_delay = "0s"
+[log]
+level = "warn"
+[mock]
+listen = "127.0.0.1:{mock_port}"
+[store]
+path = ":memory:"
+[admin]
+token = "{ADMIN}"
+[[upstreams]]
+name = "mock"
+api = "openai"
+base_url = "http://127.0.0.1:{mock_port}"
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "mock" }}]
+[[tenants]]
+name = "capped"
+api_keys = ["{CAPPED}"]
+[tenants.session]
+max_calls = {max_calls}
+"#
+        )
+    };
+    std::fs::write(&path, text(1)).unwrap();
+    let gw = Binary::start(&path, port).await;
+    let http = reqwest::Client::new();
+    let call = || {
+        http.post(format!("{}/v1/chat/completions", gw.url))
+            .bearer_auth(CAPPED)
+            .header("x-session-id", "h")
+            .body(chat("x").to_string())
+            .send()
+    };
+    assert_eq!(call().await.unwrap().status(), 200);
+    assert_eq!(call().await.unwrap().status(), 402);
+    std::fs::write(&path, text(2)).unwrap();
+    gw.signal("HUP");
+    let mut version = Value::Null;
+    for _ in 0..100 {
+        let resp = http
+            .get(format!("{}/admin/config", gw.url))
+            .bearer_auth(ADMIN)
+            .send()
+            .await
+            .unwrap();
+        version = json(resp).await["config"]["version"].clone();
+        if version == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(version, 2, "SIGHUP did not reload");
+    assert_eq!(call().await.unwrap().status(), 200);
+    assert_eq!(call().await.unwrap().status(), 402);
+    // An invalid file on SIGHUP: logged, the process and its config carry on.
+    std::fs::write(&path, "not toml [").unwrap();
+    gw.signal("HUP");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let resp = http
+        .get(format!("{}/admin/config", gw.url))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(json(resp).await["config"]["version"], 2);
+}
