@@ -72,7 +72,7 @@ use tower_http::{
 };
 
 use crate::{
-    admin::AdminState,
+    admin::{AdminState, ConfigStamp},
     api::Endpoint,
     clock::Clock,
     config::{Config, PriceConfig},
@@ -94,6 +94,7 @@ use crate::{
     policy::budget::Prices,
     routing::RouteTable,
     state::{
+        activity::Activity,
         budgets::Budgets,
         health::HealthRegistry,
         owners::ResponseOwners,
@@ -123,6 +124,10 @@ pub struct AppState {
     pub owners: Arc<ResponseOwners>,
     /// The one clock of the live state (tokio time, and the calendar derived from it).
     pub clock: Clock,
+    /// The last hour of requests and recovery, for the dashboard (memory only).
+    pub activity: Arc<Activity>,
+    /// Which config is running and since when, for the dashboard.
+    pub config_stamp: Arc<ConfigStamp>,
     pub metrics: PrometheusHandle,
     /// False while starting and once shutdown has begun: `/readyz` answers 503.
     pub ready: Arc<AtomicBool>,
@@ -168,6 +173,8 @@ impl AppState {
         warn_unpriced(&config);
         let (stream_limits, cut_streams) = StreamLimits::from_config(&config.server);
         Ok(AppState {
+            activity: Arc::new(Activity::new(clock.now())),
+            config_stamp: Arc::new(ConfigStamp::new(1, clock.now_ms())),
             stream_limits,
             cut_streams: Arc::new(cut_streams),
             budgets: Arc::new(budgets),
@@ -273,7 +280,7 @@ where
 {
     let server = &state.config.server;
     let stack = ServiceBuilder::new()
-        .layer(EdgeLayer::default())
+        .layer(EdgeLayer::counted(state.activity.clone()))
         .layer(RespondLayer)
         .layer(DeadlineLayer::new(server.request_timeout))
         .layer(AuthLayer::new(state.tenants.clone()))
@@ -482,6 +489,8 @@ fn admin_state(state: &AppState) -> AdminState {
         budgets: state.budgets.clone(),
         guards: state.guards.clone(),
         tenants: state.tenants.clone(),
+        activity: state.activity.clone(),
+        config_stamp: state.config_stamp.clone(),
         max_session_id_bytes: state.config.server.max_session_id_bytes,
         token: state
             .config

@@ -9,8 +9,12 @@
 //! `x-should-retry: false`). Then, on the operator routes, [`AdminAuthLayer`]; on the
 //! tenant route, the tenant [`AuthLayer`] and the tenant's request rate, as for any
 //! tenant call. The handlers see only [`AdminState`], which `app` builds.
+//!
+//! The operator dashboard ([`dashboard`]): its page at `GET /admin/ui` (no token: it
+//! holds no data) and its one poll, `GET /admin/ui/data`, behind the admin token.
 
 mod auth;
+mod dashboard;
 
 use std::{collections::HashMap, convert::Infallible, sync::Arc};
 
@@ -25,6 +29,7 @@ use serde_json::{json, Value};
 use tower::ServiceBuilder;
 
 pub use auth::{AdminAuth, AdminAuthLayer};
+pub use dashboard::ConfigStamp;
 
 use crate::{
     api::ApiKind,
@@ -34,7 +39,9 @@ use crate::{
         edge::{self, EdgeLayer},
         respond::RespondLayer,
     },
-    state::{budgets::Budgets, health::HealthRegistry, sessions::SessionGuards},
+    state::{
+        activity::Activity, budgets::Budgets, health::HealthRegistry, sessions::SessionGuards,
+    },
     telemetry::RequestLog,
 };
 
@@ -50,6 +57,10 @@ pub struct AdminState {
     pub tenants: Arc<TenantKeys>,
     /// `[admin] token`; `None` turns the operator routes off (403 `admin_disabled`).
     pub token: Option<Arc<str>>,
+    /// The last hour of requests and recovery, for the dashboard.
+    pub activity: Arc<Activity>,
+    /// Which config is running and since when.
+    pub config_stamp: Arc<ConfigStamp>,
     /// `server.max_session_id_bytes`, for the request span.
     pub max_session_id_bytes: usize,
 }
@@ -82,13 +93,19 @@ pub fn routes<S: Clone + Send + Sync + 'static>(state: AdminState) -> Router<S> 
             "/admin/tenants/{tenant}/sessions/{session}/close",
             post(close_session),
         )
+        .route("/admin/ui/data", get(dashboard::data))
         .route("/admin/state", get(state_view))
         .route("/admin/state/adopt", post(adopt_state))
         .route_layer(operator);
     let own = Router::new()
         .route("/v1/sessions/{session}", get(own_session))
         .route_layer(tenant);
-    admin.merge(own).with_state(state)
+    // The dashboard's page and assets hold no data: served without the token.
+    let page = Router::new()
+        .route("/admin/ui", get(dashboard::page))
+        .route("/admin/ui/app.js", get(dashboard::script))
+        .route("/admin/ui/style.css", get(dashboard::style));
+    admin.merge(own).merge(page).with_state(state)
 }
 
 /// Handlers answer with a response, never an error: the layers above expect one.
