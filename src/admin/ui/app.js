@@ -220,7 +220,7 @@ function renderRecovery(minutes) {
 }
 
 function sparkline(perMinute) {
-  const W = 120, H = 22;
+  const W = 90, H = 16;
   const max = Math.max(1, ...perMinute.map((m) => m.attempts));
   const step = W / perMinute.length;
   const node = svg("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": "attempts per minute" });
@@ -244,9 +244,9 @@ function renderUpstreams(upstreams) {
       : breaker.state === "closed" && breaker.consecutive_failures ? " (" + breaker.consecutive_failures + " failing)" : "";
     const transitions = u.hour.transitions.slice(-4).reverse().map((t) => "→" + t.to + " " + fmt.ago(t.ago_ms)).join(", ");
     return el("tr", { "data-upstream": u.name },
-      el("td", {}, el("b", {}, u.name), " ", el("span", { class: "muted" }, u.api || "")),
+      el("td", { class: "nowrap" }, el("b", {}, u.name), " ", el("span", { class: "muted" }, u.api || "")),
       el("td", {}, stateBadge(breaker.state, "breaker"), detail),
-      el("td", { class: "num" }, sparkline(u.hour.per_minute), " ", fmt.int(attempts)),
+      el("td", { class: "num nowrap" }, fmt.int(attempts), " ", sparkline(u.hour.per_minute)),
       el("td", {}, failures.join(", ") || "none", c.neutral ? el("span", { class: "muted" }, " · neutral " + c.neutral) : null),
       el("td", { class: "num" }, fmt.ms(u.latency_ms.p50) + " / " + fmt.ms(u.latency_ms.p95)),
       el("td", {}, (u.hour.transitions.length ? u.hour.transitions.length + ": " + transitions : "none")));
