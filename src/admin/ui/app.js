@@ -248,7 +248,7 @@ function renderUpstreams(upstreams) {
       el("td", {}, stateBadge(breaker.state, "breaker"), detail),
       el("td", { class: "num nowrap" }, fmt.int(attempts), " ", sparkline(u.hour.per_minute)),
       el("td", {}, failures.join(", ") || "none", c.neutral ? el("span", { class: "muted" }, " · neutral " + c.neutral) : null),
-      el("td", { class: "num" }, fmt.ms(u.latency_ms.p50) + " / " + fmt.ms(u.latency_ms.p95)),
+      el("td", { class: "num nowrap" }, fmt.ms(u.latency_ms.p50) + " / " + fmt.ms(u.latency_ms.p95)),
       el("td", {}, (u.hour.transitions.length ? u.hour.transitions.length + ": " + transitions : "none")));
   }));
 }
