@@ -9,13 +9,7 @@
 #[path = "common/mod.rs"]
 mod common;
 
-use std::{
-    sync::{
-        atomic::{AtomicUsize, Ordering},
-        Arc,
-    },
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use common::*;
 
@@ -78,33 +72,8 @@ usd_per_day = 100000.0
     let url = format!("http://127.0.0.1:{port}");
     wait_up(&http, &format!("{url}/readyz")).await;
 
-    let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
-    let mut tasks = Vec::new();
-    for _ in 0..32 {
-        let (http, url, next) = (http.clone(), url.clone(), next.clone());
-        tasks.push(tokio::spawn(async move {
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= sessions {
-                    break;
-                }
-                let resp = http
-                    .post(format!("{url}/v1/chat/completions"))
-                    .bearer_auth(KEY)
-                    .header("x-session-id", format!("session-{i:08}"))
-                    .body(r#"{"model":"gpt-4o","max_tokens":64,"messages":[{"role":"user","content":"hi"}]}"#)
-                    .send()
-                    .await
-                    .unwrap();
-                assert_eq!(resp.status(), 200);
-                let _ = resp.bytes().await;
-            }
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
+    one_call_per_session(&http, &url, KEY, sessions, 32).await;
     println!(
         "{sessions} live guarded sessions made through the gateway in {:.1} s",
         started.elapsed().as_secs_f64()

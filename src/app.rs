@@ -173,7 +173,7 @@ impl AppState {
         warn_unpriced(&config);
         let (stream_limits, cut_streams) = StreamLimits::from_config(&config.server);
         Ok(AppState {
-            activity: Arc::new(Activity::new(clock.now())),
+            activity: Arc::new(Activity::new(tokio::time::Instant::now())),
             config_stamp: Arc::new(ConfigStamp::new(1, clock.now_ms())),
             stream_limits,
             cut_streams: Arc::new(cut_streams),

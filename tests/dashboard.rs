@@ -28,13 +28,7 @@ identical_request_window = "10m"
 }
 
 async fn data(gw: &Gateway, query: &str) -> Value {
-    let resp = gw
-        .http
-        .get(format!("{}/admin/ui/data{query}", gw.url))
-        .bearer_auth(ADMIN)
-        .send()
-        .await
-        .unwrap();
+    let resp = gw.get(&format!("/admin/ui/data{query}"), Some(ADMIN)).await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["cache-control"], "no-store");
     json(resp).await
@@ -44,33 +38,41 @@ fn hello() -> Value {
     json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hello"}]})
 }
 
-/// The hour's totals of one recovery counter.
+/// The hour's total of one recovery counter, or of one refusal reason.
 fn total(data: &Value, field: &str) -> u64 {
-    data["recovery"]["minutes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m[field].as_u64().unwrap())
-        .sum()
+    hour(data, |m| m[field].as_u64().unwrap())
 }
 
 fn refused(data: &Value, reason: &str) -> u64 {
+    hour(data, |m| m["refused"][reason].as_u64().unwrap_or(0))
+}
+
+fn hour(data: &Value, count: impl Fn(&Value) -> u64) -> u64 {
     data["recovery"]["minutes"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|m| m["refused"][reason].as_u64().unwrap_or(0))
+        .map(count)
         .sum()
+}
+
+/// The element of `data[list]` whose `key` is `name`.
+fn named<'a>(data: &'a Value, list: &str, key: &str, name: &str) -> &'a Value {
+    data[list]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|item| item[key] == name)
+        .unwrap_or_else(|| panic!("no {list} {name}: {data}"))
 }
 
 #[tokio::test]
 async fn the_poll_needs_the_admin_token_but_the_page_does_not() {
     let gw = gateway().await;
-    let url = format!("{}/admin/ui/data", gw.url);
-    let resp = gw.http.get(&url).send().await.unwrap();
+    let resp = gw.get("/admin/ui/data", None).await;
     assert_eq!(resp.status(), 401);
     assert_eq!(json(resp).await["error"]["code"], "invalid_admin_token");
-    let resp = gw.http.get(&url).bearer_auth("wrong").send().await.unwrap();
+    let resp = gw.get("/admin/ui/data", Some("wrong")).await;
     assert_eq!(resp.status(), 401);
     let body = json(resp).await;
     assert!(
@@ -84,12 +86,7 @@ async fn the_poll_needs_the_admin_token_but_the_page_does_not() {
         ("/admin/ui/app.js", "text/javascript"),
         ("/admin/ui/style.css", "text/css"),
     ] {
-        let resp = gw
-            .http
-            .get(format!("{}{path}", gw.url))
-            .send()
-            .await
-            .unwrap();
+        let resp = gw.get(path, None).await;
         assert_eq!(resp.status(), 200, "{path}");
         let headers = resp.headers();
         assert!(headers["content-type"].to_str().unwrap().starts_with(kind));
@@ -99,15 +96,7 @@ async fn the_poll_needs_the_admin_token_but_the_page_does_not() {
         assert_eq!(headers["x-frame-options"], "DENY");
         assert_eq!(headers["cache-control"], "no-store");
     }
-    let page = gw
-        .http
-        .get(format!("{}/admin/ui", gw.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = gw.get("/admin/ui", None).await.text().await.unwrap();
     assert!(!page.contains("http://") && !page.contains("https://"));
     assert!(!page.contains(ADMIN));
 }
@@ -154,12 +143,7 @@ async fn the_poll_counts_retries_refusals_and_the_tripped_session_exactly() {
     assert_eq!(refused(&after, "session_tripped"), 0);
 
     // The upstream saw 7 attempts: 2 transient, 5 answered.
-    let mock = after["upstreams"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|u| u["name"] == "mock-openai")
-        .unwrap();
+    let mock = named(&after, "upstreams", "name", "mock-openai");
     assert_eq!(mock["hour"]["by_class"]["transient"], 2);
     assert_eq!(mock["hour"]["by_class"]["ok"], 5);
     assert_eq!(mock["breaker"]["state"], "closed");
@@ -189,12 +173,7 @@ async fn the_poll_counts_retries_refusals_and_the_tripped_session_exactly() {
     assert_eq!(one["sessions"]["items"].as_array().unwrap().len(), 1);
 
     // The tenant's day, with its spend by model; the dashboard's own polls are no traffic.
-    let guarded = after["tenants"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|t| t["tenant"] == "guarded")
-        .unwrap();
+    let guarded = named(&after, "tenants", "tenant", "guarded");
     assert_eq!(guarded["guarded"], true);
     assert_eq!(guarded["used_today"]["calls"], 4);
     assert_eq!(guarded["by_model"][0]["model"], "gpt-4o");

@@ -114,8 +114,13 @@ pub const REFUSALS: [&str; 9] = [
     "idempotency_key_reused",
 ];
 
-/// The per-request counters, then one per [`REFUSALS`] reason.
+/// The per-request counters (by these indices), then one per [`REFUSALS`] reason.
 const REQUEST_FIELDS: [&str; 5] = ["requests", "failed", "retries", "corrections", "failovers"];
+const REQUESTS: usize = 0;
+const FAILED: usize = 1;
+const RETRIES: usize = 2;
+const CORRECTIONS: usize = 3;
+const FAILOVERS: usize = 4;
 const REQUEST_COUNTERS: usize = REQUEST_FIELDS.len() + REFUSALS.len();
 
 /// Recovery per minute, fed once per proxied request by the edge layer.
@@ -134,7 +139,7 @@ impl Activity {
     /// not as failed.
     pub fn record_request(&self, now: Instant, status: u16, fields: &LogFields) {
         let ring = &self.requests;
-        ring.add(now, 0, 1);
+        ring.add(now, REQUESTS, 1);
         let (mut retries, mut corrections, mut failovers) = (0, 0, 0);
         for step in &fields.recovery {
             match step {
@@ -144,7 +149,11 @@ impl Activity {
                 _ => {}
             }
         }
-        for (index, n) in [(2, retries), (3, corrections), (4, failovers)] {
+        for (index, n) in [
+            (RETRIES, retries),
+            (CORRECTIONS, corrections),
+            (FAILOVERS, failovers),
+        ] {
             if n > 0 {
                 ring.add(now, index, n);
             }
@@ -154,7 +163,7 @@ impl Activity {
             .and_then(|code| REFUSALS.iter().position(|r| *r == code));
         match refusal {
             Some(reason) => ring.add(now, REQUEST_FIELDS.len() + reason, 1),
-            None if status >= 400 => ring.add(now, 1, 1),
+            None if status >= 400 => ring.add(now, FAILED, 1),
             None => {}
         }
     }
@@ -184,7 +193,7 @@ impl Activity {
     }
 }
 
-/// An upstream attempt's class, from what it told the breaker.
+/// An upstream attempt's class, from what it told the breaker (by these indices).
 const ATTEMPT_CLASSES: [&str; 6] = [
     "ok",
     "transient",
@@ -193,6 +202,12 @@ const ATTEMPT_CLASSES: [&str; 6] = [
     "neutral",
     "abandoned",
 ];
+const OK: usize = 0;
+const TRANSIENT: usize = 1;
+const RATE_LIMITED: usize = 2;
+const CREDENTIAL: usize = 3;
+const NEUTRAL: usize = 4;
+const ABANDONED: usize = 5;
 
 /// Transitions kept per upstream (an upstream that flaps faster than this an hour shows
 /// the latest).
@@ -215,12 +230,13 @@ impl UpstreamActivity {
     /// One attempt, as its verdict on the upstream's health.
     pub fn attempt(&self, now: Instant, verdict: Verdict) {
         let class = match verdict {
-            Verdict::Healthy => 0,
-            Verdict::Failed(weight) if weight < 1.0 => 2,
-            Verdict::Failed(_) => 1,
-            Verdict::Fatal => 3,
-            Verdict::Neutral => 4,
-            Verdict::Abandoned => 5,
+            Verdict::Healthy => OK,
+            // Rate limits weigh less on the breaker (see `recovery::verdict`).
+            Verdict::Failed(weight) if weight < 1.0 => RATE_LIMITED,
+            Verdict::Failed(_) => TRANSIENT,
+            Verdict::Fatal => CREDENTIAL,
+            Verdict::Neutral => NEUTRAL,
+            Verdict::Abandoned => ABANDONED,
         };
         self.attempts.add(now, class, 1);
     }
@@ -248,7 +264,7 @@ impl UpstreamActivity {
             .collect();
         let per_minute: Vec<Value> = minutes
             .iter()
-            .map(|m| json!({"attempts": m.iter().sum::<u64>(), "failures": m[1] + m[2] + m[3]}))
+            .map(|m| json!({"attempts": m.iter().sum::<u64>(), "failures": m[TRANSIENT] + m[RATE_LIMITED] + m[CREDENTIAL]}))
             .collect();
         let hour_ago = now.checked_sub(MINUTE * MINUTES as u32);
         let transitions: Vec<Value> = self
