@@ -12,9 +12,9 @@
 //! answer says so.
 
 use std::{
-    cmp::Ordering,
     collections::HashMap,
     sync::atomic::{AtomicI64, AtomicU64, Ordering as AtomicOrdering},
+    sync::{Arc, Mutex},
     time::{Duration, UNIX_EPOCH},
 };
 
@@ -24,11 +24,15 @@ use axum::{
     response::{IntoResponse, Response},
 };
 use serde_json::{json, Value};
+use tokio::time::Instant;
 
 use super::AdminState;
 use crate::{
     policy::budget::Usage,
-    state::{live::SessionKey, sessions::lock},
+    state::{
+        live::SessionKey,
+        sessions::{lock, GuardedSession},
+    },
 };
 
 const PAGE: &str = include_str!("ui/index.html");
@@ -169,21 +173,19 @@ struct Row {
     key: SessionKey,
     state: &'static str,
     used: Usage,
-    /// The guard's signals, for guarded sessions.
-    signals: Option<Value>,
+    /// The guard's entry, for guarded sessions: its signals are read only for the rows
+    /// shown.
+    guard: Option<Arc<Mutex<GuardedSession>>>,
+    risk: f64,
 }
 
 impl Row {
-    fn risk(&self) -> f64 {
-        self.signals
+    fn to_json(&self, now: Instant) -> Value {
+        let signals = self
+            .guard
             .as_ref()
-            .and_then(|s| s["risk"].as_f64())
-            .unwrap_or(0.0)
-    }
-
-    fn to_json(&self) -> Value {
-        let signals = self.signals.as_ref();
-        let field = |name: &str| signals.map_or(Value::Null, |s| s[name].clone());
+            .map(|g| lock(g).signals(now, self.used.usd));
+        let field = |name: &str| signals.as_ref().map_or(Value::Null, |s| s[name].clone());
         json!({
             "tenant": &*self.key.0,
             "session": self.key.1,
@@ -255,7 +257,7 @@ async fn tenants(state: &AdminState) -> Vec<Value> {
         if let Some(models) = report["by_model"].as_array_mut() {
             models.sort_by(|a, b| {
                 let usd = |m: &Value| m["usd"].as_f64().unwrap_or(0.0);
-                usd(b).partial_cmp(&usd(a)).unwrap_or(Ordering::Equal)
+                usd(b).total_cmp(&usd(a))
             });
             models.truncate(TOP_MODELS);
         }
@@ -289,20 +291,19 @@ fn sessions(state: &AdminState, filter: &Filter) -> Value {
             continue;
         }
         let spent = used.remove(&key).unwrap_or_default();
-        let entry = lock(&entry);
-        let phase = entry.guard.state().phase().label();
-        // The signals cost more than the rest of a row: only for rows that may be shown.
-        let signals = filter
-            .state
-            .as_deref()
-            .is_none_or(|s| s == phase)
-            .then(|| entry.signals(now, spent.usd));
-        drop(entry);
+        let (phase, risk) = {
+            let guard = lock(&entry);
+            (
+                guard.guard.state().phase().label(),
+                guard.risk(now, spent.usd),
+            )
+        };
         let row = Row {
             key,
             state: phase,
             used: spent,
-            signals,
+            guard: Some(entry),
+            risk,
         };
         keep(row, &mut by_state);
     }
@@ -317,7 +318,8 @@ fn sessions(state: &AdminState, filter: &Filter) -> Value {
             key,
             state,
             used: spent,
-            signals: None,
+            guard: None,
+            risk: 0.0,
         };
         keep(row, &mut by_state);
     }
@@ -325,13 +327,8 @@ fn sessions(state: &AdminState, filter: &Filter) -> Value {
     rows.sort_by(|a, b| {
         urgency(a.state)
             .cmp(&urgency(b.state))
-            .then(b.risk().partial_cmp(&a.risk()).unwrap_or(Ordering::Equal))
-            .then(
-                b.used
-                    .usd
-                    .partial_cmp(&a.used.usd)
-                    .unwrap_or(Ordering::Equal),
-            )
+            .then(b.risk.total_cmp(&a.risk))
+            .then(b.used.usd.total_cmp(&a.used.usd))
             .then_with(|| a.key.cmp(&b.key))
     });
     rows.truncate(filter.limit);
@@ -339,7 +336,7 @@ fn sessions(state: &AdminState, filter: &Filter) -> Value {
         "total": total,
         "limit": filter.limit,
         "by_state": by_state,
-        "items": rows.iter().map(Row::to_json).collect::<Vec<_>>(),
+        "items": rows.iter().map(|row| row.to_json(now)).collect::<Vec<_>>(),
     })
 }
 

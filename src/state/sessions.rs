@@ -76,8 +76,16 @@ impl GuardedSession {
 
     /// The guard's signals (state, risk, the trip and its evidence), as of `now`.
     pub fn signals(&self, now: Instant, session_usd: f64) -> Value {
-        let tool_loop = self.trace.back().map_or(0, |t| t.tool_loop);
-        self.guard.signals(now, session_usd, tool_loop)
+        self.guard.signals(now, session_usd, self.tool_loop())
+    }
+
+    /// The signals' risk score alone.
+    pub fn risk(&self, now: Instant, session_usd: f64) -> f64 {
+        self.guard.risk(now, session_usd, self.tool_loop())
+    }
+
+    fn tool_loop(&self) -> u32 {
+        self.trace.back().map_or(0, |t| t.tool_loop)
     }
 }
 
