@@ -104,7 +104,8 @@ pub fn routes<S: Clone + Send + Sync + 'static>(state: AdminState) -> Router<S> 
     let page = Router::new()
         .route("/admin/ui", get(dashboard::page))
         .route("/admin/ui/app.js", get(dashboard::script))
-        .route("/admin/ui/style.css", get(dashboard::style));
+        .route("/admin/ui/style.css", get(dashboard::style))
+        .route_layer(EdgeLayer::default());
     admin.merge(own).merge(page).with_state(state)
 }
 
