@@ -280,7 +280,7 @@ fn sessions(state: &AdminState, filter: &Filter) -> Value {
         .collect();
     let mut rows: Vec<Row> = Vec::new();
     let mut by_state: HashMap<&'static str, u64> = HashMap::new();
-    let mut keep = |row: Row, by_state: &mut HashMap<&'static str, u64>| {
+    let mut keep = |row: Row| {
         *by_state.entry(row.state).or_default() += 1;
         if filter.state.as_deref().is_none_or(|s| s == row.state) {
             rows.push(row);
@@ -305,7 +305,7 @@ fn sessions(state: &AdminState, filter: &Filter) -> Value {
             guard: Some(entry),
             risk,
         };
-        keep(row, &mut by_state);
+        keep(row);
     }
     for (key, spent) in used {
         let state = if state.guards.is_guarded(&key.0) {
@@ -321,7 +321,7 @@ fn sessions(state: &AdminState, filter: &Filter) -> Value {
             guard: None,
             risk: 0.0,
         };
-        keep(row, &mut by_state);
+        keep(row);
     }
     let total = rows.len();
     rows.sort_by(|a, b| {
