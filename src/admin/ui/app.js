@@ -94,6 +94,7 @@ function loggedOut(message) {
   stopPolling();
   $("dashboard").hidden = true;
   $("logout").hidden = true;
+  $("pause-label").hidden = true;
   $("login-panel").hidden = false;
   showError(message || "");
   $("token").focus();
@@ -128,6 +129,7 @@ async function refresh() {
     $("login-panel").hidden = true;
     $("dashboard").hidden = false;
     $("logout").hidden = false;
+    $("pause-label").hidden = false;
     render(data);
     if (openTrace) await loadTrace(openTrace.tenant, openTrace.session, false);
   } catch (err) {
