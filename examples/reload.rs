@@ -122,7 +122,8 @@ async fn phase(
     let (count, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let workers: Vec<_> = (0..WORKERS)
         .map(|_| {
-            let (url, stop, count, failed) = (url.clone(), stop.clone(), count.clone(), failed.clone());
+            let (url, stop, count, failed) =
+                (url.clone(), stop.clone(), count.clone(), failed.clone());
             tokio::spawn(async move { load(&url, &stop, &count, &failed).await })
         })
         .collect();
@@ -133,7 +134,11 @@ async fn phase(
             Some(every) => {
                 tokio::time::sleep(every).await;
                 // Alternate the caps so every reload changes every tenant.
-                let max_calls = if reloads.len() % 2 == 0 { 1_000_001 } else { 1_000_000 };
+                let max_calls = if reloads.len() % 2 == 0 {
+                    1_000_001
+                } else {
+                    1_000_000
+                };
                 std::fs::write(path, config_text(mock, max_calls)).unwrap();
                 let reloaded = gw.reload().await.expect("the bench config is valid");
                 reloads.push(reloaded.took);
@@ -147,12 +152,20 @@ async fn phase(
         latencies.extend(w.await.unwrap());
     }
     latencies.sort_unstable();
-    (latencies, count.load(Ordering::Relaxed), failed.load(Ordering::Relaxed), reloads)
+    (
+        latencies,
+        count.load(Ordering::Relaxed),
+        failed.load(Ordering::Relaxed),
+        reloads,
+    )
 }
 
 #[tokio::main]
 async fn main() {
-    let reloads: u32 = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(20);
+    let reloads: u32 = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(20);
     let mock = mock::spawn(TcpListener::bind("127.0.0.1:0").await.unwrap());
     let dir = std::env::temp_dir().join(format!("backstop-reload-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

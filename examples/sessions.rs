@@ -136,33 +136,8 @@ usd_per_day = 100000.0
     }
     let pid = child.pid();
     println!("| RSS at start | {} MB |", proc_kb(pid, "VmRSS:") / 1024);
-    let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
-    let mut tasks = Vec::new();
-    for _ in 0..64 {
-        let (http, url, next) = (http.clone(), url.clone(), next.clone());
-        tasks.push(tokio::spawn(async move {
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= sessions {
-                    break;
-                }
-                let resp = http
-                    .post(format!("{url}/v1/chat/completions"))
-                    .bearer_auth(KEY)
-                    .header("x-session-id", format!("session-{i:08}"))
-                    .body(r#"{"model":"gpt-4o","max_tokens":64,"messages":[{"role":"user","content":"hi"}]}"#)
-                    .send()
-                    .await
-                    .unwrap();
-                assert_eq!(resp.status(), 200);
-                let _ = resp.bytes().await;
-            }
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
+    one_call_per_session(&http, &url, KEY, sessions, 64).await;
     println!(
         "| RSS after {sessions} distinct sessions ({:.1} s) | {} MB (peak {} MB) |",
         started.elapsed().as_secs_f64(),

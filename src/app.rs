@@ -94,6 +94,7 @@ use crate::{
     policy::budget::Prices,
     routing::RouteTable,
     state::{
+        activity::Activity,
         budgets::Budgets,
         health::HealthRegistry,
         owners::ResponseOwners,
@@ -123,6 +124,8 @@ pub struct AppState {
     pub owners: Arc<ResponseOwners>,
     /// The one clock of the live state (tokio time, and the calendar derived from it).
     pub clock: Clock,
+    /// The last hour of requests and recovery, for the dashboard (memory only).
+    pub activity: Arc<Activity>,
     pub metrics: PrometheusHandle,
     /// False while starting and once shutdown has begun: `/readyz` answers 503.
     pub ready: Arc<AtomicBool>,
@@ -170,6 +173,7 @@ impl AppState {
         warn_unpriced(&config);
         let (stream_limits, cut_streams) = StreamLimits::from_config(&config.server);
         Ok(AppState {
+            activity: Arc::new(Activity::new(tokio::time::Instant::now())),
             stream_limits,
             cut_streams: Arc::new(cut_streams),
             budgets: Arc::new(budgets),
@@ -222,6 +226,7 @@ impl AppState {
             guards: Arc::new(self.guards.reconfigured(&config)),
             schemas,
             owners: self.owners.clone(),
+            activity: self.activity.clone(),
             clock: self.clock.clone(),
             metrics: self.metrics.clone(),
             ready: self.ready.clone(),
@@ -316,7 +321,7 @@ where
 {
     let server = &state.config.server;
     let stack = ServiceBuilder::new()
-        .layer(EdgeLayer::default())
+        .layer(EdgeLayer::counted(state.activity.clone()))
         .layer(RespondLayer)
         .layer(DeadlineLayer::new(server.request_timeout))
         .layer(AuthLayer::new(state.tenants.clone()))
@@ -531,6 +536,7 @@ fn admin_state(state: &AppState, reload: Weak<dyn Reload>) -> AdminState {
         budgets: state.budgets.clone(),
         guards: state.guards.clone(),
         tenants: state.tenants.clone(),
+        activity: state.activity.clone(),
         max_session_id_bytes: state.config.server.max_session_id_bytes,
         token: state
             .config

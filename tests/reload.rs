@@ -197,6 +197,10 @@ async fn a_raised_cap_applies_mid_stream_and_earlier_calls_still_count() {
         10
     );
     assert_eq!(r.admin("/admin/config").await["config"]["version"], 2);
+    // The dashboard shows the running version and when it was loaded.
+    let config = &r.admin("/admin/ui/data").await["config"];
+    assert_eq!(config["version"], 2, "{config}");
+    assert_eq!(config["loaded_at"], reloaded["config"]["loaded_at"], "{config}");
 }
 
 #[tokio::test]

@@ -78,3 +78,44 @@ pub fn proc_kb(pid: u32, field: &str) -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
 }
+
+/// Sends `count` chat calls to the gateway at `url`, each in its own session
+/// (`session-00000000`, ...), `concurrency` at a time; each must answer 200.
+pub async fn one_call_per_session(
+    http: &reqwest::Client,
+    url: &str,
+    key: &str,
+    count: usize,
+    concurrency: usize,
+) {
+    use std::sync::{
+        atomic::{AtomicUsize, Ordering},
+        Arc,
+    };
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency {
+        let (http, url, key, next) = (http.clone(), url.to_string(), key.to_string(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= count {
+                    break;
+                }
+                let resp = http
+                    .post(format!("{url}/v1/chat/completions"))
+                    .bearer_auth(&key)
+                    .header("x-session-id", format!("session-{i:08}"))
+                    .body(r#"{"model":"gpt-4o","max_tokens":64,"messages":[{"role":"user","content":"hi"}]}"#)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(resp.status(), 200);
+                let _ = resp.bytes().await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}

@@ -9,8 +9,12 @@
 //! `x-should-retry: false`). Then, on the operator routes, [`AdminAuthLayer`]; on the
 //! tenant route, the tenant [`AuthLayer`] and the tenant's request rate, as for any
 //! tenant call. The handlers see only [`AdminState`], which `app` builds.
+//!
+//! The operator dashboard ([`dashboard`]): its page at `GET /admin/ui` (no token: it
+//! holds no data) and its one poll, `GET /admin/ui/data`, behind the admin token.
 
 mod auth;
+mod dashboard;
 mod reload;
 
 use std::{collections::HashMap, convert::Infallible, sync::Arc};
@@ -36,7 +40,9 @@ use crate::{
         edge::{self, EdgeLayer},
         respond::RespondLayer,
     },
-    state::{budgets::Budgets, health::HealthRegistry, sessions::SessionGuards},
+    state::{
+        activity::Activity, budgets::Budgets, health::HealthRegistry, sessions::SessionGuards,
+    },
     telemetry::RequestLog,
 };
 
@@ -55,6 +61,8 @@ pub struct AdminState {
     pub tenants: Arc<TenantKeys>,
     /// `[admin] token`; `None` turns the operator routes off (403 `admin_disabled`).
     pub token: Option<Arc<str>>,
+    /// The last hour of requests and recovery, for the dashboard.
+    pub activity: Arc<Activity>,
     /// `server.max_session_id_bytes`, for the request span.
     pub max_session_id_bytes: usize,
 }
@@ -87,6 +95,7 @@ pub fn routes<S: Clone + Send + Sync + 'static>(state: AdminState) -> Router<S> 
             "/admin/tenants/{tenant}/sessions/{session}/close",
             post(close_session),
         )
+        .route("/admin/ui/data", get(dashboard::data))
         .route("/admin/state", get(state_view))
         .route("/admin/state/adopt", post(adopt_state))
         .route("/admin/reload", post(reload_config))
@@ -95,7 +104,13 @@ pub fn routes<S: Clone + Send + Sync + 'static>(state: AdminState) -> Router<S> 
     let own = Router::new()
         .route("/v1/sessions/{session}", get(own_session))
         .route_layer(tenant);
-    admin.merge(own).with_state(state)
+    // The dashboard's page and assets hold no data: served without the token.
+    let page = Router::new()
+        .route("/admin/ui", get(dashboard::page))
+        .route("/admin/ui/app.js", get(dashboard::script))
+        .route("/admin/ui/style.css", get(dashboard::style))
+        .route_layer(EdgeLayer::default());
+    admin.merge(own).merge(page).with_state(state)
 }
 
 /// Handlers answer with a response, never an error: the layers above expect one.

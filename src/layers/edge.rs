@@ -25,7 +25,7 @@ use http::{header, HeaderName, HeaderValue, Request, Response};
 use tower::{Layer, Service};
 use tower_http::{request_id::MakeRequestId, trace::MakeSpan};
 
-use crate::{api::Endpoint, telemetry::RequestLog};
+use crate::{api::Endpoint, state::activity::Activity, telemetry::RequestLog};
 
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -155,12 +155,26 @@ where
 pub struct EdgeLayer {
     /// The `endpoint` label for every request of this stack, instead of one from the path.
     label: Option<&'static str>,
+    /// Where each finished request is counted for the dashboard (the proxy stacks only:
+    /// the dashboard's own polls are not traffic).
+    activity: Option<Arc<Activity>>,
 }
 
 impl EdgeLayer {
     /// An edge whose requests are all labelled `label` (the unknown-path fallback).
     pub fn labelled(label: &'static str) -> Self {
-        EdgeLayer { label: Some(label) }
+        EdgeLayer {
+            label: Some(label),
+            activity: None,
+        }
+    }
+
+    /// An edge that also counts every request's outcome and recovery in `activity`.
+    pub fn counted(activity: Arc<Activity>) -> Self {
+        EdgeLayer {
+            label: None,
+            activity: Some(activity),
+        }
     }
 }
 
@@ -170,6 +184,7 @@ impl<S> Layer<S> for EdgeLayer {
         Edge {
             inner,
             label: self.label,
+            activity: self.activity.clone(),
         }
     }
 }
@@ -178,6 +193,7 @@ impl<S> Layer<S> for EdgeLayer {
 pub struct Edge<S> {
     inner: S,
     label: Option<&'static str>,
+    activity: Option<Arc<Activity>>,
 }
 
 /// The `endpoint` metric label: low-cardinality, never a path with ids in it.
@@ -240,6 +256,7 @@ where
         req.extensions_mut().insert(RequestId(id.clone()));
         req.extensions_mut().insert(log.clone());
         let future = self.inner.call(req);
+        let activity = self.activity.clone();
         Box::pin(async move {
             let mut response = future.await?;
             drop(guard);
@@ -268,6 +285,9 @@ where
                 headers.insert("x-backstop-budget-remaining", remaining);
             }
             let status = response.status().as_u16();
+            if let Some(activity) = &activity {
+                activity.record_request(tokio::time::Instant::now(), status, &fields);
+            }
             let tenant = fields.tenant.as_deref().unwrap_or("-");
             metrics::counter!(
                 "backstop_requests_total",

@@ -545,22 +545,7 @@ impl SessionGuard {
     /// The counters behind the rules and a risk score in [0, 1]: how close the nearest
     /// rule is to firing.
     pub fn signals(&self, now: Instant, session_usd: f64, last_tool_loop: u32) -> Value {
-        let max_repeat = {
-            let mut counts: std::collections::HashMap<u64, u32> = std::collections::HashMap::new();
-            for (_, h) in &self.recent {
-                *counts.entry(*h).or_default() += 1;
-            }
-            counts.values().copied().max().unwrap_or(0)
-        };
-        let velocity = self.usd_last_minute(now, session_usd);
-        let ratios = [
-            f64::from(self.consecutive_failures)
-                / f64::from(self.config.max_consecutive_failures.max(1)),
-            f64::from(max_repeat) / f64::from(self.config.identical_request_limit.max(1) + 1),
-            f64::from(last_tool_loop) / f64::from(self.config.tool_loop_limit.max(1)),
-            self.config.max_usd_per_minute.map_or(0.0, |l| velocity / l),
-        ];
-        let risk = ratios.iter().copied().fold(0.0, f64::max).min(1.0);
+        let (risk, max_repeat, velocity) = self.risk_parts(now, session_usd, last_tool_loop);
         let mut out = json!({
             "state": self.state.label(),
             "consecutive_failures": self.consecutive_failures,
@@ -580,6 +565,33 @@ impl SessionGuard {
             _ => {}
         }
         out
+    }
+
+    /// The risk score of [`SessionGuard::signals`] alone (the dashboard sorts thousands
+    /// of sessions by it).
+    pub fn risk(&self, now: Instant, session_usd: f64, last_tool_loop: u32) -> f64 {
+        self.risk_parts(now, session_usd, last_tool_loop).0
+    }
+
+    /// (risk, most repeats of one request in the window, USD in the last minute).
+    fn risk_parts(&self, now: Instant, session_usd: f64, last_tool_loop: u32) -> (f64, u32, f64) {
+        let max_repeat = {
+            let mut counts: std::collections::HashMap<u64, u32> = std::collections::HashMap::new();
+            for (_, h) in &self.recent {
+                *counts.entry(*h).or_default() += 1;
+            }
+            counts.values().copied().max().unwrap_or(0)
+        };
+        let velocity = self.usd_last_minute(now, session_usd);
+        let ratios = [
+            f64::from(self.consecutive_failures)
+                / f64::from(self.config.max_consecutive_failures.max(1)),
+            f64::from(max_repeat) / f64::from(self.config.identical_request_limit.max(1) + 1),
+            f64::from(last_tool_loop) / f64::from(self.config.tool_loop_limit.max(1)),
+            self.config.max_usd_per_minute.map_or(0.0, |l| velocity / l),
+        ];
+        let risk = ratios.iter().copied().fold(0.0, f64::max).min(1.0);
+        (risk, max_repeat, velocity)
     }
 }
 

@@ -36,7 +36,7 @@ use crate::{
     config::{Config, PriceConfig, Unpriced},
     policy::budget::{worst_case, Account, Caps, Exceeded, Prices, Usage, SESSION, TENANT_DAY},
     state::{
-        live::LiveSessions,
+        live::{LiveSessions, SessionKey},
         reservation::Reservation,
         shared::{Admission, AdmitError, SharedBudgets, SharedSlot, Unavailable},
     },
@@ -579,6 +579,23 @@ impl Budgets {
             Ok(live) => lock(&live.account).settled.usd,
             Err(_) => 0.0,
         }
+    }
+
+    /// Every tenant's name, sorted.
+    pub fn tenant_names(&self) -> Vec<Arc<str>> {
+        let mut names: Vec<_> = self.tenants.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// Every session in this process's memory with what it has used (this replica's
+    /// books: with shared state, the figures of the sessions it served).
+    pub fn live_sessions(&self) -> Vec<(SessionKey, Usage)> {
+        self.sessions
+            .list()
+            .into_iter()
+            .map(|(key, book)| (key, lock(&book.account).settled))
+            .collect()
     }
 
     /// Starts a session over: its usage counts from now (the tenant's spend is kept).

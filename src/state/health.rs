@@ -17,6 +17,7 @@ use crate::{
         breaker::{Admission, Breaker, BreakerPolicy, BreakerState, Transition, Verdict},
         retry_budget::RetryBudget,
     },
+    state::activity::UpstreamActivity,
 };
 
 pub struct UpstreamHealth {
@@ -25,6 +26,8 @@ pub struct UpstreamHealth {
     budget: Mutex<RetryBudget>,
     /// The last [`LATENCIES`] successful attempts' durations, for percentile hedging.
     latencies: Mutex<std::collections::VecDeque<Duration>>,
+    /// The last hour's attempts and transitions, for the dashboard.
+    activity: UpstreamActivity,
 }
 
 /// How many answer times an upstream keeps for percentile hedging.
@@ -42,6 +45,7 @@ impl UpstreamHealth {
             breaker: Mutex::new(Breaker::new(breaker, now)),
             budget: Mutex::new(budget),
             latencies: Mutex::default(),
+            activity: UpstreamActivity::new(now),
         }
     }
 
@@ -61,7 +65,7 @@ impl UpstreamHealth {
     pub fn admit(&self, now: Instant) -> Result<Admission, Duration> {
         let mut breaker = lock(&self.breaker);
         let (admitted, transition) = breaker.admit(now);
-        self.report(transition, breaker.gauge());
+        self.report(transition, breaker.gauge(), now);
         admitted
     }
 
@@ -73,11 +77,12 @@ impl UpstreamHealth {
     ) -> Option<Transition> {
         let mut breaker = lock(&self.breaker);
         let transition = breaker.record(admission, verdict, now);
-        self.report(transition, breaker.gauge());
+        self.report(transition, breaker.gauge(), now);
+        self.activity.attempt(now, verdict);
         transition
     }
 
-    fn report(&self, transition: Option<Transition>, gauge: f64) {
+    fn report(&self, transition: Option<Transition>, gauge: f64, now: Instant) {
         let Some(transition) = transition else { return };
         let to = match transition {
             Transition::Opened => "open",
@@ -85,6 +90,7 @@ impl UpstreamHealth {
             Transition::Closed => "closed",
         };
         tracing::warn!(upstream = %self.name, to, "circuit breaker transition");
+        self.activity.transition(now, to);
         metrics::counter!("backstop_breaker_transitions_total", "upstream" => self.name.clone(), "to" => to).increment(1);
         metrics::gauge!("backstop_breaker_state", "upstream" => self.name.clone()).set(gauge);
     }
@@ -130,6 +136,11 @@ impl UpstreamHealth {
     /// Recent (attempts, weighted failures), for outlier demotion.
     pub fn recent(&self, now: Instant) -> (f64, f64) {
         lock(&self.breaker).recent(now)
+    }
+
+    /// The last hour's attempts and breaker transitions.
+    pub fn activity(&self) -> &UpstreamActivity {
+        &self.activity
     }
 
     /// Whether the breaker lets traffic through unhindered now (closed).
@@ -191,6 +202,11 @@ impl HealthRegistry {
 
     pub fn get(&self, upstream: &str) -> Option<&UpstreamHealth> {
         self.upstreams.get(upstream).map(|h| &**h)
+    }
+
+    /// Every upstream, by name.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &UpstreamHealth)> {
+        self.upstreams.iter().map(|(n, h)| (n.as_str(), &**h))
     }
 
     pub fn snapshot(&self, now: Instant) -> Vec<(String, Value)> {

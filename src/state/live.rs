@@ -128,6 +128,17 @@ impl<V: Send + Sync + 'static> LiveSessions<V> {
         Ok(value)
     }
 
+    /// Every session in memory now (cached, or idle-evicted but still held), in no
+    /// order. The registry's lock is held only while the references are copied.
+    pub fn list(&self) -> Vec<(SessionKey, Arc<V>)> {
+        let registry = lock(&self.registry);
+        registry
+            .live
+            .iter()
+            .filter_map(|(key, weak)| Some((key.clone(), weak.upgrade()?)))
+            .collect()
+    }
+
     /// Evicts every session from the cache, as `session_idle` would (moka's idle clock is
     /// its own, not tokio's); held sessions stay reachable through the registry.
     #[cfg(test)]

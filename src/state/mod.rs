@@ -6,6 +6,7 @@
 //! must outlive the process goes to [`crate::store`]. The layers hold this state;
 //! nothing here knows about HTTP.
 
+pub mod activity;
 pub mod budgets;
 pub mod health;
 pub mod live;

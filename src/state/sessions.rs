@@ -18,7 +18,7 @@ use crate::{
     clock::Clock,
     config::Config,
     policy::guard::{restore_trip, GuardPolicy, Kept, SessionGuard},
-    state::live::LiveSessions,
+    state::live::{LiveSessions, SessionKey},
     store::{GuardRecord, Store, StoreError, WindowSave},
 };
 
@@ -74,6 +74,20 @@ impl GuardedSession {
             self.trace.pop_front();
         }
         self.trace.push_back(item);
+    }
+
+    /// The guard's signals (state, risk, the trip and its evidence), as of `now`.
+    pub fn signals(&self, now: Instant, session_usd: f64) -> Value {
+        self.guard.signals(now, session_usd, self.tool_loop())
+    }
+
+    /// The signals' risk score alone.
+    pub fn risk(&self, now: Instant, session_usd: f64) -> f64 {
+        self.guard.risk(now, session_usd, self.tool_loop())
+    }
+
+    fn tool_loop(&self) -> u32 {
+        self.trace.back().map_or(0, |t| t.tool_loop)
     }
 }
 
@@ -313,11 +327,15 @@ impl SessionGuards {
         let tenant: Arc<str> = tenant.into();
         let entry = self.entry(&tenant, session).await?;
         let entry = lock(&entry);
-        let tool_loop = entry.trace.back().map_or(0, |t| t.tool_loop);
         Some(json!({
-            "signals": entry.guard.signals(self.clock.now(), session_usd, tool_loop),
+            "signals": entry.signals(self.clock.now(), session_usd),
             "trace": entry.trace.iter().map(TraceEntry::to_json).collect::<Vec<_>>(),
         }))
+    }
+
+    /// Every guarded session in memory now, in no order.
+    pub fn live(&self) -> Vec<(SessionKey, Arc<Mutex<GuardedSession>>)> {
+        self.sessions.list()
     }
 
     /// An operator closes a session for good (kept in the store first: a close that

@@ -181,6 +181,15 @@ impl Gateway {
         req.send().await.unwrap()
     }
 
+    /// GETs `path`, with `token` (a tenant key or the admin token) as a bearer.
+    pub async fn get(&self, path: &str, token: Option<&str>) -> reqwest::Response {
+        let mut req = self.http.get(format!("{}{path}", self.url));
+        if let Some(token) = token {
+            req = req.bearer_auth(token);
+        }
+        req.send().await.unwrap()
+    }
+
     pub async fn chat(&self, scenario: &str, fault: &str, body: Value) -> reqwest::Response {
         let mut headers = vec![("x-mock-scenario", scenario)];
         if !fault.is_empty() {

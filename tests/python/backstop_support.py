@@ -41,6 +41,7 @@ TENANT_B_KEY = "bk-test-b"
 CAPPED_KEY = "bk-test-capped"
 THROTTLED_KEY = "bk-test-throttled"
 GUARDED_KEY = "bk-test-guarded"
+ADMIN_TOKEN = "admin-test-token-0123456789"
 PROVIDER_OPENAI_KEY = "sk-provider-openai"
 PROVIDER_ANTHROPIC_KEY = "sk-provider-anthropic"
 MAX_BODY_BYTES = 65536
@@ -79,6 +80,10 @@ session_id_fields = ["metadata.session_id", "metadata.user_id"]
 [log]
 format = "json"
 level = "warn"
+
+# The operator API and dashboard (tests/python/test_dashboard.py).
+[admin]
+token = "{ADMIN_TOKEN}"
 
 # Small delays keep the suite fast. One server is shared by every test, so breakers
 # must not open across tests: the breaker lifecycle is tested in Rust, per gateway.
