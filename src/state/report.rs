@@ -109,6 +109,9 @@ impl Budgets {
                 .day_by_model(tenant, day)
                 .await
                 .map_err(|e| StoreError::Unavailable(e.to_string().into()))?,
+            // Nothing settled today: nothing in the ledger to break down (the dashboard
+            // asks this of every tenant on each poll; idle ones cost no store read).
+            None if account.settled.calls == 0 => Vec::new(),
             None => self.store.tenant_day_by_model(tenant, day).await?,
         };
         let by_model: Vec<_> = by_model
