@@ -3,7 +3,8 @@
 //! A proxied request passes, outer → inner (inside the layers around the whole router,
 //! below):
 //! 1. [`EdgeLayer`]: request id and log record into the extensions, in-flight gauge, the
-//!    request's log line and metrics (also on `/v1/models` and the admin routes).
+//!    request's log line and metrics (also on `/v1/models` and the admin routes); just
+//!    inside it, [`TraceLayer`]: the request's OpenTelemetry span (when tracing is on).
 //! 2. [`RespondLayer`]: typed errors and panics become responses in the caller's API shape;
 //!    everything above it is infallible.
 //! 3. [`DeadlineLayer`]: `server.request_timeout` over the whole request.
@@ -89,6 +90,7 @@ use crate::{
         recovery::{Answered, RecoveryLayer, RetryPolicy},
         respond::RespondLayer,
         session_guard::SessionGuardLayer,
+        trace::TraceLayer,
         validate::ValidateLayer,
     },
     policy::budget::Prices,
@@ -130,6 +132,8 @@ pub struct AppState {
     pub stream_limits: StreamLimits,
     /// Set when the shutdown grace elapses: open streams end with an error event.
     pub cut_streams: Arc<tokio::sync::watch::Sender<bool>>,
+    /// This gateway's tracer (`[telemetry]`), when tracing is on.
+    pub traces: Option<Arc<crate::otel::Traces>>,
 }
 
 impl AppState {
@@ -168,6 +172,7 @@ impl AppState {
         warn_unpriced(&config);
         let (stream_limits, cut_streams) = StreamLimits::from_config(&config.server);
         Ok(AppState {
+            traces: crate::otel::Traces::from_config(&config.telemetry, upstream::client()),
             stream_limits,
             cut_streams: Arc::new(cut_streams),
             budgets: Arc::new(budgets),
@@ -274,6 +279,7 @@ where
     let server = &state.config.server;
     let stack = ServiceBuilder::new()
         .layer(EdgeLayer::default())
+        .layer(TraceLayer::new(state.traces.clone()))
         .layer(RespondLayer)
         .layer(DeadlineLayer::new(server.request_timeout))
         .layer(AuthLayer::new(state.tenants.clone()))

@@ -1,0 +1,391 @@
+//! OpenTelemetry traces (`[telemetry]`): one server span per proxied request and one
+//! client span per upstream attempt, with the GenAI semantic-convention attributes and
+//! Backstop's own, exported over OTLP/HTTP in batches ([`export`]).
+//!
+//! Each [`AppState`](crate::app::AppState) owns its tracer provider (none is installed
+//! globally), so gateways in one process never share or replace each other's. When
+//! `otlp_endpoint` is unset there is no provider at all: the trace layer is not mounted
+//! and attempts carry no context, so tracing off makes no span objects and allocates
+//! nothing.
+//!
+//! A client's W3C `traceparent`/`tracestate` is continued (the request span is its
+//! child) and each attempt sends the attempt span's context upstream instead of the
+//! client's. With tracing off, the upstream sees a `traceparent` only if the upstream's
+//! `forward_headers` names it, as before: nothing is invented.
+
+mod export;
+
+use std::sync::{
+    atomic::{AtomicU32, Ordering},
+    Arc, Mutex,
+};
+
+use http::HeaderMap;
+use opentelemetry::{
+    propagation::TextMapPropagator,
+    trace::{SpanKind, Status, TraceContextExt, Tracer as _, TracerProvider as _},
+    Context, KeyValue,
+};
+use opentelemetry_http::{HeaderExtractor, HeaderInjector};
+use opentelemetry_sdk::{
+    propagation::TraceContextPropagator,
+    trace::{Sampler, SdkTracer, SdkTracerProvider},
+    Resource,
+};
+
+use crate::{
+    api::{ApiKind, Endpoint},
+    config::TelemetryConfig,
+    policy::{
+        classify::{Class, TransportFailure},
+        trail::{self, Step},
+    },
+    telemetry::LogFields,
+};
+
+/// The tracer of one gateway, when tracing is on.
+pub struct Traces {
+    provider: SdkTracerProvider,
+    tracer: SdkTracer,
+    queue: export::QueueHandle,
+}
+
+impl std::fmt::Debug for Traces {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Traces")
+    }
+}
+
+impl Traces {
+    /// The tracer for `config`; `None` when tracing is off, or when there is no tokio
+    /// runtime to export on (logged).
+    pub fn from_config(config: &TelemetryConfig, client: reqwest::Client) -> Option<Arc<Traces>> {
+        let url = config.traces_url()?;
+        if tokio::runtime::Handle::try_current().is_err() {
+            tracing::warn!("telemetry.otlp_endpoint set but no runtime to export on: traces off");
+            return None;
+        }
+        let resource = Resource::builder()
+            .with_service_name(config.service_name.clone())
+            .build();
+        let (processor, queue) = match export::start(config, &url, client, &resource) {
+            Ok(started) => started,
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot build the OTLP exporter: traces off");
+                return None;
+            }
+        };
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(processor)
+            .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+                config.sample_ratio,
+            ))))
+            .with_resource(resource)
+            .build();
+        let tracer = provider.tracer("backstop");
+        Some(Arc::new(Traces {
+            provider,
+            tracer,
+            queue,
+        }))
+    }
+
+    /// Opens the request's span, a child of the client's `traceparent` if it sent one.
+    pub fn start_request(&self, headers: &HeaderMap) -> RequestTrace {
+        let parent = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
+        let span = self
+            .tracer
+            .span_builder("request")
+            .with_kind(SpanKind::Server)
+            .start_with_context(&self.tracer, &parent);
+        RequestTrace {
+            tracer: self.tracer.clone(),
+            cx: parent.with_span(span),
+            attempts: AtomicU32::new(0),
+            answered_model: Mutex::new(None),
+        }
+    }
+
+    /// Exports what is queued (bounded by `export_timeout`), then stops the provider.
+    pub async fn shutdown(&self) {
+        self.queue.flush().await;
+        let provider = self.provider.clone();
+        // The provider's shutdown blocks; not on a runtime worker.
+        let _ = tokio::task::spawn_blocking(move || provider.shutdown()).await;
+    }
+}
+
+/// The request's span, shared (through the request log) with the attempts it makes.
+pub struct RequestTrace {
+    tracer: SdkTracer,
+    /// The client's context with the request span in it.
+    cx: Context,
+    attempts: AtomicU32,
+    /// The model the successful attempt asked the upstream for.
+    answered_model: Mutex<Option<Arc<str>>>,
+}
+
+impl std::fmt::Debug for RequestTrace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestTrace")
+            .field("span", self.cx.span().span_context())
+            .finish()
+    }
+}
+
+/// `gen_ai.operation.name` per endpoint (the semantic conventions' values; Anthropic's
+/// `count_tokens` has none, so it is named as it is).
+fn operation(endpoint: Option<Endpoint>) -> &'static str {
+    match endpoint {
+        Some(Endpoint::Embeddings) => "embeddings",
+        Some(Endpoint::CountTokens) => "count_tokens",
+        Some(Endpoint::ChatCompletions | Endpoint::Messages | Endpoint::Responses) | None => "chat",
+    }
+}
+
+fn provider(api: ApiKind) -> [KeyValue; 2] {
+    [
+        KeyValue::new("gen_ai.provider.name", api.as_str()),
+        KeyValue::new("gen_ai.system", api.as_str()),
+    ]
+}
+
+impl RequestTrace {
+    /// Opens the span of the request's next upstream attempt.
+    pub fn attempt(
+        &self,
+        upstream: &str,
+        api: ApiKind,
+        endpoint: Endpoint,
+        model: &str,
+    ) -> AttemptSpan {
+        let number = self.attempts.fetch_add(1, Ordering::Relaxed) + 1;
+        let op = operation(Some(endpoint));
+        let mut attributes = vec![
+            KeyValue::new("gen_ai.operation.name", op),
+            KeyValue::new("gen_ai.request.model", model.to_string()),
+            KeyValue::new("backstop.attempt", i64::from(number)),
+            KeyValue::new("backstop.upstream", upstream.to_string()),
+        ];
+        attributes.extend(provider(api));
+        let span = self
+            .tracer
+            .span_builder(format!("{op} {model}"))
+            .with_kind(SpanKind::Client)
+            .with_attributes(attributes)
+            .start_with_context(&self.tracer, &self.cx);
+        AttemptSpan {
+            cx: self.cx.with_span(span),
+            model: model.into(),
+        }
+    }
+
+    /// Ends the request's span with what the request log says it did.
+    pub fn end(&self, fields: &LogFields, endpoint: Option<Endpoint>, status: u16) {
+        let answered = self
+            .answered_model
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let span = self.cx.span();
+        let op = operation(endpoint);
+        span.update_name(match &fields.model {
+            Some(model) => format!("{op} {model}"),
+            None => op.to_string(),
+        });
+        span.set_attributes(request_attributes(fields, endpoint, status, answered));
+        if status >= 500 || fields.error.is_some() {
+            span.set_status(Status::error(
+                fields
+                    .error
+                    .map_or_else(|| status.to_string(), str::to_string),
+            ));
+        }
+        span.end();
+    }
+}
+
+/// The request span's attributes, from the request log.
+fn request_attributes(
+    fields: &LogFields,
+    endpoint: Option<Endpoint>,
+    status: u16,
+    answered_model: Option<Arc<str>>,
+) -> Vec<KeyValue> {
+    let mut out = vec![
+        KeyValue::new("gen_ai.operation.name", operation(endpoint)),
+        KeyValue::new("http.response.status_code", i64::from(status)),
+        KeyValue::new("backstop.attempts", i64::from(fields.attempts)),
+    ];
+    if let Some(endpoint) = endpoint {
+        out.extend(provider(endpoint.api()));
+    }
+    let text = |key: &'static str, value: Option<String>| value.map(|v| KeyValue::new(key, v));
+    out.extend(
+        [
+            text("gen_ai.request.model", fields.model.clone()),
+            text(
+                "gen_ai.response.model",
+                answered_model.map(|m| m.to_string()),
+            ),
+            text(
+                "backstop.tenant",
+                fields.tenant.as_deref().map(str::to_string),
+            ),
+            text("backstop.session", fields.session.clone()),
+            text(
+                "backstop.upstream",
+                fields.upstream.as_deref().map(str::to_string),
+            ),
+            text("backstop.recovery", fields.recovery_header()),
+            text("error.type", fields.error.map(str::to_string)),
+            text("backstop.refusal", refusal(fields).map(str::to_string)),
+            text("backstop.validation", validation_steps(&fields.recovery)),
+        ]
+        .into_iter()
+        .flatten(),
+    );
+    if let Some((input, output)) = fields.usage {
+        out.push(KeyValue::new("gen_ai.usage.input_tokens", input as i64));
+        out.push(KeyValue::new("gen_ai.usage.output_tokens", output as i64));
+    }
+    out
+}
+
+/// The error code when Backstop refused the request itself (auth, limits, budgets, the
+/// guard, an open breaker): before any upstream attempt, or as the trail's `refused:`
+/// step; an upstream's failure passed on is an `error.type` only.
+fn refusal(fields: &LogFields) -> Option<&'static str> {
+    let refused = fields.attempts == 0
+        || fields
+            .recovery
+            .iter()
+            .any(|s| matches!(s, Step::Refused(_)));
+    fields.error.filter(|_| refused)
+}
+
+/// What output validation did (its corrective retries and strategy switches), if it did.
+fn validation_steps(steps: &[Step]) -> Option<String> {
+    let done: Vec<Step> = steps
+        .iter()
+        .filter(|s| matches!(s, Step::Correct(_) | Step::Switch(_)))
+        .cloned()
+        .collect();
+    (!done.is_empty()).then(|| trail::render(&done))
+}
+
+/// One upstream attempt's span.
+pub struct AttemptSpan {
+    cx: Context,
+    model: Arc<str>,
+}
+
+impl AttemptSpan {
+    /// The context sent upstream as `traceparent`/`tracestate`.
+    pub fn context(&self) -> &Context {
+        &self.cx
+    }
+
+    /// Ends the span with the attempt's outcome; a success is remembered as the
+    /// request's answer (`gen_ai.response.model`).
+    pub fn finish(
+        self,
+        request: &RequestTrace,
+        status: Result<u16, TransportFailure>,
+        class: &Class,
+    ) {
+        let span = self.cx.span();
+        span.set_attribute(KeyValue::new("backstop.class", class.label()));
+        match status {
+            Ok(status) => span.set_attribute(KeyValue::new(
+                "http.response.status_code",
+                i64::from(status),
+            )),
+            Err(failure) => span.set_attribute(KeyValue::new("error.type", failure.label())),
+        }
+        if *class == Class::Success {
+            *request
+                .answered_model
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = Some(self.model.clone());
+        } else {
+            span.set_status(Status::error(class.label()));
+        }
+        span.end();
+    }
+
+    /// Ends the span of an attempt refused before any network (a budget).
+    pub fn refused(self, code: &'static str) {
+        let span = self.cx.span();
+        span.set_attribute(KeyValue::new("backstop.refusal", code));
+        span.set_status(Status::error(code));
+        span.end();
+    }
+}
+
+/// Writes `cx`'s `traceparent` (and `tracestate`) into upstream request headers,
+/// replacing any the client's headers brought.
+pub fn inject(cx: &Context, headers: &mut HeaderMap) {
+    headers.remove("traceparent");
+    headers.remove("tracestate");
+    TraceContextPropagator::new().inject_context(cx, &mut HeaderInjector(headers));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_attributes_come_from_the_log() {
+        let fields = LogFields {
+            tenant: Some("acme".into()),
+            session: Some("run-1".into()),
+            model: Some("gpt-4o".into()),
+            attempts: 3,
+            recovery: vec![
+                Step::Retry(trail::Reason::Status(503)),
+                Step::Correct("schema"),
+                Step::Ok,
+            ],
+            usage: Some((12, 34)),
+            ..LogFields::default()
+        };
+        let attributes = request_attributes(
+            &fields,
+            Some(Endpoint::ChatCompletions),
+            200,
+            Some("gpt-4o-2024".into()),
+        );
+        let get = |key: &str| {
+            attributes
+                .iter()
+                .find(|kv| kv.key.as_str() == key)
+                .map(|kv| kv.value.to_string())
+        };
+        assert_eq!(get("gen_ai.operation.name").as_deref(), Some("chat"));
+        assert_eq!(get("gen_ai.provider.name").as_deref(), Some("openai"));
+        assert_eq!(get("gen_ai.response.model").as_deref(), Some("gpt-4o-2024"));
+        assert_eq!(get("gen_ai.usage.output_tokens").as_deref(), Some("34"));
+        assert_eq!(
+            get("backstop.recovery").as_deref(),
+            Some("retry:503,correct:schema,ok")
+        );
+        assert_eq!(
+            get("backstop.validation").as_deref(),
+            Some("correct:schema")
+        );
+        assert_eq!(get("backstop.refusal"), None);
+        let failed = LogFields {
+            error: Some("upstream_unavailable"),
+            ..fields.clone()
+        };
+        assert_eq!(refusal(&failed), None);
+        let refused = LogFields {
+            error: Some("budget_exceeded"),
+            attempts: 0,
+            ..LogFields::default()
+        };
+        assert_eq!(refusal(&refused), Some("budget_exceeded"));
+        assert_eq!(operation(Some(Endpoint::Embeddings)), "embeddings");
+    }
+}
