@@ -214,7 +214,11 @@ async fn a_streamed_request_span_ends_with_the_streams_usage() {
         .post(
             "/v1/chat/completions",
             Some(KEY_A),
-            &[("x-mock-scenario", "otel-stream"), ("traceparent", &format!("00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"))],
+            &[
+                ("x-mock-scenario", "otel-stream"),
+                ("x-mock-fault", "usage=11/22"),
+                ("traceparent", &format!("00-{CLIENT_TRACE}-{CLIENT_PARENT}-01")),
+            ],
             json!({"model": "gpt-4o", "stream": true, "messages": [{"role": "user", "content": "hi"}]})
                 .to_string(),
         )
@@ -227,11 +231,14 @@ async fn a_streamed_request_span_ends_with_the_streams_usage() {
         .iter()
         .find(|s| s.kind == SpanKind::Server as i32)
         .expect("request span");
-    let output: u64 = attr(request, "gen_ai.usage.output_tokens")
-        .expect("usage")
-        .parse()
-        .unwrap();
-    assert!(output > 0);
+    assert_eq!(
+        attr(request, "gen_ai.usage.input_tokens").as_deref(),
+        Some("11")
+    );
+    assert_eq!(
+        attr(request, "gen_ai.usage.output_tokens").as_deref(),
+        Some("22")
+    );
     assert_eq!(spans.len(), 2);
 }
 
@@ -310,6 +317,40 @@ async fn failures_and_refusals_are_error_spans_naming_them() {
         attr(&refused[0], "http.response.status_code").as_deref(),
         Some("401")
     );
+}
+
+#[tokio::test]
+async fn a_request_the_client_abandons_still_ends_its_span() {
+    let (addr, received) = collector().await;
+    let endpoint = format!("http://{addr}");
+    let gw = start_with(traced(&endpoint)).await;
+    let body = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]});
+    let sent = gw
+        .http
+        .post(format!("{}/v1/chat/completions", gw.url))
+        .bearer_auth(KEY_A)
+        .header("x-mock-scenario", "otel-gone")
+        .header("x-mock-fault", "delay=3s")
+        .header(
+            "traceparent",
+            format!("00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"),
+        )
+        .timeout(Duration::from_millis(200))
+        .body(body.to_string())
+        .send()
+        .await;
+    assert!(sent.is_err());
+    // The gateway notices the closed connection and drops the request.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (_mock, spans) = flushed(gw, &received, CLIENT_TRACE).await;
+    let request = spans
+        .iter()
+        .find(|s| s.kind == SpanKind::Server as i32)
+        .expect("request span");
+    assert!(is_error(request));
+    assert_eq!(request.status.as_ref().unwrap().message, "cancelled");
+    assert_eq!(attr(request, "http.response.status_code"), None);
+    assert_eq!(attr(request, "backstop.tenant").as_deref(), Some("team-a"));
 }
 
 fn dropped_spans() -> u64 {

@@ -21,7 +21,7 @@ use http::{Request, Response};
 use http_body::Frame;
 use tower::{Layer, Service};
 
-use crate::{api::Endpoint, otel::Traces, telemetry::RequestLog};
+use crate::{api::Endpoint, otel::Traces, telemetry::RequestLog, upstream::is_event_stream};
 
 #[derive(Clone)]
 pub struct TraceLayer {
@@ -65,22 +65,24 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let log = req.extensions().get::<Arc<RequestLog>>();
-        let (Some(traces), Some(log)) = (&self.traces, log) else {
+        let Some(traces) = &self.traces else {
             return Either::Left(self.inner.call(req));
         };
-        let log = log.clone();
+        let Some(log) = req.extensions().get::<Arc<RequestLog>>().cloned() else {
+            return Either::Left(self.inner.call(req));
+        };
         log.set_trace(traces.start_request(req.headers()));
-        let endpoint = Endpoint::from_path(req.uri().path());
+        // Ends the span even if the request is dropped before its answer.
+        let mut end = SpanEnd {
+            log,
+            endpoint: Endpoint::from_path(req.uri().path()),
+            status: None,
+        };
         let future = self.inner.call(req);
         Either::Right(Box::pin(async move {
             let response = future.await?;
-            let end = SpanEnd {
-                log,
-                endpoint,
-                status: response.status().as_u16(),
-            };
-            if !is_event_stream(&response) {
+            end.status = Some(response.status().as_u16());
+            if !is_event_stream(response.headers()) {
                 drop(end);
                 return Ok(response);
             }
@@ -89,19 +91,12 @@ where
     }
 }
 
-fn is_event_stream(response: &Response<Body>) -> bool {
-    response
-        .headers()
-        .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|ct| ct.starts_with("text/event-stream"))
-}
-
 /// Ends the request span when dropped, from the request log as it is then.
 struct SpanEnd {
     log: Arc<RequestLog>,
     endpoint: Option<Endpoint>,
-    status: u16,
+    /// `None` until the answer's head is out: a request dropped before it.
+    status: Option<u16>,
 }
 
 impl Drop for SpanEnd {

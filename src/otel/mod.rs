@@ -180,8 +180,9 @@ impl RequestTrace {
         }
     }
 
-    /// Ends the request's span with what the request log says it did.
-    pub fn end(&self, fields: &LogFields, endpoint: Option<Endpoint>, status: u16) {
+    /// Ends the request's span with what the request log says it did; `status` is `None`
+    /// for a request dropped before its answer (the client went away).
+    pub fn end(&self, fields: &LogFields, endpoint: Option<Endpoint>, status: Option<u16>) {
         let answered = self
             .answered_model
             .lock()
@@ -194,12 +195,16 @@ impl RequestTrace {
             None => op.to_string(),
         });
         span.set_attributes(request_attributes(fields, endpoint, status, answered));
-        if status >= 500 || fields.error.is_some() {
-            span.set_status(Status::error(
-                fields
-                    .error
-                    .map_or_else(|| status.to_string(), str::to_string),
-            ));
+        match status {
+            None => span.set_status(Status::error("cancelled")),
+            Some(status) if status >= 500 || fields.error.is_some() => {
+                span.set_status(Status::error(
+                    fields
+                        .error
+                        .map_or_else(|| status.to_string(), str::to_string),
+                ))
+            }
+            Some(_) => {}
         }
         span.end();
     }
@@ -209,14 +214,19 @@ impl RequestTrace {
 fn request_attributes(
     fields: &LogFields,
     endpoint: Option<Endpoint>,
-    status: u16,
+    status: Option<u16>,
     answered_model: Option<Arc<str>>,
 ) -> Vec<KeyValue> {
     let mut out = vec![
         KeyValue::new("gen_ai.operation.name", operation(endpoint)),
-        KeyValue::new("http.response.status_code", i64::from(status)),
         KeyValue::new("backstop.attempts", i64::from(fields.attempts)),
     ];
+    if let Some(status) = status {
+        out.push(KeyValue::new(
+            "http.response.status_code",
+            i64::from(status),
+        ));
+    }
     if let Some(endpoint) = endpoint {
         out.extend(provider(endpoint.api()));
     }
@@ -353,7 +363,7 @@ mod tests {
         let attributes = request_attributes(
             &fields,
             Some(Endpoint::ChatCompletions),
-            200,
+            Some(200),
             Some("gpt-4o-2024".into()),
         );
         let get = |key: &str| {

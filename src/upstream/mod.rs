@@ -341,7 +341,7 @@ async fn send(
 
     let status = response.status();
     let headers = headers::client_response_headers(response.headers());
-    let is_sse = is_event_stream(&response);
+    let is_sse = is_event_stream(response.headers());
 
     if request.stream && status.is_success() && !is_sse {
         return Err(TransportFailure::NotAStream);
@@ -387,10 +387,9 @@ async fn send(
     ))
 }
 
-/// Whether an upstream answered with an event stream.
-pub(crate) fn is_event_stream(response: &reqwest::Response) -> bool {
-    response
-        .headers()
+/// Whether a response's headers say it is an event stream.
+pub(crate) fn is_event_stream(headers: &HeaderMap) -> bool {
+    headers
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"))
