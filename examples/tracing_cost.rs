@@ -3,10 +3,11 @@
 //! exporting every span (sample_ratio 1) to an in-process OTLP sink that accepts and
 //! discards. Mock and gateways are separate processes from a `backstop` binary.
 //!
-//!     cargo build --release && cargo run --release --example tracing_cost -- [RPS] [SECONDS]
+//!     cargo build --release && cargo run --release --example tracing_cost -- [RPS] [SECONDS] [ROUNDS]
 //!
-//! (`BACKSTOP_BIN=target/debug/backstop` for a debug binary.) Prints p50/p99 per path,
-//! two interleaved rounds, and the on/off ratio.
+//! (`BACKSTOP_BIN=target/debug/backstop` for a debug binary.) Prints p50/p90/p99 per path
+//! and round (the paths interleaved, default 3 rounds), the median round per path, and
+//! the on/off ratio.
 
 #[path = "common/mod.rs"]
 mod common;
@@ -119,6 +120,7 @@ async fn main() {
     let mut args = std::env::args().skip(1);
     let rps: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(1000);
     let seconds: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(5);
+    let rounds: usize = args.next().and_then(|s| s.parse().ok()).unwrap_or(3);
     let bin = backstop_bin();
     let (sink_port, sunk) = sink().await;
     let (mock_port, off_port, on_port) = (free_port(), free_port(), free_port());
@@ -165,25 +167,46 @@ async fn main() {
         paced(&http, url, *auth, rps, 1).await;
     }
     println!(
-        "{rps} RPS paced (open loop), {seconds} s per row, two interleaved rounds, binary {bin}\n"
+        "{rps} RPS paced (open loop), {seconds} s per row, {rounds} interleaved rounds, binary {bin}\n"
     );
-    println!("| round | path | requests | p50 ms | p99 ms |\n|---|---|---|---|---|");
-    let mut off_on = [[0.0; 2]; 2];
-    for round in 1..=2 {
+    println!("| round | path | requests | p50 ms | p90 ms | p99 ms |\n|---|---|---|---|---|---|");
+    // Per path, per round: (p50, p99).
+    let mut figures = vec![Vec::new(); paths.len()];
+    for round in 1..=rounds {
         for (i, (name, url, auth)) in paths.iter().enumerate() {
             let lat = paced(&http, url, *auth, rps, seconds).await;
-            let (p50, p99) = (pct(&lat, 0.5), pct(&lat, 0.99));
-            println!("| {round} | {name} | {} | {p50:.3} | {p99:.3} |", lat.len());
-            if i > 0 {
-                off_on[i - 1][0] += p50 / 2.0;
-                off_on[i - 1][1] += p99 / 2.0;
-            }
+            let (p50, p90, p99) = (pct(&lat, 0.5), pct(&lat, 0.9), pct(&lat, 0.99));
+            println!(
+                "| {round} | {name} | {} | {p50:.3} | {p90:.3} | {p99:.3} |",
+                lat.len()
+            );
+            figures[i].push((p50, p99));
         }
     }
-    let [off, on] = off_on;
+    // The median round: a stall of the shared machine in one round does not decide it.
+    let median = |i: usize, f: fn(&(f64, f64)) -> f64| {
+        let mut v: Vec<f64> = figures[i].iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!("\n| median of rounds | p50 ms | p99 ms |\n|---|---|---|");
+    for (i, (name, _, _)) in paths.iter().enumerate() {
+        println!(
+            "| {name} | {:.3} | {:.3} |",
+            median(i, |f| f.0),
+            median(i, |f| f.1)
+        );
+    }
+    let (off, on) = (
+        (median(1, |f| f.0), median(1, |f| f.1)),
+        (median(2, |f| f.0), median(2, |f| f.1)),
+    );
     println!(
-        "\non / off, mean of rounds: p50 {:.3} / {:.3} ms = {:.2}x (+{:.3} ms); p99 {:.3} / {:.3} ms = {:.2}x (+{:.3} ms)",
-        on[0], off[0], on[0] / off[0], on[0] - off[0], on[1], off[1], on[1] / off[1], on[1] - off[1],
+        "| on / off | {:.2}x ({:+.3} ms) | {:.2}x ({:+.3} ms) |",
+        on.0 / off.0,
+        on.0 - off.0,
+        on.1 / off.1,
+        on.1 - off.1
     );
     // Spans are exported at least once a second.
     tokio::time::sleep(Duration::from_millis(1500)).await;
