@@ -3,7 +3,8 @@
 //! it in the request log, where the recovery layer opens a child span per upstream
 //! attempt. The span ends with what the log then says (tenant, session, models, usage,
 //! recovery trail, refusal): at the response head for a whole answer, and when the body
-//! is finished or dropped for an event stream, whose usage is known only at its end.
+//! is finished or dropped for an event stream, whose usage is known only at its end
+//! (`request_attributes`: the log turned into span attributes).
 //!
 //! With tracing off (no `[telemetry] otlp_endpoint`) it passes requests straight
 //! through. Never refuses.
@@ -19,9 +20,16 @@ use axum::body::Body;
 use futures_util::future::{BoxFuture, Either};
 use http::{Request, Response};
 use http_body::Frame;
+use opentelemetry::KeyValue;
 use tower::{Layer, Service};
 
-use crate::{api::Endpoint, otel::Traces, telemetry::RequestLog, upstream::is_event_stream};
+use crate::{
+    api::Endpoint,
+    otel::{operation, provider, Traces},
+    policy::trail::{self, Step},
+    telemetry::{LogFields, RequestLog},
+    upstream::is_event_stream,
+};
 
 #[derive(Clone)]
 pub struct TraceLayer {
@@ -101,10 +109,102 @@ struct SpanEnd {
 
 impl Drop for SpanEnd {
     fn drop(&mut self) {
-        if let Some(trace) = self.log.trace() {
-            trace.end(&self.log.snapshot(), self.endpoint, self.status);
-        }
+        let Some(trace) = self.log.trace() else {
+            return;
+        };
+        let fields = self.log.snapshot();
+        let op = operation(self.endpoint);
+        let name = match &fields.model {
+            Some(model) => format!("{op} {model}"),
+            None => op.to_string(),
+        };
+        let attributes =
+            request_attributes(&fields, self.endpoint, self.status, trace.answered_model());
+        let error = match self.status {
+            None => Some("cancelled".to_string()),
+            Some(status) if status >= 500 || fields.error.is_some() => Some(
+                fields
+                    .error
+                    .map_or_else(|| status.to_string(), str::to_string),
+            ),
+            Some(_) => None,
+        };
+        trace.end(name, attributes, error);
     }
+}
+
+/// The request span's attributes, from the request log.
+fn request_attributes(
+    fields: &LogFields,
+    endpoint: Option<Endpoint>,
+    status: Option<u16>,
+    answered_model: Option<Arc<str>>,
+) -> Vec<KeyValue> {
+    let mut out = vec![
+        KeyValue::new("gen_ai.operation.name", operation(endpoint)),
+        KeyValue::new("backstop.attempts", i64::from(fields.attempts)),
+    ];
+    if let Some(status) = status {
+        out.push(KeyValue::new(
+            "http.response.status_code",
+            i64::from(status),
+        ));
+    }
+    if let Some(endpoint) = endpoint {
+        out.extend(provider(endpoint.api()));
+    }
+    let text = |key: &'static str, value: Option<String>| value.map(|v| KeyValue::new(key, v));
+    out.extend(
+        [
+            text("gen_ai.request.model", fields.model.clone()),
+            text(
+                "gen_ai.response.model",
+                answered_model.map(|m| m.to_string()),
+            ),
+            text(
+                "backstop.tenant",
+                fields.tenant.as_deref().map(str::to_string),
+            ),
+            text("backstop.session", fields.session.clone()),
+            text(
+                "backstop.upstream",
+                fields.upstream.as_deref().map(str::to_string),
+            ),
+            text("backstop.recovery", fields.recovery_header()),
+            text("error.type", fields.error.map(str::to_string)),
+            text("backstop.refusal", refusal(fields).map(str::to_string)),
+            text("backstop.validation", validation_steps(&fields.recovery)),
+        ]
+        .into_iter()
+        .flatten(),
+    );
+    if let Some((input, output)) = fields.usage {
+        out.push(KeyValue::new("gen_ai.usage.input_tokens", input as i64));
+        out.push(KeyValue::new("gen_ai.usage.output_tokens", output as i64));
+    }
+    out
+}
+
+/// The error code when Backstop refused the request itself (auth, limits, budgets, the
+/// guard, an open breaker): before any upstream attempt, or as the trail's `refused:`
+/// step; an upstream's failure passed on is an `error.type` only.
+fn refusal(fields: &LogFields) -> Option<&'static str> {
+    let refused = fields.attempts == 0
+        || fields
+            .recovery
+            .iter()
+            .any(|s| matches!(s, Step::Refused(_)));
+    fields.error.filter(|_| refused)
+}
+
+/// What output validation did (its corrective retries and strategy switches), if it did.
+fn validation_steps(steps: &[Step]) -> Option<String> {
+    let done: Vec<Step> = steps
+        .iter()
+        .filter(|s| matches!(s, Step::Correct(_) | Step::Switch(_)))
+        .cloned()
+        .collect();
+    (!done.is_empty()).then(|| trail::render(&done))
 }
 
 /// An event stream whose request span ends with it. `body` is declared first so it is
@@ -131,5 +231,64 @@ impl http_body::Body for Traced {
 
     fn size_hint(&self) -> http_body::SizeHint {
         self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_attributes_come_from_the_log() {
+        let fields = LogFields {
+            tenant: Some("acme".into()),
+            session: Some("run-1".into()),
+            model: Some("gpt-4o".into()),
+            attempts: 3,
+            recovery: vec![
+                Step::Retry(trail::Reason::Status(503)),
+                Step::Correct("schema"),
+                Step::Ok,
+            ],
+            usage: Some((12, 34)),
+            ..LogFields::default()
+        };
+        let attributes = request_attributes(
+            &fields,
+            Some(Endpoint::ChatCompletions),
+            Some(200),
+            Some("gpt-4o-2024".into()),
+        );
+        let get = |key: &str| {
+            attributes
+                .iter()
+                .find(|kv| kv.key.as_str() == key)
+                .map(|kv| kv.value.to_string())
+        };
+        assert_eq!(get("gen_ai.operation.name").as_deref(), Some("chat"));
+        assert_eq!(get("gen_ai.provider.name").as_deref(), Some("openai"));
+        assert_eq!(get("gen_ai.response.model").as_deref(), Some("gpt-4o-2024"));
+        assert_eq!(get("gen_ai.usage.output_tokens").as_deref(), Some("34"));
+        assert_eq!(
+            get("backstop.recovery").as_deref(),
+            Some("retry:503,correct:schema,ok")
+        );
+        assert_eq!(
+            get("backstop.validation").as_deref(),
+            Some("correct:schema")
+        );
+        assert_eq!(get("backstop.refusal"), None);
+        let failed = LogFields {
+            error: Some("upstream_unavailable"),
+            ..fields.clone()
+        };
+        assert_eq!(refusal(&failed), None);
+        let refused = LogFields {
+            error: Some("budget_exceeded"),
+            attempts: 0,
+            ..LogFields::default()
+        };
+        assert_eq!(refusal(&refused), Some("budget_exceeded"));
+        assert_eq!(operation(Some(Endpoint::Embeddings)), "embeddings");
     }
 }

@@ -36,11 +36,7 @@ use opentelemetry_sdk::{
 use crate::{
     api::{ApiKind, Endpoint},
     config::TelemetryConfig,
-    policy::{
-        classify::{Class, TransportFailure},
-        trail::{self, Step},
-    },
-    telemetry::LogFields,
+    policy::classify::{Class, TransportFailure},
 };
 
 /// The tracer of one gateway, when tracing is on.
@@ -135,7 +131,7 @@ impl std::fmt::Debug for RequestTrace {
 
 /// `gen_ai.operation.name` per endpoint (the semantic conventions' values; Anthropic's
 /// `count_tokens` has none, so it is named as it is).
-fn operation(endpoint: Option<Endpoint>) -> &'static str {
+pub fn operation(endpoint: Option<Endpoint>) -> &'static str {
     match endpoint {
         Some(Endpoint::Embeddings) => "embeddings",
         Some(Endpoint::CountTokens) => "count_tokens",
@@ -143,7 +139,8 @@ fn operation(endpoint: Option<Endpoint>) -> &'static str {
     }
 }
 
-fn provider(api: ApiKind) -> [KeyValue; 2] {
+/// `gen_ai.provider.name` and its older name `gen_ai.system`.
+pub fn provider(api: ApiKind) -> [KeyValue; 2] {
     [
         KeyValue::new("gen_ai.provider.name", api.as_str()),
         KeyValue::new("gen_ai.system", api.as_str()),
@@ -180,108 +177,25 @@ impl RequestTrace {
         }
     }
 
-    /// Ends the request's span with what the request log says it did; `status` is `None`
-    /// for a request dropped before its answer (the client went away).
-    pub fn end(&self, fields: &LogFields, endpoint: Option<Endpoint>, status: Option<u16>) {
-        let answered = self
-            .answered_model
+    /// The model the successful attempt asked the upstream for, if one succeeded.
+    pub fn answered_model(&self) -> Option<Arc<str>> {
+        self.answered_model
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .clone();
+            .clone()
+    }
+
+    /// Ends the request's span as `name` with `attributes`, its status Error with
+    /// `error` when that is set.
+    pub fn end(&self, name: String, attributes: Vec<KeyValue>, error: Option<String>) {
         let span = self.cx.span();
-        let op = operation(endpoint);
-        span.update_name(match &fields.model {
-            Some(model) => format!("{op} {model}"),
-            None => op.to_string(),
-        });
-        span.set_attributes(request_attributes(fields, endpoint, status, answered));
-        match status {
-            None => span.set_status(Status::error("cancelled")),
-            Some(status) if status >= 500 || fields.error.is_some() => {
-                span.set_status(Status::error(
-                    fields
-                        .error
-                        .map_or_else(|| status.to_string(), str::to_string),
-                ))
-            }
-            Some(_) => {}
+        span.update_name(name);
+        span.set_attributes(attributes);
+        if let Some(error) = error {
+            span.set_status(Status::error(error));
         }
         span.end();
     }
-}
-
-/// The request span's attributes, from the request log.
-fn request_attributes(
-    fields: &LogFields,
-    endpoint: Option<Endpoint>,
-    status: Option<u16>,
-    answered_model: Option<Arc<str>>,
-) -> Vec<KeyValue> {
-    let mut out = vec![
-        KeyValue::new("gen_ai.operation.name", operation(endpoint)),
-        KeyValue::new("backstop.attempts", i64::from(fields.attempts)),
-    ];
-    if let Some(status) = status {
-        out.push(KeyValue::new(
-            "http.response.status_code",
-            i64::from(status),
-        ));
-    }
-    if let Some(endpoint) = endpoint {
-        out.extend(provider(endpoint.api()));
-    }
-    let text = |key: &'static str, value: Option<String>| value.map(|v| KeyValue::new(key, v));
-    out.extend(
-        [
-            text("gen_ai.request.model", fields.model.clone()),
-            text(
-                "gen_ai.response.model",
-                answered_model.map(|m| m.to_string()),
-            ),
-            text(
-                "backstop.tenant",
-                fields.tenant.as_deref().map(str::to_string),
-            ),
-            text("backstop.session", fields.session.clone()),
-            text(
-                "backstop.upstream",
-                fields.upstream.as_deref().map(str::to_string),
-            ),
-            text("backstop.recovery", fields.recovery_header()),
-            text("error.type", fields.error.map(str::to_string)),
-            text("backstop.refusal", refusal(fields).map(str::to_string)),
-            text("backstop.validation", validation_steps(&fields.recovery)),
-        ]
-        .into_iter()
-        .flatten(),
-    );
-    if let Some((input, output)) = fields.usage {
-        out.push(KeyValue::new("gen_ai.usage.input_tokens", input as i64));
-        out.push(KeyValue::new("gen_ai.usage.output_tokens", output as i64));
-    }
-    out
-}
-
-/// The error code when Backstop refused the request itself (auth, limits, budgets, the
-/// guard, an open breaker): before any upstream attempt, or as the trail's `refused:`
-/// step; an upstream's failure passed on is an `error.type` only.
-fn refusal(fields: &LogFields) -> Option<&'static str> {
-    let refused = fields.attempts == 0
-        || fields
-            .recovery
-            .iter()
-            .any(|s| matches!(s, Step::Refused(_)));
-    fields.error.filter(|_| refused)
-}
-
-/// What output validation did (its corrective retries and strategy switches), if it did.
-fn validation_steps(steps: &[Step]) -> Option<String> {
-    let done: Vec<Step> = steps
-        .iter()
-        .filter(|s| matches!(s, Step::Correct(_) | Step::Switch(_)))
-        .cloned()
-        .collect();
-    (!done.is_empty()).then(|| trail::render(&done))
 }
 
 /// One upstream attempt's span.
@@ -339,63 +253,4 @@ pub fn inject(cx: &Context, headers: &mut HeaderMap) {
     headers.remove("traceparent");
     headers.remove("tracestate");
     TraceContextPropagator::new().inject_context(cx, &mut HeaderInjector(headers));
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn request_attributes_come_from_the_log() {
-        let fields = LogFields {
-            tenant: Some("acme".into()),
-            session: Some("run-1".into()),
-            model: Some("gpt-4o".into()),
-            attempts: 3,
-            recovery: vec![
-                Step::Retry(trail::Reason::Status(503)),
-                Step::Correct("schema"),
-                Step::Ok,
-            ],
-            usage: Some((12, 34)),
-            ..LogFields::default()
-        };
-        let attributes = request_attributes(
-            &fields,
-            Some(Endpoint::ChatCompletions),
-            Some(200),
-            Some("gpt-4o-2024".into()),
-        );
-        let get = |key: &str| {
-            attributes
-                .iter()
-                .find(|kv| kv.key.as_str() == key)
-                .map(|kv| kv.value.to_string())
-        };
-        assert_eq!(get("gen_ai.operation.name").as_deref(), Some("chat"));
-        assert_eq!(get("gen_ai.provider.name").as_deref(), Some("openai"));
-        assert_eq!(get("gen_ai.response.model").as_deref(), Some("gpt-4o-2024"));
-        assert_eq!(get("gen_ai.usage.output_tokens").as_deref(), Some("34"));
-        assert_eq!(
-            get("backstop.recovery").as_deref(),
-            Some("retry:503,correct:schema,ok")
-        );
-        assert_eq!(
-            get("backstop.validation").as_deref(),
-            Some("correct:schema")
-        );
-        assert_eq!(get("backstop.refusal"), None);
-        let failed = LogFields {
-            error: Some("upstream_unavailable"),
-            ..fields.clone()
-        };
-        assert_eq!(refusal(&failed), None);
-        let refused = LogFields {
-            error: Some("budget_exceeded"),
-            attempts: 0,
-            ..LogFields::default()
-        };
-        assert_eq!(refusal(&refused), Some("budget_exceeded"));
-        assert_eq!(operation(Some(Endpoint::Embeddings)), "embeddings");
-    }
 }
