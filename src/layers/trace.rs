@@ -112,24 +112,30 @@ impl Drop for SpanEnd {
         let Some(trace) = self.log.trace() else {
             return;
         };
-        let fields = self.log.snapshot();
-        let op = operation(self.endpoint);
-        let name = match &fields.model {
-            Some(model) => format!("{op} {model}"),
-            None => op.to_string(),
-        };
-        let attributes =
-            request_attributes(&fields, self.endpoint, self.status, trace.answered_model());
-        let error = match self.status {
-            None => Some("cancelled".to_string()),
-            Some(status) if status >= 500 || fields.error.is_some() => Some(
-                fields
-                    .error
-                    .map_or_else(|| status.to_string(), str::to_string),
-            ),
-            Some(_) => None,
-        };
-        trace.end(name, attributes, error);
+        let (endpoint, status, answered) = (self.endpoint, self.status, trace.answered_model());
+        let mut ended = None;
+        // Read in place, not from a snapshot: each field is copied once, into its attribute.
+        self.log.update(|fields| {
+            let op = operation(endpoint);
+            let name = match &fields.model {
+                Some(model) => format!("{op} {model}"),
+                None => op.to_string(),
+            };
+            let error = match status {
+                None => Some("cancelled".to_string()),
+                Some(status) if status >= 500 || fields.error.is_some() => Some(
+                    fields
+                        .error
+                        .map_or_else(|| status.to_string(), str::to_string),
+                ),
+                Some(_) => None,
+            };
+            let attributes = request_attributes(fields, endpoint, status, answered);
+            ended = Some((name, attributes, error));
+        });
+        if let Some((name, attributes, error)) = ended {
+            trace.end(name, attributes, error);
+        }
     }
 }
 
