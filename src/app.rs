@@ -3,7 +3,8 @@
 //! A proxied request passes, outer → inner (inside the layers around the whole router,
 //! below):
 //! 1. [`EdgeLayer`]: request id and log record into the extensions, in-flight gauge, the
-//!    request's log line and metrics (also on `/v1/models` and the admin routes).
+//!    request's log line and metrics (also on `/v1/models` and the admin routes); just
+//!    inside it, [`TraceLayer`]: the request's OpenTelemetry span (when tracing is on).
 //! 2. [`RespondLayer`]: typed errors and panics become responses in the caller's API shape;
 //!    everything above it is infallible.
 //! 3. [`DeadlineLayer`]: `server.request_timeout` over the whole request.
@@ -89,6 +90,7 @@ use crate::{
         recovery::{Answered, RecoveryLayer, RetryPolicy},
         respond::RespondLayer,
         session_guard::SessionGuardLayer,
+        trace::TraceLayer,
         validate::ValidateLayer,
     },
     policy::budget::Prices,
@@ -135,6 +137,8 @@ pub struct AppState {
     pub cut_streams: Arc<tokio::sync::watch::Sender<bool>>,
     /// Idempotency keys whose first request is running (shared across reloads).
     pub idempotent_in_flight: InFlight,
+    /// This gateway's tracer (`[telemetry]`), when tracing is on; bound at start-up.
+    pub traces: Option<Arc<crate::otel::Traces>>,
 }
 
 impl AppState {
@@ -174,6 +178,7 @@ impl AppState {
         let (stream_limits, cut_streams) = StreamLimits::from_config(&config.server);
         Ok(AppState {
             activity: Arc::new(Activity::new(tokio::time::Instant::now())),
+            traces: crate::otel::Traces::from_config(&config.telemetry, upstream::client()),
             stream_limits,
             cut_streams: Arc::new(cut_streams),
             budgets: Arc::new(budgets),
@@ -227,6 +232,7 @@ impl AppState {
             schemas,
             owners: self.owners.clone(),
             activity: self.activity.clone(),
+            traces: self.traces.clone(),
             clock: self.clock.clone(),
             metrics: self.metrics.clone(),
             ready: self.ready.clone(),
@@ -322,6 +328,7 @@ where
     let server = &state.config.server;
     let stack = ServiceBuilder::new()
         .layer(EdgeLayer::counted(state.activity.clone()))
+        .layer(TraceLayer::new(state.traces.clone()))
         .layer(RespondLayer)
         .layer(DeadlineLayer::new(server.request_timeout))
         .layer(AuthLayer::new(state.tenants.clone()))

@@ -13,6 +13,7 @@ pub mod demo;
 pub mod error;
 pub mod layers;
 pub mod mock;
+pub mod otel;
 pub mod policy;
 pub mod reload;
 pub mod routing;

@@ -163,6 +163,7 @@ fn keep_start_up_keys(running: &Config, next: &mut Config) -> Vec<&'static str> 
         "state" => state,
         "mock" => mock,
         "log" => log,
+        "telemetry" => telemetry,
     }
     changed
 }

@@ -218,6 +218,9 @@ async fn serve(
         .await;
         connections.abort_all();
     }
+    if let Some(traces) = &state.traces {
+        traces.shutdown().await;
+    }
 }
 
 /// Each connection is a file descriptor, and upstream connections, the store and logs

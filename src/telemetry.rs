@@ -111,6 +111,10 @@ fn describe() {
         "backstop_upstream_attempts_total",
         "Upstream attempts by upstream and outcome"
     );
+    metrics::describe_counter!(
+        "backstop_trace_spans_dropped_total",
+        "Trace spans not delivered to the collector, by reason (queue_full, export_failed)"
+    );
 }
 
 /// What one request did, filled in by the layers that learn it and logged once by the
@@ -119,6 +123,8 @@ fn describe() {
 #[derive(Default, Debug)]
 pub struct RequestLog {
     fields: Mutex<LogFields>,
+    /// The request's trace span, when tracing is on (set by the trace layer).
+    trace: OnceLock<crate::otel::RequestTrace>,
 }
 
 #[derive(Default, Clone, Debug)]
@@ -136,6 +142,9 @@ pub struct LogFields {
     pub budget_remaining: Option<String>,
     /// The session guard's state after this request (`x-backstop-session-state`).
     pub session_state: Option<Phase>,
+    /// Tokens the upstream reported, (input, output), summed over the request's calls
+    /// (a stream's once it ends).
+    pub usage: Option<(u64, u64)>,
 }
 
 impl LogFields {
@@ -158,6 +167,24 @@ impl RequestLog {
     /// Appends one step to the recovery trail (`x-backstop-recovery`).
     pub fn push_step(&self, step: Step) {
         self.update(|f| f.recovery.push(step));
+    }
+
+    /// Adds reported token usage.
+    pub fn add_usage(&self, input: u64, output: u64) {
+        self.update(|f| {
+            let (i, o) = f.usage.unwrap_or_default();
+            f.usage = Some((i + input, o + output));
+        });
+    }
+
+    /// The request's trace span, when tracing is on.
+    pub fn trace(&self) -> Option<&crate::otel::RequestTrace> {
+        self.trace.get()
+    }
+
+    /// Attaches the request's trace span (once; the trace layer does).
+    pub fn set_trace(&self, trace: crate::otel::RequestTrace) {
+        let _ = self.trace.set(trace);
     }
 
     pub fn snapshot(&self) -> LogFields {

@@ -200,7 +200,10 @@ async fn a_raised_cap_applies_mid_stream_and_earlier_calls_still_count() {
     // The dashboard shows the running version and when it was loaded.
     let config = &r.admin("/admin/ui/data").await["config"];
     assert_eq!(config["version"], 2, "{config}");
-    assert_eq!(config["loaded_at"], reloaded["config"]["loaded_at"], "{config}");
+    assert_eq!(
+        config["loaded_at"], reloaded["config"]["loaded_at"],
+        "{config}"
+    );
 }
 
 #[tokio::test]
@@ -374,18 +377,20 @@ async fn start_up_keys_are_kept_and_named() {
         .base
         .replace("listen = \"127.0.0.1:0\"", "listen = \"127.0.0.1:1\"")
         .replace("level = \"warn\"", "level = \"debug\"");
-    r.rewrite_all(&format!("{changed}{}", tenants(7)));
+    let tracing = "\n[telemetry]\notlp_endpoint = \"http://127.0.0.1:1\"\n";
+    r.rewrite_all(&format!("{changed}{}{tracing}", tenants(7)));
     let resp = r.reload().await;
     assert_eq!(resp.status(), 200);
     let body = json(resp).await;
     assert_eq!(
         body["restart_required"],
-        json!(["server.listen", "log"]),
+        json!(["server.listen", "log", "telemetry"]),
         "{body}"
     );
     // Still served where it was; the rest applied.
     let current = r.gw.server.current();
     assert_eq!(current.state.config.server.listen.port(), 0);
+    assert!(current.state.traces.is_none());
     assert_eq!(current.state.config.tenants[2].session.max_calls, Some(7));
     assert_eq!(r.call(CAPPED, "s", "").await.status(), 200);
 }

@@ -9,6 +9,7 @@ mod responses;
 mod route;
 mod server;
 mod state;
+mod telemetry;
 mod tenant;
 mod upstream;
 mod validation;
@@ -25,6 +26,7 @@ pub use responses::ResponsesConfig;
 pub use route::{HedgeAfter, RouteConfig, TargetConfig};
 pub use server::{LogConfig, LogFormat, MockConfig, ServerConfig};
 pub use state::{OnUnavailable, StateBackend, StateConfig};
+pub use telemetry::TelemetryConfig;
 pub use tenant::{GuardConfig, TenantConfig};
 pub use upstream::{UpstreamConfig, NEVER_FORWARDED};
 pub use validation::{StreamValidation, ValidationConfig, ValidationMode};
@@ -56,6 +58,9 @@ pub struct Config {
     /// Where replicas share budgets, rate limits, the guard and idempotency.
     #[serde(default)]
     pub state: StateConfig,
+    /// OpenTelemetry traces (off unless `otlp_endpoint` is set).
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
     #[serde(default)]
     pub billing: BillingConfig,
     #[serde(default)]
@@ -167,6 +172,7 @@ impl Config {
         self.billing.validate()?;
         self.store.validate()?;
         self.state.validate()?;
+        self.telemetry.validate()?;
         if self.upstreams.is_empty() {
             return Err(ConfigError::invalid(
                 "upstreams",

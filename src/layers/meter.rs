@@ -24,6 +24,7 @@ use crate::{
     api::{Endpoint, ReportedUsage},
     policy::{budget::estimate_prompt_tokens, classify::TransportFailure},
     state::{budgets::Budgets, reservation::Outcome},
+    telemetry::RequestLog,
     upstream::{Attempt, AttemptError, Reply},
 };
 
@@ -34,6 +35,8 @@ pub struct Billed {
     pub attempt: Attempt,
     pub tenant: Arc<str>,
     pub session: Option<Arc<str>>,
+    /// The request's log: the usage settled here is added to it.
+    pub log: Arc<RequestLog>,
 }
 
 #[derive(Clone)]
@@ -79,6 +82,7 @@ where
             mut attempt,
             tenant,
             session,
+            log,
         } = billed;
         let budgets = &self.budgets;
         let request = attempt.request.clone();
@@ -112,11 +116,19 @@ where
             Ok(reply) => match (&reply.stream_usage, &reply.view) {
                 (Some(usage), _) => usage.on_end(move |reported| {
                     reservation.settle_later(match reported {
-                        Some((input, output)) => Outcome::Reported { input, output },
+                        Some((input, output)) => {
+                            log.add_usage(input, output);
+                            Outcome::Reported { input, output }
+                        }
                         None => Outcome::Unreported,
                     })
                 }),
-                (None, Some(view)) => reservation.settle(outcome(view.usage)).await,
+                (None, Some(view)) => {
+                    if let ReportedUsage::Counts { input, output } = view.usage {
+                        log.add_usage(input, output);
+                    }
+                    reservation.settle(outcome(view.usage)).await
+                }
                 (None, None) => reservation.settle(Outcome::Failed).await,
             },
         }

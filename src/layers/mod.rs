@@ -43,6 +43,7 @@ pub mod owners;
 pub mod recovery;
 pub mod respond;
 pub mod session_guard;
+pub mod trace;
 pub mod validate;
 mod validate_stream;
 

@@ -627,29 +627,46 @@ where
         target: &Target,
         timeout: Duration,
     ) -> Result<Tried, GatewayError> {
+        let model: Option<Arc<str>> = target.model.as_deref().map(Arc::from);
+        let span = call.log.trace().map(|trace| {
+            let asked = model.as_deref().unwrap_or(&call.request.model);
+            let upstream = &target.upstream;
+            trace.attempt(&upstream.name, upstream.api, call.endpoint(), asked)
+        });
         let billed = Billed {
             attempt: Attempt {
                 request: call.request.clone(),
                 upstream: target.upstream.clone(),
-                model: target.model.as_deref().map(Arc::from),
+                model,
                 headers: call.headers.clone(),
                 timeout,
                 stream_usage: false,
                 keep_answer: call.keep_answer,
+                trace: span.as_ref().map(|s| s.context().clone()),
             },
             tenant: call.tenant.clone(),
             session: call.session.clone(),
+            log: call.log.clone(),
         };
         let started = std::time::Instant::now();
         let outcome = match self.inner.clone().oneshot(billed).await {
             Ok(reply) => Ok(reply),
             Err(AttemptError::Transport(failure)) => Err(failure),
-            Err(AttemptError::Refused(refusal)) => return Err(refusal),
+            Err(AttemptError::Refused(refusal)) => {
+                if let Some(span) = span {
+                    span.refused(refusal.kind().code);
+                }
+                return Err(refusal);
+            }
         };
         self.trail.attempts += 1;
         self.trail.upstream = Some(target.upstream.name.clone());
         self.trail.upstream_time += started.elapsed();
         let (class, reason) = classified(&outcome);
+        if let (Some(span), Some(trace)) = (span, call.log.trace()) {
+            let status = outcome.as_ref().map(|r| r.status.as_u16()).map_err(|f| *f);
+            span.finish(trace, status, &class);
+        }
         Ok(Tried {
             outcome,
             class,

@@ -44,7 +44,11 @@ const MAX_SCENARIOS: usize = 100_000;
 struct Scenario {
     attempts: u64,
     last: Option<Value>,
+    /// Each attempt's `traceparent` header, in order (the first [`MAX_TRACEPARENTS`]).
+    traceparents: Vec<String>,
 }
+
+const MAX_TRACEPARENTS: usize = 16;
 
 #[derive(Default)]
 pub struct MockState {
@@ -63,7 +67,12 @@ impl MockState {
     }
 
     /// Counts an attempt and returns its 0-based index within the scenario.
-    fn record(&self, scenario: Option<&str>, last: impl FnOnce() -> Value) -> u64 {
+    fn record(
+        &self,
+        scenario: Option<&str>,
+        traceparent: Option<&str>,
+        last: impl FnOnce() -> Value,
+    ) -> u64 {
         self.total.fetch_add(1, Ordering::Relaxed);
         let name = scenario.unwrap_or("default");
         let mut map = self.scenarios.lock().unwrap_or_else(|e| e.into_inner());
@@ -74,6 +83,11 @@ impl MockState {
         entry.attempts += 1;
         if scenario.is_some() {
             entry.last = Some(last());
+            if entry.traceparents.len() < MAX_TRACEPARENTS {
+                entry
+                    .traceparents
+                    .push(traceparent.unwrap_or_default().to_string());
+            }
         }
         entry.attempts - 1
     }
@@ -126,6 +140,18 @@ impl MockHandle {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         map.get(scenario).map_or(0, |s| s.attempts)
+    }
+
+    /// The `traceparent` each attempt of a scenario carried (`""` for none), in order.
+    pub fn traceparents(&self, scenario: &str) -> Vec<String> {
+        let map = self
+            .state
+            .scenarios
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        map.get(scenario)
+            .map(|s| s.traceparents.clone())
+            .unwrap_or_default()
     }
 
     /// The last request seen in a scenario (method, path, headers, body).
@@ -229,7 +255,8 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
         .unwrap_or_default();
     let request: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
     let scenario = header_str(&parts.headers, "x-mock-scenario");
-    let attempt = state.record(scenario, || {
+    let traceparent = header_str(&parts.headers, "traceparent");
+    let attempt = state.record(scenario, traceparent, || {
         json!({
             "method": parts.method.as_str(),
             "path": path,

@@ -122,6 +122,8 @@ pub struct Attempt {
     pub stream_usage: bool,
     /// Keep the parsed answer in the reply's [`AnswerView`]: it is to be validated.
     pub keep_answer: bool,
+    /// The attempt's trace context, sent as `traceparent` (tracing on only).
+    pub trace: Option<opentelemetry::Context>,
 }
 
 /// Why an attempt produced no upstream answer.
@@ -322,7 +324,10 @@ async fn send(
         attempt.model.as_deref(),
         attempt.stream_usage && request.endpoint == Endpoint::ChatCompletions,
     );
-    let headers = headers::upstream_request_headers(&attempt.headers, upstream);
+    let mut headers = headers::upstream_request_headers(&attempt.headers, upstream);
+    if let Some(cx) = &attempt.trace {
+        crate::otel::inject(cx, &mut headers);
+    }
     let deadline = tokio::time::Instant::now() + attempt.timeout;
     let log_err = |err: reqwest::Error| {
         tracing::debug!(upstream = %upstream.name, error = %err, "upstream transport error");
@@ -336,7 +341,7 @@ async fn send(
 
     let status = response.status();
     let headers = headers::client_response_headers(response.headers());
-    let is_sse = is_event_stream(&response);
+    let is_sse = is_event_stream(response.headers());
 
     if request.stream && status.is_success() && !is_sse {
         return Err(TransportFailure::NotAStream);
@@ -382,10 +387,9 @@ async fn send(
     ))
 }
 
-/// Whether an upstream answered with an event stream.
-pub(crate) fn is_event_stream(response: &reqwest::Response) -> bool {
-    response
-        .headers()
+/// Whether a response's headers say it is an event stream.
+pub(crate) fn is_event_stream(headers: &HeaderMap) -> bool {
+    headers
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"))

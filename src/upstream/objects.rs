@@ -173,7 +173,7 @@ impl ForwardObject {
             let response = request.send().await.map_err(|e| transport(&e))?;
             let status = response.status();
             let headers = headers::client_response_headers(response.headers());
-            if !(status.is_success() && is_event_stream(&response)) {
+            if !(status.is_success() && is_event_stream(response.headers())) {
                 let bytes = read_capped(response, self.limits.max_response_bytes).await?;
                 return Ok::<_, TransportFailure>((status, headers, Body::from(bytes)));
             }
