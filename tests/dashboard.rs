@@ -194,4 +194,13 @@ async fn the_poll_counts_retries_refusals_and_the_tripped_session_exactly() {
     let reset = data(&gw, "?state=tripped").await;
     assert_eq!(reset["sessions"]["total"], 0);
     assert_eq!(reset["sessions"]["by_state"], json!({"active": 2}));
+
+    // A caller's mistake is counted as such, not as the upstream failing.
+    let resp = gw.chat("dash-bad", "status=400", hello()).await;
+    assert_eq!(resp.status(), 400);
+    let later = data(&gw, "").await;
+    let mock = named(&later, "upstreams", "name", "mock-openai");
+    assert_eq!(mock["hour"]["by_class"]["caller_fault"], 1);
+    assert_eq!(mock["hour"]["by_class"]["transient"], 2);
+    assert_eq!(mock["hour"]["by_class"]["ok"], 5);
 }

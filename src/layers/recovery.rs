@@ -559,6 +559,7 @@ where
                 }
             };
             metrics::counter!("backstop_upstream_attempts_total", "upstream" => upstream.name.to_string(), "class" => tried.class.label()).increment(1);
+            health.count_attempt(Instant::now(), &tried.class);
             let opened = admitted.settle(verdict(&tried.class)) == Some(Transition::Opened);
             tracing::debug!(upstream = %upstream.name, attempt = attempt_no + 1, class = tried.class.label(), reason = %tried.reason, "upstream attempt");
             if tried.class == Class::Success {

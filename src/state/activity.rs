@@ -22,7 +22,7 @@ use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use crate::{
-    policy::{breaker::Verdict, trail::Step},
+    policy::{classify::Class, trail::Step},
     telemetry::LogFields,
 };
 
@@ -193,21 +193,26 @@ impl Activity {
     }
 }
 
-/// An upstream attempt's class, from what it told the breaker (by these indices).
-const ATTEMPT_CLASSES: [&str; 6] = [
+/// An upstream attempt's class, as recovery classified it (by these indices), or
+/// abandoned (the request was dropped before its answer).
+const ATTEMPT_CLASSES: [&str; 8] = [
     "ok",
     "transient",
     "rate_limited",
+    "malformed",
+    "caller_fault",
     "credential",
-    "neutral",
+    "redirect",
     "abandoned",
 ];
 const OK: usize = 0;
 const TRANSIENT: usize = 1;
 const RATE_LIMITED: usize = 2;
-const CREDENTIAL: usize = 3;
-const NEUTRAL: usize = 4;
-const ABANDONED: usize = 5;
+const MALFORMED: usize = 3;
+const CALLER_FAULT: usize = 4;
+const CREDENTIAL: usize = 5;
+const REDIRECT: usize = 6;
+const ABANDONED: usize = 7;
 
 /// Transitions kept per upstream (an upstream that flaps faster than this an hour shows
 /// the latest).
@@ -227,18 +232,25 @@ impl UpstreamActivity {
         }
     }
 
-    /// One attempt, as its verdict on the upstream's health.
-    pub fn attempt(&self, now: Instant, verdict: Verdict) {
-        let class = match verdict {
-            Verdict::Healthy => OK,
-            // Rate limits weigh less on the breaker (see `recovery::verdict`).
-            Verdict::Failed(weight) if weight < 1.0 => RATE_LIMITED,
-            Verdict::Failed(_) => TRANSIENT,
-            Verdict::Fatal => CREDENTIAL,
-            Verdict::Neutral => NEUTRAL,
-            Verdict::Abandoned => ABANDONED,
+    /// One attempt, as recovery classified it.
+    pub fn attempt(&self, now: Instant, class: &Class) {
+        let index = match class {
+            Class::Success => OK,
+            Class::Transient {
+                rate_limited: true, ..
+            } => RATE_LIMITED,
+            Class::Transient { .. } => TRANSIENT,
+            Class::Malformed => MALFORMED,
+            Class::CallerFault { .. } => CALLER_FAULT,
+            Class::CredentialOrQuota => CREDENTIAL,
+            Class::Redirect => REDIRECT,
         };
-        self.attempts.add(now, class, 1);
+        self.attempts.add(now, index, 1);
+    }
+
+    /// An attempt whose request was dropped before its answer.
+    pub fn abandoned(&self, now: Instant) {
+        self.attempts.add(now, ABANDONED, 1);
     }
 
     /// The breaker moved to `to` (rare: behind a small lock).
@@ -264,7 +276,7 @@ impl UpstreamActivity {
             .collect();
         let per_minute: Vec<Value> = minutes
             .iter()
-            .map(|m| json!({"attempts": m.iter().sum::<u64>(), "failures": m[TRANSIENT] + m[RATE_LIMITED] + m[CREDENTIAL]}))
+            .map(|m| json!({"attempts": m.iter().sum::<u64>(), "failures": m[TRANSIENT] + m[RATE_LIMITED] + m[MALFORMED] + m[CREDENTIAL] + m[REDIRECT]}))
             .collect();
         let hour_ago = now.checked_sub(MINUTE * MINUTES as u32);
         let transitions: Vec<Value> = self
@@ -354,27 +366,36 @@ mod tests {
     async fn an_upstream_keeps_attempts_by_class_and_the_last_hours_transitions() {
         let upstream = UpstreamActivity::new(Instant::now());
         let now = Instant::now();
-        for verdict in [
-            Verdict::Healthy,
-            Verdict::Failed(1.0),
-            Verdict::Failed(1.0),
-            Verdict::Failed(0.5),
-            Verdict::Fatal,
-            Verdict::Neutral,
+        let transient = |rate_limited| Class::Transient {
+            retry_after: None,
+            rate_limited,
+        };
+        for class in [
+            Class::Success,
+            transient(false),
+            transient(false),
+            transient(true),
+            Class::CredentialOrQuota,
+            Class::CallerFault {
+                context_length: false,
+            },
+            Class::Malformed,
         ] {
-            upstream.attempt(now, verdict);
+            upstream.attempt(now, &class);
         }
+        upstream.abandoned(now);
         upstream.transition(now, "open");
         tokio::time::advance(Duration::from_secs(30 * 60)).await;
         upstream.transition(Instant::now(), "half_open");
         let report = upstream.report(Instant::now());
         assert_eq!(
             report["by_class"],
-            json!({"ok": 1, "transient": 2, "rate_limited": 1, "credential": 1, "neutral": 1, "abandoned": 0})
+            json!({"ok": 1, "transient": 2, "rate_limited": 1, "malformed": 1, "caller_fault": 1,
+                   "credential": 1, "redirect": 0, "abandoned": 1})
         );
         assert_eq!(
             report["per_minute"][MINUTES - 31],
-            json!({"attempts": 6, "failures": 4})
+            json!({"attempts": 8, "failures": 5})
         );
         assert_eq!(
             report["transitions"],

@@ -15,6 +15,7 @@ use crate::{
     config::Config,
     policy::{
         breaker::{Admission, Breaker, BreakerPolicy, BreakerState, Transition, Verdict},
+        classify::Class,
         retry_budget::RetryBudget,
     },
     state::activity::UpstreamActivity,
@@ -61,6 +62,11 @@ impl UpstreamHealth {
         lock(&self.budget).reconfigure(budget(now));
     }
 
+    /// An attempt came back as `class` (for the dashboard's last hour).
+    pub fn count_attempt(&self, now: Instant, class: &Class) {
+        self.activity.attempt(now, class);
+    }
+
     /// Admits an attempt, or returns how long until the breaker half-opens.
     pub fn admit(&self, now: Instant) -> Result<Admission, Duration> {
         let mut breaker = lock(&self.breaker);
@@ -78,7 +84,9 @@ impl UpstreamHealth {
         let mut breaker = lock(&self.breaker);
         let transition = breaker.record(admission, verdict, now);
         self.report(transition, breaker.gauge(), now);
-        self.activity.attempt(now, verdict);
+        if matches!(verdict, Verdict::Abandoned) {
+            self.activity.abandoned(now);
+        }
         transition
     }
 

@@ -240,7 +240,7 @@ function renderUpstreams(upstreams) {
   body.replaceChildren(...upstreams.map((u) => {
     const c = u.hour.by_class;
     const attempts = Object.values(c).reduce((a, b) => a + b, 0);
-    const failures = ["transient", "rate_limited", "credential"].filter((k) => c[k]).map((k) => k + " " + c[k]);
+    const failures = ["transient", "rate_limited", "malformed", "credential", "redirect"].filter((k) => c[k]).map((k) => k + " " + c[k]);
     const breaker = u.breaker;
     const detail = breaker.state === "open" ? " (half-open in " + Math.ceil(breaker.half_open_in_ms / 1000) + " s)"
       : breaker.state === "closed" && breaker.consecutive_failures ? " (" + breaker.consecutive_failures + " failing)" : "";
@@ -249,7 +249,7 @@ function renderUpstreams(upstreams) {
       el("td", { class: "nowrap" }, el("b", {}, u.name), " ", el("span", { class: "muted" }, u.api || "")),
       el("td", {}, stateBadge(breaker.state, "breaker"), detail),
       el("td", { class: "num nowrap" }, fmt.int(attempts), " ", sparkline(u.hour.per_minute)),
-      el("td", {}, failures.join(", ") || "none", c.neutral ? el("span", { class: "muted" }, " · neutral " + c.neutral) : null),
+      el("td", {}, failures.join(", ") || "none", c.caller_fault ? el("span", { class: "muted" }, " · caller fault " + c.caller_fault) : null),
       el("td", { class: "num nowrap" }, fmt.ms(u.latency_ms.p50) + " / " + fmt.ms(u.latency_ms.p95)),
       el("td", {}, (u.hour.transitions.length ? u.hour.transitions.length + ": " + transitions : "none")));
   }));
