@@ -470,3 +470,34 @@ async fn a_trip_and_a_close_outlive_idle_eviction() {
     }
     assert_eq!(gw.mock.attempts("idle"), 0);
 }
+
+/// A slow request in flight when its session is tripped (by a loop) or closed (by an
+/// operator) answers 200 afterwards: that success does not reopen the session.
+#[tokio::test]
+async fn a_request_in_flight_does_not_reopen_a_tripped_or_closed_session() {
+    let gw = guarded("60s", "").await;
+    for (session, by_operator) in [("slow-tripped", false), ("slow-closed", true)] {
+        let first = step(0);
+        let slow = gw.in_session(GUARDED, session, "slow", "delay=1500ms", &first);
+        // Time for the slow request to be admitted before the session is tripped or
+        // closed, with room to spare on a loaded machine.
+        let meanwhile = async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if by_operator {
+                close(&gw, "guarded", session).await;
+            } else {
+                for _ in 0..3 {
+                    let resp = gw.in_session(GUARDED, session, "loop", "", &step(1)).await;
+                    assert_eq!(resp.status(), 200);
+                }
+                let resp = gw.in_session(GUARDED, session, "loop", "", &step(1)).await;
+                assert_eq!(json(resp).await["error"]["code"], "loop_detected");
+            }
+        };
+        let (slow, ()) = tokio::join!(slow, meanwhile);
+        assert_eq!(slow.status(), 200, "{session}");
+        let after = gw.in_session(GUARDED, session, "after", "", &step(2)).await;
+        assert_eq!(after.status(), 429, "{session}");
+        assert_eq!(gw.mock.attempts("after"), 0);
+    }
+}

@@ -428,8 +428,13 @@ impl SessionGuard {
         }
     }
 
-    /// Records how an admitted request ended.
+    /// Records how an admitted request ended. A request admitted before the session was
+    /// tripped or closed (by a concurrent request, or an operator) that ends after it
+    /// changes nothing: its outcome does not undo a refusal decided meanwhile.
     pub fn record(&mut self, now: Instant, failed: bool) -> Option<Transition> {
+        if matches!(self.state, GuardState::Tripped { .. } | GuardState::Closed) {
+            return None;
+        }
         if !failed {
             self.consecutive_failures = 0;
             return self.set(GuardState::Active);
@@ -860,6 +865,33 @@ mod tests {
         g.record(t1, false);
         assert_eq!(g.state().label(), "active");
         assert!(g.admit(t1, &fp(102), 0.0).0.is_ok());
+    }
+
+    /// Requests still in flight when the session trips (or an operator closes it) end
+    /// later: neither their success nor their failure reopens it.
+    #[test]
+    fn a_request_ending_after_a_trip_or_close_does_not_undo_it() {
+        let t0 = Instant::now();
+        let mut g = SessionGuard::new(config());
+        // One slow request admitted, then a loop trips the session meanwhile.
+        assert!(g.admit(t0, &fp(1), 0.0).0.is_ok());
+        for _ in 0..3 {
+            assert!(g.admit(t0, &fp(42), 0.0).0.is_ok());
+        }
+        assert!(g.admit(t0, &fp(42), 0.0).0.is_err());
+        assert_eq!(g.state().label(), "tripped");
+        assert_eq!(g.record(t0, false), None);
+        assert_eq!(g.state().label(), "tripped");
+        assert_eq!(g.record(t0, true), None);
+        assert_eq!(g.state().label(), "tripped");
+        assert!(g.admit(t0, &fp(2), 0.0).0.is_err());
+
+        let mut g = SessionGuard::new(config());
+        assert!(g.admit(t0, &fp(1), 0.0).0.is_ok());
+        g.close();
+        assert_eq!(g.record(t0, false), None);
+        assert_eq!(g.state().label(), "closed");
+        assert!(g.admit(t0, &fp(2), 0.0).0.is_err());
     }
 
     #[test]
