@@ -155,6 +155,9 @@ struct Sent {
     items: Vec<Value>,
     /// The response id the client was told (`response.created`).
     response_id: Option<Value>,
+    /// The tool calls released (name, arguments): a corrective attempt that repeats one
+    /// does not send it again.
+    calls: Vec<(String, Value)>,
 }
 
 impl Sent {
@@ -200,9 +203,11 @@ impl Sent {
 }
 
 /// Rewrites a corrective attempt's events to continue an answer the client already has.
+/// [`Follow::map`] drops what the client must not see twice (opening events, text) as
+/// events arrive; [`Follow::renumber`] gives what is released the next indices as it is
+/// sent, so a call dropped in between (a repeat of one already sent) leaves no gap.
 struct Follow {
     format: Format,
-    chat_base: u64,
     next_index: u64,
     remap: HashMap<u64, u64>,
     dropped: HashSet<u64>,
@@ -216,10 +221,10 @@ impl Follow {
     fn after(format: Format, sent: &Sent) -> Follow {
         Follow {
             format,
-            chat_base: sent.chat_calls.len() as u64,
             next_index: match format {
+                Format::Chat => sent.chat_calls.len() as u64,
                 Format::Messages => sent.blocks,
-                _ => sent.outputs,
+                Format::Responses => sent.outputs,
             },
             remap: HashMap::new(),
             dropped: HashSet::new(),
@@ -230,6 +235,16 @@ impl Follow {
         }
     }
 
+    /// The index `from` (the corrective attempt's own) takes in the client's answer: the
+    /// next free one when first sent.
+    fn index(&mut self, from: u64) -> u64 {
+        *self.remap.entry(from).or_insert_with(|| {
+            self.next_index += 1;
+            self.next_index - 1
+        })
+    }
+
+    /// The event, or `None` when it must not reach the client (indices unchanged).
     fn map(&mut self, event: SseEvent) -> Option<SseEvent> {
         let Some(mut json) = event.json.clone() else {
             return Some(event);
@@ -252,12 +267,7 @@ impl Follow {
                 ] {
                     delta.remove(text);
                 }
-                if let Some(calls) = delta.get_mut("tool_calls").and_then(Value::as_array_mut) {
-                    for tc in calls {
-                        let index = tc.get("index").and_then(Value::as_u64).unwrap_or(0);
-                        tc["index"] = json!(index + self.chat_base);
-                    }
-                } else if !finished {
+                if !delta.contains_key("tool_calls") && !finished {
                     return None;
                 }
                 Some(event.rewritten(json))
@@ -267,55 +277,73 @@ impl Follow {
                 match event.kind() {
                     Some("message_start" | "ping") => None,
                     Some("content_block_start") => {
-                        let index = index.unwrap_or(0);
                         let is_tool = json.pointer("/content_block/type").and_then(Value::as_str)
                             == Some("tool_use");
                         if !is_tool {
-                            self.dropped.insert(index);
+                            self.dropped.insert(index.unwrap_or(0));
                             return None;
                         }
-                        let to = self.next_index;
-                        self.next_index += 1;
-                        self.remap.insert(index, to);
-                        json["index"] = json!(to);
-                        Some(event.rewritten(json))
+                        Some(event)
                     }
                     Some("content_block_delta" | "content_block_stop") => {
-                        let index = index?;
-                        if self.dropped.contains(&index) {
-                            return None;
-                        }
-                        json["index"] = json!(self.remap.get(&index).copied().unwrap_or(index));
-                        Some(event.rewritten(json))
+                        (!self.dropped.contains(&index?)).then_some(event)
                     }
                     _ => Some(event),
                 }
             }
             Format::Responses => {
-                let kind = event.kind().unwrap_or("").to_owned();
+                let kind = event.kind().unwrap_or("");
                 if matches!(
-                    kind.as_str(),
+                    kind,
                     "response.created" | "response.in_progress" | "response.queued"
                 ) {
                     return None;
                 }
                 if let Some(index) = json.get("output_index").and_then(Value::as_u64) {
-                    if kind == "response.output_item.added" {
-                        if json.pointer("/item/type").and_then(Value::as_str)
+                    if kind == "response.output_item.added"
+                        && json.pointer("/item/type").and_then(Value::as_str)
                             != Some("function_call")
-                        {
-                            self.dropped.insert(index);
-                            return None;
-                        }
-                        let to = self.next_index;
-                        self.next_index += 1;
-                        self.remap.insert(index, to);
+                    {
+                        self.dropped.insert(index);
                     }
                     if self.dropped.contains(&index) {
                         return None;
                     }
-                    let to = self.remap.get(&index).copied().unwrap_or(index);
-                    json["output_index"] = json!(to);
+                }
+                Some(event)
+            }
+        }
+    }
+
+    /// The event as the client gets it: indices (and the Responses API's sequence
+    /// numbers, final output and id) following what it was sent before.
+    fn renumber(&mut self, event: SseEvent) -> SseEvent {
+        let Some(mut json) = event.json.clone() else {
+            return event;
+        };
+        match self.format {
+            Format::Chat => {
+                let Some(calls) = json
+                    .pointer_mut("/choices/0/delta/tool_calls")
+                    .and_then(Value::as_array_mut)
+                else {
+                    return event;
+                };
+                for tc in calls {
+                    let from = tc.get("index").and_then(Value::as_u64).unwrap_or(0);
+                    tc["index"] = json!(self.index(from));
+                }
+            }
+            Format::Messages => {
+                let Some(from) = json.get("index").and_then(Value::as_u64) else {
+                    return event;
+                };
+                json["index"] = json!(self.index(from));
+            }
+            Format::Responses => {
+                let kind = event.kind().unwrap_or("").to_owned();
+                if let Some(from) = json.get("output_index").and_then(Value::as_u64) {
+                    json["output_index"] = json!(self.index(from));
                     if kind == "response.output_item.done" {
                         self.items.extend(json.get("item").cloned());
                     }
@@ -339,9 +367,9 @@ impl Follow {
                     json["sequence_number"] = json!(self.next_sequence);
                     self.next_sequence += 1;
                 }
-                Some(event.rewritten(json))
             }
         }
+        event.rewritten(json)
     }
 }
 
@@ -374,6 +402,8 @@ pub(super) struct StreamRun<S> {
     gate: Gate,
     follow: Option<Follow>,
     sent: Sent,
+    /// Calls checked valid and not yet released, by the assembler's key.
+    checked: HashMap<u64, (String, Value)>,
     out: VecDeque<Bytes>,
     verdict_done: bool,
     done: bool,
@@ -413,6 +443,7 @@ where
             assembler: Assembler::new(format),
             follow: None,
             sent: Sent::default(),
+            checked: HashMap::new(),
             out: VecDeque::new(),
             verdict_done: false,
             done: false,
@@ -556,9 +587,7 @@ where
         for key in &read.completed {
             let verdict = self.expectations.check(&self.assembler.call_answer(*key));
             match verdict {
-                Ok(()) => {
-                    self.gate.unchecked.remove(key);
-                }
+                Ok(()) => self.accept_call(*key),
                 Err(invalid) if self.settings.plan == Plan::Annotate => {
                     self.gate.unchecked.remove(key);
                     self.last.get_or_insert(invalid);
@@ -622,14 +651,17 @@ where
     /// The stream ended: complete what is open, judge, release the rest.
     async fn end(&mut self) -> Result<(), Early> {
         for key in self.assembler.finish() {
-            if let Err(invalid) = self.expectations.check(&self.assembler.call_answer(key)) {
-                if self.settings.plan != Plan::Annotate {
+            match self.expectations.check(&self.assembler.call_answer(key)) {
+                Ok(()) => self.accept_call(key),
+                Err(invalid) if self.settings.plan != Plan::Annotate => {
                     self.invalid(invalid).await?;
                     return Ok(());
                 }
-                self.last.get_or_insert(invalid);
+                Err(invalid) => {
+                    self.last.get_or_insert(invalid);
+                    self.gate.unchecked.remove(&key);
+                }
             }
-            self.gate.unchecked.remove(&key);
         }
         if !self.verdict_done && self.verdict().await? {
             return Ok(());
@@ -676,9 +708,34 @@ where
         }
     }
 
+    /// A call whose arguments checked valid: released in turn; or, in a corrective
+    /// attempt that repeats a call the client already has (same name and arguments),
+    /// dropped with its events, so the client does not run it twice.
+    fn accept_call(&mut self, key: u64) {
+        let identity = self.assembler.call_identity(key);
+        let repeat = self.follow.is_some()
+            && identity
+                .as_ref()
+                .is_some_and(|id| self.sent.calls.contains(id));
+        if repeat {
+            self.gate.queue.retain(|q| q.call != Some(key));
+            metrics::counter!("backstop_stream_repeated_calls_dropped_total").increment(1);
+        } else if let Some(identity) = identity {
+            self.checked.insert(key, identity);
+        }
+        self.gate.unchecked.remove(&key);
+    }
+
     fn send(&mut self, q: Queued) {
-        self.sent.note(self.format, &q.event);
-        self.out.push_back(q.event.raw);
+        let event = match self.follow.as_mut() {
+            Some(follow) => follow.renumber(q.event),
+            None => q.event,
+        };
+        if let Some(identity) = q.call.and_then(|key| self.checked.remove(&key)) {
+            self.sent.calls.push(identity);
+        }
+        self.sent.note(self.format, &event);
+        self.out.push_back(event.raw);
     }
 
     /// The annotate-mode event that flags an invalid answer, in the API's framing (an
@@ -753,6 +810,7 @@ where
         self.corrected = true;
         self.splitter = Splitter::default();
         self.assembler = Assembler::new(self.format);
+        self.checked.clear();
         self.gate = Gate::new(self.settings.plan, self.expectations.checks_content());
         self.verdict_done = false;
         self.follow = self

@@ -266,6 +266,17 @@ impl Assembler {
     }
 
     /// An answer holding only call `key` (to check one call as it completes).
+    /// A call's name and arguments (parsed, so spacing and key order do not matter),
+    /// to tell a repeat of a call already sent.
+    pub fn call_identity(&self, key: u64) -> Option<(String, Value)> {
+        let call = self.calls.get(&key)?;
+        let args = match call.args.trim() {
+            "" => Value::Object(Default::default()),
+            args => serde_json::from_str(args).unwrap_or_else(|_| Value::String(args.into())),
+        };
+        Some((call.name.clone(), args))
+    }
+
     pub fn call_answer(&self, key: u64) -> Value {
         self.shaped(self.calls.get(&key).into_iter(), false)
     }

@@ -180,3 +180,44 @@ def test_openai_reasoning_content_and_unknown_fields_pass_through(backstop, oai,
     assert reasoning == "thinking hard"
     assert all(c.get("x_future") == {"n": 1} for c in chunks), chunks[0]
     assert all(c.get("service_tier") == "default" for c in chunks)
+
+
+def _chat_sse(calls: list[tuple[str, str]]) -> str:
+    """A chat stream (raw SSE, base64 for the mock's `events_b64`) making these calls of
+    get_weather, one after another: (call id, arguments)."""
+    chunk = lambda delta, finish=None: "data: " + json.dumps(  # noqa: E731
+        {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0, "model": "gpt-4o",
+         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    ) + "\n\n"
+    events = [chunk({"role": "assistant", "content": None})]
+    for index, (call_id, args) in enumerate(calls):
+        events.append(chunk({"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                                             "function": {"name": "get_weather", "arguments": ""}}]}))
+        events.append(chunk({"tool_calls": [{"index": index, "function": {"arguments": args}}]}))
+    events.append(chunk({}, "tool_calls"))
+    events.append("data: [DONE]\n\n")
+    return _b64("".join(events))
+
+
+def test_a_corrective_attempt_repeating_a_call_already_sent_does_not_send_it_twice(backstop, oai, scenario):
+    """The first attempt's valid call 0 reached the client before its call 1 was refused;
+    the corrective attempt repeats call 0 and fixes call 1: the client gets call 0 once and
+    the fixed call after it, at the next index."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    first = _chat_sse([("call_a", GOOD), ("call_b", BAD)])
+    again = _chat_sse([("call_c", GOOD), ("call_d", '{"city": "Lyon"}')])
+    with oai.chat.completions.stream(
+        model="gpt-4o",
+        messages=[{"role": "user", "content": "Weather in Paris and Lyon?"}],
+        tools=tools,
+        extra_headers={"x-mock-scenario": scenario,
+                       "x-mock-fault": f"events_b64={first},events_b64={again}"},
+    ) as stream:
+        final = stream.get_final_completion()
+    calls = final.choices[0].message.tool_calls
+    assert [(c.id, json.loads(c.function.arguments)) for c in calls] == [
+        ("call_a", {"city": "Paris"}),
+        ("call_d", {"city": "Lyon"}),
+    ]
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert backstop.attempts(scenario) == 2
