@@ -86,6 +86,12 @@ api_keys = ["{KEY}"]
         .unwrap()
 }
 
+/// One scenario at a time: each drives 1,000 real-time requests with 1 s attempt
+/// timeouts, and run side by side on a 2-core machine they stretch each other's
+/// timeouts into failures that are the machine's, not recovery's (a storm measured
+/// 987/1000 beside the others, 993-999 alone).
+static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 struct Outcome {
     status: u16,
     code: String,
@@ -161,6 +167,7 @@ fn p99_ms(outcomes: &[Outcome]) -> f64 {
 /// 429 (Retry-After 1 s), 5% by a reset, 5% by hanging past the 1 s attempt timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transient_storm_is_recovered_at_low_amplification() {
+    let _alone = ALONE.lock().await;
     storm("").await;
 }
 
@@ -168,6 +175,7 @@ async fn a_transient_storm_is_recovered_at_low_amplification() {
 /// attempt is made anyway; the hedge replaces the retry that would follow it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hedged_storm_is_recovered_at_the_same_amplification() {
+    let _alone = ALONE.lock().await;
     storm("hedge_after = \"300ms\"").await;
 }
 
@@ -176,14 +184,15 @@ async fn storm(route: &str) {
     let backup = mock_on(backstop::demo::STORM, 41).await;
     let gw = gateway(&primary, &backup, "", true, route).await;
     let url = format!("http://{}/v1/chat/completions", gw.addr);
-    // 1,000 requests, as the demo: over fewer, the handful of requests that exhaust all
-    // six attempts (0.4^6) makes the share too noisy to hold a 99% line.
-    let outcomes = drive(&url, 1000, 32, &[]).await;
+    // 2,000 requests (the demo runs 1,000): the few that exhaust every attempt make the
+    // share noisy, and 1,000 measured 993-999 alone, too close to a 99% line to hold it
+    // on every run.
+    let outcomes = drive(&url, 2000, 32, &[]).await;
     let ok = outcomes.iter().filter(|o| o.status == 200).count();
     let attempts = primary.state_total() + backup.state_total();
     let per_request = attempts as f64 / outcomes.len() as f64;
     println!(
-        "storm {route:?}: {ok}/1000 succeeded, {per_request:.2} attempts per request, p99 {:.0} ms",
+        "storm {route:?}: {ok}/2000 succeeded, {per_request:.2} attempts per request, p99 {:.0} ms",
         p99_ms(&outcomes)
     );
     let mut slow: Vec<&Outcome> = outcomes.iter().collect();
@@ -191,7 +200,7 @@ async fn storm(route: &str) {
     for o in slow.iter().take(8) {
         println!("slow: {:?} {} {}", o.took, o.status, o.recovery);
     }
-    assert!(ok >= 990, "{ok} of 1000 succeeded");
+    assert!(ok >= 1980, "{ok} of 2000 succeeded");
     assert!(per_request <= 1.7, "{per_request:.2} attempts per request");
 }
 
@@ -199,6 +208,7 @@ async fn storm(route: &str) {
 /// attempts, and from then on requests are refused without touching the network.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hard_down_route_costs_almost_nothing() {
+    let _alone = ALONE.lock().await;
     let primary = mock_on("status=503@1", 1).await;
     let backup = mock_on("status=503@1", 2).await;
     let gw = gateway(&primary, &backup, "open_for = \"60s\"", true, "").await;
@@ -235,6 +245,7 @@ async fn a_hard_down_route_costs_almost_nothing() {
 /// probe interval (`open_for`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_browned_out_target_is_ejected_and_readmitted_when_it_recovers() {
+    let _alone = ALONE.lock().await;
     // The brownout is the client's `x-mock-fault-mix`, which only the primary is given:
     // when the client stops sending it, the primary has recovered.
     let primary = mock_on("", 7).await;
@@ -282,6 +293,7 @@ async fn a_browned_out_target_is_ejected_and_readmitted_when_it_recovers() {
 /// front within a breaker window of recovering.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_target_failing_far_more_than_its_peer_is_demoted_until_it_recovers() {
+    let _alone = ALONE.lock().await;
     let primary = mock_on("", 5).await;
     let backup = mock_on("", 6).await;
     let gw = gateway(&primary, &backup, "window = \"2s\"", false, "").await;
@@ -329,6 +341,7 @@ async fn a_target_failing_far_more_than_its_peer_is_demoted_until_it_recovers() 
 /// no breaker opens however many there are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn caller_faults_get_exactly_one_attempt_and_never_open_a_breaker() {
+    let _alone = ALONE.lock().await;
     let primary = mock_on("", 3).await;
     let backup = mock_on("", 4).await;
     let gw = gateway(&primary, &backup, "", true, "").await;
