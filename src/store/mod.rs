@@ -19,6 +19,7 @@
 //! - expired idempotency rows and owners, and rows older than `store.retention` go when
 //!   [`Store::purge`] runs, which [`spawn_purger`] does every [`PURGE_EVERY`].
 
+pub(crate) mod connection;
 mod redis;
 mod sqlite;
 mod writer;

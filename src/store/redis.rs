@@ -1,7 +1,7 @@
 //! The store when replicas share Redis: idempotency records (claimed atomically, replayed
 //! from any replica), the guard's closes and trips, and Responses API owners live in
 //! Redis; the spend ledger stays in the inner (embedded) store, which the budgets no
-//! longer consult for limits (those are counters in Redis, see [`crate::state::shared`]).
+//! longer consult for limits (those are counters in Redis, see `state::shared`).
 //! Every Redis error or timeout is [`StoreError::Unavailable`].
 
 use std::sync::Arc;
@@ -9,11 +9,12 @@ use std::sync::Arc;
 use base64::Engine;
 use serde_json::{json, Value};
 
+use super::connection::Redis;
 use super::{
     Charge, Claim, GuardRecord, OwnerRecord, ReservationRecord, Store, StoreError, StoreFuture,
     StoredResponse, WindowSave,
 };
-use crate::{policy::budget::Usage, state::shared::Redis};
+use crate::policy::budget::Usage;
 
 /// A key's value while its first request runs.
 const PENDING: &str = "pending";
@@ -53,7 +54,7 @@ impl RedisStore {
     }
 }
 
-fn unavailable(err: crate::state::shared::Unavailable) -> StoreError {
+fn unavailable(err: super::connection::Unavailable) -> StoreError {
     StoreError::Unavailable(err.to_string().into())
 }
 
