@@ -13,6 +13,13 @@ pub use shape::{error_body, stream_error_event, ErrorParts};
 
 use serde::Deserialize;
 
+/// The authenticated caller (the auth layer puts it in a request's extensions; the
+/// layers and the stored-response forwarder read it there).
+#[derive(Debug)]
+pub struct Tenant {
+    pub name: std::sync::Arc<str>,
+}
+
 /// The wire API an upstream speaks; it decides the credential header and error shape.
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Hash)]
 #[serde(rename_all = "lowercase")]

@@ -17,11 +17,7 @@ use tower::{Layer, Service};
 
 use crate::{config::Config, error::GatewayError, telemetry::RequestLog};
 
-/// The authenticated caller.
-#[derive(Debug)]
-pub struct Tenant {
-    pub name: Arc<str>,
-}
+pub use crate::api::Tenant;
 
 /// Every tenant key (as its digest), resolved to its tenant.
 #[derive(Debug)]

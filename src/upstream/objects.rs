@@ -125,7 +125,7 @@ impl ForwardObject {
             .unwrap_or_default();
         let tenant = parts
             .extensions
-            .get::<Arc<crate::layers::auth::Tenant>>()
+            .get::<Arc<crate::api::Tenant>>()
             .ok_or(GatewayError::Internal)?;
         let owned = self.owners.owns(&tenant.name, id).await.map_err(|err| {
             GatewayError::StoreUnavailable {
