@@ -479,10 +479,13 @@ async fn a_request_in_flight_does_not_reopen_a_tripped_or_closed_session() {
     for (session, by_operator) in [("slow-tripped", false), ("slow-closed", true)] {
         let first = step(0);
         let slow = gw.in_session(GUARDED, session, "slow", "delay=1500ms", &first);
-        // Time for the slow request to be admitted before the session is tripped or
-        // closed, with room to spare on a loaded machine.
+        // The slow request is admitted (it reached the upstream) before the session is
+        // tripped or closed.
+        let admitted_before = gw.mock.attempts("slow");
         let meanwhile = async {
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            while gw.mock.attempts("slow") == admitted_before {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
             if by_operator {
                 close(&gw, "guarded", session).await;
             } else {

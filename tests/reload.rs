@@ -478,7 +478,24 @@ max_calls = {max_calls}
     // An invalid file on SIGHUP: logged, the process and its config carry on.
     std::fs::write(&path, "not toml [").unwrap();
     gw.signal("HUP");
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let refused = "backstop_config_reloads_total{outcome=\"invalid\"} 1";
+    let mut metrics = String::new();
+    for _ in 0..100 {
+        let resp = http
+            .get(format!("{}/metrics", gw.url))
+            .send()
+            .await
+            .unwrap();
+        metrics = resp.text().await.unwrap();
+        if metrics.contains(refused) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        metrics.contains(refused),
+        "the reload was not refused: {metrics}"
+    );
     let resp = http
         .get(format!("{}/admin/config", gw.url))
         .bearer_auth(ADMIN)
