@@ -102,10 +102,15 @@ type Row = (
     Vec<&'static str>,
 );
 
-/// The scripted leaf: plays `script` in order (the last entry repeats), records calls.
+/// What an upstream answers, chosen per call by the upstream's name.
+type Rule = Arc<dyn Fn(&str) -> Play + Send + Sync>;
+
+/// The scripted leaf: plays `script` in order (the last entry repeats), or by `rule`,
+/// and records calls.
 #[derive(Clone)]
 struct Script {
     plays: Arc<Mutex<VecDeque<Play>>>,
+    rule: Option<Rule>,
     calls: Arc<Mutex<Calls>>,
     t0: Instant,
 }
@@ -114,8 +119,15 @@ impl Script {
     fn new(plays: &[Play]) -> Self {
         Script {
             plays: Arc::new(Mutex::new(plays.iter().cloned().collect())),
+            rule: None,
             calls: Arc::default(),
             t0: Instant::now(),
+        }
+    }
+    fn by_upstream(rule: impl Fn(&str) -> Play + Send + Sync + 'static) -> Self {
+        Script {
+            rule: Some(Arc::new(rule)),
+            ..Script::new(&[OK])
         }
     }
     fn calls(&self) -> Calls {
@@ -147,7 +159,9 @@ impl Service<Billed> for Script {
             attempt.model.as_deref().map(str::to_owned),
             self.t0.elapsed(),
         ));
-        let play = {
+        let play = if let Some(rule) = &self.rule {
+            rule(&attempt.upstream.name)
+        } else {
             let mut plays = self.plays.lock().unwrap();
             if plays.len() > 1 {
                 plays.pop_front().unwrap()
@@ -685,6 +699,80 @@ async fn the_breaker_opens_skips_then_probes_and_closes() {
     assert_eq!(h.send("one", &healthy, LONG).await.status, 200);
     assert_eq!(h.send("one", &healthy, LONG).await.status, 200);
     assert_eq!(healthy.calls().len(), 2);
+}
+
+/// A brownout on the primary (every third of its attempts fails; the backup is healthy)
+/// demotes it behind the backup. After it recovers, its failures age out a bucket at a
+/// time (a 2 s window of 200 ms buckets); once too few are left to judge it, it is back
+/// in front, and it stays there: its first successes are judged on their own. (Judged
+/// with the brownout's last failures, 20 attempts with 5 or 6 of them failed, it went
+/// back and forth: 9 requests to the backup, 3 to the primary, 7 to the backup, ...)
+#[tokio::test(start_paused = true)]
+async fn a_readmitted_outlier_stays_in_front_while_its_old_failures_age_out() {
+    let h = harness(|c| {
+        c.replace(
+            "half_open_probes = 1",
+            "half_open_probes = 1\nwindow = \"2s\"",
+        )
+    });
+    let browned = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let primary_calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let script = Script::by_upstream({
+        let (browned, primary_calls) = (browned.clone(), primary_calls.clone());
+        move |upstream| {
+            use std::sync::atomic::Ordering::Relaxed;
+            let failing = upstream == "primary"
+                && browned.load(Relaxed)
+                && primary_calls.fetch_add(1, Relaxed) % 3 == 0;
+            if failing {
+                E503
+            } else {
+                OK
+            }
+        }
+    });
+    // Where each request's first attempt went.
+    let first = |script: &Script, before: usize| script.upstreams()[before].clone();
+
+    let mut demoted = false;
+    for _ in 0..200 {
+        let before = script.calls().len();
+        assert_eq!(h.send("two", &script, LONG).await.status, 200);
+        if first(&script, before) == "backup" {
+            demoted = true;
+            break;
+        }
+        tokio::time::advance(Duration::from_millis(20)).await;
+    }
+    assert!(demoted, "the browned-out primary was never demoted");
+
+    browned.store(false, std::sync::atomic::Ordering::Relaxed);
+    let mut readmitted = None;
+    for n in 0..40 {
+        tokio::time::advance(Duration::from_millis(20)).await;
+        let before = script.calls().len();
+        assert_eq!(h.send("two", &script, LONG).await.status, 200);
+        if first(&script, before) == "primary" {
+            readmitted = Some(n);
+            break;
+        }
+    }
+    assert!(
+        readmitted.is_some(),
+        "the recovered primary never came back in front"
+    );
+    let mut after = Vec::new();
+    for _ in 0..30 {
+        tokio::time::advance(Duration::from_millis(20)).await;
+        let before = script.calls().len();
+        assert_eq!(h.send("two", &script, LONG).await.status, 200);
+        after.push(first(&script, before));
+    }
+    assert_eq!(
+        after.iter().filter(|u| *u == "primary").count(),
+        30,
+        "after coming back in front: {after:?}"
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -488,15 +488,20 @@ where
     /// see) behind them, keeping the route's order otherwise.
     fn demote_outliers(&self, queue: &mut VecDeque<Visit<'_>>) {
         let now = Instant::now();
-        let recent: Vec<(f64, f64)> = queue
+        let healths: Vec<Option<&UpstreamHealth>> = queue
             .iter()
-            .map(|v| {
-                self.health
-                    .get(&v.target.upstream.name)
-                    .map_or((0.0, 0.0), |h| h.recent(now))
-            })
+            .map(|v| self.health.get(&v.target.upstream.name))
+            .collect();
+        let recent: Vec<(f64, f64)> = healths
+            .iter()
+            .map(|h| h.map_or((0.0, 0.0), |h| h.recent(now)))
             .collect();
         let demoted = outlier::demoted(&recent);
+        for ((health, demote), (attempts, _)) in healths.iter().zip(&demoted).zip(&recent) {
+            if let Some(health) = health {
+                health.judged_outlier(*demote, *attempts);
+            }
+        }
         if !demoted.contains(&true) {
             return;
         }

@@ -113,6 +113,11 @@ impl Breaker {
         self.recent.totals(now)
     }
 
+    /// Starts the recent window over (an outlier readmitted on new evidence only).
+    pub fn forget_recent(&mut self) {
+        self.recent.clear();
+    }
+
     /// Admits a request, or says how long until it could be.
     pub fn admit(&mut self, now: Instant) -> (Result<Admission, Duration>, Option<Transition>) {
         match self.state {

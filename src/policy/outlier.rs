@@ -6,9 +6,10 @@
 //! after its peers instead of before them, still there when they fail. A peer with too
 //! few attempts to judge counts as healthy: a backup that only ever gets the primary's
 //! failures has no record, and trying it is how it gets one. It has no
-//! ejection timer: a demoted target gets little traffic, so its window empties within
-//! one breaker window and it is back in its place; if it still fails, it is demoted again
-//! after [`MIN_SAMPLES`] more attempts.
+//! ejection timer: a demoted target gets little traffic, so within one breaker window
+//! too few of its attempts are left to judge it and it is back in its place, its window
+//! started over ([`crate::state::health::UpstreamHealth::judged_outlier`]); if it still
+//! fails, it is demoted again after [`MIN_SAMPLES`] more attempts.
 
 /// Fewest recent attempts that say anything about a target.
 pub const MIN_SAMPLES: f64 = 20.0;

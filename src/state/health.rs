@@ -4,7 +4,10 @@
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
     time::Duration,
 };
 
@@ -16,6 +19,7 @@ use crate::{
     policy::{
         breaker::{Admission, Breaker, BreakerPolicy, BreakerState, Transition, Verdict},
         classify::Class,
+        outlier,
         retry_budget::RetryBudget,
     },
     state::activity::UpstreamActivity,
@@ -29,6 +33,8 @@ pub struct UpstreamHealth {
     latencies: Mutex<std::collections::VecDeque<Duration>>,
     /// The last hour's attempts and transitions, for the dashboard.
     activity: UpstreamActivity,
+    /// Outlier demotion last judged it an outlier.
+    demoted: AtomicBool,
 }
 
 /// How many answer times an upstream keeps for percentile hedging.
@@ -47,6 +53,7 @@ impl UpstreamHealth {
             budget: Mutex::new(budget),
             latencies: Mutex::default(),
             activity: UpstreamActivity::new(now),
+            demoted: AtomicBool::new(false),
         }
     }
 
@@ -144,6 +151,25 @@ impl UpstreamHealth {
     /// Recent (attempts, weighted failures), for outlier demotion.
     pub fn recent(&self, now: Instant) -> (f64, f64) {
         lock(&self.breaker).recent(now)
+    }
+
+    /// Outlier demotion judged this upstream (`demoted`, on `attempts` recent ones). One
+    /// it had demoted and can no longer judge (too few recent attempts left) is readmitted
+    /// with its window started over, so that it is judged again on its own new attempts
+    /// only. Otherwise the brownout's last failures, aging out a bucket at a time, outweigh
+    /// the first few successes and demote it again, back and forth, for a whole window
+    /// (on a slow machine, 8 of 20 requests after its return went to the backup).
+    pub fn judged_outlier(&self, demoted: bool, attempts: f64) {
+        if demoted {
+            if !self.demoted.load(Ordering::Relaxed) {
+                self.demoted.store(true, Ordering::Relaxed);
+            }
+        } else if self.demoted.load(Ordering::Relaxed)
+            && self.demoted.swap(false, Ordering::Relaxed)
+            && attempts < outlier::MIN_SAMPLES
+        {
+            lock(&self.breaker).forget_recent();
+        }
     }
 
     /// The last hour's attempts and breaker transitions.
