@@ -258,32 +258,66 @@ tokens_per_day = 100000000000
     }
 
     // The Responses API against chat completions, each against its own direct call.
+    // Interleaved rounds (direct chat, through chat, direct responses, through
+    // responses, then the next round) so that the machine's drift over the run falls
+    // on both endpoints alike; percentiles are of all rounds' latencies pooled.
     let endpoints = [
         ("chat completions", "/v1/chat/completions", CHAT),
         ("responses", "/v1/responses", RESPONSES),
     ];
+    const ROUNDS: usize = 5;
     println!(
-        "\nResponses API vs chat completions: {total} requests per row, added = through - direct\n"
+        "\nResponses API vs chat completions: {total} requests per row in {ROUNDS} interleaved rounds, added = through - direct\n"
     );
     println!(
         "| endpoint | concurrency | direct p50 / p99 ms | added p50 / p99 ms |\n|---|---|---|---|"
     );
-    for (name, path, body) in endpoints {
-        let direct = format!("http://127.0.0.1:{mock_port}{path}");
+    for (_, path, body) in endpoints {
         let through = format!("http://127.0.0.1:{gw_port}{path}");
         run_body(&http, &through, body, Some((KEY, None)), 200, 8).await;
-        for concurrency in [1, 32] {
-            let (d, _) = run_body(&http, &direct, body, None, total, concurrency).await;
-            let (b, _) =
-                run_body(&http, &through, body, Some((KEY, None)), total, concurrency).await;
+    }
+    for concurrency in [1, 32] {
+        let mut pooled = vec![(Vec::new(), Vec::new()); endpoints.len()];
+        let mut round_added = vec![Vec::new(); endpoints.len()];
+        for _ in 0..ROUNDS {
+            for (i, (_, path, body)) in endpoints.iter().enumerate() {
+                let direct = format!("http://127.0.0.1:{mock_port}{path}");
+                let through = format!("http://127.0.0.1:{gw_port}{path}");
+                let n = total / ROUNDS;
+                let (d, _) = run_body(&http, &direct, body, None, n, concurrency).await;
+                let (b, _) =
+                    run_body(&http, &through, body, Some((KEY, None)), n, concurrency).await;
+                round_added[i].push(pct(&b, 0.5) - pct(&d, 0.5));
+                pooled[i].0.extend(d);
+                pooled[i].1.extend(b);
+            }
+        }
+        for (i, (name, _, _)) in endpoints.iter().enumerate() {
+            let (d, b) = &mut pooled[i];
+            d.sort();
+            b.sort();
             println!(
                 "| {name} | {concurrency} | {:.3} / {:.3} | {:+.3} / {:+.3} |",
-                pct(&d, 0.5),
-                pct(&d, 0.99),
-                pct(&b, 0.5) - pct(&d, 0.5),
-                pct(&b, 0.99) - pct(&d, 0.99)
+                pct(d, 0.5),
+                pct(d, 0.99),
+                pct(b, 0.5) - pct(d, 0.5),
+                pct(b, 0.99) - pct(d, 0.99)
             );
         }
+        // Responses minus chat, round by round: the spread says how far apart the two
+        // endpoints' added p50 are, against how far apart rounds of the same one are.
+        let mut gap: Vec<f64> = round_added[1]
+            .iter()
+            .zip(&round_added[0])
+            .map(|(r, c)| r - c)
+            .collect();
+        gap.sort_by(f64::total_cmp);
+        println!(
+            "| responses - chat, per round | {concurrency} | | median {:+.3}, range {:+.3} .. {:+.3} |",
+            gap[gap.len() / 2],
+            gap[0],
+            gap[gap.len() - 1]
+        );
     }
 
     let n = 200;
