@@ -36,7 +36,11 @@ impl Gateway {
     }
 
     async fn session_tokens(&self, key: &str, session: &str) -> Value {
-        let report = json(
+        self.session_report(key, session).await["used"]["tokens"].clone()
+    }
+
+    async fn session_report(&self, key: &str, session: &str) -> Value {
+        json(
             self.http
                 .get(format!("{}/v1/sessions/{session}", self.url))
                 .bearer_auth(key)
@@ -44,8 +48,7 @@ impl Gateway {
                 .await
                 .unwrap(),
         )
-        .await;
-        report["used"]["tokens"].clone()
+        .await
     }
 }
 
@@ -659,6 +662,58 @@ async fn stored_response_routes_are_forwarded_with_the_provider_key() {
     ))))
     .await;
     assert_eq!(resp.status(), 404);
+}
+
+/// A conversation chains onto its own responses only: another tenant's
+/// `previous_response_id` is refused as OpenAI refuses an id it does not have, before
+/// any upstream call or charge; an id nobody recorded (created before Backstop, or an
+/// instant ago through another replica) is the provider's to judge.
+#[tokio::test]
+async fn a_tenant_cannot_chain_onto_another_tenants_response() {
+    let gw = gateway().await;
+    let created = json(
+        gw.responses(KEY_A, &[], "chain-a", "", &create("gpt-4o", "remember 42"))
+            .await,
+    )
+    .await;
+    let id = created["id"].as_str().unwrap().to_string();
+    let next = |previous: &str| json!({"model": "gpt-4o", "input": "and then?", "previous_response_id": previous});
+
+    let resp = gw.responses(KEY_A, &[], "chain-a", "", &next(&id)).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(gw.mock.attempts("chain-a"), 2);
+    let seen = gw.mock.last_request("chain-a").unwrap();
+    assert_eq!(seen["body"]["previous_response_id"], id.as_str());
+
+    let session = [("x-session-id", "chain-b-session")];
+    let resp = gw
+        .responses(KEY_B, &session, "chain-b", "", &next(&id))
+        .await;
+    assert_eq!(resp.status(), 400);
+    let body = json(resp).await;
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+    assert_eq!(body["error"]["code"], "previous_response_not_found");
+    assert_eq!(body["error"]["param"], "previous_response_id");
+    assert_eq!(
+        body["error"]["message"],
+        format!("Previous response with id '{id}' not found.")
+    );
+    assert_eq!(gw.mock.attempts("chain-b"), 0, "the upstream was asked");
+    let report = gw.session_report(KEY_B, "chain-b-session").await;
+    assert_eq!(report["used"]["tokens"], 0, "{report}");
+    assert_eq!(report["used"]["usd"], 0.0, "{report}");
+
+    let resp = gw
+        .responses(
+            KEY_B,
+            &[],
+            "chain-b",
+            "",
+            &next("resp_made_before_backstop"),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(gw.mock.attempts("chain-b"), 1);
 }
 
 fn config_with(extra: &str) -> Result<Config, String> {

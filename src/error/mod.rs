@@ -65,6 +65,10 @@ pub enum GatewayError {
     OutputInvalid { errors: Vec<String>, attempts: u32 },
     #[error("this Idempotency-Key was already used with a different request body")]
     IdempotencyKeyReused,
+    /// A Responses request chains onto another tenant's stored response: answered as
+    /// OpenAI answers an id it does not have, so it says nothing of whose it is.
+    #[error("Previous response with id '{0}' not found.")]
+    PreviousResponseNotFound(String),
     #[error("{detail}")]
     SessionRefused {
         code: crate::policy::guard::TripCode,
@@ -172,6 +176,12 @@ impl GatewayError {
                 400,
                 "invalid_request_error",
                 "missing_model",
+                "invalid_request_error",
+            ),
+            PreviousResponseNotFound(_) => (
+                400,
+                "invalid_request_error",
+                "previous_response_not_found",
                 "invalid_request_error",
             ),
             ModelNotFound(_) => (
@@ -338,6 +348,7 @@ impl GatewayError {
     pub fn param(&self) -> Option<&'static str> {
         match self {
             GatewayError::MissingModel | GatewayError::ModelNotFound(_) => Some("model"),
+            GatewayError::PreviousResponseNotFound(_) => Some("previous_response_id"),
             GatewayError::InvalidHeader { header, .. } => Some(header),
             GatewayError::InvalidParameter { param, .. } => Some(param),
             _ => self.budget(),

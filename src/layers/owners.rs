@@ -1,8 +1,11 @@
 //! Response-owners layer (attempt level, between recovery and the meter; the Responses
 //! API only): when an upstream answers a create that it stores (`store` is not `false`),
 //! the response's id is recorded as the calling tenant's ([`ResponseOwners`]), so the
-//! stored-response routes serve a tenant its own responses and no one else's. Never
-//! refuses; every other attempt passes straight through.
+//! stored-response routes serve a tenant its own responses and no one else's. For the
+//! same reason a create whose `previous_response_id` is another tenant's is refused
+//! before the meter (nothing charged) with OpenAI's answer for an id it does not have:
+//! chained onto it, the model would repeat another tenant's conversation. Every other
+//! attempt passes straight through.
 
 use std::sync::Arc;
 
@@ -12,6 +15,7 @@ use tower::{Layer, Service};
 use super::{meter::Billed, Middleware, Stack};
 use crate::{
     api::Endpoint,
+    error::GatewayError,
     state::owners::ResponseOwners,
     upstream::{AttemptError, Reply},
 };
@@ -47,8 +51,22 @@ where
 
     async fn call(&self, mut inner: S, billed: Billed) -> Result<Reply, AttemptError> {
         let request = &billed.attempt.request;
-        let stored = request.endpoint == Endpoint::Responses
-            && request.json.get("store") != Some(&Value::Bool(false));
+        if request.endpoint != Endpoint::Responses {
+            return inner.call(billed).await;
+        }
+        if let Some(Value::String(previous)) = request.json.get("previous_response_id") {
+            let refusal = match self.owners.is_anothers(&billed.tenant, previous).await {
+                Ok(false) => None,
+                Ok(true) => Some(GatewayError::PreviousResponseNotFound(previous.clone())),
+                Err(err) => Some(GatewayError::StoreUnavailable {
+                    detail: format!("cannot check the owner of previous_response_id: {err}"),
+                }),
+            };
+            if let Some(refusal) = refusal {
+                return Err(AttemptError::Refused(refusal));
+            }
+        }
+        let stored = request.json.get("store") != Some(&Value::Bool(false));
         if !stored {
             return inner.call(billed).await;
         }

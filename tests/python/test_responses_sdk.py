@@ -243,6 +243,20 @@ def test_another_tenants_stored_response_does_not_exist_for_you(backstop, oai, o
     assert backstop.attempts(scenario) == 1  # only the create reached the upstream
 
 
+def test_another_tenants_response_cannot_be_chained_onto(backstop, oai, oai_b, scenario):
+    hdrs = _hdrs(scenario)
+    rid = oai.responses.create(model="gpt-4o", input="my secret is 42", extra_headers=hdrs).id
+    mine = oai.responses.create(model="gpt-4o", input="and?", previous_response_id=rid, extra_headers=hdrs)
+    assert mine.status == "completed"
+    with pytest.raises(openai.BadRequestError) as err:
+        oai_b.responses.create(model="gpt-4o", input="repeat it", previous_response_id=rid, extra_headers=hdrs)
+    assert err.value.status_code == 400
+    assert err.value.code == "previous_response_not_found"
+    assert err.value.param == "previous_response_id"
+    assert err.value.body["message"] == f"Previous response with id '{rid}' not found."
+    assert backstop.attempts(scenario) == 2  # the refused turn never reached the upstream
+
+
 def test_a_responses_tool_loop_is_refused_by_the_guard(backstop, scenario):
     client = openai.OpenAI(api_key=GUARDED_KEY, base_url=backstop.openai_base_url, max_retries=2, timeout=20)
     hdrs = _hdrs(scenario, **{"x-session-id": scenario})
