@@ -54,8 +54,9 @@ struct Unwritten {
 /// Owners kept in memory while the store refuses their writes, at most.
 const MAX_UNWRITTEN: usize = 100_000;
 
-/// Written owners kept in memory, at most (about 100 bytes each): at 100 creates a
-/// second, the last 11 minutes of conversations chain without a store read.
+/// Written owners kept in memory, at most (162 bytes each with OpenAI's 53-character
+/// ids, measured as resident memory: 10.6 MB full): at 100 creates a second, the last
+/// 11 minutes of conversations chain without a store read.
 pub const RECENT: usize = 65_536;
 
 /// Owners already in the store, the most recently recorded or read; the oldest is
