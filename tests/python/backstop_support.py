@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -325,6 +326,22 @@ class Backstop:
         return data
 
     # --- raw HTTP to the gateway ------------------------------------------------------
+    def session_used(self, session: str, until, *, key: str = TENANT_A_KEY, timeout_s: float = 5.0) -> dict:
+        """`used` of `GET /v1/sessions/{session}` once `until(used)` holds, polled: a
+        stream's usage settles just after its last byte reaches the client. Returns the
+        last `used` seen either way, for the caller's assertion to show."""
+        deadline, used = time.monotonic() + timeout_s, None
+        while True:
+            r = self.get(f"/v1/sessions/{session}", headers={"authorization": f"Bearer {key}"})
+            if r.status_code == 200:
+                used = r.json()["used"]
+                if until(used):
+                    return used
+            if time.monotonic() >= deadline:
+                assert r.status_code == 200, r.text
+                return used
+            time.sleep(0.02)
+
     def post(self, path: str, *, json_body: Any = None, content: bytes | None = None,
              headers: dict | None = None, timeout: float = 30.0):
         hdrs = {"content-type": "application/json"}
