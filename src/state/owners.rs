@@ -61,6 +61,14 @@ pub const RECENT: usize = 65_536;
 
 /// Owners already in the store, the most recently recorded or read; the oldest is
 /// forgotten first (and read from the store again if it is asked for).
+///
+/// Not a moka cache, as the other caches are: with 53-character ids moka measured 441
+/// bytes an entry (28.9 MB full) and 659 ns a lookup, against 162 bytes here, and its
+/// default admission (TinyLFU) can refuse a new id room over older ones, when a new id
+/// is the one the next turn chains onto. Nothing here expires by time, and nothing need:
+/// past its 30 days a response is gone at the provider too, so a stale owner only lets
+/// its own tenant reach the provider's 404, or refuses another tenant what the provider
+/// would refuse.
 #[derive(Default)]
 struct Recent {
     owners: HashMap<Arc<str>, Arc<str>>,
