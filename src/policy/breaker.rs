@@ -70,6 +70,11 @@ pub struct Breaker {
     state: BreakerState,
     /// (attempts, weighted failures) over `config.window`, while closed.
     recent: RollingPair,
+    /// The same attempts over the same window, for outlier demotion, which starts it
+    /// over when it readmits the upstream. Its own: started over, the breaker's would
+    /// judge the failure rate on the handful of attempts since, and open on a run of
+    /// five (it did, in a storm whose rate was 35%).
+    judged: RollingPair,
 }
 
 impl Breaker {
@@ -78,6 +83,7 @@ impl Breaker {
             config,
             state: BreakerState::Closed { failures: 0.0 },
             recent: RollingPair::new(config.window, now),
+            judged: RollingPair::new(config.window, now),
         }
     }
 
@@ -86,6 +92,7 @@ impl Breaker {
     pub fn reconfigure(&mut self, config: BreakerPolicy, now: Instant) {
         if config.window != self.config.window {
             self.recent = RollingPair::new(config.window, now);
+            self.judged = RollingPair::new(config.window, now);
         }
         self.config = config;
     }
@@ -110,12 +117,13 @@ impl Breaker {
 
     /// Recent (attempts, weighted failures) over the window, for outlier demotion.
     pub fn recent(&self, now: Instant) -> (f64, f64) {
-        self.recent.totals(now)
+        self.judged.totals(now)
     }
 
-    /// Starts the recent window over (an outlier readmitted on new evidence only).
+    /// Starts outlier demotion's window over (an outlier readmitted on new evidence
+    /// only); the breaker's own window is untouched.
     pub fn forget_recent(&mut self) {
-        self.recent.clear();
+        self.judged.clear();
     }
 
     /// Admits a request, or says how long until it could be.
@@ -149,15 +157,18 @@ impl Breaker {
         match (self.state, admission, verdict) {
             (BreakerState::Closed { .. }, _, Verdict::Healthy) => {
                 self.recent.add(now, 1.0, 0.0);
+                self.judged.add(now, 1.0, 0.0);
                 self.state = BreakerState::Closed { failures: 0.0 };
                 None
             }
             (BreakerState::Closed { failures }, _, Verdict::Failed(weight)) => {
                 self.recent.add(now, 1.0, weight);
+                self.judged.add(now, 1.0, weight);
                 let failures = failures + weight;
                 if failures >= f64::from(self.config.failure_threshold) && self.failing_enough(now)
                 {
                     self.recent.clear();
+                    self.judged.clear();
                     self.state = open;
                     Some(Transition::Opened)
                 } else {
@@ -167,6 +178,7 @@ impl Breaker {
             }
             (BreakerState::Closed { .. }, _, Verdict::Fatal) => {
                 self.recent.clear();
+                self.judged.clear();
                 self.state = open;
                 Some(Transition::Opened)
             }
