@@ -340,8 +340,19 @@ async fn a_request_the_client_abandons_still_ends_its_span() {
         .send()
         .await;
     assert!(sent.is_err());
-    // The gateway notices the closed connection and drops the request.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The gateway notices the closed connection and drops the request, which ends its
+    // span: wait for that span to be exported, not for a fixed time.
+    let ended = || {
+        received
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|s| hex(&s.trace_id) == CLIENT_TRACE && s.kind == SpanKind::Server as i32)
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !ended() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let (_mock, spans) = flushed(gw, &received, CLIENT_TRACE).await;
     let request = spans
         .iter()
