@@ -141,6 +141,16 @@ fn chat(content: &str) -> Value {
     json!({"model": "gpt-4o", "max_tokens": 50, "messages": [{"role": "user", "content": content}]})
 }
 
+impl Reloadable {
+    /// A chat completion of `model` as tenant `key`, with extra headers.
+    async fn ask(&self, key: &str, model: &str, headers: &[(&str, &str)]) -> reqwest::Response {
+        let body = json!({"model": model, "messages": [{"role": "user", "content": "x"}]});
+        self.gw
+            .post("/v1/chat/completions", Some(key), headers, body.to_string())
+            .await
+    }
+}
+
 async fn budget_refusal(resp: reqwest::Response) -> Value {
     assert_eq!(resp.status(), 402);
     let body = json(resp).await;
@@ -253,15 +263,7 @@ async fn state_carries_on_for_names_that_stay() {
     let r = Reloadable::start(&tenants(5)).await;
     // A breaker opened (the dead upstream), a session tripped, spend, an idempotent call.
     for _ in 0..2 {
-        let resp =
-            r.gw.post(
-                "/v1/chat/completions",
-                Some(KEY_A),
-                &[],
-                json!({"model": "dead-model", "messages": [{"role": "user", "content": "x"}]})
-                    .to_string(),
-            )
-            .await;
+        let resp = r.ask(KEY_A, "dead-model", &[]).await;
         assert!(resp.status().is_server_error());
     }
     let breaker = |v: &Value, name: &str| {
@@ -321,24 +323,9 @@ async fn state_carries_on_for_names_that_stay() {
     assert_eq!(r.gw.mock.attempts("keyed"), 1);
 
     // New names are served; a removed tenant's key no longer is.
-    let resp =
-        r.gw.post(
-            "/v1/chat/completions",
-            Some(LATE),
-            &[],
-            json!({"model": "late-model", "messages": [{"role": "user", "content": "x"}]})
-                .to_string(),
-        )
-        .await;
+    let resp = r.ask(LATE, "late-model", &[]).await;
     assert_eq!(resp.status(), 200);
-    let resp =
-        r.gw.post(
-            "/v1/chat/completions",
-            Some(KEY_B),
-            &[],
-            chat("x").to_string(),
-        )
-        .await;
+    let resp = r.ask(KEY_B, "gpt-4o", &[]).await;
     assert_eq!(resp.status(), 401);
 }
 
@@ -357,13 +344,8 @@ async fn a_stream_in_flight_finishes_on_the_upstream_it_started_with() {
     assert_eq!(r.reload().await.status(), 200);
     let text = stream.text().await.unwrap();
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
-    let after =
-        r.gw.post(
-            "/v1/chat/completions",
-            Some(KEY_A),
-            &[("x-mock-scenario", "after")],
-            chat("x").to_string(),
-        )
+    let after = r
+        .ask(KEY_A, "gpt-4o", &[("x-mock-scenario", "after")])
         .await;
     assert!(after.status().is_server_error(), "{}", after.status());
     assert_eq!(r.gw.mock.attempts("after"), 0);
