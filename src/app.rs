@@ -171,6 +171,7 @@ impl AppState {
             let shared = SharedBudgets::new(redis.clone(), config.store.retention);
             if tokio::runtime::Handle::try_current().is_ok() {
                 shared.spawn_renewer();
+                shared.spawn_replayer(store.clone());
             }
             budgets = budgets.with_shared(shared);
         }

@@ -47,6 +47,8 @@ struct Cluster {
     mock: MockUpstream,
     http: reqwest::Client,
     next: AtomicUsize,
+    /// Every key of this cluster starts with it.
+    prefix: String,
     _dir: TempDir,
 }
 
@@ -146,8 +148,23 @@ impl Cluster {
             mock,
             http: reqwest::Client::new(),
             next: AtomicUsize::new(0),
+            prefix,
             _dir: dir,
         }
+    }
+
+    /// `kill -9` of replica `i`, then a new process on the same config, port and store.
+    async fn restart_killed(&mut self, i: usize) {
+        let config = self.replicas[i].config.clone();
+        let port: u16 = self.replicas[i]
+            .url
+            .rsplit(':')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        self.replicas.remove(i).kill();
+        self.replicas.insert(i, Binary::start(&config, port).await);
     }
 
     /// The next replica, round-robin.
@@ -635,8 +652,11 @@ max_calls = 100
     }
 }
 
+/// A replica killed with calls in flight may have been billed for them: when their
+/// leases run out they are charged their reserved amount (as the embedded store charges
+/// a crash's reservations), never freed uncharged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_replicas_reservations_expire_uncharged() {
+async fn a_killed_replicas_reservations_are_charged_when_their_leases_expire() {
     let redis = Redis::start();
     let tenants = format!(
         r#"
@@ -644,7 +664,7 @@ async fn a_killed_replicas_reservations_expire_uncharged() {
 name = "budgeted"
 api_keys = ["{BUDGETED}"]
 [tenants.session]
-max_calls = 4
+max_calls = 5
 "#
     );
     let state = "reservation_ttl = \"2s\"\non_unavailable = \"closed\"";
@@ -672,25 +692,184 @@ max_calls = 4
     let headers = [("x-session-id", "k"), ("x-mock-scenario", "after")];
     let answer = cluster.call(b, BUDGETED, &headers, &chat(16)).await;
     assert_eq!(answer.status, 200, "one call is left: {}", answer.text);
-    assert_budget_refusal(&cluster.call(c, BUDGETED, &headers, &chat(16)).await);
+    // 5 = 3 held + 1 settled + this one; its settle frees nothing.
+    let answer = cluster.call(c, BUDGETED, &headers, &chat(16)).await;
+    assert_eq!(answer.status, 200, "{}", answer.text);
     assert_budget_refusal(&cluster.call(b, BUDGETED, &headers, &chat(16)).await);
 
-    // Past reservation_ttl the dead replica's reservations are gone, never charged: of
-    // the 4 calls, 1 was settled, so 3 more go through.
+    // Past reservation_ttl the dead replica's three calls are charged, one call each:
+    // the session stays at its cap of 5 on every replica.
     let expired = killed + Duration::from_millis(3500);
     tokio::time::sleep_until(expired.into()).await;
-    for replica in [b, c, b] {
-        let answer = cluster.call(replica, BUDGETED, &headers, &chat(16)).await;
-        assert_eq!(answer.status, 200, "replica {replica}: {}", answer.text);
+    for replica in [b, c] {
+        assert_budget_refusal(&cluster.call(replica, BUDGETED, &headers, &chat(16)).await);
     }
-    assert_budget_refusal(&cluster.call(c, BUDGETED, &headers, &chat(16)).await);
-    assert_eq!(cluster.mock.attempts("after").await, 4);
+    assert_eq!(cluster.mock.attempts("after").await, 2);
+    assert_eq!(cluster.mock.attempts("held").await, 3);
     for i in [b, c] {
         let report = cluster.session(i, BUDGETED, "k").await;
-        assert_eq!(report["used"]["calls"], 4, "replica {i}: {report}");
+        assert_eq!(report["used"]["calls"], 5, "replica {i}: {report}");
     }
 }
 
+/// The new user's first try (issue 23): a model with no price, under a session
+/// `max_calls`, and answers that report zero tokens. Every call is charged on every
+/// replica (a zero amount once reached Redis as Lua's `-0` and every settle failed), the
+/// fourth is refused for the budget, not for Redis, and the books match what the
+/// upstream served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unpriced_models_and_zero_token_answers_are_charged_on_every_replica() {
+    let redis = Redis::start();
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "calls"
+api_keys = ["{CALLS}"]
+[tenants.session]
+max_calls = 3
+[tenants.budget]
+tokens_per_day = 1000000
+"#
+    );
+    let cluster = Cluster::start(&redis, &[PATIENT, PATIENT, PATIENT], &tenants).await;
+    let unpriced = json!({"model": "gpt-unpriced", "max_tokens": 0,
+        "messages": [{"role": "user", "content": "hi"}]});
+    let headers = [
+        ("x-session-id", "sess-view"),
+        ("x-mock-scenario", "unpriced"),
+        ("x-mock-fault", "usage=0/0"),
+    ];
+    for i in 0..3 {
+        let answer = cluster.call(i, CALLS, &headers, &unpriced).await;
+        assert_eq!(answer.status, 200, "call {i}: {}", answer.text);
+    }
+    let fourth = cluster.call(0, CALLS, &headers, &unpriced).await;
+    assert_budget_refusal(&fourth);
+    assert_eq!(cluster.mock.attempts("unpriced").await, 3);
+    for i in 0..3 {
+        let report = cluster.session(i, CALLS, "sess-view").await;
+        assert_eq!(report["used"]["calls"], 3, "replica {i}: {report}");
+        assert_eq!(report["used"]["tokens"], 0, "replica {i}: {report}");
+        assert_eq!(report["used"]["usd"], 0.0, "replica {i}: {report}");
+    }
+    // Another session of the same tenant is served: nothing locked the tenant out.
+    let other = [("x-session-id", "other"), ("x-mock-scenario", "unpriced")];
+    let answer = cluster.call(1, CALLS, &other, &unpriced).await;
+    assert_eq!(answer.status, 200, "{}", answer.text);
+    let view = cluster
+        .admin(2, reqwest::Method::GET, "/admin/tenants/calls")
+        .await
+        .json();
+    assert_eq!(view["used_today"]["calls"], 4, "{view}");
+}
+
+/// Redis stops while a call is in flight: its settle cannot be applied, so it is kept
+/// in the replica's store. The replica is then killed; the next process on the same
+/// store replays it once Redis is back, and the books hold exactly the call's usage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_redis_cannot_take_is_kept_and_replayed_by_the_next_process() {
+    let redis = Redis::start();
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "usd"
+api_keys = ["{USD}"]
+[tenants.session]
+max_usd = 10.0
+"#
+    );
+    let mut cluster = Cluster::start(&redis, &[CLOSED, CLOSED], &tenants).await;
+    let headers = [
+        ("x-session-id", "kept"),
+        ("x-mock-scenario", "kept"),
+        ("x-mock-fault", "delay=1s;usage=1000/1000"),
+    ];
+    let call = tokio::spawn(cluster.call(0, USD, &headers, &chat(1000)));
+    cluster.mock.wait_for("kept", 1).await;
+    redis.pause();
+    let answer = call.await.unwrap();
+    assert_eq!(
+        answer.status, 200,
+        "served before Redis stopped: {}",
+        answer.text
+    );
+    // The settle failed (100 ms command timeout) and was kept, durably, before the kill.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    cluster.restart_killed(0).await;
+    redis.resume();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let report = cluster.session(1, USD, "kept").await;
+        if report["used"]["calls"] == 1 {
+            assert_eq!(report["used"]["tokens"], 2000, "{report}");
+            assert!(
+                (report["used"]["usd"].as_f64().unwrap() - 0.0125).abs() < 1e-9,
+                "{report}"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "never replayed: {report}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Replayed once: a later look finds the same books.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let report = cluster.session(0, USD, "kept").await;
+    assert_eq!(report["used"]["calls"], 1, "{report}");
+    assert_eq!(report["used"]["tokens"], 2000, "{report}");
+    assert_eq!(cluster.mock.attempts("kept").await, 1);
+}
+
+/// A script error is that call's alone: a tenant whose keys Redis refuses gets its 503,
+/// while a burst from another tenant on the same replica is served in full (one error
+/// once shut the replica's Redis access for everyone for `retry_interval`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_script_error_is_one_calls_failure_not_an_outage() {
+    let redis = Redis::start();
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "calls"
+api_keys = ["{CALLS}"]
+[tenants.budget]
+tokens_per_day = 1000000
+
+[[tenants]]
+name = "usd"
+api_keys = ["{USD}"]
+[tenants.budget]
+tokens_per_day = 1000000
+"#
+    );
+    let cluster = Cluster::start(&redis, &[PATIENT], &tenants).await;
+    let headers = [("x-mock-scenario", "script")];
+    // Both tenants known to Redis; then the first tenant's day is a string, not a hash.
+    for key in [CALLS, USD] {
+        let answer = cluster.call(0, key, &headers, &chat(16)).await;
+        assert_eq!(answer.status, 200, "{}", answer.text);
+    }
+    let prefix = &cluster.prefix;
+    let day = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        / 86_400;
+    redis.command(&[
+        "SET",
+        &format!("{prefix}:{{calls}}:day:{day}"),
+        "not-a-hash",
+    ]);
+    let broken = cluster.call(0, CALLS, &headers, &chat(16)).await;
+    assert_state_unavailable(&broken);
+    let answers = race(&cluster, 30, USD, &headers, &chat(16)).await;
+    let served = answers.iter().filter(|a| a.status == 200).count();
+    assert_eq!(
+        served,
+        30,
+        "refused: {:?}",
+        answers.iter().find(|a| a.status != 200).map(|a| &a.text)
+    );
+    assert_eq!(cluster.mock.attempts("script").await, 2 + 30);
+}
 fn assert_state_unavailable(answer: &Answer) {
     assert_eq!(answer.status, 503, "{}", answer.text);
     assert_eq!(answer.code(), "state_unavailable", "{}", answer.text);
@@ -791,12 +970,56 @@ usd_per_day = 100.0
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // Lost state is refused even where Redis trouble is otherwise admitted (the first
+    // call may still find the connection to the old server gone, and be admitted
+    // blind), and every replica's state view says so.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let answer = cluster.call(open, BUDGETED, &headers, &chat(16)).await;
+        if answer.status == 503 {
+            assert_state_unavailable(&answer);
+            assert!(answer.text.contains("lost"), "{}", answer.text);
+            break;
+        }
+        assert_eq!(answer.status, 200, "{}", answer.text);
+        assert!(
+            Instant::now() < deadline,
+            "the open replica never saw the loss"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for replica in [closed, open] {
+        let state = cluster
+            .admin(replica, reqwest::Method::GET, "/admin/state")
+            .await
+            .json();
+        assert_eq!(state["state_lost"], true, "replica {replica}: {state}");
+        assert_eq!(state["available"], false, "replica {replica}: {state}");
+        assert_eq!(
+            state["lost_tenants"],
+            json!(["budgeted"]),
+            "replica {replica}: {state}"
+        );
+    }
+    // One operator call, on one replica, and the whole fleet works under it.
     let adopted = cluster
         .admin(closed, reqwest::Method::POST, "/admin/state/adopt")
         .await;
     assert_eq!(adopted.status, 200, "{}", adopted.text);
-    let answer = cluster.call(closed, BUDGETED, &headers, &chat(16)).await;
-    assert_eq!(answer.status, 200, "after adopt: {}", answer.text);
+    for replica in [open, closed] {
+        let answer = cluster.call(replica, BUDGETED, &headers, &chat(16)).await;
+        assert_eq!(
+            answer.status, 200,
+            "replica {replica} after adopt: {}",
+            answer.text
+        );
+        let state = cluster
+            .admin(replica, reqwest::Method::GET, "/admin/state")
+            .await
+            .json();
+        assert_eq!(state["state_lost"], false, "replica {replica}: {state}");
+        assert_eq!(state["available"], true, "replica {replica}: {state}");
+    }
 }
 
 /// `rediss://`: the replicas reach a TLS-only Redis and count together through it.

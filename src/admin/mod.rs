@@ -161,10 +161,31 @@ async fn state_view(State(state): State<AdminState>) -> Response {
             redis::cmd("PING").query_async::<String>(&mut c).await
         })
         .await;
+    // Lost: an admission found it so, or a generation marker differs now.
+    let lost = match &ping {
+        Ok(_) => redis
+            .check_generations()
+            .await
+            .unwrap_or_else(|_| redis.lost_tenants()),
+        Err(_) => redis.lost_tenants(),
+    };
+    let kept = state
+        .budgets
+        .store()
+        .queued_settles(10_000)
+        .await
+        .map(|q| q.len());
     json_response(json!({
         "backend": "redis",
-        "available": ping.is_ok(),
+        "available": ping.is_ok() && lost.is_empty(),
+        "reachable": ping.is_ok(),
         "error": ping.err().map(|e| e.to_string()),
+        "failing_fast": redis.failing_fast(),
+        // Budgeted calls of these tenants are refused (503 state_unavailable) until an
+        // operator restores the data and calls POST /admin/state/adopt on any replica.
+        "state_lost": !lost.is_empty(),
+        "lost_tenants": lost,
+        "settles_kept": kept.ok(),
         "on_unavailable": format!("{:?}", redis.on_unavailable).to_lowercase(),
         "replicas": redis.replicas,
         "reservation_ttl_ms": redis.reservation_ttl.as_millis() as u64,

@@ -423,6 +423,7 @@ impl Budgets {
                 .admit(Admission {
                     tenant,
                     session,
+                    model,
                     day: self.clock.today(),
                     want,
                     day_caps: &book.day_limits,

@@ -188,39 +188,29 @@ impl Reservation {
     }
 }
 
-/// Settles a reservation held in Redis. If Redis cannot take it now, the reservation
-/// expires there within `reservation_ttl` (freeing the worst case) and this charge is
-/// logged with everything needed to restore it.
+/// Settles a reservation held in Redis. If Redis cannot take it now (down, slow, or a
+/// script error), the settle is kept in the replica's store and replayed until Redis
+/// takes it ([`super::shared::SharedBudgets::spawn_replayer`]); settling is idempotent per reservation,
+/// so a replay never charges twice.
 async fn settle_shared(budgets: Arc<Budgets>, held: SharedReservation, charge: Charge) {
     let Some(shared) = budgets.shared.as_ref() else {
         return;
     };
-    let settled = shared
-        .settle(
-            &held,
-            SharedCharge {
-                tenant: &charge.tenant,
-                model: &charge.model,
-                input_tokens: charge.input_tokens,
-                output_tokens: charge.output_tokens,
-                usd: charge.usd,
-                ts_ms: charge.ts_ms,
-            },
-        )
-        .await;
-    if let Err(err) = settled {
-        metrics::counter!("backstop_state_unsettled_total").increment(1);
-        tracing::error!(
-            tenant = %charge.tenant,
-            session = charge.session.as_deref(),
-            model = %charge.model,
-            reservation = %held.id,
-            input_tokens = charge.input_tokens,
-            output_tokens = charge.output_tokens,
-            usd = charge.usd,
-            error = %err,
-            "cannot settle a charge in redis"
-        );
+    let settle = shared.settle_of(
+        &held,
+        SharedCharge {
+            tenant: &charge.tenant,
+            model: &charge.model,
+            input_tokens: charge.input_tokens,
+            output_tokens: charge.output_tokens,
+            usd: charge.usd,
+            ts_ms: charge.ts_ms,
+        },
+    );
+    if let Err(err) = shared.settle(&settle).await {
+        shared
+            .keep(budgets.store(), settle, err, budgets.clock.now_ms())
+            .await;
     }
 }
 

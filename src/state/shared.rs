@@ -34,7 +34,7 @@ use redis::Script;
 pub use crate::store::connection::{Redis, Unavailable};
 use crate::{
     policy::budget::{CapNames, Caps, Exceeded, Usage},
-    store::connection::ms,
+    store::{connection::ms, QueuedSettle, Store},
 };
 
 /// A reservation held in Redis.
@@ -57,21 +57,93 @@ pub struct SharedCharge<'a> {
     pub ts_ms: i64,
 }
 
+/// Everything one settle needs, so that a settle Redis could not take now can be kept in
+/// the replica's store and replayed later, by this process or the next one on the same
+/// store. Encoded as versioned JSON ([`SharedSettle::encode`]).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SharedSettle {
+    /// The format version ([`SETTLE_FORMAT`]).
+    pub v: u32,
+    pub tenant: String,
+    pub reservation: String,
+    pub day_key: String,
+    pub session_key: String,
+    pub session: Option<String>,
+    pub model: String,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub usd_micro: i64,
+    pub ts_ms: i64,
+}
+
+/// The version of [`SharedSettle`]'s encoding this binary writes and reads.
+pub const SETTLE_FORMAT: u32 = 1;
+
+impl SharedSettle {
+    pub fn encode(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// `None` for a version this binary does not know (or a damaged entry).
+    pub fn decode(text: &str) -> Option<SharedSettle> {
+        serde_json::from_str::<SharedSettle>(text)
+            .ok()
+            .filter(|s| s.v == SETTLE_FORMAT)
+    }
+}
+
+/// How a settle went in Redis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settled {
+    /// Charged now.
+    Now,
+    /// Its lease had expired and charged the reserved amount: corrected to the usage.
+    Corrected,
+    /// It had been settled already (a replay): nothing changed.
+    Already,
+}
+
+/// The largest amount (calls, tokens, micro-dollars) a script takes: Lua's numbers are
+/// doubles, exact up to 2^53. Anything larger is clamped here ($9 billion, 9e15 tokens).
+pub const MAX_AMOUNT: i64 = (1 << 53) - 1;
+
 fn micro(usd: f64) -> i64 {
-    (usd * 1e6).round().clamp(0.0, i64::MAX as f64) as i64
+    (usd * 1e6).round().clamp(0.0, MAX_AMOUNT as f64) as i64
+}
+
+fn amount(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX).min(MAX_AMOUNT)
 }
 
 fn cap(v: Option<u64>) -> i64 {
-    v.map_or(-1, |v| i64::try_from(v).unwrap_or(i64::MAX))
+    v.map_or(-1, amount)
 }
 
 fn cap_usd(v: Option<f64>) -> i64 {
     v.map_or(-1, micro)
 }
 
-/// Shared by the admission and settle scripts: a reservation record is
-/// `day_key|session_key|calls|tokens|micro_usd`; `unreserve` takes it off both scopes.
-const UNRESERVE: &str = r#"
+/// A name inside a reservation record: `%` and `|` percent-encoded (the scripts split
+/// records on `|` and decode these two back).
+fn record_name(name: &str) -> String {
+    name.replace('%', "%25").replace('|', "%7C")
+}
+
+/// The version of the reservation records this binary writes (see [`COMMON`]).
+pub const RESERVATION_FORMAT: u32 = 1;
+
+/// Shared by the admission and settle scripts.
+///
+/// A reservation record, version 1, is
+/// `day_key|session_key|calls|tokens|micro_usd|1|model|session` (keys, model and session
+/// with `%` and `|` percent-encoded, see [`record_name`]); version 0, written before records carried a
+/// version, is the first five fields alone. Version 1 only appends, so a replica of
+/// version 0 still reads the amounts right during a rolling upgrade. A record of any
+/// other version is left as it is (still reserved) and counted, never guessed at.
+///
+/// Amounts reach `HINCRBY` as the decimal strings the replica sent, or with a `-` put in
+/// front: a zero is skipped, never sent as Lua's `-0`, which Redis refuses.
+const COMMON: &str = r#"
 local function split(s)
   local out, start = {}, 1
   while true do
@@ -80,28 +152,81 @@ local function split(s)
     table.insert(out, string.sub(s, start, i - 1)); start = i + 1
   end
 end
-local function unreserve(rec)
+local function decode(s)
+  return (string.gsub(s or '', '%%(%x%x)', function(h) return string.char(tonumber(h, 16)) end))
+end
+local function encode(s)
+  return (string.gsub(s, '[%%|]', function(c) return string.format('%%%02X', string.byte(c)) end))
+end
+local function record(rec)
   local r = split(rec)
+  if #r == 5 then return r end
+  if #r == 8 and r[6] == '1' then
+    r[1] = decode(r[1]); r[2] = decode(r[2])
+    return r
+  end
+  return nil
+end
+local function add(key, field, amount, negate)
+  if amount == nil or amount == '' or amount == '0' then return end
+  if negate then redis.call('HINCRBY', key, field, '-' .. amount)
+  else redis.call('HINCRBY', key, field, amount) end
+end
+local function unreserve(r)
   for _, k in ipairs({r[1], r[2]}) do
     if k ~= '' then
-      redis.call('HINCRBY', k, 'rcalls', -tonumber(r[3]))
-      redis.call('HINCRBY', k, 'rtokens', -tonumber(r[4]))
-      redis.call('HINCRBY', k, 'rusd', -tonumber(r[5]))
+      add(k, 'rcalls', r[3], true); add(k, 'rtokens', r[4], true); add(k, 'rusd', r[5], true)
     end
   end
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 "#;
 
 /// The admission: one script over the tenant's generation, reservations, day and
-/// session. Replies `{"ok"}`, `{"lost"}` or `{"over", scope, which, limit, used}`.
+/// session. First it charges the reservations whose lease has expired (a replica died
+/// holding them) at their reserved amount, as the embedded store does after a crash,
+/// and notes what it charged so a late settle corrects it to the actual usage.
+/// Replies `{"ok", unknown}`, `{"lost"}` or `{"over", scope, which, limit, used}`.
+///
+/// KEYS: generation, reservations (zset of leases), reservation records, day, session,
+/// lease-expired charges, their times (zset), spend stream.
 const ADMIT: &str = r#"
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'lost'} end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
+local unknown = 0
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 256)) do
   local rec = redis.call('HGET', KEYS[3], id)
-  if rec then unreserve(rec); redis.call('HDEL', KEYS[3], id) end
-  redis.call('ZREM', KEYS[2], id)
+  local r = rec and record(rec)
+  if rec and not r then
+    -- A newer replica's record: left reserved, looked at again a lease later.
+    unknown = unknown + 1
+    redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), id)
+  else
+    if r then
+      unreserve(r)
+      for _, k in ipairs({r[1], r[2]}) do
+        if k ~= '' then
+          add(k, 'calls', r[3], false); add(k, 'tokens', r[4], false); add(k, 'usd', r[5], false)
+        end
+      end
+      redis.call('HSET', KEYS[6], id, r[3] .. '|' .. r[4] .. '|' .. r[5])
+      redis.call('ZADD', KEYS[7], now, id)
+      redis.call('XADD', KEYS[8], 'MAXLEN', '~', 1000000, '*',
+        'reservation', id, 'session', decode(r[8]), 'model', decode(r[7]), 'calls', r[3],
+        'input_tokens', r[4], 'output_tokens', '0', 'usd_micro', r[5], 'ts_ms', tostring(now),
+        'kind', 'lease_expired')
+      redis.call('HDEL', KEYS[3], id)
+    end
+    redis.call('ZREM', KEYS[2], id)
+  end
+end
+-- What a late settle would correct is kept for a week; after that it is final.
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', now - 604800000, 'LIMIT', 0, 64)) do
+  redis.call('HDEL', KEYS[6], id)
+  redis.call('ZREM', KEYS[7], id)
 end
 local want = {tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])}
 local function over(key, caps, scope)
@@ -109,7 +234,7 @@ local function over(key, caps, scope)
   for i = 1, 3 do
     local used = (tonumber(v[i]) or 0) + (tonumber(v[i + 3]) or 0)
     if caps[i] >= 0 and used + want[i] > caps[i] then
-      return {'over', scope, tostring(i), tostring(caps[i]), tostring(used)}
+      return {'over', scope, tostring(i), string.format('%.0f', caps[i]), string.format('%.0f', used)}
     end
   end
   return nil
@@ -123,38 +248,70 @@ if has_session then
   if refused then return refused end
 end
 local fields = {'rcalls', 'rtokens', 'rusd'}
+local amounts = {ARGV[4], ARGV[5], ARGV[6]}
 local session_key = ''
-for i = 1, 3 do redis.call('HINCRBY', KEYS[4], fields[i], want[i]) end
+for i = 1, 3 do add(KEYS[4], fields[i], amounts[i], false) end
 redis.call('EXPIRE', KEYS[4], 259200)
 if has_session then
   session_key = KEYS[5]
-  for i = 1, 3 do redis.call('HINCRBY', KEYS[5], fields[i], want[i]) end
+  for i = 1, 3 do add(KEYS[5], fields[i], amounts[i], false) end
   redis.call('EXPIRE', KEYS[5], tonumber(ARGV[14]))
 end
-redis.call('HSET', KEYS[3], ARGV[2], KEYS[4] .. '|' .. session_key .. '|' .. ARGV[4] .. '|' .. ARGV[5] .. '|' .. ARGV[6])
+redis.call('HSET', KEYS[3], ARGV[2], encode(KEYS[4]) .. '|' .. encode(session_key) .. '|' .. ARGV[4] .. '|' ..
+  ARGV[5] .. '|' .. ARGV[6] .. '|1|' .. ARGV[15] .. '|' .. ARGV[16])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[2])
-return {'ok'}
+return {'ok', tostring(unknown)}
 "#;
 
-/// Settles a reservation once: unreserves it if it is still held, charges the actual
-/// usage either way, and appends the charge to the spend stream. 1 = settled now, 0 =
-/// it was already.
+/// Settles a reservation once. Still held: unreserves it and charges the actual usage.
+/// Its lease expired first (charged its reserved amount then): charges the difference,
+/// so the total is the actual usage, never more. Neither: it was settled already (a
+/// replay), nothing changes. Appends the charge (or the correction) to the spend stream.
+/// Replies 1 = settled now, 2 = corrected, 0 = settled already.
+///
+/// KEYS: reservations, reservation records, day, session, lease-expired charges, their
+/// times, spend stream.
 const SETTLE: &str = r#"
-if not redis.call('SET', KEYS[5], '1', 'NX', 'EX', 86400) then return 0 end
-local rec = redis.call('HGET', KEYS[2], ARGV[1])
-if rec then unreserve(rec); redis.call('HDEL', KEYS[2], ARGV[1]) end
-redis.call('ZREM', KEYS[1], ARGV[1])
+local id = ARGV[1]
+local rec = redis.call('HGET', KEYS[2], id)
+local expired = redis.call('HGET', KEYS[5], id)
+if not rec and not expired then return 0 end
+redis.call('ZREM', KEYS[1], id)
 local fields = {'calls', 'tokens', 'usd'}
-for i = 1, 3 do redis.call('HINCRBY', KEYS[3], fields[i], tonumber(ARGV[i + 1])) end
-redis.call('EXPIRE', KEYS[3], 259200)
-if ARGV[5] == '1' then
-  for i = 1, 3 do redis.call('HINCRBY', KEYS[4], fields[i], tonumber(ARGV[i + 1])) end
-  redis.call('EXPIRE', KEYS[4], tonumber(ARGV[6]))
+local amounts = {ARGV[2], ARGV[3], ARGV[4]}
+local keys = {KEYS[3]}
+if ARGV[5] == '1' then table.insert(keys, KEYS[4]) end
+local reply, kind, input = 1, 'settle', ARGV[9]
+if rec then
+  local r = record(rec)
+  if r then unreserve(r) end
+  redis.call('HDEL', KEYS[2], id)
+else
+  local charged = split(expired)
+  for i = 1, 3 do
+    amounts[i] = string.format('%d', tonumber(amounts[i]) - tonumber(charged[i] or '0'))
+  end
+  input = string.format('%d', tonumber(ARGV[9]) - tonumber(charged[2] or '0'))
+  redis.call('HDEL', KEYS[5], id)
+  redis.call('ZREM', KEYS[6], id)
+  reply, kind = 2, 'correction'
 end
-redis.call('XADD', KEYS[6], 'MAXLEN', '~', 1000000, '*',
-  'reservation', ARGV[1], 'session', ARGV[7], 'model', ARGV[8], 'input_tokens', ARGV[9],
-  'output_tokens', ARGV[10], 'usd_micro', ARGV[4], 'ts_ms', ARGV[11])
-return 1
+for _, k in ipairs(keys) do
+  for i = 1, 3 do
+    if string.sub(amounts[i], 1, 1) == '-' then
+      add(k, fields[i], string.sub(amounts[i], 2), true)
+    else
+      add(k, fields[i], amounts[i], false)
+    end
+  end
+end
+redis.call('EXPIRE', KEYS[3], 259200)
+if ARGV[5] == '1' then redis.call('EXPIRE', KEYS[4], tonumber(ARGV[6])) end
+redis.call('XADD', KEYS[7], 'MAXLEN', '~', 1000000, '*',
+  'reservation', id, 'session', ARGV[7], 'model', ARGV[8], 'calls', amounts[1],
+  'input_tokens', input, 'output_tokens', ARGV[10], 'usd_micro', amounts[3],
+  'ts_ms', ARGV[11], 'kind', kind)
+return reply
 "#;
 
 /// GCRA over the tenant's and the session's limiters, both or neither: `{"ok"}` or
@@ -208,6 +365,8 @@ pub const MAX_STREAM_READ: usize = 100_000;
 pub struct Admission<'a> {
     pub tenant: &'a str,
     pub session: Option<&'a str>,
+    /// Named in the reservation record, so a lease that expires is charged to it.
+    pub model: &'a str,
     pub day: i64,
     pub want: Usage,
     pub day_caps: &'a Caps,
@@ -233,19 +392,25 @@ pub struct SharedBudgets {
     /// Sorted-set key → members held by this replica.
     held: Mutex<HashMap<String, HashSet<String>>>,
     session_ttl_s: u64,
+    /// Wakes the replayer when a settle was kept.
+    kept: tokio::sync::Notify,
 }
+
+/// Kept settles one replay pass takes on.
+const REPLAY_BATCH: usize = 256;
 
 impl SharedBudgets {
     pub fn new(redis: Arc<Redis>, session_retention: Duration) -> Arc<SharedBudgets> {
         Arc::new(SharedBudgets {
             redis,
-            admit: Script::new(&format!("{UNRESERVE}{ADMIT}")),
-            settle: Script::new(&format!("{UNRESERVE}{SETTLE}")),
+            admit: Script::new(&format!("{COMMON}{ADMIT}")),
+            settle: Script::new(&format!("{COMMON}{SETTLE}")),
             rate: Script::new(RATE),
             enter: Script::new(ENTER),
             renew: Script::new(RENEW),
             held: Mutex::default(),
             session_ttl_s: session_retention.as_secs().max(60),
+            kept: tokio::sync::Notify::new(),
         })
     }
 
@@ -278,6 +443,27 @@ impl SharedBudgets {
 
     /// Checks and reserves the worst case on the day and the session, in one script.
     pub async fn admit(&self, a: Admission<'_>) -> Result<SharedReservation, AdmitError> {
+        let mut adopted_again = false;
+        loop {
+            match self.admit_once(&a).await {
+                Err(AdmitError::Unavailable(Unavailable::Lost)) if !adopted_again => {
+                    // Adopted on another replica since? Then work under it and try again.
+                    adopted_again = true;
+                    if !self
+                        .redis
+                        .on_lost(a.tenant)
+                        .await
+                        .map_err(AdmitError::Unavailable)?
+                    {
+                        return Err(AdmitError::Unavailable(Unavailable::Lost));
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn admit_once(&self, a: &Admission<'_>) -> Result<SharedReservation, AdmitError> {
         let generation = self
             .redis
             .generation(a.tenant)
@@ -296,11 +482,14 @@ impl SharedBudgets {
             .key(self.redis.key(a.tenant, "reservation-records"))
             .key(&day_key)
             .key(&session_key)
+            .key(self.redis.key(a.tenant, "lease-expired"))
+            .key(self.redis.key(a.tenant, "lease-expired-at"))
+            .key(self.redis.key(a.tenant, "spend"))
             .arg(&generation)
             .arg(&id)
             .arg(ms(self.redis.reservation_ttl))
-            .arg(cap(Some(a.want.calls)))
-            .arg(cap(Some(a.want.tokens)))
+            .arg(amount(a.want.calls))
+            .arg(amount(a.want.tokens))
             .arg(micro(a.want.usd))
             .arg(cap(a.day_caps.calls))
             .arg(cap(a.day_caps.tokens))
@@ -309,7 +498,9 @@ impl SharedBudgets {
             .arg(cap(a.session_caps.tokens))
             .arg(cap_usd(a.session_caps.usd))
             .arg(if a.session.is_some() { "1" } else { "0" })
-            .arg(self.session_ttl_s);
+            .arg(self.session_ttl_s)
+            .arg(record_name(a.model))
+            .arg(record_name(a.session.unwrap_or_default()));
         let reply: Vec<String> = self
             .redis
             .run(
@@ -320,6 +511,20 @@ impl SharedBudgets {
             .map_err(AdmitError::Unavailable)?;
         match reply.first().map(String::as_str) {
             Some("ok") => {
+                let unknown = reply
+                    .get(1)
+                    .and_then(|n| n.parse::<u64>().ok())
+                    .unwrap_or(0);
+                if unknown > 0 {
+                    metrics::counter!("backstop_state_unknown_format_total", "record" => "reservation")
+                        .increment(unknown);
+                    tracing::error!(
+                        tenant = a.tenant,
+                        records = unknown,
+                        known_version = RESERVATION_FORMAT,
+                        "expired reservations in a format this replica does not know were left reserved"
+                    );
+                }
                 self.hold(&set, &id);
                 Ok(SharedReservation {
                     id,
@@ -352,57 +557,185 @@ impl SharedBudgets {
                     requested,
                 }))
             }
-            _ => {
-                // The marker is gone or changed under us: Redis restarted empty.
-                metrics::counter!("backstop_state_lost_total").increment(1);
-                tracing::error!(tenant = a.tenant, "{}", Unavailable::Lost);
-                Err(AdmitError::Unavailable(Unavailable::Lost))
-            }
+            // The marker is gone or changed under us: Redis restarted empty.
+            _ => Err(AdmitError::Unavailable(Unavailable::Lost)),
         }
     }
 
-    /// Settles a reservation with the actual usage (once, even if called again).
-    pub async fn settle(
+    /// What settling `reservation` with `charge` sends to Redis (and keeps, if Redis
+    /// cannot take it now).
+    pub fn settle_of(
         &self,
         reservation: &SharedReservation,
         charge: SharedCharge<'_>,
-    ) -> Result<(), Unavailable> {
-        let tenant = charge.tenant;
+    ) -> SharedSettle {
+        SharedSettle {
+            v: SETTLE_FORMAT,
+            tenant: charge.tenant.to_string(),
+            reservation: reservation.id.clone(),
+            day_key: reservation.day_key.clone(),
+            session_key: reservation.session_key.clone(),
+            session: reservation.session.clone(),
+            model: charge.model.to_string(),
+            input_tokens: charge.input_tokens,
+            output_tokens: charge.output_tokens,
+            usd_micro: micro(charge.usd),
+            ts_ms: charge.ts_ms,
+        }
+    }
+
+    /// Settles a reservation with the actual usage: once, however often it is called
+    /// (a replay of a settle that did reach Redis changes nothing).
+    pub async fn settle(&self, s: &SharedSettle) -> Result<Settled, Unavailable> {
+        let tenant = s.tenant.as_str();
         let set = self.redis.key(tenant, "reservations");
-        self.unhold(&set, &reservation.id);
+        self.unhold(&set, &s.reservation);
+        let tokens = amount(s.input_tokens.saturating_add(s.output_tokens));
         let mut inv = self.settle.prepare_invoke();
         inv.key(&set)
             .key(self.redis.key(tenant, "reservation-records"))
-            .key(&reservation.day_key)
-            .key(&reservation.session_key)
-            .key(
-                self.redis
-                    .key(tenant, &format!("settled:{}", reservation.id)),
-            )
+            .key(&s.day_key)
+            .key(&s.session_key)
+            .key(self.redis.key(tenant, "lease-expired"))
+            .key(self.redis.key(tenant, "lease-expired-at"))
             .key(self.redis.key(tenant, "spend"))
-            .arg(&reservation.id)
+            .arg(&s.reservation)
             .arg(1)
-            .arg(charge.input_tokens.saturating_add(charge.output_tokens))
-            .arg(micro(charge.usd))
-            .arg(if reservation.session.is_some() {
-                "1"
-            } else {
-                "0"
-            })
+            .arg(tokens)
+            .arg(s.usd_micro.clamp(0, MAX_AMOUNT))
+            .arg(if s.session.is_some() { "1" } else { "0" })
             .arg(self.session_ttl_s)
-            .arg(reservation.session.as_deref().unwrap_or(""))
-            .arg(charge.model)
-            .arg(charge.input_tokens)
-            .arg(charge.output_tokens)
-            .arg(charge.ts_ms);
-        let _: i64 = self
+            .arg(s.session.as_deref().unwrap_or(""))
+            .arg(&s.model)
+            .arg(amount(s.input_tokens))
+            .arg(amount(s.output_tokens))
+            .arg(s.ts_ms);
+        let reply: i64 = self
             .redis
             .run(
                 "settle",
                 |mut c| async move { inv.invoke_async(&mut c).await },
             )
             .await?;
-        Ok(())
+        Ok(match reply {
+            1 => Settled::Now,
+            2 => Settled::Corrected,
+            _ => Settled::Already,
+        })
+    }
+
+    /// Keeps a settle Redis could not take in the replica's store, for the replayer.
+    /// If even the store cannot take it, the reservation's lease (no longer renewed)
+    /// expires within `reservation_ttl` and charges the reserved amount: never nothing.
+    pub async fn keep(
+        &self,
+        store: &Arc<dyn Store>,
+        settle: SharedSettle,
+        err: Unavailable,
+        now_ms: i64,
+    ) {
+        let queued = QueuedSettle {
+            reservation: settle.reservation.clone(),
+            body: settle.encode(),
+            queued_ms: now_ms,
+        };
+        match store.queue_settle(queued).await {
+            Ok(()) => {
+                metrics::counter!("backstop_state_settles_kept_total").increment(1);
+                tracing::warn!(
+                    tenant = %settle.tenant,
+                    reservation = %settle.reservation,
+                    usd_micro = settle.usd_micro,
+                    error = %err,
+                    "redis cannot settle a charge now; kept in the store and replayed until it can"
+                );
+                self.kept.notify_one();
+            }
+            Err(store_err) => {
+                metrics::counter!("backstop_state_unsettled_total").increment(1);
+                tracing::error!(
+                    tenant = %settle.tenant,
+                    session = settle.session.as_deref(),
+                    model = %settle.model,
+                    reservation = %settle.reservation,
+                    input_tokens = settle.input_tokens,
+                    output_tokens = settle.output_tokens,
+                    usd_micro = settle.usd_micro,
+                    error = %err,
+                    store_error = %store_err,
+                    "cannot settle a charge in redis nor keep it; its lease will charge the reserved amount"
+                );
+            }
+        }
+    }
+
+    /// Replays the settles kept in `store` until Redis takes them: at once (what a
+    /// predecessor on the same store left), whenever one is kept, and every
+    /// `retry_interval` while any are left.
+    pub fn spawn_replayer(self: &Arc<Self>, store: Arc<dyn Store>) -> tokio::task::JoinHandle<()> {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let every = this.redis.retry_interval().max(Duration::from_millis(100));
+            loop {
+                let left = this.replay(&store).await;
+                metrics::gauge!("backstop_state_settles_pending").set(left as f64);
+                if left == 0 {
+                    this.kept.notified().await;
+                }
+                tokio::time::sleep(every).await;
+            }
+        })
+    }
+
+    /// One replay pass; how many kept settles are left (at least those it could not
+    /// replay).
+    pub async fn replay(&self, store: &Arc<dyn Store>) -> usize {
+        let queued = match store.queued_settles(REPLAY_BATCH).await {
+            Ok(queued) => queued,
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot read the kept settles; trying again");
+                return 1;
+            }
+        };
+        let fetched = queued.len();
+        let mut left = fetched;
+        for q in queued {
+            let Some(settle) = SharedSettle::decode(&q.body) else {
+                metrics::counter!("backstop_state_unknown_format_total", "record" => "kept_settle")
+                    .increment(1);
+                tracing::error!(
+                    reservation = %q.reservation,
+                    known_version = SETTLE_FORMAT,
+                    "a kept settle in a format this replica does not know stays kept"
+                );
+                continue;
+            };
+            match self.settle(&settle).await {
+                Ok(how) => {
+                    if let Err(err) = store.unqueue_settle(q.reservation.clone()).await {
+                        // Replayed again later: idempotent.
+                        tracing::warn!(error = %err, "cannot forget a replayed settle");
+                        continue;
+                    }
+                    left -= 1;
+                    metrics::counter!("backstop_state_settles_replayed_total").increment(1);
+                    tracing::info!(
+                        tenant = %settle.tenant,
+                        reservation = %settle.reservation,
+                        outcome = ?how,
+                        "a kept settle was replayed"
+                    );
+                }
+                // Down: the rest would fail too; the next pass tries again.
+                Err(Unavailable::Down(_)) => break,
+                Err(_) => continue,
+            }
+        }
+        if left == 0 && fetched == REPLAY_BATCH {
+            // A full batch went: there may be more behind it.
+            return 1;
+        }
+        left
     }
 
     /// The tenant's and the session's rate limiters (per minute), both or neither.
@@ -539,7 +872,7 @@ impl SharedBudgets {
                     .await
             })
             .await?;
-        let mut by_model: std::collections::BTreeMap<String, Usage> = Default::default();
+        let mut by_model: std::collections::BTreeMap<String, (i64, i64, i64)> = Default::default();
         for (_, fields) in entries {
             let field = |name: &str| {
                 fields
@@ -548,15 +881,28 @@ impl SharedBudgets {
                     .and_then(|kv| kv.get(1))
                     .map(String::as_str)
             };
-            let n = |name: &str| field(name).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-            let usage = by_model
+            // Corrections of a lease-expired charge are negative; a settle has no
+            // `calls` field before format 1 and counts one call.
+            let n = |name: &str| field(name).and_then(|v| v.parse::<i64>().ok());
+            let sum = by_model
                 .entry(field("model").unwrap_or_default().to_string())
-                .or_default();
-            usage.calls += 1;
-            usage.tokens += n("input_tokens") + n("output_tokens");
-            usage.usd += n("usd_micro") as f64 / 1e6;
+                .or_insert((0i64, 0i64, 0i64));
+            sum.0 += n("calls").unwrap_or(1);
+            sum.1 += n("input_tokens").unwrap_or(0) + n("output_tokens").unwrap_or(0);
+            sum.2 += n("usd_micro").unwrap_or(0);
         }
-        Ok(by_model.into_iter().collect())
+        let by_model: Vec<(String, Usage)> = by_model
+            .into_iter()
+            .map(|(model, (calls, tokens, usd))| {
+                let usage = Usage {
+                    calls: calls.max(0) as u64,
+                    tokens: tokens.max(0) as u64,
+                    usd: usd.max(0) as f64 / 1e6,
+                };
+                (model, usage)
+            })
+            .collect();
+        Ok(by_model)
     }
 
     /// A session's requests holding a concurrency slot now (on any replica).

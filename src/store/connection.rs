@@ -1,7 +1,10 @@
 //! The Redis connection replicas share (`[state] backend = "redis"`): every call bounded
-//! by `command_timeout`, a local breaker on Redis itself (after a failure, calls fail at
-//! once for `retry_interval`, then one call probes), and the per-tenant generation
-//! markers that notice a Redis that came back empty. Used by the shared budgets
+//! by `command_timeout`, a local breaker on Redis itself (after [`FAILURES_TO_OPEN`]
+//! outages in a row, calls fail at once for `retry_interval`, then one call probes; an
+//! error Redis answers with, such as a script error, is that call's alone and never
+//! opens it), and the per-tenant generation markers that notice a Redis that came back
+//! empty, with the fleet-wide adoption marker that lets one operator call clear it on
+//! every replica. Used by the shared budgets
 //! ([`crate::state::shared`]) and the shared store ([`super::RedisStore`]); it lives
 //! here, below both, so neither depends on the other for it.
 
@@ -19,19 +22,51 @@ use tokio::sync::OnceCell;
 
 use crate::config::{OnUnavailable, StateConfig};
 
-/// Why Redis could not decide: down, slow, or its data was lost.
+/// Why Redis could not decide: down, slow, refused this one call, or its data was lost.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Unavailable {
     /// Down or slower than `command_timeout` (or the breaker is open after that).
     Down(String),
+    /// Redis answered this call with an error (a script error, a wrong type): Redis is
+    /// up, and only this call failed.
+    Refused { op: &'static str, error: String },
     /// The tenant's generation marker is gone or changed: Redis restarted empty.
     Lost,
+}
+
+/// Outages in a row (connection errors, timeouts) that open the breaker on Redis: one
+/// slow answer in a burst must not refuse everyone else's calls.
+pub const FAILURES_TO_OPEN: u32 = 3;
+
+/// Whether an error means Redis could not be reached or did not answer in time, as
+/// opposed to an answer that refused this call (which says Redis is up).
+fn is_outage(err: &redis::RedisError) -> bool {
+    use redis::ErrorKind as K;
+    !matches!(
+        err.kind(),
+        K::ResponseError | K::ExtensionError | K::TypeError | K::ExecAbortError | K::NoScriptError
+    ) || err.is_io_error()
+        || err.is_timeout()
+        || err.is_connection_dropped()
+        || err.is_connection_refusal()
+}
+
+/// The breaker on Redis itself.
+#[derive(Debug, Default)]
+struct Breaker {
+    /// Outages in a row.
+    failures: u32,
+    /// Until when calls fail at once.
+    open_until: Option<Instant>,
 }
 
 impl std::fmt::Display for Unavailable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Unavailable::Down(why) => write!(f, "redis is unavailable: {why}"),
+            Unavailable::Refused { op, error } => {
+                write!(f, "redis refused the {op} call: {error}")
+            }
             Unavailable::Lost => f.write_str(
                 "redis has lost Backstop's state (its generation marker changed: it restarted empty); restore it from the AOF or the spend streams, then POST /admin/state/adopt",
             ),
@@ -46,14 +81,18 @@ pub struct Redis {
     timeout: Duration,
     retry_interval: Duration,
     prefix: String,
-    /// Until when calls fail at once (the breaker on Redis itself).
-    down_until: Mutex<Option<Instant>>,
+    breaker: Mutex<Breaker>,
     probing: AtomicBool,
     pub on_unavailable: OnUnavailable,
     pub replicas: u32,
     pub reservation_ttl: Duration,
     /// Per tenant, the generation this replica works under.
     generations: Mutex<HashMap<String, String>>,
+    /// The fleet's adoption marker as this replica last read it: an operator's adopt on
+    /// any replica changes it, and every replica then adopts too.
+    adoption: Mutex<Option<String>>,
+    /// Tenants whose admissions found the state lost, until it is adopted.
+    lost: Mutex<std::collections::BTreeSet<String>>,
     blind: AtomicU64,
 }
 
@@ -72,12 +111,14 @@ impl Redis {
             timeout: config.command_timeout,
             retry_interval: config.retry_interval,
             prefix: config.key_prefix.clone(),
-            down_until: Mutex::new(None),
+            breaker: Mutex::default(),
             probing: AtomicBool::new(false),
             on_unavailable: config.on_unavailable,
             replicas: config.replicas,
             reservation_ttl: config.reservation_ttl,
             generations: Mutex::default(),
+            adoption: Mutex::default(),
+            lost: Mutex::default(),
             blind: AtomicU64::new(0),
         }))
     }
@@ -94,6 +135,11 @@ impl Redis {
     /// A key of no tenant: `prefix:rest`.
     pub fn global(&self, rest: &str) -> String {
         format!("{}:{rest}", self.prefix)
+    }
+
+    /// How long the breaker stays open; also how often kept settles are replayed.
+    pub fn retry_interval(&self) -> Duration {
+        self.retry_interval
     }
 
     /// Admissions made without Redis (`on_unavailable = "open"`).
@@ -117,8 +163,8 @@ impl Redis {
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
         let probe = {
-            let down = self.down_until.lock().unwrap_or_else(|e| e.into_inner());
-            match *down {
+            let breaker = self.breaker.lock().unwrap_or_else(|e| e.into_inner());
+            match breaker.open_until {
                 Some(until) if Instant::now() < until => {
                     metrics::counter!("backstop_state_fallbacks_total", "op" => op).increment(1);
                     return Err(Unavailable::Down(
@@ -155,24 +201,54 @@ impl Redis {
         }
         metrics::histogram!("backstop_state_seconds", "op" => op)
             .record(started.elapsed().as_secs_f64());
-        let err = match result {
+        let outage = match result {
             Ok(Ok(value)) => {
-                if probe {
-                    tracing::info!("redis is reachable again");
-                }
-                *self.down_until.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                self.answered(probe);
                 return Ok(value);
+            }
+            Ok(Err(err)) if !is_outage(&err) => {
+                // Redis is up and said no to this call alone (a script error, a wrong
+                // type): that call fails, nobody else's does.
+                self.answered(probe);
+                metrics::counter!("backstop_state_script_errors_total", "op" => op).increment(1);
+                tracing::error!(op, error = %err, "redis refused a call (script error)");
+                return Err(Unavailable::Refused {
+                    op,
+                    error: err.to_string(),
+                });
             }
             Ok(Err(err)) => err.to_string(),
             Err(_) => format!("no answer within {:?}", self.timeout),
         };
         metrics::counter!("backstop_state_errors_total", "op" => op).increment(1);
-        let mut down = self.down_until.lock().unwrap_or_else(|e| e.into_inner());
-        if down.is_none() {
-            tracing::error!(op, error = %err, "redis call failed; failing fast for {:?}", self.retry_interval);
+        let mut breaker = self.breaker.lock().unwrap_or_else(|e| e.into_inner());
+        breaker.failures = breaker.failures.saturating_add(1);
+        if probe || breaker.failures >= FAILURES_TO_OPEN {
+            if breaker.open_until.is_none() {
+                tracing::error!(op, error = %outage, failures = breaker.failures, "redis call failed; failing fast for {:?}", self.retry_interval);
+            }
+            breaker.open_until = Some(Instant::now() + self.retry_interval);
+        } else {
+            tracing::warn!(op, error = %outage, failures = breaker.failures, "redis call failed");
         }
-        *down = Some(Instant::now() + self.retry_interval);
-        Err(Unavailable::Down(err))
+        Err(Unavailable::Down(outage))
+    }
+
+    /// Redis answered: the breaker closes (a probe that got through lets everyone in).
+    fn answered(&self, probe: bool) {
+        let mut breaker = self.breaker.lock().unwrap_or_else(|e| e.into_inner());
+        if probe || breaker.open_until.is_some() {
+            tracing::info!("redis is reachable again");
+        }
+        *breaker = Breaker::default();
+    }
+
+    /// Whether calls fail at once now (the breaker is open).
+    pub fn failing_fast(&self) -> bool {
+        let breaker = self.breaker.lock().unwrap_or_else(|e| e.into_inner());
+        breaker
+            .open_until
+            .is_some_and(|until| Instant::now() < until)
     }
 
     /// The generation this replica works under for `tenant`: the marker in Redis,
@@ -191,10 +267,11 @@ impl Redis {
 
     async fn adopt_tenant(&self, tenant: &str) -> Result<String, Unavailable> {
         let key = self.key(tenant, "generation");
+        let adoption_key = self.global(ADOPTION);
         let fresh = uuid::Uuid::new_v4().to_string();
-        let g: String = self
+        let (g, adoption): (String, Option<String>) = self
             .run("generation", |mut c| async move {
-                let (g,): (String,) = redis::pipe()
+                redis::pipe()
                     .cmd("SET")
                     .arg(&key)
                     .arg(&fresh)
@@ -202,36 +279,128 @@ impl Redis {
                     .ignore()
                     .cmd("GET")
                     .arg(&key)
+                    .cmd("GET")
+                    .arg(&adoption_key)
                     .query_async(&mut c)
-                    .await?;
-                Ok(g)
+                    .await
             })
             .await?;
         self.generations
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(tenant.to_string(), g.clone());
+        let mut known = self.adoption.lock().unwrap_or_else(|e| e.into_inner());
+        if known.is_none() {
+            *known = adoption;
+        }
         Ok(g)
     }
 
-    /// Takes whatever Redis holds now as the state to work under (after an operator
-    /// restored it, or accepted that it starts over).
-    pub async fn adopt(&self) -> Result<(), Unavailable> {
-        let tenants: Vec<String> = self
+    /// An admission found `tenant`'s generation marker gone or changed. If an operator
+    /// adopted the state since this replica last looked (on any replica), this replica
+    /// adopts it too and the caller tries again (`Ok(true)`); otherwise the state stays
+    /// lost for this tenant (`Ok(false)`), and `GET /admin/state` says so.
+    pub(crate) async fn on_lost(&self, tenant: &str) -> Result<bool, Unavailable> {
+        let adoption_key = self.global(ADOPTION);
+        let now: Option<String> = self
+            .run("adoption", |mut c| async move {
+                redis::cmd("GET")
+                    .arg(&adoption_key)
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        let adopted_since = {
+            let mut known = self.adoption.lock().unwrap_or_else(|e| e.into_inner());
+            let changed = now.is_some() && *known != now;
+            if changed {
+                *known = now;
+            }
+            changed
+        };
+        if adopted_since {
+            tracing::warn!(
+                tenant,
+                "the shared state was adopted on another replica; adopting it here"
+            );
+            self.forget_generations();
+            self.lost.lock().unwrap_or_else(|e| e.into_inner()).clear();
+            return Ok(true);
+        }
+        metrics::counter!("backstop_state_lost_total").increment(1);
+        tracing::error!(tenant, "{}", Unavailable::Lost);
+        self.lost
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(tenant.to_string());
+        Ok(false)
+    }
+
+    fn forget_generations(&self) {
+        self.generations
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
+    /// The tenants whose admissions found their state lost (empty once adopted).
+    pub fn lost_tenants(&self) -> Vec<String> {
+        self.lost
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .cloned()
+            .collect()
+    }
+
+    /// Which of the tenants this replica works for have lost their state now: their
+    /// generation marker in Redis is gone or is not the one this replica works under.
+    pub async fn check_generations(&self) -> Result<Vec<String>, Unavailable> {
+        let known: Vec<(String, String)> = self
             .generations
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .keys()
-            .cloned()
+            .iter()
+            .map(|(t, g)| (t.clone(), g.clone()))
             .collect();
-        for t in tenants {
-            self.generations
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&t);
-            self.adopt_tenant(&t).await?;
+        let mut lost = self.lost_tenants();
+        for (tenant, generation) in known {
+            let key = self.key(&tenant, "generation");
+            let now: Option<String> = self
+                .run("generation", |mut c| async move {
+                    redis::cmd("GET").arg(&key).query_async(&mut c).await
+                })
+                .await?;
+            if now.as_deref() != Some(generation.as_str()) && !lost.contains(&tenant) {
+                lost.push(tenant);
+            }
         }
+        lost.sort();
+        Ok(lost)
+    }
+
+    /// Takes whatever Redis holds now as the state to work under (after an operator
+    /// restored it, or accepted that it starts over), here and, through the fleet's
+    /// adoption marker, on every replica at its next admission.
+    pub async fn adopt(&self) -> Result<(), Unavailable> {
+        let adoption_key = self.global(ADOPTION);
+        let stamp = uuid::Uuid::new_v4().to_string();
+        let mine = stamp.clone();
+        self.run("adopt", |mut c| async move {
+            redis::cmd("SET")
+                .arg(&adoption_key)
+                .arg(&stamp)
+                .query_async::<()>(&mut c)
+                .await
+        })
+        .await?;
+        *self.adoption.lock().unwrap_or_else(|e| e.into_inner()) = Some(mine);
+        self.forget_generations();
+        self.lost.lock().unwrap_or_else(|e| e.into_inner()).clear();
         tracing::warn!("an operator adopted the shared state as it is now");
         Ok(())
     }
 }
+
+/// The fleet's adoption marker (a key of no tenant): rewritten by every adopt.
+const ADOPTION: &str = "adoption";

@@ -65,6 +65,16 @@ pub struct ReservationRecord {
     pub usd: f64,
 }
 
+/// A settle the shared state (Redis) could not take when its call ended, kept in the
+/// replica's own store until it can: `body` is the encoded settle
+/// ([`crate::state::shared::SharedSettle`]), replayed idempotently per reservation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueuedSettle {
+    pub reservation: String,
+    pub body: String,
+    pub queued_ms: i64,
+}
+
 /// A completed response kept for `Idempotency-Key` replays.
 #[derive(Debug, Clone)]
 pub struct StoredResponse {
@@ -175,6 +185,16 @@ pub trait Store: Send + Sync {
     fn charge(&self, charge: Charge) -> StoreFuture<'_, ()> {
         self.settle(None, charge)
     }
+
+    /// Keeps a settle the shared state could not take (replacing one kept for the same
+    /// reservation); resolves once it is durable.
+    fn queue_settle(&self, settle: QueuedSettle) -> StoreFuture<'_, ()>;
+
+    /// The oldest kept settles, at most `limit`.
+    fn queued_settles(&self, limit: usize) -> StoreFuture<'_, Vec<QueuedSettle>>;
+
+    /// Forgets a kept settle the shared state has taken.
+    fn unqueue_settle(&self, reservation: String) -> StoreFuture<'_, ()>;
 
     /// Starts a session's usage over from `at_ms`.
     fn reset_session<'a>(

@@ -11,8 +11,8 @@ use serde_json::{json, Value};
 
 use super::connection::Redis;
 use super::{
-    Charge, Claim, GuardRecord, OwnerRecord, ReservationRecord, Store, StoreError, StoreFuture,
-    StoredResponse, WindowSave,
+    Charge, Claim, GuardRecord, OwnerRecord, QueuedSettle, ReservationRecord, Store, StoreError,
+    StoreFuture, StoredResponse, WindowSave,
 };
 use crate::policy::budget::Usage;
 
@@ -109,6 +109,19 @@ impl Store for RedisStore {
         at_ms: i64,
     ) -> StoreFuture<'a, ()> {
         self.inner.reset_session(tenant, session, at_ms)
+    }
+
+    // Settles Redis could not take are kept in the replica's own store, not in Redis.
+    fn queue_settle(&self, settle: QueuedSettle) -> StoreFuture<'_, ()> {
+        self.inner.queue_settle(settle)
+    }
+
+    fn queued_settles(&self, limit: usize) -> StoreFuture<'_, Vec<QueuedSettle>> {
+        self.inner.queued_settles(limit)
+    }
+
+    fn unqueue_settle(&self, reservation: String) -> StoreFuture<'_, ()> {
+        self.inner.unqueue_settle(reservation)
     }
 
     fn remember(&self, response: StoredResponse) -> StoreFuture<'_, ()> {

@@ -27,8 +27,8 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 use tokio::sync::{oneshot, Semaphore};
 
 use super::{
-    count_error, writer, Charge, GuardRecord, OwnerRecord, ReservationRecord, Store, StoreError,
-    StoreFuture, StoredResponse,
+    count_error, writer, Charge, GuardRecord, OwnerRecord, QueuedSettle, ReservationRecord, Store,
+    StoreError, StoreFuture, StoredResponse,
 };
 use crate::{config::StoreConfig, policy::budget::Usage};
 
@@ -45,6 +45,8 @@ pub(super) enum Op {
         at_ms: i64,
     },
     Remember(StoredResponse),
+    QueueSettle(QueuedSettle),
+    UnqueueSettle(String),
     RecordOwners(Vec<OwnerRecord>),
     SaveGuard(GuardRecord),
     ClearGuard {
@@ -64,6 +66,7 @@ impl Op {
             Op::Settle { .. } => "settle",
             Op::ResetSession { .. } => "reset_session",
             Op::Remember(_) => "remember",
+            Op::QueueSettle(_) | Op::UnqueueSettle(_) => "queued_settle",
             Op::RecordOwners(_) => "owners",
             Op::SaveGuard(_) | Op::ClearGuard { .. } => "guard",
             Op::Purge { .. } => "purge",
@@ -187,6 +190,12 @@ CREATE TABLE IF NOT EXISTS response_owners (
     tenant TEXT NOT NULL,
     expires_ms INTEGER NOT NULL
 ) WITHOUT ROWID;
+-- Settles the shared state (Redis) could not take yet, replayed until it does.
+CREATE TABLE IF NOT EXISTS shared_settles (
+    reservation TEXT PRIMARY KEY,
+    body TEXT NOT NULL,
+    queued_ms INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS session_resets (
     tenant TEXT NOT NULL,
     session TEXT NOT NULL,
@@ -416,6 +425,31 @@ impl Store for SqliteStore {
 
     fn remember(&self, response: StoredResponse) -> StoreFuture<'_, ()> {
         Box::pin(self.write(Op::Remember(response)))
+    }
+
+    fn queue_settle(&self, settle: QueuedSettle) -> StoreFuture<'_, ()> {
+        Box::pin(self.write(Op::QueueSettle(settle)))
+    }
+
+    fn queued_settles(&self, limit: usize) -> StoreFuture<'_, Vec<QueuedSettle>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        Box::pin(self.read(move |conn| {
+            conn.prepare_cached(
+                "SELECT reservation, body, queued_ms FROM shared_settles ORDER BY queued_ms LIMIT ?1",
+            )?
+            .query_map(params![limit], |r| {
+                Ok(QueuedSettle {
+                    reservation: r.get(0)?,
+                    body: r.get(1)?,
+                    queued_ms: r.get(2)?,
+                })
+            })?
+            .collect()
+        }))
+    }
+
+    fn unqueue_settle(&self, reservation: String) -> StoreFuture<'_, ()> {
+        Box::pin(self.write(Op::UnqueueSettle(reservation)))
     }
 
     fn record_owners(&self, owners: Vec<OwnerRecord>) -> StoreFuture<'_, ()> {

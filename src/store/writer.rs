@@ -181,6 +181,16 @@ fn commit(conn: &mut Connection, batch: &[Write]) -> rusqlite::Result<()> {
                     r.expires_ms
                 ])?;
             }
+            Op::QueueSettle(q) => {
+                tx.prepare_cached(
+                    "INSERT OR REPLACE INTO shared_settles (reservation, body, queued_ms) VALUES (?1, ?2, ?3)",
+                )?
+                .execute(params![q.reservation, q.body, q.queued_ms])?;
+            }
+            Op::UnqueueSettle(reservation) => {
+                tx.prepare_cached("DELETE FROM shared_settles WHERE reservation = ?1")?
+                    .execute(params![reservation])?;
+            }
             Op::RecordOwners(owners) => {
                 let mut insert = tx.prepare_cached(
                     "INSERT INTO response_owners (id, tenant, expires_ms) VALUES (?1, ?2, ?3)

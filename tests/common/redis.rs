@@ -139,6 +139,23 @@ impl Redis {
             && &reply == b"+PONG\r\n"
     }
 
+    /// Runs one command (RESP, plain TCP) and returns the first line of its reply.
+    pub fn command(&self, args: &[&str]) -> String {
+        let mut conn = TcpStream::connect(("127.0.0.1", self.port)).expect("redis answers");
+        conn.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut req = format!("*{}\r\n", args.len());
+        for a in args {
+            req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+        }
+        conn.write_all(req.as_bytes()).unwrap();
+        let mut reply = Vec::new();
+        let mut byte = [0u8; 1];
+        while conn.read_exact(&mut byte).is_ok() && byte[0] != b'\n' {
+            reply.push(byte[0]);
+        }
+        String::from_utf8_lossy(&reply).trim_end().to_string()
+    }
+
     /// SIGSTOP: the server keeps its sockets open and answers nothing.
     pub fn pause(&self) {
         signal("STOP", self.pid());
