@@ -88,6 +88,7 @@ path = "{store}"
 backend = "redis"
 url = "{url}"
 key_prefix = "{prefix}"
+cluster = {cluster}
 replicas = {replicas}
 {state}
 
@@ -116,6 +117,7 @@ targets = [{{ upstream = "mock" }}]
 "#,
         store = store.display(),
         url = redis.url(),
+        cluster = redis.is_cluster(),
         mock_url = mock.base_url(),
     )
 }
@@ -301,7 +303,15 @@ async fn race(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn caps_are_exact_across_three_replicas() {
-    let redis = Redis::start();
+    caps_are_exact_across_three_replicas_with(Redis::start()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caps_are_exact_across_three_replicas_on_a_cluster() {
+    caps_are_exact_across_three_replicas_with(Redis::start_cluster()).await;
+}
+
+async fn caps_are_exact_across_three_replicas_with(redis: Redis) {
     let tenants = format!(
         r#"
 [[tenants]]
@@ -390,7 +400,15 @@ max_usd = 0.05
 /// reports them in flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_concurrency_is_shared_by_the_replicas() {
-    let redis = Redis::start();
+    session_concurrency_is_shared_by_the_replicas_with(Redis::start()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_concurrency_is_shared_by_the_replicas_on_a_cluster() {
+    session_concurrency_is_shared_by_the_replicas_with(Redis::start_cluster()).await;
+}
+
+async fn session_concurrency_is_shared_by_the_replicas_with(redis: Redis) {
     let tenants = format!(
         r#"
 [[tenants]]
@@ -445,7 +463,15 @@ max_concurrent = 2
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_rate_limit_is_shared_by_the_replicas() {
-    let redis = Redis::start();
+    a_tenant_rate_limit_is_shared_by_the_replicas_with(Redis::start()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_rate_limit_is_shared_by_the_replicas_on_a_cluster() {
+    a_tenant_rate_limit_is_shared_by_the_replicas_with(Redis::start_cluster()).await;
+}
+
+async fn a_tenant_rate_limit_is_shared_by_the_replicas_with(redis: Redis) {
     let tenants = format!(
         r#"
 [[tenants]]
@@ -482,7 +508,15 @@ requests_per_minute = 30
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loop_tripped_on_one_replica_is_refused_by_all() {
-    let redis = Redis::start();
+    a_loop_tripped_on_one_replica_is_refused_by_all_with(Redis::start()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loop_tripped_on_one_replica_is_refused_by_all_on_a_cluster() {
+    a_loop_tripped_on_one_replica_is_refused_by_all_with(Redis::start_cluster()).await;
+}
+
+async fn a_loop_tripped_on_one_replica_is_refused_by_all_with(redis: Redis) {
     let tenants = format!(
         r#"
 [[tenants]]
@@ -537,7 +571,16 @@ cool_down = "60s"
 /// would on one gateway.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_loop_spread_over_the_replicas_trips_at_the_configured_count() {
-    let redis = Redis::start();
+    a_loop_spread_over_the_replicas_trips_at_the_configured_count_with(Redis::start()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loop_spread_over_the_replicas_trips_at_the_configured_count_on_a_cluster() {
+    a_loop_spread_over_the_replicas_trips_at_the_configured_count_with(Redis::start_cluster())
+        .await;
+}
+
+async fn a_loop_spread_over_the_replicas_trips_at_the_configured_count_with(redis: Redis) {
     let tenants = format!(
         r#"
 [[tenants]]
@@ -604,7 +647,15 @@ cool_down = "60s"
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_idempotency_key_is_one_upstream_call_across_replicas() {
-    let redis = Redis::start();
+    one_idempotency_key_is_one_upstream_call_across_replicas_with(Redis::start()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_idempotency_key_is_one_upstream_call_across_replicas_on_a_cluster() {
+    one_idempotency_key_is_one_upstream_call_across_replicas_with(Redis::start_cluster()).await;
+}
+
+async fn one_idempotency_key_is_one_upstream_call_across_replicas_with(redis: Redis) {
     let tenants = format!(
         r#"
 [[tenants]]
@@ -657,7 +708,15 @@ max_calls = 100
 /// a crash's reservations), never freed uncharged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_replicas_reservations_are_charged_when_their_leases_expire() {
-    let redis = Redis::start();
+    a_killed_replicas_reservations_are_charged_when_their_leases_expire_with(Redis::start()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_replicas_reservations_are_charged_when_their_leases_expire_on_a_cluster() {
+    a_killed_replicas_reservations_are_charged_when_their_leases_expire_with(Redis::start_cluster()).await;
+}
+
+async fn a_killed_replicas_reservations_are_charged_when_their_leases_expire_with(redis: Redis) {
     let tenants = format!(
         r#"
 [[tenants]]
@@ -719,7 +778,15 @@ max_calls = 5
 /// upstream served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unpriced_models_and_zero_token_answers_are_charged_on_every_replica() {
-    let redis = Redis::start();
+    unpriced_models_and_zero_token_answers_are_charged_on_every_replica_with(Redis::start()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unpriced_models_and_zero_token_answers_are_charged_on_every_replica_on_a_cluster() {
+    unpriced_models_and_zero_token_answers_are_charged_on_every_replica_with(Redis::start_cluster()).await;
+}
+
+async fn unpriced_models_and_zero_token_answers_are_charged_on_every_replica_with(redis: Redis) {
     let tenants = format!(
         r#"
 [[tenants]]
@@ -768,7 +835,15 @@ tokens_per_day = 1000000
 /// store replays it once Redis is back, and the books hold exactly the call's usage.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settle_redis_cannot_take_is_kept_and_replayed_by_the_next_process() {
-    let redis = Redis::start();
+    a_settle_redis_cannot_take_is_kept_and_replayed_by_the_next_process_with(Redis::start()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_redis_cannot_take_is_kept_and_replayed_by_the_next_process_on_a_cluster() {
+    a_settle_redis_cannot_take_is_kept_and_replayed_by_the_next_process_with(Redis::start_cluster()).await;
+}
+
+async fn a_settle_redis_cannot_take_is_kept_and_replayed_by_the_next_process_with(redis: Redis) {
     let tenants = format!(
         r#"
 [[tenants]]
@@ -824,7 +899,15 @@ max_usd = 10.0
 /// once shut the replica's Redis access for everyone for `retry_interval`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_script_error_is_one_calls_failure_not_an_outage() {
-    let redis = Redis::start();
+    a_script_error_is_one_calls_failure_not_an_outage_with(Redis::start()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_script_error_is_one_calls_failure_not_an_outage_on_a_cluster() {
+    a_script_error_is_one_calls_failure_not_an_outage_with(Redis::start_cluster()).await;
+}
+
+async fn a_script_error_is_one_calls_failure_not_an_outage_with(redis: Redis) {
     let tenants = format!(
         r#"
 [[tenants]]

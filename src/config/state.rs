@@ -12,6 +12,8 @@ pub struct StateConfig {
     /// `redis://host:port/db`, or `rediss://` for TLS (the system's trusted roots);
     /// required with `backend = "redis"`.
     pub url: Option<String>,
+    /// A Redis Cluster: `url` is one of its nodes (the others are discovered from it).
+    pub cluster: bool,
     /// Every key starts with this; a tenant's keys also share one hash tag (`{tenant}`).
     pub key_prefix: String,
     /// Every Redis call is bounded by this; nothing waits longer.
@@ -54,6 +56,7 @@ impl Default for StateConfig {
         StateConfig {
             backend: StateBackend::Embedded,
             url: None,
+            cluster: false,
             key_prefix: "backstop".into(),
             command_timeout: Duration::from_millis(100),
             reservation_ttl: Duration::from_secs(300),

@@ -17,7 +17,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use redis::aio::ConnectionManager;
+use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::cluster_async::ClusterConnection;
 use tokio::sync::OnceCell;
 
 use crate::config::{OnUnavailable, StateConfig};
@@ -74,10 +75,55 @@ impl std::fmt::Display for Unavailable {
     }
 }
 
+/// A connection to one Redis server, or to a Redis Cluster (which routes each command,
+/// and each script by its first key, to the node that holds the slot: every script
+/// here works on one tenant's keys, which share the `{tenant}` hash tag).
+#[derive(Clone)]
+pub enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(cmd, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+enum Client {
+    Single(redis::Client),
+    Cluster(redis::cluster::ClusterClient),
+}
+
 /// The connection, its bounds and its breaker.
 pub struct Redis {
-    client: redis::Client,
-    conn: OnceCell<ConnectionManager>,
+    client: Client,
+    conn: OnceCell<Conn>,
     timeout: Duration,
     retry_interval: Duration,
     prefix: String,
@@ -104,7 +150,18 @@ pub(crate) fn ms(d: Duration) -> u64 {
 impl Redis {
     pub fn new(config: &StateConfig) -> Result<Arc<Redis>, String> {
         let url = config.url.as_deref().unwrap_or_default();
-        let client = redis::Client::open(url).map_err(|e| format!("state.url: {e}"))?;
+        let client = if config.cluster {
+            Client::Cluster(
+                redis::cluster::ClusterClientBuilder::new(vec![url])
+                    .connection_timeout(config.command_timeout)
+                    .response_timeout(config.command_timeout)
+                    .retries(1)
+                    .build()
+                    .map_err(|e| format!("state.url: {e}"))?,
+            )
+        } else {
+            Client::Single(redis::Client::open(url).map_err(|e| format!("state.url: {e}"))?)
+        };
         Ok(Arc::new(Redis {
             client,
             conn: OnceCell::new(),
@@ -159,7 +216,7 @@ impl Redis {
     /// Runs one Redis operation, bounded by `command_timeout` and behind the breaker.
     pub async fn run<T, F, Fut>(&self, op: &'static str, f: F) -> Result<T, Unavailable>
     where
-        F: FnOnce(ConnectionManager) -> Fut,
+        F: FnOnce(Conn) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
         let probe = {
@@ -184,12 +241,21 @@ impl Redis {
         let result = tokio::time::timeout(self.timeout, async {
             let conn = self
                 .conn
-                .get_or_try_init(|| {
-                    let config = redis::aio::ConnectionManagerConfig::new()
-                        .set_connection_timeout(self.timeout)
-                        .set_response_timeout(self.timeout)
-                        .set_number_of_retries(1);
-                    ConnectionManager::new_with_config(self.client.clone(), config)
+                .get_or_try_init(|| async {
+                    Ok::<_, redis::RedisError>(match &self.client {
+                        Client::Single(client) => {
+                            let config = redis::aio::ConnectionManagerConfig::new()
+                                .set_connection_timeout(self.timeout)
+                                .set_response_timeout(self.timeout)
+                                .set_number_of_retries(1);
+                            Conn::Single(
+                                ConnectionManager::new_with_config(client.clone(), config).await?,
+                            )
+                        }
+                        Client::Cluster(client) => {
+                            Conn::Cluster(client.get_async_connection().await?)
+                        }
+                    })
                 })
                 .await?
                 .clone();
@@ -269,9 +335,10 @@ impl Redis {
         let key = self.key(tenant, "generation");
         let adoption_key = self.global(ADOPTION);
         let fresh = uuid::Uuid::new_v4().to_string();
-        let (g, adoption): (String, Option<String>) = self
+        // Two round trips, not one pipeline: the adoption marker is in no tenant's slot.
+        let g: String = self
             .run("generation", |mut c| async move {
-                redis::pipe()
+                let (g,): (String,) = redis::pipe()
                     .cmd("SET")
                     .arg(&key)
                     .arg(&fresh)
@@ -279,7 +346,14 @@ impl Redis {
                     .ignore()
                     .cmd("GET")
                     .arg(&key)
-                    .cmd("GET")
+                    .query_async(&mut c)
+                    .await?;
+                Ok(g)
+            })
+            .await?;
+        let adoption: Option<String> = self
+            .run("adoption", |mut c| async move {
+                redis::cmd("GET")
                     .arg(&adoption_key)
                     .query_async(&mut c)
                     .await

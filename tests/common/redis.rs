@@ -11,6 +11,17 @@ use std::{
 
 use serde_json::Value;
 
+/// A port for a cluster node: it and its cluster bus port (10000 above it) both free.
+fn free_cluster_port() -> u16 {
+    loop {
+        let port = 20_000 + (uuid::Uuid::new_v4().as_u128() % 20_000) as u16;
+        let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if free(port) && free(port + 10_000) {
+            return port;
+        }
+    }
+}
+
 /// A port nothing listens on (bound, then released).
 pub fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -24,6 +35,19 @@ pub struct Redis {
     child: Child,
     /// Serving TLS only (`rediss://`), with a self-signed certificate.
     tls: bool,
+    /// The other masters of a Redis Cluster this one belongs to (started with it).
+    peers: Vec<Child>,
+    /// Where a cluster keeps its node files.
+    _dir: Option<TempCluster>,
+}
+
+/// A cluster's node files, removed on drop.
+struct TempCluster(std::path::PathBuf);
+
+impl Drop for TempCluster {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 impl Redis {
@@ -52,9 +76,91 @@ impl Redis {
             port,
             child,
             tls: false,
+            peers: Vec::new(),
+            _dir: None,
         };
         redis.wait_ready();
         redis
+    }
+
+    /// A Redis Cluster of three masters on free ports (`redis-cli --cluster create`),
+    /// returned once every node reports `cluster_state:ok`. [`Redis::url`] names the
+    /// first node; clients discover the rest from it.
+    pub fn start_cluster() -> Redis {
+        let dir = std::env::temp_dir().join(format!(
+            "backstop-redis-cluster-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ports: Vec<u16> = (0..3).map(|_| free_cluster_port()).collect();
+        let mut children: Vec<Child> = ports
+            .iter()
+            .map(|port| {
+                Command::new("redis-server")
+                    .args(["--port", &port.to_string()])
+                    .args(["--cluster-enabled", "yes", "--cluster-config-file"])
+                    .arg(dir.join(format!("nodes-{port}.conf")))
+                    .args(["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"])
+                    .current_dir(&dir)
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .expect("redis-server (.ci/run installs it)")
+            })
+            .collect();
+        let child = children.remove(0);
+        let redis = Redis {
+            port: ports[0],
+            child,
+            tls: false,
+            peers: children,
+            _dir: Some(TempCluster(dir)),
+        };
+        for port in &ports {
+            Redis::wait_port(*port);
+        }
+        let nodes: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+        let created = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&nodes)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .expect("redis-cli (installed with redis-server)");
+        assert!(created.success(), "redis-cli --cluster create failed");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for port in &ports {
+            loop {
+                let info = Redis::command_on(*port, &["CLUSTER", "INFO"]);
+                if info.contains("cluster_state:ok") {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "cluster not ok on {port}: {info}"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        redis
+    }
+
+    /// Whether this is a Redis Cluster (its replicas need `cluster = true`).
+    pub fn is_cluster(&self) -> bool {
+        !self.peers.is_empty()
+    }
+
+    fn wait_port(port: u16) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "redis-server on {port} did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// A `redis-server` that speaks TLS only, with a self-signed certificate made in
@@ -93,6 +199,8 @@ impl Redis {
             port,
             child,
             tls: true,
+            peers: Vec::new(),
+            _dir: None,
         };
         redis.wait_ready();
         redis
@@ -139,31 +247,63 @@ impl Redis {
             && &reply == b"+PONG\r\n"
     }
 
-    /// Runs one command (RESP, plain TCP) and returns the first line of its reply.
+    /// Runs one command (RESP, plain TCP) and returns its reply's first line (a bulk
+    /// reply: the whole of it). On a cluster, `redis-cli -c` sends it to the node that
+    /// holds its key.
     pub fn command(&self, args: &[&str]) -> String {
-        let mut conn = TcpStream::connect(("127.0.0.1", self.port)).expect("redis answers");
+        if self.is_cluster() {
+            let out = Command::new("redis-cli")
+                .args(["-c", "-p", &self.port.to_string()])
+                .args(args)
+                .output()
+                .expect("redis-cli (installed with redis-server)");
+            return String::from_utf8_lossy(&out.stdout).trim_end().to_string();
+        }
+        Redis::command_on(self.port, args)
+    }
+
+    fn command_on(port: u16, args: &[&str]) -> String {
+        let mut conn = TcpStream::connect(("127.0.0.1", port)).expect("redis answers");
         conn.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
         let mut req = format!("*{}\r\n", args.len());
         for a in args {
             req.push_str(&format!("${}\r\n{a}\r\n", a.len()));
         }
         conn.write_all(req.as_bytes()).unwrap();
-        let mut reply = Vec::new();
-        let mut byte = [0u8; 1];
-        while conn.read_exact(&mut byte).is_ok() && byte[0] != b'\n' {
-            reply.push(byte[0]);
-        }
-        String::from_utf8_lossy(&reply).trim_end().to_string()
+        let mut line = || {
+            let mut reply = Vec::new();
+            let mut byte = [0u8; 1];
+            while conn.read_exact(&mut byte).is_ok() && byte[0] != b'\n' {
+                reply.push(byte[0]);
+            }
+            String::from_utf8_lossy(&reply).trim_end().to_string()
+        };
+        let first = line();
+        let Some(len) = first
+            .strip_prefix('$')
+            .and_then(|n| n.parse::<usize>().ok())
+        else {
+            return first;
+        };
+        let mut body = vec![0u8; len];
+        conn.read_exact(&mut body).unwrap();
+        String::from_utf8_lossy(&body).to_string()
     }
 
     /// SIGSTOP: the server keeps its sockets open and answers nothing.
     pub fn pause(&self) {
         signal("STOP", self.pid());
+        for peer in &self.peers {
+            signal("STOP", peer.id());
+        }
     }
 
     /// SIGCONT after [`Redis::pause`].
     pub fn resume(&self) {
         signal("CONT", self.pid());
+        for peer in &self.peers {
+            signal("CONT", peer.id());
+        }
     }
 
     /// SIGKILL: the data is gone (nothing is saved); returns the port for a restart.
@@ -179,6 +319,10 @@ impl Drop for Redis {
         // SIGKILL also ends a stopped process.
         let _ = self.child.kill();
         let _ = self.child.wait();
+        for peer in &mut self.peers {
+            let _ = peer.kill();
+            let _ = peer.wait();
+        }
     }
 }
 
