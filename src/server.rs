@@ -2,7 +2,8 @@
 //!
 //! Connections are held to `[server]` limits, so idle or slow sockets cannot starve the
 //! gateway of file descriptors:
-//! - `max_connections`: beyond it a new connection is answered 503 and closed at once;
+//! - `max_connections`, lowered at start to what the open files limit can hold (see
+//!   `server/descriptors.rs`): beyond it a new connection is answered 503 and closed at once;
 //! - `header_read_timeout`: a new connection must deliver its first request head this
 //!   soon, and a keep-alive connection must finish a request head this soon after its
 //!   first byte (slowloris);
@@ -57,6 +58,8 @@ use crate::{
     store,
 };
 
+mod descriptors;
+
 /// A running server.
 pub struct ServerHandle {
     pub addr: SocketAddr,
@@ -100,6 +103,7 @@ pub async fn spawn(config: Config) -> io::Result<ServerHandle> {
 
 /// As [`spawn`], with the live state on `clock` (tests move it with [`Clock::skip`]).
 pub async fn spawn_with_clock(config: Config, clock: Clock) -> io::Result<ServerHandle> {
+    let cap = connection_cap(&config);
     let mock = match &config.mock {
         Some(m) => Some(crate::mock::spawn(TcpListener::bind(m.listen).await?)),
         None => None,
@@ -107,7 +111,6 @@ pub async fn spawn_with_clock(config: Config, clock: Clock) -> io::Result<Server
     let listener = TcpListener::bind(config.server.listen).await?;
     let addr = listener.local_addr()?;
     let limits = config.server.clone();
-    warn_if_descriptors_short(limits.max_connections);
     let state = AppState::with_clock(config, clock).map_err(io::Error::other)?;
     let purger = store::spawn_purger(
         state.budgets.store().clone(),
@@ -128,7 +131,7 @@ pub async fn spawn_with_clock(config: Config, clock: Clock) -> io::Result<Server
     let served = live.clone();
     let task = tokio::spawn(async move {
         let _housekeeping = (AbortOnDrop(housekeeping), AbortOnDrop(purger));
-        serve(listener, served, limits, rx).await;
+        serve(listener, served, limits, cap, rx).await;
     });
     ready.store(true, Ordering::Relaxed);
     tracing::info!(%addr, "backstop listening");
@@ -146,12 +149,13 @@ async fn serve(
     listener: TcpListener,
     live: Arc<Live>,
     limits: ServerConfig,
+    cap: usize,
     mut stop: watch::Receiver<bool>,
 ) {
     // Shared by every generation: readiness and the end-of-grace signal.
     let state = live.current().state.clone();
     let limits = Arc::new(limits);
-    let permits = Arc::new(Semaphore::new(limits.max_connections));
+    let permits = Arc::new(Semaphore::new(cap));
     let (close_tx, close_rx) = watch::channel(false);
     let mut connections = JoinSet::new();
     let mut backoff = ACCEPT_BACKOFF_MIN;
@@ -179,7 +183,7 @@ async fn serve(
                             let conn = Connection { live: live.clone(), limits: limits.clone(), _permit: permit };
                             connections.spawn(conn.run(tcp, close_rx.clone()));
                         }
-                        Err(_) => refuse_over_capacity(tcp, limits.max_connections),
+                        Err(_) => refuse_over_capacity(tcp, cap),
                     }
                 }
                 Err(err) if is_per_connection(&err) => {}
@@ -223,24 +227,25 @@ async fn serve(
     }
 }
 
-/// Each connection is a file descriptor, and upstream connections, the store and logs
-/// need their own: warn when `max_connections` cannot be reached before EMFILE.
-fn warn_if_descriptors_short(max_connections: usize) {
-    let soft = std::fs::read_to_string("/proc/self/limits")
-        .ok()
-        .and_then(|text| {
-            text.lines()
-                .find(|l| l.starts_with("Max open files"))
-                .and_then(|l| l.split_whitespace().nth(3))
-                .and_then(|v| v.parse::<usize>().ok())
-        });
-    if let Some(soft) = soft.filter(|soft| max_connections.saturating_mul(2) + 64 > *soft) {
+/// Raises the open files limit and derives the connection cap from it, logging both.
+fn connection_cap(config: &Config) -> usize {
+    let open_files_limit = descriptors::raise_open_files_limit();
+    let configured = config.server.max_connections;
+    let per_connection = descriptors::per_connection(config.mock.is_some());
+    let effective = descriptors::connection_cap(configured, open_files_limit, per_connection);
+    if effective < configured {
         tracing::warn!(
-            max_connections,
-            open_files_limit = soft,
-            "server.max_connections needs about two descriptors each (client and upstream); raise `ulimit -n` or lower it"
+            configured,
+            effective,
+            open_files_limit,
+            per_connection,
+            reserve = descriptors::RESERVE,
+            "connection cap lowered below server.max_connections to fit the open files limit; raise the hard `ulimit -n` or lower server.max_connections"
         );
+    } else {
+        tracing::info!(configured, effective, open_files_limit, "connection cap");
     }
+    effective
 }
 
 /// Resolves once the flag is set (or its sender is gone).
@@ -261,11 +266,11 @@ fn is_per_connection(err: &io::Error) -> bool {
     )
 }
 
-/// Over `max_connections`: a best-effort 503 (never waiting on the socket), then close.
-fn refuse_over_capacity(tcp: TcpStream, limit: usize) {
+/// Over the connection cap: a best-effort 503 (never waiting on the socket), then close.
+fn refuse_over_capacity(tcp: TcpStream, cap: usize) {
     metrics::counter!("backstop_connections_refused_total").increment(1);
     let body = format!(
-        r#"{{"error":{{"message":"too many open connections (server.max_connections = {limit}); retry shortly","type":"server_error","code":"too_many_connections","param":null}}}}"#
+        r#"{{"error":{{"message":"too many open connections (at most {cap}); retry shortly","type":"server_error","code":"too_many_connections","param":null}}}}"#
     );
     let head = format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nx-should-retry: false\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
