@@ -3,7 +3,8 @@
 //! Connections are held to `[server]` limits, so idle or slow sockets cannot starve the
 //! gateway of file descriptors:
 //! - `max_connections`, lowered at start to what the open files limit can hold (see
-//!   `server/descriptors.rs`): beyond it a new connection is answered 503 and closed at once;
+//!   `server/descriptors.rs`): beyond it a new connection is answered 503 as soon as its request
+//!   head is in, and closed;
 //! - `header_read_timeout`: a new connection must deliver its first request head this
 //!   soon, and a keep-alive connection must finish a request head this soon after its
 //!   first byte (slowloris);
@@ -18,6 +19,7 @@
 //! format (`server_shutting_down`) before their connections are dropped.
 
 use std::{
+    collections::VecDeque,
     convert::Infallible,
     io,
     net::SocketAddr,
@@ -42,7 +44,7 @@ use hyper_util::{
 use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
     net::{TcpListener, TcpStream},
-    sync::{watch, OwnedSemaphorePermit, Semaphore},
+    sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore},
     task::{JoinHandle, JoinSet},
     time::Instant,
 };
@@ -156,6 +158,7 @@ async fn serve(
     let state = live.current().state.clone();
     let limits = Arc::new(limits);
     let permits = Arc::new(Semaphore::new(cap));
+    let mut refusals = Refusals::new(cap, descriptors::REFUSAL_SLOTS);
     let (close_tx, close_rx) = watch::channel(false);
     let mut connections = JoinSet::new();
     let mut backoff = ACCEPT_BACKOFF_MIN;
@@ -183,7 +186,7 @@ async fn serve(
                             let conn = Connection { live: live.clone(), limits: limits.clone(), _permit: permit };
                             connections.spawn(conn.run(tcp, close_rx.clone()));
                         }
-                        Err(_) => refuse_over_capacity(tcp, cap),
+                        Err(_) => refusals.refuse(tcp),
                     }
                 }
                 Err(err) if is_per_connection(&err) => {}
@@ -266,17 +269,118 @@ fn is_per_connection(err: &io::Error) -> bool {
     )
 }
 
-/// Over the connection cap: a best-effort 503 (never waiting on the socket), then close.
-fn refuse_over_capacity(tcp: TcpStream, cap: usize) {
-    metrics::counter!("backstop_connections_refused_total").increment(1);
+/// Connections refused over the cap. Each gets its 503 once its request head is in (an
+/// HTTP/1 client such as hyper drops a response that comes before its request), or
+/// after [`REFUSAL_HEAD_WAIT`]; it is then read until the client closes, for at most
+/// [`REFUSAL_LINGER`], since closing on unread bytes sends a reset that can destroy the
+/// 503 before the client reads it. At most `slots` refusals wait at once, so that they
+/// hold few descriptors: one more cuts the longest wait short (503 and close at once).
+struct Refusals {
+    cap: usize,
+    slots: usize,
+    waiting: VecDeque<oneshot::Sender<()>>,
+}
+
+/// How long a refused connection may take to send its request head, and then to close.
+const REFUSAL_HEAD_WAIT: Duration = Duration::from_millis(250);
+const REFUSAL_LINGER: Duration = Duration::from_millis(250);
+/// The most a refused connection is read of, head and body together.
+const REFUSAL_READ_BYTES: usize = 64 * 1024;
+
+impl Refusals {
+    fn new(cap: usize, slots: usize) -> Self {
+        Refusals {
+            cap,
+            slots,
+            waiting: VecDeque::with_capacity(slots),
+        }
+    }
+
+    fn refuse(&mut self, tcp: TcpStream) {
+        metrics::counter!("backstop_connections_refused_total").increment(1);
+        self.waiting.retain(|refusal| !refusal.is_closed());
+        if self.waiting.len() >= self.slots {
+            if let Some(longest) = self.waiting.pop_front() {
+                let _ = longest.send(());
+            }
+        }
+        let (cut, cut_short) = oneshot::channel();
+        self.waiting.push_back(cut);
+        tokio::spawn(refuse(tcp, self.cap, cut_short));
+    }
+}
+
+/// One refusal: wait for the request head, answer 503, linger until the client closes.
+async fn refuse(mut tcp: TcpStream, cap: usize, mut cut_short: oneshot::Receiver<()>) {
+    use tokio::io::AsyncWriteExt;
+
+    let mut read = 0;
+    let mut sink = [0u8; 4096];
+    let cut = tokio::select! {
+        _ = tokio::time::timeout(REFUSAL_HEAD_WAIT, read_head(&mut tcp, &mut sink, &mut read)) => false,
+        _ = &mut cut_short => true,
+    };
+    if cut {
+        // What has already arrived, without waiting for more.
+        while read < REFUSAL_READ_BYTES {
+            match tcp.try_read(&mut sink) {
+                Ok(n @ 1..) => read += n,
+                _ => break,
+            }
+        }
+    }
     let body = format!(
         r#"{{"error":{{"message":"too many open connections (at most {cap}); retry shortly","type":"server_error","code":"too_many_connections","param":null}}}}"#
     );
-    let head = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nx-should-retry: false\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+    let response = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nx-should-retry: false\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     );
-    let _ = tcp.try_write(format!("{head}{body}").as_bytes());
+    let answered = tokio::time::timeout(REFUSAL_LINGER, async {
+        tcp.write_all(response.as_bytes()).await?;
+        tcp.shutdown().await
+    })
+    .await;
+    if cut || !matches!(answered, Ok(Ok(()))) {
+        return;
+    }
+    tokio::select! {
+        _ = tokio::time::timeout(REFUSAL_LINGER, drain(&mut tcp, &mut sink, &mut read)) => {}
+        _ = cut_short => {}
+    }
+}
+
+/// Reads until the end of a request head (a blank line), the client closes, or
+/// [`REFUSAL_READ_BYTES`] in all.
+async fn read_head(io: &mut (impl AsyncRead + Unpin), sink: &mut [u8], read: &mut usize) {
+    use tokio::io::AsyncReadExt;
+
+    let mut last4 = 0u32;
+    while *read < REFUSAL_READ_BYTES {
+        let n = match io.read(sink).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        *read += n;
+        for &byte in &sink[..n] {
+            last4 = (last4 << 8) | u32::from(byte);
+            if last4 == u32::from_be_bytes(*b"\r\n\r\n") {
+                return;
+            }
+        }
+    }
+}
+
+/// Reads and drops until the client closes or [`REFUSAL_READ_BYTES`] in all.
+async fn drain(io: &mut (impl AsyncRead + Unpin), sink: &mut [u8], read: &mut usize) {
+    use tokio::io::AsyncReadExt;
+
+    while *read < REFUSAL_READ_BYTES {
+        match io.read(sink).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => *read += n,
+        }
+    }
 }
 
 /// One accepted connection and what it holds.
@@ -547,5 +651,36 @@ pub async fn shutdown_signal() {
     tokio::select! {
         () = ctrl_c => {},
         () = term => {},
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_refusal_reads_up_to_the_blank_line_that_ends_the_head() {
+        let request = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n\r\n{\"model\":\"m\"}";
+        let head = request.len() - 13;
+        // A small buffer, so the blank line falls across reads.
+        let (mut sink, mut read) = ([0u8; 5], 0);
+        read_head(&mut &request[..], &mut sink, &mut read).await;
+        assert!((head..head + 5).contains(&read), "{read} of {head}");
+
+        // No blank line: read to the end.
+        let (mut sink, mut read) = ([0u8; 5], 0);
+        read_head(&mut &request[..head - 2], &mut sink, &mut read).await;
+        assert_eq!(read, head - 2);
+    }
+
+    #[tokio::test]
+    async fn a_refusal_reads_no_more_than_its_bound() {
+        let endless = vec![b'a'; 3 * REFUSAL_READ_BYTES];
+        let (mut sink, mut read) = ([0u8; 4096], 0);
+        read_head(&mut &endless[..], &mut sink, &mut read).await;
+        assert_eq!(read, REFUSAL_READ_BYTES);
+        let mut read = 0;
+        drain(&mut &endless[..], &mut sink, &mut read).await;
+        assert_eq!(read, REFUSAL_READ_BYTES);
     }
 }

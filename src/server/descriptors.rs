@@ -12,9 +12,13 @@
 //!    503 before accept can fail.
 
 /// Descriptors kept for all but client connections and their upstream ones: the
-/// listeners, the runtime's epoll and eventfd, the store's SQLite files, log files, and
-/// connections to Redis and the OTLP collector.
+/// listeners, the runtime's epoll and eventfd, the store's SQLite files, log files,
+/// connections to Redis and the OTLP collector, and [`REFUSAL_SLOTS`].
 pub const RESERVE: u64 = 64;
+
+/// Connections refused over the cap that may stay open at once while their 503 waits
+/// for the request head.
+pub const REFUSAL_SLOTS: usize = 16;
 
 /// Descriptors one client connection may need at worst: its own and one upstream
 /// connection; a third with the built-in mock, which holds the upstream's other end.
