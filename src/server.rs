@@ -2,7 +2,9 @@
 //!
 //! Connections are held to `[server]` limits, so idle or slow sockets cannot starve the
 //! gateway of file descriptors:
-//! - `max_connections`: beyond it a new connection is answered 503 and closed at once;
+//! - `max_connections`, lowered at start to what the open files limit can hold (see
+//!   `server/descriptors.rs`): beyond it a new connection is answered 503 as soon as its request
+//!   head is in, and closed;
 //! - `header_read_timeout`: a new connection must deliver its first request head this
 //!   soon, and a keep-alive connection must finish a request head this soon after its
 //!   first byte (slowloris);
@@ -17,6 +19,7 @@
 //! format (`server_shutting_down`) before their connections are dropped.
 
 use std::{
+    collections::VecDeque,
     convert::Infallible,
     io,
     net::SocketAddr,
@@ -41,7 +44,7 @@ use hyper_util::{
 use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
     net::{TcpListener, TcpStream},
-    sync::{watch, OwnedSemaphorePermit, Semaphore},
+    sync::{oneshot, watch, OwnedSemaphorePermit, Semaphore},
     task::{JoinHandle, JoinSet},
     time::Instant,
 };
@@ -56,6 +59,8 @@ use crate::{
     reload::{Generation, Live},
     store,
 };
+
+mod descriptors;
 
 /// A running server.
 pub struct ServerHandle {
@@ -100,6 +105,7 @@ pub async fn spawn(config: Config) -> io::Result<ServerHandle> {
 
 /// As [`spawn`], with the live state on `clock` (tests move it with [`Clock::skip`]).
 pub async fn spawn_with_clock(config: Config, clock: Clock) -> io::Result<ServerHandle> {
+    let cap = connection_cap(&config);
     let mock = match &config.mock {
         Some(m) => Some(crate::mock::spawn(TcpListener::bind(m.listen).await?)),
         None => None,
@@ -107,7 +113,6 @@ pub async fn spawn_with_clock(config: Config, clock: Clock) -> io::Result<Server
     let listener = TcpListener::bind(config.server.listen).await?;
     let addr = listener.local_addr()?;
     let limits = config.server.clone();
-    warn_if_descriptors_short(limits.max_connections);
     let state = AppState::with_clock(config, clock).map_err(io::Error::other)?;
     let purger = store::spawn_purger(
         state.budgets.store().clone(),
@@ -128,7 +133,7 @@ pub async fn spawn_with_clock(config: Config, clock: Clock) -> io::Result<Server
     let served = live.clone();
     let task = tokio::spawn(async move {
         let _housekeeping = (AbortOnDrop(housekeeping), AbortOnDrop(purger));
-        serve(listener, served, limits, rx).await;
+        serve(listener, served, limits, cap, rx).await;
     });
     ready.store(true, Ordering::Relaxed);
     tracing::info!(%addr, "backstop listening");
@@ -146,12 +151,14 @@ async fn serve(
     listener: TcpListener,
     live: Arc<Live>,
     limits: ServerConfig,
+    cap: usize,
     mut stop: watch::Receiver<bool>,
 ) {
     // Shared by every generation: readiness and the end-of-grace signal.
     let state = live.current().state.clone();
     let limits = Arc::new(limits);
-    let permits = Arc::new(Semaphore::new(limits.max_connections));
+    let permits = Arc::new(Semaphore::new(cap));
+    let mut refusals = Refusals::new(cap, descriptors::REFUSAL_SLOTS);
     let (close_tx, close_rx) = watch::channel(false);
     let mut connections = JoinSet::new();
     let mut backoff = ACCEPT_BACKOFF_MIN;
@@ -179,7 +186,7 @@ async fn serve(
                             let conn = Connection { live: live.clone(), limits: limits.clone(), _permit: permit };
                             connections.spawn(conn.run(tcp, close_rx.clone()));
                         }
-                        Err(_) => refuse_over_capacity(tcp, limits.max_connections),
+                        Err(_) => refusals.refuse(tcp),
                     }
                 }
                 Err(err) if is_per_connection(&err) => {}
@@ -223,24 +230,25 @@ async fn serve(
     }
 }
 
-/// Each connection is a file descriptor, and upstream connections, the store and logs
-/// need their own: warn when `max_connections` cannot be reached before EMFILE.
-fn warn_if_descriptors_short(max_connections: usize) {
-    let soft = std::fs::read_to_string("/proc/self/limits")
-        .ok()
-        .and_then(|text| {
-            text.lines()
-                .find(|l| l.starts_with("Max open files"))
-                .and_then(|l| l.split_whitespace().nth(3))
-                .and_then(|v| v.parse::<usize>().ok())
-        });
-    if let Some(soft) = soft.filter(|soft| max_connections.saturating_mul(2) + 64 > *soft) {
+/// Raises the open files limit and derives the connection cap from it, logging both.
+fn connection_cap(config: &Config) -> usize {
+    let open_files_limit = descriptors::raise_open_files_limit();
+    let configured = config.server.max_connections;
+    let per_connection = descriptors::per_connection(config.mock.is_some());
+    let effective = descriptors::connection_cap(configured, open_files_limit, per_connection);
+    if effective < configured {
         tracing::warn!(
-            max_connections,
-            open_files_limit = soft,
-            "server.max_connections needs about two descriptors each (client and upstream); raise `ulimit -n` or lower it"
+            configured,
+            effective,
+            open_files_limit,
+            per_connection,
+            reserve = descriptors::RESERVE,
+            "connection cap lowered below server.max_connections to fit the open files limit; raise the hard `ulimit -n` or lower server.max_connections"
         );
+    } else {
+        tracing::info!(configured, effective, open_files_limit, "connection cap");
     }
+    effective
 }
 
 /// Resolves once the flag is set (or its sender is gone).
@@ -261,17 +269,118 @@ fn is_per_connection(err: &io::Error) -> bool {
     )
 }
 
-/// Over `max_connections`: a best-effort 503 (never waiting on the socket), then close.
-fn refuse_over_capacity(tcp: TcpStream, limit: usize) {
-    metrics::counter!("backstop_connections_refused_total").increment(1);
+/// Connections refused over the cap. Each gets its 503 once its request head is in (an
+/// HTTP/1 client such as hyper drops a response that comes before its request), or
+/// after [`REFUSAL_HEAD_WAIT`]; it is then read until the client closes, for at most
+/// [`REFUSAL_LINGER`], since closing on unread bytes sends a reset that can destroy the
+/// 503 before the client reads it. At most `slots` refusals wait at once, so that they
+/// hold few descriptors: one more cuts the longest wait short (503 and close at once).
+struct Refusals {
+    cap: usize,
+    slots: usize,
+    waiting: VecDeque<oneshot::Sender<()>>,
+}
+
+/// How long a refused connection may take to send its request head, and then to close.
+const REFUSAL_HEAD_WAIT: Duration = Duration::from_millis(250);
+const REFUSAL_LINGER: Duration = Duration::from_millis(250);
+/// The most a refused connection is read of, head and body together.
+const REFUSAL_READ_BYTES: usize = 64 * 1024;
+
+impl Refusals {
+    fn new(cap: usize, slots: usize) -> Self {
+        Refusals {
+            cap,
+            slots,
+            waiting: VecDeque::with_capacity(slots),
+        }
+    }
+
+    fn refuse(&mut self, tcp: TcpStream) {
+        metrics::counter!("backstop_connections_refused_total").increment(1);
+        self.waiting.retain(|refusal| !refusal.is_closed());
+        if self.waiting.len() >= self.slots {
+            if let Some(longest) = self.waiting.pop_front() {
+                let _ = longest.send(());
+            }
+        }
+        let (cut, cut_short) = oneshot::channel();
+        self.waiting.push_back(cut);
+        tokio::spawn(refuse(tcp, self.cap, cut_short));
+    }
+}
+
+/// One refusal: wait for the request head, answer 503, linger until the client closes.
+async fn refuse(mut tcp: TcpStream, cap: usize, mut cut_short: oneshot::Receiver<()>) {
+    use tokio::io::AsyncWriteExt;
+
+    let mut read = 0;
+    let mut sink = [0u8; 4096];
+    let cut = tokio::select! {
+        _ = tokio::time::timeout(REFUSAL_HEAD_WAIT, read_head(&mut tcp, &mut sink, &mut read)) => false,
+        _ = &mut cut_short => true,
+    };
+    if cut {
+        // What has already arrived, without waiting for more.
+        while read < REFUSAL_READ_BYTES {
+            match tcp.try_read(&mut sink) {
+                Ok(n @ 1..) => read += n,
+                _ => break,
+            }
+        }
+    }
     let body = format!(
-        r#"{{"error":{{"message":"too many open connections (server.max_connections = {limit}); retry shortly","type":"server_error","code":"too_many_connections","param":null}}}}"#
+        r#"{{"error":{{"message":"too many open connections (at most {cap}); retry shortly","type":"server_error","code":"too_many_connections","param":null}}}}"#
     );
-    let head = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nx-should-retry: false\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+    let response = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nx-should-retry: false\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     );
-    let _ = tcp.try_write(format!("{head}{body}").as_bytes());
+    let answered = tokio::time::timeout(REFUSAL_LINGER, async {
+        tcp.write_all(response.as_bytes()).await?;
+        tcp.shutdown().await
+    })
+    .await;
+    if cut || !matches!(answered, Ok(Ok(()))) {
+        return;
+    }
+    tokio::select! {
+        _ = tokio::time::timeout(REFUSAL_LINGER, drain(&mut tcp, &mut sink, &mut read)) => {}
+        _ = cut_short => {}
+    }
+}
+
+/// Reads until the end of a request head (a blank line), the client closes, or
+/// [`REFUSAL_READ_BYTES`] in all.
+async fn read_head(io: &mut (impl AsyncRead + Unpin), sink: &mut [u8], read: &mut usize) {
+    use tokio::io::AsyncReadExt;
+
+    let mut last4 = 0u32;
+    while *read < REFUSAL_READ_BYTES {
+        let n = match io.read(sink).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        *read += n;
+        for &byte in &sink[..n] {
+            last4 = (last4 << 8) | u32::from(byte);
+            if last4 == u32::from_be_bytes(*b"\r\n\r\n") {
+                return;
+            }
+        }
+    }
+}
+
+/// Reads and drops until the client closes or [`REFUSAL_READ_BYTES`] in all.
+async fn drain(io: &mut (impl AsyncRead + Unpin), sink: &mut [u8], read: &mut usize) {
+    use tokio::io::AsyncReadExt;
+
+    while *read < REFUSAL_READ_BYTES {
+        match io.read(sink).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => *read += n,
+        }
+    }
 }
 
 /// One accepted connection and what it holds.
@@ -542,5 +651,36 @@ pub async fn shutdown_signal() {
     tokio::select! {
         () = ctrl_c => {},
         () = term => {},
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_refusal_reads_up_to_the_blank_line_that_ends_the_head() {
+        let request = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n\r\n{\"model\":\"m\"}";
+        let head = request.len() - 13;
+        // A small buffer, so the blank line falls across reads.
+        let (mut sink, mut read) = ([0u8; 5], 0);
+        read_head(&mut &request[..], &mut sink, &mut read).await;
+        assert!((head..head + 5).contains(&read), "{read} of {head}");
+
+        // No blank line: read to the end.
+        let (mut sink, mut read) = ([0u8; 5], 0);
+        read_head(&mut &request[..head - 2], &mut sink, &mut read).await;
+        assert_eq!(read, head - 2);
+    }
+
+    #[tokio::test]
+    async fn a_refusal_reads_no_more_than_its_bound() {
+        let endless = vec![b'a'; 3 * REFUSAL_READ_BYTES];
+        let (mut sink, mut read) = ([0u8; 4096], 0);
+        read_head(&mut &endless[..], &mut sink, &mut read).await;
+        assert_eq!(read, REFUSAL_READ_BYTES);
+        let mut read = 0;
+        drain(&mut &endless[..], &mut sink, &mut read).await;
+        assert_eq!(read, REFUSAL_READ_BYTES);
     }
 }

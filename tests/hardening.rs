@@ -545,6 +545,91 @@ async fn connections_over_the_cap_get_a_503_and_others_recover() {
     assert_eq!(resp.status(), 200);
 }
 
+/// Issue 23, item 7: the gateway under `prlimit --nofile=128:256`, with more idle
+/// connections than it can hold descriptors. It raises its soft limit to the hard 256,
+/// caps connections at (256 - 64 reserved) / 3 with the built-in mock = 64, and answers
+/// a new client at once (503 at accept) instead of leaving it in the listen backlog.
+#[tokio::test]
+async fn more_idle_connections_than_descriptors_still_leave_new_clients_a_prompt_answer() {
+    let dir = TempDir::new("backstop-fd");
+    let port = dead_port().await;
+    let mock_port = dead_port().await;
+    let config = dir.0.join("backstop.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\ndrain_delay = \"0s\"\nheader_read_timeout = \"30s\"\n[log]\nlevel = \"info\"\n[store]\npath = \":memory:\"\n[mock]\nlisten = \"127.0.0.1:{mock_port}\"\n[[upstreams]]\nname = \"m\"\napi = \"openai\"\nbase_url = \"http://127.0.0.1:{mock_port}\"\n[[routes]]\nmodel = \"*\"\ntargets = [{{ upstream = \"m\" }}]\n[[tenants]]\nname = \"t\"\napi_keys = [\"bk-fd-test\"]\n"
+        ),
+    )
+    .unwrap();
+    let binary = Binary::start_under(
+        &["prlimit", "--nofile=128:256"],
+        &config,
+        port,
+        std::process::Stdio::piped(),
+    )
+    .await;
+    let addr = format!("127.0.0.1:{port}");
+    let mut idle = Vec::new();
+    for _ in 0..300 {
+        let connect = TcpStream::connect(&addr);
+        idle.push(
+            tokio::time::timeout(Duration::from_secs(5), connect)
+                .await
+                .expect("connect in time")
+                .unwrap(),
+        );
+    }
+    // A fresh client each time: no pooled connection from an earlier request.
+    let chat_now = |within: Duration| {
+        let client = reqwest::Client::builder().timeout(within).build().unwrap();
+        client
+            .post(format!("http://{addr}/v1/chat/completions"))
+            .bearer_auth("bk-fd-test")
+            .body(chat("gpt-4o").to_string())
+            .send()
+    };
+    let started = std::time::Instant::now();
+    let resp = chat_now(Duration::from_secs(1))
+        .await
+        .expect("answered within 1 s");
+    // The first 64 idle connections hold every slot: this one is refused, and the 503
+    // reaches even hyper, which drops a response that comes before its request.
+    let (status, body) = error_code(resp).await;
+    assert_eq!(status, 503);
+    assert_eq!(body["error"]["code"], "too_many_connections");
+    assert!(started.elapsed() < Duration::from_secs(1));
+
+    drop(idle);
+    let recovered = async {
+        loop {
+            if chat_now(Duration::from_secs(1))
+                .await
+                .is_ok_and(|r| r.status() == 200)
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), recovered)
+        .await
+        .expect("a request succeeds once the idle connections are closed");
+
+    let logs = binary.terminate();
+    let cap = logs
+        .lines()
+        .find(|l| l.contains("connection cap"))
+        .unwrap_or_else(|| panic!("no connection cap logged: {logs}"));
+    for field in ["configured=4096", "effective=64", "open_files_limit=256"] {
+        assert!(cap.contains(field), "{cap}");
+    }
+    assert!(
+        !logs.contains("accept failed"),
+        "ran out of descriptors: {logs}"
+    );
+}
+
 // --- 15. Shutdown ---------------------------------------------------------------------------
 
 #[tokio::test]

@@ -33,7 +33,9 @@ pub struct ServerConfig {
     /// this long.
     #[serde(with = "humantime_serde")]
     pub idle_timeout: Duration,
-    /// Client connections open at once; beyond it new connections are closed at accept.
+    /// Client connections open at once; beyond it new connections are answered 503 and
+    /// closed. Lowered at start to what the open files limit can hold (`server`'s
+    /// `descriptors`).
     pub max_connections: usize,
     /// Largest upstream body read whole (non-streaming answers and error bodies).
     pub max_response_bytes: usize,

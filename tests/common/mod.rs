@@ -253,7 +253,24 @@ impl Binary {
         port: u16,
         stderr: std::process::Stdio,
     ) -> Binary {
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_backstop"))
+        Self::start_under(&[], config, port, stderr).await
+    }
+
+    /// As [`Binary::start_with`], run by the command `wrapper` (e.g. `prlimit` and its
+    /// options); none when empty.
+    pub async fn start_under(
+        wrapper: &[&str],
+        config: &std::path::Path,
+        port: u16,
+        stderr: std::process::Stdio,
+    ) -> Binary {
+        let binary = env!("CARGO_BIN_EXE_backstop");
+        let (program, args) = match wrapper.split_first() {
+            Some((program, args)) => (*program, [args, &[binary]].concat()),
+            None => (binary, Vec::new()),
+        };
+        let child = std::process::Command::new(program)
+            .args(args)
             .args(["serve", "--config", config.to_str().unwrap()])
             .stderr(stderr)
             .spawn()
