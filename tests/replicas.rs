@@ -47,7 +47,7 @@ struct Cluster {
     mock: MockUpstream,
     http: reqwest::Client,
     next: AtomicUsize,
-    /// Every key of this cluster starts with it.
+    /// The replicas' `key_prefix`: every key of this cluster starts with it.
     prefix: String,
     _dir: TempDir,
 }
@@ -700,6 +700,125 @@ max_calls = 100
             1,
             "replica {i}: the replays were not charged"
         );
+    }
+}
+
+/// A rolling upgrade leaves records of a newer format in Redis for the replicas not yet
+/// upgraded: each is refused (answered 503, or waited on), logged and counted, never read
+/// as a default that would restart a tripped session, make an idempotent call twice or
+/// serve a response to a tenant it may not be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_of_a_newer_format_are_refused_not_read_as_defaults() {
+    let redis = Redis::start();
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "guarded"
+api_keys = ["{GUARDED}"]
+[tenants.guard]
+identical_request_limit = 3
+"#
+    );
+    let cluster = Cluster::start(&redis, &[CLOSED], &tenants).await;
+    let prefix = cluster.prefix.clone();
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let set = |key: String, value: &'static str| redis::cmd("SET").arg(key).arg(value).clone();
+    // A close or trip kept by a newer release; a shared snapshot of one.
+    set(
+        format!("{prefix}:{{guarded}}:guard:kept"),
+        r#"{"v":99,"closed":true}"#,
+    )
+    .query_async::<()>(&mut conn)
+    .await
+    .unwrap();
+    redis::cmd("HSET")
+        .arg(format!("{prefix}:{{guarded}}:guard-window:shared"))
+        .arg("v")
+        .arg(7)
+        .arg("state")
+        .arg(r#"{"v":99,"phase":"hibernating"}"#)
+        .query_async::<()>(&mut conn)
+        .await
+        .unwrap();
+    for session in ["kept", "shared"] {
+        let headers = [("x-session-id", session), ("x-mock-scenario", "newer")];
+        let answer = cluster.call(0, GUARDED, &headers, &step(1)).await;
+        assert_state_unavailable(&answer);
+        assert!(answer.text.contains("version 99"), "{}", answer.text);
+    }
+    // An operator's reset replaces what could not be read.
+    let reset = cluster
+        .admin(
+            0,
+            reqwest::Method::POST,
+            "/admin/tenants/guarded/sessions/kept/reset",
+        )
+        .await;
+    assert_eq!(reset.status, 200, "{}", reset.text);
+    let headers = [("x-session-id", "kept"), ("x-mock-scenario", "newer")];
+    let answer = cluster.call(0, GUARDED, &headers, &step(2)).await;
+    assert_eq!(answer.status, 200, "after the reset: {}", answer.text);
+    assert_eq!(cluster.mock.attempts("newer").await, 1);
+
+    // A kept response of a newer format is a claim in progress: waited on, not made.
+    set(
+        format!("{prefix}:{{guarded}}:idempotency:chat_completions:newer"),
+        r#"{"v":99}"#,
+    )
+    .query_async::<()>(&mut conn)
+    .await
+    .unwrap();
+    let waited = cluster
+        .request(
+            0,
+            GUARDED,
+            &[
+                ("idempotency-key", "newer"),
+                ("x-mock-scenario", "idem-newer"),
+            ],
+            &step(3),
+        )
+        .timeout(Duration::from_millis(1500))
+        .send()
+        .await;
+    assert!(waited.is_err(), "answered: {waited:?}");
+    assert_eq!(cluster.mock.attempts("idem-newer").await, 0);
+
+    // An owner of a newer format: the response is nobody's to read until it can be.
+    set(
+        format!("{prefix}:owner:resp_newer"),
+        r#"{"v":99,"tenant":"guarded"}"#,
+    )
+    .query_async::<()>(&mut conn)
+    .await
+    .unwrap();
+    let resp = cluster
+        .http
+        .get(format!(
+            "{}/v1/responses/resp_newer",
+            cluster.replicas[0].url
+        ))
+        .bearer_auth(GUARDED)
+        .send()
+        .await
+        .unwrap();
+    let answer = Answer::read(resp).await;
+    assert_eq!(answer.status, 503, "{}", answer.text);
+    assert!(answer.text.contains("version 99"), "{}", answer.text);
+
+    let metrics = cluster
+        .http
+        .get(format!("{}/metrics", cluster.replicas[0].url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for record in ["guard_record", "guard_snapshot", "idempotency", "owner"] {
+        let line = format!("backstop_state_unknown_format_total{{record=\"{record}\"}}");
+        assert!(metrics.contains(&line), "{line} in {metrics}");
     }
 }
 

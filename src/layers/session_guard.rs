@@ -6,7 +6,8 @@
 //! any upstream call. Every response of a guarded session carries
 //! `x-backstop-session-state`. A trip is written to the store when it happens (and
 //! forgotten when the session is active again), so it outlives a restart or the
-//! session idling out of memory.
+//! session idling out of memory. A session whose kept or shared state this replica
+//! cannot read (a newer release's format) is refused with 503 `state_unavailable`.
 //!
 //! [`SessionGuard::admit`]: crate::policy::guard::SessionGuard::admit
 
@@ -27,6 +28,7 @@ use crate::{
         budgets::Budgets,
         sessions::{lock, SessionGuards, TraceEntry},
     },
+    store::format::UnknownFormat,
 };
 
 #[derive(Clone)]
@@ -83,6 +85,15 @@ fn to_keep(
     }
 }
 
+/// A session whose guard state cannot be read here is refused, not started over: a
+/// retry may reach a replica that reads it.
+fn unreadable(unknown: UnknownFormat) -> GatewayError {
+    GatewayError::StateUnavailable {
+        detail: format!("this session's guard state cannot be read by this replica: {unknown}"),
+        retry_after: std::time::Duration::from_secs(1),
+    }
+}
+
 async fn persist(guards: &SessionGuards, tenant: &str, session: &str, keep: Option<Option<Kept>>) {
     if let Some(kept) = keep {
         if let Err(err) = guards.persist(tenant, session, kept).await {
@@ -104,7 +115,11 @@ where
     async fn call(&self, mut inner: S, call: Call) -> Result<Response<Body>, GatewayError> {
         let layer = self;
         let entry = match call.session.as_deref() {
-            Some(s) => layer.guards.entry(&call.tenant, s).await,
+            Some(s) => layer
+                .guards
+                .entry(&call.tenant, s)
+                .await
+                .map_err(unreadable)?,
             None => None,
         };
         let (Some(entry), Some(session)) = (entry, call.session.clone()) else {
@@ -120,7 +135,8 @@ where
             .update(&tenant, &session, &entry, |guard, now| {
                 guard.admit(now, &fp, usd_before)
             })
-            .await;
+            .await
+            .map_err(unreadable)?;
         let (admitted, keep) = {
             let mut e = lock(&entry);
             let now = layer.guards.now();
@@ -173,12 +189,15 @@ where
         };
         let usd_after = layer.budgets.session_usd(&tenant, &session).await;
         let fields = log.snapshot();
+        // Shared state that became unreadable meanwhile is left as it is (already logged):
+        // this outcome goes uncounted.
         let change = layer
             .guards
             .update(&tenant, &session, &entry, |guard, now| {
                 guard.record(now, failed)
             })
-            .await;
+            .await
+            .unwrap_or_default();
         let keep = {
             let mut e = lock(&entry);
             let now = layer.guards.now();

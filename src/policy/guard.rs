@@ -95,8 +95,11 @@ impl Trip {
     }
 }
 
-/// The guard's states without their data: what transitions, logs and metrics name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The guard's states without their data: what transitions, logs and metrics name, and
+/// what a [`GuardSnapshot`] stores (by [`Phase::label`]; a name this build does not know
+/// does not read as any phase).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Phase {
     Active,
     Recovering,
@@ -190,14 +193,16 @@ pub fn restore_trip(code: &str, rule: &str, evidence: String) -> Trip {
 }
 
 /// A guard's counted state on the wall clock (ms since the epoch), as replicas share it.
+/// Its stored form, with its format version, is `store::format`'s.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GuardSnapshot {
-    pub phase: String,
+    pub phase: Phase,
     pub until_ms: i64,
     pub code: Option<String>,
     pub rule: Option<String>,
     pub evidence: Option<String>,
     pub consecutive_failures: u32,
+    /// (when, [`RequestFingerprint::request`]), oldest first.
     pub recent: Vec<(i64, u64)>,
     pub spend: Vec<(i64, f64)>,
     pub transitions: u64,
@@ -480,21 +485,21 @@ impl SessionGuard {
             )
         };
         let (phase, until_ms, trip) = match &self.state {
-            GuardState::Active => ("active", 0, None),
-            GuardState::Recovering => ("recovering", 0, None),
+            GuardState::Active => (Phase::Active, 0, None),
+            GuardState::Recovering => (Phase::Recovering, 0, None),
             GuardState::Tripped { until, trip } => (
-                "tripped",
+                Phase::Tripped,
                 now_ms.saturating_add(
                     i64::try_from(until.saturating_duration_since(now).as_millis())
                         .unwrap_or(i64::MAX),
                 ),
                 Some(trip),
             ),
-            GuardState::Probing { trip } => ("probing", 0, Some(trip)),
-            GuardState::Closed => ("closed", 0, None),
+            GuardState::Probing { trip } => (Phase::Probing, 0, Some(trip)),
+            GuardState::Closed => (Phase::Closed, 0, None),
         };
         GuardSnapshot {
-            phase: phase.into(),
+            phase,
             until_ms,
             code: trip.map(|t| t.code().as_str().to_string()),
             rule: trip.map(|t| t.rule.as_str().to_string()),
@@ -524,18 +529,18 @@ impl SessionGuard {
                 snap.evidence.clone().unwrap_or_default(),
             )
         };
-        let state = match snap.phase.as_str() {
-            "recovering" => GuardState::Recovering,
-            "tripped" => GuardState::Tripped {
+        let state = match snap.phase {
+            Phase::Active => GuardState::Active,
+            Phase::Recovering => GuardState::Recovering,
+            Phase::Tripped => GuardState::Tripped {
                 until: now
                     + Duration::from_millis(
                         u64::try_from(snap.until_ms.saturating_sub(now_ms)).unwrap_or(0),
                     ),
                 trip: trip(),
             },
-            "probing" => GuardState::Probing { trip: trip() },
-            "closed" => GuardState::Closed,
-            _ => GuardState::Active,
+            Phase::Probing => GuardState::Probing { trip: trip() },
+            Phase::Closed => GuardState::Closed,
         };
         SessionGuard {
             config: config.into(),
@@ -618,27 +623,40 @@ fn text_of(content: Option<&Value>) -> String {
     }
 }
 
+/// The seed of [`fingerprint`]'s hash.
+pub const FINGERPRINT_SEED: u64 = 0;
+
 /// The request's fingerprint: a hash of its normalised model + messages + tools (+ a
 /// Responses request's instructions, input and previous response), and the
 /// most repeated (tool call, tool result) pair in its history (chat `tool_calls` / `tool`
 /// messages, Anthropic `tool_use` / `tool_result` blocks, Responses `function_call` /
 /// `function_call_output` input items).
+///
+/// The hash is compared across replicas and releases (it is kept in the shared
+/// [`GuardSnapshot::recent`]), so it is a specified one: XXH3-64 with seed
+/// [`FINGERPRINT_SEED`] (0, the reference `XXH3_64bits`, which `xxhsum -H3` computes), of
+/// each key present followed by the JSON serde_json writes for its value (keys sorted,
+/// no spaces). Not std's `DefaultHasher`, whose algorithm Rust may change in any
+/// release; not SHA-256, which runs every request's whole conversation through a
+/// cryptographic hash when no adversary is in play (a tenant who forged a collision
+/// would only trip its own session). A test pins the value of a fixed request, so a
+/// change of algorithm, or of how serde_json writes, cannot go unnoticed.
 pub fn fingerprint(json: &serde_json::Map<String, Value>) -> RequestFingerprint {
-    use std::hash::Hasher;
+    use xxhash_rust::xxh3::Xxh3;
     /// Feeds serialised JSON straight into the hasher, without building a string.
-    struct HashWriter(std::collections::hash_map::DefaultHasher);
+    struct HashWriter(Xxh3);
     impl std::io::Write for HashWriter {
         fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0.write(bytes);
+            self.0.update(bytes);
             Ok(bytes.len())
         }
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
         }
     }
-    let mut hasher = HashWriter(std::collections::hash_map::DefaultHasher::new());
+    let mut hasher = HashWriter(Xxh3::with_seed(FINGERPRINT_SEED));
     for key in ["model", "system", "messages", "tools"] {
-        hasher.0.write(key.as_bytes());
+        hasher.0.update(key.as_bytes());
         if let Some(value) = json.get(key) {
             let _ = serde_json::to_writer(&mut hasher, value);
         }
@@ -648,7 +666,7 @@ pub fn fingerprint(json: &serde_json::Map<String, Value>) -> RequestFingerprint 
     // would look like the same request repeated.
     for key in ["instructions", "input", "previous_response_id"] {
         if let Some(value) = json.get(key) {
-            hasher.0.write(key.as_bytes());
+            hasher.0.update(key.as_bytes());
             let _ = serde_json::to_writer(&mut hasher, value);
         }
     }
@@ -769,7 +787,7 @@ pub fn fingerprint(json: &serde_json::Map<String, Value>) -> RequestFingerprint 
                 )
             });
     RequestFingerprint {
-        request: hasher.finish(),
+        request: hasher.digest(),
         tool_loop,
     }
 }
@@ -828,7 +846,7 @@ mod tests {
         );
         // The trip and its cool-down come back the same way.
         let tripped = h.snapshot(elsewhere, 1_000_000);
-        assert_eq!(tripped.phase, "tripped");
+        assert_eq!(tripped.phase, Phase::Tripped);
         assert_eq!(tripped.until_ms, 1_060_000);
         let k = SessionGuard::from_snapshot(config(), tripped, t0, 1_010_000);
         let refused = k.clone().admit(t0, &fp(8), 0.0).0.unwrap_err();
@@ -996,6 +1014,25 @@ mod tests {
                 r#"get_weather({"city":"Atlantis"}) returned the same error"#.to_string(),
                 3
             ))
+        );
+    }
+
+    /// Fingerprints are compared across replicas and releases (they are kept in the
+    /// shared snapshot), so their value is pinned: XXH3-64, seed 0, of what serde_json
+    /// writes. The same value, from the reference implementation:
+    /// `printf '%s' 'model"gpt-4o"systemmessages[{"content":"hi","role":"user"}]tools' | xxhsum -H3`.
+    #[test]
+    fn the_fingerprint_of_a_fixed_request_is_pinned() {
+        let Value::Object(m) = json!({
+            "model": "gpt-4o",
+            "messages": [{"role": "user", "content": "hi"}],
+            "temperature": 0.5,
+        }) else {
+            unreachable!()
+        };
+        assert_eq!(
+            format!("{:016x}", fingerprint(&m).request),
+            "594dc1997f111abb"
         );
     }
 

@@ -4,6 +4,11 @@
 //! (never while a request holds them), but an operator's close and an active trip are
 //! kept in the store ([`SessionGuards::persist`]) and read back when the session returns, after
 //! idle eviction or a restart.
+//!
+//! Kept or shared state in a format this build does not read (written by a newer
+//! release during a rolling upgrade, see [`crate::store::format`]) is never taken for an
+//! active session: the session's requests are refused on this replica until it can read
+//! it, and nothing of it is overwritten, except by an operator's close or reset.
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -19,7 +24,10 @@ use crate::{
     config::Config,
     policy::guard::{restore_trip, GuardPolicy, Kept, SessionGuard},
     state::live::{LiveSessions, SessionKey},
-    store::{GuardRecord, Store, StoreError, WindowSave},
+    store::{
+        format::{self, UnknownFormat},
+        GuardRecord, Store, StoreError, WindowSave,
+    },
 };
 
 /// Trace entries kept per session.
@@ -159,15 +167,17 @@ impl SessionGuards {
         self.configs.contains_key(tenant)
     }
 
-    /// What the store kept of a session, as of now.
-    async fn kept(&self, tenant: &str, session: &str) -> Option<Kept> {
+    /// What the store kept of a session, as of now; an error for a record this build
+    /// cannot read (a close or trip of a newer release's, most likely).
+    async fn kept(&self, tenant: &str, session: &str) -> Result<Option<Kept>, UnknownFormat> {
         match self.kept_record(tenant, session).await {
-            Ok(kept) => kept,
+            Ok(kept) => Ok(kept),
+            Err(StoreError::UnknownFormat(unknown)) => Err(unknown),
             Err(err) => {
                 // The guard protects against loops, not money: a session whose kept
                 // state cannot be read starts fresh (budgets still fail closed).
                 tracing::error!(tenant, session, error = %err, "cannot read a session's guard state");
-                None
+                Ok(None)
             }
         }
     }
@@ -192,14 +202,28 @@ impl SessionGuards {
     /// first brought up to the shared state, and what `f` changed is written back only
     /// if no other replica changed it meanwhile (else it is reloaded and `f` runs
     /// again), so every rule counts every replica's requests. When the store cannot be
-    /// reached, or races go on, this replica's own guard decides.
+    /// reached, or races go on, this replica's own guard decides. Shared state this build
+    /// cannot read is an error: `f` is not run and nothing is written.
     pub async fn update<R>(
         &self,
         tenant: &Arc<str>,
         session: &str,
         entry: &Mutex<GuardedSession>,
         f: impl Fn(&mut SessionGuard, Instant) -> R,
-    ) -> R {
+    ) -> Result<R, UnknownFormat> {
+        self.apply(tenant, session, entry, f, false).await
+    }
+
+    /// [`SessionGuards::update`], or, with `replace` (an operator's close or reset, which
+    /// replaces the state), over shared state this build cannot read as well.
+    async fn apply<R>(
+        &self,
+        tenant: &Arc<str>,
+        session: &str,
+        entry: &Mutex<GuardedSession>,
+        f: impl Fn(&mut SessionGuard, Instant) -> R,
+        replace: bool,
+    ) -> Result<R, UnknownFormat> {
         if let (true, Some(config)) = (self.store.is_shared(), self.configs.get(&**tenant)) {
             let ttl = u64::try_from(self.idle.as_millis()).unwrap_or(u64::MAX);
             let turn = lock(entry).updating.clone();
@@ -212,18 +236,29 @@ impl SessionGuards {
                     let mut e = lock(entry);
                     let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
                     if let Some((version, state)) = newer.take() {
-                        e.guard = match serde_json::from_str(&state) {
-                            Ok(snap) => {
-                                SessionGuard::from_snapshot(config.clone(), snap, now, now_ms)
-                            }
+                        let shared = if state.is_empty() {
                             // Nothing shared (expired, or Redis emptied): a fresh guard.
-                            Err(_) => SessionGuard::new(config.clone()),
+                            Ok(SessionGuard::new(config.clone()))
+                        } else {
+                            format::decode_snapshot(&state).map(|snap| {
+                                SessionGuard::from_snapshot(config.clone(), snap, now, now_ms)
+                            })
                         };
+                        match shared {
+                            Ok(guard) => e.guard = guard,
+                            // Not read as anything: refused, or replaced whole.
+                            Err(unknown) => {
+                                unknown.report(&format!("{tenant}/{session}"));
+                                if !replace {
+                                    return Err(unknown);
+                                }
+                            }
+                        }
                         e.version = version;
                     }
                     let result = f(&mut e.guard, now);
-                    let snapshot = serde_json::to_string(&e.guard.snapshot(now, now_ms));
-                    (result, snapshot.unwrap_or_default(), e.version)
+                    let snapshot = format::encode_snapshot(&e.guard.snapshot(now, now_ms));
+                    (result, snapshot, e.version)
                 };
                 match self
                     .store
@@ -232,34 +267,54 @@ impl SessionGuards {
                 {
                     Ok(Some(WindowSave::Saved(saved))) => {
                         lock(entry).version = saved;
-                        return result;
+                        return Ok(result);
                     }
                     Ok(Some(WindowSave::Moved(version, state))) => newer = Some((version, state)),
                     // Unreachable, or not shared after all: this replica's guard decided.
-                    Ok(None) | Err(_) => return result,
+                    Ok(None) | Err(_) => return Ok(result),
                 }
             }
         }
         let mut e = lock(entry);
-        f(&mut e.guard, self.clock.now())
+        Ok(f(&mut e.guard, self.clock.now()))
     }
 
     /// The session's guard, created on first use (with what the store kept of it);
-    /// `None` when the tenant has no guard.
+    /// `None` when the tenant has no guard; an error when what the store kept of it is
+    /// in a format this build does not read (nothing is created then: the next request
+    /// reads it again).
     pub async fn entry(
         &self,
         tenant: &Arc<str>,
         session: &str,
-    ) -> Option<Arc<Mutex<GuardedSession>>> {
-        let config = self.configs.get(&**tenant)?;
-        let loaded = self
+    ) -> Result<Option<Arc<Mutex<GuardedSession>>>, UnknownFormat> {
+        self.load(tenant, session, false).await
+    }
+
+    /// [`SessionGuards::entry`], or, with `replace` (an operator's close or reset), a
+    /// fresh guard in place of a kept state this build cannot read.
+    async fn load(
+        &self,
+        tenant: &Arc<str>,
+        session: &str,
+        replace: bool,
+    ) -> Result<Option<Arc<Mutex<GuardedSession>>>, UnknownFormat> {
+        let Some(config) = self.configs.get(&**tenant) else {
+            return Ok(None);
+        };
+        let entry = self
             .sessions
             .get_or_load((tenant.clone(), session.to_string()), || async {
-                let guard = match self.kept(tenant, session).await {
+                let kept = match self.kept(tenant, session).await {
+                    Ok(kept) => kept,
+                    Err(_) if replace => None,
+                    Err(unknown) => return Err(unknown),
+                };
+                let guard = match kept {
                     Some(kept) => SessionGuard::restored(config.clone(), kept, self.clock.now()),
                     None => SessionGuard::new(config.clone()),
                 };
-                Ok::<_, std::convert::Infallible>(Mutex::new(GuardedSession {
+                Ok(Mutex::new(GuardedSession {
                     guard,
                     trace: VecDeque::with_capacity(1),
                     version: 0,
@@ -267,11 +322,7 @@ impl SessionGuards {
                     generation: self.generation,
                 }))
             })
-            .await;
-        let entry = match loaded {
-            Ok(entry) => entry,
-            Err(never) => match never {},
-        };
+            .await?;
         {
             let mut e = lock(&entry);
             if e.generation < self.generation {
@@ -279,7 +330,7 @@ impl SessionGuards {
                 e.generation = self.generation;
             }
         }
-        Some(entry)
+        Ok(Some(entry))
     }
 
     /// Writes what must outlive memory of a session's state (a close or a trip), or
@@ -325,7 +376,10 @@ impl SessionGuards {
     /// Signals (counters, risk) and the trace, for the admin API.
     pub async fn report(&self, tenant: &str, session: &str, session_usd: f64) -> Option<Value> {
         let tenant: Arc<str> = tenant.into();
-        let entry = self.entry(&tenant, session).await?;
+        let entry = match self.entry(&tenant, session).await {
+            Ok(entry) => entry?,
+            Err(unknown) => return Some(json!({"unreadable": unknown.to_string()})),
+        };
         let entry = lock(&entry);
         Some(json!({
             "signals": entry.signals(self.clock.now(), session_usd),
@@ -343,13 +397,16 @@ impl SessionGuards {
     /// `false`: the tenant has no guard.
     pub async fn close(&self, tenant: &str, session: &str) -> Result<bool, StoreError> {
         let tenant: Arc<str> = tenant.into();
-        let Some(entry) = self.entry(&tenant, session).await else {
+        // A close replaces whatever was kept or shared, readable by this build or not.
+        let Ok(Some(entry)) = self.load(&tenant, session, true).await else {
             return Ok(false);
         };
         self.persist(&tenant, session, Some(Kept::Closed)).await?;
         let change = self
-            .update(&tenant, session, &entry, |guard, _| guard.close())
-            .await;
+            .apply(&tenant, session, &entry, |guard, _| guard.close(), true)
+            .await
+            .ok()
+            .flatten();
         if let Some((from, to)) = change {
             tracing::warn!(%tenant, session, from = from.label(), to = to.label(), "session closed by an operator");
         }
@@ -358,9 +415,12 @@ impl SessionGuards {
 
     pub async fn reset(&self, tenant: &str, session: &str) -> Result<(), StoreError> {
         let tenant: Arc<str> = tenant.into();
-        if let Some(entry) = self.entry(&tenant, session).await {
+        // As a close, a reset replaces whatever was kept or shared.
+        if let Ok(Some(entry)) = self.load(&tenant, session, true).await {
             self.persist(&tenant, session, None).await?;
-            self.update(&tenant, session, &entry, |guard, _| guard.reset())
+            // With `replace`, never refused.
+            let _ = self
+                .apply(&tenant, session, &entry, |guard, _| guard.reset(), true)
                 .await;
         }
         Ok(())

@@ -20,6 +20,7 @@
 //!   [`Store::purge`] runs, which [`spawn_purger`] does every [`PURGE_EVERY`].
 
 pub(crate) mod connection;
+pub mod format;
 mod redis;
 mod sqlite;
 mod writer;
@@ -145,6 +146,9 @@ pub enum StoreError {
     /// The shared state (Redis) is down, slow or lost its data.
     #[error("{0}")]
     Unavailable(Arc<str>),
+    /// A shared record in a format this build does not read (already logged and counted).
+    #[error("{0}")]
+    UnknownFormat(format::UnknownFormat),
 }
 
 impl From<rusqlite::Error> for StoreError {

@@ -2,21 +2,21 @@
 //! from any replica), the guard's closes and trips, and Responses API owners live in
 //! Redis; the spend ledger stays in the inner (embedded) store, which the budgets no
 //! longer consult for limits (those are counters in Redis, see `state::shared`).
-//! Every Redis error or timeout is [`StoreError::Unavailable`].
+//! Every Redis error or timeout is [`StoreError::Unavailable`]. The records' formats,
+//! versioned, are [`super::format`]'s.
 
 use std::sync::Arc;
 
-use base64::Engine;
-use serde_json::{json, Value};
-
 use super::connection::Redis;
+use super::format::{self, UnknownFormat};
 use super::{
     Charge, Claim, GuardRecord, OwnerRecord, QueuedSettle, ReservationRecord, Store, StoreError,
     StoreFuture, StoredResponse, WindowSave,
 };
 use crate::policy::budget::Usage;
 
-/// A key's value while its first request runs.
+/// A key's value while its first request runs: a bare marker, the same in every format
+/// version (see [`format::encode_response`]).
 const PENDING: &str = "pending";
 
 pub struct RedisStore {
@@ -52,33 +52,27 @@ impl RedisStore {
     fn guard_key(&self, tenant: &str, session: &str) -> String {
         self.redis.key(tenant, &format!("guard:{session}"))
     }
+
+    fn owner_key(&self, id: &str) -> String {
+        self.redis.global(&format!("owner:{id}"))
+    }
+
+    /// A kept response, or `None` (refused, logged and counted) for one this build cannot
+    /// read: its caller takes the key for claimed, never for free.
+    fn decode(&self, tenant: &str, key: &str, text: &str) -> Option<StoredResponse> {
+        format::decode_response(tenant, key, text)
+            .map_err(|unknown| unknown.report(&self.idem_key(tenant, key)))
+            .ok()
+    }
 }
 
 fn unavailable(err: super::connection::Unavailable) -> StoreError {
     StoreError::Unavailable(err.to_string().into())
 }
 
-fn encode(r: &StoredResponse) -> String {
-    json!({
-        "body_hash": r.body_hash, "status": r.status, "content_type": r.content_type,
-        "body": base64::engine::general_purpose::STANDARD.encode(&r.body),
-    })
-    .to_string()
-}
-
-fn decode(tenant: &str, key: &str, text: &str) -> Option<StoredResponse> {
-    let v: Value = serde_json::from_str(text).ok()?;
-    Some(StoredResponse {
-        tenant: tenant.to_string(),
-        key: key.to_string(),
-        body_hash: v["body_hash"].as_str()?.to_string(),
-        status: u16::try_from(v["status"].as_u64()?).ok()?,
-        content_type: v["content_type"].as_str()?.to_string(),
-        body: base64::engine::general_purpose::STANDARD
-            .decode(v["body"].as_str()?)
-            .ok()?,
-        expires_ms: 0,
-    })
+fn refused(at: &str, unknown: UnknownFormat) -> StoreError {
+    unknown.report(at);
+    StoreError::UnknownFormat(unknown)
 }
 
 impl Store for RedisStore {
@@ -127,7 +121,7 @@ impl Store for RedisStore {
     fn remember(&self, response: StoredResponse) -> StoreFuture<'_, ()> {
         Box::pin(async move {
             let key = self.idem_key(&response.tenant, &response.key);
-            let (value, expires) = (encode(&response), response.expires_ms);
+            let (value, expires) = (format::encode_response(&response), response.expires_ms);
             self.redis
                 .run("remember", |mut c| async move {
                     redis::cmd("SET")
@@ -166,7 +160,8 @@ impl Store for RedisStore {
             Ok(match (claimed, value) {
                 (Some(_), _) => Claim::Claimed,
                 (None, Some(v)) if v == PENDING => Claim::Pending,
-                (None, Some(v)) => match decode(tenant, key, &v) {
+                // Kept by a newer release (or unreadable): someone else's, never free.
+                (None, Some(v)) => match self.decode(tenant, key, &v) {
                     Some(stored) => Claim::Done(stored),
                     None => Claim::Pending,
                 },
@@ -232,18 +227,27 @@ impl Store for RedisStore {
 
     fn record_owners(&self, owners: Vec<OwnerRecord>) -> StoreFuture<'_, ()> {
         Box::pin(async move {
-            let mut pipe = redis::pipe();
-            for o in &owners {
-                pipe.cmd("SET")
-                    .arg(self.redis.global(&format!("owner:{}", o.id)))
-                    .arg(&o.tenant)
-                    .arg("PXAT")
-                    .arg(o.expires_ms)
-                    .ignore();
-            }
+            // One command per owner, sent together: owners are keys of no tenant, so on
+            // a Redis Cluster they live in different slots and cannot share a pipeline.
+            let sets: Vec<redis::Cmd> = owners
+                .iter()
+                .map(|o| {
+                    let mut set = redis::cmd("SET");
+                    set.arg(self.owner_key(&o.id))
+                        .arg(format::encode_owner(&o.tenant))
+                        .arg("PXAT")
+                        .arg(o.expires_ms);
+                    set
+                })
+                .collect();
             self.redis
-                .run("owners", |mut c| async move {
-                    pipe.query_async::<()>(&mut c).await
+                .run("owners", |c| async move {
+                    futures_util::future::try_join_all(sets.iter().map(|set| {
+                        let mut c = c.clone();
+                        async move { set.query_async::<()>(&mut c).await }
+                    }))
+                    .await
+                    .map(drop)
                 })
                 .await
                 .map_err(unavailable)
@@ -252,24 +256,29 @@ impl Store for RedisStore {
 
     fn owner_of<'a>(&'a self, id: &'a str, _now_ms: i64) -> StoreFuture<'a, Option<String>> {
         Box::pin(async move {
-            let key = self.redis.global(&format!("owner:{id}"));
-            self.redis
+            let key = self.owner_key(id);
+            let value: Option<String> = self
+                .redis
                 .run("owner_of", |mut c| async move {
                     redis::cmd("GET").arg(&key).query_async(&mut c).await
                 })
                 .await
-                .map_err(unavailable)
+                .map_err(unavailable)?;
+            // An owner this build cannot read is not taken for anyone's: an error, so
+            // the response is neither served nor chained onto.
+            value
+                .map(|v| {
+                    format::decode_owner(&v)
+                        .map_err(|unknown| refused(&self.owner_key(id), unknown))
+                })
+                .transpose()
         })
     }
 
     fn save_guard(&self, record: GuardRecord) -> StoreFuture<'_, ()> {
         Box::pin(async move {
             let key = self.guard_key(&record.tenant, &record.session);
-            let value = json!({
-                "closed": record.closed, "until_ms": record.until_ms, "code": record.code,
-                "rule": record.rule, "evidence": record.evidence, "updated_ms": record.updated_ms,
-            })
-            .to_string();
+            let value = format::encode_guard_record(&record);
             self.redis
                 .run("save_guard", |mut c| async move {
                     redis::cmd("SET")
@@ -314,9 +323,11 @@ impl Store for RedisStore {
                 })
                 .await
                 .map_err(unavailable)?;
+            // A response this build cannot read is no answer to replay; the claim that
+            // follows finds the key taken.
             Ok(value
                 .filter(|v| v != PENDING)
-                .and_then(|v| decode(tenant, key, &v)))
+                .and_then(|v| self.decode(tenant, key, &v)))
         })
     }
 
@@ -334,19 +345,13 @@ impl Store for RedisStore {
                 })
                 .await
                 .map_err(unavailable)?;
-            let Some(v) = value.and_then(|v| serde_json::from_str::<Value>(&v).ok()) else {
-                return Ok(None);
-            };
-            Ok(Some(GuardRecord {
-                tenant: tenant.to_string(),
-                session: session.to_string(),
-                closed: v["closed"].as_bool().unwrap_or(false),
-                until_ms: v["until_ms"].as_i64().unwrap_or(0),
-                code: v["code"].as_str().unwrap_or_default().to_string(),
-                rule: v["rule"].as_str().unwrap_or_default().to_string(),
-                evidence: v["evidence"].as_str().unwrap_or_default().to_string(),
-                updated_ms: v["updated_ms"].as_i64().unwrap_or(0),
-            }))
+            // A close or trip this build cannot read is an error, not the absence of one.
+            value
+                .map(|v| {
+                    format::decode_guard_record(tenant, session, &v)
+                        .map_err(|unknown| refused(&self.guard_key(tenant, session), unknown))
+                })
+                .transpose()
         })
     }
 

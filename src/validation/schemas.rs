@@ -31,7 +31,10 @@ const COMPILED_FIXED: u64 = 2048;
 /// level of an answer's nesting it meets (at most 128: serde_json's nesting limit).
 const RECURSIVE_COPIES: u64 = 128;
 
-/// A schema's cache key and serialized size.
+/// A schema's cache key and serialized size. The key never leaves this process (it keys
+/// the in-memory cache only), so std's `DefaultHasher`, whose output Rust may change
+/// between releases, is enough; a hash compared across processes is a specified one
+/// (see the guard's `fingerprint`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SchemaFingerprint {
     pub key: u64,

@@ -1,0 +1,480 @@
+//! The formats of the records replicas share in Redis, where two releases meet during a
+//! rolling upgrade: a session guard's shared snapshot, a session's kept close or trip, an
+//! idempotency key's kept response, and a stored response's owner. (The reservations the
+//! budget scripts write are versioned in [`crate::state::shared`].)
+//!
+//! Every record names the version of its format, `"v"`, first. A record without one was
+//! written before formats had versions: it is version 0, a known format (each decoder
+//! below says what it was), and is read as such. A build reads every version up to its
+//! own and refuses any other, or a record that does not parse, as an [`UnknownFormat`]:
+//! logged, counted in `backstop_state_unknown_format_total{record}`, and never read as a
+//! default. Each reader then does the conservative thing:
+//! - a guard snapshot or kept close/trip: this replica refuses the session's requests
+//!   (503 `state_unavailable`) instead of starting it over as active; an operator's close
+//!   or reset still applies (it replaces what was there);
+//! - an idempotency record: the key counts as taken by a request still running
+//!   ([`super::Claim::Pending`]), never as a miss that would make the call again;
+//! - an owner: the response's owner cannot be checked ([`super::StoreError::UnknownFormat`],
+//!   503), so the response is neither served nor chained onto.
+//!
+//! A change that an older build would misread takes a new version; the tests below pin
+//! the bytes of each version, so a format cannot change without one of them failing.
+
+use std::{
+    borrow::Cow,
+    sync::atomic::{AtomicU64, Ordering},
+};
+
+use base64::Engine;
+use serde::{Deserialize, Serialize};
+
+use super::{GuardRecord, StoredResponse};
+use crate::policy::guard::GuardSnapshot;
+
+/// The records with a versioned format (the `record` label of the count).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Record {
+    /// A session guard's counted state, shared by the replicas (`guard-window:{session}`).
+    GuardSnapshot,
+    /// A session's close or trip, kept past the guard's memory (`guard:{session}`).
+    GuardRecord,
+    /// A kept response for an `Idempotency-Key` (`idempotency:{key}`).
+    Idempotency,
+    /// The tenant that created a stored response of the Responses API (`owner:{id}`).
+    Owner,
+}
+
+impl Record {
+    pub fn label(self) -> &'static str {
+        match self {
+            Record::GuardSnapshot => "guard_snapshot",
+            Record::GuardRecord => "guard_record",
+            Record::Idempotency => "idempotency",
+            Record::Owner => "owner",
+        }
+    }
+
+    /// The version this build writes, the newest it reads.
+    pub fn version(self) -> u64 {
+        match self {
+            Record::GuardSnapshot => 1,
+            Record::GuardRecord => 1,
+            Record::Idempotency => 1,
+            Record::Owner => 1,
+        }
+    }
+}
+
+/// A record this build cannot read: of a version it does not know (written by a newer
+/// release), or that does not parse (an unknown guard phase, say).
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnknownFormat {
+    pub record: Record,
+    /// The version the record names, when it could be read.
+    pub version: Option<u64>,
+    pub detail: String,
+}
+
+impl std::fmt::Display for UnknownFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (record, newest) = (self.record.label(), self.record.version());
+        match self.version {
+            Some(v) => write!(
+                f,
+                "{record} record of format version {v}, which this build does not read (it reads versions 0 to {newest}): written by a newer Backstop?"
+            ),
+            None => write!(f, "{record} record this build cannot read: {}", self.detail),
+        }
+    }
+}
+
+impl std::error::Error for UnknownFormat {}
+
+impl UnknownFormat {
+    fn version(record: Record, v: u64) -> Self {
+        UnknownFormat {
+            record,
+            version: Some(v),
+            detail: String::new(),
+        }
+    }
+
+    fn unparsed(record: Record, err: impl std::fmt::Display) -> Self {
+        UnknownFormat {
+            record,
+            version: None,
+            detail: err.to_string(),
+        }
+    }
+
+    /// Counts the refusal in `backstop_state_unknown_format_total{record}` and logs it
+    /// (at most once a second per record: a request waiting on an idempotency key reads
+    /// it every 25 ms). `at` says where it was read (its key, or tenant and session).
+    pub fn report(&self, at: &str) {
+        let record = self.record.label();
+        metrics::counter!("backstop_state_unknown_format_total", "record" => record).increment(1);
+        // The second each record was last logged in, by `Record as usize`.
+        static LOGGED: [AtomicU64; 8] = [const { AtomicU64::new(u64::MAX) }; 8];
+        static START: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
+        let second = START
+            .get_or_init(tokio::time::Instant::now)
+            .elapsed()
+            .as_secs();
+        let logged = LOGGED
+            .get(self.record as usize)
+            .is_some_and(|last| last.swap(second, Ordering::Relaxed) == second);
+        if !logged {
+            tracing::error!(
+                record,
+                version = self.version,
+                at,
+                error = %self,
+                "refused a shared record in a format this build does not know"
+            );
+        }
+    }
+}
+
+/// A record's fields after its version, `"v"`.
+#[derive(Serialize)]
+struct Versioned<'a, T> {
+    v: u64,
+    #[serde(flatten)]
+    record: &'a T,
+}
+
+fn versioned<T: Serialize>(record: Record, fields: &T) -> String {
+    // Plain structs of strings and numbers: serializing them cannot fail.
+    serde_json::to_string(&Versioned {
+        v: record.version(),
+        record: fields,
+    })
+    .unwrap_or_default()
+}
+
+/// The version a JSON record names; 0 when it names none (written before versions).
+fn version_of(record: Record, text: &str) -> Result<u64, UnknownFormat> {
+    #[derive(Deserialize)]
+    struct Version {
+        #[serde(default)]
+        v: u64,
+    }
+    serde_json::from_str::<Version>(text)
+        .map(|version| version.v)
+        .map_err(|err| UnknownFormat::unparsed(record, err))
+}
+
+fn parse<'a, T: Deserialize<'a>>(record: Record, text: &'a str) -> Result<T, UnknownFormat> {
+    serde_json::from_str(text).map_err(|err| UnknownFormat::unparsed(record, err))
+}
+
+/// A guard snapshot as stored: `{"v":1,"phase":..}`, the [`GuardSnapshot`]'s fields
+/// in order (see the golden test).
+pub fn encode_snapshot(snapshot: &GuardSnapshot) -> String {
+    versioned(Record::GuardSnapshot, snapshot)
+}
+
+/// Version 0 has version 1's fields; its `recent` fingerprints were std's
+/// `DefaultHasher`'s, which match no XXH3 fingerprint, and age out of the window. A
+/// phase this build does not know does not parse.
+pub fn decode_snapshot(text: &str) -> Result<GuardSnapshot, UnknownFormat> {
+    let record = Record::GuardSnapshot;
+    match version_of(record, text)? {
+        0 | 1 => parse(record, text),
+        v => Err(UnknownFormat::version(record, v)),
+    }
+}
+
+/// A kept close or trip's fields (after `"v"`).
+#[derive(Serialize, Deserialize)]
+struct Kept<'a> {
+    closed: bool,
+    until_ms: i64,
+    code: Cow<'a, str>,
+    rule: Cow<'a, str>,
+    evidence: Cow<'a, str>,
+    updated_ms: i64,
+}
+
+/// `{"v":1,"closed":..,"until_ms":..,"code":..,"rule":..,"evidence":..,"updated_ms":..}`
+/// (the record's tenant and session are in its key).
+pub fn encode_guard_record(r: &GuardRecord) -> String {
+    versioned(
+        Record::GuardRecord,
+        &Kept {
+            closed: r.closed,
+            until_ms: r.until_ms,
+            code: Cow::Borrowed(&r.code),
+            rule: Cow::Borrowed(&r.rule),
+            evidence: Cow::Borrowed(&r.evidence),
+            updated_ms: r.updated_ms,
+        },
+    )
+}
+
+/// Version 0 has version 1's fields, without `"v"`.
+pub fn decode_guard_record(
+    tenant: &str,
+    session: &str,
+    text: &str,
+) -> Result<GuardRecord, UnknownFormat> {
+    let record = Record::GuardRecord;
+    let kept: Kept<'_> = match version_of(record, text)? {
+        0 | 1 => parse(record, text)?,
+        v => return Err(UnknownFormat::version(record, v)),
+    };
+    Ok(GuardRecord {
+        tenant: tenant.to_string(),
+        session: session.to_string(),
+        closed: kept.closed,
+        until_ms: kept.until_ms,
+        code: kept.code.into_owned(),
+        rule: kept.rule.into_owned(),
+        evidence: kept.evidence.into_owned(),
+        updated_ms: kept.updated_ms,
+    })
+}
+
+/// A kept response's fields (after `"v"`); the body in standard base64.
+#[derive(Serialize, Deserialize)]
+struct Response<'a> {
+    body_hash: Cow<'a, str>,
+    status: u16,
+    content_type: Cow<'a, str>,
+    body: String,
+}
+
+/// `{"v":1,"body_hash":..,"status":..,"content_type":..,"body":base64}` (the tenant and
+/// key are in the record's key; its expiry is the key's). A claim in progress is the
+/// bare string `pending`, which carries nothing to version: any value a build does not
+/// read is taken for a claim in progress.
+pub fn encode_response(r: &StoredResponse) -> String {
+    versioned(
+        Record::Idempotency,
+        &Response {
+            body_hash: Cow::Borrowed(&r.body_hash),
+            status: r.status,
+            content_type: Cow::Borrowed(&r.content_type),
+            body: base64::engine::general_purpose::STANDARD.encode(&r.body),
+        },
+    )
+}
+
+/// Version 0 has version 1's fields, without `"v"`.
+pub fn decode_response(
+    tenant: &str,
+    key: &str,
+    text: &str,
+) -> Result<StoredResponse, UnknownFormat> {
+    let record = Record::Idempotency;
+    let response: Response<'_> = match version_of(record, text)? {
+        0 | 1 => parse(record, text)?,
+        v => return Err(UnknownFormat::version(record, v)),
+    };
+    let body = base64::engine::general_purpose::STANDARD
+        .decode(response.body.as_bytes())
+        .map_err(|err| UnknownFormat::unparsed(record, format!("body: {err}")))?;
+    Ok(StoredResponse {
+        tenant: tenant.to_string(),
+        key: key.to_string(),
+        body_hash: response.body_hash.into_owned(),
+        status: response.status,
+        content_type: response.content_type.into_owned(),
+        body,
+        expires_ms: 0,
+    })
+}
+
+#[derive(Serialize, Deserialize)]
+struct Owner<'a> {
+    tenant: Cow<'a, str>,
+}
+
+/// `{"v":1,"tenant":..}` (the response id is in the record's key).
+pub fn encode_owner(tenant: &str) -> String {
+    versioned(
+        Record::Owner,
+        &Owner {
+            tenant: Cow::Borrowed(tenant),
+        },
+    )
+}
+
+/// The owning tenant's name. Version 0 was the bare name; a versioned owner is a JSON
+/// object with a numeric `"v"` (config names no tenant like that).
+pub fn decode_owner(text: &str) -> Result<String, UnknownFormat> {
+    #[derive(Deserialize)]
+    struct Version {
+        v: u64,
+    }
+    let record = Record::Owner;
+    let Some(Version { v }) = text
+        .starts_with('{')
+        .then(|| serde_json::from_str::<Version>(text).ok())
+        .flatten()
+    else {
+        return Ok(text.to_string());
+    };
+    match v {
+        1 => Ok(parse::<Owner<'_>>(record, text)?.tenant.into_owned()),
+        // 0 is the bare name: a JSON object naming it is no format Backstop wrote.
+        v => Err(UnknownFormat::version(record, v)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::guard::Phase;
+
+    fn snapshot() -> GuardSnapshot {
+        GuardSnapshot {
+            phase: Phase::Tripped,
+            until_ms: 1_700_000_060_000,
+            code: Some("loop_detected".into()),
+            rule: Some("identical_request_limit".into()),
+            evidence: Some("the same request was sent 4 times within 10m".into()),
+            consecutive_failures: 2,
+            recent: vec![(1_700_000_000_000, 0x594d_c199_7f11_1abb)],
+            spend: vec![(1_700_000_000_000, 0.25)],
+            transitions: 3,
+        }
+    }
+
+    /// What version 1 of each record is, byte for byte: a change here is a change of
+    /// format, which takes a new version (and a line in the release notes).
+    #[test]
+    fn version_1_of_each_record_is_pinned() {
+        let snap = r#"{"v":1,"phase":"tripped","until_ms":1700000060000,"code":"loop_detected","rule":"identical_request_limit","evidence":"the same request was sent 4 times within 10m","consecutive_failures":2,"recent":[[1700000000000,6435012307588291259]],"spend":[[1700000000000,0.25]],"transitions":3}"#;
+        assert_eq!(encode_snapshot(&snapshot()), snap);
+        assert_eq!(decode_snapshot(snap), Ok(snapshot()));
+
+        let kept = GuardRecord {
+            tenant: "acme".into(),
+            session: "s1".into(),
+            closed: false,
+            until_ms: 1_700_000_060_000,
+            code: "session_tripped".into(),
+            rule: "max_consecutive_failures".into(),
+            evidence: "5 requests in a row failed".into(),
+            updated_ms: 1_700_000_000_000,
+        };
+        let text = r#"{"v":1,"closed":false,"until_ms":1700000060000,"code":"session_tripped","rule":"max_consecutive_failures","evidence":"5 requests in a row failed","updated_ms":1700000000000}"#;
+        assert_eq!(encode_guard_record(&kept), text);
+        assert_eq!(decode_guard_record("acme", "s1", text), Ok(kept));
+
+        let response = StoredResponse {
+            tenant: "acme".into(),
+            key: "chat_completions:k1".into(),
+            body_hash: "2cf24dba".into(),
+            status: 200,
+            content_type: "application/json".into(),
+            body: b"{}".to_vec(),
+            expires_ms: 0,
+        };
+        let text = r#"{"v":1,"body_hash":"2cf24dba","status":200,"content_type":"application/json","body":"e30="}"#;
+        assert_eq!(encode_response(&response), text);
+        let back = decode_response("acme", "chat_completions:k1", text).unwrap();
+        assert_eq!(
+            (back.body_hash, back.status, back.content_type, back.body),
+            (
+                "2cf24dba".into(),
+                200,
+                "application/json".into(),
+                b"{}".to_vec()
+            )
+        );
+
+        assert_eq!(encode_owner("acme"), r#"{"v":1,"tenant":"acme"}"#);
+        assert_eq!(decode_owner(r#"{"v":1,"tenant":"acme"}"#).unwrap(), "acme");
+    }
+
+    /// Records written before formats had versions (as the release before this one
+    /// wrote them) read as version 0.
+    #[test]
+    fn records_without_a_version_read_as_version_0() {
+        let snap = r#"{"phase":"tripped","until_ms":1700000060000,"code":"loop_detected","rule":"identical_request_limit","evidence":"the same request was sent 4 times within 10m","consecutive_failures":2,"recent":[[1700000000000,6435012307588291259]],"spend":[[1700000000000,0.25]],"transitions":3}"#;
+        assert_eq!(decode_snapshot(snap), Ok(snapshot()));
+
+        let kept = decode_guard_record(
+            "acme",
+            "s1",
+            r#"{"closed":true,"code":"session_tripped","evidence":"an operator closed this session","rule":"closed","until_ms":0,"updated_ms":1700000000000}"#,
+        )
+        .unwrap();
+        assert!(kept.closed);
+        assert_eq!((kept.rule.as_str(), kept.until_ms), ("closed", 0));
+
+        let response = decode_response(
+            "acme",
+            "k",
+            r#"{"body":"e30=","body_hash":"2cf24dba","content_type":"application/json","status":201}"#,
+        )
+        .unwrap();
+        assert_eq!((response.status, response.body), (201, b"{}".to_vec()));
+
+        assert_eq!(decode_owner("acme").unwrap(), "acme");
+        assert_eq!(decode_owner("{team}").unwrap(), "{team}");
+    }
+
+    /// A newer version, or a record that does not parse, is refused: never read as a
+    /// default (an active guard, no kept trip, a missing response, another owner).
+    #[test]
+    fn an_unknown_version_or_phase_is_refused() {
+        let newer = |record| UnknownFormat::version(record, 99);
+        assert_eq!(
+            decode_snapshot(r#"{"v":99,"phase":"active"}"#),
+            Err(newer(Record::GuardSnapshot))
+        );
+        let unknown_phase = decode_snapshot(
+            r#"{"v":1,"phase":"dormant","until_ms":0,"code":null,"rule":null,"evidence":null,"consecutive_failures":0,"recent":[],"spend":[],"transitions":0}"#,
+        )
+        .unwrap_err();
+        assert_eq!(unknown_phase.version, None);
+        assert!(
+            unknown_phase.detail.contains("unknown variant `dormant`"),
+            "{unknown_phase}"
+        );
+        assert!(decode_snapshot("not json").is_err());
+        assert_eq!(
+            decode_guard_record("acme", "s1", r#"{"v":99,"closed":true}"#),
+            Err(newer(Record::GuardRecord))
+        );
+        assert_eq!(
+            decode_response("acme", "k", r#"{"v":99}"#).unwrap_err(),
+            newer(Record::Idempotency)
+        );
+        // The claim marker is not a kept response.
+        assert!(decode_response("acme", "k", "pending").is_err());
+        assert_eq!(
+            decode_owner(r#"{"v":99,"tenant":"acme"}"#),
+            Err(newer(Record::Owner))
+        );
+        assert_eq!(
+            decode_owner(r#"{"v":0,"tenant":"acme"}"#),
+            Err(UnknownFormat::version(Record::Owner, 0))
+        );
+        assert!(decode_owner(r#"{"v":1}"#).is_err());
+        assert_eq!(
+            newer(Record::Owner).to_string(),
+            "owner record of format version 99, which this build does not read (it reads versions 0 to 1): written by a newer Backstop?"
+        );
+    }
+
+    /// The phases as stored are the names logs and metrics use.
+    #[test]
+    fn phases_are_stored_by_their_labels() {
+        for phase in [
+            Phase::Active,
+            Phase::Recovering,
+            Phase::Tripped,
+            Phase::Probing,
+            Phase::Closed,
+        ] {
+            assert_eq!(
+                serde_json::to_string(&phase).unwrap(),
+                format!("\"{}\"", phase.label())
+            );
+        }
+    }
+}
