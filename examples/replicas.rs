@@ -101,6 +101,36 @@ async fn call(
     (t.elapsed(), status)
 }
 
+/// Redis round trips so far, by `op`, summed over `ports` (from each gateway's
+/// `backstop_state_seconds` count: one per Redis call).
+async fn round_trips(
+    http: &reqwest::Client,
+    ports: &[u16],
+) -> std::collections::BTreeMap<String, f64> {
+    let mut by_op = std::collections::BTreeMap::new();
+    for port in ports {
+        let text = http
+            .get(format!("http://127.0.0.1:{port}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        for line in text.lines() {
+            let Some(rest) = line.strip_prefix("backstop_state_seconds_count{op=\"") else {
+                continue;
+            };
+            let Some((op, value)) = rest.split_once("\"}") else {
+                continue;
+            };
+            let n: f64 = value.trim().parse().unwrap_or(0.0);
+            *by_op.entry(op.to_string()).or_insert(0.0) += n;
+        }
+    }
+    by_op
+}
+
 /// A request every millisecond for `seconds`, whatever the answers take.
 async fn paced(http: &reqwest::Client, url: &str, auth: bool, seconds: u64) -> Vec<Duration> {
     let mut tick = tokio::time::interval(Duration::from_millis(1));
@@ -227,6 +257,7 @@ async fn main() {
     let d = paced(&http, &direct, false, seconds).await;
     let (dp50, dp99) = (pct(&d, 0.5), pct(&d, 0.99));
     println!("| direct | {dp50:.3} | {dp99:.3} | |");
+    let before = round_trips(&http, &redis_ports).await;
     for (name, url) in [("embedded", &embedded), ("redis", &shared[0])] {
         let b = paced(&http, url, true, seconds).await;
         println!(
@@ -237,6 +268,24 @@ async fn main() {
             pct(&b, 0.99) - dp99
         );
     }
+
+    let after = round_trips(&http, &redis_ports).await;
+    let requests = (seconds * 1000) as f64;
+    let per_op: Vec<String> = after
+        .iter()
+        .map(|(op, n)| (op, (n - before.get(op).copied().unwrap_or(0.0)) / requests))
+        .filter(|(_, n)| *n > 0.0)
+        .map(|(op, n)| format!("{op} {n:.2}"))
+        .collect();
+    let total_trips: f64 = after
+        .iter()
+        .map(|(op, n)| n - before.get(op).copied().unwrap_or(0.0))
+        .sum::<f64>()
+        / requests;
+    println!(
+        "\nRedis round trips per request in the redis row: {total_trips:.2} ({})",
+        per_op.join(", ")
+    );
 
     let total = 6000;
     println!("\nReserved calls per second, closed loop at concurrency 32, {total} calls:");
