@@ -258,6 +258,61 @@ async fn absurd_upstream_usage_is_charged_the_reservation() {
     );
 }
 
+/// Issue 24: a usage object without the counts the endpoint defines (`usage: {}`,
+/// `total_tokens` alone, chat's names on `/v1/responses`) is not zero tokens: each such
+/// call is charged its reservation, on both endpoints, and counted.
+#[tokio::test]
+async fn usage_without_the_endpoints_counts_is_charged_the_reservation() {
+    use base64::Engine;
+    let b64 = |v: &str| base64::engine::general_purpose::STANDARD.encode(v);
+    let gw = gateway("path = \":memory:\"", "max_tokens = 100000", "").await;
+    let body = chat(16);
+    let reservation = (body.to_string().len() as u64).div_ceil(4) + 16;
+    let mut expected = 0;
+    for odd in [
+        r#"{}"#,
+        r#"{"total_tokens":5000}"#,
+        r#"{"prompt_tokens":9}"#,
+    ] {
+        let fault = format!("usage_b64={}", b64(odd));
+        let resp = gw.in_session(CAPPED, "s", "odd", &fault, &body).await;
+        assert_eq!(resp.status(), 200, "{odd}");
+        expected += reservation;
+        let report = session_report(&gw.url, "capped", "s").await;
+        assert_eq!(report["used"]["tokens"], expected, "{odd}: {report}");
+    }
+    let responses = json!({"model": "gpt-4o", "input": "hello", "max_output_tokens": 16});
+    let reservation = (responses.to_string().len() as u64).div_ceil(4) + 16;
+    for odd in [r#"{"prompt_tokens":5,"completion_tokens":7}"#, r#"{}"#] {
+        let fault = format!("usage_b64={}", b64(odd));
+        let resp = gw
+            .post(
+                "/v1/responses",
+                Some(CAPPED),
+                &[
+                    ("x-session-id", "s"),
+                    ("x-mock-scenario", "odd-responses"),
+                    ("x-mock-fault", &fault),
+                ],
+                responses.to_string(),
+            )
+            .await;
+        assert_eq!(resp.status(), 200, "{odd}");
+        expected += reservation;
+        let report = session_report(&gw.url, "capped", "s").await;
+        assert_eq!(report["used"]["tokens"], expected, "{odd}: {report}");
+    }
+    assert_eq!(
+        gw.mock.attempts("odd") + gw.mock.attempts("odd-responses"),
+        5
+    );
+    let metrics = gw.get("/metrics", None).await.text().await.unwrap();
+    assert!(
+        metrics.contains("backstop_usage_rejected_total{reason=\"missing_count\"} 5"),
+        "{metrics}"
+    );
+}
+
 /// Finding 12: a session that idles out of memory (`session_idle`) while a call is in
 /// flight keeps that call's concurrency slot and reservation: `max_concurrent = 1`
 /// refuses the overlapping call, `max_calls = 2` refuses the third.

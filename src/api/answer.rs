@@ -13,10 +13,14 @@ use super::Endpoint;
 pub enum ReportedUsage {
     /// No `usage` object.
     Absent,
-    /// Absent fields count 0.
+    /// Every count the endpoint defines, as reported.
     Counts { input: u64, output: u64 },
     /// A field that is not a non-negative integer.
     Invalid,
+    /// A `usage` object without a count the endpoint defines, by that endpoint's names
+    /// (`usage: {}`, `total_tokens` alone, chat's names on `/v1/responses`): not a count
+    /// of zero tokens. Charged the reservation, as [`ReportedUsage::Invalid`] is.
+    Missing,
 }
 
 /// What the layers need from a whole 2xx body.
@@ -119,7 +123,7 @@ impl UsageCounts {
             let at = COUNT_FIELDS.iter().position(|f| *f == name)?;
             fields[at].as_ref()
         };
-        counts(count(input), count(output))
+        counts(endpoint, count(input), count(output))
     }
 }
 
@@ -250,17 +254,22 @@ fn usage_of(endpoint: Endpoint, usage: Option<&Value>) -> ReportedUsage {
         return ReportedUsage::Absent;
     };
     let (input, output) = endpoint.usage_fields();
-    counts(usage.get(input), usage.get(output))
+    counts(endpoint, usage.get(input), usage.get(output))
 }
 
-/// Absent or null counts 0; anything but a non-negative integer is invalid.
-fn counts(input: Option<&Value>, output: Option<&Value>) -> ReportedUsage {
+/// The endpoint's counts: each must be a non-negative integer (else invalid) and be there
+/// (absent or null is missing, not zero). Embeddings define only the input count.
+fn counts(endpoint: Endpoint, input: Option<&Value>, output: Option<&Value>) -> ReportedUsage {
     let count = |v: Option<&Value>| match v {
-        None | Some(Value::Null) => Some(0),
-        Some(v) => v.as_u64(),
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_u64().map(Some).ok_or(()),
     };
     match (count(input), count(output)) {
-        (Some(input), Some(output)) => ReportedUsage::Counts { input, output },
+        (Ok(Some(input)), Ok(Some(output))) => ReportedUsage::Counts { input, output },
+        (Ok(Some(input)), Ok(None)) if endpoint == Endpoint::Embeddings => {
+            ReportedUsage::Counts { input, output: 0 }
+        }
+        (Ok(_), Ok(_)) => ReportedUsage::Missing,
         _ => ReportedUsage::Invalid,
     }
 }
@@ -288,13 +297,37 @@ mod tests {
             ),
             counts(5, 7)
         );
+        // Embeddings report only the input; anywhere else a count left out is missing.
         assert_eq!(
             usage(
-                Endpoint::ChatCompletions,
+                Endpoint::Embeddings,
                 br#"{"usage":{"prompt_tokens":9,"total_tokens":9}}"#
             ),
             counts(9, 0)
         );
+        for (endpoint, odd) in [
+            (
+                Endpoint::ChatCompletions,
+                r#"{"prompt_tokens":9,"total_tokens":9}"#,
+            ),
+            (Endpoint::ChatCompletions, r#"{}"#),
+            (Endpoint::ChatCompletions, r#"{"total_tokens":5000}"#),
+            (Endpoint::Embeddings, r#"{"total_tokens":5000}"#),
+            (Endpoint::Messages, r#"{"output_tokens":3}"#),
+            (Endpoint::Responses, r#"{}"#),
+            (Endpoint::Responses, r#"{"total_tokens":5000}"#),
+            (
+                Endpoint::Responses,
+                r#"{"prompt_tokens":5,"completion_tokens":7}"#,
+            ),
+        ] {
+            let body = format!(r#"{{"usage":{odd}}}"#);
+            assert_eq!(
+                usage(endpoint, body.as_bytes()),
+                ReportedUsage::Missing,
+                "{endpoint:?} {odd}"
+            );
+        }
         assert_eq!(
             usage(
                 Endpoint::Messages,
@@ -321,9 +354,16 @@ mod tests {
         assert_eq!(
             usage(
                 Endpoint::Responses,
-                br#"{"id":{"x":[1]},"usage":{"input_tokens_details":{"cached_tokens":1},"input_tokens":8,"output_tokens":null}}"#
+                br#"{"id":{"x":[1]},"usage":{"input_tokens_details":{"cached_tokens":1},"input_tokens":8,"output_tokens":0}}"#
             ),
             counts(8, 0)
+        );
+        assert_eq!(
+            usage(
+                Endpoint::Responses,
+                br#"{"usage":{"input_tokens":8,"output_tokens":null}}"#
+            ),
+            ReportedUsage::Missing
         );
         for odd in [
             r#""usage":5"#,

@@ -65,6 +65,7 @@ fn outcome(usage: ReportedUsage) -> Outcome {
         ReportedUsage::Absent => Outcome::Unreported,
         ReportedUsage::Counts { input, output } => Outcome::Reported { input, output },
         ReportedUsage::Invalid => Outcome::Invalid,
+        ReportedUsage::Missing => Outcome::Missing,
     }
 }
 

@@ -18,6 +18,7 @@ use std::time::Duration;
 /// | `tool=NAME` / `tool_args_b64=B64` | answer with a call to tool NAME with these arguments |
 /// | `cut=N` | a stream that breaks after N chunks |
 /// | `usage=IN/OUT` | the token usage reported |
+/// | `usage_b64=B64` | a whole answer's `usage` value, exactly this JSON (base64): odd shapes some servers send |
 /// | `chunks=N` / `chunk_delay=50ms` | how a stream is cut up and paced |
 /// | `status=307;location=URL` | a redirect (Backstop must not follow it) |
 /// | `header=NAME:VALUE` | an extra response header (repeatable; forging tests) |
@@ -58,6 +59,8 @@ pub struct FaultStep {
     pub tool_args: Option<String>,
     pub cut: Option<usize>,
     pub usage: Option<(u64, u64)>,
+    /// `usage_b64`: the `usage` of a whole (not streamed) answer, as given.
+    pub usage_json: Option<serde_json::Value>,
     pub chunks: Option<usize>,
     pub chunk_delay: Option<Duration>,
     pub location: Option<String>,
@@ -107,6 +110,9 @@ impl FaultStep {
                     out.usage = value
                         .split_once('/')
                         .and_then(|(i, o)| Some((i.parse().ok()?, o.parse().ok()?)))
+                }
+                "usage_b64" => {
+                    out.usage_json = decode_b64(value).and_then(|v| serde_json::from_str(&v).ok())
                 }
                 "chunks" => out.chunks = value.parse().ok().filter(|n| *n > 0),
                 "chunk_delay" => out.chunk_delay = humantime::parse_duration(value).ok(),

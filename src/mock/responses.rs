@@ -211,7 +211,7 @@ fn chat_body(a: &Answer<'_>) -> Value {
         "created": now_secs(),
         "model": a.model,
         "choices": [{"index": 0, "message": message, "finish_reason": if a.tool.is_some() { "tool_calls" } else { "stop" }}],
-        "usage": {"prompt_tokens": input, "completion_tokens": output, "total_tokens": input.saturating_add(output)},
+        "usage": a.step.usage_json.clone().unwrap_or_else(|| json!({"prompt_tokens": input, "completion_tokens": output, "total_tokens": input.saturating_add(output)})),
     })
 }
 
@@ -244,7 +244,7 @@ fn anthropic_body(a: &Answer<'_>) -> Value {
         "content": anthropic_blocks(a),
         "stop_reason": if a.tool.is_some() { "tool_use" } else { "end_turn" },
         "stop_sequence": null,
-        "usage": {"input_tokens": a.usage.0, "output_tokens": a.usage.1},
+        "usage": a.step.usage_json.clone().unwrap_or_else(|| json!({"input_tokens": a.usage.0, "output_tokens": a.usage.1})),
     })
 }
 

@@ -259,6 +259,9 @@ fn answer(response_id: &str, id: u64, request: &Value, step: &FaultStep) -> Resp
         if step.future {
             done["x_future"] = future_field();
         }
+        if let Some(usage) = &step.usage_json {
+            done["usage"] = usage.clone();
+        }
         return json_ok(done);
     }
     let mut started = done.clone();

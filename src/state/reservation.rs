@@ -27,6 +27,9 @@ pub enum Outcome {
     /// An answer without usage (a stream that ended early, a body without `usage`):
     /// charged the reservation, never less than what may have been spent.
     Unreported,
+    /// Usage without a count the endpoint defines (`usage: {}`, `total_tokens` alone,
+    /// another API's names): charged the reservation, logged and counted.
+    Missing,
 }
 
 /// A reserved upstream call. Settle it with how the call ended; dropped unsettled, it is
@@ -53,6 +56,7 @@ impl Reservation {
             Outcome::Failed => return Some((0, 0)),
             Outcome::Unreported => return None,
             Outcome::Invalid => "not_a_count",
+            Outcome::Missing => "missing_count",
             Outcome::Reported { input, output }
                 if input.checked_add(output).is_none_or(|total| total > limit) =>
             {

@@ -53,10 +53,23 @@ impl StreamUsage {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Both counts, or none: a stream that reported only one of them did not report
+    /// its usage (`None`, charged the reservation), and is logged and counted as such.
     fn reported(state: &UsageState) -> Option<(u64, u64)> {
         match (state.input, state.output) {
+            (Some(i), Some(o)) => Some((i, o)),
             (None, None) => None,
-            (i, o) => Some((i.unwrap_or(0), o.unwrap_or(0))),
+            (input, output) => {
+                tracing::warn!(
+                    reported_input = input,
+                    reported_output = output,
+                    reason = "missing_count",
+                    "a stream reported only part of its usage; charging the reservation instead"
+                );
+                metrics::counter!("backstop_usage_rejected_total", "reason" => "missing_count")
+                    .increment(1);
+                None
+            }
         }
     }
 
