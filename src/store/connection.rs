@@ -11,7 +11,7 @@
 use std::{
     collections::HashMap,
     sync::{
-        atomic::{AtomicBool, AtomicU64, Ordering},
+        atomic::{AtomicU64, Ordering},
         Arc, Mutex,
     },
     time::{Duration, Instant},
@@ -52,13 +52,65 @@ fn is_outage(err: &redis::RedisError) -> bool {
         || err.is_connection_refusal()
 }
 
-/// The breaker on Redis itself.
+/// The breaker on Redis itself, with the clock passed in. Closed, calls go through;
+/// after [`FAILURES_TO_OPEN`] outages in a row it opens for `open_for`, failing calls at
+/// once; then one call probes while the others still fail fast; any answer closes it.
 #[derive(Debug, Default)]
 struct Breaker {
     /// Outages in a row.
     failures: u32,
     /// Until when calls fail at once.
     open_until: Option<Instant>,
+    /// A probe is out.
+    probing: bool,
+}
+
+/// What the breaker says of one call.
+#[derive(Debug, PartialEq)]
+enum Pass {
+    Go,
+    /// The one call that tests a Redis that failed.
+    Probe,
+    FailFast(&'static str),
+}
+
+impl Breaker {
+    fn pass(&mut self, now: Instant) -> Pass {
+        match self.open_until {
+            None => Pass::Go,
+            Some(until) if now < until => Pass::FailFast("recent failures (retrying shortly)"),
+            Some(_) if self.probing => Pass::FailFast("probing after failures"),
+            Some(_) => {
+                self.probing = true;
+                Pass::Probe
+            }
+        }
+    }
+
+    /// Redis answered (even with an error of its own): closed. Whether it was open.
+    fn answered(&mut self) -> bool {
+        let was_open = self.open_until.is_some();
+        *self = Breaker::default();
+        was_open
+    }
+
+    /// An outage (a connection error, a timeout). Whether the breaker opened (or, after
+    /// a failed probe, stays open) for `open_for` from `now`.
+    fn outage(&mut self, now: Instant, probe: bool, open_for: Duration) -> bool {
+        self.failures = self.failures.saturating_add(1);
+        if probe {
+            self.probing = false;
+        }
+        if probe || self.failures >= FAILURES_TO_OPEN {
+            self.open_until = Some(now + open_for);
+            return true;
+        }
+        false
+    }
+
+    fn is_open(&self, now: Instant) -> bool {
+        self.open_until.is_some_and(|until| now < until)
+    }
 }
 
 impl std::fmt::Display for Unavailable {
@@ -128,7 +180,6 @@ pub struct Redis {
     retry_interval: Duration,
     prefix: String,
     breaker: Mutex<Breaker>,
-    probing: AtomicBool,
     pub on_unavailable: OnUnavailable,
     pub replicas: u32,
     pub reservation_ttl: Duration,
@@ -169,7 +220,6 @@ impl Redis {
             retry_interval: config.retry_interval,
             prefix: config.key_prefix.clone(),
             breaker: Mutex::default(),
-            probing: AtomicBool::new(false),
             on_unavailable: config.on_unavailable,
             replicas: config.replicas,
             reservation_ttl: config.reservation_ttl,
@@ -219,24 +269,19 @@ impl Redis {
         F: FnOnce(Conn) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
-        let probe = {
-            let breaker = self.breaker.lock().unwrap_or_else(|e| e.into_inner());
-            match breaker.open_until {
-                Some(until) if Instant::now() < until => {
-                    metrics::counter!("backstop_state_fallbacks_total", "op" => op).increment(1);
-                    return Err(Unavailable::Down(
-                        "recent failures (retrying shortly)".into(),
-                    ));
-                }
-                Some(_) => true,
-                None => false,
+        let pass = self
+            .breaker
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pass(Instant::now());
+        let probe = match pass {
+            Pass::Go => false,
+            Pass::Probe => true,
+            Pass::FailFast(why) => {
+                metrics::counter!("backstop_state_fallbacks_total", "op" => op).increment(1);
+                return Err(Unavailable::Down(why.into()));
             }
         };
-        // While one call probes a Redis that failed, the others fail at once.
-        if probe && self.probing.swap(true, Ordering::AcqRel) {
-            metrics::counter!("backstop_state_fallbacks_total", "op" => op).increment(1);
-            return Err(Unavailable::Down("probing after failures".into()));
-        }
         let started = Instant::now();
         let result = tokio::time::timeout(self.timeout, async {
             let conn = self
@@ -262,20 +307,17 @@ impl Redis {
             f(conn).await
         })
         .await;
-        if probe {
-            self.probing.store(false, Ordering::Release);
-        }
         metrics::histogram!("backstop_state_seconds", "op" => op)
             .record(started.elapsed().as_secs_f64());
         let outage = match result {
             Ok(Ok(value)) => {
-                self.answered(probe);
+                self.answered();
                 return Ok(value);
             }
             Ok(Err(err)) if !is_outage(&err) => {
                 // Redis is up and said no to this call alone (a script error, a wrong
                 // type): that call fails, nobody else's does.
-                self.answered(probe);
+                self.answered();
                 metrics::counter!("backstop_state_script_errors_total", "op" => op).increment(1);
                 tracing::error!(op, error = %err, "redis refused a call (script error)");
                 return Err(Unavailable::Refused {
@@ -288,12 +330,11 @@ impl Redis {
         };
         metrics::counter!("backstop_state_errors_total", "op" => op).increment(1);
         let mut breaker = self.breaker.lock().unwrap_or_else(|e| e.into_inner());
-        breaker.failures = breaker.failures.saturating_add(1);
-        if probe || breaker.failures >= FAILURES_TO_OPEN {
-            if breaker.open_until.is_none() {
+        let was_open = breaker.open_until.is_some();
+        if breaker.outage(Instant::now(), probe, self.retry_interval) {
+            if !was_open {
                 tracing::error!(op, error = %outage, failures = breaker.failures, "redis call failed; failing fast for {:?}", self.retry_interval);
             }
-            breaker.open_until = Some(Instant::now() + self.retry_interval);
         } else {
             tracing::warn!(op, error = %outage, failures = breaker.failures, "redis call failed");
         }
@@ -301,20 +342,23 @@ impl Redis {
     }
 
     /// Redis answered: the breaker closes (a probe that got through lets everyone in).
-    fn answered(&self, probe: bool) {
-        let mut breaker = self.breaker.lock().unwrap_or_else(|e| e.into_inner());
-        if probe || breaker.open_until.is_some() {
+    fn answered(&self) {
+        let was_open = self
+            .breaker
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .answered();
+        if was_open {
             tracing::info!("redis is reachable again");
         }
-        *breaker = Breaker::default();
     }
 
     /// Whether calls fail at once now (the breaker is open).
     pub fn failing_fast(&self) -> bool {
-        let breaker = self.breaker.lock().unwrap_or_else(|e| e.into_inner());
-        breaker
-            .open_until
-            .is_some_and(|until| Instant::now() < until)
+        self.breaker
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_open(Instant::now())
     }
 
     /// The generation this replica works under for `tenant`: the marker in Redis,
@@ -478,3 +522,59 @@ impl Redis {
 
 /// The fleet's adoption marker (a key of no tenant): rewritten by every adopt.
 const ADOPTION: &str = "adoption";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OPEN_FOR: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn one_outage_in_a_burst_refuses_nobody_else() {
+        let (mut b, t0) = (Breaker::default(), Instant::now());
+        for _ in 1..FAILURES_TO_OPEN {
+            assert!(!b.outage(t0, false, OPEN_FOR));
+            assert_eq!(b.pass(t0), Pass::Go);
+        }
+        // An answer in between starts the count over.
+        assert!(!b.answered());
+        for _ in 1..FAILURES_TO_OPEN {
+            assert!(!b.outage(t0, false, OPEN_FOR));
+        }
+        assert_eq!(b.pass(t0), Pass::Go);
+    }
+
+    #[test]
+    fn outages_in_a_row_open_it_then_one_probe_and_an_answer_lets_everyone_in() {
+        let (mut b, t0) = (Breaker::default(), Instant::now());
+        for _ in 1..FAILURES_TO_OPEN {
+            b.outage(t0, false, OPEN_FOR);
+        }
+        assert!(b.outage(t0, false, OPEN_FOR), "opens at the third");
+        assert!(b.is_open(t0));
+        assert!(matches!(b.pass(t0 + OPEN_FOR / 2), Pass::FailFast(_)));
+        let later = t0 + OPEN_FOR;
+        assert_eq!(b.pass(later), Pass::Probe);
+        assert!(
+            matches!(b.pass(later), Pass::FailFast(_)),
+            "one probe at a time"
+        );
+        assert!(b.answered(), "it was open");
+        for _ in 0..30 {
+            assert_eq!(b.pass(later), Pass::Go);
+        }
+    }
+
+    #[test]
+    fn a_failed_probe_opens_it_again_at_once() {
+        let (mut b, t0) = (Breaker::default(), Instant::now());
+        for _ in 0..FAILURES_TO_OPEN {
+            b.outage(t0, false, OPEN_FOR);
+        }
+        let later = t0 + OPEN_FOR;
+        assert_eq!(b.pass(later), Pass::Probe);
+        assert!(b.outage(later, true, OPEN_FOR));
+        assert!(matches!(b.pass(later), Pass::FailFast(_)));
+        assert_eq!(b.pass(later + OPEN_FOR), Pass::Probe);
+    }
+}
