@@ -1,9 +1,11 @@
 //! The Redis state backend's cost, in the same run: added latency at a paced 1,000 RPS
 //! (budgets + rate limits + guard on, one session) for direct, embedded and redis;
 //! reservations per second across 3 redis replicas; the admission decision time with
-//! Redis stopped (SIGSTOP). Needs `redis-server` on PATH and a release build.
+//! Redis stopped (SIGSTOP), and how many Redis round trips a request makes. Needs
+//! `redis-server` on PATH and a release build. `--cluster`: the same on a Redis Cluster
+//! of three masters (`redis-cli --cluster create`).
 //!
-//!     cargo build --release && cargo run --release --example replicas -- [SECONDS]
+//!     cargo build --release && cargo run --release --example replicas -- [SECONDS] [--cluster]
 
 #[path = "common/mod.rs"]
 mod common;
@@ -182,6 +184,61 @@ async fn closed_loop(
     total as f64 / started.elapsed().as_secs_f64()
 }
 
+/// Three `redis-server --cluster-enabled yes` joined into one cluster; the first node's
+/// port names it.
+fn start_cluster(dir: &std::path::Path) -> (Vec<Proc>, u16) {
+    // A node's cluster bus listens 10000 above its port.
+    let ports: Vec<u16> = (0..3u16)
+        .map(|i| 21_000 + (std::process::id() % 4000) as u16 + i)
+        .collect();
+    let nodes: Vec<Proc> = ports
+        .iter()
+        .map(|port| {
+            let conf = dir.join(format!("nodes-{port}.conf"));
+            Proc::spawn(
+                "redis-server",
+                &[
+                    "--port",
+                    &port.to_string(),
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    conf.to_str().unwrap(),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ],
+            )
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let created = Command::new("redis-cli")
+        .args(["--cluster", "create"])
+        .args(&addrs)
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .output()
+        .expect("redis-cli");
+    assert!(
+        created.status.success(),
+        "redis-cli --cluster create failed"
+    );
+    for port in &ports {
+        for _ in 0..200 {
+            let info = Command::new("redis-cli")
+                .args(["-p", &port.to_string(), "cluster", "info"])
+                .output()
+                .unwrap();
+            if String::from_utf8_lossy(&info.stdout).contains("cluster_state:ok") {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    (nodes, ports[0])
+}
+
 #[tokio::main]
 async fn main() {
     let seconds: u64 = std::env::args()
@@ -191,24 +248,31 @@ async fn main() {
     let bin = backstop_bin();
     let dir = std::env::temp_dir().join(format!("backstop-replicas-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let (mock, redis_port) = (free_port(), free_port());
-    let redis = Proc::spawn(
-        "redis-server",
-        &[
-            "--port",
-            &redis_port.to_string(),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-    );
+    let on_cluster = std::env::args().any(|a| a == "--cluster");
+    let mock = free_port();
+    let (redis, redis_port) = if on_cluster {
+        start_cluster(&dir)
+    } else {
+        let port = free_port();
+        let redis = Proc::spawn(
+            "redis-server",
+            &[
+                "--port",
+                &port.to_string(),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+        );
+        (vec![redis], port)
+    };
     let _mock = Proc::spawn(
         &bin,
         &["mock-upstream", "--listen", &format!("127.0.0.1:{mock}")],
     );
     let state = format!(
-        "[state]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:{redis_port}/0\"\nreplicas = 3\nreservation_ttl = \"30s\""
+        "[state]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:{redis_port}/0\"\ncluster = {on_cluster}\nreplicas = 3\nreservation_ttl = \"30s\""
     );
     let embedded_port = free_port();
     let redis_ports = [free_port(), free_port(), free_port()];
@@ -252,7 +316,12 @@ async fn main() {
         closed_loop(&http, std::slice::from_ref(url), 1, 500, 16).await;
     }
 
-    println!("Paced 1,000 RPS for {seconds} s per row; budgets + rate limits + guard on, one session; release build, same run\n");
+    let on = if on_cluster {
+        "a 3-master Redis Cluster"
+    } else {
+        "one redis-server"
+    };
+    println!("Paced 1,000 RPS for {seconds} s per row; budgets + rate limits + guard on, one session; release build, same run; redis rows on {on}\n");
     println!("| path | p50 ms | p99 ms | added p50 / p99 ms |\n|---|---|---|---|");
     let d = paced(&http, &direct, false, seconds).await;
     let (dp50, dp99) = (pct(&d, 0.5), pct(&d, 0.99));
@@ -297,10 +366,12 @@ async fn main() {
         println!("| redis, 3 replicas round-robin | {sessions} | {three:.0} |");
     }
 
-    Command::new("kill")
-        .args(["-STOP", &redis.pid().to_string()])
-        .status()
-        .unwrap();
+    for node in &redis {
+        Command::new("kill")
+            .args(["-STOP", &node.pid().to_string()])
+            .status()
+            .unwrap();
+    }
     let mut decided = Vec::new();
     for n in 0..20 {
         let (d, status) = call(&http, &shared[n % 3], true, n, 1).await;
@@ -309,10 +380,12 @@ async fn main() {
         tokio::time::sleep(Duration::from_millis(1100)).await;
     }
     decided.sort();
-    Command::new("kill")
-        .args(["-CONT", &redis.pid().to_string()])
-        .status()
-        .unwrap();
+    for node in &redis {
+        Command::new("kill")
+            .args(["-CONT", &node.pid().to_string()])
+            .status()
+            .unwrap();
+    }
     println!(
         "\nRedis stopped (SIGSTOP), command_timeout 100ms, 20 calls 1.1 s apart (each one probes): decided in p50 {:.1} ms, max {:.1} ms (503 state_unavailable)",
         pct(&decided, 0.5),
