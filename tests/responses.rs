@@ -664,6 +664,23 @@ async fn stored_response_routes_are_forwarded_with_the_provider_key() {
     assert_eq!(resp.status(), 404);
 }
 
+/// `input: null` is refused as `input: {}` is, in the Responses shape, before any
+/// upstream call.
+#[tokio::test]
+async fn a_null_input_is_refused_like_an_object() {
+    let gw = gateway().await;
+    for input in [json!(null), json!({})] {
+        let body = json!({"model": "gpt-4o", "input": input});
+        let resp = gw.responses(KEY_A, &[], "null-input", "", &body).await;
+        assert_eq!(resp.status(), 400, "{input}");
+        let error = json(resp).await;
+        assert_eq!(error["error"]["code"], "invalid_parameter", "{error}");
+        assert_eq!(error["error"]["param"], "input");
+        assert_eq!(error["error"]["type"], "invalid_request_error");
+    }
+    assert_eq!(gw.mock.attempts("null-input"), 0);
+}
+
 /// A conversation chains onto its own responses only: another tenant's
 /// `previous_response_id` is refused as OpenAI refuses an id it does not have, before
 /// any upstream call or charge; an id nobody recorded (created before Backstop, or an
