@@ -523,3 +523,54 @@ max_calls = 5
         .unwrap();
     assert_eq!(resp.headers()["x-backstop-budget-remaining"], "calls=1");
 }
+
+/// Every admin and session answer, refusals included, is `Cache-Control: no-store`.
+#[tokio::test]
+async fn admin_and_session_answers_are_never_cached() {
+    let gw = capped("max_calls = 5", "").await;
+    assert_eq!(
+        gw.in_session(CAPPED, "s", "cache", "", &chat(16))
+            .await
+            .status(),
+        200
+    );
+    let http = &gw.http;
+    let url = |path: &str| format!("{}{path}", gw.url);
+    let cases = [
+        (http.get(url("/admin/upstreams")).bearer_auth(ADMIN), 200),
+        (
+            http.get(url("/admin/tenants/capped")).bearer_auth(ADMIN),
+            200,
+        ),
+        (
+            http.get(url("/admin/tenants/capped/sessions/s"))
+                .bearer_auth(ADMIN),
+            200,
+        ),
+        (
+            http.post(url("/admin/tenants/capped/sessions/s/reset"))
+                .bearer_auth(ADMIN),
+            200,
+        ),
+        (http.get(url("/admin/state")).bearer_auth(ADMIN), 200),
+        (http.get(url("/admin/config")).bearer_auth(ADMIN), 200),
+        (http.get(url("/admin/ui/data")).bearer_auth(ADMIN), 200),
+        (http.get(url("/v1/sessions/s")).bearer_auth(CAPPED), 200),
+        (
+            http.get(url("/admin/tenants/nobody")).bearer_auth(ADMIN),
+            404,
+        ),
+        (http.get(url("/admin/upstreams")), 401),
+        (http.get(url("/v1/sessions/s")), 401),
+    ];
+    for (req, status) in cases {
+        let resp = req.send().await.unwrap();
+        let what = resp.url().path().to_string();
+        assert_eq!(resp.status(), status, "{what}");
+        assert_eq!(resp.headers()["cache-control"], "no-store", "{what}");
+        assert!(resp.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/json"));
+    }
+}
