@@ -158,7 +158,7 @@ impl Row {
             "consecutive_failures": field("consecutive_failures"),
             "calls": self.used.calls,
             "tokens": self.used.tokens,
-            "usd": self.used.usd,
+            "usd": crate::policy::budget::Usd(self.used.usd),
             "trip": field("trip"),
         })
     }
