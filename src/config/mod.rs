@@ -106,14 +106,14 @@ impl ConfigError {
     }
 
     /// This error with every value that came from the environment replaced by its
-    /// `${VAR}` reference. Keys are never interpolated, so only messages can hold one.
+    /// `${VAR}` reference. Keys are never interpolated, so only messages can hold one;
+    /// syntax errors come before interpolation.
     fn scrubbed(self, from_env: &env::FromEnv) -> Self {
         match self {
             ConfigError::Invalid { key, message } => ConfigError::Invalid {
                 key,
                 message: from_env.scrub(&message),
             },
-            ConfigError::Syntax(message) => ConfigError::Syntax(from_env.scrub(&message)),
             other => other,
         }
     }
