@@ -523,3 +523,108 @@ max_calls = 5
         .unwrap();
     assert_eq!(resp.headers()["x-backstop-budget-remaining"], "calls=1");
 }
+
+/// Spend reads in micro-dollars: $0.1 and then $0.2 (40,000 and 80,000 input tokens at
+/// $2.50/Mtok) show as 0.3 in every JSON view, not 0.30000000000000004.
+#[tokio::test]
+async fn spend_figures_are_rounded_to_micro_dollars() {
+    let gw = capped("max_usd = 10.0", "usd_per_day = 100.0").await;
+    for usage in ["usage=40000/0", "usage=80000/0"] {
+        let resp = gw.in_session(CAPPED, "s", "round", usage, &chat(16)).await;
+        assert_eq!(resp.status(), 200);
+    }
+    let session = gw
+        .get("/admin/tenants/capped/sessions/s", Some(ADMIN))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let own = gw
+        .get("/v1/sessions/s", Some(CAPPED))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let tenant = gw
+        .get("/admin/tenants/capped", Some(ADMIN))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let data = gw
+        .get("/admin/ui/data", Some(ADMIN))
+        .await
+        .text()
+        .await
+        .unwrap();
+    for text in [&session, &own, &tenant, &data] {
+        assert!(!text.contains("0.30000000000000004"), "{text}");
+    }
+    let value = |text: &str| serde_json::from_str::<serde_json::Value>(text).unwrap();
+    assert_eq!(value(&session)["used"]["usd"], json!(0.3), "{session}");
+    assert_eq!(value(&session)["remaining"]["usd"], json!(9.7), "{session}");
+    assert_eq!(value(&own)["used"]["usd"], json!(0.3), "{own}");
+    let tenant = value(&tenant);
+    assert_eq!(tenant["used_today"]["usd"], json!(0.3), "{tenant}");
+    assert_eq!(tenant["remaining_today"]["usd"], json!(99.7), "{tenant}");
+    assert_eq!(tenant["by_model"][0]["usd"], json!(0.3), "{tenant}");
+    let data = value(&data);
+    let row = data["sessions"]["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["session"] == "s")
+        .unwrap_or_else(|| panic!("{data}"));
+    assert_eq!(row["usd"], json!(0.3), "{data}");
+}
+
+/// Every admin and session answer, refusals included, is `Cache-Control: no-store`.
+#[tokio::test]
+async fn admin_and_session_answers_are_never_cached() {
+    let gw = capped("max_calls = 5", "").await;
+    assert_eq!(
+        gw.in_session(CAPPED, "s", "cache", "", &chat(16))
+            .await
+            .status(),
+        200
+    );
+    let http = &gw.http;
+    let url = |path: &str| format!("{}{path}", gw.url);
+    let cases = [
+        (http.get(url("/admin/upstreams")).bearer_auth(ADMIN), 200),
+        (
+            http.get(url("/admin/tenants/capped")).bearer_auth(ADMIN),
+            200,
+        ),
+        (
+            http.get(url("/admin/tenants/capped/sessions/s"))
+                .bearer_auth(ADMIN),
+            200,
+        ),
+        (
+            http.post(url("/admin/tenants/capped/sessions/s/reset"))
+                .bearer_auth(ADMIN),
+            200,
+        ),
+        (http.get(url("/admin/state")).bearer_auth(ADMIN), 200),
+        (http.get(url("/admin/config")).bearer_auth(ADMIN), 200),
+        (http.get(url("/admin/ui/data")).bearer_auth(ADMIN), 200),
+        (http.get(url("/v1/sessions/s")).bearer_auth(CAPPED), 200),
+        (
+            http.get(url("/admin/tenants/nobody")).bearer_auth(ADMIN),
+            404,
+        ),
+        (http.get(url("/admin/upstreams")), 401),
+        (http.get(url("/v1/sessions/s")), 401),
+    ];
+    for (req, status) in cases {
+        let resp = req.send().await.unwrap();
+        let what = resp.url().path().to_string();
+        assert_eq!(resp.status(), status, "{what}");
+        assert_eq!(resp.headers()["cache-control"], "no-store", "{what}");
+        assert!(resp.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/json"));
+    }
+}

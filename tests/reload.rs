@@ -486,3 +486,83 @@ max_calls = {max_calls}
         .unwrap();
     assert_eq!(json(resp).await["config"]["version"], 2);
 }
+
+/// A secret put by mistake into a duration through `${ENV}`: the refusal names the key
+/// and the kind of value expected, in the answer of `POST /admin/reload` and in the log
+/// of a `SIGHUP`, and shows nothing of the value (humantime's own message would quote
+/// all of it after the first digit).
+#[tokio::test]
+async fn a_refused_reload_never_shows_a_value_from_the_environment() {
+    const SECRET: &str = "9kQvXhTzWmRbLpNs";
+    const TAIL: &str = "kQvXhTzWmRbLpNs";
+    let dir = TempDir::new("backstop-reload-secret");
+    let port = dead_port().await;
+    let mock_port = dead_port().await;
+    let path = dir.0.join("backstop.toml");
+    let log_path = dir.0.join("stderr.log");
+    let text = |open_for: &str| {
+        format!(
+            r#"
+[server]
+listen = "127.0.0.1:{port}"
+drain_delay = "0s"
+[log]
+level = "warn"
+[mock]
+listen = "127.0.0.1:{mock_port}"
+[store]
+path = ":memory:"
+[admin]
+token = "{ADMIN}"
+[breaker]
+open_for = "{open_for}"
+[[upstreams]]
+name = "mock"
+api = "openai"
+base_url = "http://127.0.0.1:{mock_port}"
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "mock" }}]
+[[tenants]]
+name = "capped"
+api_keys = ["{CAPPED}"]
+"#
+        )
+    };
+    std::fs::write(&path, text("60s")).unwrap();
+    let log = std::fs::File::create(&log_path).unwrap();
+    let leak = format!("BACKSTOP_TEST_LEAK={SECRET}");
+    let gw = Binary::start_under(&["env", &leak], &path, port, log.into()).await;
+    std::fs::write(&path, text("${BACKSTOP_TEST_LEAK}")).unwrap();
+
+    let http = reqwest::Client::new();
+    let resp = http
+        .post(format!("{}/admin/reload", gw.url))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let body = json(resp).await;
+    assert_eq!(body["error"]["code"], "config_invalid", "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("breaker.open_for: expected a duration"),
+        "{message}"
+    );
+    assert!(!body.to_string().contains(TAIL), "{body}");
+
+    gw.signal("HUP");
+    // Both refusals are logged with the key: the endpoint's and the signal's.
+    let logged = |log: &str| log.matches("breaker.open_for: expected a duration").count();
+    let mut log = String::new();
+    for _ in 0..100 {
+        log = std::fs::read_to_string(&log_path).unwrap();
+        if logged(&log) == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(logged(&log), 2, "{log}");
+    assert!(!log.contains(TAIL), "{log}");
+}

@@ -664,6 +664,64 @@ async fn stored_response_routes_are_forwarded_with_the_provider_key() {
     assert_eq!(resp.status(), 404);
 }
 
+/// An upstream's redirect on a stored-response route is answered as on the proxy
+/// routes: 502 `upstream_redirect`, one attempt, never relayed (its `Location` would
+/// not be, so the client would get a bare 3xx) and never followed.
+#[tokio::test]
+async fn a_redirect_on_a_stored_response_route_is_upstream_redirect() {
+    let gw = gateway().await;
+    let created = json(
+        gw.responses(KEY_A, &[], "redirect-create", "", &create("gpt-4o", "x"))
+            .await,
+    )
+    .await;
+    let id = created["id"].as_str().unwrap().to_string();
+    let url = |path: &str| format!("{}/v1/responses/{id}{path}", gw.url);
+    let fault = "status=307;location=http://elsewhere.invalid/";
+    for req in [
+        gw.http.get(url("")),
+        gw.http.delete(url("")),
+        gw.http.post(url("/cancel")),
+        gw.http.get(url("/input_items")),
+    ] {
+        let resp = req
+            .bearer_auth(KEY_A)
+            .header("x-mock-scenario", "redirect")
+            .header("x-mock-fault", fault)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 502);
+        assert!(resp.headers().get("location").is_none());
+        assert_eq!(json(resp).await["error"]["code"], "upstream_redirect");
+    }
+    assert_eq!(gw.mock.attempts("redirect"), 4);
+
+    // The same as the proxy route answers.
+    let resp = gw
+        .responses(KEY_A, &[], "redirect-proxy", fault, &create("gpt-4o", "x"))
+        .await;
+    assert_eq!(resp.status(), 502);
+    assert_eq!(json(resp).await["error"]["code"], "upstream_redirect");
+}
+
+/// `input: null` is refused as `input: {}` is, in the Responses shape, before any
+/// upstream call.
+#[tokio::test]
+async fn a_null_input_is_refused_like_an_object() {
+    let gw = gateway().await;
+    for input in [json!(null), json!({})] {
+        let body = json!({"model": "gpt-4o", "input": input});
+        let resp = gw.responses(KEY_A, &[], "null-input", "", &body).await;
+        assert_eq!(resp.status(), 400, "{input}");
+        let error = json(resp).await;
+        assert_eq!(error["error"]["code"], "invalid_parameter", "{error}");
+        assert_eq!(error["error"]["param"], "input");
+        assert_eq!(error["error"]["type"], "invalid_request_error");
+    }
+    assert_eq!(gw.mock.attempts("null-input"), 0);
+}
+
 /// A conversation chains onto its own responses only: another tenant's
 /// `previous_response_id` is refused as OpenAI refuses an id it does not have, before
 /// any upstream call or charge; an id nobody recorded (created before Backstop, or an

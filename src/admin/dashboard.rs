@@ -158,7 +158,7 @@ impl Row {
             "consecutive_failures": field("consecutive_failures"),
             "calls": self.used.calls,
             "tokens": self.used.tokens,
-            "usd": self.used.usd,
+            "usd": crate::policy::budget::Usd(self.used.usd),
             "trip": field("trip"),
         })
     }
@@ -181,13 +181,11 @@ pub async fn data(State(state): State<AdminState>, RawQuery(query): RawQuery) ->
             "minutes": state.activity.report(tokio::time::Instant::now()),
         },
     });
-    let headers = [
-        (
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        ),
-        (header::CACHE_CONTROL, HeaderValue::from_static("no-store")),
-    ];
+    // `Cache-Control: no-store` is added to every admin answer by `admin::routes`.
+    let headers = [(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    )];
     (headers, body.to_string()).into_response()
 }
 

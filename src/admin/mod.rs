@@ -12,6 +12,9 @@
 //!
 //! The operator dashboard ([`dashboard`]): its page at `GET /admin/ui` (no token: it
 //! holds no data) and its one poll, `GET /admin/ui/data`, behind the admin token.
+//!
+//! Every answer of the operator and session routes, refusals included, carries
+//! `Cache-Control: no-store`: spend, keys' sessions and config are never for a cache.
 
 mod auth;
 mod dashboard;
@@ -21,7 +24,7 @@ use std::{collections::HashMap, convert::Infallible, sync::Arc};
 
 use axum::{
     extract::{Path, State},
-    http::header,
+    http::{header, HeaderValue},
     response::{IntoResponse, Response},
     routing::{get, post},
     Extension, Router,
@@ -104,13 +107,23 @@ pub fn routes<S: Clone + Send + Sync + 'static>(state: AdminState) -> Router<S> 
     let own = Router::new()
         .route("/v1/sessions/{session}", get(own_session))
         .route_layer(tenant);
+    let data = admin
+        .merge(own)
+        .route_layer(axum::middleware::map_response(no_store));
     // The dashboard's page and assets hold no data: served without the token.
     let page = Router::new()
         .route("/admin/ui", get(dashboard::page))
         .route("/admin/ui/app.js", get(dashboard::script))
         .route("/admin/ui/style.css", get(dashboard::style))
         .route_layer(EdgeLayer::default());
-    admin.merge(own).merge(page).with_state(state)
+    data.merge(page).with_state(state)
+}
+
+async fn no_store(mut response: Response) -> Response {
+    response
+        .headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    response
 }
 
 /// Handlers answer with a response, never an error: the layers above expect one.

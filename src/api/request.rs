@@ -25,15 +25,16 @@ pub enum RequestError {
 }
 
 /// The Responses API's `input`: a string, or a list of items that each say what they
-/// are (`type`, or a message's `role`). Anything else is refused before any upstream
-/// call, as chat refuses a malformed body.
+/// are (`type`, or a message's `role`). Anything else, `null` included, is refused
+/// before any upstream call, as chat refuses a malformed body; a request without
+/// `input` (a prompt template, a continuation) is the upstream's to judge.
 fn check_responses_input(input: Option<&Value>) -> Result<(), RequestError> {
     let invalid = |detail: String| RequestError::InvalidParameter {
         param: "input",
         detail,
     };
     match input {
-        None | Some(Value::Null) | Some(Value::String(_)) => Ok(()),
+        None | Some(Value::String(_)) => Ok(()),
         Some(Value::Array(items)) => {
             for (i, item) in items.iter().enumerate() {
                 let says = |key: &str| item.get(key).is_some_and(Value::is_string);
@@ -48,6 +49,7 @@ fn check_responses_input(input: Option<&Value>) -> Result<(), RequestError> {
         Some(other) => Err(invalid(format!(
             "must be a string or a list of input items, got {}",
             match other {
+                Value::Null => "null",
                 Value::Bool(_) => "a boolean",
                 Value::Number(_) => "a number",
                 _ => "an object",

@@ -9,20 +9,20 @@ pub struct StoreConfig {
     /// SQLite file (WAL mode). `":memory:"` keeps nothing across restarts.
     pub path: String,
     /// A session unused this long leaves memory (its ledger stays in the store).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub session_idle: std::time::Duration,
     /// How long a response is kept for `Idempotency-Key` replays.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub idempotency_ttl: std::time::Duration,
     /// How long a write waits for a lock held by another connection or process before
     /// it fails (and budgeted calls are refused with 503 `store_unavailable`).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub busy_timeout: std::time::Duration,
     /// The write-ahead log is checkpointed and truncated whenever it grows past this.
     pub max_wal_bytes: u64,
     /// Ledger rows, session resets and guard states older than this are deleted: a
     /// session idle longer starts over. Tenant day budgets only need today.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub retention: std::time::Duration,
 }
 

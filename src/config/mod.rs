@@ -1,8 +1,13 @@
 //! Typed configuration: TOML file → `${ENV}` interpolation → strict deserialisation →
 //! [`Config::validate`]. Nothing is served until every check here has passed, and every
-//! error names the key path that is wrong (`upstreams[1].base_url`).
+//! error names the key path that is wrong (`upstreams[1].base_url`) and the kind of value
+//! expected. No error shows a value that came from `${ENV}`: serde's messages are
+//! rendered without the value they quote, and whatever a message still quotes is
+//! scrubbed of the interpolated values ([`env::FromEnv`]) before it leaves this module,
+//! for `check-config`, a refused start and a refused reload alike.
 
 mod budget;
+mod duration;
 mod env;
 mod recovery;
 mod responses;
@@ -99,6 +104,43 @@ impl ConfigError {
             message: message.to_string(),
         }
     }
+
+    /// This error with every value that came from the environment replaced by its
+    /// `${VAR}` reference. Keys are never interpolated, so only messages can hold one;
+    /// syntax errors come before interpolation.
+    fn scrubbed(self, from_env: &env::FromEnv) -> Self {
+        match self {
+            ConfigError::Invalid { key, message } => ConfigError::Invalid {
+                key,
+                message: from_env.scrub(&message),
+            },
+            other => other,
+        }
+    }
+}
+
+/// A serde message without the value it quotes: `invalid type: string "sk-...",
+/// expected u32` becomes `invalid type: string, expected u32`. The key path is said
+/// beside it, and the value is the operator's to look up, not the log's to hold.
+fn without_value(message: &str) -> String {
+    for prefix in ["invalid type: ", "invalid value: "] {
+        if let Some(rest) = message.strip_prefix(prefix) {
+            // serde's `Unexpected`: its kind, then the value quoted (`string "x"`,
+            // `integer `5``), or the kind alone (`sequence`, `map`).
+            let kind = rest[..rest.find(['"', '`', ',']).unwrap_or(rest.len())].trim_end();
+            return match rest.rfind(", expected ") {
+                Some(at) => format!("{prefix}{kind}{}", &rest[at..]),
+                None => format!("{prefix}{kind}"),
+            };
+        }
+    }
+    if message.starts_with("unknown variant ") {
+        return match message.rfind(", expected ") {
+            Some(at) => format!("unknown variant{}", &message[at..]),
+            None => "unknown variant".to_string(),
+        };
+    }
+    message.to_string()
 }
 
 impl Config {
@@ -133,15 +175,20 @@ impl Config {
     ) -> Result<Self, ConfigError> {
         let mut value: toml::Value =
             toml::from_str(text).map_err(|e| ConfigError::Syntax(e.message().to_string()))?;
-        env::interpolate(&mut value, "", &lookup)?;
-        let config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
+        let mut from_env = env::FromEnv::default();
+        env::interpolate(&mut value, "", &lookup, &mut from_env)?;
+        Self::from_value(value, base).map_err(|e| e.scrubbed(&from_env))
+    }
+
+    /// Deserialises and validates the interpolated tree.
+    fn from_value(value: toml::Value, base: &Path) -> Result<Self, ConfigError> {
+        let mut config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
             let key = e.path().to_string();
             ConfigError::Invalid {
                 key: if key == "." { "(root)".into() } else { key },
-                message: e.into_inner().to_string(),
+                message: without_value(&e.into_inner().to_string()),
             }
         })?;
-        let mut config = config;
         for (i, route) in config.routes.iter_mut().enumerate() {
             route.load_schema(&format!("routes[{i}].response_schema"), base)?;
         }

@@ -10,12 +10,12 @@ use super::{ConfigError, Secret};
 pub struct RetryConfig {
     /// Attempts per target, the first included.
     pub max_attempts: u32,
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub base_delay: Duration,
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub max_delay: Duration,
     /// A longer `Retry-After` (or one past the deadline) is not waited: fail fast.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub max_retry_after: Duration,
     /// Retries may add this fraction over first attempts (rolling window) when recent
     /// retries fail: the most an outage is amplified.
@@ -25,7 +25,7 @@ pub struct RetryConfig {
     pub budget_max_ratio: f64,
     /// Retries always allowed per window per upstream, however quiet it is.
     pub budget_floor: u32,
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub budget_window: Duration,
 }
 
@@ -86,13 +86,13 @@ impl RetryConfig {
 pub struct BreakerConfig {
     /// Consecutive upstream-fault failures that open it (a 429 counts half).
     pub failure_threshold: u32,
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub open_for: Duration,
     pub half_open_probes: u32,
     /// And at least this share of recent attempts failed (0 = consecutive count alone).
     pub failure_rate: f64,
     /// "Recent", for `failure_rate`.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub window: Duration,
 }
 

@@ -172,13 +172,17 @@ impl<'de> serde::Deserialize<'de> for HedgeAfter {
         if let Some(p) = text.strip_prefix('p') {
             return match p.parse::<f64>() {
                 Ok(p) if p > 0.0 && p < 100.0 => Ok(HedgeAfter::Percentile(p / 100.0)),
-                _ => Err(serde::de::Error::custom(format!(
-                    "{text:?}: a percentile is p1 to p99.9"
-                ))),
+                _ => Err(serde::de::Error::custom(
+                    "expected a percentile from p1 to p99.9",
+                )),
             };
         }
         humantime::parse_duration(&text)
             .map(HedgeAfter::After)
-            .map_err(|e| serde::de::Error::custom(format!("{text:?}: {e} (or a percentile, p95)")))
+            .map_err(|_| {
+                serde::de::Error::custom(
+                    "expected a duration such as \"250ms\", or a percentile such as \"p95\"",
+                )
+            })
     }
 }

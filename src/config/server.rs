@@ -12,26 +12,26 @@ pub struct ServerConfig {
     /// Largest request body accepted; larger bodies get 413 before any upstream call.
     pub max_body_bytes: usize,
     /// The whole client request, retries included.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub request_timeout: Duration,
     /// How long in-flight requests may run after SIGTERM/SIGINT before they are cut.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub shutdown_grace: Duration,
     /// After SIGTERM/SIGINT, how long Backstop keeps accepting and serving while `/readyz`
     /// answers 503, so a load balancer sees it draining before the listener closes.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub drain_delay: Duration,
     /// A connection must deliver a complete request head this soon after it opens or
     /// after its previous response (slowloris and silent sockets are closed).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub header_read_timeout: Duration,
     /// A request body that sends nothing for this long is cut off with 408
     /// `request_body_timeout` (a slow or stalled client; reset by every chunk).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub body_read_timeout: Duration,
     /// A keep-alive connection with no request in flight and no traffic is closed after
     /// this long.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub idle_timeout: Duration,
     /// Client connections open at once; beyond it new connections are answered 503 and
     /// closed. Lowered at start to what the open files limit can hold (`server`'s
@@ -42,7 +42,7 @@ pub struct ServerConfig {
     /// Largest single SSE event accepted from an upstream stream.
     pub max_sse_event_bytes: usize,
     /// Longest a relayed stream may run in all, however steadily it flows.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub max_stream_duration: Duration,
     /// Longest `x-session-id` accepted (visible ASCII only).
     pub max_session_id_bytes: usize,

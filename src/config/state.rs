@@ -17,10 +17,10 @@ pub struct StateConfig {
     /// Every key starts with this; a tenant's keys also share one hash tag (`{tenant}`).
     pub key_prefix: String,
     /// Every Redis call is bounded by this; nothing waits longer.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub command_timeout: Duration,
     /// A reservation (or concurrency slot) not settled or renewed by then is freed.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub reservation_ttl: Duration,
     /// Budgets and idempotency when Redis is down or slow.
     pub on_unavailable: OnUnavailable,
@@ -28,7 +28,7 @@ pub struct StateConfig {
     /// rate limits fall back to `limit / replicas` locally.
     pub replicas: u32,
     /// After a failed Redis call, calls fail fast for this long before one probes again.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub retry_interval: Duration,
 }
 

@@ -16,7 +16,7 @@ pub struct TelemetryConfig {
     /// Share of new traces recorded (0..=1); a client's sampled flag is followed.
     pub sample_ratio: f64,
     /// One export call to the collector is abandoned after this (its spans dropped).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub export_timeout: Duration,
     /// Spans waiting for export; beyond it new spans are dropped and counted.
     pub max_queue: usize,

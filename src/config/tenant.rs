@@ -33,13 +33,13 @@ pub struct GuardConfig {
     pub max_consecutive_failures: u32,
     /// The same request (model + messages + tools) at most this many times per window.
     pub identical_request_limit: u32,
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub identical_request_window: std::time::Duration,
     /// The same tool call answered by the same result this many times in the history.
     pub tool_loop_limit: u32,
     /// Spend velocity; unset means no velocity rule.
     pub max_usd_per_minute: Option<f64>,
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "super::duration")]
     pub cool_down: std::time::Duration,
 }
 

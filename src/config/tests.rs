@@ -259,3 +259,98 @@ fn hedging_needs_a_delay_and_a_second_target() {
         );
     }
 }
+
+/// A secret put by mistake where a duration, a number, a URL or a name of a kind is
+/// expected: the error names the key and the kind expected, never the value.
+#[test]
+fn errors_never_show_a_value_from_the_environment() {
+    const SECRET: &str = "9kQvXhTzWmRbLpNs\"x";
+    let cases = [
+        (
+            BASE.replace("\"250ms\"", "\"${LEAK}\""),
+            "upstreams[0].attempt_timeout",
+            "expected a duration",
+        ),
+        (
+            BASE.replace("request_timeout = \"2m\"", "request_timeout = \"${LEAK}\""),
+            "server.request_timeout",
+            "expected a duration",
+        ),
+        (
+            BASE.replace("request_timeout = \"2m\"", "max_body_bytes = \"${LEAK}\""),
+            "server.max_body_bytes",
+            "invalid type: string, expected",
+        ),
+        (
+            BASE.replace("https://api.openai.com", "${LEAK}"),
+            "upstreams[0].base_url",
+            "expected a URL that starts with http:// or https://",
+        ),
+        (
+            BASE.replace("https://api.openai.com", "https://${LEAK}?"),
+            "upstreams[0].base_url",
+            "expected an http(s) origin",
+        ),
+        (
+            BASE.replace("api = \"openai\"", "api = \"${LEAK}\""),
+            "upstreams[0].api",
+            "unknown variant, expected `openai` or `anthropic`",
+        ),
+        (
+            BASE.replace(
+                "targets = [{ upstream = \"openai\" }, {",
+                "hedge_after = \"${LEAK}\"\ntargets = [{ upstream = \"openai\" }, {",
+            ),
+            "routes[0].hedge_after",
+            "expected a duration",
+        ),
+        (
+            BASE.replace(
+                "{ upstream = \"openai\" }, ",
+                "{ upstream = \"${LEAK}\" }, ",
+            ),
+            "routes[0].targets[0].upstream",
+            "no upstream named \"${LEAK}\"",
+        ),
+    ];
+    for (text, key, expected) in cases {
+        let err = Config::from_toml_with_env(&text, |v| match v {
+            "LEAK" => Some(SECRET.to_string()),
+            _ => env().get(v).map(|s| s.to_string()),
+        })
+        .expect_err("config should be refused")
+        .to_string();
+        assert!(err.starts_with(&format!("{key}: ")), "{key} in: {err}");
+        assert!(err.contains(expected), "{expected:?} in: {err}");
+        assert!(!err.contains("kQvXhTzWmRbLpNs"), "the value in: {err}");
+    }
+}
+
+#[test]
+fn serde_messages_are_rendered_without_the_value() {
+    for (message, rendered) in [
+        (
+            "invalid type: string \"sk-1, expected x\", expected u32",
+            "invalid type: string, expected u32",
+        ),
+        (
+            "invalid value: integer `-1`, expected u64",
+            "invalid value: integer, expected u64",
+        ),
+        (
+            "invalid type: floating point `1.5`, expected a string",
+            "invalid type: floating point, expected a string",
+        ),
+        (
+            "invalid type: sequence, expected a string",
+            "invalid type: sequence, expected a string",
+        ),
+        (
+            "unknown variant `sk-1`, expected `openai` or `anthropic`",
+            "unknown variant, expected `openai` or `anthropic`",
+        ),
+        ("missing field `name`", "missing field `name`"),
+    ] {
+        assert_eq!(super::without_value(message), rendered);
+    }
+}

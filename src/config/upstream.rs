@@ -18,7 +18,7 @@ pub struct UpstreamConfig {
     pub api_key: Secret,
     /// One upstream attempt: until the whole body for non-streaming calls, until the
     /// response head and then between chunks for streams.
-    #[serde(default = "default_attempt_timeout", with = "humantime_serde")]
+    #[serde(default = "default_attempt_timeout", with = "super::duration")]
     pub attempt_timeout: Duration,
     /// `anthropic-version` sent when the client sent none (Anthropic upstreams only).
     #[serde(default = "default_anthropic_version")]
@@ -66,7 +66,7 @@ impl UpstreamConfig {
             .ok_or_else(|| {
                 ConfigError::invalid(
                     format!("{key}.base_url"),
-                    format_args!("{url:?} must start with http:// or https://"),
+                    "expected a URL that starts with http:// or https://",
                 )
             })?;
         let host = rest.split('/').next().unwrap_or("");
@@ -82,7 +82,7 @@ impl UpstreamConfig {
         {
             return Err(ConfigError::invalid(
                 format!("{key}.base_url"),
-                format_args!("{url:?} is not an origin with an optional path prefix"),
+                "expected an http(s) origin with an optional path prefix, and no query or fragment",
             ));
         }
         if self.attempt_timeout.is_zero() {

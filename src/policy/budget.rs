@@ -62,6 +62,23 @@ pub fn sane_usd(usd: f64) -> f64 {
     }
 }
 
+/// A dollar figure as the JSON views show it: rounded to micro-dollars, so a spend of
+/// 0.1 + 0.2 reads 0.3 and not 0.30000000000000004. The arithmetic keeps full floats.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Usd(pub f64);
+
+impl Usd {
+    pub fn rounded(self) -> f64 {
+        (self.0 * 1e6).round() / 1e6
+    }
+}
+
+impl serde::Serialize for Usd {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(self.rounded())
+    }
+}
+
 /// Caps on a scope (a session, or a tenant's day); `None` is unlimited.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Caps {

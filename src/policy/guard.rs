@@ -561,7 +561,7 @@ impl SessionGuard {
             "consecutive_failures": self.consecutive_failures,
             "max_identical_requests_in_window": max_repeat,
             "tool_loop_count": last_tool_loop,
-            "usd_last_minute": velocity,
+            "usd_last_minute": super::budget::Usd(velocity),
             "risk": (risk * 100.0).round() / 100.0,
             "transitions": self.transitions,
         });

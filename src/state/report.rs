@@ -4,7 +4,10 @@
 use std::sync::atomic::Ordering;
 
 use super::budgets::{lock, Budgets, TenantBook};
-use crate::{policy::budget::Account, store::StoreError};
+use crate::{
+    policy::budget::{Account, Usd},
+    store::StoreError,
+};
 
 impl Budgets {
     /// A session's account and requests in flight: from Redis when replicas share the
@@ -72,11 +75,11 @@ impl Budgets {
         Ok(Some(serde_json::json!({
             "tenant": tenant,
             "session": session,
-            "used": {"calls": account.settled.calls, "tokens": account.settled.tokens, "usd": account.settled.usd},
-            "reserved": {"calls": account.reserved.calls, "tokens": account.reserved.tokens, "usd": account.reserved.usd},
+            "used": {"calls": account.settled.calls, "tokens": account.settled.tokens, "usd": Usd(account.settled.usd)},
+            "reserved": {"calls": account.reserved.calls, "tokens": account.reserved.tokens, "usd": Usd(account.reserved.usd)},
             "in_flight": in_flight,
-            "limits": {"max_calls": book.session_limits.calls, "max_tokens": book.session_limits.tokens, "max_usd": book.session_limits.usd, "max_concurrent": book.max_concurrent},
-            "remaining": {"calls": calls, "tokens": tokens, "usd": usd},
+            "limits": {"max_calls": book.session_limits.calls, "max_tokens": book.session_limits.tokens, "max_usd": book.session_limits.usd.map(Usd), "max_concurrent": book.max_concurrent},
+            "remaining": {"calls": calls, "tokens": tokens, "usd": usd.map(Usd)},
         })))
     }
 
@@ -116,15 +119,15 @@ impl Budgets {
         };
         let by_model: Vec<_> = by_model
             .into_iter()
-            .map(|(model, u)| serde_json::json!({"model": model, "calls": u.calls, "tokens": u.tokens, "usd": u.usd}))
+            .map(|(model, u)| serde_json::json!({"model": model, "calls": u.calls, "tokens": u.tokens, "usd": Usd(u.usd)}))
             .collect();
         Ok(Some(serde_json::json!({
             "tenant": tenant,
             "day": day,
-            "used_today": {"calls": account.settled.calls, "tokens": account.settled.tokens, "usd": account.settled.usd},
-            "reserved": {"calls": account.reserved.calls, "tokens": account.reserved.tokens, "usd": account.reserved.usd},
-            "limits": {"usd_per_day": book.day_limits.usd, "tokens_per_day": book.day_limits.tokens},
-            "remaining_today": {"usd": usd, "tokens": tokens},
+            "used_today": {"calls": account.settled.calls, "tokens": account.settled.tokens, "usd": Usd(account.settled.usd)},
+            "reserved": {"calls": account.reserved.calls, "tokens": account.reserved.tokens, "usd": Usd(account.reserved.usd)},
+            "limits": {"usd_per_day": book.day_limits.usd.map(Usd), "tokens_per_day": book.day_limits.tokens},
+            "remaining_today": {"usd": usd.map(Usd), "tokens": tokens},
             "by_model": by_model,
         })))
     }

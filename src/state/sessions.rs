@@ -59,7 +59,7 @@ impl TraceEntry {
             "request_id": self.request_id, "status": self.status,
             "class": if self.status == 0 { "refused" } else if self.failed { "failed" } else { "ok" },
             "action": self.action, "detail": self.detail, "attempts": self.attempts, "upstream": self.upstream.as_deref(),
-            "latency_ms": self.latency_ms, "cost_usd": self.cost_usd, "tool_loop": self.tool_loop, "state": self.state,
+            "latency_ms": self.latency_ms, "cost_usd": crate::policy::budget::Usd(self.cost_usd), "tool_loop": self.tool_loop, "state": self.state,
         })
     }
 }

@@ -8,7 +8,10 @@
 //! The path is rebuilt from the id, which must be 1–128 letters, digits, `_` or `-`:
 //! nothing the client sends can steer the request to another upstream path.
 //! A 401/403 from the upstream is Backstop's key failing, answered 502 `upstream_auth`
-//! (never passed on: the tenant's own key was fine).
+//! (never passed on: the tenant's own key was fine). A 3xx is answered 502
+//! `upstream_redirect`, as on the proxy routes: Backstop follows no upstream redirect,
+//! and one relayed without its `Location` (not on the header allow-list) would mean
+//! nothing to the client.
 
 use std::{
     sync::Arc,
@@ -25,7 +28,9 @@ use super::{
     StreamLimits, Upstream,
 };
 use crate::{
-    error::GatewayError, policy::classify::TransportFailure, state::owners::ResponseOwners,
+    error::{GatewayError, Protocol},
+    policy::classify::TransportFailure,
+    state::owners::ResponseOwners,
     telemetry::RequestLog,
 };
 
@@ -208,6 +213,13 @@ impl ForwardObject {
             .map_err(|_| TransportFailure::Timeout)
             .and_then(|r| r)
             .map_err(failed)?;
+        if status.is_redirection() {
+            tracing::warn!(upstream = %upstream.name, status = status.as_u16(), "the upstream answered with a redirect; not followed");
+            return Err(GatewayError::UpstreamProtocol {
+                upstream: upstream.name.to_string(),
+                problem: Protocol::Redirect(status.as_u16()),
+            });
+        }
         if status == http::StatusCode::UNAUTHORIZED || status == http::StatusCode::FORBIDDEN {
             tracing::error!(upstream = %upstream.name, status = status.as_u16(), "the upstream refused Backstop's key");
             return Err(GatewayError::UpstreamAuth {
