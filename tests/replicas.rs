@@ -327,7 +327,7 @@ api_keys = ["{USD}"]
 max_usd = 0.05
 "#
     );
-    let cluster = Cluster::start(&redis, &[CLOSED, CLOSED, CLOSED], &tenants).await;
+    let cluster = Cluster::start(&redis, &[PATIENT, PATIENT, PATIENT], &tenants).await;
 
     // 40 overlapping calls against 10: the shared reservations let exactly 10 through.
     let headers = [
@@ -418,7 +418,7 @@ api_keys = ["{BUDGETED}"]
 max_concurrent = 2
 "#
     );
-    let cluster = Cluster::start(&redis, &[CLOSED, CLOSED, CLOSED], &tenants).await;
+    let cluster = Cluster::start(&redis, &[PATIENT, PATIENT, PATIENT], &tenants).await;
     let slow = [
         ("x-session-id", "together"),
         ("x-mock-scenario", "slow"),
@@ -480,7 +480,7 @@ api_keys = ["{LIMITED}"]
 requests_per_minute = 30
 "#
     );
-    let cluster = Cluster::start(&redis, &[CLOSED, CLOSED, CLOSED], &tenants).await;
+    let cluster = Cluster::start(&redis, &[PATIENT, PATIENT, PATIENT], &tenants).await;
     // A token comes back every 2 s (60 s / 30): the 60 calls go in waves of 6 so they are
     // over well before that.
     let started = Instant::now();
@@ -528,7 +528,7 @@ identical_request_window = "10m"
 cool_down = "60s"
 "#
     );
-    let cluster = Cluster::start(&redis, &[CLOSED, CLOSED, CLOSED], &tenants).await;
+    let cluster = Cluster::start(&redis, &[PATIENT, PATIENT, PATIENT], &tenants).await;
     let headers = [("x-session-id", "loop"), ("x-mock-scenario", "loop")];
     let (a, b, c) = (0, 1, 2);
     for n in 0..3 {
@@ -665,7 +665,7 @@ api_keys = ["{BUDGETED}"]
 max_calls = 100
 "#
     );
-    let cluster = Cluster::start(&redis, &[CLOSED, CLOSED, CLOSED], &tenants).await;
+    let cluster = Cluster::start(&redis, &[PATIENT, PATIENT, PATIENT], &tenants).await;
     let headers = [
         ("idempotency-key", "together"),
         ("x-session-id", "idem"),
@@ -845,7 +845,8 @@ api_keys = ["{BUDGETED}"]
 max_calls = 5
 "#
     );
-    let state = "reservation_ttl = \"2s\"\non_unavailable = \"closed\"";
+    // 1 s: time for a loaded machine, well inside the 2 s leases.
+    let state = "command_timeout = \"1s\"\nreservation_ttl = \"2s\"\non_unavailable = \"closed\"";
     let mut cluster = Cluster::start(&redis, &[state, state, state], &tenants).await;
     let hanging = [
         ("x-session-id", "k"),
