@@ -839,10 +839,10 @@ async fn an_idempotency_key_replays_a_response() {
 const USD_KEY: &str = "bk-usd-day-key-01";
 const FLOOR_KEY: &str = "bk-floor-key-0001";
 
-/// A gateway with a tenant capped at $1.00 a day and one with a `min_input_tokens`
-/// floor, on `store` (a `[store]` line).
-async fn money_gateway(store: &str) -> Gateway {
-    let store = store.to_string();
+/// A gateway with a tenant capped at $1.00 a day, on `store` (a `[store]` line), with
+/// `tenants` added.
+async fn money_gateway(store: &str, tenants: &str) -> Gateway {
+    let (store, tenants) = (store.to_string(), tenants.to_string());
     start_with(move |text| {
         let prices = admin_and_prices();
         let text = with_store(&text, &store);
@@ -853,14 +853,7 @@ name = "usd"
 api_keys = ["{USD_KEY}"]
 [tenants.budget]
 usd_per_day = 1.0
-
-[[tenants]]
-name = "floor"
-api_keys = ["{FLOOR_KEY}"]
-[tenants.budget]
-usd_per_day = 0.3
-min_input_tokens = 150000
-"#
+{tenants}"#
         )
     })
     .await
@@ -883,7 +876,7 @@ async fn spent_today(gw: &Gateway, tenant: &str) -> f64 {
 /// each reserved its body only, ~$0.001: all 30 ran, $15.50 against $1.00.)
 #[tokio::test]
 async fn a_chained_call_reserves_the_context_it_names() {
-    let gw = money_gateway("path = \":memory:\"").await;
+    let gw = money_gateway("path = \":memory:\"", "").await;
     let parent = gw
         .responses(
             USD_KEY,
@@ -935,7 +928,17 @@ async fn a_chained_call_reserves_the_context_it_names() {
 /// ($0.375) do not fit a $0.30 cap, while the same call naming nothing does.
 #[tokio::test]
 async fn unsized_references_reserve_the_min_input_tokens_floor() {
-    let gw = money_gateway("path = \":memory:\"").await;
+    let floor = format!(
+        r#"
+[[tenants]]
+name = "floor"
+api_keys = ["{FLOOR_KEY}"]
+[tenants.budget]
+usd_per_day = 0.3
+min_input_tokens = 150000
+"#
+    );
+    let gw = money_gateway("path = \":memory:\"", &floor).await;
     let plain = json!({"model": "gpt-4o", "input": "hi", "max_output_tokens": 10});
     for (field, value) in [
         ("conversation", json!("conv_floor")),
@@ -967,8 +970,8 @@ async fn an_owner_is_durable_before_the_create_is_answered() {
     let dir = std::env::temp_dir().join(format!("backstop-owners-{}", uuid::Uuid::new_v4()));
     std::fs::create_dir_all(&dir).unwrap();
     let store = format!("path = \"{}\"", dir.join("owners.db").display());
-    let first = money_gateway(&store).await;
-    let second = money_gateway(&store).await;
+    let first = money_gateway(&store, "").await;
+    let second = money_gateway(&store, "").await;
     for stream in [false, true] {
         let body = json!({"model": "gpt-4o", "input": "keep me", "stream": stream});
         let resp = first
@@ -1088,4 +1091,40 @@ async fn every_reference_to_another_tenants_object_is_refused() {
     let resp = gw.responses(KEY_A, &[], "refs-a", "", &mine).await;
     assert_eq!(resp.status(), 200);
     assert_eq!(gw.mock.attempts("refs-a"), 2);
+}
+
+/// What writing owners before answering costs a create with the embedded store,
+/// measured (not run by default): sequential creates, stored (the owner's commit is
+/// awaited) against `store: false` (nothing recorded), mean and p50/p99.
+/// `cargo test --test responses -- --ignored --nocapture owner_write_cost`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn owner_write_cost_with_the_embedded_store() {
+    let dir = std::env::temp_dir().join(format!("backstop-cost-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let store = format!("path = \"{}\"", dir.join("cost.db").display());
+    let gw = money_gateway(&store, "").await;
+    let mut figures = Vec::new();
+    for stored in [false, true, false, true] {
+        let body = json!({"model": "gpt-4o", "input": "hi", "store": stored});
+        let mut took = Vec::new();
+        for _ in 0..300 {
+            let started = std::time::Instant::now();
+            let resp = gw.responses(KEY_A, &[], "cost", "", &body).await;
+            assert_eq!(resp.status(), 200);
+            resp.bytes().await.unwrap();
+            took.push(started.elapsed().as_secs_f64() * 1e3);
+        }
+        took.sort_by(f64::total_cmp);
+        let mean = took.iter().sum::<f64>() / took.len() as f64;
+        figures.push(format!(
+            "store={stored}: mean {mean:.3} ms, p50 {:.3} ms, p99 {:.3} ms",
+            took[took.len() / 2],
+            took[took.len() * 99 / 100]
+        ));
+    }
+    for line in figures {
+        println!("{line}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
