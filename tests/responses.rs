@@ -916,9 +916,10 @@ async fn a_chained_call_reserves_the_context_it_names() {
             assert_eq!(json(resp).await["error"]["code"], "budget_exceeded");
         }
     }
+    let spent = spent_today(&gw, "usd").await;
+    println!("admitted {admitted} of 30 chained creates; spent ${spent:.5} against $1.00");
     assert_eq!(admitted, 1);
     assert_eq!(gw.mock.attempts("ctx-chain"), 1);
-    let spent = spent_today(&gw, "usd").await;
     assert!(spent <= 1.0, "spent ${spent} against a $1.00 cap");
     assert!((spent - (0.47575 + 0.501)).abs() < 1e-6, "spent ${spent}");
 }
