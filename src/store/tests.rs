@@ -391,6 +391,43 @@ async fn response_owners_are_kept_in_one_write_read_by_id_and_purged_when_expire
     );
 }
 
+/// A store made before owners had a context size: opened, it gains the column, its
+/// owners still read (with no size), and new ones take one; opening it again is fine.
+#[tokio::test]
+async fn an_owners_table_without_context_sizes_is_upgraded_in_place() {
+    let db = TempDb::new();
+    {
+        let conn = rusqlite::Connection::open(db.path()).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE response_owners (id TEXT PRIMARY KEY, tenant TEXT NOT NULL,
+                 expires_ms INTEGER NOT NULL) WITHOUT ROWID;
+             INSERT INTO response_owners VALUES ('resp_old', 't1', 9000000000000);",
+        )
+        .unwrap();
+    }
+    for _ in 0..2 {
+        let store = SqliteStore::open_with(&db.config()).unwrap();
+        assert_eq!(
+            store.owner_of("resp_old", 0).await.unwrap(),
+            Some(StoredOwner {
+                tenant: "t1".into(),
+                context_tokens: None
+            })
+        );
+        store
+            .record_owners(vec![OwnerRecord {
+                id: "resp_new".into(),
+                tenant: "t1".into(),
+                expires_ms: 9_000_000_000_000,
+                context_tokens: Some(42),
+            }])
+            .await
+            .unwrap();
+        let new = store.owner_of("resp_new", 0).await.unwrap().unwrap();
+        assert_eq!(new.context_tokens, Some(42));
+    }
+}
+
 #[tokio::test]
 async fn guard_states_are_kept_and_cleared() {
     let store = SqliteStore::open(":memory:").unwrap();
