@@ -34,7 +34,7 @@ use super::{
 use crate::{
     api::{Endpoint, ReportedUsage, StoredRefs},
     error::GatewayError,
-    state::owners::ResponseOwners,
+    state::owners::{Known, ResponseOwners},
     store::StoreError,
     upstream::{AttemptError, Reply, ReplyBody},
 };
@@ -119,9 +119,10 @@ impl ResponseOwnersLayer {
                 Some(o) if &*o.tenant != tenant => {
                     return Err(GatewayError::PreviousResponseNotFound(id.clone()))
                 }
-                Some(o) if o.context_tokens.is_some() => {
-                    held.tokens = o.context_tokens.unwrap_or(0);
-                }
+                Some(Known {
+                    context_tokens: Some(tokens),
+                    ..
+                }) => held.tokens = tokens,
                 // Nobody's (made around Backstop), or its size not settled yet.
                 _ => held.unsized_context = true,
             }
