@@ -19,9 +19,12 @@
 //! 10. [`RecoveryLayer`]: target selection, classification, retry with backoff and
 //!     Retry-After, retry budget, per-upstream circuit breakers, failover; answers
 //!     which target answered ([`Answered`](crate::layers::recovery::Answered)).
-//! 11. [`MeterLayer`]: per upstream call (retries and corrections included), reserve
+//! 11. [`ResponseOwnersLayer`]: Responses creates only: every stored object named is
+//!     checked against its owner, what the provider holds for the call handed to the
+//!     meter, and a stored answer's owners made durable before it is released.
+//! 12. [`MeterLayer`]: per upstream call (retries and corrections included), reserve
 //!     against the session's and tenant's caps, settle to reported usage.
-//! 12. [`Forward`]: one upstream attempt (leaf).
+//! 13. [`Forward`]: one upstream attempt (leaf).
 //!
 //! Around the whole router (every route: proxy, models, admin, health, metrics, 404,
 //! 405), outer → inner, tower-http's layers ([`App`]):

@@ -100,6 +100,10 @@ fn describe() {
         "Upstream attempt latency by upstream"
     );
     metrics::describe_histogram!(
+        "backstop_owner_write_seconds",
+        "Time a stored Responses create waits for its owner to be durable before it is answered"
+    );
+    metrics::describe_histogram!(
         "backstop_overhead_seconds",
         "Time spent in Backstop outside upstream calls"
     );

@@ -893,3 +893,297 @@ async fn an_idempotency_key_replays_a_response() {
     assert_eq!(other.status(), 422);
     assert_eq!(json(other).await["error"]["code"], "idempotency_key_reused");
 }
+
+const USD_KEY: &str = "bk-usd-day-key-01";
+const FLOOR_KEY: &str = "bk-floor-key-0001";
+
+/// A gateway with a tenant capped at $1.00 a day, on `store` (a `[store]` line), with
+/// `tenants` added.
+async fn money_gateway(store: &str, tenants: &str) -> Gateway {
+    let (store, tenants) = (store.to_string(), tenants.to_string());
+    start_with(move |text| {
+        let prices = admin_and_prices();
+        let text = with_store(&text, &store);
+        format!(
+            r#"{text}{prices}
+[[tenants]]
+name = "usd"
+api_keys = ["{USD_KEY}"]
+[tenants.budget]
+usd_per_day = 1.0
+{tenants}"#
+        )
+    })
+    .await
+}
+
+async fn spent_today(gw: &Gateway, tenant: &str) -> f64 {
+    let view = json(
+        gw.get(&format!("/admin/tenants/{tenant}"), Some(ADMIN))
+            .await,
+    )
+    .await;
+    view["used_today"]["usd"].as_f64().unwrap()
+}
+
+/// Issue 24, item 1: a chained call reserves the context the provider holds for it.
+/// The previous response settled 189,900 input + 100 output tokens (~$0.476 at $2.50 /
+/// $10 per Mtok); 30 concurrent calls chain onto it, each reported at 200,000 input
+/// tokens ($0.501) as a real chained conversation is. Each reserves the recorded
+/// 190,000 tokens on top of its body, so exactly one fits the $1.00 day cap. (Before,
+/// each reserved its body only, ~$0.001: all 30 ran, $15.50 against $1.00.)
+#[tokio::test]
+async fn a_chained_call_reserves_the_context_it_names() {
+    let gw = money_gateway("path = \":memory:\"", "").await;
+    let parent = gw
+        .responses(
+            USD_KEY,
+            &[],
+            "ctx-parent",
+            "usage=189900/100",
+            &json!({"model": "gpt-4o", "input": "start", "max_output_tokens": 100}),
+        )
+        .await;
+    assert_eq!(parent.status(), 200);
+    let id = json(parent).await["id"].as_str().unwrap().to_string();
+    let body = json!({"model": "gpt-4o", "input": "next", "max_output_tokens": 100,
+                      "previous_response_id": id});
+    let calls: Vec<_> = (0..30)
+        .map(|_| {
+            let (url, body) = (gw.url.clone(), body.to_string());
+            tokio::spawn(async move {
+                reqwest::Client::new()
+                    .post(format!("{url}/v1/responses"))
+                    .bearer_auth(USD_KEY)
+                    .header("x-mock-scenario", "ctx-chain")
+                    .header("x-mock-fault", "usage=200000/100")
+                    .body(body)
+                    .send()
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for call in calls {
+        let resp = call.await.unwrap();
+        if resp.status() == 200 {
+            admitted += 1;
+        } else {
+            assert_eq!(resp.status(), 402);
+            assert_eq!(json(resp).await["error"]["code"], "budget_exceeded");
+        }
+    }
+    let spent = spent_today(&gw, "usd").await;
+    println!("admitted {admitted} of 30 chained creates; spent ${spent:.5} against $1.00");
+    assert_eq!(admitted, 1);
+    assert_eq!(gw.mock.attempts("ctx-chain"), 1);
+    assert!(spent <= 1.0, "spent ${spent} against a $1.00 cap");
+    assert!((spent - (0.47575 + 0.501)).abs() < 1e-6, "spent ${spent}");
+}
+
+/// A reference Backstop cannot size (a conversation, an item reference, a stored
+/// prompt, a file) reserves at least the tenant's `min_input_tokens`: 150,000 tokens
+/// ($0.375) do not fit a $0.30 cap, while the same call naming nothing does.
+#[tokio::test]
+async fn unsized_references_reserve_the_min_input_tokens_floor() {
+    let floor = format!(
+        r#"
+[[tenants]]
+name = "floor"
+api_keys = ["{FLOOR_KEY}"]
+[tenants.budget]
+usd_per_day = 0.3
+min_input_tokens = 150000
+"#
+    );
+    let gw = money_gateway("path = \":memory:\"", &floor).await;
+    let plain = json!({"model": "gpt-4o", "input": "hi", "max_output_tokens": 10});
+    for (field, value) in [
+        ("conversation", json!("conv_floor")),
+        ("prompt", json!({"id": "pmpt_1"})),
+        (
+            "input",
+            json!([{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]),
+        ),
+        ("input", json!([{"type": "item_reference", "id": "msg_x"}])),
+    ] {
+        let mut body = plain.clone();
+        body[field] = value;
+        let resp = gw.responses(FLOOR_KEY, &[], "floor", "", &body).await;
+        assert_eq!(resp.status(), 402, "{field}");
+        assert_eq!(json(resp).await["error"]["code"], "budget_exceeded");
+    }
+    assert_eq!(gw.mock.attempts("floor"), 0);
+    let resp = gw.responses(FLOOR_KEY, &[], "floor", "", &plain).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(gw.mock.attempts("floor"), 1);
+}
+
+/// Issue 24, item 3: a create's owner is in the store before its answer (or its
+/// stream's first event) is released. A second gateway on the same store, knowing
+/// nothing in memory, serves the owner at once and refuses another tenant's chain.
+/// (Before, owners were written 250 ms later: 404, and the chain reached the upstream.)
+#[tokio::test]
+async fn an_owner_is_durable_before_the_create_is_answered() {
+    let dir = std::env::temp_dir().join(format!("backstop-owners-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let store = format!("path = \"{}\"", dir.join("owners.db").display());
+    let first = money_gateway(&store, "").await;
+    let second = money_gateway(&store, "").await;
+    for stream in [false, true] {
+        let body = json!({"model": "gpt-4o", "input": "keep me", "stream": stream});
+        let resp = first
+            .responses(KEY_A, &[], "durable", "chunks=2", &body)
+            .await;
+        assert_eq!(resp.status(), 200);
+        // The head is out: the owner must already be in the store.
+        let id = if stream {
+            let text = resp.text().await.unwrap();
+            let data = text.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
+            serde_json::from_str::<Value>(data).unwrap()["response"]["id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        } else {
+            json(resp).await["id"].as_str().unwrap().to_string()
+        };
+        let got = second
+            .http
+            .get(format!("{}/v1/responses/{id}", second.url))
+            .bearer_auth(KEY_A)
+            .header("x-mock-scenario", "durable-get")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(got.status(), 200, "stream: {stream}");
+        let chained = json!({"model": "gpt-4o", "input": "mine now", "previous_response_id": id});
+        let resp = second
+            .responses(KEY_B, &[], "durable-steal", "", &chained)
+            .await;
+        assert_eq!(resp.status(), 400, "stream: {stream}");
+        assert_eq!(
+            json(resp).await["error"]["code"],
+            "previous_response_not_found"
+        );
+    }
+    assert_eq!(second.mock.attempts("durable-steal"), 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 24, item 4: every reference is checked against its owner, as the provider
+/// reads it. Another tenant's output item (`item_reference`, or an item passed back by
+/// id), its conversation, and its response id with a trailing space are refused as ids
+/// that do not exist; a `previous_response_id` that is not a string is a 400. None of
+/// them reaches the upstream; the owner's own references do.
+#[tokio::test]
+async fn every_reference_to_another_tenants_object_is_refused() {
+    let gw = gateway().await;
+    let body = json!({"model": "gpt-4o", "input": "secret", "conversation": "conv_a_1"});
+    let created = gw.responses(KEY_A, &[], "refs-a", "", &body).await;
+    assert_eq!(created.status(), 200);
+    let created = json(created).await;
+    let id = created["id"].as_str().unwrap().to_string();
+    let item = created["output"][0]["id"].as_str().unwrap().to_string();
+    let base = json!({"model": "gpt-4o", "input": "tell me"});
+    let with = |field: &str, value: Value| {
+        let mut body = base.clone();
+        body[field] = value;
+        body
+    };
+    let cases = [
+        (
+            with("previous_response_id", json!([id])),
+            "invalid_parameter",
+            "previous_response_id",
+        ),
+        (
+            with("previous_response_id", json!(format!("{id} "))),
+            "previous_response_not_found",
+            "previous_response_id",
+        ),
+        (
+            with(
+                "input",
+                json!([{"role": "user", "content": "hi"}, {"type": "item_reference", "id": item}]),
+            ),
+            "item_not_found",
+            "input[1].id",
+        ),
+        (
+            with(
+                "input",
+                json!([{"type": "message", "id": item, "role": "assistant", "content": []}]),
+            ),
+            "item_not_found",
+            "input[0].id",
+        ),
+        (
+            with("conversation", json!("conv_a_1")),
+            "conversation_not_found",
+            "conversation",
+        ),
+        (
+            with("conversation", json!({"id": " conv_a_1"})),
+            "conversation_not_found",
+            "conversation",
+        ),
+        (
+            with("conversation", json!(["conv_a_1"])),
+            "invalid_parameter",
+            "conversation",
+        ),
+    ];
+    for (body, code, param) in cases {
+        let resp = gw.responses(KEY_B, &[], "refs-b", "", &body).await;
+        assert_eq!(resp.status(), 400, "{body}");
+        let err = json(resp).await;
+        assert_eq!(err["error"]["type"], "invalid_request_error", "{body}");
+        assert_eq!(err["error"]["code"], code, "{body}");
+        assert_eq!(err["error"]["param"], param, "{body}");
+    }
+    assert_eq!(gw.mock.attempts("refs-b"), 0, "the upstream was asked");
+    // The owner's own references pass.
+    let mine = json!({"model": "gpt-4o", "previous_response_id": format!("{id} "),
+                      "conversation": "conv_a_1",
+                      "input": [{"type": "item_reference", "id": item}]});
+    let resp = gw.responses(KEY_A, &[], "refs-a", "", &mine).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(gw.mock.attempts("refs-a"), 2);
+}
+
+/// What writing owners before answering costs a create with the embedded store,
+/// measured (not run by default): sequential creates, stored (the owner's commit is
+/// awaited) against `store: false` (nothing recorded), mean and p50/p99.
+/// `cargo test --test responses -- --ignored --nocapture owner_write_cost`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn owner_write_cost_with_the_embedded_store() {
+    let dir = std::env::temp_dir().join(format!("backstop-cost-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let store = format!("path = \"{}\"", dir.join("cost.db").display());
+    let gw = money_gateway(&store, "").await;
+    let mut figures = Vec::new();
+    for stored in [false, true, false, true] {
+        let body = json!({"model": "gpt-4o", "input": "hi", "store": stored});
+        let mut took = Vec::new();
+        for _ in 0..300 {
+            let started = std::time::Instant::now();
+            let resp = gw.responses(KEY_A, &[], "cost", "", &body).await;
+            assert_eq!(resp.status(), 200);
+            resp.bytes().await.unwrap();
+            took.push(started.elapsed().as_secs_f64() * 1e3);
+        }
+        took.sort_by(f64::total_cmp);
+        let mean = took.iter().sum::<f64>() / took.len() as f64;
+        figures.push(format!(
+            "store={stored}: mean {mean:.3} ms, p50 {:.3} ms, p99 {:.3} ms",
+            took[took.len() / 2],
+            took[took.len() * 99 / 100]
+        ));
+    }
+    for line in figures {
+        println!("{line}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -3,11 +3,13 @@
 
 pub mod answer;
 pub mod json;
+pub mod refs;
 pub mod request;
 mod shape;
 pub mod sse;
 
 pub use answer::{AnswerView, ReportedUsage};
+pub use refs::StoredRefs;
 pub use request::{ParsedRequest, RequestError, MAX_OUTPUT_TOKENS};
 pub use shape::{error_body, stream_error_event, ErrorParts};
 

@@ -73,6 +73,8 @@ pub struct ParsedRequest {
     pub body: Bytes,
     /// The same body, parsed once.
     pub json: Map<String, Value>,
+    /// The stored objects a Responses create names (empty for other endpoints).
+    pub refs: super::StoredRefs,
 }
 
 impl ParsedRequest {
@@ -107,8 +109,10 @@ impl ParsedRequest {
                 },
             }
         }
+        let mut refs = super::StoredRefs::default();
         if endpoint == Endpoint::Responses {
             check_responses_input(json.get("input"))?;
+            refs = super::StoredRefs::read(&json)?;
         }
         let client_wants_stream_usage = json
             .get("stream_options")
@@ -123,6 +127,7 @@ impl ParsedRequest {
             client_wants_stream_usage,
             body,
             json,
+            refs,
         })
     }
 

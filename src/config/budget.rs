@@ -65,6 +65,9 @@ pub struct BillingConfig {
     pub unpriced: Unpriced,
     /// Completion tokens reserved when a request names no `max_tokens`.
     pub default_max_tokens: u64,
+    /// Input tokens reserved at least for a Responses call that names server-held
+    /// context Backstop cannot size, for tenants that set none (0: no floor).
+    pub min_input_tokens: u64,
     /// Upstream-reported usage above this many tokens (input, output, or both together)
     /// is not believed: the call is charged its reservation instead, logged and counted
     /// (`backstop_usage_rejected_total`).
@@ -76,6 +79,7 @@ impl Default for BillingConfig {
         BillingConfig {
             unpriced: Unpriced::Free,
             default_max_tokens: 4096,
+            min_input_tokens: 0,
             max_reported_tokens: 10_000_000,
         }
     }
@@ -120,7 +124,8 @@ impl BillingConfig {
         positive_int(
             "billing.max_reported_tokens",
             Some(self.max_reported_tokens),
-        )
+        )?;
+        below_reported("billing.min_input_tokens", Some(self.min_input_tokens))
     }
 }
 
@@ -142,6 +147,10 @@ pub struct SessionLimitsConfig {
 pub struct TenantBudgetConfig {
     pub usd_per_day: Option<f64>,
     pub tokens_per_day: Option<u64>,
+    /// Input tokens reserved at least for a Responses call that names server-held
+    /// context Backstop cannot size (a conversation, an `item_reference`, a stored
+    /// prompt, a file, a remote image); unset takes `billing.min_input_tokens`.
+    pub min_input_tokens: Option<u64>,
 }
 
 pub(super) fn positive_f64(key: &str, value: Option<f64>) -> Result<(), ConfigError> {
@@ -149,6 +158,18 @@ pub(super) fn positive_f64(key: &str, value: Option<f64>) -> Result<(), ConfigEr
         Some(v) if !(v.is_finite() && v > 0.0) => Err(ConfigError::invalid(
             key,
             format_args!("must be a positive number, got {v}"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// A token count a provider could report: at most `MAX_OUTPUT_TOKENS`'s 32 bits, so a
+/// floor cannot be a typo that refuses every call.
+fn below_reported(key: &str, value: Option<u64>) -> Result<(), ConfigError> {
+    match value {
+        Some(v) if v > crate::api::MAX_OUTPUT_TOKENS => Err(ConfigError::invalid(
+            key,
+            format_args!("must be at most {}, got {v}", crate::api::MAX_OUTPUT_TOKENS),
         )),
         _ => Ok(()),
     }
@@ -180,7 +201,8 @@ impl SessionLimitsConfig {
 impl TenantBudgetConfig {
     pub(super) fn validate(&self, key: &str) -> Result<(), ConfigError> {
         positive_f64(&format!("{key}.usd_per_day"), self.usd_per_day)?;
-        positive_int(&format!("{key}.tokens_per_day"), self.tokens_per_day)
+        positive_int(&format!("{key}.tokens_per_day"), self.tokens_per_day)?;
+        below_reported(&format!("{key}.min_input_tokens"), self.min_input_tokens)
     }
 }
 

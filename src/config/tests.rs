@@ -195,6 +195,10 @@ fn budget_values_must_be_positive_and_are_named_by_key() {
             "[tenants.budget]\nusd_per_day = 0.0",
             "tenants[0].budget.usd_per_day",
         ),
+        (
+            "[tenants.budget]\nmin_input_tokens = 3000000000",
+            "tenants[0].budget.min_input_tokens",
+        ),
         ("requests_per_minute = 0", "tenants[0].requests_per_minute"),
         ("[tenants.session]\nmax_cals = 3", "tenants[0].session"),
     ];
@@ -218,6 +222,16 @@ fn budget_values_must_be_positive_and_are_named_by_key() {
     }
     let err = error_of(&format!("[billing]\nunpriced = \"maybe\"\n{BASE}"));
     assert!(err.contains("billing.unpriced"), "{err}");
+    let err = error_of(&format!("[billing]\nmin_input_tokens = -1\n{BASE}"));
+    assert!(err.contains("billing.min_input_tokens"), "{err}");
+    let err = error_of(&format!("[billing]\nmin_input_tokens = 3000000000\n{BASE}"));
+    assert!(err.contains("billing.min_input_tokens"), "{err}");
+    let floor = load(&format!(
+        "[billing]\nmin_input_tokens = 50000\n{BASE}[tenants.budget]\nmin_input_tokens = 100000\n"
+    ))
+    .unwrap();
+    assert_eq!(floor.billing.min_input_tokens, 50_000);
+    assert_eq!(floor.tenants[0].budget.min_input_tokens, Some(100_000));
 }
 
 #[test]

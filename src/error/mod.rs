@@ -69,6 +69,13 @@ pub enum GatewayError {
     /// OpenAI answers an id it does not have, so it says nothing of whose it is.
     #[error("Previous response with id '{0}' not found.")]
     PreviousResponseNotFound(String),
+    /// An input item names another tenant's stored item (`param` is its place, e.g.
+    /// `input[3].id`): answered as for an id the provider does not have.
+    #[error("Item with id '{id}' not found.")]
+    ItemNotFound { id: String, param: String },
+    /// `conversation` names another tenant's conversation.
+    #[error("Conversation with id '{0}' not found.")]
+    ConversationNotFound(String),
     #[error("{detail}")]
     SessionRefused {
         code: crate::policy::guard::TripCode,
@@ -182,6 +189,18 @@ impl GatewayError {
                 400,
                 "invalid_request_error",
                 "previous_response_not_found",
+                "invalid_request_error",
+            ),
+            ItemNotFound { .. } => (
+                400,
+                "invalid_request_error",
+                "item_not_found",
+                "invalid_request_error",
+            ),
+            ConversationNotFound(_) => (
+                400,
+                "invalid_request_error",
+                "conversation_not_found",
                 "invalid_request_error",
             ),
             ModelNotFound(_) => (
@@ -345,10 +364,12 @@ impl GatewayError {
     }
 
     /// The request parameter at fault, when there is one.
-    pub fn param(&self) -> Option<&'static str> {
+    pub fn param(&self) -> Option<&str> {
         match self {
             GatewayError::MissingModel | GatewayError::ModelNotFound(_) => Some("model"),
             GatewayError::PreviousResponseNotFound(_) => Some("previous_response_id"),
+            GatewayError::ItemNotFound { param, .. } => Some(param),
+            GatewayError::ConversationNotFound(_) => Some("conversation"),
             GatewayError::InvalidHeader { header, .. } => Some(header),
             GatewayError::InvalidParameter { param, .. } => Some(param),
             _ => self.budget(),

@@ -10,7 +10,11 @@
 //!
 //! The worst case is the prompt estimated from the body size plus the request's
 //! `max_tokens` (`max_output_tokens` for `/v1/responses`; else
-//! `billing.default_max_tokens`). OpenAI chat streams are asked for
+//! `billing.default_max_tokens`), plus the input the provider adds from what it holds
+//! for the call ([`HeldContext`], set by the owners layer): a chained Responses call
+//! reserves its previous response's recorded context on top of its body, and one that
+//! names context Backstop cannot size reserves at least the tenant's
+//! `min_input_tokens`. Settling is still to the reported usage. OpenAI chat streams are asked for
 //! `stream_options.include_usage` when the client did not ask, and that extra chunk is
 //! removed from what the client receives (a Responses stream always reports usage in
 //! `response.completed`, so it is asked for nothing); a stream settles when it ends.
@@ -37,6 +41,32 @@ pub struct Billed {
     pub session: Option<Arc<str>>,
     /// The request's log: the usage settled here is added to it.
     pub log: Arc<RequestLog>,
+    /// Input the provider adds to the body from what it holds for this call.
+    pub held: HeldContext,
+}
+
+/// The input tokens a call costs beyond its body, from objects the provider holds
+/// (set by the owners layer for a Responses create; nothing for other calls).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HeldContext {
+    /// Known: the recorded context of the previous response it chains onto.
+    pub tokens: u64,
+    /// It also names context of a size Backstop does not know (a conversation, an item
+    /// reference, a stored prompt, a file, a previous response whose size is unknown).
+    pub unsized_context: bool,
+}
+
+impl HeldContext {
+    /// The input to reserve for a body estimated at `body_tokens`, with `floor` for
+    /// context of unknown size.
+    pub fn input_tokens(self, body_tokens: u64, floor: u64) -> u64 {
+        let known = body_tokens.saturating_add(self.tokens);
+        if self.unsized_context {
+            known.max(floor)
+        } else {
+            known
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -84,6 +114,7 @@ where
             tenant,
             session,
             log,
+            held,
         } = billed;
         let budgets = &self.budgets;
         let request = attempt.request.clone();
@@ -103,7 +134,10 @@ where
                 &tenant,
                 session.as_deref(),
                 &model,
-                estimate_prompt_tokens(request.body.len()),
+                held.input_tokens(
+                    estimate_prompt_tokens(request.body.len()),
+                    budgets.min_input_tokens(&tenant),
+                ),
                 max_output,
             )
             .await
@@ -169,5 +203,31 @@ where
     fn call(&mut self, billed: Billed) -> Self::Future {
         let future = self.inner.call(billed.attempt);
         Box::pin(async move { future.await.map_err(AttemptError::from) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HeldContext;
+
+    #[test]
+    fn held_context_is_added_and_unsized_context_has_a_floor() {
+        let none = HeldContext::default();
+        assert_eq!(none.input_tokens(30, 50_000), 30);
+        let chained = HeldContext {
+            tokens: 200_000,
+            unsized_context: false,
+        };
+        assert_eq!(chained.input_tokens(30, 50_000), 200_030);
+        let unsized_context = HeldContext {
+            tokens: 0,
+            unsized_context: true,
+        };
+        assert_eq!(unsized_context.input_tokens(30, 50_000), 50_000);
+        let both = HeldContext {
+            tokens: 200_000,
+            unsized_context: true,
+        };
+        assert_eq!(both.input_tokens(30, 50_000), 200_030);
     }
 }

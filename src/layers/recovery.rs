@@ -28,7 +28,7 @@ use tower::{Layer, Service, ServiceExt};
 
 use super::{
     context::{Call, TargetIndex},
-    meter::Billed,
+    meter::{Billed, HeldContext},
     Middleware, Stack,
 };
 use crate::{
@@ -653,6 +653,7 @@ where
             tenant: call.tenant.clone(),
             session: call.session.clone(),
             log: call.log.clone(),
+            held: HeldContext::default(),
         };
         let started = std::time::Instant::now();
         let outcome = match self.inner.clone().oneshot(billed).await {

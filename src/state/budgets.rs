@@ -85,6 +85,8 @@ pub(super) struct TenantBook {
     pub(super) day_limits: Caps,
     pub(super) session_limits: Caps,
     pub(super) max_concurrent: Option<u32>,
+    /// Input reserved at least for a call naming server-held context of unknown size.
+    pub(super) min_input_tokens: u64,
     /// (UTC day, that day's account). Shared with the books of later configs (a reload),
     /// so calls in flight under the old one settle into the same account.
     pub(super) day: Arc<Mutex<(i64, Account)>>,
@@ -190,6 +192,10 @@ impl Budgets {
                         usd: t.session.max_usd,
                     },
                     max_concurrent: t.session.max_concurrent,
+                    min_input_tokens: t
+                        .budget
+                        .min_input_tokens
+                        .unwrap_or(config.billing.min_input_tokens),
                     day: old.map_or_else(
                         || Arc::new(Mutex::new((day, Account::default()))),
                         |o| o.day.clone(),
@@ -236,6 +242,12 @@ impl Budgets {
     pub fn with_shared(mut self, shared: Arc<SharedBudgets>) -> Self {
         self.shared = Some(shared);
         self
+    }
+
+    /// The input tokens reserved at least for `tenant`'s call that names server-held
+    /// context Backstop cannot size (`min_input_tokens`).
+    pub fn min_input_tokens(&self, tenant: &str) -> u64 {
+        self.tenants.get(tenant).map_or(0, |t| t.min_input_tokens)
     }
 
     pub fn shared(&self) -> Option<&Arc<SharedBudgets>> {

@@ -28,7 +28,7 @@ use std::{
 use base64::Engine;
 use serde::{Deserialize, Serialize};
 
-use super::{GuardRecord, StoredResponse};
+use super::{GuardRecord, StoredOwner, StoredResponse};
 use crate::policy::guard::GuardSnapshot;
 
 /// The records with a versioned format (the `record` label of the count).
@@ -285,24 +285,32 @@ pub fn decode_response(
     })
 }
 
+/// Version 1 took `context` later, optional: a build that predates it reads the tenant
+/// and ignores the field (it then reserves a chained call's body only, as it did), so
+/// the field needs no new version.
 #[derive(Serialize, Deserialize)]
 struct Owner<'a> {
     tenant: Cow<'a, str>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    context: Option<u64>,
 }
 
-/// `{"v":1,"tenant":..}` (the response id is in the record's key).
-pub fn encode_owner(tenant: &str) -> String {
+/// `{"v":1,"tenant":..}`, with `"context":N` once a response's context size is known
+/// (the object's id is in the record's key).
+pub fn encode_owner(tenant: &str, context_tokens: Option<u64>) -> String {
     versioned(
         Record::Owner,
         &Owner {
             tenant: Cow::Borrowed(tenant),
+            context: context_tokens,
         },
     )
 }
 
-/// The owning tenant's name. Version 0 was the bare name; a versioned owner is a JSON
-/// object with a numeric `"v"` (config names no tenant like that).
-pub fn decode_owner(text: &str) -> Result<String, UnknownFormat> {
+/// The owning tenant and, when recorded, the context size. Version 0 was the bare name;
+/// a versioned owner is a JSON object with a numeric `"v"` (config names no tenant like
+/// that).
+pub fn decode_owner(text: &str) -> Result<StoredOwner, UnknownFormat> {
     #[derive(Deserialize)]
     struct Version {
         v: u64,
@@ -313,10 +321,19 @@ pub fn decode_owner(text: &str) -> Result<String, UnknownFormat> {
         .then(|| serde_json::from_str::<Version>(text).ok())
         .flatten()
     else {
-        return Ok(text.to_string());
+        return Ok(StoredOwner {
+            tenant: text.to_string(),
+            context_tokens: None,
+        });
     };
     match v {
-        1 => Ok(parse::<Owner<'_>>(record, text)?.tenant.into_owned()),
+        1 => {
+            let owner = parse::<Owner<'_>>(record, text)?;
+            Ok(StoredOwner {
+                tenant: owner.tenant.into_owned(),
+                context_tokens: owner.context,
+            })
+        }
         // 0 is the bare name: a JSON object naming it is no format Backstop wrote.
         v => Err(UnknownFormat::version(record, v)),
     }
@@ -385,8 +402,29 @@ mod tests {
             )
         );
 
-        assert_eq!(encode_owner("acme"), r#"{"v":1,"tenant":"acme"}"#);
-        assert_eq!(decode_owner(r#"{"v":1,"tenant":"acme"}"#).unwrap(), "acme");
+        assert_eq!(encode_owner("acme", None), r#"{"v":1,"tenant":"acme"}"#);
+        assert_eq!(
+            decode_owner(r#"{"v":1,"tenant":"acme"}"#).unwrap().tenant,
+            "acme"
+        );
+        assert_eq!(
+            encode_owner("acme", Some(200_100)),
+            r#"{"v":1,"tenant":"acme","context":200100}"#
+        );
+        assert_eq!(
+            decode_owner(r#"{"v":1,"tenant":"acme","context":200100}"#).unwrap(),
+            StoredOwner {
+                tenant: "acme".into(),
+                context_tokens: Some(200_100)
+            }
+        );
+        // Written before the size was recorded: read, with no size.
+        assert_eq!(
+            decode_owner(r#"{"v":1,"tenant":"acme"}"#)
+                .unwrap()
+                .context_tokens,
+            None
+        );
     }
 
     /// Records written before formats had versions (as the release before this one
@@ -413,8 +451,8 @@ mod tests {
         .unwrap();
         assert_eq!((response.status, response.body), (201, b"{}".to_vec()));
 
-        assert_eq!(decode_owner("acme").unwrap(), "acme");
-        assert_eq!(decode_owner("{team}").unwrap(), "{team}");
+        assert_eq!(decode_owner("acme").unwrap().tenant, "acme");
+        assert_eq!(decode_owner("{team}").unwrap().tenant, "{team}");
     }
 
     /// A newer version, or a record that does not parse, is refused: never read as a

@@ -113,6 +113,17 @@ pub struct OwnerRecord {
     pub id: String,
     pub tenant: String,
     pub expires_ms: i64,
+    /// For a response: the context the provider holds for a request chained onto it
+    /// (its input plus output tokens, as settled); `None` until known, and for the
+    /// other objects (items, conversations).
+    pub context_tokens: Option<u64>,
+}
+
+/// A stored object's owner as read back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredOwner {
+    pub tenant: String,
+    pub context_tokens: Option<u64>,
 }
 
 /// What the session guard keeps of a session across restarts and idle eviction: an
@@ -216,7 +227,7 @@ pub trait Store: Send + Sync {
     fn record_owners(&self, owners: Vec<OwnerRecord>) -> StoreFuture<'_, ()>;
 
     /// The tenant that created stored response `id`, if it has not expired at `now_ms`.
-    fn owner_of<'a>(&'a self, id: &'a str, now_ms: i64) -> StoreFuture<'a, Option<String>>;
+    fn owner_of<'a>(&'a self, id: &'a str, now_ms: i64) -> StoreFuture<'a, Option<StoredOwner>>;
 
     /// Claims an idempotency key for one request, across every process sharing this
     /// store, for `lease_ms` at most. A store private to one process has nothing to

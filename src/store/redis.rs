@@ -11,7 +11,7 @@ use super::connection::Redis;
 use super::format::{self, UnknownFormat};
 use super::{
     Charge, Claim, GuardRecord, OwnerRecord, QueuedSettle, ReservationRecord, Store, StoreError,
-    StoreFuture, StoredResponse, WindowSave,
+    StoreFuture, StoredOwner, StoredResponse, WindowSave,
 };
 use crate::policy::budget::Usage;
 
@@ -234,7 +234,7 @@ impl Store for RedisStore {
                 .map(|o| {
                     let mut set = redis::cmd("SET");
                     set.arg(self.owner_key(&o.id))
-                        .arg(format::encode_owner(&o.tenant))
+                        .arg(format::encode_owner(&o.tenant, o.context_tokens))
                         .arg("PXAT")
                         .arg(o.expires_ms);
                     set
@@ -254,7 +254,7 @@ impl Store for RedisStore {
         })
     }
 
-    fn owner_of<'a>(&'a self, id: &'a str, _now_ms: i64) -> StoreFuture<'a, Option<String>> {
+    fn owner_of<'a>(&'a self, id: &'a str, _now_ms: i64) -> StoreFuture<'a, Option<StoredOwner>> {
         Box::pin(async move {
             let key = self.owner_key(id);
             let value: Option<String> = self

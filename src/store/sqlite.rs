@@ -28,7 +28,7 @@ use tokio::sync::{oneshot, Semaphore};
 
 use super::{
     count_error, writer, Charge, GuardRecord, OwnerRecord, QueuedSettle, ReservationRecord, Store,
-    StoreError, StoreFuture, StoredResponse,
+    StoreError, StoreFuture, StoredOwner, StoredResponse,
 };
 use crate::{config::StoreConfig, policy::budget::Usage};
 
@@ -146,6 +146,18 @@ impl Drop for Scratch {
     }
 }
 
+/// A store made before owners had a context size gains the column (NULL: unknown).
+fn add_owner_context_column(conn: &Connection) -> rusqlite::Result<()> {
+    match conn.execute(
+        "ALTER TABLE response_owners ADD COLUMN context_tokens INTEGER",
+        [],
+    ) {
+        Ok(_) => Ok(()),
+        Err(err) if err.to_string().contains("duplicate column") => Ok(()),
+        Err(err) => Err(err),
+    }
+}
+
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS ledger (
     id INTEGER PRIMARY KEY,
@@ -185,10 +197,13 @@ CREATE TABLE IF NOT EXISTS idempotency (
 CREATE INDEX IF NOT EXISTS idempotency_by_expiry ON idempotency (expires_ms);
 -- One B-tree and no expiry index: a create writes one row into it, and the purge that
 -- scans it runs once a minute.
+-- context_tokens: a response's input + output tokens, once settled (NULL until then,
+-- and for items and conversations). Added by ALTER TABLE to a store made before it.
 CREATE TABLE IF NOT EXISTS response_owners (
     id TEXT PRIMARY KEY,
     tenant TEXT NOT NULL,
-    expires_ms INTEGER NOT NULL
+    expires_ms INTEGER NOT NULL,
+    context_tokens INTEGER
 ) WITHOUT ROWID;
 -- Settles the shared state (Redis) could not take yet, replayed until it does.
 CREATE TABLE IF NOT EXISTS shared_settles (
@@ -282,6 +297,7 @@ impl SqliteStore {
         let busy = config.busy_timeout;
         let mut writer_conn = open_conn(&path, busy)?;
         writer_conn.execute_batch(SCHEMA)?;
+        add_owner_context_column(&writer_conn)?;
         let recovered = recover_reservations(&mut writer_conn)?;
         if recovered > 0 {
             tracing::warn!(
@@ -456,13 +472,18 @@ impl Store for SqliteStore {
         Box::pin(self.write(Op::RecordOwners(owners)))
     }
 
-    fn owner_of<'a>(&'a self, id: &'a str, now_ms: i64) -> StoreFuture<'a, Option<String>> {
+    fn owner_of<'a>(&'a self, id: &'a str, now_ms: i64) -> StoreFuture<'a, Option<StoredOwner>> {
         let id = id.to_string();
         Box::pin(self.read(move |c| {
             c.prepare_cached(
-                "SELECT tenant FROM response_owners WHERE id = ?1 AND expires_ms > ?2",
+                "SELECT tenant, context_tokens FROM response_owners WHERE id = ?1 AND expires_ms > ?2",
             )?
-            .query_row(params![id, now_ms], |r| r.get(0))
+            .query_row(params![id, now_ms], |r| {
+                Ok(StoredOwner {
+                    tenant: r.get(0)?,
+                    context_tokens: r.get::<_, Option<i64>>(1)?.map(|n| n.max(0) as u64),
+                })
+            })
             .optional()
         }))
     }

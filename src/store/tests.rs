@@ -344,7 +344,9 @@ async fn response_owners_are_kept_in_one_write_read_by_id_and_purged_when_expire
         id: id.into(),
         tenant: tenant.into(),
         expires_ms,
+        context_tokens: None,
     };
+    let tenant = |o: Option<StoredOwner>| o.map(|o| o.tenant);
     store
         .record_owners(vec![
             owner("resp_a", "t1", 1_000),
@@ -353,12 +355,30 @@ async fn response_owners_are_kept_in_one_write_read_by_id_and_purged_when_expire
         .await
         .unwrap();
     assert_eq!(
-        store.owner_of("resp_a", 500).await.unwrap().as_deref(),
+        tenant(store.owner_of("resp_a", 500).await.unwrap()).as_deref(),
         Some("t1")
     );
     assert_eq!(
-        store.owner_of("resp_b", 500).await.unwrap().as_deref(),
+        tenant(store.owner_of("resp_b", 500).await.unwrap()).as_deref(),
         Some("t2")
+    );
+    // A context size recorded later (a stream's usage) joins the owner; a record
+    // without one keeps it.
+    let sized = OwnerRecord {
+        context_tokens: Some(200_100),
+        ..owner("resp_b", "t2", 5_000)
+    };
+    store.record_owners(vec![sized]).await.unwrap();
+    store
+        .record_owners(vec![owner("resp_b", "t2", 5_000)])
+        .await
+        .unwrap();
+    assert_eq!(
+        store.owner_of("resp_b", 500).await.unwrap(),
+        Some(StoredOwner {
+            tenant: "t2".into(),
+            context_tokens: Some(200_100)
+        })
     );
     assert_eq!(store.owner_of("resp_c", 500).await.unwrap(), None);
     // Expired: not an owner any more, then gone at the purge.
@@ -366,9 +386,46 @@ async fn response_owners_are_kept_in_one_write_read_by_id_and_purged_when_expire
     store.purge(2_000).await.unwrap();
     assert_eq!(store.owner_of("resp_a", 0).await.unwrap(), None);
     assert_eq!(
-        store.owner_of("resp_b", 2_000).await.unwrap().as_deref(),
+        tenant(store.owner_of("resp_b", 2_000).await.unwrap()).as_deref(),
         Some("t2")
     );
+}
+
+/// A store made before owners had a context size: opened, it gains the column, its
+/// owners still read (with no size), and new ones take one; opening it again is fine.
+#[tokio::test]
+async fn an_owners_table_without_context_sizes_is_upgraded_in_place() {
+    let db = TempDb::new();
+    {
+        let conn = rusqlite::Connection::open(db.path()).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE response_owners (id TEXT PRIMARY KEY, tenant TEXT NOT NULL,
+                 expires_ms INTEGER NOT NULL) WITHOUT ROWID;
+             INSERT INTO response_owners VALUES ('resp_old', 't1', 9000000000000);",
+        )
+        .unwrap();
+    }
+    for _ in 0..2 {
+        let store = SqliteStore::open_with(&db.config()).unwrap();
+        assert_eq!(
+            store.owner_of("resp_old", 0).await.unwrap(),
+            Some(StoredOwner {
+                tenant: "t1".into(),
+                context_tokens: None
+            })
+        );
+        store
+            .record_owners(vec![OwnerRecord {
+                id: "resp_new".into(),
+                tenant: "t1".into(),
+                expires_ms: 9_000_000_000_000,
+                context_tokens: Some(42),
+            }])
+            .await
+            .unwrap();
+        let new = store.owner_of("resp_new", 0).await.unwrap().unwrap();
+        assert_eq!(new.context_tokens, Some(42));
+    }
 }
 
 #[tokio::test]

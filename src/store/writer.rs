@@ -193,11 +193,15 @@ fn commit(conn: &mut Connection, batch: &[Write]) -> rusqlite::Result<()> {
             }
             Op::RecordOwners(owners) => {
                 let mut insert = tx.prepare_cached(
-                    "INSERT INTO response_owners (id, tenant, expires_ms) VALUES (?1, ?2, ?3)
-                     ON CONFLICT (id) DO UPDATE SET tenant = excluded.tenant, expires_ms = excluded.expires_ms",
+                    "INSERT INTO response_owners (id, tenant, expires_ms, context_tokens) VALUES (?1, ?2, ?3, ?4)
+                     ON CONFLICT (id) DO UPDATE SET tenant = excluded.tenant, expires_ms = excluded.expires_ms,
+                         context_tokens = coalesce(excluded.context_tokens, response_owners.context_tokens)",
                 )?;
                 for o in owners {
-                    insert.execute(params![o.id, o.tenant, o.expires_ms])?;
+                    let context = o
+                        .context_tokens
+                        .map(|n| i64::try_from(n).unwrap_or(i64::MAX));
+                    insert.execute(params![o.id, o.tenant, o.expires_ms, context])?;
                 }
             }
             Op::SaveGuard(g) => {

@@ -36,9 +36,12 @@ struct UsageState {
     input: Option<u64>,
     output: Option<u64>,
     ended: bool,
-    on_end: Option<OnEnd>,
+    /// Called in order when the stream ends (the meter's settle, the owners' size).
+    on_end: Vec<OnEnd>,
     /// The Responses API's response id, from its first event that names one.
     response_id: Option<String>,
+    /// The ids of a Responses stream's output items, from its final event.
+    output_ids: Vec<String>,
     on_response_id: Option<Box<dyn FnOnce(String) + Send>>,
 }
 
@@ -95,8 +98,18 @@ impl StreamUsage {
             drop(state);
             f(usage);
         } else {
-            state.on_end = Some(Box::new(f));
+            state.on_end.push(Box::new(f));
         }
+    }
+
+    /// A Responses stream's response id, once an event has named it.
+    pub fn response_id(&self) -> Option<String> {
+        self.lock().response_id.clone()
+    }
+
+    /// The ids of a Responses stream's output items (known when it has ended).
+    pub fn output_ids(&self) -> Vec<String> {
+        self.lock().output_ids.clone()
     }
 
     fn finish(&self) {
@@ -106,9 +119,9 @@ impl StreamUsage {
         }
         state.ended = true;
         let usage = Self::reported(&state);
-        let callback = state.on_end.take();
+        let callbacks = std::mem::take(&mut state.on_end);
         drop(state);
-        if let Some(f) = callback {
+        for f in callbacks {
             f(usage);
         }
     }
@@ -133,6 +146,11 @@ impl StreamUsage {
                         }
                     }
                 }
+                if let Some(Value::Array(items)) = event.pointer("/response/output") {
+                    if !items.is_empty() {
+                        state.output_ids = output_ids(items);
+                    }
+                }
                 event.pointer("/response/usage")
             }
             Endpoint::Messages | Endpoint::CountTokens => event
@@ -145,6 +163,15 @@ impl StreamUsage {
             state.output = usage.get(output).and_then(Value::as_u64).or(state.output);
         }
     }
+}
+
+/// The ids of a Responses answer's output items.
+pub fn output_ids(items: &[Value]) -> Vec<String> {
+    items
+        .iter()
+        .filter_map(|item| item.get("id").and_then(Value::as_str))
+        .map(str::to_owned)
+        .collect()
 }
 
 /// Ends the usage report however the stream ends, dropped bodies included.
