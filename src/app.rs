@@ -341,7 +341,8 @@ where
                 server.max_body_bytes,
                 server.max_session_id_bytes,
             )
-            .session_id_fields(&server.session_id_fields),
+            .session_id_fields(&server.session_id_fields)
+            .body_limits(server),
         )
         .service(calls);
     BoxCloneSyncService::new(stack)

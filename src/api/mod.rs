@@ -4,6 +4,7 @@
 pub mod answer;
 pub mod json;
 pub mod request;
+pub mod scan;
 mod shape;
 pub mod sse;
 
