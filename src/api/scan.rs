@@ -217,11 +217,11 @@ mod tests {
         assert_eq!(shape.message_parts, 2);
         assert_eq!(shape.input, 0);
         assert_eq!(shape.input_parts, 0);
-        // root, model, messages, 2 items (2 + 2 values), parts list, 2 parts (3 each),
-        // tools, its item, content, 3 numbers, x, its messages and 2 numbers.
+        // root, model, messages, 2 items (an object and its 2 values each), 2 parts (3
+        // each), tools, its item, content, 3 numbers, x, its messages and 2 numbers.
         assert_eq!(
             shape.values,
-            1 + 1 + 1 + 3 + 3 + 7 + 1 + 1 + 1 + 3 + 1 + 1 + 2
+            1 + 1 + 1 + 3 + 3 + 6 + 1 + 1 + 1 + 3 + 1 + 1 + 2
         );
         assert_eq!(shape.objects, 1 + 2 + 2 + 1 + 1);
 
