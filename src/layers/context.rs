@@ -3,10 +3,12 @@
 //! context every inner layer takes (so none of them can be mounted before this one, and
 //! none touches the body or the request extensions again). Refuses with 413 (too large),
 //! 400 (not JSON, not an object, a repeated key, no `model`, an invalid `max_tokens` or
-//! `max_output_tokens`, an `x-session-id` that is too long or not visible ASCII) or 404
-//! `model_not_found`, all before any upstream call. Nothing the client controls is silently dropped: an
-//! identifier Backstop cannot honour is refused, so caps and the guard can never be
-//! bypassed by its spelling.
+//! `max_output_tokens`, an `x-session-id` that is too long or not visible ASCII; a list
+//! over an item limit, `too_many_items`, counted by a pre-scan before anything is
+//! built), 503 `overloaded` (a large body found no room in the memory budget of bodies
+//! in flight, [`BodyMemory`]) or 404 `model_not_found`, all before any upstream call.
+//! Nothing the client controls is silently dropped: an identifier Backstop cannot honour
+//! is refused, so caps and the guard can never be bypassed by its spelling.
 //!
 //! This is the one place that reads what the outer layers put in the request
 //! extensions: the request id and log (edge), the deadline, the tenant (auth).
@@ -111,10 +113,10 @@ impl ContextLayer {
         }
     }
 
-    /// The item limits and the memory budget of large bodies from `server`.
-    pub fn body_limits(mut self, server: &ServerConfig) -> Self {
+    /// The item limits from `server`, and the memory budget of large bodies.
+    pub fn body_limits(mut self, server: &ServerConfig, memory: Arc<BodyMemory>) -> Self {
         self.items = ItemLimits::from_config(server);
-        self.body_memory = Arc::new(BodyMemory::from_config(server));
+        self.body_memory = memory;
         self
     }
 
@@ -290,7 +292,8 @@ where
                     &mut charge,
                     counted.len(),
                     shape.parsed_bytes(counted.len()),
-                    until,
+                    // A wait of its own: a slow upload has not used up this one.
+                    memory.deadline(Instant::now()),
                 )
                 .await
                 .map_err(overloaded)?;

@@ -120,9 +120,15 @@ impl BodyMemory {
         )
     }
 
-    /// The deadline of a request that arrived at `arrived`, for both of its charges.
-    pub fn deadline(&self, arrived: Instant) -> Instant {
-        arrived + self.wait
+    /// Whether `other` has the same pools and wait (a reload keeps the running one).
+    pub fn same_budget(&self, other: &BodyMemory) -> bool {
+        (self.body.kib, self.parsed.kib, self.wait)
+            == (other.body.kib, other.parsed.kib, other.wait)
+    }
+
+    /// The deadline of a charge asked for at `asked`.
+    pub fn deadline(&self, asked: Instant) -> Instant {
+        asked + self.wait
     }
 
     /// Charges `bytes` of body (at most one pool's worth; nothing for a small body).
