@@ -1,7 +1,10 @@
 # Multi-stage build: compile in the Rust image, run in a slim Debian as a non-root user.
 FROM rust:1.95-slim-bookworm AS build
 WORKDIR /src
+# make: jemalloc (the binary's allocator) is built from source.
+RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf /var/lib/apt/lists/*
 COPY Cargo.toml Cargo.lock ./
+COPY .cargo ./.cargo
 COPY src ./src
 RUN cargo build --release --locked --bin backstop
 

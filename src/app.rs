@@ -100,6 +100,7 @@ use crate::{
     routing::RouteTable,
     state::{
         activity::Activity,
+        body_memory::BodyMemory,
         budgets::Budgets,
         health::HealthRegistry,
         owners::ResponseOwners,
@@ -142,6 +143,9 @@ pub struct AppState {
     pub idempotent_in_flight: InFlight,
     /// This gateway's tracer (`[telemetry]`), when tracing is on; bound at start-up.
     pub traces: Option<Arc<crate::otel::Traces>>,
+    /// The memory budget of large request bodies in flight (kept across reloads that
+    /// do not change it, so requests in flight stay counted).
+    pub body_memory: Arc<BodyMemory>,
 }
 
 impl AppState {
@@ -180,6 +184,7 @@ impl AppState {
         }
         warn_unpriced(&config);
         let (stream_limits, cut_streams) = StreamLimits::from_config(&config.server);
+        let body_memory = Arc::new(BodyMemory::from_config(&config.server));
         Ok(AppState {
             activity: Arc::new(Activity::new(tokio::time::Instant::now())),
             traces: crate::otel::Traces::from_config(&config.telemetry, upstream::client()),
@@ -203,6 +208,7 @@ impl AppState {
             metrics: telemetry::metrics_handle(),
             ready: Arc::new(AtomicBool::new(false)),
             idempotent_in_flight: InFlight::default(),
+            body_memory,
         })
     }
 
@@ -243,6 +249,11 @@ impl AppState {
             stream_limits,
             cut_streams: self.cut_streams.clone(),
             idempotent_in_flight: self.idempotent_in_flight.clone(),
+            body_memory: if BodyMemory::from_config(&config.server).same_budget(&self.body_memory) {
+                self.body_memory.clone()
+            } else {
+                Arc::new(BodyMemory::from_config(&config.server))
+            },
             config: Arc::new(config),
         }
     }
@@ -344,7 +355,8 @@ where
                 server.max_body_bytes,
                 server.max_session_id_bytes,
             )
-            .session_id_fields(&server.session_id_fields),
+            .session_id_fields(&server.session_id_fields)
+            .body_limits(server, state.body_memory.clone()),
         )
         .service(calls);
     BoxCloneSyncService::new(stack)

@@ -5,6 +5,12 @@ use std::{net::SocketAddr, path::PathBuf, process::ExitCode};
 use backstop::{config::Config, server, telemetry};
 use clap::{Parser, Subcommand};
 
+/// jemalloc, not glibc's malloc: it gives back to the system what a burst of large
+/// request bodies freed (see Cargo.toml and .cargo/config.toml).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[derive(Parser)]
 #[command(
     name = "backstop",

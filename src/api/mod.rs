@@ -5,6 +5,7 @@ pub mod answer;
 pub mod json;
 pub mod refs;
 pub mod request;
+pub mod scan;
 mod shape;
 pub mod sse;
 

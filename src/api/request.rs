@@ -144,16 +144,89 @@ impl ParsedRequest {
     }
 
     /// The body to send upstream: as received, unless the model is rewritten or stream
-    /// usage must be asked for (then re-serialised from the parsed body).
+    /// usage must be asked for (then re-serialised from the parsed body, with the two
+    /// fields changed as it is written: the parsed body is never copied).
     pub fn upstream_body(&self, model: Option<&str>, ask_stream_usage: bool) -> Bytes {
         if model.is_none() && !ask_stream_usage {
             return self.body.clone();
         }
-        let mut json = self.json.clone();
+        let patched = Patched {
+            json: &self.json,
+            model,
+            ask_stream_usage,
+        };
+        Bytes::from(serde_json::to_vec(&patched).expect("a JSON map serialises"))
+    }
+}
+
+/// A request body written with `model` replaced and `stream_options.include_usage` set,
+/// in the order the parsed map keeps its keys (a field it lacks goes where the map
+/// would have sorted it).
+struct Patched<'a> {
+    json: &'a Map<String, Value>,
+    model: Option<&'a str>,
+    ask_stream_usage: bool,
+}
+
+impl serde::Serialize for Patched<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        // As an insert into the map would: a `stream_options` that is not an object is
+        // left as it is.
+        let options = || match self.json.get("stream_options") {
+            Some(Value::Object(options)) => {
+                let mut options = options.clone();
+                options.insert("include_usage".into(), Value::Bool(true));
+                Value::Object(options)
+            }
+            Some(other) => other.clone(),
+            None => serde_json::json!({"include_usage": true}),
+        };
+        let adds_options = self.ask_stream_usage && !self.json.contains_key("stream_options");
+        let adds_model = self.model.is_some() && !self.json.contains_key("model");
+        let mut map = s.serialize_map(Some(
+            self.json.len() + usize::from(adds_options) + usize::from(adds_model),
+        ))?;
+        let (mut model_due, mut options_due) = (adds_model, adds_options);
+        for (key, value) in self.json {
+            if model_due && key.as_str() > "model" {
+                map.serialize_entry("model", &self.model)?;
+                model_due = false;
+            }
+            if options_due && key.as_str() > "stream_options" {
+                map.serialize_entry("stream_options", &options())?;
+                options_due = false;
+            }
+            match key.as_str() {
+                "model" if self.model.is_some() => map.serialize_entry(key, &self.model)?,
+                "stream_options" if self.ask_stream_usage => {
+                    map.serialize_entry(key, &options())?
+                }
+                _ => map.serialize_entry(key, value)?,
+            }
+        }
+        if model_due {
+            map.serialize_entry("model", &self.model)?;
+        }
+        if options_due {
+            map.serialize_entry("stream_options", &options())?;
+        }
+        map.end()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `upstream_body` wrote before it patched while writing: a copy of the parsed
+    /// body with the fields inserted.
+    fn by_copy(json: &Map<String, Value>, model: Option<&str>, usage: bool) -> Vec<u8> {
+        let mut json = json.clone();
         if let Some(model) = model {
             json.insert("model".into(), Value::String(model.into()));
         }
-        if ask_stream_usage {
+        if usage {
             let options = json
                 .entry("stream_options")
                 .or_insert_with(|| Value::Object(Map::new()));
@@ -161,6 +234,26 @@ impl ParsedRequest {
                 options.insert("include_usage".into(), Value::Bool(true));
             }
         }
-        Bytes::from(serde_json::to_vec(&json).expect("a JSON map serialises"))
+        serde_json::to_vec(&json).unwrap()
+    }
+
+    #[test]
+    fn the_upstream_body_is_patched_as_it_is_written_byte_for_byte() {
+        for body in [
+            r#"{"model":"a","messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"a","stream":true,"stream_options":{"x":1},"tools":[]}"#,
+            r#"{"model":"a","stream":true,"stream_options":null,"zzz":2}"#,
+            r#"{"aaa":1,"model":"a","n":2,"stream":true,"top_p":1}"#,
+        ] {
+            let request =
+                ParsedRequest::parse(Endpoint::ChatCompletions, Bytes::from(body)).unwrap();
+            for (model, usage) in [(Some("b"), false), (None, true), (Some("c"), true)] {
+                assert_eq!(
+                    request.upstream_body(model, usage),
+                    by_copy(&request.json, model, usage),
+                    "{body} {model:?} {usage}"
+                );
+            }
+        }
     }
 }

@@ -11,6 +11,25 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Largest request body accepted; larger bodies get 413 before any upstream call.
     pub max_body_bytes: usize,
+    /// Items in the body's `messages` list, or its `input` list (Responses API,
+    /// embeddings); more are refused with 400 `too_many_items` before parsing.
+    pub max_messages: usize,
+    /// Content parts in all of a body's messages or input items (`messages[].content`,
+    /// `input[].content` lists), summed; more are refused with 400 `too_many_items`.
+    pub max_content_parts: usize,
+    /// JSON values anywhere in a body (every object, list, string, number...): each
+    /// costs memory once parsed. More are refused with 400 `too_many_items`.
+    pub max_json_values: usize,
+    /// Bytes of large request bodies (over 1 MiB) held at once, all clients together;
+    /// a body is charged its `Content-Length` before it is read.
+    pub max_body_bytes_in_flight: usize,
+    /// Estimated bytes of large bodies' parsed forms held at once, all clients together
+    /// (a body estimated over it is charged all of it, so it runs alone).
+    pub max_parsed_bytes_in_flight: usize,
+    /// How long a large body waits for room under those budgets before it is refused
+    /// with 503 `overloaded` (and `Retry-After`).
+    #[serde(with = "humantime_serde")]
+    pub in_flight_wait: Duration,
     /// The whole client request, retries included.
     #[serde(with = "super::duration")]
     pub request_timeout: Duration,
@@ -59,6 +78,12 @@ impl Default for ServerConfig {
         ServerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             max_body_bytes: 10 * 1024 * 1024,
+            max_messages: 10_000,
+            max_content_parts: 10_000,
+            max_json_values: 500_000,
+            max_body_bytes_in_flight: 64 * 1024 * 1024,
+            max_parsed_bytes_in_flight: 128 * 1024 * 1024,
+            in_flight_wait: Duration::from_secs(5),
             request_timeout: Duration::from_secs(120),
             shutdown_grace: Duration::from_secs(30),
             drain_delay: Duration::from_secs(5),
@@ -97,6 +122,17 @@ impl ServerConfig {
                 self.max_stream_duration.is_zero(),
             ),
             ("server.max_connections", self.max_connections == 0),
+            ("server.max_messages", self.max_messages == 0),
+            ("server.max_content_parts", self.max_content_parts == 0),
+            ("server.max_json_values", self.max_json_values == 0),
+            (
+                "server.max_body_bytes_in_flight",
+                self.max_body_bytes_in_flight == 0,
+            ),
+            (
+                "server.max_parsed_bytes_in_flight",
+                self.max_parsed_bytes_in_flight == 0,
+            ),
             ("server.max_response_bytes", self.max_response_bytes == 0),
             ("server.max_sse_event_bytes", self.max_sse_event_bytes == 0),
             (

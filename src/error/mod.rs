@@ -34,6 +34,23 @@ pub enum GatewayError {
     },
     #[error("request body exceeds the limit of {limit} bytes")]
     BodyTooLarge { limit: usize },
+    /// A list in the body (or the body as a whole) holds more items than a
+    /// `server.max_*` limit allows: refused before it is parsed.
+    #[error("{what}: {count}, over the limit of {limit} (`{key}`)")]
+    TooManyItems {
+        /// The request parameter at fault (`messages`, `input[].content`), if one is.
+        param: Option<&'static str>,
+        what: &'static str,
+        count: u64,
+        limit: u64,
+        /// The config key that sets the limit.
+        key: &'static str,
+    },
+    /// Large bodies already in flight hold the memory budget
+    /// (`server.max_body_bytes_in_flight` / `max_parsed_bytes_in_flight`), and no room
+    /// came free within `server.in_flight_wait`.
+    #[error("Backstop is busy with other large requests; retry after {retry_after:?}")]
+    Overloaded { retry_after: Duration },
     #[error("could not read the request body: {0}")]
     BodyRead(String),
     /// The client stopped sending its body for longer than `server.body_read_timeout`.
@@ -221,6 +238,13 @@ impl GatewayError {
                 "request_too_large",
                 "request_too_large",
             ),
+            TooManyItems { .. } => (
+                400,
+                "invalid_request_error",
+                "too_many_items",
+                "invalid_request_error",
+            ),
+            Overloaded { .. } => (503, "server_error", "overloaded", "overloaded_error"),
             BodyRead(_) => (
                 400,
                 "invalid_request_error",
@@ -335,7 +359,8 @@ impl GatewayError {
             GatewayError::CircuitOpen { retry_after }
             | GatewayError::RateLimited { retry_after, .. }
             | GatewayError::SessionRefused { retry_after, .. }
-            | GatewayError::StateUnavailable { retry_after, .. } => Some(*retry_after),
+            | GatewayError::StateUnavailable { retry_after, .. }
+            | GatewayError::Overloaded { retry_after } => Some(*retry_after),
             _ => None,
         }
     }
@@ -372,6 +397,7 @@ impl GatewayError {
             GatewayError::ConversationNotFound(_) => Some("conversation"),
             GatewayError::InvalidHeader { header, .. } => Some(header),
             GatewayError::InvalidParameter { param, .. } => Some(param),
+            GatewayError::TooManyItems { param, .. } => *param,
             _ => self.budget(),
         }
     }

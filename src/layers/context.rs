@@ -3,10 +3,12 @@
 //! context every inner layer takes (so none of them can be mounted before this one, and
 //! none touches the body or the request extensions again). Refuses with 413 (too large),
 //! 400 (not JSON, not an object, a repeated key, no `model`, an invalid `max_tokens` or
-//! `max_output_tokens`, an `x-session-id` that is too long or not visible ASCII) or 404
-//! `model_not_found`, all before any upstream call. Nothing the client controls is silently dropped: an
-//! identifier Backstop cannot honour is refused, so caps and the guard can never be
-//! bypassed by its spelling.
+//! `max_output_tokens`, an `x-session-id` that is too long or not visible ASCII; a list
+//! over an item limit, `too_many_items`, counted by a pre-scan before anything is
+//! built), 503 `overloaded` (a large body found no room in the memory budget of bodies
+//! in flight, [`BodyMemory`]) or 404 `model_not_found`, all before any upstream call.
+//! Nothing the client controls is silently dropped: an identifier Backstop cannot honour
+//! is refused, so caps and the guard can never be bypassed by its spelling.
 //!
 //! This is the one place that reads what the outer layers put in the request
 //! extensions: the request id and log (edge), the deadline, the tenant (auth).
@@ -14,17 +16,22 @@
 use std::{sync::Arc, time::Duration};
 
 use axum::body::Body;
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::{header, HeaderMap, HeaderValue, Request, Response};
 use http_body_util::{BodyExt, Limited};
 use tokio::time::Instant;
 use tower::{Layer, Service};
 
-use super::{deadline::Deadline, edge::RequestId, Middleware, Stack};
+use super::{deadline::Deadline, edge::RequestId, limits::Holding, Middleware, Stack};
 use crate::{
-    api::{Endpoint, ParsedRequest},
+    api::{
+        scan::{scan, BodyShape},
+        Endpoint, ParsedRequest,
+    },
+    config::ServerConfig,
     error::GatewayError,
     routing::{Route, RouteTable},
+    state::body_memory::{BodyMemory, Busy, Charge, LARGE_BODY_BYTES},
     telemetry::RequestLog,
 };
 
@@ -82,6 +89,10 @@ pub struct ContextLayer {
     /// Large bodies parsed at once: one per core, so a burst of them costs time, not
     /// memory (a parsed body is several times its size).
     large_parses: Arc<tokio::sync::Semaphore>,
+    /// What one body may hold, counted before it is parsed.
+    items: ItemLimits,
+    /// The memory budget of large bodies in flight, all clients together.
+    body_memory: Arc<BodyMemory>,
 }
 
 impl ContextLayer {
@@ -97,7 +108,16 @@ impl ContextLayer {
             max_session_id_bytes,
             session_fields: Arc::from([]),
             large_parses: Arc::new(tokio::sync::Semaphore::new(cores)),
+            items: ItemLimits::from_config(&ServerConfig::default()),
+            body_memory: Arc::new(BodyMemory::from_config(&ServerConfig::default())),
         }
+    }
+
+    /// The item limits from `server`, and the memory budget of large bodies.
+    pub fn body_limits(mut self, server: &ServerConfig, memory: Arc<BodyMemory>) -> Self {
+        self.items = ItemLimits::from_config(server);
+        self.body_memory = memory;
+        self
     }
 
     /// Reads the session id from these body fields (dotted paths, in order) when the
@@ -235,19 +255,18 @@ where
         if declared.is_some_and(|n| n > limit) {
             return Err(GatewayError::BodyTooLarge { limit });
         }
-        let bytes = Limited::new(body, limit)
-            .collect()
-            .await
-            .map_err(|e| {
-                if e.is::<http_body_util::LengthLimitError>() {
-                    GatewayError::BodyTooLarge { limit }
-                } else if is_body_timeout(&*e) {
-                    GatewayError::BodyTimeout
-                } else {
-                    GatewayError::BodyRead(e.to_string())
-                }
-            })?
-            .to_bytes();
+        let memory = &self.body_memory;
+        let until = memory.deadline(Instant::now());
+        let mut charge = Charge::default();
+        if let Some(n) = declared {
+            // Charged before a byte is read: a burst of large bodies waits in the
+            // clients' sockets, not in Backstop's memory.
+            memory
+                .charge_body(&mut charge, n, until)
+                .await
+                .map_err(overloaded)?;
+        }
+        let bytes = self.read_body(body, declared, &mut charge, until).await?;
         let session: Option<Arc<str>> =
             identifier(&parts.headers, "x-session-id", self.max_session_id_bytes)?.map(Arc::from);
         let tenant = parts
@@ -256,18 +275,38 @@ where
             .ok_or(GatewayError::Internal)?
             .name
             .clone();
+        let items = self.items;
         let (request, route) = if bytes.len() > PARSE_INLINE_BYTES {
             // A megabyte of JSON is milliseconds of CPU: off the async workers, so
-            // other clients' requests are not queued behind it.
+            // other clients' requests are not queued behind it. Counted first, without
+            // building anything: a body over a limit costs no more than its bytes.
+            let (counted, shape) = tokio::task::spawn_blocking(move || {
+                let shape = items.check(&bytes);
+                (bytes, shape)
+            })
+            .await
+            .map_err(|_| GatewayError::Internal)?;
+            let shape = shape?;
+            memory
+                .charge_parsed(
+                    &mut charge,
+                    counted.len(),
+                    shape.parsed_bytes(counted.len()),
+                    // A wait of its own: a slow upload has not used up this one.
+                    memory.deadline(Instant::now()),
+                )
+                .await
+                .map_err(overloaded)?;
             let routes = self.routes.clone();
             let permit = self.large_parses.clone().acquire_owned().await;
             tokio::task::spawn_blocking(move || {
                 let _permit = permit;
-                parse(endpoint, bytes, &routes)
+                parse(endpoint, counted, &routes)
             })
             .await
             .map_err(|_| GatewayError::Internal)??
         } else {
+            items.check(&bytes)?;
             parse(endpoint, bytes, &self.routes)?
         };
         let session = match session {
@@ -310,7 +349,139 @@ where
             start: TargetIndex::default(),
             keep_answer: false,
         };
-        inner.call(call).await
+        let response = inner.call(call).await?;
+        Ok(if charge.is_empty() {
+            response
+        } else {
+            // The body's memory stays charged while anything may still hold it: until
+            // the response (a stream, a validated retry) has ended.
+            response.map(|body| {
+                Body::new(Holding {
+                    body,
+                    _guard: charge,
+                })
+            })
+        })
+    }
+}
+
+/// The budget had no room for a large body in time.
+fn overloaded(_: Busy) -> GatewayError {
+    GatewayError::Overloaded {
+        retry_after: Duration::from_secs(1),
+    }
+}
+
+/// `server.max_messages`, `max_content_parts`, `max_json_values`: what one body may hold.
+#[derive(Debug, Clone, Copy)]
+pub struct ItemLimits {
+    pub messages: usize,
+    pub content_parts: usize,
+    pub json_values: usize,
+}
+
+impl ItemLimits {
+    pub fn from_config(server: &ServerConfig) -> Self {
+        ItemLimits {
+            messages: server.max_messages,
+            content_parts: server.max_content_parts,
+            json_values: server.max_json_values,
+        }
+    }
+
+    /// Counts `body` (see [`scan`]) and refuses it, naming the limit, if it holds more
+    /// than a limit allows. Not JSON: the parser's own error.
+    pub fn check(&self, body: &[u8]) -> Result<BodyShape, GatewayError> {
+        let shape = scan(body).map_err(|e| GatewayError::InvalidJson(e.to_string()))?;
+        let over = [
+            (
+                Some("messages"),
+                "items in `messages`",
+                shape.messages as u64,
+                self.messages,
+                "server.max_messages",
+            ),
+            (
+                Some("input"),
+                "items in `input`",
+                shape.input as u64,
+                self.messages,
+                "server.max_messages",
+            ),
+            (
+                Some("messages[].content"),
+                "content parts in `messages`",
+                shape.message_parts as u64,
+                self.content_parts,
+                "server.max_content_parts",
+            ),
+            (
+                Some("input[].content"),
+                "content parts in `input`",
+                shape.input_parts as u64,
+                self.content_parts,
+                "server.max_content_parts",
+            ),
+            (
+                None,
+                "JSON values in the body",
+                shape.values,
+                self.json_values,
+                "server.max_json_values",
+            ),
+        ]
+        .into_iter()
+        .find(|(.., count, limit, _)| *count > *limit as u64);
+        match over {
+            Some((param, what, count, limit, key)) => Err(GatewayError::TooManyItems {
+                param,
+                what,
+                count,
+                limit: limit as u64,
+                key,
+            }),
+            None => Ok(shape),
+        }
+    }
+}
+
+impl ContextLayer {
+    /// Reads the body within `max_body_bytes` into one buffer sized from its
+    /// `Content-Length` (no second copy to join the chunks). A body without one is
+    /// charged the whole limit once it grows large, and given back what it did not use.
+    async fn read_body(
+        &self,
+        body: Body,
+        declared: Option<usize>,
+        charge: &mut Charge,
+        until: Instant,
+    ) -> Result<Bytes, GatewayError> {
+        let limit = self.max_body_bytes;
+        let read_error = |e: axum::BoxError| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                GatewayError::BodyTooLarge { limit }
+            } else if is_body_timeout(&*e) {
+                GatewayError::BodyTimeout
+            } else {
+                GatewayError::BodyRead(e.to_string())
+            }
+        };
+        let mut body = Limited::new(body, limit);
+        let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(limit));
+        while let Some(frame) = body.frame().await {
+            let Ok(data) = frame.map_err(read_error)?.into_data() else {
+                continue;
+            };
+            if declared.is_none() && buf.len() + data.len() > LARGE_BODY_BYTES {
+                self.body_memory
+                    .charge_body(charge, limit, until)
+                    .await
+                    .map_err(overloaded)?;
+            }
+            buf.extend_from_slice(&data);
+        }
+        self.body_memory.settle_body(charge, buf.len());
+        Ok(buf.freeze())
     }
 }
 

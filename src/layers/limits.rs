@@ -41,10 +41,11 @@ impl<S> Layer<S> for LimitsLayer {
     }
 }
 
-/// A body that holds something (a concurrency slot) until it is finished or dropped.
-struct Holding<G> {
-    body: Body,
-    _guard: G,
+/// A body that holds something (a concurrency slot, a memory charge) until it is
+/// finished or dropped.
+pub(crate) struct Holding<G> {
+    pub(crate) body: Body,
+    pub(crate) _guard: G,
 }
 
 impl<G: Send + Unpin + 'static> http_body::Body for Holding<G> {

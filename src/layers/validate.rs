@@ -147,16 +147,20 @@ where
     S: Service<Call, Response = Answered, Error = GatewayError> + Clone + Send + 'static,
     S::Future: Send + 'static,
 {
-    let original = call.request.json.clone();
     let targets = call.route.targets.len();
     let mut start = TargetIndex(0);
     let mut attempts = 0;
     let mut last: Option<Invalid> = None;
     while start.0 < targets {
-        let mut json = original.clone();
+        // The request as the client sent it, shared, until a correction changes it: a
+        // large body is not copied (nor re-serialised) for a call that needs none.
+        let mut json: Option<serde_json::Map<String, serde_json::Value>> = None;
         let mut next = Some(TargetIndex(start.0 + 1));
         for round in 0..=config.corrective_retries {
-            let mut attempt = call.with_json(json.clone());
+            let mut attempt = match &json {
+                None => call.clone(),
+                Some(json) => call.with_json(json.clone()),
+            };
             attempt.start = start;
             attempt.keep_answer = true;
             let Answered { mut reply, by } = inner.clone().oneshot(attempt).await?;
@@ -212,7 +216,12 @@ where
             if round < config.corrective_retries {
                 call.log.push_step(Step::Correct(invalid.problem.label()));
                 metrics::counter!("backstop_corrective_retries_total", "kind" => invalid.problem.label()).increment(1);
-                json = corrective_request(Format::of(call.endpoint()), &json, &invalid);
+                let sent = json.as_ref().unwrap_or(&call.request.json);
+                json = Some(corrective_request(
+                    Format::of(call.endpoint()),
+                    sent,
+                    &invalid,
+                ));
             }
             last = Some(invalid);
         }

@@ -7,6 +7,7 @@
 //! nothing here knows about HTTP.
 
 pub mod activity;
+pub mod body_memory;
 pub mod budgets;
 pub mod health;
 pub mod live;
