@@ -39,6 +39,22 @@ const OPEN: &str =
 const PATIENT: &str =
     "command_timeout = \"2s\"\nreservation_ttl = \"5m\"\non_unavailable = \"closed\"";
 
+/// A replica test run twice: on one `redis-server`, and on a three-master Redis Cluster
+/// the test starts (the same assertions, the same exact counts).
+macro_rules! on_one_server_and_a_cluster {
+    ($test:ident, $on_a_cluster:ident, $body:ident) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $test() {
+            $body(Redis::start()).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $on_a_cluster() {
+            $body(Redis::start_cluster()).await;
+        }
+    };
+}
+
 /// Gateway binaries on one Redis and one mock upstream, each with its own port and
 /// its own SQLite store.
 struct Cluster {
@@ -333,15 +349,11 @@ async fn race(
     answers
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn caps_are_exact_across_three_replicas() {
-    caps_are_exact_across_three_replicas_with(Redis::start()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn caps_are_exact_across_three_replicas_on_a_cluster() {
-    caps_are_exact_across_three_replicas_with(Redis::start_cluster()).await;
-}
+on_one_server_and_a_cluster!(
+    caps_are_exact_across_three_replicas,
+    caps_are_exact_across_three_replicas_on_a_cluster,
+    caps_are_exact_across_three_replicas_with
+);
 
 async fn caps_are_exact_across_three_replicas_with(redis: Redis) {
     let tenants = format!(
@@ -428,18 +440,14 @@ max_usd = 0.05
     }
 }
 
+on_one_server_and_a_cluster!(
+    session_concurrency_is_shared_by_the_replicas,
+    session_concurrency_is_shared_by_the_replicas_on_a_cluster,
+    session_concurrency_is_shared_by_the_replicas_with
+);
+
 /// `max_concurrent` counts a session's requests on every replica, and every replica
 /// reports them in flight.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn session_concurrency_is_shared_by_the_replicas() {
-    session_concurrency_is_shared_by_the_replicas_with(Redis::start()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn session_concurrency_is_shared_by_the_replicas_on_a_cluster() {
-    session_concurrency_is_shared_by_the_replicas_with(Redis::start_cluster()).await;
-}
-
 async fn session_concurrency_is_shared_by_the_replicas_with(redis: Redis) {
     let tenants = format!(
         r#"
@@ -493,15 +501,11 @@ max_concurrent = 2
     assert_eq!(in_flight, 0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tenant_rate_limit_is_shared_by_the_replicas() {
-    a_tenant_rate_limit_is_shared_by_the_replicas_with(Redis::start()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tenant_rate_limit_is_shared_by_the_replicas_on_a_cluster() {
-    a_tenant_rate_limit_is_shared_by_the_replicas_with(Redis::start_cluster()).await;
-}
+on_one_server_and_a_cluster!(
+    a_tenant_rate_limit_is_shared_by_the_replicas,
+    a_tenant_rate_limit_is_shared_by_the_replicas_on_a_cluster,
+    a_tenant_rate_limit_is_shared_by_the_replicas_with
+);
 
 async fn a_tenant_rate_limit_is_shared_by_the_replicas_with(redis: Redis) {
     let tenants = format!(
@@ -538,15 +542,11 @@ requests_per_minute = 30
     assert_eq!(cluster.mock.attempts("rpm").await, 30);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_loop_tripped_on_one_replica_is_refused_by_all() {
-    a_loop_tripped_on_one_replica_is_refused_by_all_with(Redis::start()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_loop_tripped_on_one_replica_is_refused_by_all_on_a_cluster() {
-    a_loop_tripped_on_one_replica_is_refused_by_all_with(Redis::start_cluster()).await;
-}
+on_one_server_and_a_cluster!(
+    a_loop_tripped_on_one_replica_is_refused_by_all,
+    a_loop_tripped_on_one_replica_is_refused_by_all_on_a_cluster,
+    a_loop_tripped_on_one_replica_is_refused_by_all_with
+);
 
 async fn a_loop_tripped_on_one_replica_is_refused_by_all_with(redis: Redis) {
     let tenants = format!(
@@ -598,20 +598,15 @@ cool_down = "60s"
     assert_eq!(cluster.mock.attempts("loop").await, 5);
 }
 
+on_one_server_and_a_cluster!(
+    a_loop_spread_over_the_replicas_trips_at_the_configured_count,
+    a_loop_spread_over_the_replicas_trips_at_the_configured_count_on_a_cluster,
+    a_loop_spread_over_the_replicas_trips_at_the_configured_count_with
+);
+
 /// The guard's windows are the session's, not a replica's: identical requests spread
 /// over the replicas (in turn, then all at once) trip at the configured count, as they
 /// would on one gateway.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_loop_spread_over_the_replicas_trips_at_the_configured_count() {
-    a_loop_spread_over_the_replicas_trips_at_the_configured_count_with(Redis::start()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_loop_spread_over_the_replicas_trips_at_the_configured_count_on_a_cluster() {
-    a_loop_spread_over_the_replicas_trips_at_the_configured_count_with(Redis::start_cluster())
-        .await;
-}
-
 async fn a_loop_spread_over_the_replicas_trips_at_the_configured_count_with(redis: Redis) {
     let tenants = format!(
         r#"
@@ -677,15 +672,11 @@ cool_down = "60s"
     assert_eq!(cluster.mock.attempts("failing").await, 3);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_idempotency_key_is_one_upstream_call_across_replicas() {
-    one_idempotency_key_is_one_upstream_call_across_replicas_with(Redis::start()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_idempotency_key_is_one_upstream_call_across_replicas_on_a_cluster() {
-    one_idempotency_key_is_one_upstream_call_across_replicas_with(Redis::start_cluster()).await;
-}
+on_one_server_and_a_cluster!(
+    one_idempotency_key_is_one_upstream_call_across_replicas,
+    one_idempotency_key_is_one_upstream_call_across_replicas_on_a_cluster,
+    one_idempotency_key_is_one_upstream_call_across_replicas_with
+);
 
 async fn one_idempotency_key_is_one_upstream_call_across_replicas_with(redis: Redis) {
     let tenants = format!(
@@ -854,19 +845,15 @@ identical_request_limit = 3
     }
 }
 
+on_one_server_and_a_cluster!(
+    a_killed_replicas_reservations_are_charged_when_their_leases_expire,
+    a_killed_replicas_reservations_are_charged_when_their_leases_expire_on_a_cluster,
+    a_killed_replicas_reservations_are_charged_when_their_leases_expire_with
+);
+
 /// A replica killed with calls in flight may have been billed for them: when their
 /// leases run out they are charged their reserved amount (as the embedded store charges
 /// a crash's reservations), never freed uncharged.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_replicas_reservations_are_charged_when_their_leases_expire() {
-    a_killed_replicas_reservations_are_charged_when_their_leases_expire_with(Redis::start()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_replicas_reservations_are_charged_when_their_leases_expire_on_a_cluster() {
-    a_killed_replicas_reservations_are_charged_when_their_leases_expire_with(Redis::start_cluster()).await;
-}
-
 async fn a_killed_replicas_reservations_are_charged_when_their_leases_expire_with(redis: Redis) {
     let tenants = format!(
         r#"
@@ -923,21 +910,17 @@ max_calls = 5
     }
 }
 
+on_one_server_and_a_cluster!(
+    unpriced_models_and_zero_token_answers_are_charged_on_every_replica,
+    unpriced_models_and_zero_token_answers_are_charged_on_every_replica_on_a_cluster,
+    unpriced_models_and_zero_token_answers_are_charged_on_every_replica_with
+);
+
 /// The new user's first try (issue 23): a model with no price, under a session
 /// `max_calls`, and answers that report zero tokens. Every call is charged on every
 /// replica (a zero amount once reached Redis as Lua's `-0` and every settle failed), the
 /// fourth is refused for the budget, not for Redis, and the books match what the
 /// upstream served.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unpriced_models_and_zero_token_answers_are_charged_on_every_replica() {
-    unpriced_models_and_zero_token_answers_are_charged_on_every_replica_with(Redis::start()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unpriced_models_and_zero_token_answers_are_charged_on_every_replica_on_a_cluster() {
-    unpriced_models_and_zero_token_answers_are_charged_on_every_replica_with(Redis::start_cluster()).await;
-}
-
 async fn unpriced_models_and_zero_token_answers_are_charged_on_every_replica_with(redis: Redis) {
     let tenants = format!(
         r#"
@@ -982,19 +965,15 @@ tokens_per_day = 1000000
     assert_eq!(view["used_today"]["calls"], 4, "{view}");
 }
 
+on_one_server_and_a_cluster!(
+    a_settle_redis_cannot_take_is_kept_and_replayed_by_the_next_process,
+    a_settle_redis_cannot_take_is_kept_and_replayed_by_the_next_process_on_a_cluster,
+    a_settle_redis_cannot_take_is_kept_and_replayed_by_the_next_process_with
+);
+
 /// Redis stops while a call is in flight: its settle cannot be applied, so it is kept
 /// in the replica's store. The replica is then killed; the next process on the same
 /// store replays it once Redis is back, and the books hold exactly the call's usage.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_settle_redis_cannot_take_is_kept_and_replayed_by_the_next_process() {
-    a_settle_redis_cannot_take_is_kept_and_replayed_by_the_next_process_with(Redis::start()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_settle_redis_cannot_take_is_kept_and_replayed_by_the_next_process_on_a_cluster() {
-    a_settle_redis_cannot_take_is_kept_and_replayed_by_the_next_process_with(Redis::start_cluster()).await;
-}
-
 async fn a_settle_redis_cannot_take_is_kept_and_replayed_by_the_next_process_with(redis: Redis) {
     let tenants = format!(
         r#"
@@ -1046,19 +1025,15 @@ max_usd = 10.0
     assert_eq!(cluster.mock.attempts("kept").await, 1);
 }
 
+on_one_server_and_a_cluster!(
+    a_script_error_is_one_calls_failure_not_an_outage,
+    a_script_error_is_one_calls_failure_not_an_outage_on_a_cluster,
+    a_script_error_is_one_calls_failure_not_an_outage_with
+);
+
 /// A script error is that call's alone: a tenant whose keys Redis refuses gets its 503,
 /// while a burst from another tenant on the same replica is served in full (one error
 /// once shut the replica's Redis access for everyone for `retry_interval`).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_script_error_is_one_calls_failure_not_an_outage() {
-    a_script_error_is_one_calls_failure_not_an_outage_with(Redis::start()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_script_error_is_one_calls_failure_not_an_outage_on_a_cluster() {
-    a_script_error_is_one_calls_failure_not_an_outage_with(Redis::start_cluster()).await;
-}
-
 async fn a_script_error_is_one_calls_failure_not_an_outage_with(redis: Redis) {
     let tenants = format!(
         r#"
@@ -1305,20 +1280,16 @@ api_keys = ["{OTHER}"]
     )
 }
 
+on_one_server_and_a_cluster!(
+    a_chained_create_reserves_its_context_across_three_replicas,
+    a_chained_create_reserves_its_context_across_three_replicas_on_a_cluster,
+    a_chained_create_reserves_its_context_across_three_replicas_with
+);
+
 /// Issue 24, item 1, over three replicas: 30 concurrent creates chained onto one
 /// response each reserve the context it recorded (189,900 + 100 tokens, settled through
 /// replica 0) on top of their body, so exactly one of them fits the $1.00 day cap:
 /// $0.47575 + $0.501 spent. (Before, each reserved ~$0.001 and all 30 ran: $15.51.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_chained_create_reserves_its_context_across_three_replicas() {
-    a_chained_create_reserves_its_context_across_three_replicas_with(Redis::start()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_chained_create_reserves_its_context_across_three_replicas_on_a_cluster() {
-    a_chained_create_reserves_its_context_across_three_replicas_with(Redis::start_cluster()).await;
-}
-
 async fn a_chained_create_reserves_its_context_across_three_replicas_with(redis: Redis) {
     let cluster = Cluster::start(&redis, &[PATIENT, PATIENT, PATIENT], &responses_tenants()).await;
     let parent = cluster
@@ -1374,22 +1345,17 @@ async fn a_chained_create_reserves_its_context_across_three_replicas_with(redis:
     }
 }
 
+on_one_server_and_a_cluster!(
+    an_owner_is_known_to_every_replica_before_the_create_is_answered,
+    an_owner_is_known_to_every_replica_before_the_create_is_answered_on_a_cluster,
+    an_owner_is_known_to_every_replica_before_the_create_is_answered_with
+);
+
 /// Issue 24, item 3, over three replicas: each create's owner is in Redis before its
 /// answer leaves, so another replica serves the owner's `GET` at once (20 of 20) and
 /// refuses another tenant's chain onto it (0 upstream calls); a replica killed right
 /// after answering loses nothing. (Before, owners were written 250 ms later: 404 and
 /// forwarded, 20 of 20.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_owner_is_known_to_every_replica_before_the_create_is_answered() {
-    an_owner_is_known_to_every_replica_before_the_create_is_answered_with(Redis::start()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_owner_is_known_to_every_replica_before_the_create_is_answered_on_a_cluster() {
-    an_owner_is_known_to_every_replica_before_the_create_is_answered_with(Redis::start_cluster())
-        .await;
-}
-
 async fn an_owner_is_known_to_every_replica_before_the_create_is_answered_with(redis: Redis) {
     let mut cluster =
         Cluster::start(&redis, &[PATIENT, PATIENT, PATIENT], &responses_tenants()).await;
@@ -1462,19 +1428,15 @@ async fn an_owner_is_known_to_every_replica_before_the_create_is_answered_with(r
     }
 }
 
+on_one_server_and_a_cluster!(
+    every_reference_is_checked_on_every_replica,
+    every_reference_is_checked_on_every_replica_on_a_cluster,
+    every_reference_is_checked_on_every_replica_with
+);
+
 /// Issue 24, item 4, over three replicas: a response created through one replica names
 /// objects another tenant cannot reach through any other, by item reference,
 /// conversation, or a malformed or padded response id; nothing reaches the upstream.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_reference_is_checked_on_every_replica() {
-    every_reference_is_checked_on_every_replica_with(Redis::start()).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_reference_is_checked_on_every_replica_on_a_cluster() {
-    every_reference_is_checked_on_every_replica_with(Redis::start_cluster()).await;
-}
-
 async fn every_reference_is_checked_on_every_replica_with(redis: Redis) {
     let cluster = Cluster::start(&redis, &[PATIENT, PATIENT, PATIENT], &responses_tenants()).await;
     let created = cluster

@@ -104,6 +104,18 @@ impl Model {
     }
 }
 
+/// A settle's charge in the model's tenant and model.
+fn charge(input_tokens: u64, output_tokens: u64, usd: f64) -> SharedCharge<'static> {
+    SharedCharge {
+        tenant: TENANT,
+        model: "m|odel%",
+        input_tokens,
+        output_tokens,
+        usd,
+        ts_ms: 1,
+    }
+}
+
 fn micro(usd: f64) -> i128 {
     (usd * 1e6).round().clamp(0.0, MAX_AMOUNT as f64) as i128
 }
@@ -214,17 +226,8 @@ fn run_sequence(bench: &Bench, steps: Vec<Step>) -> Result<(), TestCaseError> {
                     }
                     let i = which % made.len();
                     let m = &mut made[i];
-                    let settle = shared.settle_of(
-                        &m.held,
-                        SharedCharge {
-                            tenant: TENANT,
-                            model: "m|odel%",
-                            input_tokens: input,
-                            output_tokens: output,
-                            usd: usd_micro as f64 / 1e6,
-                            ts_ms: 1,
-                        },
-                    );
+                    let settle =
+                        shared.settle_of(&m.held, charge(input, output, usd_micro as f64 / 1e6));
                     let how = shared.settle(&settle).await.expect("settle");
                     let actual = [1, capped(input + output), micro(usd_micro as f64 / 1e6)];
                     let expected = match m.state {
@@ -257,17 +260,8 @@ fn run_sequence(bench: &Bench, steps: Vec<Step>) -> Result<(), TestCaseError> {
                         continue;
                     };
                     let (input, output, usd_micro) = m.last.unwrap();
-                    let settle = shared.settle_of(
-                        &m.held,
-                        SharedCharge {
-                            tenant: TENANT,
-                            model: "m|odel%",
-                            input_tokens: input,
-                            output_tokens: output,
-                            usd: usd_micro as f64 / 1e6,
-                            ts_ms: 1,
-                        },
-                    );
+                    let settle =
+                        shared.settle_of(&m.held, charge(input, output, usd_micro as f64 / 1e6));
                     let how = shared.settle(&settle).await.expect("replay");
                     prop_assert_eq!(how, Settled::Already);
                 }
@@ -298,17 +292,7 @@ fn run_sequence(bench: &Bench, steps: Vec<Step>) -> Result<(), TestCaseError> {
         // Everything settles (late settles after expiries included): nothing reserved.
         for m in made.iter_mut() {
             if matches!(m.state, Held::Open | Held::Expiring | Held::Expired) {
-                let settle = shared.settle_of(
-                    &m.held,
-                    SharedCharge {
-                        tenant: TENANT,
-                        model: "m|odel%",
-                        input_tokens: 0,
-                        output_tokens: 0,
-                        usd: 0.0,
-                        ts_ms: 1,
-                    },
-                );
+                let settle = shared.settle_of(&m.held, charge(0, 0, 0.0));
                 shared.settle(&settle).await.expect("final settle");
                 let want = m.want;
                 if m.state == Held::Expired {
