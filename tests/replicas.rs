@@ -185,6 +185,27 @@ impl Cluster {
         self.replicas.insert(i, Binary::start(&config, port).await);
     }
 
+    /// Waits (at most 10 s) until replica `i`'s `/metrics` has `line`.
+    async fn wait_for_metric(&self, i: usize, line: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let metrics = self
+                .http
+                .get(format!("{}/metrics", self.replicas[i].url))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            if metrics.lines().any(|l| l == line) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "no `{line}` in {metrics}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// The next replica, round-robin.
     fn rr(&self) -> usize {
         self.next.fetch_add(1, Ordering::Relaxed) % self.replicas.len()
@@ -999,8 +1020,10 @@ max_usd = 10.0
         "served before Redis stopped: {}",
         answer.text
     );
-    // The settle failed (100 ms command timeout) and was kept, durably, before the kill.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The settle fails (100 ms command timeout) and is kept, durably, before the kill.
+    cluster
+        .wait_for_metric(0, "backstop_state_settles_kept_total 1")
+        .await;
     cluster.restart_killed(0).await;
     redis.resume();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -1017,8 +1040,19 @@ max_usd = 10.0
         assert!(Instant::now() < deadline, "never replayed: {report}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // Replayed once: a later look finds the same books.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Replayed once: the new process has forgotten it, and the books are unchanged.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let state = cluster
+            .admin(0, reqwest::Method::GET, "/admin/state")
+            .await
+            .json();
+        if state["settles_kept"] == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "still kept: {state}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let report = cluster.session(0, USD, "kept").await;
     assert_eq!(report["used"]["calls"], 1, "{report}");
     assert_eq!(report["used"]["tokens"], 2000, "{report}");
