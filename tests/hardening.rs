@@ -545,6 +545,27 @@ async fn connections_over_the_cap_get_a_503_and_others_recover() {
     assert_eq!(resp.status(), 200);
 }
 
+/// Writes the config of a real binary serving tenant `t` (key `key`) on its built-in
+/// mock: `server` is added after `[server]`'s listen and drain lines (more of its keys,
+/// then any tables); returns the file.
+fn on_its_mock(
+    dir: &TempDir,
+    port: u16,
+    mock_port: u16,
+    server: &str,
+    key: &str,
+) -> std::path::PathBuf {
+    let config = dir.0.join("backstop.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\ndrain_delay = \"0s\"\n{server}[store]\npath = \":memory:\"\n[mock]\nlisten = \"127.0.0.1:{mock_port}\"\n[[upstreams]]\nname = \"m\"\napi = \"openai\"\nbase_url = \"http://127.0.0.1:{mock_port}\"\n[[routes]]\nmodel = \"*\"\ntargets = [{{ upstream = \"m\" }}]\n[[tenants]]\nname = \"t\"\napi_keys = [\"{key}\"]\n"
+        ),
+    )
+    .unwrap();
+    config
+}
+
 /// Issue 23, item 7: the gateway under `prlimit --nofile=128:256`, with more idle
 /// connections than it can hold descriptors. It raises its soft limit to the hard 256,
 /// caps connections at (256 - 64 reserved) / 3 with the built-in mock = 64, and answers
@@ -554,14 +575,13 @@ async fn more_idle_connections_than_descriptors_still_leave_new_clients_a_prompt
     let dir = TempDir::new("backstop-fd");
     let port = dead_port().await;
     let mock_port = dead_port().await;
-    let config = dir.0.join("backstop.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\ndrain_delay = \"0s\"\nheader_read_timeout = \"30s\"\n[log]\nlevel = \"info\"\n[store]\npath = \":memory:\"\n[mock]\nlisten = \"127.0.0.1:{mock_port}\"\n[[upstreams]]\nname = \"m\"\napi = \"openai\"\nbase_url = \"http://127.0.0.1:{mock_port}\"\n[[routes]]\nmodel = \"*\"\ntargets = [{{ upstream = \"m\" }}]\n[[tenants]]\nname = \"t\"\napi_keys = [\"bk-fd-test\"]\n"
-        ),
-    )
-    .unwrap();
+    let config = on_its_mock(
+        &dir,
+        port,
+        mock_port,
+        "header_read_timeout = \"30s\"\n[log]\nlevel = \"info\"\n",
+        "bk-fd-test",
+    );
     let binary = Binary::start_under(
         &["prlimit", "--nofile=128:256"],
         &config,
@@ -734,14 +754,7 @@ async fn logs_carry_no_ansi_colour_when_stderr_is_not_a_terminal() {
     let dir = TempDir::new("backstop-ansi");
     let port = dead_port().await;
     let mock_port = dead_port().await;
-    let config = dir.0.join("backstop.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\ndrain_delay = \"0s\"\n[store]\npath = \":memory:\"\n[mock]\nlisten = \"127.0.0.1:{mock_port}\"\n[[upstreams]]\nname = \"m\"\napi = \"openai\"\nbase_url = \"http://127.0.0.1:{mock_port}\"\n[[routes]]\nmodel = \"*\"\ntargets = [{{ upstream = \"m\" }}]\n[[tenants]]\nname = \"t\"\napi_keys = [\"bk-ansi-test\"]\n"
-        ),
-    )
-    .unwrap();
+    let config = on_its_mock(&dir, port, mock_port, "", "bk-ansi-test");
     let binary = Binary::start_with(&config, port, std::process::Stdio::piped()).await;
     // SIGTERM: a graceful stop flushes the log writer.
     let output = binary.terminate();

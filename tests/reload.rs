@@ -377,6 +377,37 @@ async fn start_up_keys_are_kept_and_named() {
     assert_eq!(r.call(CAPPED, "s", "").await.status(), 200);
 }
 
+/// The config of a real binary on its built-in mock with the `capped` tenant: `before`
+/// goes ahead of the upstreams (a table such as `[breaker]`), `tenant` after the tenant's
+/// keys (its own tables).
+fn binary_config(port: u16, mock_port: u16, before: &str, tenant: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:{port}"
+drain_delay = "0s"
+[log]
+level = "warn"
+[mock]
+listen = "127.0.0.1:{mock_port}"
+[store]
+path = ":memory:"
+[admin]
+token = "{ADMIN}"
+{before}[[upstreams]]
+name = "mock"
+api = "openai"
+base_url = "http://127.0.0.1:{mock_port}"
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "mock" }}]
+[[tenants]]
+name = "capped"
+api_keys = ["{CAPPED}"]
+{tenant}"#
+    )
+}
+
 #[tokio::test]
 async fn reload_needs_the_admin_token() {
     let r = Reloadable::start(&tenants(5)).await;
@@ -398,32 +429,11 @@ async fn sighup_reloads_the_real_binary() {
     let mock_port = dead_port().await;
     let path = dir.0.join("backstop.toml");
     let text = |max_calls: u32| {
-        format!(
-            r#"
-[server]
-listen = "127.0.0.1:{port}"
-drain_delay = "0s"
-[log]
-level = "warn"
-[mock]
-listen = "127.0.0.1:{mock_port}"
-[store]
-path = ":memory:"
-[admin]
-token = "{ADMIN}"
-[[upstreams]]
-name = "mock"
-api = "openai"
-base_url = "http://127.0.0.1:{mock_port}"
-[[routes]]
-model = "gpt-*"
-targets = [{{ upstream = "mock" }}]
-[[tenants]]
-name = "capped"
-api_keys = ["{CAPPED}"]
-[tenants.session]
-max_calls = {max_calls}
-"#
+        binary_config(
+            port,
+            mock_port,
+            "",
+            &format!("[tenants.session]\nmax_calls = {max_calls}\n"),
         )
     };
     std::fs::write(&path, text(1)).unwrap();
@@ -501,32 +511,11 @@ async fn a_refused_reload_never_shows_a_value_from_the_environment() {
     let path = dir.0.join("backstop.toml");
     let log_path = dir.0.join("stderr.log");
     let text = |open_for: &str| {
-        format!(
-            r#"
-[server]
-listen = "127.0.0.1:{port}"
-drain_delay = "0s"
-[log]
-level = "warn"
-[mock]
-listen = "127.0.0.1:{mock_port}"
-[store]
-path = ":memory:"
-[admin]
-token = "{ADMIN}"
-[breaker]
-open_for = "{open_for}"
-[[upstreams]]
-name = "mock"
-api = "openai"
-base_url = "http://127.0.0.1:{mock_port}"
-[[routes]]
-model = "gpt-*"
-targets = [{{ upstream = "mock" }}]
-[[tenants]]
-name = "capped"
-api_keys = ["{CAPPED}"]
-"#
+        binary_config(
+            port,
+            mock_port,
+            &format!("[breaker]\nopen_for = \"{open_for}\"\n"),
+            "",
         )
     };
     std::fs::write(&path, text("60s")).unwrap();
