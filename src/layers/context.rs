@@ -306,7 +306,11 @@ where
             .await
             .map_err(|_| GatewayError::Internal)??
         } else {
-            items.check(&bytes)?;
+            // Most agent requests are small enough to be under every limit whatever they
+            // hold: those are parsed once, not counted first.
+            if !items.hold_any_body_of(bytes.len()) {
+                items.check(&bytes)?;
+            }
             parse(endpoint, bytes, &self.routes)?
         };
         let session = match session {
@@ -387,6 +391,14 @@ impl ItemLimits {
             content_parts: server.max_content_parts,
             json_values: server.max_json_values,
         }
+    }
+
+    /// Whether every body of `len` bytes is under every limit: `len` bytes of JSON hold at
+    /// most `(len + 1) / 2` values (a one-byte value and a separator each), and items and
+    /// content parts are values. Such a body needs no counting pass before its parse.
+    pub fn hold_any_body_of(&self, len: usize) -> bool {
+        let most = len.saturating_add(1) / 2;
+        most <= self.messages.min(self.content_parts).min(self.json_values)
     }
 
     /// Counts `body` (see [`scan`]) and refuses it, naming the limit, if it holds more
@@ -510,6 +522,33 @@ pub fn parse(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The densest JSON there is, one-byte values and separators, is just over a limit
+    /// only past the length `hold_any_body_of` lets through uncounted.
+    #[test]
+    fn a_body_skipped_by_the_length_bound_cannot_be_over_a_limit() {
+        let limits = ItemLimits {
+            messages: 10,
+            content_parts: 50,
+            json_values: 50,
+        };
+        for n in 1..40usize {
+            // {"messages":[0,0,...]}: n items, n + 1 values.
+            let items = vec!["0"; n].join(",");
+            let body = format!(r#"{{"messages":[{items}]}}"#);
+            if limits.hold_any_body_of(body.len()) {
+                assert!(limits.check(body.as_bytes()).is_ok(), "{body}");
+            }
+            let bare = vec!["0"; n].join(",");
+            let bare = format!("[{bare}]");
+            if limits.hold_any_body_of(bare.len()) {
+                assert!(scan(bare.as_bytes()).unwrap().values <= 10, "{bare}");
+            }
+        }
+        // 20 bytes hold at most 10 values; 21 bytes hold 11 (`[0,0,0,0,0,0,0,0,0,0]`).
+        assert!(limits.hold_any_body_of(20));
+        assert!(!limits.hold_any_body_of(21));
+    }
 
     fn fields(paths: &[&str]) -> Vec<(&'static str, Vec<String>)> {
         let owned: Vec<String> = paths.iter().map(|p| p.to_string()).collect();
