@@ -12,19 +12,20 @@
 //! 5. [`ContextLayer`]: body read once within the size limit, parsed, routed: from
 //!    here in, every layer takes a typed [`Call`](crate::layers::context::Call).
 //! 6. [`IdempotencyLayer`]: `Idempotency-Key` replays, with no call and no charge.
-//! 7. [`LimitsLayer`]: tenant and session request rates, session concurrency.
-//! 8. [`SessionGuardLayer`]: the session guard: loops, repeats, failures, spend velocity.
-//! 9. [`ValidateLayer`]: structured output checked; corrective retries with the
+//! 7. [`AdmissionLayer`]: tenant and session request rates, session concurrency, and the
+//!    session guard (loops, repeats, failures, spend velocity); in replica mode one
+//!    round trip to Redis for all of them.
+//! 8. [`ValidateLayer`]: structured output checked; corrective retries with the
 //!    validator's errors; strategy switch to the next target; 502 `output_invalid`.
-//! 10. [`RecoveryLayer`]: target selection, classification, retry with backoff and
+//! 9. [`RecoveryLayer`]: target selection, classification, retry with backoff and
 //!     Retry-After, retry budget, per-upstream circuit breakers, failover; answers
 //!     which target answered ([`Answered`](crate::layers::recovery::Answered)).
-//! 11. [`ResponseOwnersLayer`]: Responses creates only: every stored object named is
+//! 10. [`ResponseOwnersLayer`]: Responses creates only: every stored object named is
 //!     checked against its owner, what the provider holds for the call handed to the
 //!     meter, and a stored answer's owners made durable before it is released.
-//! 12. [`MeterLayer`]: per upstream call (retries and corrections included), reserve
+//! 11. [`MeterLayer`]: per upstream call (retries and corrections included), reserve
 //!     against the session's and tenant's caps, settle to reported usage.
-//! 13. [`Forward`]: one upstream attempt (leaf).
+//! 12. [`Forward`]: one upstream attempt (leaf).
 //!
 //! Around the whole router (every route: proxy, models, admin, health, metrics, 404,
 //! 405), outer → inner, tower-http's layers ([`App`]):
@@ -82,17 +83,16 @@ use crate::{
     config::{Config, PriceConfig},
     error::{respond::error_response, GatewayError},
     layers::{
+        admission::AdmissionLayer,
         auth::{AuthLayer, TenantKeys},
         context::{Call, ContextLayer},
         deadline::DeadlineLayer,
         edge::{self, EdgeLayer, MakeId, X_REQUEST_ID},
         idempotency::{IdempotencyLayer, InFlight},
-        limits::LimitsLayer,
         meter::{Billed, MeterLayer, Unmetered},
         owners::ResponseOwnersLayer,
         recovery::{Answered, RecoveryLayer, RetryPolicy},
         respond::RespondLayer,
-        session_guard::SessionGuardLayer,
         trace::TraceLayer,
         validate::ValidateLayer,
     },
@@ -315,10 +315,9 @@ fn proxy_stack(state: &AppState) -> HttpService {
                             == crate::config::OnUnavailable::Closed,
                 ),
             )
-            .layer(LimitsLayer::new(state.budgets.clone()))
-            .layer(SessionGuardLayer::new(
-                state.guards.clone(),
+            .layer(AdmissionLayer::new(
                 state.budgets.clone(),
+                state.guards.clone(),
             ))
             .layer(ValidateLayer::new(
                 state.schemas.clone(),

@@ -149,6 +149,12 @@ pub struct LogFields {
     /// Tokens the upstream reported, (input, output), summed over the request's calls
     /// (a stream's once it ends).
     pub usage: Option<(u64, u64)>,
+    /// The session as the last settle in the shared state left it (replica mode,
+    /// settled before the response head: not a stream's).
+    pub session_seen: Option<crate::policy::budget::SessionSeen>,
+    /// USD charged for the request's calls settled before the response head (a
+    /// stream's is settled when it ends).
+    pub spent_usd: f64,
 }
 
 impl LogFields {

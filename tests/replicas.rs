@@ -1553,3 +1553,148 @@ async fn owner_write_cost_in_replica_mode() {
         println!("{line}");
     }
 }
+
+/// Redis calls so far on replica `i`, by op (each `backstop_state_seconds` observation is
+/// one round trip).
+async fn round_trips(cluster: &Cluster, i: usize) -> std::collections::BTreeMap<String, u64> {
+    let metrics = cluster
+        .http
+        .get(format!("{}/metrics", cluster.replicas[i].url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("backstop_state_seconds_count{op=\""))
+        .filter_map(|rest| rest.split_once("\"}"))
+        .map(|(op, n)| (op.to_string(), n.trim().parse().unwrap()))
+        .collect()
+}
+
+/// [`round_trips`] once replica `i` has freed `slots` concurrency slots in all: a slot
+/// is freed when its body has been sent, off the request path (fire and forget).
+async fn round_trips_once_freed(
+    cluster: &Cluster,
+    i: usize,
+    slots: u64,
+) -> std::collections::BTreeMap<String, u64> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let trips = round_trips(cluster, i).await;
+        if trips.get("leave").copied().unwrap_or(0) >= slots || Instant::now() > deadline {
+            return trips;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// What `after` added to `before`, ops that did not move left out.
+fn added(
+    before: &std::collections::BTreeMap<String, u64>,
+    after: &std::collections::BTreeMap<String, u64>,
+) -> Vec<(String, u64)> {
+    after
+        .iter()
+        .map(|(op, n)| (op.clone(), n - before.get(op).copied().unwrap_or(0)))
+        .filter(|(_, n)| *n > 0)
+        .collect()
+}
+
+on_one_server_and_a_cluster!(
+    a_budgeted_guarded_rate_limited_request_is_two_round_trips_before_its_call_and_one_after,
+    a_budgeted_guarded_rate_limited_request_is_two_round_trips_before_its_call_and_one_after_on_a_cluster,
+    a_budgeted_guarded_rate_limited_request_is_two_round_trips_before_its_call_and_one_after_with
+);
+
+/// Rate limits, the concurrency slot and the guard's write-back are one script before the
+/// call, the reservation the other; the settle after it also answers what the session
+/// has left and whether the guard moved, so a success writes nothing more. A failure
+/// changes the guard: one more write, and still exact across replicas.
+async fn a_budgeted_guarded_rate_limited_request_is_two_round_trips_before_its_call_and_one_after_with(
+    redis: Redis,
+) {
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "guarded"
+api_keys = ["{GUARDED}"]
+requests_per_minute = 100000
+[tenants.session]
+requests_per_minute = 100000
+max_calls = 1000
+max_concurrent = 4
+max_usd = 100.0
+[tenants.budget]
+usd_per_day = 1000.0
+[tenants.guard]
+identical_request_limit = 1000
+max_consecutive_failures = 3
+"#
+    );
+    let cluster = Cluster::start(&redis, &[PATIENT, PATIENT, PATIENT], &tenants).await;
+    let headers = [("x-session-id", "trips"), ("x-mock-scenario", "trips")];
+    // The first request reads the tenant's generation marker (once per process).
+    let first = cluster.call(0, GUARDED, &headers, &step(0)).await;
+    assert_eq!(first.status, 200, "{}", first.text);
+    let before = round_trips_once_freed(&cluster, 0, 1).await;
+    for n in 1..=5 {
+        let answer = cluster.call(0, GUARDED, &headers, &step(n)).await;
+        assert_eq!(answer.status, 200, "{}", answer.text);
+        assert_eq!(answer.header("x-backstop-session-state"), Some("active"));
+        // What the settle of this call saw: 1 + n calls made of 1000.
+        let remaining = answer.header("x-backstop-budget-remaining").unwrap();
+        assert!(
+            remaining.starts_with(&format!("calls={}; ", 1000 - 1 - n)),
+            "{remaining}"
+        );
+    }
+    let after = round_trips_once_freed(&cluster, 0, 6).await;
+    assert_eq!(
+        added(&before, &after),
+        [
+            ("admit".into(), 5),
+            ("gate".into(), 5),
+            ("leave".into(), 5),
+            ("settle".into(), 5)
+        ],
+        "per request: gate + admit before the call, settle after (and, after the body, the slot's release)"
+    );
+    let session = cluster.session(0, GUARDED, "trips").await;
+    assert_eq!(session["used"]["calls"], 6, "{session}");
+
+    // A failure changes the guard (one failure in a row): written back after the settle.
+    let failing = [
+        ("x-session-id", "trips"),
+        ("x-mock-scenario", "trips-failing"),
+        ("x-mock-fault", "status=400;code=context_length_exceeded"),
+    ];
+    let before = round_trips_once_freed(&cluster, 0, 6).await;
+    let answer = cluster.call(0, GUARDED, &failing, &step(100)).await;
+    assert_eq!(answer.status, 400, "{}", answer.text);
+    assert_eq!(
+        answer.header("x-backstop-session-state"),
+        Some("recovering")
+    );
+    let after = round_trips_once_freed(&cluster, 0, 7).await;
+    assert_eq!(
+        added(&before, &after),
+        [
+            ("admit".into(), 1),
+            ("gate".into(), 1),
+            ("leave".into(), 1),
+            ("save_guard_window".into(), 1),
+            ("settle".into(), 1)
+        ]
+    );
+    // Another replica sees the failure: two more trip the session.
+    for (n, replica) in [(101, 1), (102, 2)] {
+        let answer = cluster.call(replica, GUARDED, &failing, &step(n)).await;
+        assert_eq!(answer.status, 400, "{}", answer.text);
+    }
+    let tripped = cluster.call(0, GUARDED, &failing, &step(103)).await;
+    assert_eq!(tripped.status, 429, "{}", tripped.text);
+    assert_eq!(tripped.code(), "session_tripped");
+}

@@ -228,7 +228,7 @@ fn run_sequence(bench: &Bench, steps: Vec<Step>) -> Result<(), TestCaseError> {
                     let m = &mut made[i];
                     let settle =
                         shared.settle_of(&m.held, charge(input, output, usd_micro as f64 / 1e6));
-                    let how = shared.settle(&settle).await.expect("settle");
+                    let (how, _) = shared.settle(&settle).await.expect("settle");
                     let actual = [1, capped(input + output), micro(usd_micro as f64 / 1e6)];
                     let expected = match m.state {
                         Held::Open | Held::Expiring => {
@@ -262,7 +262,7 @@ fn run_sequence(bench: &Bench, steps: Vec<Step>) -> Result<(), TestCaseError> {
                     let (input, output, usd_micro) = m.last.unwrap();
                     let settle =
                         shared.settle_of(&m.held, charge(input, output, usd_micro as f64 / 1e6));
-                    let how = shared.settle(&settle).await.expect("replay");
+                    let (how, _) = shared.settle(&settle).await.expect("replay");
                     prop_assert_eq!(how, Settled::Already);
                 }
                 Step::Expire { which } => {

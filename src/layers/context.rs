@@ -22,7 +22,7 @@ use http_body_util::{BodyExt, Limited};
 use tokio::time::Instant;
 use tower::{Layer, Service};
 
-use super::{deadline::Deadline, edge::RequestId, limits::Holding, Middleware, Stack};
+use super::{admission::Holding, deadline::Deadline, edge::RequestId, Middleware, Stack};
 use crate::{
     api::{
         scan::{scan, BodyShape},

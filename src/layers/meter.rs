@@ -146,27 +146,40 @@ where
             && request.endpoint == Endpoint::ChatCompletions
             && !request.client_wants_stream_usage;
         let result = inner.call(attempt).await;
-        match &result {
-            Err(_) => reservation.settle(Outcome::Failed).await,
+        let outcome = match &result {
+            Err(_) => Outcome::Failed,
             Ok(reply) => match (&reply.stream_usage, &reply.view) {
-                (Some(usage), _) => usage.on_end(move |reported| {
-                    reservation.settle_later(match reported {
-                        Some((input, output)) => {
-                            log.add_usage(input, output);
-                            Outcome::Reported { input, output }
-                        }
-                        None => Outcome::Unreported,
-                    })
-                }),
+                (Some(usage), _) => {
+                    let log = log.clone();
+                    usage.on_end(move |reported| {
+                        reservation.settle_later(match reported {
+                            Some((input, output)) => {
+                                log.add_usage(input, output);
+                                Outcome::Reported { input, output }
+                            }
+                            None => Outcome::Unreported,
+                        })
+                    });
+                    return result.map_err(AttemptError::from);
+                }
                 (None, Some(view)) => {
                     if let ReportedUsage::Counts { input, output } = view.usage {
                         log.add_usage(input, output);
                     }
-                    reservation.settle(outcome(view.usage)).await
+                    outcome(view.usage)
                 }
-                (None, None) => reservation.settle(Outcome::Failed).await,
+                (None, None) => Outcome::Failed,
             },
-        }
+        };
+        // What the session holds now comes back with the settle (replica mode): the
+        // layers above read it instead of asking Redis again.
+        let settled = reservation.settle(outcome).await;
+        log.update(|f| {
+            f.spent_usd += settled.usd;
+            if settled.seen.is_some() {
+                f.session_seen = settled.seen;
+            }
+        });
         result.map_err(AttemptError::from)
     }
 }

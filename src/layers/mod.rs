@@ -11,38 +11,37 @@
 //! The seam holds at compile time. A layer inside the context layer serves calls:
 //!
 //! ```
-//! # use backstop::{layers::{context::Call, limits::Limits}, error::GatewayError};
+//! # use backstop::{layers::{context::Call, admission::Admission}, error::GatewayError};
 //! # use tower::util::BoxCloneService;
 //! # type Inner = BoxCloneService<Call, http::Response<axum::body::Body>, GatewayError>;
 //! fn serves<Req, S: tower::Service<Req>>() {}
-//! serves::<Call, Limits<Inner>>();
+//! serves::<Call, Admission<Inner>>();
 //! ```
 //!
 //! and so it cannot be mounted where HTTP requests arrive, before the context layer:
 //!
 //! ```compile_fail,E0277
-//! # use backstop::{layers::{context::Call, limits::Limits}, error::GatewayError};
+//! # use backstop::{layers::{context::Call, admission::Admission}, error::GatewayError};
 //! # use tower::util::BoxCloneService;
 //! # type Inner = BoxCloneService<Call, http::Response<axum::body::Body>, GatewayError>;
 //! fn serves<Req, S: tower::Service<Req>>() {}
-//! serves::<http::Request<axum::body::Body>, Limits<Inner>>();
+//! serves::<http::Request<axum::body::Body>, Admission<Inner>>();
 //! ```
 //!
 //! Those inner layers are written as a [`Middleware`]: one async function from the ready
 //! inner service and the request to the response. [`Stack`] is the one tower adapter
 //! around all of them (readiness, the clone-and-swap, boxing the future).
 
+pub mod admission;
 pub mod auth;
 pub mod context;
 pub mod deadline;
 pub mod edge;
 pub mod idempotency;
-pub mod limits;
 pub mod meter;
 pub mod owners;
 pub mod recovery;
 pub mod respond;
-pub mod session_guard;
 pub mod trace;
 pub mod validate;
 mod validate_stream;

@@ -230,6 +230,17 @@ pub fn estimate_prompt_tokens(body_len: usize) -> u64 {
     (body_len as u64).div_ceil(4).max(1)
 }
 
+/// A session as the settle of its last call left it in the shared state (one round
+/// trip): what it has spent and holds reserved, and the version its guard's shared
+/// state is at. The request that settled needs no other read to learn what the session
+/// has left.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SessionSeen {
+    pub settled: Usage,
+    pub reserved: Usage,
+    pub guard_version: u64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -309,6 +309,11 @@ impl SessionGuard {
         (total - base).max(0.0)
     }
 
+    /// The session's spend at its latest sample (any replica's, in replica mode).
+    pub fn last_spend(&self) -> Option<f64> {
+        self.spend.back().map(|(_, usd)| *usd)
+    }
+
     /// Admits a request or refuses it; may trip the session. `session_usd` is the
     /// session's settled spend so far. Returns the state change, if any, for logging.
     pub fn admit(

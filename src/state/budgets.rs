@@ -38,7 +38,10 @@ use crate::{
     state::{
         live::{LiveSessions, SessionKey},
         reservation::Reservation,
-        shared::{Admission, AdmitError, SharedBudgets, SharedSlot, Unavailable},
+        shared::{
+            Admission, AdmitError, Gate, GateReply, GuardWrite, SharedBudgets, SharedSlot,
+            Unavailable,
+        },
     },
     store::{ReservationRecord, Store, StoreError},
 };
@@ -334,27 +337,101 @@ impl Budgets {
         Ok(())
     }
 
-    /// Rate limits (tenant, then session) for one client request.
+    /// Rate limits (tenant, then session) for one client request, alone (the admin
+    /// API's self-service reads); [`Budgets::gate`] is the proxy's.
     pub async fn check_rate(&self, tenant: &str, session: Option<&str>) -> Result<(), Refusal> {
+        match self.gate(tenant, session, None).await? {
+            Gated::Passed { .. } | Gated::Moved(..) => Ok(()),
+        }
+    }
+
+    /// What one client request asks of the limits before it runs: the tenant's and the
+    /// session's request rates, then one of the session's `max_concurrent` slots. In
+    /// replica mode the session guard's write-back (`guard`) goes in the same round trip
+    /// ([`SharedBudgets::gate`]): written only if the request passes the limits, and
+    /// handed back as [`Gated::Moved`] (nothing spent) when another replica wrote the
+    /// guard's state first. Redis unreachable: the rates fall back to this replica's
+    /// limiters, the slot follows `on_unavailable`, and the guard decides alone.
+    pub async fn gate(
+        &self,
+        tenant: &str,
+        session: Option<&str>,
+        guard: Option<GuardWrite>,
+    ) -> Result<Gated, Refusal> {
         let Some(book) = self.tenant(tenant) else {
-            return Ok(());
+            return Ok(Gated::Passed {
+                slot: None,
+                guard_version: None,
+            });
         };
-        if let Some(shared) = &self.shared {
-            let (rpm, session_rpm) = book.rpm;
-            if rpm.is_some() || (session.is_some() && session_rpm.is_some()) {
-                match shared.rate(tenant, session, rpm, session_rpm).await {
-                    Ok(None) => return Ok(()),
-                    Ok(Some((scope, retry_after))) => {
-                        return Err(Refusal::RateLimited { scope, retry_after })
-                    }
-                    // Rate limits fall back to this replica's share of the limit.
-                    Err(_) => {
-                        metrics::counter!("backstop_state_fallbacks_total", "op" => "rate_local")
-                            .increment(1)
-                    }
+        let (rpm, session_rpm) = book.rpm;
+        let max_concurrent = session.and(book.max_concurrent);
+        let asks = rpm.is_some()
+            || (session.is_some() && session_rpm.is_some())
+            || max_concurrent.is_some()
+            || guard.is_some();
+        let mut shared_err = None;
+        if let (Some(shared), true) = (&self.shared, asks) {
+            let ask = Gate {
+                tenant,
+                session,
+                tenant_rpm: rpm,
+                session_rpm,
+                max_concurrent,
+                guard,
+            };
+            match shared.gate(ask).await {
+                Ok(GateReply::Passed {
+                    slot,
+                    guard_version,
+                }) => {
+                    return Ok(Gated::Passed {
+                        slot: slot.map(ConcurrencySlot::Shared),
+                        guard_version,
+                    })
+                }
+                Ok(GateReply::Moved(version, state)) => return Ok(Gated::Moved(version, state)),
+                Ok(GateReply::RateLimited { scope, retry_after }) => {
+                    return Err(Refusal::RateLimited { scope, retry_after })
+                }
+                Ok(GateReply::Busy { limit }) => return Err(Refusal::TooManyConcurrent { limit }),
+                Err(err) => {
+                    metrics::counter!("backstop_state_fallbacks_total", "op" => "rate_local")
+                        .increment(1);
+                    shared_err = Some(err);
                 }
             }
         }
+        self.check_rate_here(book, session)?;
+        let slot = match (session, max_concurrent) {
+            (Some(session), Some(limit)) => {
+                if let Some(refusal) =
+                    shared_err.and_then(|err| self.unavailable(err, "concurrency"))
+                {
+                    return Err(refusal);
+                }
+                let live = self.session(&book.name, session).await?;
+                let admitted = live
+                    .in_flight
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                        (n < limit).then_some(n + 1)
+                    })
+                    .is_ok();
+                if !admitted {
+                    return Err(Refusal::TooManyConcurrent { limit });
+                }
+                Some(ConcurrencySlot::Local(live))
+            }
+            _ => None,
+        };
+        Ok(Gated::Passed {
+            slot,
+            guard_version: None,
+        })
+    }
+
+    /// This replica's own rate limiters (embedded mode, or Redis unreachable).
+    fn check_rate_here(&self, book: &TenantBook, session: Option<&str>) -> Result<(), Refusal> {
         let now = governor::clock::Clock::now(&self.clock);
         if let Some(limiter) = &book.rate {
             limiter.check().map_err(|not_until| Refusal::RateLimited {
@@ -371,43 +448,6 @@ impl Budgets {
                 })?;
         }
         Ok(())
-    }
-
-    /// Admits one more in-flight request for the session, up to `max_concurrent`.
-    pub async fn enter(
-        &self,
-        tenant: &str,
-        session: &str,
-    ) -> Result<Option<ConcurrencySlot>, Refusal> {
-        let Some(book) = self.tenant(tenant) else {
-            return Ok(None);
-        };
-        let Some(limit) = book.max_concurrent else {
-            return Ok(None);
-        };
-        if let Some(shared) = &self.shared {
-            match shared.enter(tenant, session, limit).await {
-                Ok(Some(slot)) => return Ok(Some(ConcurrencySlot::Shared(slot))),
-                Ok(None) => return Err(Refusal::TooManyConcurrent { limit }),
-                Err(err) => {
-                    if let Some(refusal) = self.unavailable(err, "concurrency") {
-                        return Err(refusal);
-                    }
-                }
-            }
-        }
-        let live = self.session(&book.name, session).await?;
-        let admitted = live
-            .in_flight
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < limit).then_some(n + 1)
-            })
-            .is_ok();
-        if admitted {
-            Ok(Some(ConcurrencySlot::Local(live)))
-        } else {
-            Err(Refusal::TooManyConcurrent { limit })
-        }
     }
 
     /// Reserves one upstream call's worst case against the session and the tenant's
@@ -644,6 +684,19 @@ impl Budgets {
     }
 }
 
+/// What the limits decided for a request they let through ([`Budgets::gate`]).
+pub enum Gated {
+    /// Admitted; the guard's state was written at `guard_version` (`None`: not written,
+    /// this replica's guard decided alone).
+    Passed {
+        slot: Option<ConcurrencySlot>,
+        guard_version: Option<u64>,
+    },
+    /// Another replica wrote the guard's state first (its version and state): nothing
+    /// was spent or written; decide the request again on it.
+    Moved(u64, String),
+}
+
 /// One in-flight request of a session (its place under `session.max_concurrent`);
 /// dropping it frees the slot.
 pub enum ConcurrencySlot {
@@ -667,6 +720,18 @@ mod tests {
         state::reservation::Outcome,
         store::{Charge, SqliteStore},
     };
+
+    /// A session concurrency slot alone, as the admission layer takes it.
+    async fn enter(
+        b: &Budgets,
+        tenant: &str,
+        session: &str,
+    ) -> Result<Option<ConcurrencySlot>, Refusal> {
+        match b.gate(tenant, Some(session), None).await? {
+            Gated::Passed { slot, .. } => Ok(slot),
+            Gated::Moved(..) => unreachable!("no guard write was asked for"),
+        }
+    }
 
     fn budgets(tenant_extra: &str) -> Arc<Budgets> {
         budgets_on(
@@ -818,14 +883,14 @@ mod tests {
             SqliteStore::open(":memory:").unwrap(),
             Duration::from_nanos(1),
         );
-        let slot = b.enter("t", "s").await.unwrap();
+        let slot = enter(&b, "t", "s").await.unwrap();
         let first = b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap();
         // moka's idle clock is its own, not tokio's: evict as `session_idle` would.
         b.sessions.evict_all();
         b.forget_idle_limiters();
         assert!(
             matches!(
-                b.enter("t", "s").await,
+                enter(&b, "t", "s").await,
                 Err(Refusal::TooManyConcurrent { limit: 1 })
             ),
             "the in-flight slot survived the eviction"
@@ -844,7 +909,7 @@ mod tests {
         let report = b.session_report("t", "s").await.unwrap().unwrap();
         assert_eq!(report["used"]["calls"], 2);
         assert_eq!(report["in_flight"], 0);
-        assert!(b.enter("t", "s").await.unwrap().is_some());
+        assert!(enter(&b, "t", "s").await.unwrap().is_some());
     }
 
     #[tokio::test]

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 
 use super::budgets::{lock, Budgets, TenantBook};
 use crate::{
-    policy::budget::{Account, Usd},
+    policy::budget::{Account, SessionSeen, Usd},
     store::StoreError,
 };
 
@@ -40,12 +40,28 @@ impl Budgets {
 
     /// What a session has left, formatted for `x-backstop-budget-remaining`; `None` when
     /// the session is not budgeted.
-    pub async fn remaining_header(&self, tenant: &str, session: &str) -> Option<String> {
+    pub async fn remaining_header(
+        &self,
+        tenant: &str,
+        session: &str,
+        seen: Option<SessionSeen>,
+    ) -> Option<String> {
         let book = self.tenant(tenant)?;
         if book.session_limits.is_unlimited() {
             return None;
         }
-        let account = self.session_account(book, session).await.ok()?.0;
+        let account = match (seen, &self.shared) {
+            // What the settle of the request's last call saw: no read of its own.
+            (Some(seen), Some(_)) => Account {
+                settled: seen.settled,
+                reserved: seen.reserved,
+            },
+            (_, Some(shared)) => {
+                let (settled, reserved) = shared.session_usage(&book.name, session).await.ok()?;
+                Account { settled, reserved }
+            }
+            (_, None) => lock(&self.session(&book.name, session).await.ok()?.account).clone(),
+        };
         let (calls, tokens, usd) = account.remaining(&book.session_limits);
         let mut parts = Vec::new();
         if let Some(c) = calls {

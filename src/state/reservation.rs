@@ -4,12 +4,14 @@
 
 use std::sync::Arc;
 
+use futures_util::FutureExt;
+
 use super::{
     budgets::{lock, Budgets, SessionBook, TenantBook},
     shared::{SharedCharge, SharedReservation},
 };
 use crate::{
-    policy::budget::{sane_usd, Usage},
+    policy::budget::{sane_usd, SessionSeen, Usage},
     store::Charge,
 };
 
@@ -30,6 +32,14 @@ pub enum Outcome {
     /// Usage without a count the endpoint defines (`usage: {}`, `total_tokens` alone,
     /// another API's names): charged the reservation, logged and counted.
     Missing,
+}
+
+/// What a settle charged, and the session as the shared state holds it after.
+#[derive(Debug, Clone, Copy)]
+pub struct Settlement {
+    pub usd: f64,
+    /// Replica mode, a session's call: the session after this settle.
+    pub seen: Option<SessionSeen>,
 }
 
 /// A reserved upstream call. Settle it with how the call ended; dropped unsettled, it is
@@ -156,11 +166,16 @@ impl Reservation {
 
     /// Settles with how the call ended and waits until the ledger has it. If the ledger
     /// write fails, the durable reservation stays and counts in full after a restart.
-    pub async fn settle(mut self, outcome: Outcome) {
+    /// Returns what was charged and, settled in Redis, what the session holds now (read
+    /// by the same round trip).
+    pub async fn settle(mut self, outcome: Outcome) -> Settlement {
         let (charge, actual) = self.charge_for(outcome);
         self.apply(actual);
         if let Some(held) = self.shared.take() {
-            return settle_shared(self.budgets.clone(), held, charge).await;
+            return Settlement {
+                usd: actual.usd,
+                seen: settle_shared(self.budgets.clone(), held, charge).await,
+            };
         }
         if let Err(err) = self.budgets.store.settle(self.durable, charge).await {
             tracing::error!(
@@ -170,6 +185,10 @@ impl Reservation {
                 error = %err,
                 "cannot record a charge in the ledger"
             );
+        }
+        Settlement {
+            usd: actual.usd,
+            seen: None,
         }
     }
 
@@ -184,7 +203,7 @@ impl Reservation {
         match self.shared.take() {
             Some(held) => {
                 if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                    rt.spawn(settle_shared(self.budgets.clone(), held, charge));
+                    rt.spawn(settle_shared(self.budgets.clone(), held, charge).map(drop));
                 }
             }
             None => self.budgets.store.settle_later(self.durable, charge),
@@ -196,10 +215,12 @@ impl Reservation {
 /// script error), the settle is kept in the replica's store and replayed until Redis
 /// takes it ([`super::shared::SharedBudgets::spawn_replayer`]); settling is idempotent per reservation,
 /// so a replay never charges twice.
-async fn settle_shared(budgets: Arc<Budgets>, held: SharedReservation, charge: Charge) {
-    let Some(shared) = budgets.shared.as_ref() else {
-        return;
-    };
+async fn settle_shared(
+    budgets: Arc<Budgets>,
+    held: SharedReservation,
+    charge: Charge,
+) -> Option<SessionSeen> {
+    let shared = budgets.shared.as_ref()?;
     let settle = shared.settle_of(
         &held,
         SharedCharge {
@@ -211,10 +232,14 @@ async fn settle_shared(budgets: Arc<Budgets>, held: SharedReservation, charge: C
             ts_ms: charge.ts_ms,
         },
     );
-    if let Err(err) = shared.settle(&settle).await {
-        shared
-            .keep(budgets.store(), settle, err, budgets.clock.now_ms())
-            .await;
+    match shared.settle(&settle).await {
+        Ok((_, seen)) => seen,
+        Err(err) => {
+            shared
+                .keep(budgets.store(), settle, err, budgets.clock.now_ms())
+                .await;
+            None
+        }
     }
 }
 

@@ -64,11 +64,28 @@ impl TraceEntry {
     }
 }
 
+/// How a guard's write-back went ([`SessionGuards::update_with`]), with what the saver
+/// decided besides (`T`).
+pub enum Saving<T> {
+    /// Written; the shared state is at this version now.
+    Saved(u64, T),
+    /// Another replica wrote first: its version and state (nothing was written).
+    Moved(u64, String),
+    /// Not written, and what the update did is undone: the request was refused before
+    /// the guard counted it.
+    Undone(T),
+    /// Not written (unreachable, or not shared): this replica's guard decided.
+    Local(T),
+}
+
 pub struct GuardedSession {
     pub guard: SessionGuard,
     trace: VecDeque<TraceEntry>,
     /// The shared state's version `guard` is at (replicas sharing a store).
     version: u64,
+    /// The session's settled spend as this replica last saw it (the settle of its last
+    /// call here), for the guard's spend samples without a read of its own.
+    pub seen_usd: f64,
     /// One shared-state update of this session at a time from this replica, so races
     /// (and their retries) are only ever between replicas.
     updating: Arc<tokio::sync::Mutex<()>>,
@@ -77,6 +94,11 @@ pub struct GuardedSession {
 }
 
 impl GuardedSession {
+    /// The shared state's version this replica's guard is at.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
     pub fn trace(&mut self, item: TraceEntry) {
         if self.trace.len() == TRACE_LEN {
             self.trace.pop_front();
@@ -211,72 +233,188 @@ impl SessionGuards {
         entry: &Mutex<GuardedSession>,
         f: impl Fn(&mut SessionGuard, Instant) -> R,
     ) -> Result<R, UnknownFormat> {
-        self.apply(tenant, session, entry, f, false).await
+        let save = |write: Option<(u64, String)>| self.save_window(tenant, session, write);
+        Ok(self.apply(tenant, session, entry, f, save, false).await?.0)
     }
 
-    /// [`SessionGuards::update`], or, with `replace` (an operator's close or reset, which
-    /// replaces the state), over shared state this build cannot read as well.
-    async fn apply<R>(
+    /// [`SessionGuards::update`], with the write-back done by `save` (with the version
+    /// the shared state must be at and the new state; `None` when races went on: write
+    /// nothing), which may decide more in the same round trip (the request's limits) and
+    /// may undo what `f` did ([`Saving::Undone`]). Without shared state, `f` runs alone
+    /// and `save` is not called.
+    pub async fn update_with<R, T, Fut>(
         &self,
         tenant: &Arc<str>,
         session: &str,
         entry: &Mutex<GuardedSession>,
         f: impl Fn(&mut SessionGuard, Instant) -> R,
-        replace: bool,
-    ) -> Result<R, UnknownFormat> {
-        if let (true, Some(config)) = (self.store.is_shared(), self.configs.get(&**tenant)) {
-            let ttl = u64::try_from(self.idle.as_millis()).unwrap_or(u64::MAX);
-            let turn = lock(entry).updating.clone();
-            let _turn = turn.lock().await;
-            // Optimistic: this replica's guard is assumed current; if another replica
-            // wrote since, the save hands back its state, which is loaded and redone.
-            let mut newer: Option<(u64, String)> = None;
-            for _ in 0..MAX_RACES {
-                let (result, snapshot, version) = {
-                    let mut e = lock(entry);
-                    let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
-                    if let Some((version, state)) = newer.take() {
-                        let shared = if state.is_empty() {
-                            // Nothing shared (expired, or Redis emptied): a fresh guard.
-                            Ok(SessionGuard::new(config.clone()))
-                        } else {
-                            format::decode_snapshot(&state).map(|snap| {
-                                SessionGuard::from_snapshot(config.clone(), snap, now, now_ms)
-                            })
-                        };
-                        match shared {
-                            Ok(guard) => e.guard = guard,
-                            // Not read as anything: refused, or replaced whole.
-                            Err(unknown) => {
-                                unknown.report(&format!("{tenant}/{session}"));
-                                if !replace {
-                                    return Err(unknown);
-                                }
-                            }
-                        }
-                        e.version = version;
-                    }
-                    let result = f(&mut e.guard, now);
-                    let snapshot = format::encode_snapshot(&e.guard.snapshot(now, now_ms));
-                    (result, snapshot, e.version)
-                };
-                match self
-                    .store
-                    .save_guard_window(tenant, session, version, snapshot, ttl)
-                    .await
-                {
-                    Ok(Some(WindowSave::Saved(saved))) => {
-                        lock(entry).version = saved;
-                        return Ok(result);
-                    }
-                    Ok(Some(WindowSave::Moved(version, state))) => newer = Some((version, state)),
-                    // Unreachable, or not shared after all: this replica's guard decided.
-                    Ok(None) | Err(_) => return Ok(result),
+        save: impl Fn(Option<(u64, String)>) -> Fut,
+    ) -> Result<(R, Option<T>), UnknownFormat>
+    where
+        Fut: std::future::Future<Output = Saving<T>>,
+    {
+        self.apply(tenant, session, entry, f, save, false).await
+    }
+
+    /// Records how an admitted request ended ([`SessionGuard::record`]). In replica
+    /// mode the write-back is skipped when it would change nothing: the settle of the
+    /// request's last call saw the shared state still at this replica's version
+    /// (`seen_version`), and recording the outcome leaves the guard as it was (a success
+    /// of an active session, the common case).
+    pub async fn record(
+        &self,
+        tenant: &Arc<str>,
+        session: &str,
+        entry: &Mutex<GuardedSession>,
+        failed: bool,
+        seen_version: Option<u64>,
+    ) -> Result<Option<crate::policy::guard::Transition>, UnknownFormat> {
+        if self.shares(tenant) {
+            let e = lock(entry);
+            if seen_version == Some(e.version) {
+                let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
+                let before = e.guard.snapshot(now, now_ms);
+                let mut after = e.guard.clone();
+                let change = after.record(now, failed);
+                if change.is_none() && after.snapshot(now, now_ms) == before {
+                    return Ok(None);
                 }
             }
         }
+        self.update(tenant, session, entry, |guard, now| {
+            guard.record(now, failed)
+        })
+        .await
+    }
+
+    /// Whether the tenant's guard watches the session's spend (`max_usd_per_minute`),
+    /// for which a request needs the session's spend read before it is admitted.
+    pub fn watches_spend(&self, tenant: &str) -> bool {
+        self.configs
+            .get(tenant)
+            .is_some_and(|c| c.max_usd_per_minute.is_some())
+    }
+
+    /// Whether this tenant's guards share their state with other replicas.
+    pub fn shares(&self, tenant: &str) -> bool {
+        self.store.is_shared() && self.configs.contains_key(tenant)
+    }
+
+    /// The store's compare-and-set of the guard's shared state.
+    async fn save_window(
+        &self,
+        tenant: &str,
+        session: &str,
+        write: Option<(u64, String)>,
+    ) -> Saving<()> {
+        let Some((version, snapshot)) = write else {
+            return Saving::Local(());
+        };
+        let ttl = u64::try_from(self.idle.as_millis()).unwrap_or(u64::MAX);
+        match self
+            .store
+            .save_guard_window(tenant, session, version, snapshot, ttl)
+            .await
+        {
+            Ok(Some(WindowSave::Saved(saved))) => Saving::Saved(saved, ()),
+            Ok(Some(WindowSave::Moved(version, state))) => Saving::Moved(version, state),
+            // Unreachable, or not shared after all: this replica's guard decided.
+            Ok(None) | Err(_) => Saving::Local(()),
+        }
+    }
+
+    /// How long a guard's shared state outlives its last use.
+    pub fn shared_ttl_ms(&self) -> u64 {
+        u64::try_from(self.idle.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// [`SessionGuards::update_with`], or, with `replace` (an operator's close or reset,
+    /// which replaces the state), over shared state this build cannot read as well.
+    async fn apply<R, T, Fut>(
+        &self,
+        tenant: &Arc<str>,
+        session: &str,
+        entry: &Mutex<GuardedSession>,
+        f: impl Fn(&mut SessionGuard, Instant) -> R,
+        save: impl Fn(Option<(u64, String)>) -> Fut,
+        replace: bool,
+    ) -> Result<(R, Option<T>), UnknownFormat>
+    where
+        Fut: std::future::Future<Output = Saving<T>>,
+    {
+        let Some(config) = self
+            .configs
+            .get(&**tenant)
+            .filter(|_| self.store.is_shared())
+        else {
+            let mut e = lock(entry);
+            return Ok((f(&mut e.guard, self.clock.now()), None));
+        };
+        let turn = lock(entry).updating.clone();
+        let _turn = turn.lock().await;
+        // Optimistic: this replica's guard is assumed current; if another replica
+        // wrote since, the save hands back its state, which is loaded and redone.
+        let mut newer: Option<(u64, String)> = None;
+        for _ in 0..MAX_RACES {
+            let (result, before, snapshot, version) = {
+                let mut e = lock(entry);
+                let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
+                if let Some((version, state)) = newer.take() {
+                    let shared = if state.is_empty() {
+                        // Nothing shared (expired, or Redis emptied): a fresh guard.
+                        Ok(SessionGuard::new(config.clone()))
+                    } else {
+                        format::decode_snapshot(&state).map(|snap| {
+                            SessionGuard::from_snapshot(config.clone(), snap, now, now_ms)
+                        })
+                    };
+                    match shared {
+                        Ok(guard) => e.guard = guard,
+                        // Not read as anything: refused, or replaced whole.
+                        Err(unknown) => {
+                            unknown.report(&format!("{tenant}/{session}"));
+                            if !replace {
+                                return Err(unknown);
+                            }
+                        }
+                    }
+                    e.version = version;
+                }
+                let before = e.guard.clone();
+                let result = f(&mut e.guard, now);
+                let snapshot = format::encode_snapshot(&e.guard.snapshot(now, now_ms));
+                (result, before, snapshot, e.version)
+            };
+            match save(Some((version, snapshot))).await {
+                Saving::Saved(saved, t) => {
+                    lock(entry).version = saved;
+                    return Ok((result, Some(t)));
+                }
+                Saving::Moved(version, state) => {
+                    // Undone here; done again on the state that won.
+                    lock(entry).guard = before;
+                    newer = Some((version, state));
+                }
+                Saving::Undone(t) => {
+                    lock(entry).guard = before;
+                    return Ok((result, Some(t)));
+                }
+                Saving::Local(t) => return Ok((result, Some(t))),
+            }
+        }
+        // Races went on: this replica's guard decides, and nothing is written.
+        let t = save(None).await;
         let mut e = lock(entry);
-        Ok(f(&mut e.guard, self.clock.now()))
+        let before = e.guard.clone();
+        let result = f(&mut e.guard, self.clock.now());
+        match t {
+            Saving::Undone(t) => {
+                e.guard = before;
+                Ok((result, Some(t)))
+            }
+            Saving::Saved(_, t) | Saving::Local(t) => Ok((result, Some(t))),
+            Saving::Moved(..) => Ok((result, None)),
+        }
     }
 
     /// The session's guard, created on first use (with what the store kept of it);
@@ -318,6 +456,7 @@ impl SessionGuards {
                     guard,
                     trace: VecDeque::with_capacity(1),
                     version: 0,
+                    seen_usd: 0.0,
                     updating: Arc::default(),
                     generation: self.generation,
                 }))
@@ -403,10 +542,17 @@ impl SessionGuards {
         };
         self.persist(&tenant, session, Some(Kept::Closed)).await?;
         let change = self
-            .apply(&tenant, session, &entry, |guard, _| guard.close(), true)
+            .apply(
+                &tenant,
+                session,
+                &entry,
+                |guard, _| guard.close(),
+                |write| self.save_window(&tenant, session, write),
+                true,
+            )
             .await
             .ok()
-            .flatten();
+            .and_then(|(change, _)| change);
         if let Some((from, to)) = change {
             tracing::warn!(%tenant, session, from = from.label(), to = to.label(), "session closed by an operator");
         }
@@ -420,7 +566,14 @@ impl SessionGuards {
             self.persist(&tenant, session, None).await?;
             // With `replace`, never refused.
             let _ = self
-                .apply(&tenant, session, &entry, |guard, _| guard.reset(), true)
+                .apply(
+                    &tenant,
+                    session,
+                    &entry,
+                    |guard, _| guard.reset(),
+                    |write| self.save_window(&tenant, session, write),
+                    true,
+                )
                 .await;
         }
         Ok(())

@@ -33,7 +33,7 @@ use redis::Script;
 
 pub use crate::store::connection::{Redis, Unavailable};
 use crate::{
-    policy::budget::{CapNames, Caps, Exceeded, Usage},
+    policy::budget::{CapNames, Caps, Exceeded, SessionSeen, Usage},
     store::{connection::ms, QueuedSettle, Store},
 };
 
@@ -267,15 +267,18 @@ return {'ok', tostring(unknown)}
 /// Its lease expired first (charged its reserved amount then): charges the difference,
 /// so the total is the actual usage, never more. Neither: it was settled already (a
 /// replay), nothing changes. Appends the charge (or the correction) to the spend stream.
-/// Replies 1 = settled now, 2 = corrected, 0 = settled already.
+/// Replies `{1}` = settled now, `{2}` = corrected, `{0}` = settled already; with a
+/// session, 1 and 2 are followed by what the session holds now (settled calls, tokens,
+/// micro-dollars, then reserved) and its guard state's version, so the request that
+/// settles needs no other round trip to learn what the session has left.
 ///
 /// KEYS: reservations, reservation records, day, session, lease-expired charges, their
-/// times, spend stream.
+/// times, spend stream, the session's guard window.
 const SETTLE: &str = r#"
 local id = ARGV[1]
 local rec = redis.call('HGET', KEYS[2], id)
 local expired = redis.call('HGET', KEYS[5], id)
-if not rec and not expired then return 0 end
+if not rec and not expired then return {'0'} end
 redis.call('ZREM', KEYS[1], id)
 local fields = {'calls', 'tokens', 'usd'}
 local amounts = {ARGV[2], ARGV[3], ARGV[4]}
@@ -311,14 +314,40 @@ redis.call('XADD', KEYS[7], 'MAXLEN', '~', 1000000, '*',
   'reservation', id, 'session', ARGV[7], 'model', ARGV[8], 'calls', amounts[1],
   'input_tokens', input, 'output_tokens', ARGV[10], 'usd_micro', amounts[3],
   'ts_ms', ARGV[11], 'kind', kind)
-return reply
+if ARGV[5] ~= '1' then return {tostring(reply)} end
+local u = redis.call('HMGET', KEYS[4], 'calls', 'tokens', 'usd', 'rcalls', 'rtokens', 'rusd')
+local out = {tostring(reply)}
+for i = 1, 6 do out[i + 1] = u[i] or '0' end
+out[8] = redis.call('HGET', KEYS[8], 'v') or '0'
+return out
 "#;
 
-/// GCRA over the tenant's and the session's limiters, both or neither: `{"ok"}` or
-/// `{scope, wait_us}`. Times in microseconds on the server's clock.
-const RATE: &str = r#"
+/// What a client request asks of the shared state before it runs, in one script: the
+/// tenant's and the session's rate limiters (GCRA, both or neither), a session
+/// concurrency slot, and the session guard's compare-and-set write-back. In that order,
+/// as the layers decided them one by one: a rate refusal writes nothing; a session at
+/// its concurrency limit spends its rate but writes no guard state; a guard that refuses
+/// takes no slot. A guard state written meanwhile by another replica is handed back
+/// before anything is written, so the request is decided again on it.
+///
+/// Replies `{"ok", guard_version}`, `{"moved", version, state}`, `{"busy"}` or
+/// `{scope, wait_us}` (scope `tenant` or `session`). Times on the server's clock.
+///
+/// KEYS: tenant rate, session rate, concurrency slots, guard window.
+/// ARGV: tenant interval and burst, session interval and burst (interval 0: no limit),
+/// concurrency limit (0: none), slot lease (ms), slot id, guard version ('' writes no
+/// guard state), guard state, its expiry (ms), '1' when the guard refuses.
+const GATE: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now_ms = math.floor(now / 1000)
+local guarded = ARGV[8] ~= ''
+local v = 0
+if guarded then
+  local cur = redis.call('HMGET', KEYS[4], 'v', 'state')
+  v = tonumber(cur[1] or '0')
+  if v ~= tonumber(ARGV[8]) then return {'moved', tostring(v), cur[2] or ''} end
+end
 local function probe(key, interval, burst)
   if interval <= 0 then return nil, 0 end
   local tat = tonumber(redis.call('GET', key) or now)
@@ -334,18 +363,19 @@ local sn, sw = probe(KEYS[2], tonumber(ARGV[3]), tonumber(ARGV[4]))
 if sw > 0 then return {'session', tostring(sw)} end
 if tn then redis.call('SET', KEYS[1], string.format('%.0f', tn), 'PX', math.ceil((tn - now) / 1000) + 1000) end
 if sn then redis.call('SET', KEYS[2], string.format('%.0f', sn), 'PX', math.ceil((sn - now) / 1000) + 1000) end
-return {'ok'}
-"#;
-
-/// A session concurrency slot: 1 = taken, 0 = the session is at its limit.
-const ENTER: &str = r#"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
-return 1
+local limit = tonumber(ARGV[5])
+if limit > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
+  if redis.call('ZCARD', KEYS[3]) >= limit then return {'busy'} end
+  if ARGV[11] ~= '1' then
+    redis.call('ZADD', KEYS[3], now_ms + tonumber(ARGV[6]), ARGV[7])
+    redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[6]))
+  end
+end
+if not guarded then return {'ok', ''} end
+redis.call('HSET', KEYS[4], 'v', v + 1, 'state', ARGV[9])
+redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[10]))
+return {'ok', tostring(v + 1)}
 "#;
 
 /// Pushes the expiry of held members (reservations, slots) of one sorted set.
@@ -375,6 +405,46 @@ pub struct Admission<'a> {
     pub day_names: CapNames,
 }
 
+/// What one client request asks of [`SharedBudgets::gate`] before it runs.
+pub struct Gate<'a> {
+    pub tenant: &'a str,
+    pub session: Option<&'a str>,
+    pub tenant_rpm: Option<u32>,
+    pub session_rpm: Option<u32>,
+    /// The session's concurrency limit (ignored without a session).
+    pub max_concurrent: Option<u32>,
+    /// The session guard's state after admitting this request, written if the guard's
+    /// shared state is still at `version`.
+    pub guard: Option<GuardWrite>,
+}
+
+/// A session guard's compare-and-set write-back.
+pub struct GuardWrite {
+    pub version: u64,
+    pub state: String,
+    pub ttl_ms: u64,
+    /// The guard refuses this request: no concurrency slot is taken.
+    pub refuses: bool,
+}
+
+/// How [`SharedBudgets::gate`] decided.
+pub enum GateReply {
+    /// Admitted by the limits (the guard's state, if any, is written at `guard_version`).
+    Passed {
+        slot: Option<SharedSlot>,
+        guard_version: Option<u64>,
+    },
+    RateLimited {
+        scope: &'static str,
+        retry_after: Duration,
+    },
+    /// The session is at its concurrency limit.
+    Busy { limit: u32 },
+    /// Another replica wrote the guard's state first: its version and state. Nothing
+    /// was written.
+    Moved(u64, String),
+}
+
 /// Why an admission was refused.
 pub enum AdmitError {
     Over(Exceeded),
@@ -386,8 +456,7 @@ pub struct SharedBudgets {
     pub redis: Arc<Redis>,
     admit: Script,
     settle: Script,
-    rate: Script,
-    enter: Script,
+    gate: Script,
     renew: Script,
     /// Sorted-set key → members held by this replica.
     held: Mutex<HashMap<String, HashSet<String>>>,
@@ -405,8 +474,7 @@ impl SharedBudgets {
             redis,
             admit: Script::new(&format!("{COMMON}{ADMIT}")),
             settle: Script::new(&format!("{COMMON}{SETTLE}")),
-            rate: Script::new(RATE),
-            enter: Script::new(ENTER),
+            gate: Script::new(GATE),
             renew: Script::new(RENEW),
             held: Mutex::default(),
             session_ttl_s: session_retention.as_secs().max(60),
@@ -586,7 +654,10 @@ impl SharedBudgets {
 
     /// Settles a reservation with the actual usage: once, however often it is called
     /// (a replay of a settle that did reach Redis changes nothing).
-    pub async fn settle(&self, s: &SharedSettle) -> Result<Settled, Unavailable> {
+    pub async fn settle(
+        &self,
+        s: &SharedSettle,
+    ) -> Result<(Settled, Option<SessionSeen>), Unavailable> {
         let tenant = s.tenant.as_str();
         let set = self.redis.key(tenant, "reservations");
         self.unhold(&set, &s.reservation);
@@ -599,6 +670,10 @@ impl SharedBudgets {
             .key(self.redis.key(tenant, "lease-expired"))
             .key(self.redis.key(tenant, "lease-expired-at"))
             .key(self.redis.key(tenant, "spend"))
+            .key(self.redis.key(
+                tenant,
+                &format!("guard-window:{}", s.session.as_deref().unwrap_or("")),
+            ))
             .arg(&s.reservation)
             .arg(1)
             .arg(tokens)
@@ -610,18 +685,39 @@ impl SharedBudgets {
             .arg(amount(s.input_tokens))
             .arg(amount(s.output_tokens))
             .arg(s.ts_ms);
-        let reply: i64 = self
+        let reply: Vec<String> = self
             .redis
             .run(
                 "settle",
                 |mut c| async move { inv.invoke_async(&mut c).await },
             )
             .await?;
-        Ok(match reply {
-            1 => Settled::Now,
-            2 => Settled::Corrected,
+        let n = |i: usize| {
+            reply
+                .get(i)
+                .and_then(|v| v.parse::<i64>().ok())
+                .unwrap_or(0)
+                .max(0) as u64
+        };
+        let how = match reply.first().map(String::as_str) {
+            Some("1") => Settled::Now,
+            Some("2") => Settled::Corrected,
             _ => Settled::Already,
-        })
+        };
+        let seen = (reply.len() >= 8).then(|| SessionSeen {
+            settled: Usage {
+                calls: n(1),
+                tokens: n(2),
+                usd: n(3) as f64 / 1e6,
+            },
+            reserved: Usage {
+                calls: n(4),
+                tokens: n(5),
+                usd: n(6) as f64 / 1e6,
+            },
+            guard_version: n(7),
+        });
+        Ok((how, seen))
     }
 
     /// Keeps a settle Redis could not take in the replica's store, for the replayer.
@@ -711,7 +807,7 @@ impl SharedBudgets {
                 continue;
             };
             match self.settle(&settle).await {
-                Ok(how) => {
+                Ok((how, _)) => {
                     if let Err(err) = store.unqueue_settle(q.reservation.clone()).await {
                         // Replayed again later: idempotent.
                         tracing::warn!(error = %err, "cannot forget a replayed settle");
@@ -738,75 +834,78 @@ impl SharedBudgets {
         left
     }
 
-    /// The tenant's and the session's rate limiters (per minute), both or neither.
-    /// `Ok(None)`: admitted; `Ok(Some((scope, wait)))`: refused.
-    pub async fn rate(
-        &self,
-        tenant: &str,
-        session: Option<&str>,
-        tenant_rpm: Option<u32>,
-        session_rpm: Option<u32>,
-    ) -> Result<Option<(&'static str, Duration)>, Unavailable> {
+    /// Everything a client request asks of the shared state before it runs, in one
+    /// round trip ([`GATE`]): rate limits, a concurrency slot, the guard's write-back.
+    pub async fn gate(self: &Arc<Self>, ask: Gate<'_>) -> Result<GateReply, Unavailable> {
         let interval = |rpm: Option<u32>| rpm.map_or(0, |n| 60_000_000 / u64::from(n.max(1)));
         let burst = |rpm: Option<u32>| rpm.unwrap_or(0);
-        let session_rpm = session.and(session_rpm);
-        let mut inv = self.rate.prepare_invoke();
-        inv.key(self.redis.key(tenant, "rate"))
-            .key(
-                self.redis
-                    .key(tenant, &format!("rate:{}", session.unwrap_or(""))),
-            )
-            .arg(interval(tenant_rpm))
-            .arg(burst(tenant_rpm))
-            .arg(interval(session_rpm))
-            .arg(burst(session_rpm));
-        let reply: Vec<String> = self
-            .redis
-            .run(
-                "rate",
-                |mut c| async move { inv.invoke_async(&mut c).await },
-            )
-            .await?;
-        let wait = |v: Option<&String>| {
-            Duration::from_micros(v.and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0) as u64)
-        };
-        Ok(match reply.first().map(String::as_str) {
-            Some("tenant") => Some(("tenant.requests_per_minute", wait(reply.get(1)))),
-            Some("session") => Some(("session.requests_per_minute", wait(reply.get(1)))),
-            _ => None,
-        })
-    }
-
-    /// Takes one of the session's `limit` concurrency slots. `Ok(None)`: at the limit.
-    pub async fn enter(
-        self: &Arc<Self>,
-        tenant: &str,
-        session: &str,
-        limit: u32,
-    ) -> Result<Option<SharedSlot>, Unavailable> {
+        let (tenant, session) = (ask.tenant, ask.session.unwrap_or(""));
+        let session_rpm = ask.session.and(ask.session_rpm);
+        let limit = ask.session.and(ask.max_concurrent).unwrap_or(0);
         let set = self.redis.key(tenant, &format!("concurrent:{session}"));
         let id = uuid::Uuid::new_v4().simple().to_string();
-        let mut inv = self.enter.prepare_invoke();
-        inv.key(&set)
+        let mut inv = self.gate.prepare_invoke();
+        inv.key(self.redis.key(tenant, "rate"))
+            .key(self.redis.key(tenant, &format!("rate:{session}")))
+            .key(&set)
+            .key(self.redis.key(tenant, &format!("guard-window:{session}")))
+            .arg(interval(ask.tenant_rpm))
+            .arg(burst(ask.tenant_rpm))
+            .arg(interval(session_rpm))
+            .arg(burst(session_rpm))
             .arg(limit)
             .arg(ms(self.redis.reservation_ttl))
             .arg(&id);
-        let taken: i64 = self
+        match &ask.guard {
+            Some(g) => inv
+                .arg(g.version)
+                .arg(&g.state)
+                .arg(g.ttl_ms.max(1000))
+                .arg(if g.refuses { "1" } else { "0" }),
+            None => inv.arg("").arg("").arg(0).arg("0"),
+        };
+        let reply: Vec<String> = self
             .redis
             .run(
-                "enter",
+                "gate",
                 |mut c| async move { inv.invoke_async(&mut c).await },
             )
             .await?;
-        if taken == 0 {
-            return Ok(None);
-        }
-        self.hold(&set, &id);
-        Ok(Some(SharedSlot {
-            budgets: self.clone(),
-            set,
-            id,
-        }))
+        let num = |i: usize| reply.get(i).and_then(|v| v.parse::<f64>().ok());
+        Ok(match reply.first().map(String::as_str) {
+            Some("ok") => {
+                let refuses = ask.guard.as_ref().is_some_and(|g| g.refuses);
+                let slot = (limit > 0 && !refuses).then(|| {
+                    self.hold(&set, &id);
+                    SharedSlot {
+                        budgets: self.clone(),
+                        set,
+                        id,
+                    }
+                });
+                GateReply::Passed {
+                    slot,
+                    guard_version: num(1).map(|v| v as u64),
+                }
+            }
+            Some("moved") => GateReply::Moved(
+                num(1).map_or(0, |v| v as u64),
+                reply.get(2).cloned().unwrap_or_default(),
+            ),
+            Some("busy") => GateReply::Busy { limit },
+            Some(scope) => GateReply::RateLimited {
+                scope: if scope == "tenant" {
+                    "tenant.requests_per_minute"
+                } else {
+                    "session.requests_per_minute"
+                },
+                retry_after: Duration::from_micros(num(1).unwrap_or(0.0) as u64),
+            },
+            None => GateReply::Passed {
+                slot: None,
+                guard_version: None,
+            },
+        })
     }
 
     /// A session's settled and reserved usage (calls, tokens, USD).

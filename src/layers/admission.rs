@@ -1,0 +1,419 @@
+//! Admission layer (after idempotency, before validation): what a client request must
+//! pass before it runs, and what its session learns after.
+//!
+//! Before: the tenant's and the session's request rate (governor GCRA), the session's
+//! concurrent requests, and, for a guarded tenant's session, the session guard, which
+//! stops one agent's own loops that upstream breakers cannot see: it fingerprints the
+//! request and admits or refuses it ([`SessionGuard::admit`]). Refuses with 429
+//! `rate_limited` (Retry-After from the limiter's own wait), `too_many_concurrent`,
+//! `session_tripped` or `loop_detected` (Retry-After until the probe, and a message
+//! naming the rule and its evidence), before any upstream call.
+//!
+//! In replica mode all of that is one round trip to Redis ([`Budgets::gate`]): the
+//! limits and the guard's compare-and-set write-back in one script. After the call the
+//! settle of its last upstream call (the meter's one round trip) hands back what the
+//! session holds and its guard's version, so the remaining-budget header and the
+//! guard's record of a success need no other read or write; only a failure (which
+//! changes the guard) writes the guard again.
+//!
+//! The concurrency slot is held until the response body ends, so a stream counts while
+//! it streams. Every response of a guarded session carries `x-backstop-session-state`,
+//! and of a budgeted one `x-backstop-budget-remaining`. A trip is written to the store
+//! when it happens (and forgotten when the session is active again), so it outlives a
+//! restart or the session idling out of memory. A session whose kept or shared state
+//! this replica cannot read (a newer release's format) is refused with 503
+//! `state_unavailable`. Spend caps are per upstream call: see the meter layer.
+//!
+//! [`SessionGuard::admit`]: crate::policy::guard::SessionGuard::admit
+
+use std::{
+    pin::Pin,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+    task::{Context, Poll},
+    time::Instant,
+};
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::Response;
+use http_body::Frame;
+use tower::{Layer, Service};
+
+use super::{context::Call, Middleware, Stack};
+use crate::{
+    error::GatewayError,
+    policy::{
+        guard::{fingerprint, Kept, Phase, RequestFingerprint, SessionGuard, Transition},
+        trail,
+    },
+    state::{
+        budgets::{Budgets, ConcurrencySlot, Gated, Refusal},
+        sessions::{lock, GuardedSession, Saving, SessionGuards, TraceEntry},
+        shared::GuardWrite,
+    },
+    store::format::UnknownFormat,
+    telemetry::RequestLog,
+};
+
+#[derive(Clone)]
+pub struct AdmissionLayer {
+    budgets: Arc<Budgets>,
+    guards: Arc<SessionGuards>,
+}
+
+impl AdmissionLayer {
+    pub fn new(budgets: Arc<Budgets>, guards: Arc<SessionGuards>) -> Self {
+        AdmissionLayer { budgets, guards }
+    }
+}
+
+pub type Admission<S> = Stack<AdmissionLayer, S>;
+
+impl<S> Layer<S> for AdmissionLayer {
+    type Service = Admission<S>;
+    fn layer(&self, inner: S) -> Admission<S> {
+        Stack::new(self.clone(), inner)
+    }
+}
+
+/// A body that holds something (a concurrency slot, a memory charge) until it is
+/// finished or dropped.
+pub(crate) struct Holding<G> {
+    pub(crate) body: Body,
+    pub(crate) _guard: G,
+}
+
+impl<G: Send + Unpin + 'static> http_body::Body for Holding<G> {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+fn transition(tenant: &str, session: &str, change: Option<Transition>, request_id: &str) {
+    if let Some((from, to)) = change {
+        let (from, to) = (from.label(), to.label());
+        tracing::warn!(
+            tenant,
+            session,
+            from,
+            to,
+            request_id,
+            "session state transition"
+        );
+        metrics::counter!("backstop_session_transitions_total", "from" => from, "to" => to)
+            .increment(1);
+    }
+}
+
+/// What a state change means for the store: `Some(kept)` to write (a trip, a probe, a
+/// close), `Some(None)` to forget (active again), `None` for nothing to do.
+fn to_keep(
+    change: Option<Transition>,
+    guard: &SessionGuard,
+    now: tokio::time::Instant,
+) -> Option<Option<Kept>> {
+    let (from, to): (Phase, Phase) = change?;
+    if to.is_kept() {
+        Some(guard.kept(now))
+    } else if from.is_kept() {
+        Some(None)
+    } else {
+        None
+    }
+}
+
+/// A session whose guard state cannot be read here is refused, not started over: a
+/// retry may reach a replica that reads it.
+fn unreadable(unknown: UnknownFormat) -> GatewayError {
+    GatewayError::StateUnavailable {
+        detail: format!("this session's guard state cannot be read by this replica: {unknown}"),
+        retry_after: std::time::Duration::from_secs(1),
+    }
+}
+
+async fn persist(guards: &SessionGuards, tenant: &str, session: &str, keep: Option<Option<Kept>>) {
+    if let Some(kept) = keep {
+        if let Err(err) = guards.persist(tenant, session, kept).await {
+            // The state in memory still holds; only its survival of a restart is lost.
+            tracing::error!(tenant, session, error = %err, "cannot keep the session's guard state");
+        }
+    }
+}
+
+/// Holds `slot` (if any) until the response body ends.
+fn holding(response: Response<Body>, slot: Option<ConcurrencySlot>) -> Response<Body> {
+    match slot {
+        Some(slot) => response.map(|body| Body::new(Holding { body, _guard: slot })),
+        None => response,
+    }
+}
+
+/// One guarded request's facts, for its trace entries.
+struct Guarded<'a> {
+    tenant: &'a Arc<str>,
+    session: &'a str,
+    entry: &'a std::sync::Mutex<GuardedSession>,
+    request_id: &'a str,
+    fp: &'a RequestFingerprint,
+}
+
+impl AdmissionLayer {
+    /// The limits alone (no guard, or this replica's guard decides alone).
+    async fn limits(
+        &self,
+        tenant: &str,
+        session: Option<&str>,
+    ) -> Result<Option<ConcurrencySlot>, GatewayError> {
+        match self
+            .budgets
+            .gate(tenant, session, None)
+            .await
+            .map_err(GatewayError::from)?
+        {
+            Gated::Passed { slot, .. } => Ok(slot),
+            // Only a guard write can be moved.
+            Gated::Moved(..) => Ok(None),
+        }
+    }
+
+    /// The limits and the guard's admission: in replica mode in one round trip, the
+    /// guard's write-back going only if the limits let the request through.
+    async fn admit(
+        &self,
+        g: &Guarded<'_>,
+        usd_before: f64,
+    ) -> Result<Option<ConcurrencySlot>, GatewayError> {
+        let admit = |guard: &mut SessionGuard, now| {
+            let usd = usd_before.max(guard.last_spend().unwrap_or(0.0));
+            guard.admit(now, g.fp, usd)
+        };
+        let (verdict, slot) = if self.guards.shares(g.tenant) {
+            let refuses = AtomicBool::new(false);
+            let ((admitted, change), gated) = self
+                .guards
+                .update_with(
+                    g.tenant,
+                    g.session,
+                    g.entry,
+                    |guard, now| {
+                        let verdict = admit(guard, now);
+                        refuses.store(verdict.0.is_err(), Ordering::Relaxed);
+                        verdict
+                    },
+                    |write| self.gate(g, write, refuses.load(Ordering::Relaxed)),
+                )
+                .await
+                .map_err(unreadable)?;
+            let slot = match gated {
+                Some(Ok(slot)) => slot,
+                Some(Err(refusal)) => return Err(refusal.into()),
+                None => self.limits(g.tenant, Some(g.session)).await?,
+            };
+            ((admitted, change), slot)
+        } else {
+            let slot = self.limits(g.tenant, Some(g.session)).await?;
+            let verdict = self
+                .guards
+                .update(g.tenant, g.session, g.entry, admit)
+                .await
+                .map_err(unreadable)?;
+            (verdict, slot)
+        };
+        let (admitted, change) = verdict;
+        let keep = {
+            let mut e = lock(g.entry);
+            transition(g.tenant, g.session, change, g.request_id);
+            let keep = to_keep(change, &e.guard, self.guards.now());
+            if let Err(refused) = &admitted {
+                let state = e.guard.state().label();
+                e.trace(TraceEntry {
+                    request_id: g.request_id.to_string(),
+                    status: 0,
+                    failed: false,
+                    action: format!("refused:{}", refused.trip.code().as_str()),
+                    detail: Some(format!(
+                        "{}: {}",
+                        refused.trip.rule.as_str(),
+                        refused.trip.evidence
+                    )),
+                    attempts: 0,
+                    upstream: None,
+                    latency_ms: 0.0,
+                    cost_usd: 0.0,
+                    tool_loop: g.fp.tool_loop.as_ref().map_or(0, |(_, n)| *n),
+                    state,
+                });
+            }
+            keep
+        };
+        persist(&self.guards, g.tenant, g.session, keep).await;
+        if let Err(refused) = admitted {
+            let code = refused.trip.code();
+            metrics::counter!("backstop_refusals_total", "reason" => code.as_str()).increment(1);
+            return Err(GatewayError::SessionRefused {
+                code,
+                detail: format!(
+                    "{} ({}): {}",
+                    code.as_str(),
+                    refused.trip.rule.as_str(),
+                    refused.trip.evidence
+                ),
+                retry_after: refused.retry_after,
+            });
+        }
+        Ok(slot)
+    }
+
+    /// What the session has left, for `x-backstop-budget-remaining`: from the settle of
+    /// the request's last call when it saw the shared state, else read.
+    async fn remaining(&self, log: &RequestLog, tenant: &str, session: &str) {
+        let seen = log.snapshot().session_seen;
+        if let Some(remaining) = self.budgets.remaining_header(tenant, session, seen).await {
+            log.update(|f| f.budget_remaining = Some(remaining));
+        }
+    }
+
+    /// The guard's write-back as the limits' round trip carries it.
+    async fn gate(
+        &self,
+        g: &Guarded<'_>,
+        write: Option<(u64, String)>,
+        refuses: bool,
+    ) -> Saving<Result<Option<ConcurrencySlot>, Refusal>> {
+        let write = write.map(|(version, state)| GuardWrite {
+            version,
+            state,
+            ttl_ms: self.guards.shared_ttl_ms(),
+            refuses,
+        });
+        let written = write.is_some();
+        match self.budgets.gate(g.tenant, Some(g.session), write).await {
+            Ok(Gated::Passed {
+                slot,
+                guard_version: Some(version),
+            }) if written => Saving::Saved(version, Ok(slot)),
+            Ok(Gated::Passed { slot, .. }) => Saving::Local(Ok(slot)),
+            Ok(Gated::Moved(version, state)) => Saving::Moved(version, state),
+            Err(refusal) => Saving::Undone(Err(refusal)),
+        }
+    }
+}
+
+impl<S> Middleware<S, Call> for AdmissionLayer
+where
+    S: Service<Call, Response = Response<Body>, Error = GatewayError> + Send + 'static,
+    S::Future: Send + 'static,
+{
+    type Inner = Call;
+    type Response = Response<Body>;
+    type Error = GatewayError;
+
+    async fn call(&self, mut inner: S, call: Call) -> Result<Response<Body>, GatewayError> {
+        let entry = match call.session.as_deref() {
+            Some(s) => self
+                .guards
+                .entry(&call.tenant, s)
+                .await
+                .map_err(unreadable)?,
+            None => None,
+        };
+        let log = call.log.clone();
+        let tenant = call.tenant.clone();
+        let (Some(entry), Some(session)) = (entry, call.session.clone()) else {
+            let session = call.session.clone();
+            let slot = self.limits(&tenant, session.as_deref()).await?;
+            let result = inner.call(call).await;
+            if let Some(session) = session {
+                self.remaining(&log, &tenant, &session).await;
+            }
+            return Ok(holding(result?, slot));
+        };
+        let request_id = call.request_id.to_str().unwrap_or("-").to_owned();
+        let fp = fingerprint(&call.request.json);
+        // The session's spend so far, for the guard's spend samples: in replica mode what
+        // this replica last saw of it (the settle of its last call here, or another
+        // replica's newer sample), read afresh only for a guard watching spend velocity.
+        let usd_before = if !self.guards.shares(&tenant) || self.guards.watches_spend(&tenant) {
+            self.budgets.session_usd(&tenant, &session).await
+        } else {
+            lock(&entry).seen_usd
+        };
+        let g = Guarded {
+            tenant: &tenant,
+            session: &session,
+            entry: &entry,
+            request_id: &request_id,
+            fp: &fp,
+        };
+        let slot = self.admit(&g, usd_before).await;
+        log.update(|f| f.session_state = Some(lock(&entry).guard.state().phase()));
+        let slot = slot?;
+        let started = Instant::now();
+        let result = inner.call(call).await;
+        let (status, failed) = match &result {
+            Ok(r) => (r.status().as_u16(), r.status().as_u16() >= 400),
+            Err(e) => (e.kind().status, !e.is_refusal()),
+        };
+        let fields = log.snapshot();
+        let seen = fields.session_seen;
+        // Shared state that became unreadable meanwhile is left as it is (already logged):
+        // this outcome goes uncounted.
+        let change = self
+            .guards
+            .record(
+                &tenant,
+                &session,
+                &entry,
+                failed,
+                seen.map(|s| s.guard_version),
+            )
+            .await
+            .unwrap_or_default();
+        let keep = {
+            let mut e = lock(&entry);
+            if let Some(seen) = seen {
+                e.seen_usd = e.seen_usd.max(seen.settled.usd);
+            }
+            let now = self.guards.now();
+            transition(&tenant, &session, change, &request_id);
+            let keep = to_keep(change, &e.guard, now);
+            let state = e.guard.state().label();
+            e.trace(TraceEntry {
+                request_id,
+                status,
+                failed,
+                action: trail::render(&fields.recovery),
+                detail: None,
+                attempts: fields.attempts,
+                upstream: fields.upstream,
+                latency_ms: (started.elapsed().as_secs_f64() * 1e3) as f32,
+                cost_usd: fields.spent_usd,
+                tool_loop: fp.tool_loop.as_ref().map_or(0, |(_, n)| *n),
+                state,
+            });
+            let phase = e.guard.state().phase();
+            log.update(|f| f.session_state = Some(phase));
+            keep
+        };
+        persist(&self.guards, &tenant, &session, keep).await;
+        self.remaining(&log, &tenant, &session).await;
+        Ok(holding(result?, slot))
+    }
+}
