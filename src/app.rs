@@ -18,8 +18,8 @@
 //! 8. [`ValidateLayer`]: structured output checked; corrective retries with the
 //!    validator's errors; strategy switch to the next target; 502 `output_invalid`.
 //! 9. [`RecoveryLayer`]: target selection, classification, retry with backoff and
-//!     Retry-After, retry budget, per-upstream circuit breakers, failover; answers
-//!     which target answered ([`Answered`](crate::layers::recovery::Answered)).
+//!    Retry-After, retry budget, per-upstream circuit breakers, failover; answers
+//!    which target answered ([`Answered`](crate::layers::recovery::Answered)).
 //! 10. [`ResponseOwnersLayer`]: Responses creates only: every stored object named is
 //!     checked against its owner, what the provider holds for the call handed to the
 //!     meter, and a stored answer's owners made durable before it is released.
