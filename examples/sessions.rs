@@ -17,7 +17,7 @@ use std::{
 use backstop::{
     clock::Clock,
     config::Config,
-    state::{budgets::Budgets, reservation::Outcome},
+    state::budgets::{reservation::Outcome, Budgets},
     store::SqliteStore,
 };
 use common::*;

@@ -27,7 +27,7 @@ use super::{Middleware, Stack};
 use crate::{
     api::{Endpoint, ReportedUsage},
     policy::{budget::estimate_prompt_tokens, classify::TransportFailure},
-    state::{budgets::Budgets, reservation::Outcome},
+    state::budgets::{reservation::Outcome, Budgets},
     telemetry::RequestLog,
     upstream::{Attempt, AttemptError, Reply},
 };

@@ -12,7 +12,5 @@ pub mod budgets;
 pub mod health;
 pub mod live;
 pub mod owners;
-mod report;
-pub mod reservation;
 pub mod sessions;
 pub mod shared;

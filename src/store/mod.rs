@@ -23,7 +23,6 @@ pub(crate) mod connection;
 pub mod format;
 mod redis;
 mod sqlite;
-mod writer;
 
 use std::{sync::Arc, time::Duration};
 

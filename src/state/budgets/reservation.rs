@@ -6,10 +6,8 @@ use std::sync::Arc;
 
 use futures_util::FutureExt;
 
-use super::{
-    budgets::{lock, Budgets, SessionBook, TenantBook},
-    shared::{SharedCharge, SharedReservation},
-};
+use super::{lock, Budgets, SessionBook, TenantBook};
+use crate::state::shared::{SharedCharge, SharedReservation};
 use crate::{
     policy::budget::{sane_usd, SessionSeen, Usage},
     store::Charge,
@@ -213,7 +211,7 @@ impl Reservation {
 
 /// Settles a reservation held in Redis. If Redis cannot take it now (down, slow, or a
 /// script error), the settle is kept in the replica's store and replayed until Redis
-/// takes it ([`super::shared::SharedBudgets::spawn_replayer`]); settling is idempotent per reservation,
+/// takes it ([`crate::state::shared::SharedBudgets::spawn_replayer`]); settling is idempotent per reservation,
 /// so a replay never charges twice.
 async fn settle_shared(
     budgets: Arc<Budgets>,

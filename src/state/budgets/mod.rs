@@ -25,19 +25,22 @@ use std::{
     time::Duration,
 };
 
+mod report;
+pub mod reservation;
+
 use governor::{
     middleware::NoOpMiddleware,
     state::{keyed::DashMapStateStore, InMemoryState, NotKeyed},
     Quota, RateLimiter,
 };
 
+use self::reservation::Reservation;
 use crate::{
     clock::Clock,
     config::{Config, PriceConfig, Unpriced},
     policy::budget::{worst_case, Account, Caps, Exceeded, Prices, Usage, SESSION, TENANT_DAY},
     state::{
         live::{LiveSessions, SessionKey},
-        reservation::Reservation,
         shared::{
             Admission, AdmitError, Gate, GateReply, GuardWrite, SharedBudgets, SharedSlot,
             Unavailable,
@@ -717,7 +720,7 @@ impl Drop for ConcurrencySlot {
 mod tests {
     use super::*;
     use crate::{
-        state::reservation::Outcome,
+        state::budgets::reservation::Outcome,
         store::{Charge, SqliteStore},
     };
 

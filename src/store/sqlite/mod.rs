@@ -23,11 +23,13 @@ use std::{
     time::Duration,
 };
 
+mod writer;
+
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 use tokio::sync::{oneshot, Semaphore};
 
 use super::{
-    count_error, writer, Charge, GuardRecord, OwnerRecord, QueuedSettle, ReservationRecord, Store,
+    count_error, Charge, GuardRecord, OwnerRecord, QueuedSettle, ReservationRecord, Store,
     StoreError, StoreFuture, StoredOwner, StoredResponse,
 };
 use crate::{config::StoreConfig, policy::budget::Usage};

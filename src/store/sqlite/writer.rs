@@ -1,7 +1,7 @@
 //! [`SqliteStore`](super::SqliteStore)'s writer thread (group commit, one transaction
 //! per batch, each write acknowledged with its result), the WAL bound, and the thread
 //! that checkpoints passively. (Purges are scheduled on tokio time by
-//! [`super::spawn_purger`] and queued here like any write.)
+//! [`crate::store::spawn_purger`] and queued here like any write.)
 //!
 //! The WAL is kept small by the writer itself: every [`WRITER_BACKFILL_EVERY`] it runs a
 //! passive checkpoint between two batches, when no commit can race it, so the whole WAL
@@ -21,7 +21,7 @@ use std::{
 
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
-use super::sqlite::{to_sql, Op, Write};
+use super::{to_sql, Op, Write};
 
 /// Writes committed in one transaction at most.
 const MAX_BATCH: usize = 4096;

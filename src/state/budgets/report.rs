@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::budgets::{lock, Budgets, TenantBook};
+use super::{lock, Budgets, TenantBook};
 use crate::{
     policy::budget::{Account, SessionSeen, Usd},
     store::StoreError,
@@ -18,8 +18,9 @@ impl Budgets {
         session: &str,
     ) -> Result<(Account, u32), StoreError> {
         if let Some(shared) = &self.shared {
-            let unavailable =
-                |e: super::shared::Unavailable| StoreError::Unavailable(e.to_string().into());
+            let unavailable = |e: crate::state::shared::Unavailable| {
+                StoreError::Unavailable(e.to_string().into())
+            };
             let (settled, reserved) = shared
                 .session_usage(&book.name, session)
                 .await
