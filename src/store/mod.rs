@@ -1,4 +1,4 @@
-//! Persistence behind one trait, [`Store`]: the spend ledger (one row per charged
+//! Persistence behind one trait per role, gathered in [`Store`]: the spend ledger (one row per charged
 //! upstream call), the reservations of budgeted calls still in flight, session resets,
 //! the session guard's closes and trips, responses kept for idempotent replays, and
 //! which tenant created each stored response of the Responses API.
@@ -175,8 +175,9 @@ pub(crate) fn count_error(op: &'static str) {
 /// What every [`Store`] method answers with: boxed, so the trait is object-safe.
 pub type StoreFuture<'a, T> = BoxFuture<'a, Result<T, StoreError>>;
 
-/// The persistence seam. Object-safe: the state tier holds an `Arc<dyn Store>`.
-pub trait Store: Send + Sync {
+/// The spend ledger: durable reservations of budgeted calls, their settles, and the
+/// usage read back from it.
+pub trait Ledger: Send + Sync {
     /// How many crashed reservations opening the store charged.
     fn recovered_reservations(&self) -> u64;
 
@@ -200,16 +201,6 @@ pub trait Store: Send + Sync {
         self.settle(None, charge)
     }
 
-    /// Keeps a settle the shared state could not take (replacing one kept for the same
-    /// reservation); resolves once it is durable.
-    fn queue_settle(&self, settle: QueuedSettle) -> StoreFuture<'_, ()>;
-
-    /// The oldest kept settles, at most `limit`.
-    fn queued_settles(&self, limit: usize) -> StoreFuture<'_, Vec<QueuedSettle>>;
-
-    /// Forgets a kept settle the shared state has taken.
-    fn unqueue_settle(&self, reservation: String) -> StoreFuture<'_, ()>;
-
     /// Starts a session's usage over from `at_ms`.
     fn reset_session<'a>(
         &'a self,
@@ -217,76 +208,6 @@ pub trait Store: Send + Sync {
         session: &'a str,
         at_ms: i64,
     ) -> StoreFuture<'a, ()>;
-
-    /// Keeps a response for replay; resolves once it is durable.
-    fn remember(&self, response: StoredResponse) -> StoreFuture<'_, ()>;
-
-    /// Records who created these stored responses, in one write (one commit for the
-    /// batch); resolves once they are durable.
-    fn record_owners(&self, owners: Vec<OwnerRecord>) -> StoreFuture<'_, ()>;
-
-    /// The tenant that created stored response `id`, if it has not expired at `now_ms`.
-    fn owner_of<'a>(&'a self, id: &'a str, now_ms: i64) -> StoreFuture<'a, Option<StoredOwner>>;
-
-    /// Claims an idempotency key for one request, across every process sharing this
-    /// store, for `lease_ms` at most. A store private to one process has nothing to
-    /// claim against (the layer's in-process map does it).
-    fn claim<'a>(
-        &'a self,
-        _tenant: &'a str,
-        _key: &'a str,
-        _lease_ms: i64,
-    ) -> StoreFuture<'a, Claim> {
-        Box::pin(async { Ok(Claim::Claimed) })
-    }
-
-    /// Gives back a claim whose request did not end in a response to keep.
-    fn release_claim(&self, _tenant: &str, _key: &str) {}
-
-    /// Replaces a session guard's state shared by replicas if it is still at
-    /// `version` (0: none yet): `Saved(new version)`, or `Moved` with the version and
-    /// state another replica wrote first (load it and redo). A store no other process
-    /// shares has nothing to save: `None`.
-    fn save_guard_window<'a>(
-        &'a self,
-        _tenant: &'a str,
-        _session: &'a str,
-        _version: u64,
-        _state: String,
-        _ttl_ms: u64,
-    ) -> StoreFuture<'a, Option<WindowSave>> {
-        Box::pin(async { Ok(None) })
-    }
-
-    /// Whether other processes share this store (guard states are then read per request).
-    fn is_shared(&self) -> bool {
-        false
-    }
-
-    /// Persists a session's close or trip (replacing what was kept).
-    fn save_guard(&self, record: GuardRecord) -> StoreFuture<'_, ()>;
-
-    /// Forgets a session's close or trip.
-    fn clear_guard<'a>(&'a self, tenant: &'a str, session: &'a str) -> StoreFuture<'a, ()>;
-
-    /// Deletes idempotency rows and owners expired at `now_ms` and everything older than
-    /// `store.retention`.
-    fn purge(&self, now_ms: i64) -> StoreFuture<'_, ()>;
-
-    /// A kept response that has not expired at `now_ms`.
-    fn recall<'a>(
-        &'a self,
-        tenant: &'a str,
-        key: &'a str,
-        now_ms: i64,
-    ) -> StoreFuture<'a, Option<StoredResponse>>;
-
-    /// A session's kept close or trip.
-    fn guard_state<'a>(
-        &'a self,
-        tenant: &'a str,
-        session: &'a str,
-    ) -> StoreFuture<'a, Option<GuardRecord>>;
 
     /// A session's usage since its last reset.
     fn session_usage<'a>(&'a self, tenant: &'a str, session: &'a str) -> StoreFuture<'a, Usage>;
@@ -303,6 +224,101 @@ pub trait Store: Send + Sync {
 
     /// Durable reservations not yet settled (for tests and the admin view).
     fn open_reservations(&self) -> StoreFuture<'_, u64>;
+}
+
+/// Settles the shared state (Redis) could not take, kept until it can.
+pub trait SettleQueue: Send + Sync {
+    /// Keeps a settle the shared state could not take (replacing one kept for the same
+    /// reservation); resolves once it is durable.
+    fn queue_settle(&self, settle: QueuedSettle) -> StoreFuture<'_, ()>;
+
+    /// The oldest kept settles, at most `limit`.
+    fn queued_settles(&self, limit: usize) -> StoreFuture<'_, Vec<QueuedSettle>>;
+
+    /// Forgets a kept settle the shared state has taken.
+    fn unqueue_settle(&self, reservation: String) -> StoreFuture<'_, ()>;
+}
+
+/// Responses kept for idempotent replays, and the claims on their keys.
+pub trait Replays: Send + Sync {
+    /// Keeps a response for replay; resolves once it is durable.
+    fn remember(&self, response: StoredResponse) -> StoreFuture<'_, ()>;
+
+    /// Claims an idempotency key for one request, across every process sharing this
+    /// store, for `lease_ms` at most. A store private to one process has nothing to
+    /// claim against (the layer's in-process map does it).
+    fn claim<'a>(
+        &'a self,
+        _tenant: &'a str,
+        _key: &'a str,
+        _lease_ms: i64,
+    ) -> StoreFuture<'a, Claim> {
+        Box::pin(async { Ok(Claim::Claimed) })
+    }
+
+    /// Gives back a claim whose request did not end in a response to keep.
+    fn release_claim(&self, _tenant: &str, _key: &str) {}
+
+    /// A kept response that has not expired at `now_ms`.
+    fn recall<'a>(
+        &'a self,
+        tenant: &'a str,
+        key: &'a str,
+        now_ms: i64,
+    ) -> StoreFuture<'a, Option<StoredResponse>>;
+}
+
+/// Which tenant created each stored response of the Responses API.
+pub trait Owners: Send + Sync {
+    /// Records who created these stored responses, in one write (one commit for the
+    /// batch); resolves once they are durable.
+    fn record_owners(&self, owners: Vec<OwnerRecord>) -> StoreFuture<'_, ()>;
+
+    /// The tenant that created stored response `id`, if it has not expired at `now_ms`.
+    fn owner_of<'a>(&'a self, id: &'a str, now_ms: i64) -> StoreFuture<'a, Option<StoredOwner>>;
+}
+
+/// The session guard's closes and trips, and its state shared by replicas.
+pub trait GuardStates: Send + Sync {
+    /// Persists a session's close or trip (replacing what was kept).
+    fn save_guard(&self, record: GuardRecord) -> StoreFuture<'_, ()>;
+
+    /// Forgets a session's close or trip.
+    fn clear_guard<'a>(&'a self, tenant: &'a str, session: &'a str) -> StoreFuture<'a, ()>;
+
+    /// A session's kept close or trip.
+    fn guard_state<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+    ) -> StoreFuture<'a, Option<GuardRecord>>;
+    /// Replaces a session guard's state shared by replicas if it is still at
+    /// `version` (0: none yet): `Saved(new version)`, or `Moved` with the version and
+    /// state another replica wrote first (load it and redo). A store no other process
+    /// shares has nothing to save: `None`.
+    fn save_guard_window<'a>(
+        &'a self,
+        _tenant: &'a str,
+        _session: &'a str,
+        _version: u64,
+        _state: String,
+        _ttl_ms: u64,
+    ) -> StoreFuture<'a, Option<WindowSave>> {
+        Box::pin(async { Ok(None) })
+    }
+}
+
+/// The persistence seam: every role, object-safe (the state tier holds an
+/// `Arc<dyn Store>`).
+pub trait Store: Ledger + SettleQueue + Replays + Owners + GuardStates {
+    /// Whether other processes share this store (guard states are then read per request).
+    fn is_shared(&self) -> bool {
+        false
+    }
+
+    /// Deletes idempotency rows and owners expired at `now_ms` and everything older than
+    /// `store.retention`.
+    fn purge(&self, now_ms: i64) -> StoreFuture<'_, ()>;
 }
 
 /// How often [`spawn_purger`] purges.

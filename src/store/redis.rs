@@ -10,8 +10,9 @@ use std::sync::Arc;
 use super::connection::Redis;
 use super::format::{self, UnknownFormat};
 use super::{
-    Charge, Claim, GuardRecord, OwnerRecord, QueuedSettle, ReservationRecord, Store, StoreError,
-    StoreFuture, StoredOwner, StoredResponse, WindowSave,
+    Charge, Claim, GuardRecord, GuardStates, Ledger, OwnerRecord, Owners, QueuedSettle, Replays,
+    ReservationRecord, SettleQueue, Store, StoreError, StoreFuture, StoredOwner, StoredResponse,
+    WindowSave,
 };
 use crate::policy::budget::Usage;
 
@@ -75,7 +76,7 @@ fn refused(at: &str, unknown: UnknownFormat) -> StoreError {
     StoreError::UnknownFormat(unknown)
 }
 
-impl Store for RedisStore {
+impl Ledger for RedisStore {
     fn recovered_reservations(&self) -> u64 {
         self.inner.recovered_reservations()
     }
@@ -105,6 +106,28 @@ impl Store for RedisStore {
         self.inner.reset_session(tenant, session, at_ms)
     }
 
+    fn session_usage<'a>(&'a self, tenant: &'a str, session: &'a str) -> StoreFuture<'a, Usage> {
+        self.inner.session_usage(tenant, session)
+    }
+
+    fn tenant_day_usage<'a>(&'a self, tenant: &'a str, day: i64) -> StoreFuture<'a, Usage> {
+        self.inner.tenant_day_usage(tenant, day)
+    }
+
+    fn tenant_day_by_model<'a>(
+        &'a self,
+        tenant: &'a str,
+        day: i64,
+    ) -> StoreFuture<'a, Vec<(String, Usage)>> {
+        self.inner.tenant_day_by_model(tenant, day)
+    }
+
+    fn open_reservations(&self) -> StoreFuture<'_, u64> {
+        self.inner.open_reservations()
+    }
+}
+
+impl SettleQueue for RedisStore {
     // Settles Redis could not take are kept in the replica's own store, not in Redis.
     fn queue_settle(&self, settle: QueuedSettle) -> StoreFuture<'_, ()> {
         self.inner.queue_settle(settle)
@@ -117,7 +140,9 @@ impl Store for RedisStore {
     fn unqueue_settle(&self, reservation: String) -> StoreFuture<'_, ()> {
         self.inner.unqueue_settle(reservation)
     }
+}
 
+impl Replays for RedisStore {
     fn remember(&self, response: StoredResponse) -> StoreFuture<'_, ()> {
         Box::pin(async move {
             let key = self.idem_key(&response.tenant, &response.key);
@@ -192,39 +217,31 @@ impl Store for RedisStore {
         }
     }
 
-    fn is_shared(&self) -> bool {
-        true
-    }
-
-    fn save_guard_window<'a>(
+    fn recall<'a>(
         &'a self,
         tenant: &'a str,
-        session: &'a str,
-        version: u64,
-        state: String,
-        ttl_ms: u64,
-    ) -> StoreFuture<'a, Option<WindowSave>> {
+        key: &'a str,
+        _now_ms: i64,
+    ) -> StoreFuture<'a, Option<StoredResponse>> {
         Box::pin(async move {
-            let mut inv = self.save_window.prepare_invoke();
-            inv.key(self.redis.key(tenant, &format!("guard-window:{session}")))
-                .arg(version)
-                .arg(state)
-                .arg(ttl_ms.max(1000));
-            let reply: Vec<String> = self
+            let k = self.idem_key(tenant, key);
+            let value: Option<String> = self
                 .redis
-                .run("save_guard_window", |mut c| async move {
-                    inv.invoke_async(&mut c).await
+                .run("recall", |mut c| async move {
+                    redis::cmd("GET").arg(&k).query_async(&mut c).await
                 })
                 .await
                 .map_err(unavailable)?;
-            let version = reply.get(1).and_then(|v| v.parse().ok()).unwrap_or(0);
-            Ok(Some(match reply.first().map(String::as_str) {
-                Some("saved") => WindowSave::Saved(version),
-                _ => WindowSave::Moved(version, reply.get(2).cloned().unwrap_or_default()),
-            }))
+            // A response this build cannot read is no answer to replay; the claim that
+            // follows finds the key taken.
+            Ok(value
+                .filter(|v| v != PENDING)
+                .and_then(|v| self.decode(tenant, key, &v)))
         })
     }
+}
 
+impl Owners for RedisStore {
     fn record_owners(&self, owners: Vec<OwnerRecord>) -> StoreFuture<'_, ()> {
         Box::pin(async move {
             // One command per owner, sent together: owners are keys of no tenant, so on
@@ -274,6 +291,37 @@ impl Store for RedisStore {
                 .transpose()
         })
     }
+}
+
+impl GuardStates for RedisStore {
+    fn save_guard_window<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+        version: u64,
+        state: String,
+        ttl_ms: u64,
+    ) -> StoreFuture<'a, Option<WindowSave>> {
+        Box::pin(async move {
+            let mut inv = self.save_window.prepare_invoke();
+            inv.key(self.redis.key(tenant, &format!("guard-window:{session}")))
+                .arg(version)
+                .arg(state)
+                .arg(ttl_ms.max(1000));
+            let reply: Vec<String> = self
+                .redis
+                .run("save_guard_window", |mut c| async move {
+                    inv.invoke_async(&mut c).await
+                })
+                .await
+                .map_err(unavailable)?;
+            let version = reply.get(1).and_then(|v| v.parse().ok()).unwrap_or(0);
+            Ok(Some(match reply.first().map(String::as_str) {
+                Some("saved") => WindowSave::Saved(version),
+                _ => WindowSave::Moved(version, reply.get(2).cloned().unwrap_or_default()),
+            }))
+        })
+    }
 
     fn save_guard(&self, record: GuardRecord) -> StoreFuture<'_, ()> {
         Box::pin(async move {
@@ -304,33 +352,6 @@ impl Store for RedisStore {
         })
     }
 
-    fn purge(&self, now_ms: i64) -> StoreFuture<'_, ()> {
-        self.inner.purge(now_ms)
-    }
-
-    fn recall<'a>(
-        &'a self,
-        tenant: &'a str,
-        key: &'a str,
-        _now_ms: i64,
-    ) -> StoreFuture<'a, Option<StoredResponse>> {
-        Box::pin(async move {
-            let k = self.idem_key(tenant, key);
-            let value: Option<String> = self
-                .redis
-                .run("recall", |mut c| async move {
-                    redis::cmd("GET").arg(&k).query_async(&mut c).await
-                })
-                .await
-                .map_err(unavailable)?;
-            // A response this build cannot read is no answer to replay; the claim that
-            // follows finds the key taken.
-            Ok(value
-                .filter(|v| v != PENDING)
-                .and_then(|v| self.decode(tenant, key, &v)))
-        })
-    }
-
     fn guard_state<'a>(
         &'a self,
         tenant: &'a str,
@@ -354,24 +375,14 @@ impl Store for RedisStore {
                 .transpose()
         })
     }
+}
 
-    fn session_usage<'a>(&'a self, tenant: &'a str, session: &'a str) -> StoreFuture<'a, Usage> {
-        self.inner.session_usage(tenant, session)
+impl Store for RedisStore {
+    fn is_shared(&self) -> bool {
+        true
     }
 
-    fn tenant_day_usage<'a>(&'a self, tenant: &'a str, day: i64) -> StoreFuture<'a, Usage> {
-        self.inner.tenant_day_usage(tenant, day)
-    }
-
-    fn tenant_day_by_model<'a>(
-        &'a self,
-        tenant: &'a str,
-        day: i64,
-    ) -> StoreFuture<'a, Vec<(String, Usage)>> {
-        self.inner.tenant_day_by_model(tenant, day)
-    }
-
-    fn open_reservations(&self) -> StoreFuture<'_, u64> {
-        self.inner.open_reservations()
+    fn purge(&self, now_ms: i64) -> StoreFuture<'_, ()> {
+        self.inner.purge(now_ms)
     }
 }

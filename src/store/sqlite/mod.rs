@@ -29,8 +29,9 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 use tokio::sync::{oneshot, Semaphore};
 
 use super::{
-    count_error, Charge, GuardRecord, OwnerRecord, QueuedSettle, ReservationRecord, Store,
-    StoreError, StoreFuture, StoredOwner, StoredResponse,
+    count_error, Charge, GuardRecord, GuardStates, Ledger, OwnerRecord, Owners, QueuedSettle,
+    Replays, ReservationRecord, SettleQueue, Store, StoreError, StoreFuture, StoredOwner,
+    StoredResponse,
 };
 use crate::{config::StoreConfig, policy::budget::Usage};
 
@@ -394,7 +395,7 @@ impl SqliteStore {
     }
 }
 
-impl Store for SqliteStore {
+impl Ledger for SqliteStore {
     fn recovered_reservations(&self) -> u64 {
         self.recovered
     }
@@ -438,122 +439,6 @@ impl Store for SqliteStore {
             tenant: tenant.into(),
             session: session.into(),
             at_ms,
-        }))
-    }
-
-    fn remember(&self, response: StoredResponse) -> StoreFuture<'_, ()> {
-        Box::pin(self.write(Op::Remember(response)))
-    }
-
-    fn queue_settle(&self, settle: QueuedSettle) -> StoreFuture<'_, ()> {
-        Box::pin(self.write(Op::QueueSettle(settle)))
-    }
-
-    fn queued_settles(&self, limit: usize) -> StoreFuture<'_, Vec<QueuedSettle>> {
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        Box::pin(self.read(move |conn| {
-            conn.prepare_cached(
-                "SELECT reservation, body, queued_ms FROM shared_settles ORDER BY queued_ms LIMIT ?1",
-            )?
-            .query_map(params![limit], |r| {
-                Ok(QueuedSettle {
-                    reservation: r.get(0)?,
-                    body: r.get(1)?,
-                    queued_ms: r.get(2)?,
-                })
-            })?
-            .collect()
-        }))
-    }
-
-    fn unqueue_settle(&self, reservation: String) -> StoreFuture<'_, ()> {
-        Box::pin(self.write(Op::UnqueueSettle(reservation)))
-    }
-
-    fn record_owners(&self, owners: Vec<OwnerRecord>) -> StoreFuture<'_, ()> {
-        Box::pin(self.write(Op::RecordOwners(owners)))
-    }
-
-    fn owner_of<'a>(&'a self, id: &'a str, now_ms: i64) -> StoreFuture<'a, Option<StoredOwner>> {
-        let id = id.to_string();
-        Box::pin(self.read(move |c| {
-            c.prepare_cached(
-                "SELECT tenant, context_tokens FROM response_owners WHERE id = ?1 AND expires_ms > ?2",
-            )?
-            .query_row(params![id, now_ms], |r| {
-                Ok(StoredOwner {
-                    tenant: r.get(0)?,
-                    context_tokens: r.get::<_, Option<i64>>(1)?.map(|n| n.max(0) as u64),
-                })
-            })
-            .optional()
-        }))
-    }
-
-    fn save_guard(&self, record: GuardRecord) -> StoreFuture<'_, ()> {
-        Box::pin(self.write(Op::SaveGuard(record)))
-    }
-
-    fn clear_guard<'a>(&'a self, tenant: &'a str, session: &'a str) -> StoreFuture<'a, ()> {
-        Box::pin(self.write(Op::ClearGuard {
-            tenant: tenant.into(),
-            session: session.into(),
-        }))
-    }
-
-    fn purge(&self, now_ms: i64) -> StoreFuture<'_, ()> {
-        Box::pin(self.write(Op::Purge { now_ms }))
-    }
-
-    fn recall<'a>(
-        &'a self,
-        tenant: &'a str,
-        key: &'a str,
-        now_ms: i64,
-    ) -> StoreFuture<'a, Option<StoredResponse>> {
-        let (tenant, key) = (tenant.to_string(), key.to_string());
-        Box::pin(self.read(move |c| {
-            c.prepare_cached(
-                "SELECT body_hash, status, content_type, body, expires_ms FROM idempotency WHERE tenant = ?1 AND key = ?2 AND expires_ms > ?3",
-            )?
-            .query_row(params![tenant, key, now_ms], |r| {
-                Ok(StoredResponse {
-                    tenant: tenant.clone(),
-                    key: key.clone(),
-                    body_hash: r.get(0)?,
-                    status: u16::try_from(r.get::<_, i64>(1)?).unwrap_or(500),
-                    content_type: r.get(2)?,
-                    body: r.get(3)?,
-                    expires_ms: r.get(4)?,
-                })
-            })
-            .optional()
-        }))
-    }
-
-    fn guard_state<'a>(
-        &'a self,
-        tenant: &'a str,
-        session: &'a str,
-    ) -> StoreFuture<'a, Option<GuardRecord>> {
-        let (tenant, session) = (tenant.to_string(), session.to_string());
-        Box::pin(self.read(move |c| {
-            c.prepare_cached(
-                "SELECT closed, until_ms, code, rule, evidence, updated_ms FROM guard_states WHERE tenant = ?1 AND session = ?2",
-            )?
-            .query_row(params![tenant, session], |r| {
-                Ok(GuardRecord {
-                    tenant: tenant.clone(),
-                    session: session.clone(),
-                    closed: r.get::<_, i64>(0)? != 0,
-                    until_ms: r.get(1)?,
-                    code: r.get(2)?,
-                    rule: r.get(3)?,
-                    evidence: r.get(4)?,
-                    updated_ms: r.get(5)?,
-                })
-            })
-            .optional()
         }))
     }
 
@@ -610,6 +495,132 @@ impl Store for SqliteStore {
                 r.get::<_, i64>(0).map(from_sql)
             })
         }))
+    }
+}
+
+impl SettleQueue for SqliteStore {
+    fn queue_settle(&self, settle: QueuedSettle) -> StoreFuture<'_, ()> {
+        Box::pin(self.write(Op::QueueSettle(settle)))
+    }
+
+    fn queued_settles(&self, limit: usize) -> StoreFuture<'_, Vec<QueuedSettle>> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        Box::pin(self.read(move |conn| {
+            conn.prepare_cached(
+                "SELECT reservation, body, queued_ms FROM shared_settles ORDER BY queued_ms LIMIT ?1",
+            )?
+            .query_map(params![limit], |r| {
+                Ok(QueuedSettle {
+                    reservation: r.get(0)?,
+                    body: r.get(1)?,
+                    queued_ms: r.get(2)?,
+                })
+            })?
+            .collect()
+        }))
+    }
+
+    fn unqueue_settle(&self, reservation: String) -> StoreFuture<'_, ()> {
+        Box::pin(self.write(Op::UnqueueSettle(reservation)))
+    }
+}
+
+impl Replays for SqliteStore {
+    fn remember(&self, response: StoredResponse) -> StoreFuture<'_, ()> {
+        Box::pin(self.write(Op::Remember(response)))
+    }
+
+    fn recall<'a>(
+        &'a self,
+        tenant: &'a str,
+        key: &'a str,
+        now_ms: i64,
+    ) -> StoreFuture<'a, Option<StoredResponse>> {
+        let (tenant, key) = (tenant.to_string(), key.to_string());
+        Box::pin(self.read(move |c| {
+            c.prepare_cached(
+                "SELECT body_hash, status, content_type, body, expires_ms FROM idempotency WHERE tenant = ?1 AND key = ?2 AND expires_ms > ?3",
+            )?
+            .query_row(params![tenant, key, now_ms], |r| {
+                Ok(StoredResponse {
+                    tenant: tenant.clone(),
+                    key: key.clone(),
+                    body_hash: r.get(0)?,
+                    status: u16::try_from(r.get::<_, i64>(1)?).unwrap_or(500),
+                    content_type: r.get(2)?,
+                    body: r.get(3)?,
+                    expires_ms: r.get(4)?,
+                })
+            })
+            .optional()
+        }))
+    }
+}
+
+impl Owners for SqliteStore {
+    fn record_owners(&self, owners: Vec<OwnerRecord>) -> StoreFuture<'_, ()> {
+        Box::pin(self.write(Op::RecordOwners(owners)))
+    }
+
+    fn owner_of<'a>(&'a self, id: &'a str, now_ms: i64) -> StoreFuture<'a, Option<StoredOwner>> {
+        let id = id.to_string();
+        Box::pin(self.read(move |c| {
+            c.prepare_cached(
+                "SELECT tenant, context_tokens FROM response_owners WHERE id = ?1 AND expires_ms > ?2",
+            )?
+            .query_row(params![id, now_ms], |r| {
+                Ok(StoredOwner {
+                    tenant: r.get(0)?,
+                    context_tokens: r.get::<_, Option<i64>>(1)?.map(|n| n.max(0) as u64),
+                })
+            })
+            .optional()
+        }))
+    }
+}
+
+impl GuardStates for SqliteStore {
+    fn save_guard(&self, record: GuardRecord) -> StoreFuture<'_, ()> {
+        Box::pin(self.write(Op::SaveGuard(record)))
+    }
+
+    fn clear_guard<'a>(&'a self, tenant: &'a str, session: &'a str) -> StoreFuture<'a, ()> {
+        Box::pin(self.write(Op::ClearGuard {
+            tenant: tenant.into(),
+            session: session.into(),
+        }))
+    }
+
+    fn guard_state<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+    ) -> StoreFuture<'a, Option<GuardRecord>> {
+        let (tenant, session) = (tenant.to_string(), session.to_string());
+        Box::pin(self.read(move |c| {
+            c.prepare_cached(
+                "SELECT closed, until_ms, code, rule, evidence, updated_ms FROM guard_states WHERE tenant = ?1 AND session = ?2",
+            )?
+            .query_row(params![tenant, session], |r| {
+                Ok(GuardRecord {
+                    tenant: tenant.clone(),
+                    session: session.clone(),
+                    closed: r.get::<_, i64>(0)? != 0,
+                    until_ms: r.get(1)?,
+                    code: r.get(2)?,
+                    rule: r.get(3)?,
+                    evidence: r.get(4)?,
+                    updated_ms: r.get(5)?,
+                })
+            })
+            .optional()
+        }))
+    }
+}
+
+impl Store for SqliteStore {
+    fn purge(&self, now_ms: i64) -> StoreFuture<'_, ()> {
+        Box::pin(self.write(Op::Purge { now_ms }))
     }
 }
 
