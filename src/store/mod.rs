@@ -1,11 +1,13 @@
-//! Persistence behind one trait per role, gathered in [`Store`]: the spend ledger (one row per charged
-//! upstream call), the reservations of budgeted calls still in flight, session resets,
-//! the session guard's closes and trips, responses kept for idempotent replays, and
-//! which tenant created each stored response of the Responses API.
-//! Budget windows are sums over the ledger, so nothing is kept twice and a restart
-//! rebuilds every window from what was settled. The live state ([`crate::state`]) and
-//! the layers hold an `Arc<dyn Store>`; [`SqliteStore`] is the embedded implementation
-//! (a Redis one is to follow).
+//! Persistence, one trait per role, gathered in [`Store`]: the spend ledger (one row per
+//! charged upstream call) and the reservations of budgeted calls still in flight
+//! ([`Ledger`]), settles the shared state could not take ([`SettleQueue`]), responses
+//! kept for idempotent replays ([`Replays`]), which tenant created each stored response
+//! of the Responses API ([`Owners`]), and the session guard's closes and trips
+//! ([`GuardStates`]). Budget windows are sums over the ledger, so nothing is kept twice
+//! and a restart rebuilds every window from what was settled. The live state
+//! ([`crate::state`]) and the layers hold an `Arc<dyn Store>`; [`SqliteStore`] is the
+//! embedded implementation, and `RedisStore` shares the replays, owners and guard state
+//! between replicas over it.
 //!
 //! The contract every implementation keeps:
 //! - a write that returns `Ok` is durable (survives the process being killed); a write
