@@ -3,6 +3,8 @@
 //! (`server.listen`, `upstreams[].api_key`, `tenants[].session.max_calls`). A key added to
 //! `config/` without a line in the reference fails here, naming the key.
 //!
+//! Likewise every script in `scripts/` has its line in `scripts/README.md`.
+//!
 //! Only text is read: no gateway, no socket, nothing of the crate but its files.
 
 use std::{collections::BTreeSet, path::Path};
@@ -65,5 +67,20 @@ fn every_key_of_the_shipped_configs_is_in_the_configuration_reference() {
     assert!(
         missing.is_empty(),
         "docs/configuration.md does not describe these keys (write each as `path`): {missing:?}"
+    );
+}
+
+#[test]
+fn every_script_has_its_line_in_scripts_readme() {
+    let index = read("scripts/README.md");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts");
+    let missing: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name != "README.md" && !index.contains(&format!("`{name}`")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "scripts/README.md has no line for: {missing:?}"
     );
 }
