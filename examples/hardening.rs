@@ -297,7 +297,7 @@ async fn disk(url: &str, store_dir: &std::path::Path, rps: u64, secs: u64) -> St
     while started.elapsed() < Duration::from_secs(secs) {
         tick.tick().await;
         n += 1;
-        if n % 500 == 0 {
+        if n.is_multiple_of(500) {
             max_wal.fetch_max(
                 std::fs::metadata(&wal).map_or(0, |m| m.len()),
                 Ordering::Relaxed,
