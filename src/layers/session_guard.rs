@@ -169,7 +169,6 @@ where
         persist(&layer.guards, &tenant, &session, keep).await;
         if let Err(refused) = admitted {
             let code = refused.trip.code();
-            metrics::counter!("backstop_refusals_total", "reason" => code.as_str()).increment(1);
             return Err(GatewayError::SessionRefused {
                 code,
                 detail: format!(
@@ -185,7 +184,7 @@ where
         let result = inner.call(call).await;
         let (status, failed) = match &result {
             Ok(r) => (r.status().as_u16(), r.status().as_u16() >= 400),
-            Err(e) => (e.kind().status, !e.is_refusal()),
+            Err(e) => (e.code().status(), !e.code().is_refusal()),
         };
         let usd_after = layer.budgets.session_usd(&tenant, &session).await;
         let fields = log.snapshot();
