@@ -1,5 +1,7 @@
 //! Typed errors raised by the layers. They travel as `Err` through the tower stack and
-//! become HTTP responses in exactly one place, [`respond`].
+//! become HTTP responses in exactly one place, [`respond`]. Each answers with an
+//! [`ErrorCode`], from which its status, both APIs' types and whether it is a refusal
+//! follow. The admin API's own errors are `crate::admin::AdminError`, answered alike.
 
 pub mod budget;
 pub mod code;

@@ -103,7 +103,7 @@ impl<const K: usize> MinuteRing<K> {
 }
 
 /// The refusals by Backstop the dashboard counts by reason (their codes), in order.
-const REFUSALS: [ErrorCode; ErrorCode::REFUSALS.len()] = ErrorCode::REFUSALS;
+const REFUSALS: &[ErrorCode] = &ErrorCode::REFUSALS;
 
 /// The per-request counters (by these indices), then one per [`REFUSALS`] reason.
 const REQUEST_FIELDS: [&str; 5] = ["requests", "failed", "retries", "corrections", "failovers"];
@@ -339,20 +339,24 @@ mod tests {
             None,
         );
         activity.record_request(now, 200, &retried);
-        activity.record_request(now, 429, &fields(vec![], Some(ErrorCode::LoopDetected)));
-        activity.record_request(now, 429, &fields(vec![], Some(ErrorCode::LoopDetected)));
-        activity.record_request(now, 402, &fields(vec![], Some(ErrorCode::BudgetExceeded)));
-        activity.record_request(
-            now,
-            502,
-            &fields(vec![], Some(ErrorCode::UpstreamUnavailable)),
-        );
+        // The refusals are ErrorCode's: a store that cannot account refuses; a reused
+        // idempotency key is the caller's mistake, a failure.
+        for (status, code) in [
+            (429, ErrorCode::LoopDetected),
+            (429, ErrorCode::LoopDetected),
+            (402, ErrorCode::BudgetExceeded),
+            (502, ErrorCode::UpstreamUnavailable),
+            (503, ErrorCode::StoreUnavailable),
+            (422, ErrorCode::IdempotencyKeyReused),
+        ] {
+            activity.record_request(now, status, &fields(vec![], Some(code)));
+        }
         let report = activity.report(now);
         let minute = &report[MINUTES - 1];
         assert_eq!(
             *minute,
-            json!({"requests": 5, "failed": 1, "retries": 2, "corrections": 1, "failovers": 1,
-                   "refused": {"loop_detected": 2, "budget_exceeded": 1}})
+            json!({"requests": 7, "failed": 2, "retries": 2, "corrections": 1, "failovers": 1,
+                   "refused": {"loop_detected": 2, "budget_exceeded": 1, "store_unavailable": 1}})
         );
         assert_eq!(report[0]["requests"], 0);
     }
