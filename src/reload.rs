@@ -22,7 +22,7 @@ use futures_util::future::BoxFuture;
 use tokio::time::Instant;
 
 use crate::{
-    admin::{ConfigStamp, Reload, Reloaded},
+    admin::{AdminError, ConfigStamp, Reload, Reloaded},
     app::{router_with, App, AppState},
     config::Config,
     error::GatewayError,
@@ -71,25 +71,25 @@ impl Live {
 
     /// Re-reads the config file and swaps it in; on an invalid file, the running config
     /// is kept and the errors returned.
-    pub async fn reload(&self) -> Result<Reloaded, GatewayError> {
+    pub async fn reload(&self) -> Result<Reloaded, AdminError> {
         let _one = self.reloading.lock().await;
         let started = Instant::now();
         let running = self.current();
         let Some(path) = running.state.config.source.clone() else {
-            return Err(GatewayError::ReloadUnavailable(
+            return Err(AdminError::ReloadUnavailable(
                 "the config did not come from a file",
             ));
         };
         let loaded = tokio::task::spawn_blocking(move || Config::load(path))
             .await
-            .map_err(|_| GatewayError::Internal)?;
+            .map_err(|_| AdminError::from(GatewayError::Internal))?;
         let mut config = match loaded {
             Ok(config) => config,
             Err(err) => {
                 metrics::counter!("backstop_config_reloads_total", "outcome" => "invalid")
                     .increment(1);
                 tracing::error!(error = %err, version = running.stamp.version, "config reload refused: the file is invalid; the running config is kept");
-                return Err(GatewayError::ConfigInvalid(err.to_string()));
+                return Err(AdminError::ConfigInvalid(err.to_string()));
             }
         };
         let restart_required = keep_start_up_keys(&running.state.config, &mut config);
@@ -122,7 +122,7 @@ impl Live {
 }
 
 impl Reload for Live {
-    fn reload(&self) -> BoxFuture<'_, Result<Reloaded, GatewayError>> {
+    fn reload(&self) -> BoxFuture<'_, Result<Reloaded, AdminError>> {
         Box::pin(Live::reload(self))
     }
 

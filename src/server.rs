@@ -51,11 +51,10 @@ use tokio::{
 use tower::{Service, ServiceExt};
 
 use crate::{
-    admin::Reloaded,
+    admin::{AdminError, Reloaded},
     app::AppState,
     clock::Clock,
     config::{Config, ServerConfig},
-    error::GatewayError,
     reload::{Generation, Live},
     store,
 };
@@ -82,7 +81,7 @@ impl ServerHandle {
     }
 
     /// Re-reads the config file and swaps it in, as `SIGHUP` and `POST /admin/reload` do.
-    pub async fn reload(&self) -> Result<Reloaded, GatewayError> {
+    pub async fn reload(&self) -> Result<Reloaded, AdminError> {
         self.live.reload().await
     }
 

@@ -139,7 +139,7 @@ pub struct LogFields {
     pub upstream: Option<Arc<str>>,
     pub attempts: u32,
     pub upstream_time: Duration,
-    pub error: Option<&'static str>,
+    pub error: Option<crate::error::ErrorCode>,
     /// What recovery did, in order (the `x-backstop-recovery` header).
     pub recovery: Vec<Step>,
     /// What the session has left (the `x-backstop-budget-remaining` header).
@@ -162,7 +162,7 @@ impl LogFields {
     pub fn recovery_header(&self) -> Option<String> {
         match self.error {
             _ if !self.recovery.is_empty() => Some(trail::render(&self.recovery)),
-            Some(code) => Some(Step::Refused(code).to_string()),
+            Some(code) => Some(Step::Refused(code.as_str()).to_string()),
             None => None,
         }
     }

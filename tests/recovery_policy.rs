@@ -251,7 +251,7 @@ impl Harness {
         let fields = log.snapshot();
         let (status, error, headers) = match result {
             Ok(a) => (a.reply.status.as_u16(), None, a.reply.headers.clone()),
-            Err(e) => (e.kind().status, Some(e), HeaderMap::new()),
+            Err(e) => (e.code().status(), Some(e), HeaderMap::new()),
         };
         Outcome {
             status,
@@ -425,7 +425,7 @@ async fn final_failures_become_the_right_answer() {
         .send("one", &Script::new(&[Status(401, "{}", &[])]), LONG)
         .await;
     assert_eq!(
-        (out.status, out.error.unwrap().kind().code),
+        (out.status, out.error.unwrap().code().as_str()),
         (502, "upstream_auth_failed")
     );
     let h = harness(|c| c);
@@ -437,7 +437,7 @@ async fn final_failures_become_the_right_answer() {
         )
         .await;
     assert_eq!(
-        (out.status, out.error.unwrap().kind().code),
+        (out.status, out.error.unwrap().code().as_str()),
         (502, "upstream_unavailable")
     );
     assert_eq!(out.attempts, 3);
@@ -457,7 +457,7 @@ async fn final_failures_become_the_right_answer() {
         )
         .await;
     assert_eq!(
-        (out.status, out.error.unwrap().kind().code),
+        (out.status, out.error.unwrap().code().as_str()),
         (504, "upstream_timeout")
     );
     let h = harness(|c| c);
@@ -465,8 +465,8 @@ async fn final_failures_become_the_right_answer() {
         .send("one", &Script::new(&[Status(200, "not json", &[])]), LONG)
         .await;
     assert_eq!(
-        (out.status, out.error.unwrap().kind().code),
-        (502, "output_invalid")
+        (out.status, out.error.unwrap().code().as_str()),
+        (502, "upstream_malformed")
     );
     assert_eq!(out.attempts, 1);
 }
@@ -654,7 +654,7 @@ async fn no_wait_ever_runs_past_the_deadline() {
     // left, and the answer comes exactly at the deadline.
     assert_eq!(out.elapsed, Duration::from_secs(3));
     assert_eq!((out.status, out.attempts), (504, 2));
-    assert_eq!(out.error.unwrap().kind().code, "request_timeout");
+    assert_eq!(out.error.unwrap().code().as_str(), "request_timeout");
     let starts: Vec<_> = script
         .calls()
         .into_iter()

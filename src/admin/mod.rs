@@ -18,6 +18,7 @@
 
 mod auth;
 mod dashboard;
+mod error;
 mod reload;
 
 use std::{collections::HashMap, convert::Infallible, sync::Arc};
@@ -33,11 +34,12 @@ use serde_json::{json, Value};
 use tower::ServiceBuilder;
 
 pub use auth::{AdminAuth, AdminAuthLayer};
+pub use error::AdminError;
 pub use reload::{no_reload, ConfigStamp, Reload, Reloaded};
 
 use crate::{
     api::ApiKind,
-    error::{respond::error_response, GatewayError},
+    error::GatewayError,
     layers::{
         auth::{AuthLayer, Tenant, TenantKeys},
         edge::{self, EdgeLayer},
@@ -139,27 +141,11 @@ fn json_response(value: Value) -> Response {
         .into_response()
 }
 
-/// A report as JSON, or the refusal in the OpenAI shape, with its code in the request's
-/// log line as the respond layer does for the layers' errors.
-fn answer(log: &RequestLog, result: Result<Value, GatewayError>) -> Response {
+/// A report as JSON, or the refusal in the OpenAI shape.
+fn answer(log: &RequestLog, result: Result<Value, AdminError>) -> Response {
     match result {
         Ok(value) => json_response(value),
-        Err(err) => {
-            log.update(|f| f.error = Some(err.kind().code));
-            error_response(&err, ApiKind::OpenAi)
-        }
-    }
-}
-
-fn store_error(err: crate::store::StoreError) -> GatewayError {
-    match err {
-        crate::store::StoreError::Unavailable(detail) => GatewayError::StateUnavailable {
-            detail: detail.to_string(),
-            retry_after: std::time::Duration::from_secs(1),
-        },
-        err => GatewayError::StoreUnavailable {
-            detail: err.to_string(),
-        },
+        Err(err) => error::refuse(Some(log), &err, ApiKind::OpenAi),
     }
 }
 
@@ -218,14 +204,12 @@ async fn adopt_state(
         let Some(shared) = state.budgets.shared() else {
             return Ok(json!({"adopted": false, "backend": "embedded"}));
         };
-        shared
-            .redis
-            .adopt()
-            .await
-            .map_err(|err| GatewayError::StateUnavailable {
+        shared.redis.adopt().await.map_err(|err| {
+            AdminError::from(GatewayError::StateUnavailable {
                 detail: err.to_string(),
                 retry_after: std::time::Duration::from_secs(1),
-            })?;
+            })
+        })?;
         Ok(json!({"adopted": true, "backend": "redis"}))
     };
     answer(&log, adopted.await)
@@ -240,9 +224,7 @@ async fn reload_config(
 ) -> Response {
     let reloaded = match state.reload.upgrade() {
         Some(reload) => reload.reload().await.map(|r| r.to_json()),
-        None => Err(GatewayError::ReloadUnavailable(
-            "the server is shutting down",
-        )),
+        None => Err(AdminError::ReloadUnavailable("the server is shutting down")),
     };
     answer(&log, reloaded)
 }
@@ -276,8 +258,8 @@ async fn tenant_view(
 ) -> Response {
     let report = match state.budgets.tenant_report(&tenant).await {
         Ok(Some(report)) => Ok(report),
-        Ok(None) => Err(GatewayError::NotFoundAdmin { what: "tenant" }),
-        Err(err) => Err(store_error(err)),
+        Ok(None) => Err(AdminError::NotFound { what: "tenant" }),
+        Err(err) => Err(err.into()),
     };
     answer(&log, report)
 }
@@ -290,7 +272,7 @@ async fn session(
 ) -> Response {
     let report = session_view(&state, &tenant, &session)
         .await
-        .and_then(|r| r.ok_or(GatewayError::NotFoundAdmin { what: "tenant" }));
+        .and_then(|r| r.ok_or(AdminError::NotFound { what: "tenant" }));
     answer(&log, report)
 }
 
@@ -299,13 +281,8 @@ async fn session_view(
     state: &AdminState,
     tenant: &str,
     session: &str,
-) -> Result<Option<Value>, GatewayError> {
-    let Some(mut report) = state
-        .budgets
-        .session_report(tenant, session)
-        .await
-        .map_err(store_error)?
-    else {
+) -> Result<Option<Value>, AdminError> {
+    let Some(mut report) = state.budgets.session_report(tenant, session).await? else {
         return Ok(None);
     };
     let session_usd = state.budgets.session_usd(tenant, session).await;
@@ -316,11 +293,7 @@ async fn session_view(
 }
 
 /// The session's view after an operator's action.
-async fn view_after(
-    state: &AdminState,
-    tenant: &str,
-    session: &str,
-) -> Result<Value, GatewayError> {
+async fn view_after(state: &AdminState, tenant: &str, session: &str) -> Result<Value, AdminError> {
     Ok(session_view(state, tenant, session)
         .await?
         .unwrap_or(Value::Null))
@@ -333,13 +306,8 @@ async fn close_session(
     Path((tenant, session)): Path<(String, String)>,
 ) -> Response {
     let closed = async {
-        if !state
-            .guards
-            .close(&tenant, &session)
-            .await
-            .map_err(store_error)?
-        {
-            return Err(GatewayError::NotFoundAdmin {
+        if !state.guards.close(&tenant, &session).await? {
+            return Err(AdminError::NotFound {
                 what: "guarded tenant",
             });
         }
@@ -355,19 +323,10 @@ async fn reset_session(
     Path((tenant, session)): Path<(String, String)>,
 ) -> Response {
     let reset = async {
-        if !state
-            .budgets
-            .reset_session(&tenant, &session)
-            .await
-            .map_err(store_error)?
-        {
-            return Err(GatewayError::NotFoundAdmin { what: "tenant" });
+        if !state.budgets.reset_session(&tenant, &session).await? {
+            return Err(AdminError::NotFound { what: "tenant" });
         }
-        state
-            .guards
-            .reset(&tenant, &session)
-            .await
-            .map_err(store_error)?;
+        state.guards.reset(&tenant, &session).await?;
         tracing::info!(%tenant, %session, "session reset by an operator");
         view_after(&state, &tenant, &session).await
     };
@@ -391,9 +350,8 @@ async fn own_session(
         state
             .budgets
             .session_report(&tenant.name, &session)
-            .await
-            .map_err(store_error)?
-            .ok_or(GatewayError::NotFoundAdmin { what: "session" })
+            .await?
+            .ok_or(AdminError::NotFound { what: "session" })
     };
     let report = report.await;
     answer(&log, report)

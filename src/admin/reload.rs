@@ -10,12 +10,12 @@ use futures_util::future::BoxFuture;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::error::GatewayError;
+use super::AdminError;
 
 /// Re-reads the config and swaps it in (`POST /admin/reload`), and says which config
 /// is running.
 pub trait Reload: Send + Sync {
-    fn reload(&self) -> BoxFuture<'_, Result<Reloaded, GatewayError>>;
+    fn reload(&self) -> BoxFuture<'_, Result<Reloaded, AdminError>>;
     fn stamp(&self) -> ConfigStamp;
 }
 
@@ -58,8 +58,8 @@ impl Reloaded {
 struct NoReload;
 
 impl Reload for NoReload {
-    fn reload(&self) -> BoxFuture<'_, Result<Reloaded, GatewayError>> {
-        Box::pin(async { Err(GatewayError::ReloadUnavailable("no reloader")) })
+    fn reload(&self) -> BoxFuture<'_, Result<Reloaded, AdminError>> {
+        Box::pin(async { Err(AdminError::ReloadUnavailable("no reloader")) })
     }
     fn stamp(&self) -> ConfigStamp {
         ConfigStamp {

@@ -1,21 +1,41 @@
-//! A budget refusal as the caller reads it: its message, and the [`GatewayError`] (with
-//! its `backstop_refusals_total` reason) it becomes.
+//! A budget refusal as the caller reads it: its message, and the [`GatewayError`] it
+//! becomes (counted in `backstop_refusals_total` when it is answered, by
+//! [`super::respond`]).
+
+use std::time::Duration;
 
 use super::GatewayError;
-use crate::state::budgets::Refusal;
+use crate::policy::budget::Exceeded;
+
+/// Why a call may not go ahead.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Refusal {
+    RateLimited {
+        scope: &'static str,
+        retry_after: Duration,
+    },
+    Exceeded(Exceeded),
+    TooManyConcurrent {
+        limit: u32,
+    },
+    Unpriced {
+        model: String,
+    },
+    /// The store could not read or record this call's budget: refused rather than made
+    /// unaccounted.
+    StoreUnavailable {
+        detail: String,
+    },
+    /// The shared state (Redis) is down, slow or lost its data.
+    StateUnavailable {
+        detail: String,
+        retry_after: Duration,
+    },
+}
 
 impl From<Refusal> for GatewayError {
     fn from(refusal: Refusal) -> Self {
         let detail = refusal.describe();
-        let reason = match &refusal {
-            Refusal::RateLimited { .. } => "rate_limited",
-            Refusal::Exceeded(_) => "budget_exceeded",
-            Refusal::TooManyConcurrent { .. } => "too_many_concurrent",
-            Refusal::Unpriced { .. } => "unpriced_model",
-            Refusal::StoreUnavailable { .. } => "store_unavailable",
-            Refusal::StateUnavailable { .. } => "state_unavailable",
-        };
-        metrics::counter!("backstop_refusals_total", "reason" => reason).increment(1);
         match refusal {
             Refusal::RateLimited { retry_after, .. } => GatewayError::RateLimited {
                 detail,

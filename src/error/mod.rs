@@ -1,10 +1,17 @@
 //! Typed errors raised by the layers. They travel as `Err` through the tower stack and
-//! become HTTP responses in exactly one place, [`respond`].
+//! become HTTP responses in exactly one place, [`respond`]. Each answers with an
+//! [`ErrorCode`], from which its status, both APIs' types and whether it is a refusal
+//! follow. The admin API's own errors are `crate::admin::AdminError`, answered alike.
 
 pub mod budget;
+pub mod code;
 pub mod respond;
 
 use std::time::Duration;
+
+pub use code::{Category, ErrorCode};
+
+use crate::policy::guard::TripCode;
 
 /// Everything Backstop itself can answer with instead of an upstream response.
 #[derive(Debug, thiserror::Error)]
@@ -74,8 +81,6 @@ pub enum GatewayError {
     NotFound { method: String, path: String },
     #[error("{method} is not allowed on {path}")]
     MethodNotAllowed { method: String, path: String },
-    #[error("missing or invalid admin token: pass `[admin] token` as `Authorization: Bearer`")]
-    AdminUnauthorized,
     #[error("the request's JSON schema is invalid: {0}")]
     InvalidSchema(String),
     #[error("the model's output did not validate after {attempts} attempts: {}", errors.join("; "))]
@@ -95,7 +100,7 @@ pub enum GatewayError {
     ConversationNotFound(String),
     #[error("{detail}")]
     SessionRefused {
-        code: crate::policy::guard::TripCode,
+        code: TripCode,
         detail: String,
         retry_after: Duration,
     },
@@ -113,8 +118,8 @@ pub enum GatewayError {
     TooManyConcurrent { detail: String },
     #[error("{detail}")]
     Unpriced { detail: String },
-    /// The store could not record a budgeted call or an operator's action: refused
-    /// rather than served unaccounted.
+    /// The store could not record a budgeted call (or an operator's action, for the
+    /// admin API): refused rather than served unaccounted.
     #[error("{detail}")]
     StoreUnavailable { detail: String },
     /// The shared state (Redis) cannot decide this call's budget or idempotency, or has
@@ -124,16 +129,9 @@ pub enum GatewayError {
         detail: String,
         retry_after: Duration,
     },
+    /// A stored object (a response) the tenant does not have.
     #[error("no such {what}")]
-    NotFoundAdmin { what: &'static str },
-    #[error("the admin API is disabled: set [admin] token in the config")]
-    AdminDisabled,
-    /// A reload found the config file invalid: the running config is kept.
-    #[error("the config file is invalid; the running config is kept: {0}")]
-    ConfigInvalid(String),
-    /// A reload was asked of a gateway whose config did not come from a file.
-    #[error("cannot reload: {0}")]
-    ReloadUnavailable(&'static str),
+    NoSuchObject { what: &'static str },
     #[error("internal error")]
     Internal,
 }
@@ -150,206 +148,66 @@ pub enum Protocol {
 }
 
 impl Protocol {
-    pub fn code(self) -> &'static str {
+    pub fn code(self) -> ErrorCode {
         match self {
-            Protocol::Redirect(_) => "upstream_redirect",
-            Protocol::TooLarge => "upstream_response_too_large",
-            Protocol::NotAStream => "upstream_not_streaming",
+            Protocol::Redirect(_) => ErrorCode::UpstreamRedirect,
+            Protocol::TooLarge => ErrorCode::UpstreamResponseTooLarge,
+            Protocol::NotAStream => ErrorCode::UpstreamNotStreaming,
         }
     }
 }
 
-/// The HTTP-facing identity of an error: status, category and the exact code.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ErrorKind {
-    pub status: u16,
-    pub category: &'static str,
-    pub code: &'static str,
-    pub anthropic_type: &'static str,
+impl From<TripCode> for ErrorCode {
+    fn from(trip: TripCode) -> ErrorCode {
+        match trip {
+            TripCode::SessionTripped => ErrorCode::SessionTripped,
+            TripCode::LoopDetected => ErrorCode::LoopDetected,
+        }
+    }
 }
 
 impl GatewayError {
-    pub fn kind(&self) -> ErrorKind {
+    /// The code this error is answered with; status, types and whether it is a refusal
+    /// follow from it.
+    pub fn code(&self) -> ErrorCode {
         use GatewayError::*;
-        let (status, category, code, anthropic_type) = match self {
-            Unauthorized => (
-                401,
-                "authentication_error",
-                "invalid_api_key",
-                "authentication_error",
-            ),
-            InvalidJson(_) | NotAnObject => (
-                400,
-                "invalid_request_error",
-                "invalid_json",
-                "invalid_request_error",
-            ),
-            InvalidHeader { .. } => (
-                400,
-                "invalid_request_error",
-                "invalid_header",
-                "invalid_request_error",
-            ),
-            InvalidParameter { .. } => (
-                400,
-                "invalid_request_error",
-                "invalid_parameter",
-                "invalid_request_error",
-            ),
-            MissingModel => (
-                400,
-                "invalid_request_error",
-                "missing_model",
-                "invalid_request_error",
-            ),
-            PreviousResponseNotFound(_) => (
-                400,
-                "invalid_request_error",
-                "previous_response_not_found",
-                "invalid_request_error",
-            ),
-            ItemNotFound { .. } => (
-                400,
-                "invalid_request_error",
-                "item_not_found",
-                "invalid_request_error",
-            ),
-            ConversationNotFound(_) => (
-                400,
-                "invalid_request_error",
-                "conversation_not_found",
-                "invalid_request_error",
-            ),
-            ModelNotFound(_) => (
-                404,
-                "invalid_request_error",
-                "model_not_found",
-                "not_found_error",
-            ),
-            ApiMismatch { .. } => (
-                400,
-                "invalid_request_error",
-                "api_mismatch",
-                "invalid_request_error",
-            ),
-            BodyTooLarge { .. } => (
-                413,
-                "invalid_request_error",
-                "request_too_large",
-                "request_too_large",
-            ),
-            TooManyItems { .. } => (
-                400,
-                "invalid_request_error",
-                "too_many_items",
-                "invalid_request_error",
-            ),
-            Overloaded { .. } => (503, "server_error", "overloaded", "overloaded_error"),
-            BodyRead(_) => (
-                400,
-                "invalid_request_error",
-                "body_read_error",
-                "invalid_request_error",
-            ),
-            BodyTimeout => (
-                408,
-                "timeout_error",
-                "request_body_timeout",
-                "request_body_timeout",
-            ),
-            UpstreamUnavailable { .. } => (
-                502,
-                "upstream_error",
-                "upstream_unavailable",
-                "upstream_unavailable",
-            ),
-            UpstreamTimeout { .. } => (
-                504,
-                "upstream_error",
-                "upstream_timeout",
-                "upstream_timeout",
-            ),
-            UpstreamAuth { .. } => (
-                502,
-                "upstream_error",
-                "upstream_auth_failed",
-                "upstream_auth_failed",
-            ),
-            UpstreamMalformed { .. } => (502, "upstream_error", "output_invalid", "output_invalid"),
-            UpstreamProtocol { problem, .. } => {
-                (502, "upstream_error", problem.code(), problem.code())
-            }
-            CircuitOpen { .. } => (503, "upstream_error", "circuit_open", "circuit_open"),
-            RequestTimeout(_) => (504, "timeout_error", "request_timeout", "request_timeout"),
-            NotFound { .. } => (
-                404,
-                "invalid_request_error",
-                "unknown_endpoint",
-                "not_found_error",
-            ),
-            MethodNotAllowed { .. } => (
-                405,
-                "invalid_request_error",
-                "method_not_allowed",
-                "invalid_request_error",
-            ),
-            AdminUnauthorized => (
-                401,
-                "authentication_error",
-                "invalid_admin_token",
-                "authentication_error",
-            ),
-            InvalidSchema(_) => (
-                400,
-                "invalid_request_error",
-                "invalid_schema",
-                "invalid_request_error",
-            ),
-            OutputInvalid { .. } => (502, "upstream_error", "output_invalid", "output_invalid"),
-            IdempotencyKeyReused => (
-                422,
-                "invalid_request_error",
-                "idempotency_key_reused",
-                "invalid_request_error",
-            ),
-            SessionRefused { code, .. } => (429, "session_error", code.as_str(), code.as_str()),
-            RateLimited { .. } => (429, "rate_limit_error", "rate_limited", "rate_limited"),
-            BudgetExceeded { .. } => (402, "budget_error", "budget_exceeded", "budget_exceeded"),
-            TooManyConcurrent { .. } => (
-                429,
-                "rate_limit_error",
-                "too_many_concurrent",
-                "too_many_concurrent",
-            ),
-            Unpriced { .. } => (402, "budget_error", "unpriced_model", "unpriced_model"),
-            StoreUnavailable { .. } => (503, "server_error", "store_unavailable", "api_error"),
-            StateUnavailable { .. } => (503, "server_error", "state_unavailable", "api_error"),
-            NotFoundAdmin { .. } => (404, "invalid_request_error", "not_found", "not_found_error"),
-            AdminDisabled => (
-                403,
-                "permission_error",
-                "admin_disabled",
-                "permission_error",
-            ),
-            ConfigInvalid(_) => (
-                400,
-                "invalid_request_error",
-                "config_invalid",
-                "invalid_request_error",
-            ),
-            ReloadUnavailable(_) => (
-                409,
-                "invalid_request_error",
-                "reload_unavailable",
-                "invalid_request_error",
-            ),
-            Internal => (500, "internal_error", "internal_error", "api_error"),
-        };
-        ErrorKind {
-            status,
-            category,
-            code,
-            anthropic_type,
+        match self {
+            Unauthorized => ErrorCode::InvalidApiKey,
+            InvalidJson(_) | NotAnObject => ErrorCode::InvalidJson,
+            InvalidHeader { .. } => ErrorCode::InvalidHeader,
+            InvalidParameter { .. } => ErrorCode::InvalidParameter,
+            MissingModel => ErrorCode::MissingModel,
+            PreviousResponseNotFound(_) => ErrorCode::PreviousResponseNotFound,
+            ItemNotFound { .. } => ErrorCode::ItemNotFound,
+            ConversationNotFound(_) => ErrorCode::ConversationNotFound,
+            ModelNotFound(_) => ErrorCode::ModelNotFound,
+            ApiMismatch { .. } => ErrorCode::ApiMismatch,
+            BodyTooLarge { .. } => ErrorCode::RequestTooLarge,
+            TooManyItems { .. } => ErrorCode::TooManyItems,
+            Overloaded { .. } => ErrorCode::Overloaded,
+            BodyRead(_) => ErrorCode::BodyReadError,
+            BodyTimeout => ErrorCode::RequestBodyTimeout,
+            UpstreamUnavailable { .. } => ErrorCode::UpstreamUnavailable,
+            UpstreamTimeout { .. } => ErrorCode::UpstreamTimeout,
+            UpstreamAuth { .. } => ErrorCode::UpstreamAuthFailed,
+            UpstreamMalformed { .. } => ErrorCode::UpstreamMalformed,
+            UpstreamProtocol { problem, .. } => problem.code(),
+            CircuitOpen { .. } => ErrorCode::CircuitOpen,
+            RequestTimeout(_) => ErrorCode::RequestTimeout,
+            NotFound { .. } => ErrorCode::UnknownEndpoint,
+            MethodNotAllowed { .. } => ErrorCode::MethodNotAllowed,
+            InvalidSchema(_) => ErrorCode::InvalidSchema,
+            OutputInvalid { .. } => ErrorCode::OutputInvalid,
+            IdempotencyKeyReused => ErrorCode::IdempotencyKeyReused,
+            SessionRefused { code, .. } => (*code).into(),
+            RateLimited { .. } => ErrorCode::RateLimited,
+            BudgetExceeded { .. } => ErrorCode::BudgetExceeded,
+            TooManyConcurrent { .. } => ErrorCode::TooManyConcurrent,
+            Unpriced { .. } => ErrorCode::UnpricedModel,
+            StoreUnavailable { .. } => ErrorCode::StoreUnavailable,
+            StateUnavailable { .. } => ErrorCode::StateUnavailable,
+            NoSuchObject { .. } => ErrorCode::NotFound,
+            Internal => ErrorCode::Internal,
         }
     }
 
@@ -363,21 +221,6 @@ impl GatewayError {
             | GatewayError::Overloaded { retry_after } => Some(*retry_after),
             _ => None,
         }
-    }
-
-    /// Backstop refused on purpose (limits, budgets, the session guard): says nothing
-    /// about whether the session's work is failing.
-    pub fn is_refusal(&self) -> bool {
-        matches!(
-            self,
-            GatewayError::RateLimited { .. }
-                | GatewayError::BudgetExceeded { .. }
-                | GatewayError::TooManyConcurrent { .. }
-                | GatewayError::Unpriced { .. }
-                | GatewayError::StoreUnavailable { .. }
-                | GatewayError::StateUnavailable { .. }
-                | GatewayError::SessionRefused { .. }
-        )
     }
 
     /// Which budget refused (for `budget_exceeded`), as the OpenAI `param`.

@@ -1,36 +1,73 @@
-//! The one place where a [`GatewayError`] becomes an HTTP response, in the caller's API
-//! shape (OpenAI or Anthropic).
+//! The one place where an error becomes an HTTP response, in the caller's API shape
+//! (OpenAI or Anthropic), and where a refusal is counted in `backstop_refusals_total`.
+
+use std::time::Duration;
 
 use axum::body::Body;
 use http::{header, HeaderValue, Response, StatusCode};
 
-use super::GatewayError;
+use super::{ErrorCode, GatewayError};
 use crate::{
     api::ApiKind,
     api::{error_body, ErrorParts},
 };
 
-pub fn error_response(err: &GatewayError, api: ApiKind) -> Response<Body> {
-    let kind = err.kind();
+/// An error a client is answered with: the proxy's [`GatewayError`] and the admin API's
+/// own. Its `Display` is the message.
+pub trait ClientError: std::fmt::Display {
+    fn code(&self) -> ErrorCode;
+    /// The request parameter at fault (the OpenAI body's `param`).
+    fn param(&self) -> Option<&str> {
+        None
+    }
+    /// How long the client should wait before trying again (`Retry-After`).
+    fn retry_after(&self) -> Option<Duration> {
+        None
+    }
+}
+
+impl ClientError for GatewayError {
+    fn code(&self) -> ErrorCode {
+        GatewayError::code(self)
+    }
+    fn param(&self) -> Option<&str> {
+        GatewayError::param(self)
+    }
+    fn retry_after(&self) -> Option<Duration> {
+        GatewayError::retry_after(self)
+    }
+}
+
+pub fn error_response(err: &(impl ClientError + ?Sized), api: ApiKind) -> Response<Body> {
+    let code = err.code();
+    if code.is_refusal() {
+        metrics::counter!("backstop_refusals_total", "reason" => code.as_str()).increment(1);
+    }
     let message = err.to_string();
     let body = error_body(
         api,
         &ErrorParts {
-            category: kind.category,
-            code: kind.code,
-            anthropic_type: kind.anthropic_type,
+            category: code.openai_type(),
+            code: code.as_str(),
+            anthropic_type: code.anthropic_type(),
             message: &message,
             param: err.param(),
         },
     );
     let mut response = Response::new(Body::from(body));
     *response.status_mut() =
-        StatusCode::from_u16(kind.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        StatusCode::from_u16(code.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     response.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    if let Some(wait) = err.retry_after() {
+    let retry_after = err.retry_after();
+    debug_assert_eq!(
+        retry_after.is_some(),
+        code.has_retry_after(),
+        "{code}: Retry-After disagrees with ErrorCode"
+    );
+    if let Some(wait) = retry_after {
         // Whole seconds, rounded up: a client must not come back before the breaker
         // half-opens.
         let secs = wait.as_millis().div_ceil(1000).max(1);

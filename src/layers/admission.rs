@@ -266,7 +266,6 @@ impl AdmissionLayer {
         persist(&self.guards, g.tenant, g.session, keep).await;
         if let Err(refused) = admitted {
             let code = refused.trip.code();
-            metrics::counter!("backstop_refusals_total", "reason" => code.as_str()).increment(1);
             return Err(GatewayError::SessionRefused {
                 code,
                 detail: format!(
@@ -369,7 +368,7 @@ where
         let result = inner.call(call).await;
         let (status, failed) = match &result {
             Ok(r) => (r.status().as_u16(), r.status().as_u16() >= 400),
-            Err(e) => (e.kind().status, !e.is_refusal()),
+            Err(e) => (e.code().status(), !e.code().is_refusal()),
         };
         let fields = log.snapshot();
         let seen = fields.session_seen;

@@ -595,7 +595,7 @@ mod tests {
             r#"{"metadata":{"session_id":"a-very-long-session-id"}}"#,
         ] {
             let err = read(bad).unwrap_err();
-            assert_eq!(err.kind().code, "invalid_parameter", "{bad}");
+            assert_eq!(err.code().as_str(), "invalid_parameter", "{bad}");
             assert!(
                 matches!(
                     err,
@@ -693,7 +693,7 @@ mod fuzz {
                     prop_assert_eq!(upstream.get("model").and_then(Value::as_str), Some(ctx.model.as_str()));
                 }
                 Err(err) => {
-                    prop_assert!(err.kind().status == 400 || err.kind().status == 404, "{err:?}");
+                    prop_assert!(err.code().status() == 400 || err.code().status() == 404, "{err:?}");
                 }
             }
         }
@@ -706,7 +706,7 @@ mod fuzz {
                 match identifier(&headers, "x-session-id", 256) {
                     Ok(Some(id)) => prop_assert!(id.len() <= 256 && id.bytes().all(|b| b.is_ascii_graphic())),
                     Ok(None) => prop_assert!(raw.trim_ascii().is_empty()),
-                    Err(err) => prop_assert_eq!(err.kind().code, "invalid_header"),
+                    Err(err) => prop_assert_eq!(err.code().as_str(), "invalid_header"),
                 }
             }
         }

@@ -310,7 +310,7 @@ where
                 model = fields.model.as_deref().unwrap_or("-"),
                 upstream = fields.upstream.as_deref().unwrap_or("-"),
                 status,
-                error = fields.error.unwrap_or("-"),
+                error = fields.error.map_or("-", |code| code.as_str()),
                 attempts = fields.attempts,
                 recovery = recovery.as_deref().unwrap_or(""),
                 latency_ms = elapsed.as_secs_f64() * 1e3,

@@ -559,7 +559,9 @@ where
                 Err(refusal) => {
                     // Refused before any network: no verdict on the upstream.
                     drop(admitted);
-                    self.trail.steps.push(Step::Refused(refusal.kind().code));
+                    self.trail
+                        .steps
+                        .push(Step::Refused(refusal.code().as_str()));
                     return Next::Answer(Err(refusal));
                 }
             };
@@ -661,7 +663,7 @@ where
             Err(AttemptError::Transport(failure)) => Err(failure),
             Err(AttemptError::Refused(refusal)) => {
                 if let Some(span) = span {
-                    span.refused(refusal.kind().code);
+                    span.refused(refusal.code().as_str());
                 }
                 return Err(refusal);
             }

@@ -93,7 +93,7 @@ where
             };
             let mut response = result.unwrap_or_else(|err| {
                 if let Some(log) = &log {
-                    log.update(|f| f.error = Some(err.kind().code));
+                    log.update(|f| f.error = Some(err.code()));
                 }
                 error_response(&err, api)
             });

@@ -126,7 +126,7 @@ impl Drop for SpanEnd {
                 Some(status) if status >= 500 || fields.error.is_some() => Some(
                     fields
                         .error
-                        .map_or_else(|| status.to_string(), str::to_string),
+                        .map_or_else(|| status.to_string(), |code| code.as_str().to_string()),
                 ),
                 Some(_) => None,
             };
@@ -177,7 +177,10 @@ fn request_attributes(
                 fields.upstream.as_deref().map(str::to_string),
             ),
             text("backstop.recovery", fields.recovery_header()),
-            text("error.type", fields.error.map(str::to_string)),
+            text(
+                "error.type",
+                fields.error.map(|code| code.as_str().to_string()),
+            ),
             text("backstop.refusal", refusal(fields).map(str::to_string)),
             text("backstop.validation", validation_steps(&fields.recovery)),
         ]
@@ -200,7 +203,7 @@ fn refusal(fields: &LogFields) -> Option<&'static str> {
             .recovery
             .iter()
             .any(|s| matches!(s, Step::Refused(_)));
-    fields.error.filter(|_| refused)
+    fields.error.filter(|_| refused).map(|code| code.as_str())
 }
 
 /// What output validation did (its corrective retries and strategy switches), if it did.
@@ -285,12 +288,12 @@ mod tests {
         );
         assert_eq!(get("backstop.refusal"), None);
         let failed = LogFields {
-            error: Some("upstream_unavailable"),
+            error: Some(crate::error::ErrorCode::UpstreamUnavailable),
             ..fields.clone()
         };
         assert_eq!(refusal(&failed), None);
         let refused = LogFields {
-            error: Some("budget_exceeded"),
+            error: Some(crate::error::ErrorCode::BudgetExceeded),
             attempts: 0,
             ..LogFields::default()
         };

@@ -471,7 +471,7 @@ where
             if let Err(early) = run.pull().await {
                 // Only before the first event; kept for completeness.
                 let code = match early {
-                    Early::Error(err) => err.kind().code,
+                    Early::Error(err) => err.code().as_str(),
                     Early::Reply(_) => "upstream_error",
                 };
                 run.done = true;
@@ -526,7 +526,7 @@ where
             return Err(early);
         }
         let (code, message) = match &early {
-            Early::Error(err) => (err.kind().code, err.to_string()),
+            Early::Error(err) => (err.code().as_str(), err.to_string()),
             Early::Reply(r) => (
                 "upstream_error",
                 format!(

@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use crate::{
+    error::ErrorCode,
     policy::{classify::Class, trail::Step},
     telemetry::LogFields,
 };
@@ -101,18 +102,8 @@ impl<const K: usize> MinuteRing<K> {
     }
 }
 
-/// The refusals by Backstop the dashboard counts by reason (the error codes), in order.
-pub const REFUSALS: [&str; 9] = [
-    "rate_limited",
-    "too_many_concurrent",
-    "budget_exceeded",
-    "unpriced_model",
-    "session_tripped",
-    "loop_detected",
-    "circuit_open",
-    "state_unavailable",
-    "idempotency_key_reused",
-];
+/// The refusals by Backstop the dashboard counts by reason (their codes), in order.
+const REFUSALS: &[ErrorCode] = &ErrorCode::REFUSALS;
 
 /// The per-request counters (by these indices), then one per [`REFUSALS`] reason.
 const REQUEST_FIELDS: [&str; 5] = ["requests", "failed", "retries", "corrections", "failovers"];
@@ -183,7 +174,7 @@ impl Activity {
                     .iter()
                     .zip(&counts[REQUEST_FIELDS.len()..])
                     .filter(|(_, n)| **n > 0)
-                    .map(|(reason, n)| ((*reason).to_string(), (*n).into()))
+                    .map(|(reason, n)| (reason.as_str().to_string(), (*n).into()))
                     .collect();
                 minute.insert("refused".into(), refused.into());
                 minute.into()
@@ -298,7 +289,7 @@ mod tests {
     use super::*;
     use crate::policy::trail::Reason;
 
-    fn fields(steps: Vec<Step>, error: Option<&'static str>) -> LogFields {
+    fn fields(steps: Vec<Step>, error: Option<ErrorCode>) -> LogFields {
         LogFields {
             recovery: steps,
             error,
@@ -348,16 +339,24 @@ mod tests {
             None,
         );
         activity.record_request(now, 200, &retried);
-        activity.record_request(now, 429, &fields(vec![], Some("loop_detected")));
-        activity.record_request(now, 429, &fields(vec![], Some("loop_detected")));
-        activity.record_request(now, 402, &fields(vec![], Some("budget_exceeded")));
-        activity.record_request(now, 502, &fields(vec![], Some("upstream_unavailable")));
+        // The refusals are ErrorCode's: a store that cannot account refuses; a reused
+        // idempotency key is the caller's mistake, a failure.
+        for (status, code) in [
+            (429, ErrorCode::LoopDetected),
+            (429, ErrorCode::LoopDetected),
+            (402, ErrorCode::BudgetExceeded),
+            (502, ErrorCode::UpstreamUnavailable),
+            (503, ErrorCode::StoreUnavailable),
+            (422, ErrorCode::IdempotencyKeyReused),
+        ] {
+            activity.record_request(now, status, &fields(vec![], Some(code)));
+        }
         let report = activity.report(now);
         let minute = &report[MINUTES - 1];
         assert_eq!(
             *minute,
-            json!({"requests": 5, "failed": 1, "retries": 2, "corrections": 1, "failovers": 1,
-                   "refused": {"loop_detected": 2, "budget_exceeded": 1}})
+            json!({"requests": 7, "failed": 2, "retries": 2, "corrections": 1, "failovers": 1,
+                   "refused": {"loop_detected": 2, "budget_exceeded": 1, "store_unavailable": 1}})
         );
         assert_eq!(report[0]["requests"], 0);
     }

@@ -138,7 +138,7 @@ impl ForwardObject {
             }
         })?;
         if !owned {
-            return Err(GatewayError::NotFoundAdmin { what: "response" });
+            return Err(GatewayError::NoSuchObject { what: "response" });
         }
         let limit = self.max_body_bytes;
         let body = Limited::new(body, limit)

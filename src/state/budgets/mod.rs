@@ -38,7 +38,7 @@ use self::reservation::Reservation;
 use crate::{
     clock::Clock,
     config::{Config, PriceConfig, Unpriced},
-    policy::budget::{worst_case, Account, Caps, Exceeded, Prices, Usage, SESSION, TENANT_DAY},
+    policy::budget::{worst_case, Account, Caps, Prices, Usage, SESSION, TENANT_DAY},
     state::{
         live::{LiveSessions, SessionKey},
         shared::{
@@ -52,31 +52,8 @@ use crate::{
 type Direct = RateLimiter<NotKeyed, InMemoryState, Clock, NoOpMiddleware<Duration>>;
 type Keyed = RateLimiter<String, DashMapStateStore<String>, Clock, NoOpMiddleware<Duration>>;
 
-/// Why a call may not go ahead.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Refusal {
-    RateLimited {
-        scope: &'static str,
-        retry_after: Duration,
-    },
-    Exceeded(Exceeded),
-    TooManyConcurrent {
-        limit: u32,
-    },
-    Unpriced {
-        model: String,
-    },
-    /// The store could not read or record this call's budget: refused rather than made
-    /// unaccounted.
-    StoreUnavailable {
-        detail: String,
-    },
-    /// The shared state (Redis) is down, slow or lost its data.
-    StateUnavailable {
-        detail: String,
-        retry_after: Duration,
-    },
-}
+/// Why a call may not go ahead: typed beside the error it becomes.
+pub use crate::error::budget::Refusal;
 
 impl From<StoreError> for Refusal {
     fn from(err: StoreError) -> Self {
@@ -720,6 +697,7 @@ impl Drop for ConcurrencySlot {
 mod tests {
     use super::*;
     use crate::{
+        policy::budget::Exceeded,
         state::budgets::reservation::Outcome,
         store::{Charge, SqliteStore},
     };
