@@ -11,6 +11,7 @@ use tracing_subscriber::{filter::Targets, prelude::*};
 
 use crate::{
     config::{LogConfig, LogFormat},
+    error::ErrorKind,
     policy::{
         guard::Phase,
         trail::{self, Step},
@@ -121,27 +122,32 @@ fn describe() {
     );
 }
 
-/// What one request did, filled in by the layers that learn it and logged once by the
-/// edge layer. Shared through request extensions, so errors raised deep in the stack
-/// still produce a complete log line.
+/// What one request did: one typed record per request, made by the edge layer and
+/// shared through request extensions (so an error raised deep in the stack still finds
+/// it). Each fact is written once, by the layer that decided it, through its own typed
+/// setter; the edge reads the record twice: at the response head for the `x-backstop-*`
+/// headers, and when the response body ends for the access-log line, the span, the
+/// request metrics and the dashboard.
 #[derive(Default, Debug)]
 pub struct RequestLog {
-    fields: Mutex<LogFields>,
+    facts: Mutex<Facts>,
     /// The request's trace span, when tracing is on (set by the trace layer).
     trace: OnceLock<crate::otel::RequestTrace>,
 }
 
+/// The facts of one request, as typed values.
 #[derive(Default, Clone, Debug)]
-pub struct LogFields {
+pub struct Facts {
+    /// The authenticated tenant (the auth layer).
     pub tenant: Option<Arc<str>>,
+    /// The session the call belongs to (the context layer).
     pub session: Option<String>,
+    /// The model the client asked for (the context layer).
     pub model: Option<String>,
-    pub upstream: Option<Arc<str>>,
-    pub attempts: u32,
-    pub upstream_time: Duration,
-    pub error: Option<&'static str>,
-    /// What recovery did, in order (the `x-backstop-recovery` header).
-    pub recovery: Vec<Step>,
+    /// What recovery and validation did (the `x-backstop-recovery` header).
+    pub recovery: Trail,
+    /// The error the request was answered with (the respond layer, the admin routes).
+    pub error: Option<ErrorKind>,
     /// What the session has left (the `x-backstop-budget-remaining` header).
     pub budget_remaining: Option<String>,
     /// The session guard's state after this request (`x-backstop-session-state`).
@@ -149,36 +155,88 @@ pub struct LogFields {
     /// Tokens the upstream reported, (input, output), summed over the request's calls
     /// (a stream's once it ends).
     pub usage: Option<(u64, u64)>,
+    /// Why Backstop cut a relayed stream short (`broken`, `idle`, `too_long`, ...),
+    /// if it did.
+    pub stream_cut: Option<&'static str>,
 }
 
-impl LogFields {
+/// What recovery did for a request: its steps in order, the attempts made, the last
+/// upstream asked and the time spent waiting on upstreams.
+#[derive(Default, Clone, Debug, PartialEq)]
+pub struct Trail {
+    pub steps: Vec<Step>,
+    pub upstream: Option<Arc<str>>,
+    pub attempts: u32,
+    pub upstream_time: Duration,
+}
+
+impl Trail {
+    /// Appends a later run (a correction, a hedge, a strategy switch) after this one.
+    pub fn then(&mut self, later: Trail) {
+        self.steps.extend(later.steps);
+        self.attempts += later.attempts;
+        self.upstream_time += later.upstream_time;
+        if later.upstream.is_some() {
+            self.upstream = later.upstream;
+        }
+    }
+}
+
+impl Facts {
     /// The `x-backstop-recovery` value: the steps taken, else what refused the request.
     pub fn recovery_header(&self) -> Option<String> {
         match self.error {
-            _ if !self.recovery.is_empty() => Some(trail::render(&self.recovery)),
-            Some(code) => Some(Step::Refused(code).to_string()),
+            _ if !self.recovery.steps.is_empty() => Some(trail::render(&self.recovery.steps)),
+            Some(kind) => Some(Step::Refused(kind.code).to_string()),
             None => None,
         }
     }
 }
 
 impl RequestLog {
-    pub fn update(&self, f: impl FnOnce(&mut LogFields)) {
-        let mut fields = self.fields.lock().unwrap_or_else(|e| e.into_inner());
-        f(&mut fields);
+    fn write(&self, f: impl FnOnce(&mut Facts)) {
+        f(&mut self.facts.lock().unwrap_or_else(|e| e.into_inner()));
     }
 
-    /// Appends one step to the recovery trail (`x-backstop-recovery`).
-    pub fn push_step(&self, step: Step) {
-        self.update(|f| f.recovery.push(step));
+    pub fn set_tenant(&self, tenant: Arc<str>) {
+        self.write(|f| f.tenant = Some(tenant));
     }
 
-    /// Adds reported token usage.
+    pub fn set_request(&self, model: String, session: Option<String>) {
+        self.write(|f| {
+            f.model = Some(model);
+            f.session = session;
+        });
+    }
+
+    /// What recovery (and validation around it) did, once it is done.
+    pub fn set_recovery(&self, recovery: Trail) {
+        self.write(|f| f.recovery = recovery);
+    }
+
+    pub fn set_error(&self, kind: ErrorKind) {
+        self.write(|f| f.error = Some(kind));
+    }
+
+    pub fn set_budget_remaining(&self, remaining: String) {
+        self.write(|f| f.budget_remaining = Some(remaining));
+    }
+
+    pub fn set_session_state(&self, phase: Phase) {
+        self.write(|f| f.session_state = Some(phase));
+    }
+
+    /// Adds reported token usage (one per upstream call: corrections add up).
     pub fn add_usage(&self, input: u64, output: u64) {
-        self.update(|f| {
+        self.write(|f| {
             let (i, o) = f.usage.unwrap_or_default();
             f.usage = Some((i + input, o + output));
         });
+    }
+
+    /// A relayed stream was cut short by Backstop, for `reason`.
+    pub fn set_stream_cut(&self, reason: &'static str) {
+        self.write(|f| f.stream_cut = Some(reason));
     }
 
     /// The request's trace span, when tracing is on.
@@ -191,11 +249,31 @@ impl RequestLog {
         let _ = self.trace.set(trace);
     }
 
-    pub fn snapshot(&self) -> LogFields {
-        self.fields
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+    /// The facts as they are now.
+    pub fn facts(&self) -> Facts {
+        self.facts.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// How a response body ended: the `end` of the access-log line and the span.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BodyEnd {
+    /// Sent to its end.
+    Complete,
+    /// Ended early by Backstop with an error event (the upstream broke or went silent,
+    /// a bound, shutdown): [`Facts::stream_cut`] says why.
+    Cut,
+    /// The client went away before the body (or the head) was sent.
+    ClientGone,
+}
+
+impl BodyEnd {
+    pub fn label(self) -> &'static str {
+        match self {
+            BodyEnd::Complete => "complete",
+            BodyEnd::Cut => "cut",
+            BodyEnd::ClientGone => "client_gone",
+        }
     }
 }
 

@@ -145,7 +145,7 @@ fn answer(log: &RequestLog, result: Result<Value, GatewayError>) -> Response {
     match result {
         Ok(value) => json_response(value),
         Err(err) => {
-            log.update(|f| f.error = Some(err.kind().code));
+            log.set_error(err.kind());
             error_response(&err, ApiKind::OpenAi)
         }
     }

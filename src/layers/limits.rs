@@ -1,4 +1,4 @@
-//! Limits layer (pipeline step 4, after the request context): the tenant's and the
+//! Limits layer (inside idempotency, outside the session guard): the tenant's and the
 //! session's request rate (governor GCRA), and the session's concurrent requests.
 //! Refuses with 429 `rate_limited` (Retry-After from the limiter's own wait time) or
 //! `too_many_concurrent`, before any upstream call. The concurrency slot is held until
@@ -94,7 +94,7 @@ where
         let result = inner.call(call).await;
         if let Some(session) = session.as_deref() {
             if let Some(remaining) = budgets.remaining_header(&tenant, session).await {
-                log.update(|f| f.budget_remaining = Some(remaining));
+                log.set_budget_remaining(remaining);
             }
         }
         let response = result?;

@@ -149,14 +149,21 @@ where
         match &result {
             Err(_) => reservation.settle(Outcome::Failed).await,
             Ok(reply) => match (&reply.stream_usage, &reply.view) {
-                (Some(usage), _) => usage.on_end(move |reported| {
-                    reservation.settle_later(match reported {
-                        Some((input, output)) => {
-                            log.add_usage(input, output);
-                            Outcome::Reported { input, output }
+                (Some(usage), _) => usage.on_end({
+                    // Weak: this callback is kept inside the stream's usage until it ends.
+                    let stream = Arc::downgrade(usage);
+                    move |reported| {
+                        if let Some(reason) = stream.upgrade().and_then(|s| s.cut()) {
+                            log.set_stream_cut(reason);
                         }
-                        None => Outcome::Unreported,
-                    })
+                        reservation.settle_later(match reported {
+                            Some((input, output)) => {
+                                log.add_usage(input, output);
+                                Outcome::Reported { input, output }
+                            }
+                            None => Outcome::Unreported,
+                        })
+                    }
                 }),
                 (None, Some(view)) => {
                     if let ReportedUsage::Counts { input, output } = view.usage {

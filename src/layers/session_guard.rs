@@ -1,4 +1,4 @@
-//! Session-guard layer (pipeline step 8): stops one agent's own loops, which upstream
+//! Session-guard layer (inside limits, outside validation): stops one agent's own loops, which upstream
 //! breakers cannot see. For a guarded tenant's session it fingerprints the request,
 //! admits or refuses it ([`SessionGuard::admit`]), records how it ended, and keeps the
 //! session's recovery trace. Refuses with 429 `session_tripped` or `loop_detected`,
@@ -163,7 +163,7 @@ where
                 });
             }
             let phase = e.guard.state().phase();
-            log.update(|f| f.session_state = Some(phase));
+            log.set_session_state(phase);
             (admitted, keep)
         };
         persist(&layer.guards, &tenant, &session, keep).await;
@@ -188,7 +188,7 @@ where
             Err(e) => (e.kind().status, !e.is_refusal()),
         };
         let usd_after = layer.budgets.session_usd(&tenant, &session).await;
-        let fields = log.snapshot();
+        let recovery = log.facts().recovery;
         // Shared state that became unreadable meanwhile is left as it is (already logged):
         // this outcome goes uncounted.
         let change = layer
@@ -208,17 +208,17 @@ where
                 request_id,
                 status,
                 failed,
-                action: trail::render(&fields.recovery),
+                action: trail::render(&recovery.steps),
                 detail: None,
-                attempts: fields.attempts,
-                upstream: fields.upstream,
+                attempts: recovery.attempts,
+                upstream: recovery.upstream,
                 latency_ms: (started.elapsed().as_secs_f64() * 1e3) as f32,
                 cost_usd: (usd_after - usd_before).max(0.0),
                 tool_loop: fp.tool_loop.as_ref().map_or(0, |(_, n)| *n),
                 state,
             });
             let phase = e.guard.state().phase();
-            log.update(|f| f.session_state = Some(phase));
+            log.set_session_state(phase);
             keep
         };
         persist(&layer.guards, &tenant, &session, keep).await;

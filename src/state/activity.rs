@@ -23,7 +23,7 @@ use tokio::time::Instant;
 
 use crate::{
     policy::{classify::Class, trail::Step},
-    telemetry::LogFields,
+    telemetry::Facts,
 };
 
 /// Minutes kept: one hour.
@@ -137,11 +137,11 @@ impl Activity {
 
     /// One finished request, from its log record. A refusal is counted under its reason,
     /// not as failed.
-    pub fn record_request(&self, now: Instant, status: u16, fields: &LogFields) {
+    pub fn record_request(&self, now: Instant, status: u16, fields: &Facts) {
         let ring = &self.requests;
         ring.add(now, REQUESTS, 1);
         let (mut retries, mut corrections, mut failovers) = (0, 0, 0);
-        for step in &fields.recovery {
+        for step in &fields.recovery.steps {
             match step {
                 Step::Retry(_) => retries += 1,
                 Step::Correct(_) => corrections += 1,
@@ -160,7 +160,7 @@ impl Activity {
         }
         let refusal = fields
             .error
-            .and_then(|code| REFUSALS.iter().position(|r| *r == code));
+            .and_then(|kind| REFUSALS.iter().position(|r| *r == kind.code));
         match refusal {
             Some(reason) => ring.add(now, REQUEST_FIELDS.len() + reason, 1),
             None if status >= 400 => ring.add(now, FAILED, 1),
@@ -298,11 +298,19 @@ mod tests {
     use super::*;
     use crate::policy::trail::Reason;
 
-    fn fields(steps: Vec<Step>, error: Option<&'static str>) -> LogFields {
-        LogFields {
-            recovery: steps,
-            error,
-            ..LogFields::default()
+    fn fields(steps: Vec<Step>, code: Option<&'static str>) -> Facts {
+        Facts {
+            recovery: crate::telemetry::Trail {
+                steps,
+                ..Default::default()
+            },
+            error: code.map(|code| crate::error::ErrorKind {
+                status: 0,
+                category: "",
+                code,
+                anthropic_type: "",
+            }),
+            ..Facts::default()
         }
     }
 
