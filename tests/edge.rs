@@ -366,13 +366,27 @@ async fn a_streams_access_log_line_is_written_when_its_body_ends() {
 async fn a_client_gone_mid_stream_is_logged_as_such() {
     let dir = TempDir::new("backstop-stream-gone");
     let binary = json_logged(&dir).await;
-    let resp = streamed(&binary, "stream-gone-1", "endless;chunk_delay=20ms").await;
-    assert_eq!(resp.status(), 200);
-    let mut body = resp.bytes_stream();
-    let first = futures_util::StreamExt::next(&mut body).await;
-    assert!(first.is_some_and(|c| c.is_ok()));
-    // The client goes: the connection closes with the stream still open.
-    drop(body);
+    // A raw connection, so that going away closes it for certain.
+    let addr = binary.url.trim_start_matches("http://").to_owned();
+    let mut conn = TcpStream::connect(&addr).await.unwrap();
+    let body =
+        json!({"model": "gpt-4o", "stream": true, "messages": [{"role": "user", "content": "hi"}]})
+            .to_string();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer bk-span-test\r\nx-request-id: stream-gone-1\r\nx-mock-fault: endless;chunk_delay=20ms\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(body.as_bytes()).await.unwrap();
+    let mut first = [0u8; 256];
+    let n = conn.read(&mut first).await.unwrap();
+    assert!(
+        String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&first[..n])
+    );
+    // The client goes, the stream still open.
+    drop(conn);
     let (lines, output) = json_lines(binary);
     let line = access_line(&lines, "stream-gone-1", &output);
     assert_eq!(line["status"], 200, "{line}");
