@@ -268,6 +268,26 @@ pub enum BodyEnd {
 }
 
 impl BodyEnd {
+    /// How a body dropped ended: as its last poll said, else complete if nothing was
+    /// left to send (a whole body may be dropped without a last poll), else the client
+    /// went away.
+    pub fn at_drop(polled: Option<BodyEnd>, end_stream: bool) -> BodyEnd {
+        match polled {
+            Some(end) => end,
+            None if end_stream => BodyEnd::Complete,
+            None => BodyEnd::ClientGone,
+        }
+    }
+
+    /// A stream sent to its end is still `Cut` when Backstop ended it early with an
+    /// error event (the upstream broke, went silent, a bound, shutdown).
+    pub fn or_cut(self, cut_by_backstop: bool) -> BodyEnd {
+        match self {
+            BodyEnd::Complete if cut_by_backstop => BodyEnd::Cut,
+            end => end,
+        }
+    }
+
     pub fn label(self) -> &'static str {
         match self {
             BodyEnd::Complete => "complete",
@@ -332,6 +352,42 @@ impl ModelLabels {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_body_ends_complete_cut_or_with_the_client_gone() {
+        use BodyEnd::*;
+        assert_eq!(BodyEnd::at_drop(Some(Complete), false), Complete);
+        assert_eq!(BodyEnd::at_drop(Some(Cut), true), Cut);
+        assert_eq!(BodyEnd::at_drop(None, true), Complete);
+        assert_eq!(BodyEnd::at_drop(None, false), ClientGone);
+        assert_eq!(Complete.or_cut(true), Cut);
+        assert_eq!(Complete.or_cut(false), Complete);
+        assert_eq!(ClientGone.or_cut(true), ClientGone);
+    }
+
+    #[test]
+    fn corrections_and_hedges_append_their_trails() {
+        let mut trail = Trail {
+            steps: vec![Step::Hedge("b".into())],
+            ..Trail::default()
+        };
+        trail.then(Trail {
+            steps: vec![Step::Ok],
+            upstream: Some("a".into()),
+            attempts: 1,
+            upstream_time: Duration::from_millis(5),
+        });
+        trail.then(Trail {
+            steps: vec![Step::GiveUp(trail::Reason::Status(503))],
+            upstream: None,
+            attempts: 2,
+            upstream_time: Duration::from_millis(7),
+        });
+        assert_eq!(trail::render(&trail.steps), "hedge:b,ok,giveup:503");
+        assert_eq!(trail.attempts, 3);
+        assert_eq!(trail.upstream.as_deref(), Some("a"));
+        assert_eq!(trail.upstream_time, Duration::from_millis(12));
+    }
 
     #[test]
     fn model_labels_come_from_the_config_only() {

@@ -358,10 +358,7 @@ impl Ending {
     fn finish(&mut self, end: BodyEnd) {
         let elapsed = self.started.elapsed();
         let facts = self.log.facts();
-        let end = match end {
-            BodyEnd::Complete if facts.stream_cut.is_some() => BodyEnd::Cut,
-            end => end,
-        };
+        let end = end.or_cut(facts.stream_cut.is_some());
         let status = self.head.map(|(status, _)| status);
         super::trace::end_span(&self.log, &facts, self.endpoint, status, end);
         let (input_tokens, output_tokens) = facts.usage.unzip();
@@ -436,13 +433,7 @@ impl Drop for Finishing {
         // end is a client gone. The body goes first: a stream's usage reaches the record
         // when it is dropped.
         let body = std::mem::take(&mut self.body);
-        let end = self
-            .ended
-            .unwrap_or(if http_body::Body::is_end_stream(&body) {
-                BodyEnd::Complete
-            } else {
-                BodyEnd::ClientGone
-            });
+        let end = BodyEnd::at_drop(self.ended, http_body::Body::is_end_stream(&body));
         drop(body);
         self.ending.finish(end);
     }

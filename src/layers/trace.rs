@@ -106,6 +106,9 @@ pub(super) fn end_span(
     };
     let mut attributes = request_attributes(facts, endpoint, status, trace.answered_model());
     attributes.push(KeyValue::new("backstop.body.end", end.label()));
+    if let Some(reason) = facts.stream_cut {
+        attributes.push(KeyValue::new("backstop.body.cut", reason));
+    }
     trace.end(name, attributes, error);
 }
 
