@@ -349,7 +349,15 @@ async fn a_streams_access_log_line_is_written_when_its_body_ends() {
     assert_eq!(resp.status(), 200);
     let body = resp.text().await.unwrap();
     assert!(body.contains("[DONE]"), "{body}");
+    // An upstream that breaks mid-stream: Backstop ends the stream with an error event.
+    let resp = streamed(&binary, "stream-cut-1", "cut=2").await;
+    assert_eq!(resp.status(), 200);
+    let body = resp.text().await.unwrap();
+    assert!(body.contains("upstream_stream_error"), "{body}");
     let (lines, output) = json_lines(binary);
+    let cut = access_line(&lines, "stream-cut-1", &output);
+    assert_eq!(cut["end"], "cut", "{cut}");
+    assert_eq!(cut["cut"], "broken", "{cut}");
     let line = access_line(&lines, "stream-log-1", &output);
     assert_eq!(line["status"], 200, "{line}");
     assert_eq!(line["end"], "complete", "{line}");
