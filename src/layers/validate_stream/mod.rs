@@ -25,7 +25,7 @@
 //! sent: the SDKs' stream helpers refuse a stream whose response changes identity.
 
 use std::{
-    collections::{HashMap, HashSet, VecDeque},
+    collections::{HashMap, VecDeque},
     sync::Arc,
 };
 
@@ -37,8 +37,10 @@ use serde_json::{json, Map, Value};
 use tower::{Service, ServiceExt};
 
 mod follow;
+mod gate;
 
 use follow::{Follow, Sent};
+use gate::{Gate, Queued};
 
 use super::{
     context::{Call, TargetIndex},
@@ -53,11 +55,7 @@ use crate::{
     policy::trail::Step,
     telemetry::Trail,
     upstream::ReplyBody,
-    validation::{
-        corrective_request,
-        stream::{Assembler, Read},
-        Expectations, Format, Invalid,
-    },
+    validation::{corrective_request, stream::Assembler, Expectations, Format, Invalid},
 };
 
 /// How the whole-answer verdict is applied to a stream.
@@ -75,74 +73,6 @@ pub(super) enum Plan {
 pub(super) struct Settings {
     pub plan: Plan,
     pub corrective_retries: u32,
-}
-
-/// An event waiting to be released.
-struct Queued {
-    event: SseEvent,
-    call: Option<u64>,
-    terminal: bool,
-    opening: bool,
-}
-
-/// Holds events until what they wait for is checked, and releases them in order.
-struct Gate {
-    queue: VecDeque<Queued>,
-    unchecked: HashSet<u64>,
-    hold_all: bool,
-    hold_terminal: bool,
-    /// Something past the opening events was released.
-    opened: bool,
-}
-
-impl Gate {
-    fn new(plan: Plan, checks_content: bool) -> Gate {
-        Gate {
-            queue: VecDeque::new(),
-            unchecked: HashSet::new(),
-            hold_all: plan == Plan::Buffer && checks_content,
-            hold_terminal: checks_content,
-            opened: false,
-        }
-    }
-
-    fn push(&mut self, event: SseEvent, read: &Read, hold_calls: bool) {
-        let call = read.call.filter(|_| hold_calls);
-        if let Some(call) = call {
-            self.unchecked.insert(call);
-        }
-        self.queue.push_back(Queued {
-            event,
-            call,
-            terminal: read.terminal,
-            opening: read.opening,
-        });
-    }
-
-    /// Whether `q` must wait (for its call's check, or the whole-answer verdict).
-    fn waits(&self, q: &Queued) -> bool {
-        self.hold_all
-            || q.call.is_some_and(|c| self.unchecked.contains(&c))
-            || (q.terminal && self.hold_terminal)
-    }
-
-    fn release(&mut self) -> Vec<Queued> {
-        let mut out = Vec::new();
-        if !self.opened {
-            // Opening events go with the first event after them, once it can.
-            match self.queue.iter().find(|q| !q.opening) {
-                Some(first) if !self.waits(first) => self.opened = true,
-                _ => return out,
-            }
-        }
-        while let Some(front) = self.queue.front() {
-            if self.waits(front) {
-                break;
-            }
-            out.extend(self.queue.pop_front());
-        }
-        out
-    }
 }
 
 /// Why the stream could not even start: answered before any event was sent.
