@@ -1,4 +1,5 @@
-//! Auth layer (inside the deadline, outside the request span and the context layer): the caller's tenant key, from `Authorization: Bearer` or
+//! Auth layer (inside the deadline; the request span and the context layer inside it):
+//! the caller's tenant key, from `Authorization: Bearer` or
 //! `x-api-key`, selects its tenant. Keys are compared as SHA-256 digests, in constant time
 //! against every configured key, so timing tells nothing about which key matched, how
 //! much of one, or how long the keys are.

@@ -1,4 +1,5 @@
-//! Context layer (inside auth and the request span, outside idempotency): reads the body once, within `max_body_bytes`, parses it, and
+//! Context layer (inside auth and the request span, outside idempotency):
+//! reads the body once, within `max_body_bytes`, parses it, and
 //! resolves the route, turning the HTTP request into a [`Call`]: the typed per-request
 //! context every inner layer takes (so none of them can be mounted before this one, and
 //! none touches the body or the request extensions again). Refuses with 413 (too large),

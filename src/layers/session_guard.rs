@@ -1,4 +1,5 @@
-//! Session-guard layer (inside limits, outside validation): stops one agent's own loops, which upstream
+//! Session-guard layer (inside limits, outside validation): stops one agent's own
+//! loops, which upstream
 //! breakers cannot see. For a guarded tenant's session it fingerprints the request,
 //! admits or refuses it ([`SessionGuard::admit`]), records how it ended, and keeps the
 //! session's recovery trace. Refuses with 429 `session_tripped` or `loop_detected`,
