@@ -2,30 +2,37 @@
 //!
 //! A proxied request passes, outer → inner (inside the layers around the whole router,
 //! below):
-//! 1. [`EdgeLayer`]: request id and log record into the extensions, in-flight gauge, the
-//!    request's log line and metrics (also on `/v1/models` and the admin routes); just
-//!    inside it, [`TraceLayer`]: the request's OpenTelemetry span (when tracing is on).
-//! 2. [`RespondLayer`]: typed errors and panics become responses in the caller's API shape;
+//! 1. [`EdgeLayer`]: request id and the request's record into the extensions, in-flight
+//!    gauge, the `x-backstop-*` headers and the metrics at the response head, the
+//!    access-log line when the response body ends (also on `/v1/models` and the admin
+//!    routes).
+//! 2. [`TraceLayer`]: the request's OpenTelemetry span (when tracing is on), ended by
+//!    the edge with the log line.
+//! 3. [`RespondLayer`]: typed errors and panics become responses in the caller's API shape;
 //!    everything above it is infallible.
-//! 3. [`DeadlineLayer`]: `server.request_timeout` over the whole request.
-//! 4. [`AuthLayer`]: tenant key → [`Tenant`](crate::layers::auth::Tenant), else 401.
-//! 5. [`ContextLayer`]: body read once within the size limit, parsed, routed: from
+//! 4. [`DeadlineLayer`]: `server.request_timeout` over the whole request.
+//! 5. [`AuthLayer`]: tenant key → [`Tenant`](crate::layers::auth::Tenant), else 401.
+//! 6. [`ContextLayer`]: body read once within the size limit, parsed, routed: from
 //!    here in, every layer takes a typed [`Call`](crate::layers::context::Call).
-//! 6. [`IdempotencyLayer`]: `Idempotency-Key` replays, with no call and no charge.
-//! 7. [`AdmissionLayer`]: tenant and session request rates, session concurrency, and the
+//! 7. [`IdempotencyLayer`]: `Idempotency-Key` replays, with no call and no charge.
+//! 8. [`AdmissionLayer`]: tenant and session request rates, session concurrency, and the
 //!    session guard (loops, repeats, failures, spend velocity); in replica mode one
 //!    round trip to Redis for all of them.
-//! 8. [`ValidateLayer`]: structured output checked; corrective retries with the
+//! 9. [`ValidateLayer`]: structured output checked; corrective retries with the
 //!    validator's errors; strategy switch to the next target; 502 `output_invalid`.
-//! 9. [`RecoveryLayer`]: target selection, classification, retry with backoff and
-//!    Retry-After, retry budget, per-upstream circuit breakers, failover; answers
-//!    which target answered ([`Answered`](crate::layers::recovery::Answered)).
-//! 10. [`ResponseOwnersLayer`]: Responses creates only: every stored object named is
+//!    It writes what recovery did into the request's record. (`count_tokens`, which
+//!    nothing validates, limits or guards, has [`UnvalidatedLayer`] here and nothing
+//!    from 7 to 8.)
+//! 10. [`RecoveryLayer`]: target selection, classification, retry with backoff and
+//!     Retry-After, retry budget, per-upstream circuit breakers, failover; answers
+//!     which target answered and what it did
+//!     ([`Answered`](crate::layers::recovery::Answered)).
+//! 11. [`ResponseOwnersLayer`]: Responses creates only: every stored object named is
 //!     checked against its owner, what the provider holds for the call handed to the
 //!     meter, and a stored answer's owners made durable before it is released.
-//! 11. [`MeterLayer`]: per upstream call (retries and corrections included), reserve
+//! 12. [`MeterLayer`]: per upstream call (retries and corrections included), reserve
 //!     against the session's and tenant's caps, settle to reported usage.
-//! 12. [`Forward`]: one upstream attempt (leaf).
+//! 13. [`Forward`]: one upstream attempt (leaf).
 //!
 //! Around the whole router (every route: proxy, models, admin, health, metrics, 404,
 //! 405), outer → inner, tower-http's layers ([`App`]):
@@ -91,7 +98,7 @@ use crate::{
         idempotency::{IdempotencyLayer, InFlight},
         meter::{Billed, MeterLayer, Unmetered},
         owners::ResponseOwnersLayer,
-        recovery::{Answered, RecoveryLayer, RetryPolicy},
+        recovery::{RecoveryLayer, RetryPolicy, UnvalidatedLayer},
         respond::RespondLayer,
         trace::TraceLayer,
         validate::ValidateLayer,
@@ -377,7 +384,7 @@ fn count_tokens_stack(state: &AppState) -> HttpService {
         .layer(leaf),
     );
     let calls = ServiceBuilder::new()
-        .map_response(|answered: Answered| answered.reply.into_response())
+        .layer(UnvalidatedLayer)
         .service(recovered);
     http_front(state, calls)
 }

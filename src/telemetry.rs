@@ -11,6 +11,7 @@ use tracing_subscriber::{filter::Targets, prelude::*};
 
 use crate::{
     config::{LogConfig, LogFormat},
+    error::ErrorCode,
     policy::{
         guard::Phase,
         trail::{self, Step},
@@ -121,27 +122,32 @@ fn describe() {
     );
 }
 
-/// What one request did, filled in by the layers that learn it and logged once by the
-/// edge layer. Shared through request extensions, so errors raised deep in the stack
-/// still produce a complete log line.
+/// What one request did: one typed record per request, made by the edge layer and
+/// shared through request extensions (so an error raised deep in the stack still finds
+/// it). Each fact is written once, by the layer that decided it, through its own typed
+/// setter; the edge reads the record twice: at the response head for the `x-backstop-*`
+/// headers, and when the response body ends for the access-log line, the span, the
+/// request metrics and the dashboard.
 #[derive(Default, Debug)]
 pub struct RequestLog {
-    fields: Mutex<LogFields>,
+    facts: Mutex<Facts>,
     /// The request's trace span, when tracing is on (set by the trace layer).
     trace: OnceLock<crate::otel::RequestTrace>,
 }
 
+/// The facts of one request, as typed values.
 #[derive(Default, Clone, Debug)]
-pub struct LogFields {
+pub struct Facts {
+    /// The authenticated tenant (the auth layer).
     pub tenant: Option<Arc<str>>,
+    /// The session the call belongs to (the context layer).
     pub session: Option<String>,
+    /// The model the client asked for (the context layer).
     pub model: Option<String>,
-    pub upstream: Option<Arc<str>>,
-    pub attempts: u32,
-    pub upstream_time: Duration,
-    pub error: Option<crate::error::ErrorCode>,
-    /// What recovery did, in order (the `x-backstop-recovery` header).
-    pub recovery: Vec<Step>,
+    /// What recovery and validation did (the `x-backstop-recovery` header).
+    pub recovery: Trail,
+    /// The error the request was answered with (the respond layer, the admin routes).
+    pub error: Option<ErrorCode>,
     /// What the session has left (the `x-backstop-budget-remaining` header).
     pub budget_remaining: Option<String>,
     /// The session guard's state after this request (`x-backstop-session-state`).
@@ -149,19 +155,45 @@ pub struct LogFields {
     /// Tokens the upstream reported, (input, output), summed over the request's calls
     /// (a stream's once it ends).
     pub usage: Option<(u64, u64)>,
-    /// The session as the last settle in the shared state left it (replica mode,
-    /// settled before the response head: not a stream's).
-    pub session_seen: Option<crate::policy::budget::SessionSeen>,
+    /// Why Backstop cut a relayed stream short (`broken`, `idle`, `too_long`, ...),
+    /// if it did.
+    pub stream_cut: Option<&'static str>,
     /// USD charged for the request's calls settled before the response head (a
     /// stream's is settled when it ends).
     pub spent_usd: f64,
+    /// The session as the last settle in the shared state left it (replica mode,
+    /// settled before the response head: not a stream's), so the admission layer reads
+    /// what the session has left without another round trip.
+    pub session_seen: Option<crate::policy::budget::SessionSeen>,
 }
 
-impl LogFields {
+/// What recovery did for a request: its steps in order, the attempts made, the last
+/// upstream asked and the time spent waiting on upstreams.
+#[derive(Default, Clone, Debug, PartialEq)]
+pub struct Trail {
+    pub steps: Vec<Step>,
+    pub upstream: Option<Arc<str>>,
+    pub attempts: u32,
+    pub upstream_time: Duration,
+}
+
+impl Trail {
+    /// Appends a later run (a correction, a hedge, a strategy switch) after this one.
+    pub fn then(&mut self, later: Trail) {
+        self.steps.extend(later.steps);
+        self.attempts += later.attempts;
+        self.upstream_time += later.upstream_time;
+        if later.upstream.is_some() {
+            self.upstream = later.upstream;
+        }
+    }
+}
+
+impl Facts {
     /// The `x-backstop-recovery` value: the steps taken, else what refused the request.
     pub fn recovery_header(&self) -> Option<String> {
         match self.error {
-            _ if !self.recovery.is_empty() => Some(trail::render(&self.recovery)),
+            _ if !self.recovery.steps.is_empty() => Some(trail::render(&self.recovery.steps)),
             Some(code) => Some(Step::Refused(code.as_str()).to_string()),
             None => None,
         }
@@ -169,22 +201,60 @@ impl LogFields {
 }
 
 impl RequestLog {
-    pub fn update(&self, f: impl FnOnce(&mut LogFields)) {
-        let mut fields = self.fields.lock().unwrap_or_else(|e| e.into_inner());
-        f(&mut fields);
+    fn write(&self, f: impl FnOnce(&mut Facts)) {
+        f(&mut self.facts.lock().unwrap_or_else(|e| e.into_inner()));
     }
 
-    /// Appends one step to the recovery trail (`x-backstop-recovery`).
-    pub fn push_step(&self, step: Step) {
-        self.update(|f| f.recovery.push(step));
+    pub fn set_tenant(&self, tenant: Arc<str>) {
+        self.write(|f| f.tenant = Some(tenant));
     }
 
-    /// Adds reported token usage.
+    pub fn set_request(&self, model: String, session: Option<String>) {
+        self.write(|f| {
+            f.model = Some(model);
+            f.session = session;
+        });
+    }
+
+    /// What recovery (and validation around it) did, once it is done.
+    pub fn set_recovery(&self, recovery: Trail) {
+        self.write(|f| f.recovery = recovery);
+    }
+
+    pub fn set_error(&self, code: ErrorCode) {
+        self.write(|f| f.error = Some(code));
+    }
+
+    pub fn set_budget_remaining(&self, remaining: String) {
+        self.write(|f| f.budget_remaining = Some(remaining));
+    }
+
+    pub fn set_session_state(&self, phase: Phase) {
+        self.write(|f| f.session_state = Some(phase));
+    }
+
+    /// Adds reported token usage (one per upstream call: corrections add up).
     pub fn add_usage(&self, input: u64, output: u64) {
-        self.update(|f| {
+        self.write(|f| {
             let (i, o) = f.usage.unwrap_or_default();
             f.usage = Some((i + input, o + output));
         });
+    }
+
+    /// One upstream call settled before the response head: what it charged, and the
+    /// session as the shared state holds it after (replica mode).
+    pub fn add_settled(&self, usd: f64, seen: Option<crate::policy::budget::SessionSeen>) {
+        self.write(|f| {
+            f.spent_usd += usd;
+            if seen.is_some() {
+                f.session_seen = seen;
+            }
+        });
+    }
+
+    /// A relayed stream was cut short by Backstop, for `reason`.
+    pub fn set_stream_cut(&self, reason: &'static str) {
+        self.write(|f| f.stream_cut = Some(reason));
     }
 
     /// The request's trace span, when tracing is on.
@@ -197,11 +267,51 @@ impl RequestLog {
         let _ = self.trace.set(trace);
     }
 
-    pub fn snapshot(&self) -> LogFields {
-        self.fields
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+    /// The facts as they are now.
+    pub fn facts(&self) -> Facts {
+        self.facts.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// How a response body ended: the `end` of the access-log line and the span.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BodyEnd {
+    /// Sent to its end.
+    Complete,
+    /// Ended early by Backstop with an error event (the upstream broke or went silent,
+    /// a bound, shutdown): [`Facts::stream_cut`] says why.
+    Cut,
+    /// The client went away before the body (or the head) was sent.
+    ClientGone,
+}
+
+impl BodyEnd {
+    /// How a body dropped ended: as its last poll said, else complete if nothing was
+    /// left to send (a whole body may be dropped without a last poll), else the client
+    /// went away.
+    pub fn at_drop(polled: Option<BodyEnd>, end_stream: bool) -> BodyEnd {
+        match polled {
+            Some(end) => end,
+            None if end_stream => BodyEnd::Complete,
+            None => BodyEnd::ClientGone,
+        }
+    }
+
+    /// A stream sent to its end is still `Cut` when Backstop ended it early with an
+    /// error event (the upstream broke, went silent, a bound, shutdown).
+    pub fn or_cut(self, cut_by_backstop: bool) -> BodyEnd {
+        match self {
+            BodyEnd::Complete if cut_by_backstop => BodyEnd::Cut,
+            end => end,
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            BodyEnd::Complete => "complete",
+            BodyEnd::Cut => "cut",
+            BodyEnd::ClientGone => "client_gone",
+        }
     }
 }
 
@@ -260,6 +370,42 @@ impl ModelLabels {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_body_ends_complete_cut_or_with_the_client_gone() {
+        use BodyEnd::*;
+        assert_eq!(BodyEnd::at_drop(Some(Complete), false), Complete);
+        assert_eq!(BodyEnd::at_drop(Some(Cut), true), Cut);
+        assert_eq!(BodyEnd::at_drop(None, true), Complete);
+        assert_eq!(BodyEnd::at_drop(None, false), ClientGone);
+        assert_eq!(Complete.or_cut(true), Cut);
+        assert_eq!(Complete.or_cut(false), Complete);
+        assert_eq!(ClientGone.or_cut(true), ClientGone);
+    }
+
+    #[test]
+    fn corrections_and_hedges_append_their_trails() {
+        let mut trail = Trail {
+            steps: vec![Step::Hedge("b".into())],
+            ..Trail::default()
+        };
+        trail.then(Trail {
+            steps: vec![Step::Ok],
+            upstream: Some("a".into()),
+            attempts: 1,
+            upstream_time: Duration::from_millis(5),
+        });
+        trail.then(Trail {
+            steps: vec![Step::GiveUp(trail::Reason::Status(503))],
+            upstream: None,
+            attempts: 2,
+            upstream_time: Duration::from_millis(7),
+        });
+        assert_eq!(trail::render(&trail.steps), "hedge:b,ok,giveup:503");
+        assert_eq!(trail.attempts, 3);
+        assert_eq!(trail.upstream.as_deref(), Some("a"));
+        assert_eq!(trail.upstream_time, Duration::from_millis(12));
+    }
 
     #[test]
     fn model_labels_come_from_the_config_only() {

@@ -1,6 +1,8 @@
 //! The edge every route shares: one request-id rule, the admin API through the edge
 //! (request id, metrics, its auth as a layer), the tenant's session report rate limited,
-//! and the request body read timeout answered in the caller's API shape.
+//! the request body read timeout answered in the caller's API shape, and the access-log
+//! line written when the response body ends (a stream's usage, how it ended, its full
+//! duration).
 
 mod common;
 
@@ -281,9 +283,9 @@ async fn a_stalled_request_body_gets_408_in_the_callers_shape() {
     assert_eq!(resp.status(), 200);
 }
 
-#[tokio::test]
-async fn log_lines_inside_the_stack_carry_the_requests_span() {
-    let dir = TempDir::new("backstop-span");
+/// The real binary on its built-in mock, logging JSON to a pipe: its log lines are
+/// read once it is stopped ([`json_lines`]).
+async fn json_logged(dir: &TempDir) -> Binary {
     let port = dead_port().await;
     let mock_port = dead_port().await;
     let config = dir.0.join("backstop.toml");
@@ -294,7 +296,115 @@ async fn log_lines_inside_the_stack_carry_the_requests_span() {
         ),
     )
     .unwrap();
-    let binary = Binary::start_with(&config, port, std::process::Stdio::piped()).await;
+    Binary::start_with(&config, port, std::process::Stdio::piped()).await
+}
+
+/// Stops the binary and returns its JSON log lines.
+fn json_lines(binary: Binary) -> (Vec<Value>, String) {
+    let output = binary.terminate();
+    let lines = output
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    (lines, output)
+}
+
+/// The access-log line of one request.
+fn access_line<'a>(lines: &'a [Value], id: &str, output: &str) -> &'a Value {
+    let access: Vec<_> = lines
+        .iter()
+        .filter(|l| l["message"] == "request" && l["request_id"] == id)
+        .collect();
+    assert_eq!(access.len(), 1, "{output}");
+    access[0]
+}
+
+/// A streamed chat call through the binary, with `fault` for the mock.
+async fn streamed(binary: &Binary, id: &str, fault: &str) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", binary.url))
+        .bearer_auth("bk-span-test")
+        .header("x-request-id", id)
+        .header("x-mock-fault", fault)
+        .body(
+            json!({"model": "gpt-4o", "stream": true, "messages": [{"role": "user", "content": "hi"}]})
+                .to_string(),
+        )
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_streams_access_log_line_is_written_when_its_body_ends() {
+    let dir = TempDir::new("backstop-stream-log");
+    let binary = json_logged(&dir).await;
+    // Four chunks 100 ms apart: the body takes at least 300 ms after the head.
+    let resp = streamed(
+        &binary,
+        "stream-log-1",
+        "usage=7/11;chunks=4;chunk_delay=100ms",
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let body = resp.text().await.unwrap();
+    assert!(body.contains("[DONE]"), "{body}");
+    // An upstream that breaks mid-stream: Backstop ends the stream with an error event.
+    let resp = streamed(&binary, "stream-cut-1", "cut=2").await;
+    assert_eq!(resp.status(), 200);
+    let body = resp.text().await.unwrap();
+    assert!(body.contains("upstream_stream_error"), "{body}");
+    let (lines, output) = json_lines(binary);
+    let cut = access_line(&lines, "stream-cut-1", &output);
+    assert_eq!(cut["end"], "cut", "{cut}");
+    assert_eq!(cut["cut"], "broken", "{cut}");
+    let line = access_line(&lines, "stream-log-1", &output);
+    assert_eq!(line["status"], 200, "{line}");
+    assert_eq!(line["end"], "complete", "{line}");
+    assert_eq!(line["input_tokens"], 7, "{line}");
+    assert_eq!(line["output_tokens"], 11, "{line}");
+    let (head, total) = (
+        line["head_ms"].as_f64().unwrap(),
+        line["latency_ms"].as_f64().unwrap(),
+    );
+    assert!(total >= 300.0 && total > head, "{line}");
+}
+
+#[tokio::test]
+async fn a_client_gone_mid_stream_is_logged_as_such() {
+    let dir = TempDir::new("backstop-stream-gone");
+    let binary = json_logged(&dir).await;
+    // A raw connection, so that going away closes it for certain.
+    let addr = binary.url.trim_start_matches("http://").to_owned();
+    let mut conn = TcpStream::connect(&addr).await.unwrap();
+    let body =
+        json!({"model": "gpt-4o", "stream": true, "messages": [{"role": "user", "content": "hi"}]})
+            .to_string();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer bk-span-test\r\nx-request-id: stream-gone-1\r\nx-mock-fault: endless;chunk_delay=20ms\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(body.as_bytes()).await.unwrap();
+    let mut first = [0u8; 256];
+    let n = conn.read(&mut first).await.unwrap();
+    assert!(
+        String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&first[..n])
+    );
+    // The client goes, the stream still open.
+    drop(conn);
+    let (lines, output) = json_lines(binary);
+    let line = access_line(&lines, "stream-gone-1", &output);
+    assert_eq!(line["status"], 200, "{line}");
+    assert_eq!(line["end"], "client_gone", "{line}");
+}
+
+#[tokio::test]
+async fn log_lines_inside_the_stack_carry_the_requests_span() {
+    let dir = TempDir::new("backstop-span");
+    let binary = json_logged(&dir).await;
     // The provider refusing Backstop's key opens the upstream's breaker at once: a
     // warning logged deep in the stack, by the recovery layer's health registry.
     let resp = reqwest::Client::new()
@@ -310,11 +420,7 @@ async fn log_lines_inside_the_stack_carry_the_requests_span() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 502);
-    let output = binary.terminate();
-    let lines: Vec<serde_json::Value> = output
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
+    let (lines, output) = json_lines(binary);
     let inner = lines
         .iter()
         .find(|l| l["message"] == "circuit breaker transition")
@@ -325,6 +431,8 @@ async fn log_lines_inside_the_stack_carry_the_requests_span() {
     // Still one access-log line for the request, with its own fields.
     let access: Vec<_> = lines.iter().filter(|l| l["message"] == "request").collect();
     assert_eq!(access.len(), 1, "{output}");
-    assert_eq!(access[0]["request_id"], "span-test-1");
-    assert_eq!(access[0]["status"], 502);
+    let line = access_line(&lines, "span-test-1", &output);
+    assert_eq!(line["status"], 502);
+    assert_eq!(line["error"], "upstream_auth_failed", "{line}");
+    assert_eq!(line["end"], "complete", "{line}");
 }

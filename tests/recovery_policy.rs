@@ -16,7 +16,7 @@ use backstop::{
         context::{parse, Call, TargetIndex},
         deadline::Deadline,
         meter::Billed,
-        recovery::{Answered, RecoveryLayer, RetryPolicy},
+        recovery::{follow_trail, RecoveryLayer, RetryPolicy},
     },
     policy::{
         classify::TransportFailure,
@@ -24,7 +24,7 @@ use backstop::{
     },
     routing::RouteTable,
     state::health::HealthRegistry,
-    telemetry::RequestLog,
+    telemetry::{RequestLog, Trail},
     upstream::{build_all, AttemptError, Reply},
 };
 use bytes::Bytes;
@@ -247,19 +247,20 @@ impl Harness {
         let service =
             RecoveryLayer::new(self.policy.clone(), self.health.clone()).layer(script.clone());
         let started = Instant::now();
-        let result: Result<Answered, GatewayError> = service.oneshot(call).await;
-        let fields = log.snapshot();
+        // Recovery answers what it did with its outcome, trail and all.
+        let mut trail = Trail::default();
+        let result = follow_trail(service.oneshot(call).await, &mut trail);
         let (status, error, headers) = match result {
-            Ok(a) => (a.reply.status.as_u16(), None, a.reply.headers.clone()),
+            Ok((reply, _)) => (reply.status.as_u16(), None, reply.headers.clone()),
             Err(e) => (e.code().status(), Some(e), HeaderMap::new()),
         };
         Outcome {
             status,
             error,
             headers,
-            recovery: trail::render(&fields.recovery),
-            steps: fields.recovery,
-            attempts: fields.attempts,
+            recovery: trail::render(&trail.steps),
+            steps: trail.steps,
+            attempts: trail.attempts,
             elapsed: started.elapsed(),
         }
     }

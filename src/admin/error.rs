@@ -82,7 +82,7 @@ impl From<StoreError> for AdminError {
 /// respond layer does for the proxy's errors.
 pub fn refuse(log: Option<&RequestLog>, err: &AdminError, api: ApiKind) -> Response<Body> {
     if let Some(log) = log {
-        log.update(|f| f.error = Some(err.code()));
+        log.set_error(err.code());
     }
     error_response(err, api)
 }

@@ -283,9 +283,9 @@ impl AdmissionLayer {
     /// What the session has left, for `x-backstop-budget-remaining`: from the settle of
     /// the request's last call when it saw the shared state, else read.
     async fn remaining(&self, log: &RequestLog, tenant: &str, session: &str) {
-        let seen = log.snapshot().session_seen;
+        let seen = log.facts().session_seen;
         if let Some(remaining) = self.budgets.remaining_header(tenant, session, seen).await {
-            log.update(|f| f.budget_remaining = Some(remaining));
+            log.set_budget_remaining(remaining);
         }
     }
 
@@ -362,7 +362,7 @@ where
             fp: &fp,
         };
         let slot = self.admit(&g, usd_before).await;
-        log.update(|f| f.session_state = Some(lock(&entry).guard.state().phase()));
+        log.set_session_state(lock(&entry).guard.state().phase());
         let slot = slot?;
         let started = Instant::now();
         let result = inner.call(call).await;
@@ -370,8 +370,8 @@ where
             Ok(r) => (r.status().as_u16(), r.status().as_u16() >= 400),
             Err(e) => (e.code().status(), !e.code().is_refusal()),
         };
-        let fields = log.snapshot();
-        let seen = fields.session_seen;
+        let facts = log.facts();
+        let seen = facts.session_seen;
         // Shared state that became unreadable meanwhile is left as it is (already logged):
         // this outcome goes uncounted.
         let change = self
@@ -398,17 +398,16 @@ where
                 request_id,
                 status,
                 failed,
-                action: trail::render(&fields.recovery),
+                action: trail::render(&facts.recovery.steps),
                 detail: None,
-                attempts: fields.attempts,
-                upstream: fields.upstream,
+                attempts: facts.recovery.attempts,
+                upstream: facts.recovery.upstream,
                 latency_ms: (started.elapsed().as_secs_f64() * 1e3) as f32,
-                cost_usd: fields.spent_usd,
+                cost_usd: facts.spent_usd,
                 tool_loop: fp.tool_loop.as_ref().map_or(0, |(_, n)| *n),
                 state,
             });
-            let phase = e.guard.state().phase();
-            log.update(|f| f.session_state = Some(phase));
+            log.set_session_state(e.guard.state().phase());
             keep
         };
         persist(&self.guards, &tenant, &session, keep).await;

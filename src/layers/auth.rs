@@ -1,4 +1,5 @@
-//! Auth layer (step 2): the caller's tenant key, from `Authorization: Bearer` or
+//! Auth layer (inside the deadline; the request span and the context layer inside it):
+//! the caller's tenant key, from `Authorization: Bearer` or
 //! `x-api-key`, selects its tenant. Keys are compared as SHA-256 digests, in constant time
 //! against every configured key, so timing tells nothing about which key matched, how
 //! much of one, or how long the keys are.
@@ -125,7 +126,7 @@ where
             return Either::Left(ready(Err(GatewayError::Unauthorized)));
         };
         if let Some(log) = req.extensions().get::<Arc<RequestLog>>() {
-            log.update(|f| f.tenant = Some(tenant.name.clone()));
+            log.set_tenant(tenant.name.clone());
         }
         req.extensions_mut().insert(tenant);
         Either::Right(self.inner.call(req))

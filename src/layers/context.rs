@@ -1,4 +1,5 @@
-//! Context layer (step 5): reads the body once, within `max_body_bytes`, parses it, and
+//! Context layer (inside auth and the request span, outside idempotency):
+//! reads the body once, within `max_body_bytes`, parses it, and
 //! resolves the route, turning the HTTP request into a [`Call`]: the typed per-request
 //! context every inner layer takes (so none of them can be mounted before this one, and
 //! none touches the body or the request extensions again). Refuses with 413 (too large),
@@ -196,37 +197,19 @@ impl<S> Layer<S> for ContextLayer {
 /// ones on a blocking thread.
 const PARSE_INLINE_BYTES: usize = 64 * 1024;
 
-/// A client identifier header: absent or blank is `None`; otherwise it must be at most
-/// `max` bytes of visible ASCII (no spaces, no control or non-ASCII bytes), or the
-/// request is refused naming the header.
+/// A client identifier header by [the one rule](crate::api::headers::identifier); a bad
+/// one refuses the request, naming the header.
 pub fn identifier(
     headers: &http::HeaderMap,
     name: &'static str,
     max: usize,
 ) -> Result<Option<String>, GatewayError> {
-    let Some(value) = headers.get(name) else {
-        return Ok(None);
-    };
-    let bytes = value.as_bytes().trim_ascii();
-    if bytes.is_empty() {
-        return Ok(None);
-    }
-    let invalid = |detail: String| GatewayError::InvalidHeader {
-        header: name,
-        detail,
-    };
-    if bytes.len() > max {
-        return Err(invalid(format!(
-            "{} bytes, over the limit of {max}",
-            bytes.len()
-        )));
-    }
-    if !bytes.iter().all(|b| b.is_ascii_graphic()) {
-        return Err(invalid(
-            "only visible ASCII characters (0x21-0x7E) are allowed".into(),
-        ));
-    }
-    Ok(Some(String::from_utf8_lossy(bytes).into_owned()))
+    crate::api::headers::identifier(headers, name, max).map_err(|invalid| {
+        GatewayError::InvalidHeader {
+            header: name,
+            detail: invalid.to_string(),
+        }
+    })
 }
 
 impl<S> Middleware<S, Request<Body>> for ContextLayer
@@ -331,10 +314,7 @@ where
             .extensions
             .remove::<Arc<RequestLog>>()
             .unwrap_or_default();
-        log.update(|f| {
-            f.model = Some(request.model.clone());
-            f.session = session.as_deref().map(str::to_owned);
-        });
+        log.set_request(request.model.clone(), session.as_deref().map(str::to_owned));
         let call = Call {
             request: Arc::new(request),
             route,

@@ -1,4 +1,5 @@
-//! Deadline layer: the whole client request, retries included, must produce a response
+//! Deadline layer (inside respond, outside auth):
+//! the whole client request, retries included, must produce a response
 //! head within `server.request_timeout`, or it is answered 504 `request_timeout`. The
 //! deadline is put in the request extensions so inner layers never wait past it.
 //! (Not tower-http's `TimeoutLayer`: it answers an empty 408, not 504 in the caller's shape.)

@@ -7,13 +7,18 @@
 //! body read timeout. Inside each stack's authentication, one tracing span per request
 //! ([`EdgeSpan`], [`span_layer`]: `request_id`, `tenant`, `session`).
 //!
-//! [`EdgeLayer`] (outermost on the tenant, model-list and admin routes, step 1 of the
-//! pipeline) puts [`RequestId`] and the [`RequestLog`] in the extensions, counts the
-//! request in flight, and when the response head is ready writes the one log line and
-//! the request metrics. Never refuses.
+//! [`EdgeLayer`] (outermost on the tenant, model-list and admin routes; the
+//! [`TraceLayer`](super::trace::TraceLayer) is just inside it) puts [`RequestId`] and the
+//! request's record ([`RequestLog`]) in the extensions and counts the request in flight.
+//! When the response head is ready it sets the `x-backstop-*` headers from the record
+//! and writes the request metrics and the dashboard's count; when the response body
+//! ends (or is dropped) it writes the one access-log line and ends the request's span,
+//! with the stream's usage, how the body ended ([`BodyEnd`]) and the full duration.
+//! Never refuses.
 
 use std::{
     convert::Infallible,
+    pin::Pin,
     sync::Arc,
     task::{Context, Poll},
     time::Instant,
@@ -22,10 +27,15 @@ use std::{
 use axum::body::Body;
 use futures_util::future::BoxFuture;
 use http::{header, HeaderName, HeaderValue, Request, Response};
+use http_body::Frame;
 use tower::{Layer, Service};
 use tower_http::{request_id::MakeRequestId, trace::MakeSpan};
 
-use crate::{api::Endpoint, state::activity::Activity, telemetry::RequestLog};
+use crate::{
+    api::Endpoint,
+    state::activity::Activity,
+    telemetry::{BodyEnd, Facts, RequestLog},
+};
 
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -104,10 +114,13 @@ impl<B> MakeSpan<B> for EdgeSpan {
             .extensions()
             .get::<Arc<super::auth::Tenant>>()
             .map(|t| &*t.name);
-        let session =
-            super::context::identifier(req.headers(), "x-session-id", self.max_session_id_bytes)
-                .ok()
-                .flatten();
+        let session = crate::api::headers::identifier(
+            req.headers(),
+            "x-session-id",
+            self.max_session_id_bytes,
+        )
+        .ok()
+        .flatten();
         tracing::info_span!(
             "request",
             request_id = id,
@@ -250,75 +263,179 @@ where
             }
         };
         let log = Arc::new(RequestLog::default());
-        let endpoint = self
+        let label = self
             .label
             .unwrap_or_else(|| endpoint_label(req.uri().path()));
         req.extensions_mut().insert(RequestId(id.clone()));
         req.extensions_mut().insert(log.clone());
+        // Finishes the record however the request ends, a dropped future included.
+        let mut ending = Ending {
+            log,
+            id,
+            label,
+            endpoint: Endpoint::from_path(req.uri().path()),
+            started,
+            head: None,
+        };
         let future = self.inner.call(req);
         let activity = self.activity.clone();
         Box::pin(async move {
             let mut response = future.await?;
             drop(guard);
             let elapsed = started.elapsed();
-            let fields = log.snapshot();
-            let headers = response.headers_mut();
-            headers.insert("x-backstop-attempts", HeaderValue::from(fields.attempts));
-            let recovery = fields.recovery_header();
-            if let Some(value) = recovery
-                .as_deref()
-                .and_then(|r| HeaderValue::from_str(r).ok())
-            {
-                headers.insert("x-backstop-recovery", value);
-            }
-            if let Some(state) = fields.session_state {
-                headers.insert(
-                    "x-backstop-session-state",
-                    HeaderValue::from_static(state.label()),
-                );
-            }
-            if let Some(remaining) = fields
-                .budget_remaining
-                .as_deref()
-                .and_then(|r| HeaderValue::from_str(r).ok())
-            {
-                headers.insert("x-backstop-budget-remaining", remaining);
-            }
+            let facts = ending.log.facts();
+            set_headers(response.headers_mut(), &facts);
             let status = response.status().as_u16();
             if let Some(activity) = &activity {
-                activity.record_request(tokio::time::Instant::now(), status, &fields);
+                activity.record_request(tokio::time::Instant::now(), status, &facts);
             }
-            let tenant = fields.tenant.as_deref().unwrap_or("-");
+            let tenant = facts.tenant.as_deref().unwrap_or("-");
             metrics::counter!(
                 "backstop_requests_total",
-                "endpoint" => endpoint,
+                "endpoint" => label,
                 "tenant" => tenant.to_owned(),
                 "status" => status_class(status),
             )
             .increment(1);
-            metrics::histogram!("backstop_request_duration_seconds", "endpoint" => endpoint)
+            metrics::histogram!("backstop_request_duration_seconds", "endpoint" => label)
                 .record(elapsed.as_secs_f64());
-            if fields.attempts > 0 {
-                let overhead = elapsed.saturating_sub(fields.upstream_time);
+            if facts.recovery.attempts > 0 {
+                let overhead = elapsed.saturating_sub(facts.recovery.upstream_time);
                 metrics::histogram!("backstop_overhead_seconds").record(overhead.as_secs_f64());
             }
-            tracing::info!(
-                request_id = id.to_str().unwrap_or("-"),
-                endpoint,
-                tenant,
-                session = fields.session.as_deref().unwrap_or("-"),
-                model = fields.model.as_deref().unwrap_or("-"),
-                upstream = fields.upstream.as_deref().unwrap_or("-"),
-                status,
-                error = fields.error.map_or("-", |code| code.as_str()),
-                attempts = fields.attempts,
-                recovery = recovery.as_deref().unwrap_or(""),
-                latency_ms = elapsed.as_secs_f64() * 1e3,
-                upstream_ms = fields.upstream_time.as_secs_f64() * 1e3,
-                "request"
-            );
-            Ok(response)
+            ending.head = Some((status, elapsed));
+            Ok(response.map(|body| {
+                Body::new(Finishing {
+                    body,
+                    ending,
+                    ended: None,
+                })
+            }))
         })
+    }
+}
+
+/// The `x-backstop-*` headers, from the record's typed facts.
+fn set_headers(headers: &mut http::HeaderMap, facts: &Facts) {
+    headers.insert(
+        "x-backstop-attempts",
+        HeaderValue::from(facts.recovery.attempts),
+    );
+    if let Some(value) = facts
+        .recovery_header()
+        .and_then(|r| HeaderValue::from_str(&r).ok())
+    {
+        headers.insert("x-backstop-recovery", value);
+    }
+    if let Some(state) = facts.session_state {
+        headers.insert(
+            "x-backstop-session-state",
+            HeaderValue::from_static(state.label()),
+        );
+    }
+    if let Some(remaining) = facts
+        .budget_remaining
+        .as_deref()
+        .and_then(|r| HeaderValue::from_str(r).ok())
+    {
+        headers.insert("x-backstop-budget-remaining", remaining);
+    }
+}
+
+/// The end of a request: writes its access-log line and ends its span, once, when the
+/// response body ends or is dropped (or the request is dropped before its head).
+struct Ending {
+    log: Arc<RequestLog>,
+    id: HeaderValue,
+    label: &'static str,
+    endpoint: Option<Endpoint>,
+    started: Instant,
+    /// The status and the time to the response head, once the head is out.
+    head: Option<(u16, std::time::Duration)>,
+}
+
+impl Ending {
+    fn finish(&mut self, end: BodyEnd) {
+        let elapsed = self.started.elapsed();
+        let facts = self.log.facts();
+        let end = end.or_cut(facts.stream_cut.is_some());
+        let status = self.head.map(|(status, _)| status);
+        super::trace::end_span(&self.log, &facts, self.endpoint, status, end);
+        let (input_tokens, output_tokens) = facts.usage.unzip();
+        tracing::info!(
+            request_id = self.id.to_str().unwrap_or("-"),
+            endpoint = self.label,
+            tenant = facts.tenant.as_deref().unwrap_or("-"),
+            session = facts.session.as_deref().unwrap_or("-"),
+            model = facts.model.as_deref().unwrap_or("-"),
+            upstream = facts.recovery.upstream.as_deref().unwrap_or("-"),
+            status,
+            error = facts.error.map_or("-", |code| code.as_str()),
+            attempts = facts.recovery.attempts,
+            recovery = facts.recovery_header().as_deref().unwrap_or(""),
+            input_tokens,
+            output_tokens,
+            end = end.label(),
+            cut = facts.stream_cut,
+            head_ms = self.head.map(|(_, head)| head.as_secs_f64() * 1e3),
+            latency_ms = elapsed.as_secs_f64() * 1e3,
+            upstream_ms = facts.recovery.upstream_time.as_secs_f64() * 1e3,
+            "request"
+        );
+    }
+}
+
+impl Drop for Ending {
+    /// Only a request dropped before its head gets here unfinished.
+    fn drop(&mut self) {
+        if self.head.is_none() {
+            self.finish(BodyEnd::ClientGone);
+        }
+    }
+}
+
+/// The response body, finishing the request's record when it ends.
+struct Finishing {
+    body: Body,
+    ending: Ending,
+    ended: Option<BodyEnd>,
+}
+
+impl http_body::Body for Finishing {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => self.ended = Some(BodyEnd::Complete),
+            Poll::Ready(Some(Err(_))) => self.ended = Some(BodyEnd::Cut),
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Drop for Finishing {
+    fn drop(&mut self) {
+        // A body sent whole may be dropped without a last poll; one dropped before its
+        // end is a client gone. The body goes first: a stream's usage reaches the record
+        // when it is dropped.
+        let body = std::mem::take(&mut self.body);
+        let end = BodyEnd::at_drop(self.ended, http_body::Body::is_end_stream(&body));
+        drop(body);
+        self.ending.finish(end);
     }
 }
 

@@ -150,15 +150,23 @@ where
             Err(_) => Outcome::Failed,
             Ok(reply) => match (&reply.stream_usage, &reply.view) {
                 (Some(usage), _) => {
-                    let log = log.clone();
-                    usage.on_end(move |reported| {
-                        reservation.settle_later(match reported {
-                            Some((input, output)) => {
-                                log.add_usage(input, output);
-                                Outcome::Reported { input, output }
+                    usage.on_end({
+                        // Weak: this callback is kept inside the stream's usage until it
+                        // ends.
+                        let stream = Arc::downgrade(usage);
+                        let log = log.clone();
+                        move |reported| {
+                            if let Some(reason) = stream.upgrade().and_then(|s| s.cut()) {
+                                log.set_stream_cut(reason);
                             }
-                            None => Outcome::Unreported,
-                        })
+                            reservation.settle_later(match reported {
+                                Some((input, output)) => {
+                                    log.add_usage(input, output);
+                                    Outcome::Reported { input, output }
+                                }
+                                None => Outcome::Unreported,
+                            })
+                        }
                     });
                     return result.map_err(AttemptError::from);
                 }
@@ -174,12 +182,7 @@ where
         // What the session holds now comes back with the settle (replica mode): the
         // layers above read it instead of asking Redis again.
         let settled = reservation.settle(outcome).await;
-        log.update(|f| {
-            f.spent_usd += settled.usd;
-            if settled.seen.is_some() {
-                f.session_seen = settled.seen;
-            }
-        });
+        log.add_settled(settled.usd, settled.seen);
         result.map_err(AttemptError::from)
     }
 }

@@ -1,4 +1,4 @@
-//! Respond layer (just inside the edge): the boundary where typed errors stop. Every
+//! Respond layer (inside the edge and trace layers, outside the deadline): the boundary where typed errors stop. Every
 //! `Err(GatewayError)` from the layers below, and any panic, becomes a response in the
 //! caller's API shape, so the services above are `Infallible`.
 //! (Not tower-http's `CatchPanicLayer`: it answers a plain-text 500, not the caller's shape.)
@@ -93,7 +93,7 @@ where
             };
             let mut response = result.unwrap_or_else(|err| {
                 if let Some(log) = &log {
-                    log.update(|f| f.error = Some(err.code()));
+                    log.set_error(err.code());
                 }
                 error_response(&err, api)
             });

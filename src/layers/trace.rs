@@ -1,25 +1,22 @@
-//! Trace layer (just inside the edge, on every proxied endpoint): opens the request's
-//! OpenTelemetry span, a child of the client's `traceparent` when it sent one, and puts
-//! it in the request log, where the recovery layer opens a child span per upstream
-//! attempt. The span ends with what the log then says (tenant, session, models, usage,
-//! recovery trail, refusal): at the response head for a whole answer, and when the body
-//! is finished or dropped for an event stream, whose usage is known only at its end
-//! (`request_attributes`: the log turned into span attributes).
+//! Trace layer (just inside the [`EdgeLayer`](super::edge::EdgeLayer), outside the
+//! [`RespondLayer`](super::respond::RespondLayer), on every proxied endpoint): opens the
+//! request's OpenTelemetry span, a child of the client's `traceparent` when it sent one,
+//! and puts it in the request's record, where the recovery layer opens a child span per
+//! upstream attempt. The edge ends the span ([`end_span`]) when the response body ends,
+//! with what the record then says (tenant, session, models, usage, recovery trail,
+//! refusal, how the body ended): `request_attributes` turns the record into attributes.
 //!
 //! With tracing off (no `[telemetry] otlp_endpoint`) it passes requests straight
 //! through. Never refuses.
 
 use std::{
     convert::Infallible,
-    pin::Pin,
     sync::Arc,
     task::{Context, Poll},
 };
 
 use axum::body::Body;
-use futures_util::future::{BoxFuture, Either};
 use http::{Request, Response};
-use http_body::Frame;
 use opentelemetry::KeyValue;
 use tower::{Layer, Service};
 
@@ -27,8 +24,7 @@ use crate::{
     api::Endpoint,
     otel::{operation, provider, Traces},
     policy::trail::{self, Step},
-    telemetry::{LogFields, RequestLog},
-    upstream::is_event_stream,
+    telemetry::{BodyEnd, Facts, RequestLog},
 };
 
 #[derive(Clone)]
@@ -66,89 +62,66 @@ where
 {
     type Response = Response<Body>;
     type Error = Infallible;
-    type Future = Either<S::Future, BoxFuture<'static, Result<Response<Body>, Infallible>>>;
+    type Future = S::Future;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let Some(traces) = &self.traces else {
-            return Either::Left(self.inner.call(req));
-        };
-        let Some(log) = req.extensions().get::<Arc<RequestLog>>().cloned() else {
-            return Either::Left(self.inner.call(req));
-        };
-        log.set_trace(traces.start_request(req.headers()));
-        // Ends the span even if the request is dropped before its answer.
-        let mut end = SpanEnd {
-            log,
-            endpoint: Endpoint::from_path(req.uri().path()),
-            status: None,
-        };
-        let future = self.inner.call(req);
-        Either::Right(Box::pin(async move {
-            let response = future.await?;
-            end.status = Some(response.status().as_u16());
-            if !is_event_stream(response.headers()) {
-                drop(end);
-                return Ok(response);
+        if let Some(traces) = &self.traces {
+            if let Some(log) = req.extensions().get::<Arc<RequestLog>>() {
+                log.set_trace(traces.start_request(req.headers()));
             }
-            Ok(response.map(|body| Body::new(Traced { body, _end: end })))
-        }))
-    }
-}
-
-/// Ends the request span when dropped, from the request log as it is then.
-struct SpanEnd {
-    log: Arc<RequestLog>,
-    endpoint: Option<Endpoint>,
-    /// `None` until the answer's head is out: a request dropped before it.
-    status: Option<u16>,
-}
-
-impl Drop for SpanEnd {
-    fn drop(&mut self) {
-        let Some(trace) = self.log.trace() else {
-            return;
-        };
-        let (endpoint, status, answered) = (self.endpoint, self.status, trace.answered_model());
-        let mut ended = None;
-        // Read in place, not from a snapshot: each field is copied once, into its attribute.
-        self.log.update(|fields| {
-            let op = operation(endpoint);
-            let name = match &fields.model {
-                Some(model) => format!("{op} {model}"),
-                None => op.to_string(),
-            };
-            let error = match status {
-                None => Some("cancelled".to_string()),
-                Some(status) if status >= 500 || fields.error.is_some() => Some(
-                    fields
-                        .error
-                        .map_or_else(|| status.to_string(), |code| code.as_str().to_string()),
-                ),
-                Some(_) => None,
-            };
-            let attributes = request_attributes(fields, endpoint, status, answered);
-            ended = Some((name, attributes, error));
-        });
-        if let Some((name, attributes, error)) = ended {
-            trace.end(name, attributes, error);
         }
+        self.inner.call(req)
     }
 }
 
-/// The request span's attributes, from the request log.
+/// Ends the request's span, if it has one, from its record as it is at the end of the
+/// body. `status` is `None` for a request dropped before its answer's head.
+pub(super) fn end_span(
+    log: &RequestLog,
+    facts: &Facts,
+    endpoint: Option<Endpoint>,
+    status: Option<u16>,
+    end: BodyEnd,
+) {
+    let Some(trace) = log.trace() else {
+        return;
+    };
+    let op = operation(endpoint);
+    let name = match &facts.model {
+        Some(model) => format!("{op} {model}"),
+        None => op.to_string(),
+    };
+    let error = match status {
+        None => Some("cancelled".to_string()),
+        Some(status) if status >= 500 || facts.error.is_some() => Some(
+            facts
+                .error
+                .map_or_else(|| status.to_string(), |code| code.as_str().to_string()),
+        ),
+        Some(_) => None,
+    };
+    let mut attributes = request_attributes(facts, endpoint, status, trace.answered_model());
+    attributes.push(KeyValue::new("backstop.body.end", end.label()));
+    if let Some(reason) = facts.stream_cut {
+        attributes.push(KeyValue::new("backstop.body.cut", reason));
+    }
+    trace.end(name, attributes, error);
+}
+
+/// The request span's attributes, from the request's record.
 fn request_attributes(
-    fields: &LogFields,
+    fields: &Facts,
     endpoint: Option<Endpoint>,
     status: Option<u16>,
     answered_model: Option<Arc<str>>,
 ) -> Vec<KeyValue> {
     let mut out = vec![
         KeyValue::new("gen_ai.operation.name", operation(endpoint)),
-        KeyValue::new("backstop.attempts", i64::from(fields.attempts)),
+        KeyValue::new("backstop.attempts", i64::from(fields.recovery.attempts)),
     ];
     if let Some(status) = status {
         out.push(KeyValue::new(
@@ -174,7 +147,7 @@ fn request_attributes(
             text("backstop.session", fields.session.clone()),
             text(
                 "backstop.upstream",
-                fields.upstream.as_deref().map(str::to_string),
+                fields.recovery.upstream.as_deref().map(str::to_string),
             ),
             text("backstop.recovery", fields.recovery_header()),
             text(
@@ -182,7 +155,10 @@ fn request_attributes(
                 fields.error.map(|code| code.as_str().to_string()),
             ),
             text("backstop.refusal", refusal(fields).map(str::to_string)),
-            text("backstop.validation", validation_steps(&fields.recovery)),
+            text(
+                "backstop.validation",
+                validation_steps(&fields.recovery.steps),
+            ),
         ]
         .into_iter()
         .flatten(),
@@ -197,10 +173,11 @@ fn request_attributes(
 /// The error code when Backstop refused the request itself (auth, limits, budgets, the
 /// guard, an open breaker): before any upstream attempt, or as the trail's `refused:`
 /// step; an upstream's failure passed on is an `error.type` only.
-fn refusal(fields: &LogFields) -> Option<&'static str> {
-    let refused = fields.attempts == 0
+fn refusal(fields: &Facts) -> Option<&'static str> {
+    let refused = fields.recovery.attempts == 0
         || fields
             .recovery
+            .steps
             .iter()
             .any(|s| matches!(s, Step::Refused(_)));
     fields.error.filter(|_| refused).map(|code| code.as_str())
@@ -216,51 +193,28 @@ fn validation_steps(steps: &[Step]) -> Option<String> {
     (!done.is_empty()).then(|| trail::render(&done))
 }
 
-/// An event stream whose request span ends with it. `body` is declared first so it is
-/// dropped first: the stream's usage reaches the log before the span reads it.
-struct Traced {
-    body: Body,
-    _end: SpanEnd,
-}
-
-impl http_body::Body for Traced {
-    type Data = bytes::Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{error::GatewayError, telemetry::Trail};
 
     #[test]
     fn request_attributes_come_from_the_log() {
-        let fields = LogFields {
+        let fields = Facts {
             tenant: Some("acme".into()),
             session: Some("run-1".into()),
             model: Some("gpt-4o".into()),
-            attempts: 3,
-            recovery: vec![
-                Step::Retry(trail::Reason::Status(503)),
-                Step::Correct("schema"),
-                Step::Ok,
-            ],
+            recovery: Trail {
+                attempts: 3,
+                steps: vec![
+                    Step::Retry(trail::Reason::Status(503)),
+                    Step::Correct("schema"),
+                    Step::Ok,
+                ],
+                ..Trail::default()
+            },
             usage: Some((12, 34)),
-            ..LogFields::default()
+            ..Facts::default()
         };
         let attributes = request_attributes(
             &fields,
@@ -287,17 +241,21 @@ mod tests {
             Some("correct:schema")
         );
         assert_eq!(get("backstop.refusal"), None);
-        let failed = LogFields {
-            error: Some(crate::error::ErrorCode::UpstreamUnavailable),
+        let failed = Facts {
+            error: Some(
+                GatewayError::UpstreamUnavailable {
+                    upstream: "u".into(),
+                }
+                .code(),
+            ),
             ..fields.clone()
         };
         assert_eq!(refusal(&failed), None);
-        let refused = LogFields {
-            error: Some(crate::error::ErrorCode::BudgetExceeded),
-            attempts: 0,
-            ..LogFields::default()
+        let refused = Facts {
+            error: Some(GatewayError::Unauthorized.code()),
+            ..Facts::default()
         };
-        assert_eq!(refusal(&refused), Some("budget_exceeded"));
+        assert_eq!(refusal(&refused), Some("invalid_api_key"));
         assert_eq!(operation(Some(Endpoint::Embeddings)), "embeddings");
     }
 }

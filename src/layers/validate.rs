@@ -1,4 +1,5 @@
-//! Validate layer (pipeline step 6, outside target selection and retry): when a request
+//! Validate layer (inside the session guard, outside recovery and so outside target
+//! selection and retry): when a request
 //! expects structured output (a `response_format`, tools, or its route's
 //! `response_schema`), every answer is checked; an invalid one is sent back to the model
 //! with its own output and the validator's errors by JSON path, up to
@@ -30,7 +31,7 @@ use tower::{Layer, Service, ServiceExt};
 
 use super::{
     context::{Call, TargetIndex},
-    recovery::Answered,
+    recovery::{follow_trail, unvalidated, Answered, Unanswered},
     validate_stream::{Early, Plan, Settings, StreamRun},
     Middleware, Stack,
 };
@@ -38,6 +39,7 @@ use crate::{
     config::{StreamValidation, ValidationConfig, ValidationMode},
     error::GatewayError,
     policy::trail::Step,
+    telemetry::Trail,
     upstream::{Reply, ReplyBody},
     validation::{corrective_request, Expectations, Format, Invalid, Schemas},
 };
@@ -79,14 +81,14 @@ fn response(reply: Reply, body: Body) -> Response<Body> {
 
 impl<S> Middleware<S, Call> for ValidateLayer
 where
-    S: Service<Call, Response = Answered, Error = GatewayError> + Clone + Send + Sync + 'static,
+    S: Service<Call, Response = Answered, Error = Unanswered> + Clone + Send + Sync + 'static,
     S::Future: Send + 'static,
 {
     type Inner = Call;
     type Response = Response<Body>;
     type Error = GatewayError;
 
-    async fn call(&self, mut inner: S, call: Call) -> Result<Response<Body>, GatewayError> {
+    async fn call(&self, inner: S, call: Call) -> Result<Response<Body>, GatewayError> {
         let layer = self;
         let pending = Expectations::collect(
             Format::of(call.endpoint()),
@@ -97,7 +99,7 @@ where
         )
         .map_err(|bad| GatewayError::InvalidSchema(bad.0))?;
         let Some(pending) = pending else {
-            return Ok(inner.call(call).await?.reply.into_response());
+            return unvalidated(inner, call).await;
         };
         let expectations = if pending.needs_compile() {
             // Off the async workers, one of `max_concurrent_compiles` at a time. The
@@ -133,7 +135,19 @@ where
                 Err(Early::Error(err)) => Err(err),
             };
         }
-        run(inner, &layer.config, Arc::new(expectations), call).await
+        // What recovery did in every run, and the corrections between: written into the
+        // request's record once, however the validation ends.
+        let mut trail = Trail::default();
+        let result = run(
+            inner,
+            &layer.config,
+            Arc::new(expectations),
+            &call,
+            &mut trail,
+        )
+        .await;
+        call.log.set_recovery(trail);
+        result
     }
 }
 
@@ -141,10 +155,11 @@ async fn run<S>(
     inner: S,
     config: &ValidationConfig,
     expectations: Arc<Expectations>,
-    call: Call,
+    call: &Call,
+    trail: &mut Trail,
 ) -> Result<Response<Body>, GatewayError>
 where
-    S: Service<Call, Response = Answered, Error = GatewayError> + Clone + Send + 'static,
+    S: Service<Call, Response = Answered, Error = Unanswered> + Clone + Send + 'static,
     S::Future: Send + 'static,
 {
     let targets = call.route.targets.len();
@@ -163,7 +178,7 @@ where
             };
             attempt.start = start;
             attempt.keep_answer = true;
-            let Answered { mut reply, by } = inner.clone().oneshot(attempt).await?;
+            let (mut reply, by) = follow_trail(inner.clone().oneshot(attempt).await, trail)?;
             attempts += 1;
             if !reply.status.is_success() {
                 return Ok(reply.into_response());
@@ -214,7 +229,7 @@ where
                 return Ok(response);
             }
             if round < config.corrective_retries {
-                call.log.push_step(Step::Correct(invalid.problem.label()));
+                trail.steps.push(Step::Correct(invalid.problem.label()));
                 metrics::counter!("backstop_corrective_retries_total", "kind" => invalid.problem.label()).increment(1);
                 let sent = json.as_ref().unwrap_or(&call.request.json);
                 json = Some(corrective_request(
@@ -229,7 +244,7 @@ where
         let Some(after) = next else { break };
         start = after;
         if start.0 < targets {
-            call.log.push_step(Step::Switch(
+            trail.steps.push(Step::Switch(
                 call.route.targets[start.0].upstream.name.clone(),
             ));
         }

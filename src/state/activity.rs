@@ -24,7 +24,7 @@ use tokio::time::Instant;
 use crate::{
     error::ErrorCode,
     policy::{classify::Class, trail::Step},
-    telemetry::LogFields,
+    telemetry::Facts,
 };
 
 /// Minutes kept: one hour.
@@ -128,11 +128,11 @@ impl Activity {
 
     /// One finished request, from its log record. A refusal is counted under its reason,
     /// not as failed.
-    pub fn record_request(&self, now: Instant, status: u16, fields: &LogFields) {
+    pub fn record_request(&self, now: Instant, status: u16, fields: &Facts) {
         let ring = &self.requests;
         ring.add(now, REQUESTS, 1);
         let (mut retries, mut corrections, mut failovers) = (0, 0, 0);
-        for step in &fields.recovery {
+        for step in &fields.recovery.steps {
             match step {
                 Step::Retry(_) => retries += 1,
                 Step::Correct(_) => corrections += 1,
@@ -289,11 +289,14 @@ mod tests {
     use super::*;
     use crate::policy::trail::Reason;
 
-    fn fields(steps: Vec<Step>, error: Option<ErrorCode>) -> LogFields {
-        LogFields {
-            recovery: steps,
+    fn fields(steps: Vec<Step>, error: Option<ErrorCode>) -> Facts {
+        Facts {
+            recovery: crate::telemetry::Trail {
+                steps,
+                ..Default::default()
+            },
             error,
-            ..LogFields::default()
+            ..Facts::default()
         }
     }
 

@@ -203,9 +203,10 @@ impl ForwardObject {
         };
         let log = parts.extensions.get::<Arc<RequestLog>>().cloned();
         if let Some(log) = &log {
-            log.update(|f| {
-                f.upstream = Some(upstream.name.clone());
-                f.attempts = 1;
+            log.set_recovery(crate::telemetry::Trail {
+                upstream: Some(upstream.name.clone()),
+                attempts: 1,
+                ..Default::default()
             });
         }
         let (status, headers, body) = tokio::time::timeout(upstream.attempt_timeout, exchange)

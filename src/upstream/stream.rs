@@ -43,6 +43,8 @@ struct UsageState {
     /// The ids of a Responses stream's output items, from its final event.
     output_ids: Vec<String>,
     on_response_id: Option<Box<dyn FnOnce(String) + Send>>,
+    /// Why Backstop cut the stream short, if it did (the metric reason).
+    cut: Option<&'static str>,
 }
 
 /// The token usage a stream reported, delivered once when it ends (or is dropped).
@@ -100,6 +102,12 @@ impl StreamUsage {
         } else {
             state.on_end.push(Box::new(f));
         }
+    }
+
+    /// Why Backstop cut the stream short (`broken`, `idle`, `too_long`, ...), if it did:
+    /// known when it has ended.
+    pub fn cut(&self) -> Option<&'static str> {
+        self.lock().cut
     }
 
     /// A Responses stream's response id, once an event has named it.
@@ -445,6 +453,7 @@ impl RelayState {
             "relayed stream ended by Backstop"
         );
         metrics::counter!("backstop_stream_errors_total", "reason" => reason).increment(1);
+        self.relay.usage.lock().cut = Some(reason);
         self.upstream = None;
         let mut out = match last_boundary(&self.pending) {
             Some(end) => {

@@ -1,5 +1,6 @@
-//! Recovery layer (pipeline steps 7–9): target selection, retry and the upstream
-//! breakers, around the [`Forward`](crate::upstream::Forward) leaf.
+//! Recovery layer (inside validation, outside the response-owners and meter layers
+//! around the [`Forward`](crate::upstream::Forward) leaf): target selection, retry and
+//! the upstream breakers.
 //!
 //! Every attempt's outcome is classified once ([`classify`]) and the class alone decides:
 //! - success → answered;
@@ -14,8 +15,14 @@
 //!
 //! An upstream whose breaker is open is skipped without touching the network; when every
 //! target is skipped the answer is 503 `circuit_open` with Retry-After. What was done is
-//! written to the request log, from which the edge layer sets `x-backstop-attempts` and
-//! `x-backstop-recovery` (e.g. `retry:503,retry:503,ok`).
+//! answered with the outcome ([`Answered`], [`Unanswered`]: its
+//! [`Trail`](crate::telemetry::Trail)); the caller writes it into the request's record,
+//! from which the edge sets `x-backstop-attempts` and `x-backstop-recovery` (e.g.
+//! `retry:503,retry:503,ok`).
+//!
+//! Hedging ([`hedge`]) and outlier demotion ([`demotion`]) are this layer's own
+//! submodules, and so is the mapping of the last failure to the client's answer
+//! ([`failure`]).
 
 use std::{
     collections::VecDeque,
@@ -26,6 +33,16 @@ use std::{
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
 
+mod demotion;
+mod failure;
+mod hedge;
+mod outcome;
+
+pub use outcome::{follow_trail, unvalidated, Answered, AnsweredBy, Unanswered, UnvalidatedLayer};
+
+use failure::Failure;
+use outcome::answered;
+
 use super::{
     context::{Call, TargetIndex},
     meter::{Billed, HeldContext},
@@ -33,47 +50,18 @@ use super::{
 };
 use crate::{
     api::ApiKind,
-    config::HedgeAfter,
-    error::{GatewayError, Protocol},
+    error::GatewayError,
     policy::{
         backoff::{next_wait, Backoff, Wait},
         breaker::{Admission, Transition, Verdict},
         classify::{classify, Class, Observed, TransportFailure},
-        outlier,
         trail::{Reason, Step},
     },
     routing::Target,
     state::health::{HealthRegistry, UpstreamHealth},
+    telemetry::Trail,
     upstream::{Attempt, AttemptError, Reply},
 };
-
-/// Which target of the route gave an answer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AnsweredBy {
-    /// The route's target at this index.
-    Target(TargetIndex),
-    /// The route's `context_fallback`: nothing comes after it.
-    ContextFallback,
-}
-
-impl AnsweredBy {
-    /// Where a strategy switch goes next, if anywhere.
-    pub fn next(self) -> Option<TargetIndex> {
-        match self {
-            AnsweredBy::Target(TargetIndex(i)) => Some(TargetIndex(i + 1)),
-            AnsweredBy::ContextFallback => None,
-        }
-    }
-}
-
-/// What recovery answers: the upstream's reply, and for a success (or a caller fault
-/// passed through) which target gave it. Only the validate layer takes this; it turns
-/// it into the client's response.
-pub struct Answered {
-    pub reply: Reply,
-    /// `None` when the reply is the last failure, answered as it came.
-    pub by: Option<AnsweredBy>,
-}
 
 /// How transient failures are retried.
 #[derive(Clone, Debug)]
@@ -130,9 +118,9 @@ where
 {
     type Inner = Billed;
     type Response = Answered;
-    type Error = GatewayError;
+    type Error = Unanswered;
 
-    async fn call(&self, inner: S, call: Call) -> Result<Answered, GatewayError> {
+    async fn call(&self, inner: S, call: Call) -> Result<Answered, Unanswered> {
         let run = |inner| Run {
             inner,
             policy: self.policy.clone(),
@@ -147,104 +135,8 @@ where
         let Some((after, to)) = hedge else {
             return run(inner).recover(call).await;
         };
-        // The first run, and after `after` without an answer a second from the next
-        // healthy target: the first success wins and the other is dropped (its attempt
-        // is cancelled and charged as any unfinished attempt is).
-        let mut hedged = call.clone();
-        hedged.start = to;
-        let first = run(inner.clone()).recover(call.clone());
-        tokio::pin!(first);
-        tokio::select! {
-            result = &mut first => return result,
-            _ = tokio::time::sleep(after) => {}
-        }
-        let name = call.route.targets[to.0].upstream.name.clone();
-        metrics::counter!("backstop_hedges_total", "to" => name.to_string()).increment(1);
-        call.log.push_step(Step::Hedge(name));
-        let second = run(inner).recover(hedged);
-        tokio::pin!(second);
-        let won = |r: &Result<Answered, GatewayError>| {
-            r.as_ref().is_ok_and(|a| a.reply.status.is_success())
-        };
-        tokio::select! {
-            result = &mut first => if won(&result) { result } else {
-                let other = second.await;
-                if won(&other) { other } else { result }
-            },
-            result = &mut second => if won(&result) { result } else {
-                let other = first.await;
-                if won(&other) { other } else { result }
-            },
-        }
+        self.hedged(run, inner, call, after, to).await
     }
-}
-
-impl RecoveryLayer {
-    /// How long the first target may take before the hedge: fixed, or the percentile of
-    /// its recent answer times (`None`, no hedge, until it has enough of them).
-    fn hedge_delay(&self, call: &Call, after: HedgeAfter) -> Option<Duration> {
-        match after {
-            HedgeAfter::After(delay) => Some(delay),
-            HedgeAfter::Percentile(q) => self
-                .health
-                .get(&call.route.targets.get(call.start.0)?.upstream.name)?
-                .latency_quantile(q, HedgeAfter::MIN_SAMPLES)
-                .map(|d| d.max(Duration::from_millis(1))),
-        }
-    }
-
-    /// Where a hedge goes: the first target after the call's start that speaks its API
-    /// and whose breaker is closed.
-    fn hedge_target(&self, call: &Call) -> Option<TargetIndex> {
-        let api = call.endpoint().api();
-        call.route
-            .targets
-            .iter()
-            .enumerate()
-            .skip(call.start.0 + 1)
-            .find(|(_, t)| {
-                t.upstream.api == api
-                    && self
-                        .health
-                        .get(&t.upstream.name)
-                        .is_some_and(|h| h.is_closed())
-            })
-            .map(|(i, _)| TargetIndex(i))
-    }
-}
-
-/// What recovery did, in order: written to the log and the response headers.
-#[derive(Default)]
-struct Trail {
-    steps: Vec<Step>,
-    upstream: Option<Arc<str>>,
-    attempts: u32,
-    upstream_time: Duration,
-}
-
-impl Trail {
-    fn fell_back(&self) -> bool {
-        self.steps.iter().any(|s| matches!(s, Step::Fallback(_)))
-    }
-}
-
-// The large variants hold a whole reply, moved a few times per attempt: boxing it would
-// cost an allocation per attempt to save a memcpy.
-/// The last failure seen, answered when nothing succeeds.
-#[allow(clippy::large_enum_variant)]
-enum Failure {
-    Reply {
-        reply: Reply,
-        class: Class,
-        upstream: Arc<str>,
-    },
-    Transport {
-        failure: TransportFailure,
-        upstream: Arc<str>,
-        timeout: Duration,
-        /// The attempt's timeout was cut short by the request deadline.
-        cut_by_deadline: bool,
-    },
 }
 
 /// Where the target loop goes next.
@@ -366,7 +258,7 @@ where
     S: Service<Billed, Response = Reply, Error = AttemptError> + Clone + Send + 'static,
     S::Future: Send + 'static,
 {
-    async fn recover(mut self, call: Call) -> Result<Answered, GatewayError> {
+    async fn recover(mut self, call: Call) -> Result<Answered, Unanswered> {
         let request_timeout = call.deadline.timeout;
         let deadline = call.deadline.at;
         let api = call.endpoint().api();
@@ -390,14 +282,14 @@ where
         if queue.is_empty() {
             // Nothing past `start` speaks the caller's API: a route/endpoint mismatch.
             let other = route.targets[0].upstream.api;
-            return Err(GatewayError::ApiMismatch {
+            return self.finish(Err(GatewayError::ApiMismatch {
                 model: call.request.model.clone(),
                 upstream_api: other.as_str(),
                 path: match other {
                     ApiKind::OpenAi => "/v1/chat/completions",
                     ApiKind::Anthropic => "/v1/messages",
                 },
-            });
+            }));
         }
         let mut last: Option<Failure> = None;
         let mut open_for: Option<Duration> = None;
@@ -440,7 +332,7 @@ where
                     if let Ok(answered) = &mut result {
                         answered.by = Some(by);
                     }
-                    return self.finish(result, &call);
+                    return self.finish(result);
                 }
                 Next::Failover => {}
                 Next::Defer {
@@ -475,44 +367,13 @@ where
             }
         }
         let result = match last {
-            Some(failure) => self.answer_failure(failure, request_timeout),
+            Some(failure) => failure.answer(request_timeout),
             None => match open_for {
                 Some(wait) => Err(GatewayError::CircuitOpen { retry_after: wait }),
                 None => Err(GatewayError::RequestTimeout(request_timeout)),
             },
         };
-        self.finish(result, &call)
-    }
-
-    /// Moves targets failing far more than their peers (a brownout the breaker does not
-    /// see) behind them, keeping the route's order otherwise.
-    fn demote_outliers(&self, queue: &mut VecDeque<Visit<'_>>) {
-        let now = Instant::now();
-        let healths: Vec<Option<&UpstreamHealth>> = queue
-            .iter()
-            .map(|v| self.health.get(&v.target.upstream.name))
-            .collect();
-        let recent: Vec<(f64, f64)> = healths
-            .iter()
-            .map(|h| h.map_or((0.0, 0.0), |h| h.recent(now)))
-            .collect();
-        let demoted = outlier::demoted(&recent);
-        for ((health, demote), (attempts, _)) in healths.iter().zip(&demoted).zip(&recent) {
-            if let Some(health) = health {
-                health.judged_outlier(*demote, *attempts);
-            }
-        }
-        if !demoted.contains(&true) {
-            return;
-        }
-        let (front, back): (Vec<_>, Vec<_>) = queue
-            .drain(..)
-            .zip(demoted)
-            .partition(|(_, demote)| !demote);
-        for (visit, _) in &back {
-            metrics::counter!("backstop_outlier_demotions_total", "upstream" => visit.target.upstream.name.to_string()).increment(1);
-        }
-        queue.extend(front.into_iter().chain(back).map(|(visit, _)| visit));
+        self.finish(result)
     }
 
     /// Attempts on one target until it answers, or is to be left.
@@ -700,11 +561,16 @@ where
             Ok(reply) => match class {
                 Class::Success => {
                     self.trail.steps.push(Step::Ok);
-                    return Judged::Go(Next::Answer(Ok(Answered { reply, by: None })));
+                    return Judged::Go(Next::Answer(Ok(answered(reply))));
                 }
                 Class::CallerFault {
                     context_length: true,
-                } if !self.trail.fell_back() => {
+                } if !self
+                    .trail
+                    .steps
+                    .iter()
+                    .any(|s| matches!(s, Step::Fallback(_))) =>
+                {
                     if let Some(fallback) = &call.route.context_fallback {
                         self.trail
                             .steps
@@ -712,11 +578,11 @@ where
                         return Judged::Go(Next::ContextFallback);
                     }
                     self.trail.steps.push(Step::Pass(reason));
-                    return Judged::Go(Next::Answer(Ok(Answered { reply, by: None })));
+                    return Judged::Go(Next::Answer(Ok(answered(reply))));
                 }
                 Class::CallerFault { .. } => {
                     self.trail.steps.push(Step::Pass(reason));
-                    return Judged::Go(Next::Answer(Ok(Answered { reply, by: None })));
+                    return Judged::Go(Next::Answer(Ok(answered(reply))));
                 }
                 _ => Failure::Reply {
                     reply,
@@ -777,88 +643,19 @@ where
         }
     }
 
-    /// The answer when no target succeeded: the upstream's own response where it tells
-    /// the client something true (429/503 with Retry-After, quota), a typed error where
-    /// it would mislead (the provider refusing *Backstop's* key is not the client's 401).
-    fn answer_failure(
-        &self,
-        failure: Failure,
-        request_timeout: Duration,
-    ) -> Result<Answered, GatewayError> {
-        match failure {
-            Failure::Reply {
-                reply,
-                class: Class::CredentialOrQuota,
-                upstream,
-            } if matches!(reply.status.as_u16(), 401 | 403) => Err(GatewayError::UpstreamAuth {
-                upstream: upstream.to_string(),
-                status: reply.status.as_u16(),
+    /// The outcome with its trail. (A large `Err`: it is moved once per call, never per
+    /// attempt, and boxing it would cost an allocation on every failure answered.)
+    #[allow(clippy::result_large_err)]
+    fn finish(self, result: Result<Answered, GatewayError>) -> Result<Answered, Unanswered> {
+        match result {
+            Ok(answered) => Ok(Answered {
+                trail: self.trail,
+                ..answered
             }),
-            Failure::Reply {
-                class: Class::Malformed,
-                upstream,
-                ..
-            } => Err(GatewayError::UpstreamMalformed {
-                upstream: upstream.to_string(),
-            }),
-            Failure::Reply {
-                reply,
-                class: Class::Redirect,
-                upstream,
-            } => Err(GatewayError::UpstreamProtocol {
-                upstream: upstream.to_string(),
-                problem: Protocol::Redirect(reply.status.as_u16()),
-            }),
-            Failure::Transport {
-                failure: failure @ (TransportFailure::TooLarge | TransportFailure::NotAStream),
-                upstream,
-                ..
-            } => Err(GatewayError::UpstreamProtocol {
-                upstream: upstream.to_string(),
-                problem: if failure == TransportFailure::TooLarge {
-                    Protocol::TooLarge
-                } else {
-                    Protocol::NotAStream
-                },
-            }),
-            Failure::Reply { reply, .. } => Ok(Answered { reply, by: None }),
-            // Out of time because the client's deadline came, not because the upstream
-            // was slower than its own attempt timeout.
-            Failure::Transport {
-                failure: TransportFailure::Timeout,
-                cut_by_deadline: true,
-                ..
-            } => Err(GatewayError::RequestTimeout(request_timeout)),
-            Failure::Transport {
-                failure: TransportFailure::Timeout,
-                upstream,
-                timeout,
-                ..
-            } => Err(GatewayError::UpstreamTimeout {
-                upstream: upstream.to_string(),
-                timeout,
-            }),
-            Failure::Transport { upstream, .. } => Err(GatewayError::UpstreamUnavailable {
-                upstream: upstream.to_string(),
+            Err(error) => Err(Unanswered {
+                error,
+                trail: self.trail,
             }),
         }
-    }
-
-    fn finish(
-        self,
-        result: Result<Answered, GatewayError>,
-        call: &Call,
-    ) -> Result<Answered, GatewayError> {
-        let trail = self.trail;
-        // Appended: an outer layer (validation) may run recovery more than once.
-        call.log.update(|f| {
-            f.attempts += trail.attempts;
-            f.upstream_time += trail.upstream_time;
-            f.recovery.extend(trail.steps);
-            if trail.upstream.is_some() {
-                f.upstream = trail.upstream;
-            }
-        });
-        result
     }
 }

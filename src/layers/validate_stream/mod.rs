@@ -25,7 +25,7 @@
 //! sent: the SDKs' stream helpers refuse a stream whose response changes identity.
 
 use std::{
-    collections::{HashMap, HashSet, VecDeque},
+    collections::{HashMap, VecDeque},
     sync::Arc,
 };
 
@@ -36,9 +36,15 @@ use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use serde_json::{json, Map, Value};
 use tower::{Service, ServiceExt};
 
+mod follow;
+mod gate;
+
+use follow::{Follow, Sent};
+use gate::{Gate, Queued};
+
 use super::{
     context::{Call, TargetIndex},
-    recovery::Answered,
+    recovery::{follow_trail, Answered, Unanswered},
 };
 use crate::{
     api::{
@@ -47,12 +53,9 @@ use crate::{
     },
     error::GatewayError,
     policy::trail::Step,
+    telemetry::Trail,
     upstream::ReplyBody,
-    validation::{
-        corrective_request,
-        stream::{Assembler, Read},
-        Expectations, Format, Invalid,
-    },
+    validation::{corrective_request, stream::Assembler, Expectations, Format, Invalid},
 };
 
 /// How the whole-answer verdict is applied to a stream.
@@ -70,307 +73,6 @@ pub(super) enum Plan {
 pub(super) struct Settings {
     pub plan: Plan,
     pub corrective_retries: u32,
-}
-
-/// An event waiting to be released.
-struct Queued {
-    event: SseEvent,
-    call: Option<u64>,
-    terminal: bool,
-    opening: bool,
-}
-
-/// Holds events until what they wait for is checked, and releases them in order.
-struct Gate {
-    queue: VecDeque<Queued>,
-    unchecked: HashSet<u64>,
-    hold_all: bool,
-    hold_terminal: bool,
-    /// Something past the opening events was released.
-    opened: bool,
-}
-
-impl Gate {
-    fn new(plan: Plan, checks_content: bool) -> Gate {
-        Gate {
-            queue: VecDeque::new(),
-            unchecked: HashSet::new(),
-            hold_all: plan == Plan::Buffer && checks_content,
-            hold_terminal: checks_content,
-            opened: false,
-        }
-    }
-
-    fn push(&mut self, event: SseEvent, read: &Read, hold_calls: bool) {
-        let call = read.call.filter(|_| hold_calls);
-        if let Some(call) = call {
-            self.unchecked.insert(call);
-        }
-        self.queue.push_back(Queued {
-            event,
-            call,
-            terminal: read.terminal,
-            opening: read.opening,
-        });
-    }
-
-    /// Whether `q` must wait (for its call's check, or the whole-answer verdict).
-    fn waits(&self, q: &Queued) -> bool {
-        self.hold_all
-            || q.call.is_some_and(|c| self.unchecked.contains(&c))
-            || (q.terminal && self.hold_terminal)
-    }
-
-    fn release(&mut self) -> Vec<Queued> {
-        let mut out = Vec::new();
-        if !self.opened {
-            // Opening events go with the first event after them, once it can.
-            match self.queue.iter().find(|q| !q.opening) {
-                Some(first) if !self.waits(first) => self.opened = true,
-                _ => return out,
-            }
-        }
-        while let Some(front) = self.queue.front() {
-            if self.waits(front) {
-                break;
-            }
-            out.extend(self.queue.pop_front());
-        }
-        out
-    }
-}
-
-/// What the client has been sent, for a corrective attempt to follow on from.
-#[derive(Default)]
-struct Sent {
-    any: bool,
-    /// OpenAI chat tool-call indices.
-    chat_calls: HashSet<u64>,
-    /// Anthropic content blocks started.
-    blocks: u64,
-    /// Responses API: the next free `output_index`, the last `sequence_number`, and the
-    /// items completed (for the final `response.completed`).
-    outputs: u64,
-    sequence: Option<u64>,
-    items: Vec<Value>,
-    /// The response id the client was told (`response.created`).
-    response_id: Option<Value>,
-    /// The tool calls released (name, arguments): a corrective attempt that repeats one
-    /// does not send it again.
-    calls: Vec<(String, Value)>,
-}
-
-impl Sent {
-    fn note(&mut self, format: Format, event: &SseEvent) {
-        self.any = true;
-        let Some(json) = &event.json else { return };
-        match format {
-            Format::Chat => {
-                for tc in json
-                    .pointer("/choices/0/delta/tool_calls")
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                {
-                    self.chat_calls
-                        .insert(tc.get("index").and_then(Value::as_u64).unwrap_or(0));
-                }
-            }
-            Format::Messages => {
-                if event.kind() == Some("content_block_start") {
-                    let index = json.get("index").and_then(Value::as_u64).unwrap_or(0);
-                    self.blocks = self.blocks.max(index + 1);
-                }
-            }
-            Format::Responses => {
-                if let Some(i) = json.get("output_index").and_then(Value::as_u64) {
-                    self.outputs = self.outputs.max(i + 1);
-                }
-                if let Some(s) = json.get("sequence_number").and_then(Value::as_u64) {
-                    self.sequence = Some(s);
-                }
-                if self.response_id.is_none() {
-                    self.response_id = json.pointer("/response/id").cloned();
-                }
-                if event.kind() == Some("response.output_item.done") {
-                    if let Some(item) = json.get("item") {
-                        self.items.push(item.clone());
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Rewrites a corrective attempt's events to continue an answer the client already has.
-/// [`Follow::map`] drops what the client must not see twice (opening events, text) as
-/// events arrive; [`Follow::renumber`] gives what is released the next indices as it is
-/// sent, so a call dropped in between (a repeat of one already sent) leaves no gap.
-struct Follow {
-    format: Format,
-    next_index: u64,
-    remap: HashMap<u64, u64>,
-    dropped: HashSet<u64>,
-    next_sequence: u64,
-    prior_items: Vec<Value>,
-    items: Vec<Value>,
-    response_id: Option<Value>,
-}
-
-impl Follow {
-    fn after(format: Format, sent: &Sent) -> Follow {
-        Follow {
-            format,
-            next_index: match format {
-                Format::Chat => sent.chat_calls.len() as u64,
-                Format::Messages => sent.blocks,
-                Format::Responses => sent.outputs,
-            },
-            remap: HashMap::new(),
-            dropped: HashSet::new(),
-            next_sequence: sent.sequence.map_or(0, |s| s + 1),
-            prior_items: sent.items.clone(),
-            items: Vec::new(),
-            response_id: sent.response_id.clone(),
-        }
-    }
-
-    /// The index `from` (the corrective attempt's own) takes in the client's answer: the
-    /// next free one when first sent.
-    fn index(&mut self, from: u64) -> u64 {
-        *self.remap.entry(from).or_insert_with(|| {
-            self.next_index += 1;
-            self.next_index - 1
-        })
-    }
-
-    /// The event, or `None` when it must not reach the client (indices unchanged).
-    fn map(&mut self, event: SseEvent) -> Option<SseEvent> {
-        let Some(mut json) = event.json.clone() else {
-            return Some(event);
-        };
-        match self.format {
-            Format::Chat => {
-                let Some(choice) = json.pointer_mut("/choices/0") else {
-                    return Some(event);
-                };
-                let finished = choice.get("finish_reason").is_some_and(|f| !f.is_null());
-                let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut) else {
-                    return finished.then_some(event);
-                };
-                for text in [
-                    "content",
-                    "reasoning_content",
-                    "reasoning",
-                    "refusal",
-                    "role",
-                ] {
-                    delta.remove(text);
-                }
-                if !delta.contains_key("tool_calls") && !finished {
-                    return None;
-                }
-                Some(event.rewritten(json))
-            }
-            Format::Messages => {
-                let index = json.get("index").and_then(Value::as_u64);
-                match event.kind() {
-                    Some("message_start" | "ping") => None,
-                    Some("content_block_start") => {
-                        let is_tool = json.pointer("/content_block/type").and_then(Value::as_str)
-                            == Some("tool_use");
-                        if !is_tool {
-                            self.dropped.insert(index.unwrap_or(0));
-                            return None;
-                        }
-                        Some(event)
-                    }
-                    Some("content_block_delta" | "content_block_stop") => {
-                        (!self.dropped.contains(&index?)).then_some(event)
-                    }
-                    _ => Some(event),
-                }
-            }
-            Format::Responses => {
-                let kind = event.kind().unwrap_or("");
-                if matches!(
-                    kind,
-                    "response.created" | "response.in_progress" | "response.queued"
-                ) {
-                    return None;
-                }
-                if let Some(index) = json.get("output_index").and_then(Value::as_u64) {
-                    if kind == "response.output_item.added"
-                        && json.pointer("/item/type").and_then(Value::as_str)
-                            != Some("function_call")
-                    {
-                        self.dropped.insert(index);
-                    }
-                    if self.dropped.contains(&index) {
-                        return None;
-                    }
-                }
-                Some(event)
-            }
-        }
-    }
-
-    /// The event as the client gets it: indices (and the Responses API's sequence
-    /// numbers, final output and id) following what it was sent before.
-    fn renumber(&mut self, event: SseEvent) -> SseEvent {
-        let Some(mut json) = event.json.clone() else {
-            return event;
-        };
-        match self.format {
-            Format::Chat => {
-                let Some(calls) = json
-                    .pointer_mut("/choices/0/delta/tool_calls")
-                    .and_then(Value::as_array_mut)
-                else {
-                    return event;
-                };
-                for tc in calls {
-                    let from = tc.get("index").and_then(Value::as_u64).unwrap_or(0);
-                    tc["index"] = json!(self.index(from));
-                }
-            }
-            Format::Messages => {
-                let Some(from) = json.get("index").and_then(Value::as_u64) else {
-                    return event;
-                };
-                json["index"] = json!(self.index(from));
-            }
-            Format::Responses => {
-                let kind = event.kind().unwrap_or("").to_owned();
-                if let Some(from) = json.get("output_index").and_then(Value::as_u64) {
-                    json["output_index"] = json!(self.index(from));
-                    if kind == "response.output_item.done" {
-                        self.items.extend(json.get("item").cloned());
-                    }
-                }
-                if matches!(
-                    kind.as_str(),
-                    "response.completed" | "response.incomplete" | "response.failed"
-                ) {
-                    if let Some(response) = json.get_mut("response").and_then(Value::as_object_mut)
-                    {
-                        let mut output = self.prior_items.clone();
-                        output.extend(self.items.iter().cloned());
-                        response.insert("output".into(), Value::Array(output));
-                        // One response, as far as the client knows: the id it was told.
-                        if let Some(id) = &self.response_id {
-                            response.insert("id".into(), id.clone());
-                        }
-                    }
-                }
-                if json.get("sequence_number").is_some() {
-                    json["sequence_number"] = json!(self.next_sequence);
-                    self.next_sequence += 1;
-                }
-            }
-        }
-        event.rewritten(json)
-    }
 }
 
 /// Why the stream could not even start: answered before any event was sent.
@@ -394,7 +96,8 @@ pub(super) struct StreamRun<S> {
     next: Option<TargetIndex>,
     round: u32,
     attempts: u32,
-    corrected: bool,
+    /// What recovery did in every attempt, and the corrections between.
+    trail: Trail,
     head: Option<(StatusCode, HeaderMap)>,
     source: Option<Source>,
     splitter: Splitter,
@@ -405,14 +108,24 @@ pub(super) struct StreamRun<S> {
     /// Calls checked valid and not yet released, by the assembler's key.
     checked: HashMap<u64, (String, Value)>,
     out: VecDeque<Bytes>,
-    verdict_done: bool,
-    done: bool,
+    stage: Stage,
     last: Option<Invalid>,
+}
+
+/// Where the current attempt's stream is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Events are read and released.
+    Reading,
+    /// The whole-answer verdict is made; the rest of the stream is read.
+    Judged,
+    /// Nothing more will be sent.
+    Over,
 }
 
 impl<S> StreamRun<S>
 where
-    S: Service<Call, Response = Answered, Error = GatewayError> + Clone + Send + 'static,
+    S: Service<Call, Response = Answered, Error = Unanswered> + Clone + Send + 'static,
     S::Future: Send + 'static,
 {
     pub(super) fn new(
@@ -436,7 +149,7 @@ where
             next: Some(TargetIndex(1)),
             round: 0,
             attempts: 0,
-            corrected: false,
+            trail: Trail::default(),
             head: None,
             source: None,
             splitter: Splitter::default(),
@@ -445,8 +158,7 @@ where
             sent: Sent::default(),
             checked: HashMap::new(),
             out: VecDeque::new(),
-            verdict_done: false,
-            done: false,
+            stage: Stage::Reading,
             last: None,
             call,
         }
@@ -460,7 +172,7 @@ where
         let (status, mut headers) = self.head.take().unwrap_or_default();
         headers.remove(http::header::CONTENT_LENGTH);
         let outcome = match (self.settings.plan, self.expectations.checks_content()) {
-            (Plan::Buffer, true) if self.corrected => "corrected",
+            (Plan::Buffer, true) if self.corrected() => "corrected",
             (Plan::Buffer, true) => "valid",
             _ => "deferred",
         };
@@ -474,7 +186,7 @@ where
                     Early::Error(err) => err.code().as_str(),
                     Early::Reply(_) => "upstream_error",
                 };
-                run.done = true;
+                run.stage = Stage::Over;
                 return Some((
                     stream_error_event(run.call.endpoint(), code, "the stream could not continue"),
                     run,
@@ -496,8 +208,11 @@ where
         call.start = self.start;
         self.attempts += 1;
         let answered = self.inner.clone().oneshot(call).await;
-        let Answered { reply, by } = match answered {
-            Ok(a) => a,
+        let answered = follow_trail(answered, &mut self.trail);
+        // The trail so far: a later correction (mid-stream) writes it again, longer.
+        self.call.log.set_recovery(self.trail.clone());
+        let (reply, by) = match answered {
+            Ok(answered) => answered,
             Err(err) => return self.fail(Early::Error(err)),
         };
         if !reply.status.is_success() {
@@ -542,14 +257,19 @@ where
     fn end_with(&mut self, event: Bytes) {
         self.source = None;
         self.out.push_back(event);
-        self.done = true;
+        self.stage = Stage::Over;
+    }
+
+    /// A corrective attempt was made (every attempt after the first is one).
+    fn corrected(&self) -> bool {
+        self.attempts > 1
     }
 
     /// Reads on until there is something to send, or the stream is over.
     async fn pull(&mut self) -> Result<(), Early> {
-        while self.out.is_empty() && !self.done {
+        while self.out.is_empty() && self.stage != Stage::Over {
             let Some(source) = self.source.as_mut() else {
-                self.done = true;
+                self.stage = Stage::Over;
                 break;
             };
             let (events, ended) = match source.next().await {
@@ -565,7 +285,7 @@ where
                     break;
                 }
             }
-            if ended && !restarted && !self.done {
+            if ended && !restarted && self.stage != Stage::Over {
                 self.end().await?;
             }
         }
@@ -595,7 +315,7 @@ where
                 Err(invalid) => return self.invalid(invalid).await.map(|()| true),
             }
         }
-        if read.terminal && !self.verdict_done && self.verdict().await? {
+        if read.terminal && self.stage == Stage::Reading && self.verdict().await? {
             return Ok(true);
         }
         self.flush();
@@ -604,7 +324,7 @@ where
 
     /// The whole-answer verdict (content schema); `true` when it restarted the run.
     async fn verdict(&mut self) -> Result<bool, Early> {
-        self.verdict_done = true;
+        self.stage = Stage::Judged;
         if !self.gate.hold_terminal {
             return Ok(false);
         }
@@ -663,7 +383,7 @@ where
                 }
             }
         }
-        if !self.verdict_done && self.verdict().await? {
+        if self.stage == Stage::Reading && self.verdict().await? {
             return Ok(());
         }
         self.gate.hold_all = false;
@@ -675,10 +395,10 @@ where
             count_failure(&invalid);
             self.out.push_back(self.flag(&invalid));
         }
-        if self.corrected {
+        if self.corrected() {
             metrics::counter!("backstop_validation_fixed_total").increment(1);
         }
-        self.done = true;
+        self.stage = Stage::Over;
         Ok(())
     }
 
@@ -767,9 +487,9 @@ where
         self.source = None;
         let targets = self.call.route.targets.len();
         if self.round < self.settings.corrective_retries {
-            self.call
-                .log
-                .push_step(Step::Correct(invalid.problem.label()));
+            self.trail
+                .steps
+                .push(Step::Correct(invalid.problem.label()));
             metrics::counter!("backstop_corrective_retries_total", "kind" => invalid.problem.label())
                 .increment(1);
             self.json = corrective_request(self.format, &self.json, &invalid);
@@ -781,7 +501,7 @@ where
                     self.next = Some(TargetIndex(next.0 + 1));
                     self.round = 0;
                     self.json = self.original.clone();
-                    self.call.log.push_step(Step::Switch(
+                    self.trail.steps.push(Step::Switch(
                         self.call.route.targets[next.0].upstream.name.clone(),
                     ));
                 }
@@ -807,12 +527,11 @@ where
                 }
             }
         }
-        self.corrected = true;
         self.splitter = Splitter::default();
         self.assembler = Assembler::new(self.format);
         self.checked.clear();
         self.gate = Gate::new(self.settings.plan, self.expectations.checks_content());
-        self.verdict_done = false;
+        self.stage = Stage::Reading;
         self.follow = self
             .sent
             .any
