@@ -6,14 +6,17 @@
 //! scrubbed of the interpolated values ([`env::FromEnv`]) before it leaves this module,
 //! for `check-config`, a refused start and a refused reload alike.
 
+mod admin;
 mod budget;
 mod duration;
 mod env;
+mod log;
 mod recovery;
 mod responses;
 mod route;
 mod server;
 mod state;
+mod store;
 mod telemetry;
 mod tenant;
 mod upstream;
@@ -23,14 +26,15 @@ use std::{collections::HashSet, fmt, path::Path};
 
 use serde::Deserialize;
 
-pub use budget::{
-    BillingConfig, PriceConfig, SessionLimitsConfig, StoreConfig, TenantBudgetConfig, Unpriced,
-};
-pub use recovery::{AdminConfig, BreakerConfig, RetryConfig};
+pub use admin::AdminConfig;
+pub use budget::{BillingConfig, PriceConfig, SessionLimitsConfig, TenantBudgetConfig, Unpriced};
+pub use log::{LogConfig, LogFormat};
+pub use recovery::{BreakerConfig, RetryConfig};
 pub use responses::ResponsesConfig;
 pub use route::{HedgeAfter, RouteConfig, TargetConfig};
-pub use server::{LogConfig, LogFormat, MockConfig, ServerConfig};
+pub use server::{MockConfig, ServerConfig};
 pub use state::{OnUnavailable, StateBackend, StateConfig};
+pub use store::StoreConfig;
 pub use telemetry::TelemetryConfig;
 pub use tenant::{GuardConfig, TenantConfig};
 pub use upstream::{UpstreamConfig, NEVER_FORWARDED};
@@ -199,20 +203,11 @@ impl Config {
     /// Cross-field checks that the type system cannot express.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.server.validate()?;
+        self.log.validate()?;
         self.retry.validate()?;
         self.breaker.validate()?;
         self.validation.validate()?;
-        if self
-            .admin
-            .token
-            .as_ref()
-            .is_some_and(|t| t.expose().len() < 16)
-        {
-            return Err(ConfigError::invalid(
-                "admin.token",
-                "must be at least 16 characters",
-            ));
-        }
+        self.admin.validate()?;
         for (i, price) in self.prices.iter().enumerate() {
             price.validate(&format!("prices[{i}]"))?;
         }

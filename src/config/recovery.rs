@@ -2,7 +2,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{ConfigError, Secret};
+use super::ConfigError;
 
 /// `[retry]`: how transient failures are retried on one target.
 #[derive(Debug, Clone, Deserialize)]
@@ -142,11 +142,4 @@ impl BreakerConfig {
         }
         Ok(())
     }
-}
-
-/// `[admin]`: the operator API (`/admin/...`), off unless a token is set.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AdminConfig {
-    pub token: Option<Secret>,
 }

@@ -167,31 +167,6 @@ impl ServerConfig {
     }
 }
 
-/// `[log]`: structured logs on stderr.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LogConfig {
-    pub format: LogFormat,
-    /// A tracing filter such as `info` or `backstop=debug,warn`.
-    pub level: String,
-}
-
-impl Default for LogConfig {
-    fn default() -> Self {
-        LogConfig {
-            format: LogFormat::Text,
-            level: "info".into(),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    Text,
-    Json,
-}
-
 /// `[mock]`: run the built-in mock upstream inside `serve` (the offline default).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]

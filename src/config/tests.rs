@@ -368,3 +368,48 @@ fn serde_messages_are_rendered_without_the_value() {
         assert_eq!(super::without_value(message), rendered);
     }
 }
+
+#[test]
+fn a_log_level_typo_is_refused_with_the_levels_named() {
+    for level in [
+        "info",
+        "WARN",
+        "backstop=debug,warn",
+        "tower_http::trace=off",
+    ] {
+        let c = load(&format!("[log]\nlevel = \"{level}\"\n{BASE}")).unwrap();
+        assert_eq!(c.log.level, level);
+    }
+    for level in ["inf", "backstop=loud", "=debug", "info,"] {
+        let err = error_of(&format!("[log]\nlevel = \"{level}\"\n{BASE}"));
+        assert!(
+            err.starts_with("log.level: ") && err.contains("trace, debug, info, warn, error, off"),
+            "{level}: {err}"
+        );
+    }
+}
+
+#[test]
+fn every_enumerated_value_names_its_key_and_the_allowed_values() {
+    for (table, key, allowed) in [
+        ("[log]", "log.format", "`text` or `json`"),
+        ("[billing]", "billing.unpriced", "`free` or `refuse`"),
+        ("[state]", "state.backend", "`embedded` or `redis`"),
+        ("[state]", "state.on_unavailable", "`closed` or `open`"),
+        ("[validation]", "validation.mode", "`enforce` or `annotate`"),
+        (
+            "[validation]",
+            "validation.stream",
+            "`buffer` or `passthrough`",
+        ),
+    ] {
+        let field = key.split_once('.').unwrap().1;
+        let err = error_of(&format!("{table}\n{field} = \"bogus\"\n{BASE}"));
+        assert_eq!(err, format!("{key}: unknown variant, expected {allowed}"));
+    }
+    let err = error_of(&BASE.replace("api = \"openai\"", "api = \"gemini\""));
+    assert_eq!(
+        err,
+        "upstreams[0].api: unknown variant, expected `openai` or `anthropic`"
+    );
+}
