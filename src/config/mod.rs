@@ -127,6 +127,8 @@ impl ConfigError {
 /// expected u32` becomes `invalid type: string, expected u32`. The key path is said
 /// beside it, and the value is the operator's to look up, not the log's to hold.
 fn without_value(message: &str) -> String {
+    // The toml deserializer adds "\nin `key`\n": the key is said beside it already.
+    let message = message.split("\nin `").next().unwrap_or(message);
     for prefix in ["invalid type: ", "invalid value: "] {
         if let Some(rest) = message.strip_prefix(prefix) {
             // serde's `Unexpected`: its kind, then the value quoted (`string "x"`,

@@ -364,6 +364,10 @@ fn serde_messages_are_rendered_without_the_value() {
             "unknown variant, expected `openai` or `anthropic`",
         ),
         ("missing field `name`", "missing field `name`"),
+        (
+            "unknown variant `x`, expected `text` or `json`\nin `log.format`\n",
+            "unknown variant, expected `text` or `json`",
+        ),
     ] {
         assert_eq!(super::without_value(message), rendered);
     }

@@ -19,9 +19,10 @@ use tower::{Layer, Service};
 
 use super::{context::Call, Middleware, Stack};
 use crate::{
+    api::fingerprint::fingerprint,
     error::GatewayError,
     policy::{
-        guard::{fingerprint, Kept, Phase, SessionGuard, Transition},
+        guard::{Kept, Phase, SessionGuard, Transition},
         trail,
     },
     state::{

@@ -23,7 +23,10 @@ use crate::{
     clock::Clock,
     config::Config,
     policy::guard::{restore_trip, GuardPolicy, Kept, SessionGuard},
-    state::live::{LiveSessions, SessionKey},
+    state::{
+        guard_view,
+        live::{LiveSessions, SessionKey},
+    },
     store::{
         format::{self, UnknownFormat},
         GuardRecord, Store, StoreError, WindowSave,
@@ -86,7 +89,7 @@ impl GuardedSession {
 
     /// The guard's signals (state, risk, the trip and its evidence), as of `now`.
     pub fn signals(&self, now: Instant, session_usd: f64) -> Value {
-        self.guard.signals(now, session_usd, self.tool_loop())
+        guard_view::signals(&self.guard, now, session_usd, self.tool_loop())
     }
 
     /// The signals' risk score alone.
@@ -241,7 +244,7 @@ impl SessionGuards {
                             Ok(SessionGuard::new(config.clone()))
                         } else {
                             format::decode_snapshot(&state).map(|snap| {
-                                SessionGuard::from_snapshot(config.clone(), snap, now, now_ms)
+                                guard_view::from_snapshot(config.clone(), snap, now, now_ms)
                             })
                         };
                         match shared {
@@ -257,7 +260,8 @@ impl SessionGuards {
                         e.version = version;
                     }
                     let result = f(&mut e.guard, now);
-                    let snapshot = format::encode_snapshot(&e.guard.snapshot(now, now_ms));
+                    let snapshot =
+                        format::encode_snapshot(&guard_view::snapshot(&e.guard, now, now_ms));
                     (result, snapshot, e.version)
                 };
                 match self
