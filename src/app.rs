@@ -292,11 +292,7 @@ fn proxy_stack(state: &AppState) -> HttpService {
     let metered = check::<Billed, _>(ResponseOwnersLayer::new(state.owners.clone()).layer(metered));
     // The call level: a parsed, routed request, answered by one target.
     let recovered = check::<Call, _>(
-        RecoveryLayer::new(
-            RetryPolicy::from_config(&state.config.retry),
-            state.health.clone(),
-        )
-        .layer(metered),
+        RecoveryLayer::new(RetryPolicy::default(), state.health.clone()).layer(metered),
     );
     let calls = check::<Call, _>(
         ServiceBuilder::new()
@@ -371,11 +367,7 @@ fn count_tokens_stack(state: &AppState) -> HttpService {
         state.stream_limits.clone(),
     )));
     let recovered = check::<Call, _>(
-        RecoveryLayer::new(
-            RetryPolicy::from_config(&state.config.retry),
-            state.health.clone(),
-        )
-        .layer(leaf),
+        RecoveryLayer::new(RetryPolicy::default(), state.health.clone()).layer(leaf),
     );
     let calls = ServiceBuilder::new()
         .map_response(|answered: Answered| answered.reply.into_response())

@@ -149,6 +149,45 @@ fn without_value(message: &str) -> String {
     message.to_string()
 }
 
+/// `[retry]` and `[breaker]` are every upstream's defaults: an upstream's own
+/// `[upstreams.retry]` / `[upstreams.breaker]` overrides them key by key. Merged in the
+/// tree, before deserialising, so each upstream holds whole settings (and a bad key is
+/// named under the upstream that set it).
+fn inherit_defaults(value: &mut toml::Value) {
+    let Some(root) = value.as_table_mut() else {
+        return;
+    };
+    for section in ["retry", "breaker"] {
+        let defaults = root
+            .get(section)
+            .and_then(toml::Value::as_table)
+            .cloned()
+            .unwrap_or_default();
+        let upstreams = root
+            .get_mut("upstreams")
+            .and_then(toml::Value::as_array_mut);
+        for upstream in upstreams.into_iter().flatten() {
+            let Some(upstream) = upstream.as_table_mut() else {
+                continue;
+            };
+            let merged = match upstream.remove(section) {
+                None => defaults.clone(),
+                Some(toml::Value::Table(own)) => {
+                    let mut merged = defaults.clone();
+                    merged.extend(own);
+                    merged
+                }
+                // Not a table: left for deserialising to refuse, by its key.
+                Some(other) => {
+                    upstream.insert(section.into(), other);
+                    continue;
+                }
+            };
+            upstream.insert(section.into(), toml::Value::Table(merged));
+        }
+    }
+}
+
 impl Config {
     /// Reads, interpolates, parses and validates a config file.
     pub fn load(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
@@ -187,7 +226,8 @@ impl Config {
     }
 
     /// Deserialises and validates the interpolated tree.
-    fn from_value(value: toml::Value, base: &Path) -> Result<Self, ConfigError> {
+    fn from_value(mut value: toml::Value, base: &Path) -> Result<Self, ConfigError> {
+        inherit_defaults(&mut value);
         let mut config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
             let key = e.path().to_string();
             ConfigError::Invalid {
@@ -206,8 +246,8 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.server.validate()?;
         self.log.validate()?;
-        self.retry.validate()?;
-        self.breaker.validate()?;
+        self.retry.validate("retry")?;
+        self.breaker.validate("breaker")?;
         self.validation.validate()?;
         self.admin.validate()?;
         for (i, price) in self.prices.iter().enumerate() {

@@ -417,3 +417,37 @@ fn every_enumerated_value_names_its_key_and_the_allowed_values() {
         "upstreams[0].api: unknown variant, expected `openai` or `anthropic`"
     );
 }
+
+#[test]
+fn an_upstream_overrides_retry_and_breaker_defaults_key_by_key() {
+    let text = format!(
+        "[retry]\nmax_attempts = 4\nbase_delay = \"100ms\"\n[breaker]\nfailure_threshold = 7\n{BASE}\n[upstreams.retry]\nmax_attempts = 1\n[upstreams.breaker]\nfailure_threshold = 2\nopen_for = \"5s\"\n\n[[upstreams]]\nname = \"other\"\napi = \"anthropic\"\nbase_url = \"https://api.anthropic.com\"\n"
+    );
+    let c = load(&text).unwrap();
+    let (own, other) = (&c.upstreams[0], &c.upstreams[1]);
+    assert_eq!(own.retry.max_attempts, 1);
+    assert_eq!(own.retry.base_delay, std::time::Duration::from_millis(100));
+    assert_eq!(own.retry.budget_floor, RetryConfig::default().budget_floor);
+    assert_eq!(own.breaker.failure_threshold, 2);
+    assert_eq!(own.breaker.open_for, std::time::Duration::from_secs(5));
+    assert_eq!(own.breaker.window, BreakerConfig::default().window);
+    assert_eq!(other.retry.max_attempts, 4);
+    assert_eq!(other.breaker.failure_threshold, 7);
+    assert_eq!(other.breaker.open_for, BreakerConfig::default().open_for);
+
+    let err = error_of(&format!(
+        "{BASE}\n[upstreams.breaker]\nfailure_threshold = 0\n"
+    ));
+    assert!(
+        err.starts_with("upstreams[0].breaker.failure_threshold:"),
+        "{err}"
+    );
+    let err = error_of(&format!(
+        "[retry]\nmax_delay = \"1s\"\n{BASE}\n[upstreams.retry]\nbase_delay = \"2s\"\n"
+    ));
+    assert!(err.starts_with("upstreams[0].retry.max_delay:"), "{err}");
+    let err = error_of(&format!("{BASE}\n[upstreams.retry]\nattempts = 2\n"));
+    assert!(err.starts_with("upstreams[0].retry"), "{err}");
+    let err = error_of(&format!("[breaker]\nopen_for = \"0s\"\n{BASE}"));
+    assert!(err.starts_with("breaker.open_for:"), "{err}");
+}

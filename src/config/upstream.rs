@@ -2,7 +2,7 @@ use std::{collections::HashSet, time::Duration};
 
 use serde::Deserialize;
 
-use super::{ConfigError, Secret};
+use super::{BreakerConfig, ConfigError, RetryConfig, Secret};
 use crate::api::ApiKind;
 
 /// `[[upstreams]]`: one model provider.
@@ -28,6 +28,12 @@ pub struct UpstreamConfig {
     /// hop-by-hop headers are never forwarded, whatever this says.
     #[serde(default)]
     pub forward_headers: Vec<String>,
+    /// `[retry]` with this upstream's `[upstreams.retry]` keys over it.
+    #[serde(default)]
+    pub retry: RetryConfig,
+    /// `[breaker]` with this upstream's `[upstreams.breaker]` keys over it.
+    #[serde(default)]
+    pub breaker: BreakerConfig,
 }
 
 /// Headers no configuration may forward upstream: client credentials and cookies.
@@ -111,6 +117,8 @@ impl UpstreamConfig {
                 ));
             }
         }
+        self.retry.validate(&format!("{key}.retry"))?;
+        self.breaker.validate(&format!("{key}.breaker"))?;
         if http::HeaderValue::from_str(self.api_key.expose()).is_err() {
             return Err(ConfigError::invalid(
                 format!("{key}.api_key"),

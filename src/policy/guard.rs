@@ -540,10 +540,10 @@ pub struct Pressure {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn config() -> GuardPolicy {
+    pub(crate) fn config() -> GuardPolicy {
         GuardPolicy {
             max_consecutive_failures: 5,
             identical_request_limit: 3,
@@ -554,7 +554,7 @@ mod tests {
         }
     }
 
-    fn fp(request: u64) -> RequestFingerprint {
+    pub(crate) fn fp(request: u64) -> RequestFingerprint {
         RequestFingerprint {
             request,
             tool_loop: None,

@@ -123,25 +123,10 @@ pub fn signals(guard: &SessionGuard, now: Instant, session_usd: f64, last_tool_l
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::guard::{RequestFingerprint, TripRule};
-
-    fn config() -> GuardPolicy {
-        GuardPolicy {
-            max_consecutive_failures: 5,
-            identical_request_limit: 3,
-            identical_request_window: Duration::from_secs(600),
-            tool_loop_limit: 3,
-            max_usd_per_minute: Some(1.0),
-            cool_down: Duration::from_secs(60),
-        }
-    }
-
-    fn fp(request: u64) -> RequestFingerprint {
-        RequestFingerprint {
-            request,
-            tool_loop: None,
-        }
-    }
+    use crate::policy::guard::{
+        tests::{config, fp},
+        TripRule,
+    };
 
     /// A guard carried to another replica as a snapshot goes on counting where it was:
     /// its windows, failures and trip (with the cool-down left) come through, with

@@ -30,7 +30,7 @@ use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use crate::{
     api::{AnswerView, ApiKind, Endpoint, ParsedRequest},
     config::Config,
-    policy::classify::TransportFailure,
+    policy::{backoff::Backoff, classify::TransportFailure},
 };
 
 /// A configured upstream, ready to call.
@@ -45,6 +45,8 @@ pub struct Upstream {
     origin: String,
     credential: Option<HeaderValue>,
     pub attempt_timeout: Duration,
+    /// How transient failures are retried on this upstream.
+    pub retry: RetryRules,
     anthropic_version: HeaderValue,
     /// Extra client headers forwarded (names or `prefix-*` globs).
     forward_headers: Vec<String>,
@@ -78,9 +80,34 @@ impl Upstream {
             origin: config.origin().to_string(),
             credential,
             attempt_timeout: config.attempt_timeout,
+            retry: RetryRules::from_config(&config.retry),
             anthropic_version: HeaderValue::from_str(&config.anthropic_version)
                 .unwrap_or(HeaderValue::from_static("2023-06-01")),
             forward_headers: config.forward_headers.clone(),
+        }
+    }
+}
+
+/// How transient failures are retried on one upstream (the recovery layer applies
+/// them; the retry budget is the upstream's health).
+#[derive(Debug, Clone, Copy)]
+pub struct RetryRules {
+    /// Attempts per target, the first included.
+    pub max_attempts: u32,
+    pub backoff: Backoff,
+    /// A longer `Retry-After` (or one past the deadline) is not waited: fail fast.
+    pub max_retry_after: Duration,
+}
+
+impl RetryRules {
+    pub fn from_config(config: &crate::config::RetryConfig) -> Self {
+        RetryRules {
+            max_attempts: config.max_attempts,
+            backoff: Backoff {
+                base: config.base_delay,
+                max: config.max_delay,
+            },
+            max_retry_after: config.max_retry_after,
         }
     }
 }
