@@ -80,6 +80,9 @@ pub struct Config {
     pub routes: Vec<RouteConfig>,
     #[serde(default)]
     pub tenants: Vec<TenantConfig>,
+    /// Keys read in a deprecated spelling, (old, new): warned of at load.
+    #[serde(skip)]
+    pub deprecated: Vec<(String, String)>,
     /// The file this was loaded from ([`Config::load`]): what a reload reads again.
     #[serde(skip)]
     pub source: Option<std::path::PathBuf>,
@@ -147,6 +150,42 @@ fn without_value(message: &str) -> String {
         };
     }
     message.to_string()
+}
+
+/// The upstream response limits were `[server]` keys; they are `[[upstreams]]` keys now.
+/// An old key still applies, to every upstream; set in both places it is refused, as
+/// one of the two would silently lose.
+fn move_from_server(value: &mut toml::Value) -> Result<Vec<(String, String)>, ConfigError> {
+    let mut deprecated = Vec::new();
+    let Some(root) = value.as_table_mut() else {
+        return Ok(deprecated);
+    };
+    for name in upstream::MOVED_FROM_SERVER {
+        let old = root
+            .get_mut("server")
+            .and_then(toml::Value::as_table_mut)
+            .and_then(|server| server.remove(name));
+        let Some(old) = old else { continue };
+        let upstreams = root
+            .get_mut("upstreams")
+            .and_then(toml::Value::as_array_mut);
+        for (i, upstream) in upstreams.into_iter().flatten().enumerate() {
+            let Some(upstream) = upstream.as_table_mut() else {
+                continue;
+            };
+            if upstream.contains_key(name) {
+                return Err(ConfigError::invalid(
+                    format!("upstreams[{i}].{name}"),
+                    format_args!(
+                        "also set as server.{name}, its deprecated spelling: keep only this one"
+                    ),
+                ));
+            }
+            upstream.insert(name.into(), old.clone());
+        }
+        deprecated.push((format!("server.{name}"), format!("upstreams[].{name}")));
+    }
+    Ok(deprecated)
 }
 
 /// `[retry]` and `[breaker]` are every upstream's defaults: an upstream's own
@@ -227,6 +266,7 @@ impl Config {
 
     /// Deserialises and validates the interpolated tree.
     fn from_value(mut value: toml::Value, base: &Path) -> Result<Self, ConfigError> {
+        let deprecated = move_from_server(&mut value)?;
         inherit_defaults(&mut value);
         let mut config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
             let key = e.path().to_string();
@@ -239,7 +279,17 @@ impl Config {
             route.load_schema(&format!("routes[{i}].response_schema"), base)?;
         }
         config.validate()?;
+        config.deprecated = deprecated;
+        config.warn_deprecated();
         Ok(config)
+    }
+
+    /// One warning per key read in its deprecated spelling (at load, and again by
+    /// `serve` once logging is up).
+    pub fn warn_deprecated(&self) {
+        for (old, new) in &self.deprecated {
+            tracing::warn!(old = %old, new = %new, "deprecated config key: use the new one");
+        }
     }
 
     /// Cross-field checks that the type system cannot express.

@@ -451,3 +451,56 @@ fn an_upstream_overrides_retry_and_breaker_defaults_key_by_key() {
     let err = error_of(&format!("[breaker]\nopen_for = \"0s\"\n{BASE}"));
     assert!(err.starts_with("breaker.open_for:"), "{err}");
 }
+
+#[test]
+fn upstream_response_limits_are_upstream_keys_and_the_server_spelling_still_reads() {
+    let c = load(BASE).unwrap();
+    assert_eq!(c.upstreams[0].max_response_bytes, 32 * 1024 * 1024);
+    assert!(c.deprecated.is_empty());
+
+    let c = load(&format!(
+        "{BASE}\n[[upstreams]]\nname = \"b\"\napi = \"openai\"\nbase_url = \"http://b\"\nmax_response_bytes = 8192\nmax_stream_duration = \"5s\"\n"
+    ))
+    .unwrap();
+    assert_eq!(c.upstreams[0].max_response_bytes, 32 * 1024 * 1024);
+    assert_eq!(c.upstreams[1].max_response_bytes, 8192);
+    assert_eq!(
+        c.upstreams[1].max_stream_duration,
+        std::time::Duration::from_secs(5)
+    );
+    assert!(c.deprecated.is_empty());
+
+    // The old spelling applies to every upstream, and is named with its new key.
+    let old = BASE.replace(
+        "request_timeout = \"2m\"",
+        "request_timeout = \"2m\"\nmax_sse_event_bytes = 4096",
+    );
+    let c = load(&old).unwrap();
+    assert_eq!(c.upstreams[0].max_sse_event_bytes, 4096);
+    assert_eq!(
+        c.deprecated,
+        [(
+            "server.max_sse_event_bytes".to_string(),
+            "upstreams[].max_sse_event_bytes".to_string()
+        )]
+    );
+
+    let both = old.replacen(
+        "attempt_timeout = \"250ms\"",
+        "attempt_timeout = \"250ms\"\nmax_sse_event_bytes = 8192",
+        1,
+    );
+    let err = error_of(&both);
+    assert!(
+        err.starts_with("upstreams[0].max_sse_event_bytes: also set as server.max_sse_event_bytes"),
+        "{err}"
+    );
+    let err = error_of(&BASE.replace(
+        "attempt_timeout = \"250ms\"",
+        "attempt_timeout = \"250ms\"\nmax_response_bytes = 0",
+    ));
+    assert_eq!(
+        err,
+        "upstreams[0].max_response_bytes: must be greater than 0"
+    );
+}

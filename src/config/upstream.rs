@@ -28,6 +28,17 @@ pub struct UpstreamConfig {
     /// hop-by-hop headers are never forwarded, whatever this says.
     #[serde(default)]
     pub forward_headers: Vec<String>,
+    /// Largest body read whole from this upstream (non-streaming answers and error
+    /// bodies); larger is 502 `upstream_response_too_large`.
+    #[serde(default = "default_max_response_bytes")]
+    pub max_response_bytes: usize,
+    /// Largest single SSE event accepted from this upstream's streams.
+    #[serde(default = "default_max_sse_event_bytes")]
+    pub max_sse_event_bytes: usize,
+    /// Longest a stream relayed from this upstream may run in all, however steadily it
+    /// flows.
+    #[serde(default = "default_max_stream_duration", with = "super::duration")]
+    pub max_stream_duration: Duration,
     /// `[retry]` with this upstream's `[upstreams.retry]` keys over it.
     #[serde(default)]
     pub retry: RetryConfig,
@@ -52,6 +63,26 @@ fn empty_secret() -> Secret {
 fn default_attempt_timeout() -> Duration {
     Duration::from_secs(60)
 }
+
+fn default_max_response_bytes() -> usize {
+    32 * 1024 * 1024
+}
+
+fn default_max_sse_event_bytes() -> usize {
+    1024 * 1024
+}
+
+fn default_max_stream_duration() -> Duration {
+    Duration::from_secs(600)
+}
+
+/// The keys that moved from `[server]` to `[[upstreams]]`: the old spelling is still read
+/// (for every upstream), with a warning.
+pub(super) const MOVED_FROM_SERVER: [&str; 3] = [
+    "max_response_bytes",
+    "max_sse_event_bytes",
+    "max_stream_duration",
+];
 
 fn default_anthropic_version() -> String {
     "2023-06-01".into()
@@ -91,9 +122,15 @@ impl UpstreamConfig {
                 "expected an http(s) origin with an optional path prefix, and no query or fragment",
             ));
         }
-        if self.attempt_timeout.is_zero() {
+        let positive = [
+            ("attempt_timeout", self.attempt_timeout.is_zero()),
+            ("max_response_bytes", self.max_response_bytes == 0),
+            ("max_sse_event_bytes", self.max_sse_event_bytes == 0),
+            ("max_stream_duration", self.max_stream_duration.is_zero()),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, zero)| *zero) {
             return Err(ConfigError::invalid(
-                format!("{key}.attempt_timeout"),
+                format!("{key}.{name}"),
                 "must be greater than 0",
             ));
         }
