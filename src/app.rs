@@ -223,9 +223,7 @@ impl AppState {
         let routes = RouteTable::new(&config, &upstreams);
         warn_unpriced(&config);
         let settings = config.validation.schema_settings();
-        let schemas = if format!("{settings:?}")
-            == format!("{:?}", self.config.validation.schema_settings())
-        {
+        let schemas = if settings == self.config.validation.schema_settings() {
             self.schemas.clone()
         } else {
             Arc::new(Schemas::new(settings))

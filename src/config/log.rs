@@ -3,7 +3,7 @@ use serde::Deserialize;
 use super::ConfigError;
 
 /// `[log]`: structured logs on stderr.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LogConfig {
     pub format: LogFormat,

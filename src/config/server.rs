@@ -152,7 +152,7 @@ impl ServerConfig {
 }
 
 /// `[mock]`: run the built-in mock upstream inside `serve` (the offline default).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MockConfig {
     pub listen: SocketAddr,

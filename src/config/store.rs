@@ -3,7 +3,7 @@ use serde::Deserialize;
 use super::ConfigError;
 
 /// `[store]`: the embedded store for the spend ledger and budget windows.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreConfig {
     /// SQLite file (WAL mode). `":memory:"` keeps nothing across restarts.

@@ -504,3 +504,40 @@ fn upstream_response_limits_are_upstream_keys_and_the_server_spelling_still_read
         "upstreams[0].max_response_bytes: must be greater than 0"
     );
 }
+
+#[test]
+fn base_url_and_api_key_are_parsed_once_into_typed_values() {
+    let prefixed = BASE.replace("https://api.openai.com", "https://proxy.example/openai/");
+    let c = load(&prefixed).unwrap();
+    let upstream = &c.upstreams[0];
+    assert_eq!(upstream.base_url.origin(), "https://proxy.example/openai");
+    assert_eq!(
+        upstream.base_url.join("/v1/chat/completions").as_str(),
+        "https://proxy.example/openai/v1/chat/completions"
+    );
+    let bearer = upstream
+        .api_key
+        .header(crate::api::ApiKind::OpenAi)
+        .unwrap();
+    assert_eq!(bearer, "Bearer sk-live");
+    assert!(bearer.is_sensitive());
+    let bare = upstream
+        .api_key
+        .header(crate::api::ApiKind::Anthropic)
+        .unwrap();
+    assert_eq!(bare, "sk-live");
+    assert!(!format!("{upstream:?}").contains("sk-live"));
+
+    let keyless = load(&BASE.replace("api_key = \"${OPENAI_API_KEY}\"\n", "")).unwrap();
+    assert_eq!(
+        keyless.upstreams[0]
+            .api_key
+            .header(crate::api::ApiKind::OpenAi),
+        None
+    );
+    let err = error_of(&BASE.replace("${OPENAI_API_KEY}", "sk\\nlive"));
+    assert_eq!(
+        err,
+        "upstreams[0].api_key: contains characters not allowed in an HTTP header"
+    );
+}

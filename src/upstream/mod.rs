@@ -55,31 +55,16 @@ pub struct Upstream {
 
 impl Upstream {
     pub fn new(config: &crate::config::UpstreamConfig) -> Self {
-        let key = config.api_key.expose();
-        let credential = (!key.is_empty()).then(|| {
-            let raw = match config.api {
-                ApiKind::OpenAi => format!("Bearer {key}"),
-                ApiKind::Anthropic => key.to_string(),
-            };
-            // Validated as a header value by `UpstreamConfig::validate`.
-            let mut value = HeaderValue::from_str(&raw).expect("validated api_key");
-            value.set_sensitive(true);
-            value
-        });
         let urls = Endpoint::ALL
             .into_iter()
-            .map(|e| {
-                let url = format!("{}{}", config.origin(), e.path());
-                // Validated by `UpstreamConfig::validate`.
-                (e, reqwest::Url::parse(&url).expect("validated base_url"))
-            })
+            .map(|e| (e, config.base_url.join(e.path())))
             .collect();
         Upstream {
             name: config.name.as_str().into(),
             api: config.api,
             urls,
-            origin: config.origin().to_string(),
-            credential,
+            origin: config.base_url.origin(),
+            credential: config.api_key.header(config.api),
             attempt_timeout: config.attempt_timeout,
             retry: RetryRules::from_config(&config.retry),
             limits: ResponseLimits {
