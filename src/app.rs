@@ -116,7 +116,7 @@ use crate::{
     },
     store::{RedisStore, SqliteStore, Store, StoreError},
     telemetry,
-    upstream::{self, objects::ForwardObject, Attempt, Forward, StreamLimits, Upstream},
+    upstream::{self, objects::ForwardObject, Attempt, Forward, StreamCut, Upstream},
     validation::Schemas,
 };
 
@@ -142,8 +142,8 @@ pub struct AppState {
     pub metrics: PrometheusHandle,
     /// False while starting and once shutdown has begun: `/readyz` answers 503.
     pub ready: Arc<AtomicBool>,
-    /// Bounds on upstream bodies and relayed streams.
-    pub stream_limits: StreamLimits,
+    /// What relayed streams watch for the end of the shutdown grace.
+    pub stream_cut: StreamCut,
     /// Set when the shutdown grace elapses: open streams end with an error event.
     pub cut_streams: Arc<tokio::sync::watch::Sender<bool>>,
     /// Idempotency keys whose first request is running (shared across reloads).
@@ -190,12 +190,12 @@ impl AppState {
             budgets = budgets.with_shared(shared);
         }
         warn_unpriced(&config);
-        let (stream_limits, cut_streams) = StreamLimits::from_config(&config.server);
+        let (stream_cut, cut_streams) = StreamCut::channel();
         let body_memory = Arc::new(BodyMemory::from_config(&config.server));
         Ok(AppState {
             activity: Arc::new(Activity::new(tokio::time::Instant::now())),
             traces: crate::otel::Traces::from_config(&config.telemetry, upstream::client()),
-            stream_limits,
+            stream_cut,
             cut_streams: Arc::new(cut_streams),
             budgets: Arc::new(budgets),
             schemas: Arc::new(Schemas::new(config.validation.schema_settings())),
@@ -230,15 +230,11 @@ impl AppState {
         let routes = RouteTable::new(&config, &upstreams);
         warn_unpriced(&config);
         let settings = config.validation.schema_settings();
-        let schemas = if format!("{settings:?}")
-            == format!("{:?}", self.config.validation.schema_settings())
-        {
+        let schemas = if settings == self.config.validation.schema_settings() {
             self.schemas.clone()
         } else {
             Arc::new(Schemas::new(settings))
         };
-        let (mut stream_limits, _) = StreamLimits::from_config(&config.server);
-        stream_limits.cut = self.stream_limits.cut.clone();
         AppState {
             routes: Arc::new(routes),
             upstreams: Arc::new(upstreams),
@@ -253,7 +249,7 @@ impl AppState {
             clock: self.clock.clone(),
             metrics: self.metrics.clone(),
             ready: self.ready.clone(),
-            stream_limits,
+            stream_cut: self.stream_cut.clone(),
             cut_streams: self.cut_streams.clone(),
             idempotent_in_flight: self.idempotent_in_flight.clone(),
             body_memory: if BodyMemory::from_config(&config.server).same_budget(&self.body_memory) {
@@ -291,19 +287,12 @@ fn check<Req, S: tower::Service<Req>>(service: S) -> S {
 fn proxy_stack(state: &AppState) -> HttpService {
     let server = &state.config.server;
     // The attempt level: one upstream call, metered.
-    let leaf = check::<Attempt, _>(Forward::new(
-        upstream::client(),
-        state.stream_limits.clone(),
-    ));
+    let leaf = check::<Attempt, _>(Forward::new(upstream::client(), state.stream_cut.clone()));
     let metered = check::<Billed, _>(MeterLayer::new(state.budgets.clone()).layer(leaf));
     let metered = check::<Billed, _>(ResponseOwnersLayer::new(state.owners.clone()).layer(metered));
     // The call level: a parsed, routed request, answered by one target.
     let recovered = check::<Call, _>(
-        RecoveryLayer::new(
-            RetryPolicy::from_config(&state.config.retry),
-            state.health.clone(),
-        )
-        .layer(metered),
+        RecoveryLayer::new(RetryPolicy::default(), state.health.clone()).layer(metered),
     );
     let calls = check::<Call, _>(
         ServiceBuilder::new()
@@ -374,14 +363,10 @@ where
 fn count_tokens_stack(state: &AppState) -> HttpService {
     let leaf = check::<Billed, _>(Unmetered::new(Forward::new(
         upstream::client(),
-        state.stream_limits.clone(),
+        state.stream_cut.clone(),
     )));
     let recovered = check::<Call, _>(
-        RecoveryLayer::new(
-            RetryPolicy::from_config(&state.config.retry),
-            state.health.clone(),
-        )
-        .layer(leaf),
+        RecoveryLayer::new(RetryPolicy::default(), state.health.clone()).layer(leaf),
     );
     let calls = ServiceBuilder::new()
         .layer(UnvalidatedLayer)
@@ -404,7 +389,7 @@ fn response_objects_stack(state: &AppState) -> HttpService {
         upstream,
         state.owners.clone(),
         server.max_body_bytes,
-        state.stream_limits.clone(),
+        state.stream_cut.clone(),
     ));
     let stack = ServiceBuilder::new()
         .layer(EdgeLayer::default())

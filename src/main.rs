@@ -58,6 +58,9 @@ fn main() -> ExitCode {
     match cli.command {
         Command::CheckConfig { config } => match Config::load(&config) {
             Ok(c) => {
+                for (old, new) in &c.deprecated {
+                    eprintln!("{}: {old} is deprecated: use {new}", config.display());
+                }
                 println!(
                     "{}: ok ({} upstreams, {} routes, {} tenants)",
                     config.display(),
@@ -81,6 +84,8 @@ fn main() -> ExitCode {
                 }
             };
             telemetry::init_logging(&config.log);
+            // Said again: at load, no log was set up yet.
+            config.warn_deprecated();
             let code = runtime().block_on(async move {
                 let handle = match server::spawn(config).await {
                     Ok(h) => h,

@@ -146,7 +146,7 @@ fn keep_start_up_keys(running: &Config, next: &mut Config) -> Vec<&'static str> 
     let mut changed = Vec::new();
     macro_rules! keep {
         ($($key:literal => $($field:ident).+),* $(,)?) => {$(
-            if format!("{:?}", running.$($field).+) != format!("{:?}", next.$($field).+) {
+            if running.$($field).+ != next.$($field).+ {
                 changed.push($key);
                 next.$($field).+ = running.$($field).+.clone();
             }

@@ -277,3 +277,80 @@ async fn the_admin_api_is_off_without_a_token() {
         .unwrap();
     assert_eq!(resp.status(), 403);
 }
+
+/// `[upstreams.breaker]` and `[upstreams.retry]` override the global defaults for one
+/// upstream: the primary opens at its first failure, the backup (the global threshold
+/// of 3) tries twice per request, as its own `max_attempts` says.
+#[tokio::test]
+async fn each_upstream_has_its_own_breaker_threshold_and_attempts() {
+    let backup = mock::spawn(TcpListener::bind("127.0.0.1:0").await.unwrap());
+    let backup_addr = backup.addr;
+    let gw = start_with(move |text| {
+        let primary = text
+            .split("base_url = \"http://")
+            .nth(1)
+            .and_then(|rest| rest.split('"').next())
+            .unwrap()
+            .to_string();
+        format!(
+            r#"{text}
+[breaker]
+failure_threshold = 3
+open_for = "30s"
+
+[[upstreams]]
+name = "primary"
+api = "openai"
+forward_headers = ["x-mock-*"]
+base_url = "http://{primary}"
+
+[upstreams.breaker]
+failure_threshold = 1
+
+[[upstreams]]
+name = "backup"
+api = "openai"
+forward_headers = ["x-mock-*"]
+base_url = "http://{backup_addr}"
+
+[upstreams.retry]
+max_attempts = 2
+
+[[routes]]
+model = "pair-*"
+targets = [{{ upstream = "primary" }}, {{ upstream = "backup" }}]
+"#
+        )
+    })
+    .await;
+    let resp = gw.chat("hard-down", "status=500", body("pair-x")).await;
+    assert_eq!(resp.status(), 500);
+    assert_eq!(gw.mock.attempts("hard-down"), 1, "primary opens at once");
+    assert_eq!(
+        backup.attempts("hard-down"),
+        2,
+        "backup: two attempts, still closed"
+    );
+
+    let resp = gw.chat("hard-down", "status=500", body("pair-x")).await;
+    assert_eq!(
+        resp.headers()["x-backstop-recovery"],
+        "open:primary,failover:backup,giveup:500"
+    );
+    assert_eq!(gw.mock.attempts("hard-down"), 1, "no network while open");
+    assert_eq!(
+        backup.attempts("hard-down"),
+        3,
+        "its third failure opens it"
+    );
+
+    let resp = gw.chat("hard-down", "status=500", body("pair-x")).await;
+    assert_eq!(
+        resp.headers()["x-backstop-recovery"],
+        "open:primary,failover:backup,open:backup"
+    );
+    assert_eq!(
+        gw.mock.attempts("hard-down") + backup.attempts("hard-down"),
+        4
+    );
+}

@@ -203,13 +203,13 @@ struct Harness {
 fn harness(edit: impl FnOnce(String) -> String) -> Harness {
     let config = Config::from_toml_with_env(&edit(CONFIG.to_string()), |_| None).unwrap();
     let upstreams = build_all(&config);
-    let mut policy = RetryPolicy::from_config(&config.retry);
-    // Jitter pinned to the top of its range, so backoff waits are exact.
-    policy.jitter = || 0.999_999_999;
     Harness {
         routes: RouteTable::new(&config, &upstreams),
         health: Arc::new(HealthRegistry::new(&config)),
-        policy,
+        // Jitter pinned to the top of its range, so backoff waits are exact.
+        policy: RetryPolicy {
+            jitter: || 0.999_999_999,
+        },
     }
 }
 

@@ -2,6 +2,7 @@
 //! how errors are shaped for each API.
 
 pub mod answer;
+pub mod fingerprint;
 pub mod headers;
 pub mod json;
 pub mod refs;

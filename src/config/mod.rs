@@ -6,14 +6,17 @@
 //! scrubbed of the interpolated values ([`env::FromEnv`]) before it leaves this module,
 //! for `check-config`, a refused start and a refused reload alike.
 
+mod admin;
 mod budget;
 mod duration;
 mod env;
+mod log;
 mod recovery;
 mod responses;
 mod route;
 mod server;
 mod state;
+mod store;
 mod telemetry;
 mod tenant;
 mod upstream;
@@ -23,17 +26,18 @@ use std::{collections::HashSet, fmt, path::Path};
 
 use serde::Deserialize;
 
-pub use budget::{
-    BillingConfig, PriceConfig, SessionLimitsConfig, StoreConfig, TenantBudgetConfig, Unpriced,
-};
-pub use recovery::{AdminConfig, BreakerConfig, RetryConfig};
+pub use admin::AdminConfig;
+pub use budget::{BillingConfig, PriceConfig, SessionLimitsConfig, TenantBudgetConfig, Unpriced};
+pub use log::{LogConfig, LogFormat};
+pub use recovery::{BreakerConfig, RetryConfig};
 pub use responses::ResponsesConfig;
 pub use route::{HedgeAfter, RouteConfig, TargetConfig};
-pub use server::{LogConfig, LogFormat, MockConfig, ServerConfig};
+pub use server::{MockConfig, ServerConfig};
 pub use state::{OnUnavailable, StateBackend, StateConfig};
+pub use store::StoreConfig;
 pub use telemetry::TelemetryConfig;
 pub use tenant::{GuardConfig, TenantConfig};
-pub use upstream::{UpstreamConfig, NEVER_FORWARDED};
+pub use upstream::{BaseUrl, ProviderKey, UpstreamConfig, NEVER_FORWARDED};
 pub use validation::{StreamValidation, ValidationConfig, ValidationMode};
 
 /// The whole configuration file.
@@ -76,6 +80,9 @@ pub struct Config {
     pub routes: Vec<RouteConfig>,
     #[serde(default)]
     pub tenants: Vec<TenantConfig>,
+    /// Keys read in a deprecated spelling, (old, new): warned of at load.
+    #[serde(skip)]
+    pub deprecated: Vec<(String, String)>,
     /// The file this was loaded from ([`Config::load`]): what a reload reads again.
     #[serde(skip)]
     pub source: Option<std::path::PathBuf>,
@@ -123,6 +130,8 @@ impl ConfigError {
 /// expected u32` becomes `invalid type: string, expected u32`. The key path is said
 /// beside it, and the value is the operator's to look up, not the log's to hold.
 fn without_value(message: &str) -> String {
+    // The toml deserializer adds "\nin `key`\n": the key is said beside it already.
+    let message = message.split("\nin `").next().unwrap_or(message);
     for prefix in ["invalid type: ", "invalid value: "] {
         if let Some(rest) = message.strip_prefix(prefix) {
             // serde's `Unexpected`: its kind, then the value quoted (`string "x"`,
@@ -141,6 +150,81 @@ fn without_value(message: &str) -> String {
         };
     }
     message.to_string()
+}
+
+/// The upstream response limits were `[server]` keys; they are `[[upstreams]]` keys now.
+/// An old key still applies, to every upstream; set in both places it is refused, as
+/// one of the two would silently lose.
+fn move_from_server(value: &mut toml::Value) -> Result<Vec<(String, String)>, ConfigError> {
+    let mut deprecated = Vec::new();
+    let Some(root) = value.as_table_mut() else {
+        return Ok(deprecated);
+    };
+    for name in upstream::MOVED_FROM_SERVER {
+        let old = root
+            .get_mut("server")
+            .and_then(toml::Value::as_table_mut)
+            .and_then(|server| server.remove(name));
+        let Some(old) = old else { continue };
+        let upstreams = root
+            .get_mut("upstreams")
+            .and_then(toml::Value::as_array_mut);
+        for (i, upstream) in upstreams.into_iter().flatten().enumerate() {
+            let Some(upstream) = upstream.as_table_mut() else {
+                continue;
+            };
+            if upstream.contains_key(name) {
+                return Err(ConfigError::invalid(
+                    format!("upstreams[{i}].{name}"),
+                    format_args!(
+                        "also set as server.{name}, its deprecated spelling: keep only this one"
+                    ),
+                ));
+            }
+            upstream.insert(name.into(), old.clone());
+        }
+        deprecated.push((format!("server.{name}"), format!("upstreams[].{name}")));
+    }
+    Ok(deprecated)
+}
+
+/// `[retry]` and `[breaker]` are every upstream's defaults: an upstream's own
+/// `[upstreams.retry]` / `[upstreams.breaker]` overrides them key by key. Merged in the
+/// tree, before deserialising, so each upstream holds whole settings (and a bad key is
+/// named under the upstream that set it).
+fn inherit_defaults(value: &mut toml::Value) {
+    let Some(root) = value.as_table_mut() else {
+        return;
+    };
+    for section in ["retry", "breaker"] {
+        let defaults = root
+            .get(section)
+            .and_then(toml::Value::as_table)
+            .cloned()
+            .unwrap_or_default();
+        let upstreams = root
+            .get_mut("upstreams")
+            .and_then(toml::Value::as_array_mut);
+        for upstream in upstreams.into_iter().flatten() {
+            let Some(upstream) = upstream.as_table_mut() else {
+                continue;
+            };
+            let merged = match upstream.remove(section) {
+                None => defaults.clone(),
+                Some(toml::Value::Table(own)) => {
+                    let mut merged = defaults.clone();
+                    merged.extend(own);
+                    merged
+                }
+                // Not a table: left for deserialising to refuse, by its key.
+                Some(other) => {
+                    upstream.insert(section.into(), other);
+                    continue;
+                }
+            };
+            upstream.insert(section.into(), toml::Value::Table(merged));
+        }
+    }
 }
 
 impl Config {
@@ -181,7 +265,9 @@ impl Config {
     }
 
     /// Deserialises and validates the interpolated tree.
-    fn from_value(value: toml::Value, base: &Path) -> Result<Self, ConfigError> {
+    fn from_value(mut value: toml::Value, base: &Path) -> Result<Self, ConfigError> {
+        let deprecated = move_from_server(&mut value)?;
+        inherit_defaults(&mut value);
         let mut config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
             let key = e.path().to_string();
             ConfigError::Invalid {
@@ -193,26 +279,27 @@ impl Config {
             route.load_schema(&format!("routes[{i}].response_schema"), base)?;
         }
         config.validate()?;
+        config.deprecated = deprecated;
+        config.warn_deprecated();
         Ok(config)
+    }
+
+    /// One warning per key read in its deprecated spelling (at load, and again by
+    /// `serve` once logging is up).
+    pub fn warn_deprecated(&self) {
+        for (old, new) in &self.deprecated {
+            tracing::warn!(old = %old, new = %new, "deprecated config key: use the new one");
+        }
     }
 
     /// Cross-field checks that the type system cannot express.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.server.validate()?;
-        self.retry.validate()?;
-        self.breaker.validate()?;
+        self.log.validate()?;
+        self.retry.validate("retry")?;
+        self.breaker.validate("breaker")?;
         self.validation.validate()?;
-        if self
-            .admin
-            .token
-            .as_ref()
-            .is_some_and(|t| t.expose().len() < 16)
-        {
-            return Err(ConfigError::invalid(
-                "admin.token",
-                "must be at least 16 characters",
-            ));
-        }
+        self.admin.validate()?;
         for (i, price) in self.prices.iter().enumerate() {
             price.validate(&format!("prices[{i}]"))?;
         }

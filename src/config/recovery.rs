@@ -2,9 +2,10 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{ConfigError, Secret};
+use super::ConfigError;
 
-/// `[retry]`: how transient failures are retried on one target.
+/// `[retry]`: how transient failures are retried on one target. Every upstream's
+/// default: `[upstreams.retry]` overrides it key by key.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RetryConfig {
@@ -45,34 +46,35 @@ impl Default for RetryConfig {
 }
 
 impl RetryConfig {
-    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+    /// `key`: where these settings were read (`retry`, `upstreams[0].retry`).
+    pub(super) fn validate(&self, key: &str) -> Result<(), ConfigError> {
         if self.max_attempts == 0 {
             return Err(ConfigError::invalid(
-                "retry.max_attempts",
+                format!("{key}.max_attempts"),
                 "must be at least 1 (the first attempt)",
             ));
         }
         if self.max_delay < self.base_delay {
             return Err(ConfigError::invalid(
-                "retry.max_delay",
-                "must not be less than retry.base_delay",
+                format!("{key}.max_delay"),
+                format!("must not be less than {key}.base_delay"),
             ));
         }
         if !(0.0..=10.0).contains(&self.budget_ratio) || self.budget_ratio.is_nan() {
             return Err(ConfigError::invalid(
-                "retry.budget_ratio",
+                format!("{key}.budget_ratio"),
                 "must be between 0 and 10",
             ));
         }
         if !(0.0..=10.0).contains(&self.budget_max_ratio) || self.budget_max_ratio.is_nan() {
             return Err(ConfigError::invalid(
-                "retry.budget_max_ratio",
+                format!("{key}.budget_max_ratio"),
                 "must be between 0 and 10",
             ));
         }
         if self.budget_window.is_zero() {
             return Err(ConfigError::invalid(
-                "retry.budget_window",
+                format!("{key}.budget_window"),
                 "must be greater than 0",
             ));
         }
@@ -80,7 +82,8 @@ impl RetryConfig {
     }
 }
 
-/// `[breaker]`: one circuit breaker per upstream.
+/// `[breaker]`: one circuit breaker per upstream. Every upstream's default:
+/// `[upstreams.breaker]` overrides it key by key.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct BreakerConfig {
@@ -109,44 +112,38 @@ impl Default for BreakerConfig {
 }
 
 impl BreakerConfig {
-    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+    /// `key`: where these settings were read (`breaker`, `upstreams[0].breaker`).
+    pub(super) fn validate(&self, key: &str) -> Result<(), ConfigError> {
         if self.failure_threshold == 0 {
             return Err(ConfigError::invalid(
-                "breaker.failure_threshold",
+                format!("{key}.failure_threshold"),
                 "must be at least 1",
             ));
         }
         if self.open_for.is_zero() {
             return Err(ConfigError::invalid(
-                "breaker.open_for",
+                format!("{key}.open_for"),
                 "must be greater than 0",
             ));
         }
         if !(0.0..=1.0).contains(&self.failure_rate) {
             return Err(ConfigError::invalid(
-                "breaker.failure_rate",
+                format!("{key}.failure_rate"),
                 "must be between 0 and 1",
             ));
         }
         if self.window.is_zero() {
             return Err(ConfigError::invalid(
-                "breaker.window",
+                format!("{key}.window"),
                 "must be greater than 0",
             ));
         }
         if self.half_open_probes == 0 {
             return Err(ConfigError::invalid(
-                "breaker.half_open_probes",
+                format!("{key}.half_open_probes"),
                 "must be at least 1",
             ));
         }
         Ok(())
     }
-}
-
-/// `[admin]`: the operator API (`/admin/...`), off unless a token is set.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AdminConfig {
-    pub token: Option<Secret>,
 }

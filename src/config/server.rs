@@ -56,13 +56,6 @@ pub struct ServerConfig {
     /// closed. Lowered at start to what the open files limit can hold (`server`'s
     /// `descriptors`).
     pub max_connections: usize,
-    /// Largest upstream body read whole (non-streaming answers and error bodies).
-    pub max_response_bytes: usize,
-    /// Largest single SSE event accepted from an upstream stream.
-    pub max_sse_event_bytes: usize,
-    /// Longest a relayed stream may run in all, however steadily it flows.
-    #[serde(with = "super::duration")]
-    pub max_stream_duration: Duration,
     /// Longest `x-session-id` accepted (visible ASCII only).
     pub max_session_id_bytes: usize,
     /// Longest `Idempotency-Key` accepted (visible ASCII only).
@@ -91,9 +84,6 @@ impl Default for ServerConfig {
             body_read_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(60),
             max_connections: 4096,
-            max_response_bytes: 32 * 1024 * 1024,
-            max_sse_event_bytes: 1024 * 1024,
-            max_stream_duration: Duration::from_secs(600),
             max_session_id_bytes: 256,
             max_idempotency_key_bytes: 255,
             session_id_fields: vec!["metadata.session_id".into()],
@@ -117,10 +107,6 @@ impl ServerConfig {
             ),
             ("server.body_read_timeout", self.body_read_timeout.is_zero()),
             ("server.idle_timeout", self.idle_timeout.is_zero()),
-            (
-                "server.max_stream_duration",
-                self.max_stream_duration.is_zero(),
-            ),
             ("server.max_connections", self.max_connections == 0),
             ("server.max_messages", self.max_messages == 0),
             ("server.max_content_parts", self.max_content_parts == 0),
@@ -133,8 +119,6 @@ impl ServerConfig {
                 "server.max_parsed_bytes_in_flight",
                 self.max_parsed_bytes_in_flight == 0,
             ),
-            ("server.max_response_bytes", self.max_response_bytes == 0),
-            ("server.max_sse_event_bytes", self.max_sse_event_bytes == 0),
             (
                 "server.max_session_id_bytes",
                 self.max_session_id_bytes == 0,
@@ -167,33 +151,8 @@ impl ServerConfig {
     }
 }
 
-/// `[log]`: structured logs on stderr.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LogConfig {
-    pub format: LogFormat,
-    /// A tracing filter such as `info` or `backstop=debug,warn`.
-    pub level: String,
-}
-
-impl Default for LogConfig {
-    fn default() -> Self {
-        LogConfig {
-            format: LogFormat::Text,
-            level: "info".into(),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    Text,
-    Json,
-}
-
 /// `[mock]`: run the built-in mock upstream inside `serve` (the offline default).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MockConfig {
     pub listen: SocketAddr,

@@ -5,7 +5,7 @@ use serde::Deserialize;
 use super::ConfigError;
 
 /// `[state]`: where the policy state shared by replicas lives.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StateConfig {
     pub backend: StateBackend,

@@ -5,7 +5,7 @@ use serde::Deserialize;
 use super::{ConfigError, Secret};
 
 /// `[telemetry]`: OpenTelemetry traces over OTLP/HTTP. Off unless `otlp_endpoint` is set.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TelemetryConfig {
     /// The collector: `http://host:4318` (spans go to `/v1/traces` under it) or the full

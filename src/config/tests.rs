@@ -364,7 +364,180 @@ fn serde_messages_are_rendered_without_the_value() {
             "unknown variant, expected `openai` or `anthropic`",
         ),
         ("missing field `name`", "missing field `name`"),
+        (
+            "unknown variant `x`, expected `text` or `json`\nin `log.format`\n",
+            "unknown variant, expected `text` or `json`",
+        ),
     ] {
         assert_eq!(super::without_value(message), rendered);
     }
+}
+
+#[test]
+fn a_log_level_typo_is_refused_with_the_levels_named() {
+    for level in [
+        "info",
+        "WARN",
+        "backstop=debug,warn",
+        "tower_http::trace=off",
+    ] {
+        let c = load(&format!("[log]\nlevel = \"{level}\"\n{BASE}")).unwrap();
+        assert_eq!(c.log.level, level);
+    }
+    for level in ["inf", "backstop=loud", "=debug", "info,"] {
+        let err = error_of(&format!("[log]\nlevel = \"{level}\"\n{BASE}"));
+        assert!(
+            err.starts_with("log.level: ") && err.contains("trace, debug, info, warn, error, off"),
+            "{level}: {err}"
+        );
+    }
+}
+
+#[test]
+fn every_enumerated_value_names_its_key_and_the_allowed_values() {
+    for (table, key, allowed) in [
+        ("[log]", "log.format", "`text` or `json`"),
+        ("[billing]", "billing.unpriced", "`free` or `refuse`"),
+        ("[state]", "state.backend", "`embedded` or `redis`"),
+        ("[state]", "state.on_unavailable", "`closed` or `open`"),
+        ("[validation]", "validation.mode", "`enforce` or `annotate`"),
+        (
+            "[validation]",
+            "validation.stream",
+            "`buffer` or `passthrough`",
+        ),
+    ] {
+        let field = key.split_once('.').unwrap().1;
+        let err = error_of(&format!("{table}\n{field} = \"bogus\"\n{BASE}"));
+        assert_eq!(err, format!("{key}: unknown variant, expected {allowed}"));
+    }
+    let err = error_of(&BASE.replace("api = \"openai\"", "api = \"gemini\""));
+    assert_eq!(
+        err,
+        "upstreams[0].api: unknown variant, expected `openai` or `anthropic`"
+    );
+}
+
+#[test]
+fn an_upstream_overrides_retry_and_breaker_defaults_key_by_key() {
+    let text = format!(
+        "[retry]\nmax_attempts = 4\nbase_delay = \"100ms\"\n[breaker]\nfailure_threshold = 7\n{BASE}\n[upstreams.retry]\nmax_attempts = 1\n[upstreams.breaker]\nfailure_threshold = 2\nopen_for = \"5s\"\n\n[[upstreams]]\nname = \"other\"\napi = \"anthropic\"\nbase_url = \"https://api.anthropic.com\"\n"
+    );
+    let c = load(&text).unwrap();
+    let (own, other) = (&c.upstreams[0], &c.upstreams[1]);
+    assert_eq!(own.retry.max_attempts, 1);
+    assert_eq!(own.retry.base_delay, std::time::Duration::from_millis(100));
+    assert_eq!(own.retry.budget_floor, RetryConfig::default().budget_floor);
+    assert_eq!(own.breaker.failure_threshold, 2);
+    assert_eq!(own.breaker.open_for, std::time::Duration::from_secs(5));
+    assert_eq!(own.breaker.window, BreakerConfig::default().window);
+    assert_eq!(other.retry.max_attempts, 4);
+    assert_eq!(other.breaker.failure_threshold, 7);
+    assert_eq!(other.breaker.open_for, BreakerConfig::default().open_for);
+
+    let err = error_of(&format!(
+        "{BASE}\n[upstreams.breaker]\nfailure_threshold = 0\n"
+    ));
+    assert!(
+        err.starts_with("upstreams[0].breaker.failure_threshold:"),
+        "{err}"
+    );
+    let err = error_of(&format!(
+        "[retry]\nmax_delay = \"1s\"\n{BASE}\n[upstreams.retry]\nbase_delay = \"2s\"\n"
+    ));
+    assert!(err.starts_with("upstreams[0].retry.max_delay:"), "{err}");
+    let err = error_of(&format!("{BASE}\n[upstreams.retry]\nattempts = 2\n"));
+    assert!(err.starts_with("upstreams[0].retry"), "{err}");
+    let err = error_of(&format!("[breaker]\nopen_for = \"0s\"\n{BASE}"));
+    assert!(err.starts_with("breaker.open_for:"), "{err}");
+}
+
+#[test]
+fn upstream_response_limits_are_upstream_keys_and_the_server_spelling_still_reads() {
+    let c = load(BASE).unwrap();
+    assert_eq!(c.upstreams[0].max_response_bytes, 32 * 1024 * 1024);
+    assert!(c.deprecated.is_empty());
+
+    let c = load(&format!(
+        "{BASE}\n[[upstreams]]\nname = \"b\"\napi = \"openai\"\nbase_url = \"http://b\"\nmax_response_bytes = 8192\nmax_stream_duration = \"5s\"\n"
+    ))
+    .unwrap();
+    assert_eq!(c.upstreams[0].max_response_bytes, 32 * 1024 * 1024);
+    assert_eq!(c.upstreams[1].max_response_bytes, 8192);
+    assert_eq!(
+        c.upstreams[1].max_stream_duration,
+        std::time::Duration::from_secs(5)
+    );
+    assert!(c.deprecated.is_empty());
+
+    // The old spelling applies to every upstream, and is named with its new key.
+    let old = BASE.replace(
+        "request_timeout = \"2m\"",
+        "request_timeout = \"2m\"\nmax_sse_event_bytes = 4096",
+    );
+    let c = load(&old).unwrap();
+    assert_eq!(c.upstreams[0].max_sse_event_bytes, 4096);
+    assert_eq!(
+        c.deprecated,
+        [(
+            "server.max_sse_event_bytes".to_string(),
+            "upstreams[].max_sse_event_bytes".to_string()
+        )]
+    );
+
+    let both = old.replacen(
+        "attempt_timeout = \"250ms\"",
+        "attempt_timeout = \"250ms\"\nmax_sse_event_bytes = 8192",
+        1,
+    );
+    let err = error_of(&both);
+    assert!(
+        err.starts_with("upstreams[0].max_sse_event_bytes: also set as server.max_sse_event_bytes"),
+        "{err}"
+    );
+    let err = error_of(&BASE.replace(
+        "attempt_timeout = \"250ms\"",
+        "attempt_timeout = \"250ms\"\nmax_response_bytes = 0",
+    ));
+    assert_eq!(
+        err,
+        "upstreams[0].max_response_bytes: must be greater than 0"
+    );
+}
+
+#[test]
+fn base_url_and_api_key_are_parsed_once_into_typed_values() {
+    let prefixed = BASE.replace("https://api.openai.com", "https://proxy.example/openai/");
+    let c = load(&prefixed).unwrap();
+    let upstream = &c.upstreams[0];
+    assert_eq!(upstream.base_url.origin(), "https://proxy.example/openai");
+    assert_eq!(
+        upstream.base_url.join("/v1/chat/completions").as_str(),
+        "https://proxy.example/openai/v1/chat/completions"
+    );
+    let bearer = upstream
+        .api_key
+        .header(crate::api::ApiKind::OpenAi)
+        .unwrap();
+    assert_eq!(bearer, "Bearer sk-live");
+    assert!(bearer.is_sensitive());
+    let bare = upstream
+        .api_key
+        .header(crate::api::ApiKind::Anthropic)
+        .unwrap();
+    assert_eq!(bare, "sk-live");
+    assert!(!format!("{upstream:?}").contains("sk-live"));
+
+    let keyless = load(&BASE.replace("api_key = \"${OPENAI_API_KEY}\"\n", "")).unwrap();
+    assert_eq!(
+        keyless.upstreams[0]
+            .api_key
+            .header(crate::api::ApiKind::OpenAi),
+        None
+    );
+    let err = error_of(&BASE.replace("${OPENAI_API_KEY}", "sk\\nlive"));
+    assert_eq!(
+        err,
+        "upstreams[0].api_key: contains characters not allowed in an HTTP header"
+    );
 }

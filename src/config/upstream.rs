@@ -2,7 +2,7 @@ use std::{collections::HashSet, time::Duration};
 
 use serde::Deserialize;
 
-use super::{ConfigError, Secret};
+use super::{BreakerConfig, ConfigError, RetryConfig, Secret};
 use crate::api::ApiKind;
 
 /// `[[upstreams]]`: one model provider.
@@ -12,10 +12,10 @@ pub struct UpstreamConfig {
     pub name: String,
     pub api: ApiKind,
     /// An origin with an optional path prefix; the client's path (`/v1/...`) is appended.
-    pub base_url: String,
+    pub base_url: BaseUrl,
     /// The provider key Backstop injects. May be empty for keyless upstreams (the mock).
-    #[serde(default = "empty_secret")]
-    pub api_key: Secret,
+    #[serde(default)]
+    pub api_key: ProviderKey,
     /// One upstream attempt: until the whole body for non-streaming calls, until the
     /// response head and then between chunks for streams.
     #[serde(default = "default_attempt_timeout", with = "super::duration")]
@@ -28,6 +28,23 @@ pub struct UpstreamConfig {
     /// hop-by-hop headers are never forwarded, whatever this says.
     #[serde(default)]
     pub forward_headers: Vec<String>,
+    /// Largest body read whole from this upstream (non-streaming answers and error
+    /// bodies); larger is 502 `upstream_response_too_large`.
+    #[serde(default = "default_max_response_bytes")]
+    pub max_response_bytes: usize,
+    /// Largest single SSE event accepted from this upstream's streams.
+    #[serde(default = "default_max_sse_event_bytes")]
+    pub max_sse_event_bytes: usize,
+    /// Longest a stream relayed from this upstream may run in all, however steadily it
+    /// flows.
+    #[serde(default = "default_max_stream_duration", with = "super::duration")]
+    pub max_stream_duration: Duration,
+    /// `[retry]` with this upstream's `[upstreams.retry]` keys over it.
+    #[serde(default)]
+    pub retry: RetryConfig,
+    /// `[breaker]` with this upstream's `[upstreams.breaker]` keys over it.
+    #[serde(default)]
+    pub breaker: BreakerConfig,
 }
 
 /// Headers no configuration may forward upstream: client credentials and cookies.
@@ -39,13 +56,29 @@ pub const NEVER_FORWARDED: &[&str] = &[
     "cookie",
 ];
 
-fn empty_secret() -> Secret {
-    Secret::new("")
-}
-
 fn default_attempt_timeout() -> Duration {
     Duration::from_secs(60)
 }
+
+fn default_max_response_bytes() -> usize {
+    32 * 1024 * 1024
+}
+
+fn default_max_sse_event_bytes() -> usize {
+    1024 * 1024
+}
+
+fn default_max_stream_duration() -> Duration {
+    Duration::from_secs(600)
+}
+
+/// The keys that moved from `[server]` to `[[upstreams]]`: the old spelling is still read
+/// (for every upstream), with a warning.
+pub(super) const MOVED_FROM_SERVER: [&str; 3] = [
+    "max_response_bytes",
+    "max_sse_event_bytes",
+    "max_stream_duration",
+];
 
 fn default_anthropic_version() -> String {
     "2023-06-01".into()
@@ -59,35 +92,15 @@ impl UpstreamConfig {
                 "must not be empty",
             ));
         }
-        let url = self.base_url.as_str();
-        let rest = url
-            .strip_prefix("http://")
-            .or_else(|| url.strip_prefix("https://"))
-            .ok_or_else(|| {
-                ConfigError::invalid(
-                    format!("{key}.base_url"),
-                    "expected a URL that starts with http:// or https://",
-                )
-            })?;
-        let host = rest.split('/').next().unwrap_or("");
-        let parses = reqwest::Url::parse(&format!(
-            "{}/v1/chat/completions",
-            url.trim_end_matches('/')
-        ))
-        .is_ok();
-        if host.is_empty()
-            || url.contains(['?', '#'])
-            || url.parse::<http::Uri>().is_err()
-            || !parses
-        {
+        let positive = [
+            ("attempt_timeout", self.attempt_timeout.is_zero()),
+            ("max_response_bytes", self.max_response_bytes == 0),
+            ("max_sse_event_bytes", self.max_sse_event_bytes == 0),
+            ("max_stream_duration", self.max_stream_duration.is_zero()),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, zero)| *zero) {
             return Err(ConfigError::invalid(
-                format!("{key}.base_url"),
-                "expected an http(s) origin with an optional path prefix, and no query or fragment",
-            ));
-        }
-        if self.attempt_timeout.is_zero() {
-            return Err(ConfigError::invalid(
-                format!("{key}.attempt_timeout"),
+                format!("{key}.{name}"),
                 "must be greater than 0",
             ));
         }
@@ -111,18 +124,111 @@ impl UpstreamConfig {
                 ));
             }
         }
-        if http::HeaderValue::from_str(self.api_key.expose()).is_err() {
-            return Err(ConfigError::invalid(
-                format!("{key}.api_key"),
-                "contains characters not allowed in an HTTP header",
-            ));
-        }
+        self.retry.validate(&format!("{key}.retry"))?;
+        self.breaker.validate(&format!("{key}.breaker"))?;
         Ok(())
     }
+}
 
-    /// `base_url` without a trailing slash, ready for a `/v1/...` path to be appended.
-    pub fn origin(&self) -> &str {
-        self.base_url.trim_end_matches('/')
+/// `base_url`, parsed and checked once, at load: an http(s) origin with an optional path
+/// prefix, no query or fragment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BaseUrl(reqwest::Url);
+
+impl BaseUrl {
+    /// The URL of `path` (`/v1/...`) under this base.
+    pub fn join(&self, path: &str) -> reqwest::Url {
+        let mut url = self.0.clone();
+        url.set_path(&format!("{}{path}", self.origin_path()));
+        url
+    }
+
+    /// The base without a trailing slash, ready for a `/v1/...` path to be appended.
+    pub fn origin(&self) -> String {
+        let url = self.0.as_str();
+        url.strip_suffix(self.0.path())
+            .map_or_else(|| url.to_string(), |o| format!("{o}{}", self.origin_path()))
+    }
+
+    fn origin_path(&self) -> &str {
+        self.0.path().trim_end_matches('/')
+    }
+}
+
+impl<'de> Deserialize<'de> for BaseUrl {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let text = String::deserialize(d)?;
+        if !text.starts_with("http://") && !text.starts_with("https://") {
+            return Err(D::Error::custom(
+                "expected a URL that starts with http:// or https://",
+            ));
+        }
+        let url = reqwest::Url::parse(&text).ok().filter(|url| {
+            url.host_str().is_some_and(|h| !h.is_empty())
+                && !text.contains(['?', '#'])
+                && text.parse::<http::Uri>().is_ok()
+        });
+        url.map(BaseUrl).ok_or_else(|| {
+            D::Error::custom(
+                "expected an http(s) origin with an optional path prefix, and no query or fragment",
+            )
+        })
+    }
+}
+
+/// `api_key`: checked at load to fit an HTTP header, and held ready in the header form
+/// each API sends; never printed.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct ProviderKey {
+    secret: Option<Secret>,
+    /// `Bearer <key>` (OpenAI) and the bare key (Anthropic's `x-api-key`), both marked
+    /// sensitive.
+    headers: Option<(http::HeaderValue, http::HeaderValue)>,
+}
+
+impl ProviderKey {
+    pub fn expose(&self) -> &str {
+        self.secret.as_ref().map_or("", Secret::expose)
+    }
+
+    /// The credential header's value for `api`; `None` for a keyless upstream.
+    pub fn header(&self, api: ApiKind) -> Option<http::HeaderValue> {
+        let (bearer, bare) = self.headers.as_ref()?;
+        Some(match api {
+            ApiKind::OpenAi => bearer.clone(),
+            ApiKind::Anthropic => bare.clone(),
+        })
+    }
+}
+
+impl std::fmt::Debug for ProviderKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ProviderKey(***)")
+    }
+}
+
+impl<'de> Deserialize<'de> for ProviderKey {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let secret = Secret::deserialize(d)?;
+        if secret.expose().is_empty() {
+            return Ok(ProviderKey::default());
+        }
+        let sensitive = |text: String| {
+            let mut value = http::HeaderValue::try_from(text).map_err(|_| {
+                serde::de::Error::custom("contains characters not allowed in an HTTP header")
+            })?;
+            value.set_sensitive(true);
+            Ok::<_, D::Error>(value)
+        };
+        let headers = (
+            sensitive(format!("Bearer {}", secret.expose()))?,
+            sensitive(secret.expose().to_string())?,
+        );
+        Ok(ProviderKey {
+            secret: Some(secret),
+            headers: Some(headers),
+        })
     }
 }
 

@@ -44,9 +44,10 @@ use tower::{Layer, Service};
 
 use super::{context::Call, Middleware, Stack};
 use crate::{
+    api::fingerprint::fingerprint,
     error::GatewayError,
     policy::{
-        guard::{fingerprint, Kept, Phase, RequestFingerprint, SessionGuard, Transition},
+        guard::{Kept, Phase, RequestFingerprint, SessionGuard, Transition},
         trail,
     },
     state::{

@@ -126,14 +126,25 @@ impl ContextLayer {
     pub fn session_id_fields(mut self, fields: &[String]) -> Self {
         self.session_fields = fields
             .iter()
-            // Named in error messages; a handful of short strings, leaked once per config.
-            .map(|f| {
-                let name: &'static str = Box::leak(f.clone().into_boxed_str());
-                (name, f.split('.').map(str::to_owned).collect())
-            })
+            .map(|f| (field_name(f), f.split('.').map(str::to_owned).collect()))
             .collect();
         self
     }
+}
+
+/// `field` as the `&'static str` an error's `param` takes. Each distinct name is
+/// allocated once for the life of the process and found again by later configs, so a
+/// reload (which builds this layer anew) allocates nothing: the memory is bounded by the
+/// names ever configured, not by the number of reloads.
+fn field_name(field: &str) -> &'static str {
+    static NAMES: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(name) = names.iter().find(|n| **n == field) {
+        return name;
+    }
+    let name: &'static str = Box::leak(field.to_owned().into_boxed_str());
+    names.push(name);
+    name
 }
 
 /// The session id a body carries in one of `fields` (the first present wins): absent or
@@ -528,6 +539,14 @@ mod tests {
         // 20 bytes hold at most 10 values; 21 bytes hold 11 (`[0,0,0,0,0,0,0,0,0,0]`).
         assert!(limits.hold_any_body_of(20));
         assert!(!limits.hold_any_body_of(21));
+    }
+
+    #[test]
+    fn a_field_name_is_allocated_once_whatever_the_reloads() {
+        let first = field_name("metadata.run_id");
+        for _ in 0..3 {
+            assert!(std::ptr::eq(first, field_name("metadata.run_id")));
+        }
     }
 
     fn fields(paths: &[&str]) -> Vec<(&'static str, Vec<String>)> {

@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use crate::{
-    config::Config,
+    config::{Config, UpstreamConfig},
     policy::{
         breaker::{Admission, Breaker, BreakerPolicy, BreakerState, Transition, Verdict},
         classify::Class,
@@ -216,11 +216,11 @@ impl HealthRegistry {
     /// under the old config count too), taking the new policy; new names start closed.
     pub fn reconfigured(&self, config: &Config) -> Self {
         let now = Instant::now();
-        let (breaker, budget) = policies(config);
         let upstreams = config
             .upstreams
             .iter()
             .map(|u| {
+                let (breaker, budget) = policies(u);
                 let health = match self.upstreams.get(&u.name) {
                     Some(kept) => {
                         kept.reconfigure(breaker, &budget, now);
@@ -254,16 +254,18 @@ impl HealthRegistry {
     }
 }
 
-/// The breaker policy and a retry budget maker, from `[breaker]` and `[retry]`.
-fn policies(config: &Config) -> (BreakerPolicy, impl Fn(Instant) -> RetryBudget) {
+/// An upstream's breaker policy and retry budget maker, from its `breaker` and `retry`
+/// (`[breaker]` and `[retry]` with its own keys over them).
+fn policies(upstream: &UpstreamConfig) -> (BreakerPolicy, impl Fn(Instant) -> RetryBudget) {
+    let b = &upstream.breaker;
     let breaker = BreakerPolicy {
-        failure_threshold: config.breaker.failure_threshold,
-        open_for: config.breaker.open_for,
-        half_open_probes: config.breaker.half_open_probes,
-        failure_rate: config.breaker.failure_rate,
-        window: config.breaker.window,
+        failure_threshold: b.failure_threshold,
+        open_for: b.open_for,
+        half_open_probes: b.half_open_probes,
+        failure_rate: b.failure_rate,
+        window: b.window,
     };
-    let r = config.retry.clone();
+    let r = upstream.retry.clone();
     let budget = move |now| {
         RetryBudget::new(
             r.budget_ratio,

@@ -23,7 +23,10 @@ use crate::{
     clock::Clock,
     config::Config,
     policy::guard::{restore_trip, GuardPolicy, Kept, SessionGuard},
-    state::live::{LiveSessions, SessionKey},
+    state::{
+        guard_view,
+        live::{LiveSessions, SessionKey},
+    },
     store::{
         format::{self, UnknownFormat},
         GuardRecord, Store, StoreError, WindowSave,
@@ -108,7 +111,7 @@ impl GuardedSession {
 
     /// The guard's signals (state, risk, the trip and its evidence), as of `now`.
     pub fn signals(&self, now: Instant, session_usd: f64) -> Value {
-        self.guard.signals(now, session_usd, self.tool_loop())
+        guard_view::signals(&self.guard, now, session_usd, self.tool_loop())
     }
 
     /// The signals' risk score alone.
@@ -273,10 +276,10 @@ impl SessionGuards {
             let e = lock(entry);
             if seen_version == Some(e.version) {
                 let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
-                let before = e.guard.snapshot(now, now_ms);
+                let before = guard_view::snapshot(&e.guard, now, now_ms);
                 let mut after = e.guard.clone();
                 let change = after.record(now, failed);
-                if change.is_none() && after.snapshot(now, now_ms) == before {
+                if change.is_none() && guard_view::snapshot(&after, now, now_ms) == before {
                     return Ok(None);
                 }
             }
@@ -365,7 +368,7 @@ impl SessionGuards {
                         Ok(SessionGuard::new(config.clone()))
                     } else {
                         format::decode_snapshot(&state).map(|snap| {
-                            SessionGuard::from_snapshot(config.clone(), snap, now, now_ms)
+                            guard_view::from_snapshot(config.clone(), snap, now, now_ms)
                         })
                     };
                     match shared {
@@ -382,7 +385,8 @@ impl SessionGuards {
                 }
                 let before = e.guard.clone();
                 let result = f(&mut e.guard, now);
-                let snapshot = format::encode_snapshot(&e.guard.snapshot(now, now_ms));
+                let snapshot =
+                    format::encode_snapshot(&guard_view::snapshot(&e.guard, now, now_ms));
                 (result, before, snapshot, e.version)
             };
             match save(Some((version, snapshot))).await {

@@ -29,7 +29,24 @@ use base64::Engine;
 use serde::{Deserialize, Serialize};
 
 use super::{GuardRecord, StoredOwner, StoredResponse};
-use crate::policy::guard::GuardSnapshot;
+use crate::policy::guard::Phase;
+
+/// A guard's counted state on the wall clock (ms since the epoch), as replicas share it.
+/// Stored with its format version ([`encode_snapshot`]); `state::guard_view` makes it
+/// from a guard and a guard from it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct GuardSnapshot {
+    pub phase: Phase,
+    pub until_ms: i64,
+    pub code: Option<String>,
+    pub rule: Option<String>,
+    pub evidence: Option<String>,
+    pub consecutive_failures: u32,
+    /// (when, [`RequestFingerprint::request`](crate::policy::guard::RequestFingerprint::request)), oldest first.
+    pub recent: Vec<(i64, u64)>,
+    pub spend: Vec<(i64, f64)>,
+    pub transitions: u64,
+}
 
 /// The records with a versioned format (the `record` label of the count).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -342,7 +359,6 @@ pub fn decode_owner(text: &str) -> Result<StoredOwner, UnknownFormat> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::guard::Phase;
 
     fn snapshot() -> GuardSnapshot {
         GuardSnapshot {

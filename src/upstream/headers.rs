@@ -121,15 +121,11 @@ mod tests {
     use super::*;
 
     fn upstream(api: ApiKind) -> Upstream {
-        Upstream::new(&crate::config::UpstreamConfig {
-            name: "u".into(),
-            api,
-            base_url: "http://127.0.0.1:1".into(),
-            api_key: crate::config::Secret::new("sk-provider"),
-            attempt_timeout: std::time::Duration::from_secs(1),
-            anthropic_version: "2023-06-01".into(),
-            forward_headers: vec!["x-mock-*".into()],
-        })
+        let config = format!(
+            "name = \"u\"\napi = \"{}\"\nbase_url = \"http://127.0.0.1:1\"\napi_key = \"sk-provider\"\nattempt_timeout = \"1s\"\nforward_headers = [\"x-mock-*\"]",
+            api.as_str()
+        );
+        Upstream::new(&toml::from_str(&config).unwrap())
     }
 
     fn client_headers() -> HeaderMap {

@@ -6,10 +6,10 @@
 //! configured `base_url` (a 3xx is classified and answered as 502 `upstream_redirect`).
 //!
 //! Non-streaming bodies (and error bodies) are read whole within the attempt timeout and
-//! `server.max_response_bytes`, so they can be classified and replayed. A successful
+//! the upstream's `max_response_bytes`, so they can be classified and replayed. A successful
 //! stream is held back only until its first chunk arrives (so a stream that dies before
 //! its first byte is still retryable), then relayed as it comes, within the
-//! [`StreamLimits`].
+//! [`ResponseLimits`].
 
 mod headers;
 pub mod objects;
@@ -30,7 +30,7 @@ use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use crate::{
     api::{AnswerView, ApiKind, Endpoint, ParsedRequest},
     config::Config,
-    policy::classify::TransportFailure,
+    policy::{backoff::Backoff, classify::TransportFailure},
 };
 
 /// A configured upstream, ready to call.
@@ -45,6 +45,9 @@ pub struct Upstream {
     origin: String,
     credential: Option<HeaderValue>,
     pub attempt_timeout: Duration,
+    /// How transient failures are retried on this upstream.
+    pub retry: RetryRules,
+    pub limits: ResponseLimits,
     anthropic_version: HeaderValue,
     /// Extra client headers forwarded (names or `prefix-*` globs).
     forward_headers: Vec<String>,
@@ -52,35 +55,50 @@ pub struct Upstream {
 
 impl Upstream {
     pub fn new(config: &crate::config::UpstreamConfig) -> Self {
-        let key = config.api_key.expose();
-        let credential = (!key.is_empty()).then(|| {
-            let raw = match config.api {
-                ApiKind::OpenAi => format!("Bearer {key}"),
-                ApiKind::Anthropic => key.to_string(),
-            };
-            // Validated as a header value by `UpstreamConfig::validate`.
-            let mut value = HeaderValue::from_str(&raw).expect("validated api_key");
-            value.set_sensitive(true);
-            value
-        });
         let urls = Endpoint::ALL
             .into_iter()
-            .map(|e| {
-                let url = format!("{}{}", config.origin(), e.path());
-                // Validated by `UpstreamConfig::validate`.
-                (e, reqwest::Url::parse(&url).expect("validated base_url"))
-            })
+            .map(|e| (e, config.base_url.join(e.path())))
             .collect();
         Upstream {
             name: config.name.as_str().into(),
             api: config.api,
             urls,
-            origin: config.origin().to_string(),
-            credential,
+            origin: config.base_url.origin(),
+            credential: config.api_key.header(config.api),
             attempt_timeout: config.attempt_timeout,
+            retry: RetryRules::from_config(&config.retry),
+            limits: ResponseLimits {
+                max_response_bytes: config.max_response_bytes,
+                max_event_bytes: config.max_sse_event_bytes,
+                max_duration: config.max_stream_duration,
+            },
             anthropic_version: HeaderValue::from_str(&config.anthropic_version)
                 .unwrap_or(HeaderValue::from_static("2023-06-01")),
             forward_headers: config.forward_headers.clone(),
+        }
+    }
+}
+
+/// How transient failures are retried on one upstream (the recovery layer applies
+/// them; the retry budget is the upstream's health).
+#[derive(Debug, Clone, Copy)]
+pub struct RetryRules {
+    /// Attempts per target, the first included.
+    pub max_attempts: u32,
+    pub backoff: Backoff,
+    /// A longer `Retry-After` (or one past the deadline) is not waited: fail fast.
+    pub max_retry_after: Duration,
+}
+
+impl RetryRules {
+    pub fn from_config(config: &crate::config::RetryConfig) -> Self {
+        RetryRules {
+            max_attempts: config.max_attempts,
+            backoff: Backoff {
+                base: config.base_delay,
+                max: config.max_delay,
+            },
+            max_retry_after: config.max_retry_after,
         }
     }
 }
@@ -216,32 +234,28 @@ impl Reply {
     }
 }
 
-/// What an upstream answer may cost Backstop: bounds on what is read and relayed.
-#[derive(Clone, Debug)]
-pub struct StreamLimits {
-    /// Largest body read whole (`server.max_response_bytes`).
+/// What an upstream answer may cost Backstop: bounds on what is read and relayed (the
+/// upstream's `max_response_bytes`, `max_sse_event_bytes`, `max_stream_duration`).
+#[derive(Clone, Copy, Debug)]
+pub struct ResponseLimits {
+    /// Largest body read whole.
     pub max_response_bytes: usize,
-    /// Largest SSE event (`server.max_sse_event_bytes`).
+    /// Largest SSE event.
     pub max_event_bytes: usize,
-    /// Longest a relayed stream may run (`server.max_stream_duration`).
+    /// Longest a relayed stream may run.
     pub max_duration: Duration,
-    /// Turns true when the shutdown grace has elapsed: open streams end with an error
-    /// event instead of being cut silently.
-    pub cut: tokio::sync::watch::Receiver<bool>,
 }
 
-impl StreamLimits {
-    pub fn from_config(
-        server: &crate::config::ServerConfig,
-    ) -> (Self, tokio::sync::watch::Sender<bool>) {
-        let (tx, cut) = tokio::sync::watch::channel(false);
-        let limits = StreamLimits {
-            max_response_bytes: server.max_response_bytes,
-            max_event_bytes: server.max_sse_event_bytes,
-            max_duration: server.max_stream_duration,
-            cut,
-        };
-        (limits, tx)
+/// Turns true when the shutdown grace has elapsed: open streams end with an error event
+/// instead of being cut silently.
+#[derive(Clone, Debug)]
+pub struct StreamCut(pub tokio::sync::watch::Receiver<bool>);
+
+impl StreamCut {
+    /// The receiver, and the sender that cuts every stream relayed under it.
+    pub fn channel() -> (Self, tokio::sync::watch::Sender<bool>) {
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        (StreamCut(rx), tx)
     }
 }
 
@@ -249,15 +263,12 @@ impl StreamLimits {
 #[derive(Clone)]
 pub struct Forward {
     client: reqwest::Client,
-    limits: Arc<StreamLimits>,
+    cut: StreamCut,
 }
 
 impl Forward {
-    pub fn new(client: reqwest::Client, limits: StreamLimits) -> Self {
-        Forward {
-            client,
-            limits: Arc::new(limits),
-        }
+    pub fn new(client: reqwest::Client, cut: StreamCut) -> Self {
+        Forward { client, cut }
     }
 }
 
@@ -272,10 +283,10 @@ impl tower::Service<Attempt> for Forward {
 
     fn call(&mut self, attempt: Attempt) -> Self::Future {
         let client = self.client.clone();
-        let limits = self.limits.clone();
+        let cut = self.cut.clone();
         Box::pin(async move {
             let started = Instant::now();
-            let result = send(&client, &limits, &attempt).await;
+            let result = send(&client, &cut, &attempt).await;
             metrics::histogram!("backstop_upstream_duration_seconds", "upstream" => attempt.upstream.name.to_string())
                 .record(started.elapsed().as_secs_f64());
             result
@@ -295,7 +306,7 @@ async fn read_capped(
     let mut body = bytes::BytesMut::new();
     while let Some(chunk) = response.chunk().await.map_err(|e| transport(&e))? {
         if body.len() + chunk.len() > limit {
-            tracing::warn!(limit, "upstream body over server.max_response_bytes");
+            tracing::warn!(limit, "upstream body over its max_response_bytes");
             return Err(TransportFailure::TooLarge);
         }
         body.extend_from_slice(&chunk);
@@ -315,10 +326,11 @@ fn transport(err: &reqwest::Error) -> TransportFailure {
 
 async fn send(
     client: &reqwest::Client,
-    limits: &StreamLimits,
+    cut: &StreamCut,
     attempt: &Attempt,
 ) -> Result<Reply, TransportFailure> {
     let (request, upstream) = (&attempt.request, &attempt.upstream);
+    let limits = upstream.limits;
     let url = upstream.urls[&request.endpoint].clone();
     let body = request.upstream_body(
         attempt.model.as_deref(),
@@ -360,7 +372,7 @@ async fn send(
             idle: upstream.attempt_timeout,
             max_event_bytes: limits.max_event_bytes,
             max_duration: limits.max_duration,
-            cut: limits.cut.clone(),
+            cut: cut.0.clone(),
             usage: usage.clone(),
             strip_usage_chunk: attempt.stream_usage,
         };

@@ -25,7 +25,7 @@ use http_body_util::{BodyExt, Limited};
 
 use super::{
     first_chunk, headers, is_event_stream, read_capped, stream, transport, Endpoint, FirstChunk,
-    StreamLimits, Upstream,
+    StreamCut, Upstream,
 };
 use crate::{
     error::{GatewayError, Protocol},
@@ -76,8 +76,8 @@ pub struct ForwardObject {
     /// Who created which response: a tenant is answered for its own only.
     owners: Arc<ResponseOwners>,
     max_body_bytes: usize,
-    /// Bounds on what comes back: a whole body, or a relayed event stream.
-    limits: StreamLimits,
+    /// Ends a relayed event stream at the shutdown grace.
+    cut: StreamCut,
 }
 
 impl ForwardObject {
@@ -86,14 +86,14 @@ impl ForwardObject {
         upstream: Option<Arc<Upstream>>,
         owners: Arc<ResponseOwners>,
         max_body_bytes: usize,
-        limits: StreamLimits,
+        cut: StreamCut,
     ) -> Self {
         ForwardObject {
             client,
             upstream,
             owners,
             max_body_bytes,
-            limits,
+            cut,
         }
     }
 }
@@ -179,7 +179,7 @@ impl ForwardObject {
             let status = response.status();
             let headers = headers::client_response_headers(response.headers());
             if !(status.is_success() && is_event_stream(response.headers())) {
-                let bytes = read_capped(response, self.limits.max_response_bytes).await?;
+                let bytes = read_capped(response, upstream.limits.max_response_bytes).await?;
                 return Ok::<_, TransportFailure>((status, headers, Body::from(bytes)));
             }
             // `GET /v1/responses/{id}?stream=true`: relayed as it comes, with the bounds
@@ -193,9 +193,9 @@ impl ForwardObject {
             let relay = stream::Relay {
                 endpoint: Endpoint::Responses,
                 idle: upstream.attempt_timeout,
-                max_event_bytes: self.limits.max_event_bytes,
-                max_duration: self.limits.max_duration,
-                cut: self.limits.cut.clone(),
+                max_event_bytes: upstream.limits.max_event_bytes,
+                max_duration: upstream.limits.max_duration,
+                cut: self.cut.0.clone(),
                 usage: Arc::default(),
                 strip_usage_chunk: false,
             };

@@ -4,10 +4,10 @@
 //! for on a client's behalf can be removed.
 //!
 //! Bounded, each ending the stream with one error event in the caller's API format:
-//! - an event larger than `server.max_sse_event_bytes` (`upstream_stream_error`);
+//! - an event larger than the upstream's `max_sse_event_bytes` (`upstream_stream_error`);
 //! - no complete event for the upstream's `attempt_timeout` (`upstream_timeout`): a
 //!   stream that drips a byte at a time is as silent as one that sends nothing;
-//! - the whole stream past `server.max_stream_duration` (`stream_timeout`);
+//! - the whole stream past the upstream's `max_stream_duration` (`stream_timeout`);
 //! - the server's shutdown grace elapsing (`server_shutting_down`).
 //!
 //! Each byte is scanned for a boundary once, however the upstream cuts its chunks.
@@ -391,12 +391,12 @@ impl End {
             End::EventTooLarge => (
                 "event_too_large",
                 "upstream_stream_error",
-                "the upstream sent an event larger than server.max_sse_event_bytes",
+                "the upstream sent an event larger than its max_sse_event_bytes",
             ),
             End::TooLong => (
                 "too_long",
                 "stream_timeout",
-                "the stream ran past server.max_stream_duration",
+                "the stream ran past its upstream's max_stream_duration",
             ),
             End::Shutdown => (
                 "shutdown",

@@ -86,7 +86,7 @@ struct Cached {
 }
 
 /// The limits on what one request may carry, checked before anything is compiled.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RequestLimits {
     pub max_schema_bytes: usize,
     pub max_request_schema_bytes: usize,
@@ -94,7 +94,7 @@ pub struct RequestLimits {
 }
 
 /// What [`Schemas`] may accept, hold and do at once (from `[validation]`).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SchemaSettings {
     pub request: RequestLimits,
     pub shape: ShapeLimits,

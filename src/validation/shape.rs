@@ -38,7 +38,7 @@ use referencing::{Draft, Registry, Resolver};
 use serde_json::Value;
 
 /// The structural limits of one schema (`[validation]` keys).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ShapeLimits {
     pub max_depth: usize,
     pub max_paths: usize,

@@ -52,7 +52,7 @@ use crate::{
     api::ApiKind,
     error::GatewayError,
     policy::{
-        backoff::{next_wait, Backoff, Wait},
+        backoff::{next_wait, Wait},
         breaker::{Admission, Transition, Verdict},
         classify::{classify, Class, Observed, TransportFailure},
         trail::{Reason, Step},
@@ -60,28 +60,19 @@ use crate::{
     routing::Target,
     state::health::{HealthRegistry, UpstreamHealth},
     telemetry::Trail,
-    upstream::{Attempt, AttemptError, Reply},
+    upstream::{Attempt, AttemptError, Reply, Upstream},
 };
 
-/// How transient failures are retried.
+/// How transient failures are retried: each upstream's [`RetryRules`], and the jitter.
 #[derive(Clone, Debug)]
 pub struct RetryPolicy {
-    pub max_attempts: u32,
-    pub backoff: Backoff,
-    pub max_retry_after: Duration,
     /// Draws the jitter unit in [0, 1): random in production, fixed in tests.
     pub jitter: fn() -> f64,
 }
 
-impl RetryPolicy {
-    pub fn from_config(config: &crate::config::RetryConfig) -> Self {
+impl Default for RetryPolicy {
+    fn default() -> Self {
         RetryPolicy {
-            max_attempts: config.max_attempts,
-            backoff: Backoff {
-                base: config.base_delay,
-                max: config.max_delay,
-            },
-            max_retry_after: config.max_retry_after,
             jitter: fastrand::f64,
         }
     }
@@ -392,7 +383,8 @@ where
             return Next::Answer(Err(GatewayError::Internal));
         };
         let deadline = call.deadline.at;
-        for attempt_no in used..self.policy.max_attempts {
+        let rules = upstream.retry;
+        for attempt_no in used..rules.max_attempts {
             let now = Instant::now();
             let admitted = match health.admit(now) {
                 Ok(admission) => Admitted {
@@ -450,7 +442,7 @@ where
             // Only transient failures are retried on the same target, and not once
             // this failure has opened its breaker.
             let Some(retry_after) =
-                retry_after.filter(|_| !opened && attempt_no + 1 < self.policy.max_attempts)
+                retry_after.filter(|_| !opened && attempt_no + 1 < rules.max_attempts)
             else {
                 self.trail.steps.push(Step::GiveUp(reason));
                 return Next::Failover;
@@ -459,7 +451,7 @@ where
             // an attempt on a healthy target now.
             // (A Retry-After past the cap or the deadline is not waited at all: below.)
             let waitable =
-                |d: Duration| d <= self.policy.max_retry_after && Instant::now() + d < deadline;
+                |d: Duration| d <= rules.max_retry_after && Instant::now() + d < deadline;
             let waits = retry_after.is_some_and(|d| !d.is_zero() && waitable(d))
                 || reason == Reason::Transport(TransportFailure::Timeout);
             if spare && waits {
@@ -472,14 +464,7 @@ where
                 };
             }
             if !self
-                .wait_to_retry(
-                    health,
-                    &upstream.name,
-                    attempt_no,
-                    retry_after,
-                    reason,
-                    deadline,
-                )
+                .wait_to_retry(health, upstream, attempt_no, retry_after, reason, deadline)
                 .await
             {
                 return Next::Failover;
@@ -613,25 +598,23 @@ where
     async fn wait_to_retry(
         &mut self,
         health: &UpstreamHealth,
-        upstream: &str,
+        upstream: &Upstream,
         attempt_no: u32,
         retry_after: Option<Duration>,
         reason: Reason,
         deadline: Instant,
     ) -> bool {
-        let backoff = self
-            .policy
-            .backoff
-            .delay(attempt_no, (self.policy.jitter)());
+        let rules = upstream.retry;
+        let backoff = rules.backoff.delay(attempt_no, (self.policy.jitter)());
         let remaining = deadline.saturating_duration_since(Instant::now());
-        match next_wait(retry_after, backoff, self.policy.max_retry_after, remaining) {
+        match next_wait(retry_after, backoff, rules.max_retry_after, remaining) {
             Wait::Retry(_) if !health.withdraw(Instant::now()) => {
                 self.trail.steps.push(Step::Budget(reason));
                 false
             }
             Wait::Retry(wait) => {
                 self.trail.steps.push(Step::Retry(reason));
-                metrics::counter!("backstop_retries_total", "upstream" => upstream.to_string())
+                metrics::counter!("backstop_retries_total", "upstream" => upstream.name.to_string())
                     .increment(1);
                 tokio::time::sleep(wait).await;
                 true
