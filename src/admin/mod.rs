@@ -189,7 +189,7 @@ async fn state_view(State(state): State<AdminState>) -> Response {
         "replicas": redis.replicas,
         "reservation_ttl_ms": redis.reservation_ttl.as_millis() as u64,
         "blind_admissions": redis.blind_admissions(),
-        // Breakers are this replica's own view (see README, "Running several replicas").
+        // Breakers are this replica's own view (docs/operations.md, "Running several replicas").
         "breakers": "per replica: GET /admin/upstreams on each",
     }))
 }
