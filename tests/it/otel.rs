@@ -1,16 +1,14 @@
 //! OpenTelemetry traces end to end: the real gateway and mock on real sockets, and a
 //! small OTLP/HTTP receiver (protobuf) standing in for the collector.
 
-mod common;
-
 use std::{
     net::SocketAddr,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
+use crate::common::*;
 use axum::{body::Bytes, extract::State, routing::post, Router};
-use common::*;
 use opentelemetry_proto::tonic::{
     collector::trace::v1::ExportTraceServiceRequest,
     common::v1::{any_value::Value as Any, KeyValue},
@@ -50,9 +48,11 @@ async fn collector() -> (SocketAddr, Received) {
     (addr, received)
 }
 
-fn traced(endpoint: &str) -> impl FnOnce(String) -> String + '_ {
-    move |text| {
-        format!("{text}\n[telemetry]\notlp_endpoint = \"{endpoint}\"\nexport_timeout = \"500ms\"\n")
+fn traced(endpoint: &str) -> impl FnOnce(TestConfig) -> TestConfig + '_ {
+    move |config| {
+        config
+            .set("telemetry.otlp_endpoint", endpoint)
+            .set("telemetry.export_timeout", "500ms")
     }
 }
 

@@ -2,9 +2,7 @@
 //! `GET /v1/models/{id}` answers for any id a route serves, and a path Backstop lacks is
 //! a 404 in the caller's shape that the operator can see in the logs and metrics.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 async fn get(gw: &Gateway, path: &str, headers: &[(&str, &str)]) -> reqwest::Response {
     let mut req = gw.http.get(format!("{}{path}", gw.url)).bearer_auth(KEY_A);
@@ -195,9 +193,9 @@ async fn count_tokens_is_forwarded_with_the_provider_key_recovered_and_never_cha
 #[tokio::test]
 async fn a_session_id_comes_from_the_body_when_no_header_names_one() {
     let gw = start_with(|c| {
-        c.replace(
-            "[server]\n",
-            "[server]\nsession_id_fields = [\"metadata.session_id\", \"user\"]\n",
+        c.set(
+            "server.session_id_fields",
+            vec!["metadata.session_id", "user"],
         )
     })
     .await;

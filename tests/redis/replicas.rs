@@ -8,18 +8,14 @@
 //! Redis's own key expiry runs on Redis's clock, so the reservation test waits real
 //! seconds (reservation_ttl is 2 s there).
 
-mod common;
-#[path = "common/redis.rs"]
-mod redis_support;
-
 use std::{
     future::Future,
     sync::atomic::{AtomicUsize, Ordering},
     time::{Duration, Instant},
 };
 
-use common::{Binary, TempDir, ADMIN};
-use redis_support::{free_port, MockUpstream, Redis};
+use crate::common::{Binary, TempDir, ADMIN};
+use crate::redis_support::{free_port, MockUpstream, Redis};
 use serde_json::{json, Value};
 
 const CALLS: &str = "bk-replica-calls-key";
@@ -1523,7 +1519,7 @@ async fn every_reference_is_checked_on_every_replica_with(redis: Redis) {
 /// What writing owners before answering costs a create in replica mode, measured (not
 /// run by default): sequential creates through one replica, stored (the owner `SET` in
 /// Redis is awaited) against `store: false` (nothing recorded), mean and p50/p99.
-/// `cargo test --test replicas -- --ignored --nocapture owner_write_cost`
+/// `cargo test --test redis replicas::owner_write_cost -- --ignored --nocapture`
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn owner_write_cost_in_replica_mode() {
