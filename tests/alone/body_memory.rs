@@ -114,7 +114,7 @@ fn chat_body(len: usize) -> String {
 
 /// The bytes the body pool holds, from `/metrics`.
 async fn body_pool_bytes(gw: &Gateway) -> f64 {
-    let text = gw.get("/metrics", None).await.text().await.unwrap();
+    let text = gw.metrics().await;
     text.lines()
         .find(|l| l.starts_with(r#"backstop_body_memory_bytes{pool="body"}"#))
         .and_then(|l| l.rsplit(' ').next())

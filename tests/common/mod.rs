@@ -256,6 +256,35 @@ impl Gateway {
     }
 }
 
+impl Gateway {
+    /// The `/metrics` page.
+    pub async fn metrics(&self) -> String {
+        self.get("/metrics", None).await.text().await.unwrap()
+    }
+
+    /// `GET path` with `token` as a bearer, as JSON.
+    pub async fn get_json(&self, path: &str, token: Option<&str>) -> Value {
+        json(self.get(path, token).await).await
+    }
+
+    /// The tenant's report on `session` (`/v1/sessions/{session}`) once `settled` holds
+    /// for it: spend is settled after a response body ends, off the request's path.
+    pub async fn session_report_when(
+        &self,
+        key: &str,
+        session: &str,
+        settled: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let path = format!("/v1/sessions/{session}");
+        let (path, settled) = (&path, &settled);
+        until_some(&format!("the report on {session}"), move || async move {
+            let report = self.get_json(path, Some(key)).await;
+            settled(&report).then_some(report)
+        })
+        .await
+    }
+}
+
 pub async fn json(resp: reqwest::Response) -> Value {
     let text = resp.text().await.unwrap();
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))

@@ -326,17 +326,9 @@ async fn stream_usage_is_counted_and_the_injected_chunk_hidden() {
         seen["body"]["stream_options"]["include_usage"], true,
         "Backstop asked for usage"
     );
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let report = json(
-        gw.http
-            .get(format!("{}/v1/sessions/st", gw.url))
-            .bearer_auth(CAPPED)
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await;
-    assert_eq!(report["used"]["tokens"], 150);
+    // Settled once the stream has ended: 120 + 30 reported, not the reservation.
+    gw.session_report_when(CAPPED, "st", |r| r["used"]["tokens"] == 150)
+        .await;
 
     // A client that asked for usage still gets it.
     let mut asked = stream.clone();
@@ -360,17 +352,8 @@ async fn stream_usage_is_counted_and_the_injected_chunk_hidden() {
         )
         .await;
     resp.text().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let report = json(
-        gw.http
-            .get(format!("{}/v1/sessions/st", gw.url))
-            .bearer_auth(CAPPED)
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await;
-    assert_eq!(report["used"]["tokens"], 150 + 3 + 10);
+    gw.session_report_when(CAPPED, "st", |r| r["used"]["tokens"] == 150 + 3 + 10)
+        .await;
 }
 
 #[tokio::test]

@@ -2,7 +2,7 @@
 //! locked by another writer, upstreams reporting absurd usage, sessions idling out of
 //! memory while a call still runs.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::common::*;
 use backstop::mock;
@@ -108,14 +108,10 @@ max_calls = 10
             .body(chat("gpt-4o").max_tokens(16).to_string());
         hanging.push(tokio::spawn(request.send()));
     }
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while upstream.attempts("crash") < 10 {
-        assert!(
-            Instant::now() < deadline,
-            "the calls never reached the upstream"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until("the calls to reach the upstream", || async {
+        upstream.attempts("crash") == 10
+    })
+    .await;
     gw.kill();
     for call in hanging {
         assert!(call.await.unwrap().is_err(), "killed mid-call");
@@ -155,7 +151,8 @@ async fn a_locked_store_refuses_budgeted_calls_before_the_upstream() {
     let lock = rusqlite::Connection::open(&db).unwrap();
     lock.execute_batch("BEGIN EXCLUSIVE").unwrap();
 
-    let started = Instant::now();
+    // Refused once the store's busy timeout has passed, not held until the request
+    // deadline (which would answer 504 `request_timeout`).
     let resp = gw
         .in_session(CAPPED, "s", "locked", "", &chat("gpt-4o").max_tokens(16))
         .await;
@@ -164,11 +161,6 @@ async fn a_locked_store_refuses_budgeted_calls_before_the_upstream() {
     let body = json(resp).await;
     assert_eq!(body["error"]["code"], "store_unavailable", "{body}");
     assert_eq!(body["error"]["type"], "server_error");
-    assert!(
-        started.elapsed() < Duration::from_secs(3),
-        "{:?}",
-        started.elapsed()
-    );
 
     let resp = gw
         .post(
@@ -188,15 +180,7 @@ async fn a_locked_store_refuses_budgeted_calls_before_the_upstream() {
     );
     assert_eq!(gw.mock.attempts("locked"), 0, "no upstream call was made");
 
-    let metrics = gw
-        .http
-        .get(format!("{}/metrics", gw.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = gw.metrics().await;
     assert!(
         metrics.contains("backstop_store_errors_total{op=\"reserve\"}"),
         "{metrics}"
@@ -238,14 +222,13 @@ async fn absurd_upstream_usage_is_charged_the_reservation() {
         .await
         .unwrap();
     assert!(text.trim_end().ends_with("data: [DONE]"));
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Settled once the stream has ended.
     let stream_reservation = (stream.to_string().len() as u64).div_ceil(4) + 16;
-    let report = session_report(&gw.url, "capped", "s").await;
-    assert_eq!(
-        report["used"]["tokens"],
-        reservation + stream_reservation,
-        "{report}"
-    );
+    until("the stream's settle at its reservation", || async {
+        session_report(&gw.url, "capped", "s").await["used"]["tokens"]
+            == reservation + stream_reservation
+    })
+    .await;
     assert_eq!(
         gw.in_session(CAPPED, "s", "after", "", &body)
             .await
@@ -303,7 +286,7 @@ async fn usage_without_the_endpoints_counts_is_charged_the_reservation() {
         gw.mock.attempts("odd") + gw.mock.attempts("odd-responses"),
         5
     );
-    let metrics = gw.get("/metrics", None).await.text().await.unwrap();
+    let metrics = gw.metrics().await;
     assert!(
         metrics.contains("backstop_usage_rejected_total{reason=\"missing_count\"} 5"),
         "{metrics}"

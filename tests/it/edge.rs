@@ -95,12 +95,7 @@ async fn admin_calls_pass_the_edge_with_a_request_id_and_metrics() {
     assert!(unknown.headers().contains_key("x-request-id"));
     assert_eq!(json(unknown).await["error"]["code"], "not_found");
 
-    let page = reqwest::get(format!("{}/metrics", gw.url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = gw.metrics().await;
     let admin_lines: Vec<&str> = page
         .lines()
         .filter(|l| l.starts_with("backstop_requests_total{") && l.contains("endpoint=\"admin\""))

@@ -364,15 +364,7 @@ async fn models_health_and_metrics() {
         );
     }
     gw.chat("metrics", "", chat("gpt-4o")).await;
-    let text = gw
-        .http
-        .get(format!("{}/metrics", gw.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = gw.metrics().await;
     assert!(text.contains("backstop_requests_total{"), "{text}");
     assert!(text.contains("backstop_overhead_seconds_bucket"), "{text}");
     assert!(

@@ -755,12 +755,7 @@ async fn client_chosen_model_names_never_become_metric_labels() {
         let resp = gw.chat("labels", "", body).await;
         assert_eq!(resp.status(), 200);
     }
-    let page = reqwest::get(format!("{}/metrics", gw.url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = gw.metrics().await;
     assert!(
         !page.contains("gpt-attacker"),
         "a client model name became a label"

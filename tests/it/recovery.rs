@@ -179,15 +179,7 @@ async fn the_breaker_opens_and_then_skips_the_network() {
             .unwrap();
     assert_eq!(denied.status(), 401, "a tenant key is not the admin token");
 
-    let metrics =
-        p.gw.http
-            .get(format!("{}/metrics", p.gw.url))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+    let metrics = p.gw.metrics().await;
     assert!(
         metrics.contains("backstop_breaker_state{upstream=\"pair-primary\"} 1"),
         "{metrics}"
@@ -216,11 +208,12 @@ async fn caller_faults_pass_through_once_and_never_open_the_breaker() {
 #[tokio::test]
 async fn a_long_retry_after_is_passed_on_at_once() {
     let gw = start().await;
-    let started = std::time::Instant::now();
+    // Not waited: a 30 s wait would have met the 10 s request deadline (504), and one
+    // attempt means no retry. The wait itself is measured on a paused clock in
+    // recovery_policy::retry_after_beyond_the_cap_fails_fast_with_the_upstreams_answer.
     let resp = gw
         .chat("long-ra", "status=429;retry_after=30", chat("gpt-4o"))
         .await;
-    assert!(started.elapsed() < std::time::Duration::from_secs(2));
     assert_eq!(resp.status(), 429);
     assert_eq!(resp.headers()["retry-after"], "30");
     assert_eq!(resp.headers()["x-should-retry"], "false");
