@@ -396,6 +396,7 @@ async fn shutdown_lets_in_flight_requests_finish_then_stops_accepting() {
         async move {
             http.post(format!("{url}/v1/chat/completions"))
                 .bearer_auth(KEY_A)
+                .header("x-mock-scenario", "in-flight")
                 .header("x-mock-fault", "delay=400ms")
                 .body(chat("gpt-4o").to_string())
                 .send()
@@ -404,7 +405,10 @@ async fn shutdown_lets_in_flight_requests_finish_then_stops_accepting() {
                 .status()
         }
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    until("the request to reach the upstream", || async {
+        gw.mock.attempts("in-flight") == 1
+    })
+    .await;
     gw.server.shutdown().await;
     assert_eq!(
         in_flight.await.unwrap(),

@@ -1,8 +1,6 @@
 //! The OpenAI Responses API end to end (`POST /v1/responses` and the stored-response
 //! routes): the real gateway in front of real mocks, the same policy as chat.
 
-use std::time::Duration;
-
 use crate::common::*;
 use backstop::config::Config;
 use serde_json::{json, Value};
@@ -38,15 +36,8 @@ impl Gateway {
     }
 
     async fn session_report(&self, key: &str, session: &str) -> Value {
-        json(
-            self.http
-                .get(format!("{}/v1/sessions/{session}", self.url))
-                .bearer_auth(key)
-                .send()
-                .await
-                .unwrap(),
-        )
-        .await
+        self.get_json(&format!("/v1/sessions/{session}"), Some(key))
+            .await
     }
 }
 
@@ -194,8 +185,9 @@ async fn a_streamed_response_is_relayed_and_its_usage_settled() {
         seen["body"].get("stream_options").is_none(),
         "the Responses API reports usage itself: {seen}"
     );
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(gw.session_tokens(CAPPED, "rs-stream").await, 150);
+    // Settled once the stream has ended.
+    gw.session_report_when(CAPPED, "rs-stream", |r| r["used"]["tokens"] == 150)
+        .await;
 }
 
 #[tokio::test]
