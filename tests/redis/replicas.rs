@@ -14,7 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::common::{Binary, TempDir, ADMIN};
+use crate::common::{until, Binary, TempDir, ADMIN};
 use crate::redis_support::{free_port, MockUpstream, Redis};
 use serde_json::{json, Value};
 
@@ -427,7 +427,16 @@ max_usd = 0.05
     }
     assert_eq!(passed, 4);
     assert_eq!(cluster.mock.attempts("usd").await, 4);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Settled on every replica once the four answers have ended.
+    until("the four settles on every replica", || async {
+        let mut settled = true;
+        for i in 0..3 {
+            let usd = cluster.session(i, USD, "usd").await["used"]["usd"].as_f64();
+            settled &= usd.is_some_and(|usd| (usd - 0.05).abs() < 1e-9);
+        }
+        settled
+    })
+    .await;
     let mut spent = Vec::new();
     for i in 0..3 {
         let report = cluster.session(i, USD, "usd").await;
