@@ -14,7 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::common::{until, Binary, TempDir, ADMIN};
+use crate::common::{chat, until, Binary, TempDir, ADMIN};
 use crate::redis_support::{free_port, MockUpstream, Redis};
 use serde_json::{json, Value};
 
@@ -334,10 +334,6 @@ impl Answer {
     }
 }
 
-fn chat(max_tokens: u64) -> Value {
-    json!({"model": "gpt-4o", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hello"}]})
-}
-
 fn step(n: usize) -> Value {
     json!({"model": "gpt-4o", "messages": [{"role": "user", "content": format!("step {n}")}]})
 }
@@ -396,7 +392,14 @@ max_usd = 0.05
         ("x-mock-scenario", "race"),
         ("x-mock-fault", "delay=100ms"),
     ];
-    let answers = race(&cluster, 40, CALLS, &headers, &chat(16)).await;
+    let answers = race(
+        &cluster,
+        40,
+        CALLS,
+        &headers,
+        &chat("gpt-4o").max_tokens(16),
+    )
+    .await;
     let passed = answers.iter().filter(|a| a.status == 200).count();
     assert_eq!(passed, 10);
     for refused in answers.iter().filter(|a| a.status != 200) {
@@ -420,7 +423,14 @@ max_usd = 0.05
         ("x-mock-scenario", "usd"),
         ("x-mock-fault", "delay=100ms;usage=1000/1000"),
     ];
-    let answers = race(&cluster, 40, USD, &headers, &chat(1000)).await;
+    let answers = race(
+        &cluster,
+        40,
+        USD,
+        &headers,
+        &chat("gpt-4o").max_tokens(1000),
+    )
+    .await;
     let passed = answers.iter().filter(|a| a.status == 200).count();
     for refused in answers.iter().filter(|a| a.status != 200) {
         assert_budget_refusal(refused);
@@ -492,7 +502,7 @@ max_concurrent = 2
     ];
     let held: Vec<_> = [0, 1]
         .into_iter()
-        .map(|i| tokio::spawn(cluster.call(i, BUDGETED, &slow, &chat(16))))
+        .map(|i| tokio::spawn(cluster.call(i, BUDGETED, &slow, &chat("gpt-4o").max_tokens(16))))
         .collect();
     cluster.mock.wait_for("slow", 2).await;
     assert_eq!(
@@ -500,7 +510,12 @@ max_concurrent = 2
         2
     );
     let third = cluster
-        .call(2, BUDGETED, &[("x-session-id", "together")], &chat(16))
+        .call(
+            2,
+            BUDGETED,
+            &[("x-session-id", "together")],
+            &chat("gpt-4o").max_tokens(16),
+        )
         .await;
     assert_eq!(third.status, 429, "{}", third.text);
     assert_eq!(third.code(), "too_many_concurrent");
@@ -508,7 +523,12 @@ max_concurrent = 2
         assert_eq!(h.await.unwrap().status, 200);
     }
     let after = cluster
-        .call(2, BUDGETED, &[("x-session-id", "together")], &chat(16))
+        .call(
+            2,
+            BUDGETED,
+            &[("x-session-id", "together")],
+            &chat("gpt-4o").max_tokens(16),
+        )
         .await;
     assert_eq!(
         after.status, 200,
@@ -900,7 +920,13 @@ max_calls = 5
     ];
     // Three calls in flight on replica A, each holding a reservation.
     let held: Vec<_> = (0..3)
-        .map(|_| tokio::spawn(cluster.request(0, BUDGETED, &hanging, &chat(16)).send()))
+        .map(|_| {
+            tokio::spawn(
+                cluster
+                    .request(0, BUDGETED, &hanging, &chat("gpt-4o").max_tokens(16))
+                    .send(),
+            )
+        })
         .collect();
     cluster.mock.wait_for("held", 3).await;
     cluster.replicas.remove(0).kill();
@@ -914,19 +940,31 @@ max_calls = 5
     // Now replica 0 is B and replica 1 is C.
     let (b, c) = (0, 1);
     let headers = [("x-session-id", "k"), ("x-mock-scenario", "after")];
-    let answer = cluster.call(b, BUDGETED, &headers, &chat(16)).await;
+    let answer = cluster
+        .call(b, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+        .await;
     assert_eq!(answer.status, 200, "one call is left: {}", answer.text);
     // 5 = 3 held + 1 settled + this one; its settle frees nothing.
-    let answer = cluster.call(c, BUDGETED, &headers, &chat(16)).await;
+    let answer = cluster
+        .call(c, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+        .await;
     assert_eq!(answer.status, 200, "{}", answer.text);
-    assert_budget_refusal(&cluster.call(b, BUDGETED, &headers, &chat(16)).await);
+    assert_budget_refusal(
+        &cluster
+            .call(b, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+            .await,
+    );
 
     // Past reservation_ttl the dead replica's three calls are charged, one call each:
     // the session stays at its cap of 5 on every replica.
     let expired = killed + Duration::from_millis(3500);
     tokio::time::sleep_until(expired.into()).await;
     for replica in [b, c] {
-        assert_budget_refusal(&cluster.call(replica, BUDGETED, &headers, &chat(16)).await);
+        assert_budget_refusal(
+            &cluster
+                .call(replica, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+                .await,
+        );
     }
     assert_eq!(cluster.mock.attempts("after").await, 2);
     assert_eq!(cluster.mock.attempts("held").await, 3);
@@ -1016,7 +1054,7 @@ max_usd = 10.0
         ("x-mock-scenario", "kept"),
         ("x-mock-fault", "delay=1s;usage=1000/1000"),
     ];
-    let call = tokio::spawn(cluster.call(0, USD, &headers, &chat(1000)));
+    let call = tokio::spawn(cluster.call(0, USD, &headers, &chat("gpt-4o").max_tokens(1000)));
     cluster.mock.wait_for("kept", 1).await;
     redis.pause();
     let answer = call.await.unwrap();
@@ -1093,7 +1131,9 @@ tokens_per_day = 1000000
     let headers = [("x-mock-scenario", "script")];
     // Both tenants known to Redis; then the first tenant's day is a string, not a hash.
     for key in [CALLS, USD] {
-        let answer = cluster.call(0, key, &headers, &chat(16)).await;
+        let answer = cluster
+            .call(0, key, &headers, &chat("gpt-4o").max_tokens(16))
+            .await;
         assert_eq!(answer.status, 200, "{}", answer.text);
     }
     let prefix = &cluster.prefix;
@@ -1107,9 +1147,11 @@ tokens_per_day = 1000000
         &format!("{prefix}:{{calls}}:day:{day}"),
         "not-a-hash",
     ]);
-    let broken = cluster.call(0, CALLS, &headers, &chat(16)).await;
+    let broken = cluster
+        .call(0, CALLS, &headers, &chat("gpt-4o").max_tokens(16))
+        .await;
     assert_state_unavailable(&broken);
-    let answers = race(&cluster, 30, USD, &headers, &chat(16)).await;
+    let answers = race(&cluster, 30, USD, &headers, &chat("gpt-4o").max_tokens(16)).await;
     let served = answers.iter().filter(|a| a.status == 200).count();
     assert_eq!(
         served,
@@ -1147,7 +1189,9 @@ usd_per_day = 100.0
     let (closed, open) = (0, 1);
     let headers = [("x-session-id", "s"), ("x-mock-scenario", "stall")];
     for replica in [closed, open] {
-        let answer = cluster.call(replica, BUDGETED, &headers, &chat(16)).await;
+        let answer = cluster
+            .call(replica, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+            .await;
         assert_eq!(answer.status, 200, "replica {replica}: {}", answer.text);
     }
     let state = cluster
@@ -1160,13 +1204,17 @@ usd_per_day = 100.0
     // SIGSTOP: connections stay open and nothing answers, the worst case for a timeout.
     redis.pause();
     let started = Instant::now();
-    let answer = cluster.call(closed, BUDGETED, &headers, &chat(16)).await;
+    let answer = cluster
+        .call(closed, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+        .await;
     let elapsed = started.elapsed();
     println!("closed replica decided in {elapsed:?} with Redis stopped (command_timeout 100ms)");
     assert!(elapsed < Duration::from_millis(1500), "{elapsed:?}");
     assert_state_unavailable(&answer);
     let started = Instant::now();
-    let answer = cluster.call(open, BUDGETED, &headers, &chat(16)).await;
+    let answer = cluster
+        .call(open, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+        .await;
     let elapsed = started.elapsed();
     println!("open replica decided in {elapsed:?} with Redis stopped");
     assert_eq!(answer.status, 200, "open admits: {}", answer.text);
@@ -1188,7 +1236,9 @@ usd_per_day = 100.0
     redis.resume();
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let answer = cluster.call(closed, BUDGETED, &headers, &chat(16)).await;
+        let answer = cluster
+            .call(closed, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+            .await;
         if answer.status == 200 {
             break;
         }
@@ -1203,7 +1253,9 @@ usd_per_day = 100.0
     let _redis = Redis::start_on(port);
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let answer = cluster.call(closed, BUDGETED, &headers, &chat(16)).await;
+        let answer = cluster
+            .call(closed, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+            .await;
         assert_state_unavailable(&answer);
         let message = answer.json()["error"]["message"]
             .as_str()
@@ -1224,7 +1276,9 @@ usd_per_day = 100.0
     // blind), and every replica's state view says so.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let answer = cluster.call(open, BUDGETED, &headers, &chat(16)).await;
+        let answer = cluster
+            .call(open, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+            .await;
         if answer.status == 503 {
             assert_state_unavailable(&answer);
             assert!(answer.text.contains("lost"), "{}", answer.text);
@@ -1256,7 +1310,9 @@ usd_per_day = 100.0
         .await;
     assert_eq!(adopted.status, 200, "{}", adopted.text);
     for replica in [open, closed] {
-        let answer = cluster.call(replica, BUDGETED, &headers, &chat(16)).await;
+        let answer = cluster
+            .call(replica, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+            .await;
         assert_eq!(
             answer.status, 200,
             "replica {replica} after adopt: {}",
@@ -1290,10 +1346,14 @@ max_calls = 2
     let cluster = Cluster::start(&redis, &[PATIENT, PATIENT], &tenants).await;
     let headers = [("x-session-id", "tls"), ("x-mock-scenario", "tls")];
     for replica in [0, 1] {
-        let answer = cluster.call(replica, CALLS, &headers, &chat(16)).await;
+        let answer = cluster
+            .call(replica, CALLS, &headers, &chat("gpt-4o").max_tokens(16))
+            .await;
         assert_eq!(answer.status, 200, "replica {replica}: {}", answer.text);
     }
-    let third = cluster.call(0, CALLS, &headers, &chat(16)).await;
+    let third = cluster
+        .call(0, CALLS, &headers, &chat("gpt-4o").max_tokens(16))
+        .await;
     assert_budget_refusal(&third);
     assert_eq!(cluster.mock.attempts("tls").await, 2);
     assert_eq!(cluster.session(1, CALLS, "tls").await["used"]["calls"], 2);
