@@ -1,9 +1,18 @@
 //! Test harness: the real gateway on 127.0.0.1:0 in front of the real mock upstream.
-#![allow(dead_code)]
+// Each test binary uses part of the kit.
+#![allow(dead_code, unused_imports)]
+
+mod body;
+mod config;
+mod wait;
+
+pub use body::{chat, Chat};
+pub use config::{toml_value, TestConfig};
+pub use wait::{until, until_some, PATIENCE};
 
 use std::net::SocketAddr;
 
-use backstop::{clock::Clock, config::Config, mock, server};
+use backstop::{clock::Clock, mock, server};
 use serde_json::Value;
 use tokio::net::TcpListener;
 
@@ -28,9 +37,19 @@ output_per_mtok = 10.0
     )
 }
 
-/// The test config with `store` (e.g. `path = "/tmp/x.db"`) as its `[store]` section.
-pub fn with_store(text: &str, store: &str) -> String {
-    text.replace("[store]\npath = \":memory:\"", &format!("[store]\n{store}"))
+/// `config` with `store` (e.g. `path = "/tmp/x.db"`) as its whole `[store]` section.
+pub fn with_store(config: TestConfig, store: &str) -> TestConfig {
+    config.remove("store").merge(&format!("[store]\n{store}"))
+}
+
+/// An edit for [`start_with`]: `keys` (TOML lines) merged into the `[server]` section.
+pub fn server_keys(keys: &str) -> impl FnOnce(TestConfig) -> TestConfig + '_ {
+    move |config| config.merge(&format!("[server]\n{keys}"))
+}
+
+/// An edit for [`start_with`]: config text (routes, tenants) merged in.
+pub fn append(extra: &str) -> impl FnOnce(TestConfig) -> TestConfig + '_ {
+    move |config| config.merge(extra)
 }
 
 pub struct Gateway {
@@ -46,9 +65,10 @@ pub async fn dead_port() -> u16 {
     l.local_addr().unwrap().port()
 }
 
-/// Config text for a gateway in front of the mock at `mock`; `extra` is appended.
-pub fn config_text(mock: SocketAddr, dead: u16, extra: &str) -> String {
-    format!(
+/// The test config: a gateway in front of the mock at `mock`, with an upstream `dead`
+/// on a port nothing listens on and one (`slow`) whose attempts time out quickly.
+pub fn gateway_config(mock: SocketAddr, dead: u16) -> TestConfig {
+    TestConfig::parse(&format!(
         r#"
 [server]
 listen = "127.0.0.1:0"
@@ -127,26 +147,27 @@ api_keys = ["{KEY_A}"]
 [[tenants]]
 name = "team-b"
 api_keys = ["{KEY_B}"]
-{extra}
 "#
-    )
+    ))
 }
 
 pub async fn start() -> Gateway {
-    start_with(|text| text).await
+    start_with(|config| config).await
 }
 
-/// Starts the mock and a gateway whose config text `edit` may change.
-pub async fn start_with(edit: impl FnOnce(String) -> String) -> Gateway {
+/// Starts the mock and a gateway whose config ([`gateway_config`]) `edit` may change.
+pub async fn start_with(edit: impl FnOnce(TestConfig) -> TestConfig) -> Gateway {
     start_with_clock(edit, Clock::system()).await
 }
 
 /// As [`start_with`], with the gateway's live state on `clock`: a test moves time for
 /// the state under test with [`Clock::skip`] instead of sleeping.
-pub async fn start_with_clock(edit: impl FnOnce(String) -> String, clock: Clock) -> Gateway {
+pub async fn start_with_clock(
+    edit: impl FnOnce(TestConfig) -> TestConfig,
+    clock: Clock,
+) -> Gateway {
     let mock = mock::spawn(TcpListener::bind("127.0.0.1:0").await.unwrap());
-    let text = edit(config_text(mock.addr, dead_port().await, ""));
-    let config = Config::from_toml_with_env(&text, |_| None).expect("test config is valid");
+    let config = edit(gateway_config(mock.addr, dead_port().await)).config();
     let server = server::spawn_with_clock(config, clock)
         .await
         .expect("gateway starts");
@@ -190,7 +211,13 @@ impl Gateway {
         req.send().await.unwrap()
     }
 
-    pub async fn chat(&self, scenario: &str, fault: &str, body: Value) -> reqwest::Response {
+    /// A chat completion as tenant A, with a mock scenario and an optional fault script.
+    pub async fn chat(
+        &self,
+        scenario: &str,
+        fault: &str,
+        body: impl Into<Value>,
+    ) -> reqwest::Response {
         let mut headers = vec![("x-mock-scenario", scenario)];
         if !fault.is_empty() {
             headers.push(("x-mock-fault", fault));
@@ -199,7 +226,7 @@ impl Gateway {
             "/v1/chat/completions",
             Some(KEY_A),
             &headers,
-            body.to_string(),
+            body.into().to_string(),
         )
         .await
     }
@@ -225,6 +252,35 @@ impl Gateway {
             &headers,
             body.to_string(),
         )
+        .await
+    }
+}
+
+impl Gateway {
+    /// The `/metrics` page.
+    pub async fn metrics(&self) -> String {
+        self.get("/metrics", None).await.text().await.unwrap()
+    }
+
+    /// `GET path` with `token` as a bearer, as JSON.
+    pub async fn get_json(&self, path: &str, token: Option<&str>) -> Value {
+        json(self.get(path, token).await).await
+    }
+
+    /// The tenant's report on `session` (`/v1/sessions/{session}`) once `settled` holds
+    /// for it: spend is settled after a response body ends, off the request's path.
+    pub async fn session_report_when(
+        &self,
+        key: &str,
+        session: &str,
+        settled: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let path = format!("/v1/sessions/{session}");
+        let (path, settled) = (&path, &settled);
+        until_some(&format!("the report on {session}"), move || async move {
+            let report = self.get_json(path, Some(key)).await;
+            settled(&report).then_some(report)
+        })
         .await
     }
 }

@@ -1,9 +1,7 @@
 //! Structured output end to end: real gateway, real mock scripted invalid-then-valid.
 
-mod common;
-
+use crate::common::*;
 use base64::Engine;
-use common::*;
 use serde_json::{json, Value};
 
 fn b64(text: &str) -> String {
@@ -74,7 +72,7 @@ async fn exhausted_corrections_switch_targets_then_fail_with_the_errors() {
     let backup = backstop::mock::spawn(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
     let backup_addr = backup.addr;
     let gw = start_with(move |t| {
-        format!("{t}\n[[upstreams]]\nname = \"backup\"\napi = \"openai\"\nforward_headers = [\"x-mock-*\"]\nbase_url = \"http://{backup_addr}\"\n[[routes]]\nmodel = \"pair\"\ntargets = [{{ upstream = \"mock-openai\" }}, {{ upstream = \"backup\", model = \"bigger\" }}]\n")
+        t.merge(&format!("[[upstreams]]\nname = \"backup\"\napi = \"openai\"\nforward_headers = [\"x-mock-*\"]\nbase_url = \"http://{backup_addr}\"\n[[routes]]\nmodel = \"pair\"\ntargets = [{{ upstream = \"mock-openai\" }}, {{ upstream = \"backup\", model = \"bigger\" }}]\n"))
     })
     .await;
     // Never valid: 1 + 2 corrective attempts on each target.
@@ -113,8 +111,8 @@ async fn a_strategy_switch_to_a_better_target_succeeds() {
     );
     let backup_addr = backup.addr;
     let gw = start_with(move |t| {
-        format!(
-            r#"{t}
+        t.merge(&format!(
+            r#"
 [[upstreams]]
 name = "backup"
 api = "openai"
@@ -124,7 +122,7 @@ base_url = "http://{backup_addr}"
 model = "pair"
 targets = [{{ upstream = "mock-openai" }}, {{ upstream = "backup" }}]
 "#
-        )
+        ))
     })
     .await;
     let resp = gw.chat("switch-ok", "", structured("pair")).await;
@@ -272,7 +270,7 @@ async fn a_routes_response_schema_applies_without_a_client_format() {
         "{}/tests/fixtures/envelope.schema.json",
         env!("CARGO_MANIFEST_DIR")
     );
-    let gw = start_with(move |t| format!("{t}\n[[routes]]\nmodel = \"enveloped\"\ntargets = [{{ upstream = \"mock-openai\" }}]\nresponse_schema = \"{schema}\"\n")).await;
+    let gw = start_with(move |t| t.merge(&format!("[[routes]]\nmodel = \"enveloped\"\ntargets = [{{ upstream = \"mock-openai\" }}]\nresponse_schema = \"{schema}\"\n"))).await;
     let body = json!({"model": "enveloped", "messages": [{"role": "user", "content": "hi"}]});
     let resp = gw
         .chat(
@@ -298,7 +296,7 @@ async fn a_routes_response_schema_applies_without_a_client_format() {
 
 #[tokio::test]
 async fn annotate_mode_passes_invalid_output_through_flagged() {
-    let gw = start_with(|t| format!("{t}\n[validation]\nmode = \"annotate\"\n")).await;
+    let gw = start_with(|t| t.set("validation.mode", "annotate")).await;
     let resp = gw
         .chat("annotate", &script(&[INVALID]), structured("gpt-4o"))
         .await;

@@ -8,18 +8,14 @@
 //! Redis's own key expiry runs on Redis's clock, so the reservation test waits real
 //! seconds (reservation_ttl is 2 s there).
 
-mod common;
-#[path = "common/redis.rs"]
-mod redis_support;
-
 use std::{
     future::Future,
     sync::atomic::{AtomicUsize, Ordering},
     time::{Duration, Instant},
 };
 
-use common::{Binary, TempDir, ADMIN};
-use redis_support::{free_port, MockUpstream, Redis};
+use crate::common::{chat, until, Binary, TempDir, ADMIN};
+use crate::redis_support::{free_port, MockUpstream, Redis};
 use serde_json::{json, Value};
 
 const CALLS: &str = "bk-replica-calls-key";
@@ -338,10 +334,6 @@ impl Answer {
     }
 }
 
-fn chat(max_tokens: u64) -> Value {
-    json!({"model": "gpt-4o", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hello"}]})
-}
-
 fn step(n: usize) -> Value {
     json!({"model": "gpt-4o", "messages": [{"role": "user", "content": format!("step {n}")}]})
 }
@@ -400,7 +392,14 @@ max_usd = 0.05
         ("x-mock-scenario", "race"),
         ("x-mock-fault", "delay=100ms"),
     ];
-    let answers = race(&cluster, 40, CALLS, &headers, &chat(16)).await;
+    let answers = race(
+        &cluster,
+        40,
+        CALLS,
+        &headers,
+        &chat("gpt-4o").max_tokens(16),
+    )
+    .await;
     let passed = answers.iter().filter(|a| a.status == 200).count();
     assert_eq!(passed, 10);
     for refused in answers.iter().filter(|a| a.status != 200) {
@@ -424,14 +423,30 @@ max_usd = 0.05
         ("x-mock-scenario", "usd"),
         ("x-mock-fault", "delay=100ms;usage=1000/1000"),
     ];
-    let answers = race(&cluster, 40, USD, &headers, &chat(1000)).await;
+    let answers = race(
+        &cluster,
+        40,
+        USD,
+        &headers,
+        &chat("gpt-4o").max_tokens(1000),
+    )
+    .await;
     let passed = answers.iter().filter(|a| a.status == 200).count();
     for refused in answers.iter().filter(|a| a.status != 200) {
         assert_budget_refusal(refused);
     }
     assert_eq!(passed, 4);
     assert_eq!(cluster.mock.attempts("usd").await, 4);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Settled on every replica once the four answers have ended.
+    until("the four settles on every replica", || async {
+        let mut settled = true;
+        for i in 0..3 {
+            let usd = cluster.session(i, USD, "usd").await["used"]["usd"].as_f64();
+            settled &= usd.is_some_and(|usd| (usd - 0.05).abs() < 1e-9);
+        }
+        settled
+    })
+    .await;
     let mut spent = Vec::new();
     for i in 0..3 {
         let report = cluster.session(i, USD, "usd").await;
@@ -487,7 +502,7 @@ max_concurrent = 2
     ];
     let held: Vec<_> = [0, 1]
         .into_iter()
-        .map(|i| tokio::spawn(cluster.call(i, BUDGETED, &slow, &chat(16))))
+        .map(|i| tokio::spawn(cluster.call(i, BUDGETED, &slow, &chat("gpt-4o").max_tokens(16))))
         .collect();
     cluster.mock.wait_for("slow", 2).await;
     assert_eq!(
@@ -495,7 +510,12 @@ max_concurrent = 2
         2
     );
     let third = cluster
-        .call(2, BUDGETED, &[("x-session-id", "together")], &chat(16))
+        .call(
+            2,
+            BUDGETED,
+            &[("x-session-id", "together")],
+            &chat("gpt-4o").max_tokens(16),
+        )
         .await;
     assert_eq!(third.status, 429, "{}", third.text);
     assert_eq!(third.code(), "too_many_concurrent");
@@ -503,7 +523,12 @@ max_concurrent = 2
         assert_eq!(h.await.unwrap().status, 200);
     }
     let after = cluster
-        .call(2, BUDGETED, &[("x-session-id", "together")], &chat(16))
+        .call(
+            2,
+            BUDGETED,
+            &[("x-session-id", "together")],
+            &chat("gpt-4o").max_tokens(16),
+        )
         .await;
     assert_eq!(
         after.status, 200,
@@ -895,7 +920,13 @@ max_calls = 5
     ];
     // Three calls in flight on replica A, each holding a reservation.
     let held: Vec<_> = (0..3)
-        .map(|_| tokio::spawn(cluster.request(0, BUDGETED, &hanging, &chat(16)).send()))
+        .map(|_| {
+            tokio::spawn(
+                cluster
+                    .request(0, BUDGETED, &hanging, &chat("gpt-4o").max_tokens(16))
+                    .send(),
+            )
+        })
         .collect();
     cluster.mock.wait_for("held", 3).await;
     cluster.replicas.remove(0).kill();
@@ -909,19 +940,31 @@ max_calls = 5
     // Now replica 0 is B and replica 1 is C.
     let (b, c) = (0, 1);
     let headers = [("x-session-id", "k"), ("x-mock-scenario", "after")];
-    let answer = cluster.call(b, BUDGETED, &headers, &chat(16)).await;
+    let answer = cluster
+        .call(b, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+        .await;
     assert_eq!(answer.status, 200, "one call is left: {}", answer.text);
     // 5 = 3 held + 1 settled + this one; its settle frees nothing.
-    let answer = cluster.call(c, BUDGETED, &headers, &chat(16)).await;
+    let answer = cluster
+        .call(c, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+        .await;
     assert_eq!(answer.status, 200, "{}", answer.text);
-    assert_budget_refusal(&cluster.call(b, BUDGETED, &headers, &chat(16)).await);
+    assert_budget_refusal(
+        &cluster
+            .call(b, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+            .await,
+    );
 
     // Past reservation_ttl the dead replica's three calls are charged, one call each:
     // the session stays at its cap of 5 on every replica.
     let expired = killed + Duration::from_millis(3500);
     tokio::time::sleep_until(expired.into()).await;
     for replica in [b, c] {
-        assert_budget_refusal(&cluster.call(replica, BUDGETED, &headers, &chat(16)).await);
+        assert_budget_refusal(
+            &cluster
+                .call(replica, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+                .await,
+        );
     }
     assert_eq!(cluster.mock.attempts("after").await, 2);
     assert_eq!(cluster.mock.attempts("held").await, 3);
@@ -1011,7 +1054,7 @@ max_usd = 10.0
         ("x-mock-scenario", "kept"),
         ("x-mock-fault", "delay=1s;usage=1000/1000"),
     ];
-    let call = tokio::spawn(cluster.call(0, USD, &headers, &chat(1000)));
+    let call = tokio::spawn(cluster.call(0, USD, &headers, &chat("gpt-4o").max_tokens(1000)));
     cluster.mock.wait_for("kept", 1).await;
     redis.pause();
     let answer = call.await.unwrap();
@@ -1088,7 +1131,9 @@ tokens_per_day = 1000000
     let headers = [("x-mock-scenario", "script")];
     // Both tenants known to Redis; then the first tenant's day is a string, not a hash.
     for key in [CALLS, USD] {
-        let answer = cluster.call(0, key, &headers, &chat(16)).await;
+        let answer = cluster
+            .call(0, key, &headers, &chat("gpt-4o").max_tokens(16))
+            .await;
         assert_eq!(answer.status, 200, "{}", answer.text);
     }
     let prefix = &cluster.prefix;
@@ -1102,9 +1147,11 @@ tokens_per_day = 1000000
         &format!("{prefix}:{{calls}}:day:{day}"),
         "not-a-hash",
     ]);
-    let broken = cluster.call(0, CALLS, &headers, &chat(16)).await;
+    let broken = cluster
+        .call(0, CALLS, &headers, &chat("gpt-4o").max_tokens(16))
+        .await;
     assert_state_unavailable(&broken);
-    let answers = race(&cluster, 30, USD, &headers, &chat(16)).await;
+    let answers = race(&cluster, 30, USD, &headers, &chat("gpt-4o").max_tokens(16)).await;
     let served = answers.iter().filter(|a| a.status == 200).count();
     assert_eq!(
         served,
@@ -1142,7 +1189,9 @@ usd_per_day = 100.0
     let (closed, open) = (0, 1);
     let headers = [("x-session-id", "s"), ("x-mock-scenario", "stall")];
     for replica in [closed, open] {
-        let answer = cluster.call(replica, BUDGETED, &headers, &chat(16)).await;
+        let answer = cluster
+            .call(replica, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+            .await;
         assert_eq!(answer.status, 200, "replica {replica}: {}", answer.text);
     }
     let state = cluster
@@ -1155,13 +1204,17 @@ usd_per_day = 100.0
     // SIGSTOP: connections stay open and nothing answers, the worst case for a timeout.
     redis.pause();
     let started = Instant::now();
-    let answer = cluster.call(closed, BUDGETED, &headers, &chat(16)).await;
+    let answer = cluster
+        .call(closed, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+        .await;
     let elapsed = started.elapsed();
     println!("closed replica decided in {elapsed:?} with Redis stopped (command_timeout 100ms)");
     assert!(elapsed < Duration::from_millis(1500), "{elapsed:?}");
     assert_state_unavailable(&answer);
     let started = Instant::now();
-    let answer = cluster.call(open, BUDGETED, &headers, &chat(16)).await;
+    let answer = cluster
+        .call(open, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+        .await;
     let elapsed = started.elapsed();
     println!("open replica decided in {elapsed:?} with Redis stopped");
     assert_eq!(answer.status, 200, "open admits: {}", answer.text);
@@ -1183,7 +1236,9 @@ usd_per_day = 100.0
     redis.resume();
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let answer = cluster.call(closed, BUDGETED, &headers, &chat(16)).await;
+        let answer = cluster
+            .call(closed, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+            .await;
         if answer.status == 200 {
             break;
         }
@@ -1198,7 +1253,9 @@ usd_per_day = 100.0
     let _redis = Redis::start_on(port);
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let answer = cluster.call(closed, BUDGETED, &headers, &chat(16)).await;
+        let answer = cluster
+            .call(closed, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+            .await;
         assert_state_unavailable(&answer);
         let message = answer.json()["error"]["message"]
             .as_str()
@@ -1219,7 +1276,9 @@ usd_per_day = 100.0
     // blind), and every replica's state view says so.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let answer = cluster.call(open, BUDGETED, &headers, &chat(16)).await;
+        let answer = cluster
+            .call(open, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+            .await;
         if answer.status == 503 {
             assert_state_unavailable(&answer);
             assert!(answer.text.contains("lost"), "{}", answer.text);
@@ -1251,7 +1310,9 @@ usd_per_day = 100.0
         .await;
     assert_eq!(adopted.status, 200, "{}", adopted.text);
     for replica in [open, closed] {
-        let answer = cluster.call(replica, BUDGETED, &headers, &chat(16)).await;
+        let answer = cluster
+            .call(replica, BUDGETED, &headers, &chat("gpt-4o").max_tokens(16))
+            .await;
         assert_eq!(
             answer.status, 200,
             "replica {replica} after adopt: {}",
@@ -1285,10 +1346,14 @@ max_calls = 2
     let cluster = Cluster::start(&redis, &[PATIENT, PATIENT], &tenants).await;
     let headers = [("x-session-id", "tls"), ("x-mock-scenario", "tls")];
     for replica in [0, 1] {
-        let answer = cluster.call(replica, CALLS, &headers, &chat(16)).await;
+        let answer = cluster
+            .call(replica, CALLS, &headers, &chat("gpt-4o").max_tokens(16))
+            .await;
         assert_eq!(answer.status, 200, "replica {replica}: {}", answer.text);
     }
-    let third = cluster.call(0, CALLS, &headers, &chat(16)).await;
+    let third = cluster
+        .call(0, CALLS, &headers, &chat("gpt-4o").max_tokens(16))
+        .await;
     assert_budget_refusal(&third);
     assert_eq!(cluster.mock.attempts("tls").await, 2);
     assert_eq!(cluster.session(1, CALLS, "tls").await["used"]["calls"], 2);
@@ -1523,7 +1588,7 @@ async fn every_reference_is_checked_on_every_replica_with(redis: Redis) {
 /// What writing owners before answering costs a create in replica mode, measured (not
 /// run by default): sequential creates through one replica, stored (the owner `SET` in
 /// Redis is awaited) against `store: false` (nothing recorded), mean and p50/p99.
-/// `cargo test --test replicas -- --ignored --nocapture owner_write_cost`
+/// `cargo test --test redis replicas::owner_write_cost -- --ignored --nocapture`
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn owner_write_cost_in_replica_mode() {

@@ -4,21 +4,14 @@
 //! finds no room in time is refused with 503 `overloaded` and `Retry-After`. Real
 //! sockets, the real gateway, the real mock.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpStream,
 };
-
-/// Inserts `keys` into the `[server]` section of the test config.
-fn server_keys(keys: &'static str) -> impl FnOnce(String) -> String {
-    move |text| text.replacen("[server]\n", &format!("[server]\n{keys}\n"), 1)
-}
 
 fn messages(n: usize) -> Vec<Value> {
     (0..n)
@@ -121,7 +114,7 @@ fn chat_body(len: usize) -> String {
 
 /// The bytes the body pool holds, from `/metrics`.
 async fn body_pool_bytes(gw: &Gateway) -> f64 {
-    let text = gw.get("/metrics", None).await.text().await.unwrap();
+    let text = gw.metrics().await;
     text.lines()
         .find(|l| l.starts_with(r#"backstop_body_memory_bytes{pool="body"}"#))
         .and_then(|l| l.rsplit(' ').next())
@@ -132,9 +125,9 @@ async fn body_pool_bytes(gw: &Gateway) -> f64 {
 #[tokio::test]
 async fn a_large_body_that_finds_the_budget_full_waits_then_gets_503_overloaded() {
     const MIB: usize = 1024 * 1024;
-    let gw = start_with(|text| {
-        server_keys("max_body_bytes_in_flight = 2097152\nin_flight_wait = \"200ms\"")(text)
-            .replace("max_body_bytes = 4096", "max_body_bytes = 4194304")
+    let gw = start_with(|c| {
+        server_keys("max_body_bytes_in_flight = 2097152\nin_flight_wait = \"200ms\"")(c)
+            .set("server.max_body_bytes", 4194304)
     })
     .await;
     let addr = gw.url.trim_start_matches("http://").to_string();

@@ -2,9 +2,7 @@
 //! `GET /v1/models/{id}` answers for any id a route serves, and a path Backstop lacks is
 //! a 404 in the caller's shape that the operator can see in the logs and metrics.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 async fn get(gw: &Gateway, path: &str, headers: &[(&str, &str)]) -> reqwest::Response {
     let mut req = gw.http.get(format!("{}{path}", gw.url)).bearer_auth(KEY_A);
@@ -100,15 +98,7 @@ async fn unknown_paths_are_404_in_the_callers_shape_logged_and_counted() {
         assert_eq!(body["error"]["type"], "not_found_error", "{path}: {body}");
     }
 
-    let metrics = gw
-        .http
-        .get(format!("{}/metrics", gw.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = gw.metrics().await;
     let unknown: f64 = metrics
         .lines()
         .filter(|l| l.starts_with("backstop_requests_total{") && l.contains("endpoint=\"unknown\""))
@@ -162,20 +152,9 @@ async fn count_tokens_is_forwarded_with_the_provider_key_recovered_and_never_cha
         "no provider key: {seen}"
     );
 
-    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    let report = json(
-        gw.http
-            .get(format!("{}/v1/sessions/ct-1", gw.url))
-            .bearer_auth(KEY_A)
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await;
-    assert_eq!(
-        report["used"]["calls"], 1,
-        "count_tokens was charged: {report}"
-    );
+    // count_tokens is charged like a call: one, settled when its body has ended.
+    gw.session_report_when(KEY_A, "ct-1", |r| r["used"]["calls"] == 1)
+        .await;
 
     // An OpenAI-only model has no Anthropic target: a caller error, in Anthropic's shape.
     let resp = gw
@@ -195,25 +174,15 @@ async fn count_tokens_is_forwarded_with_the_provider_key_recovered_and_never_cha
 #[tokio::test]
 async fn a_session_id_comes_from_the_body_when_no_header_names_one() {
     let gw = start_with(|c| {
-        c.replace(
-            "[server]\n",
-            "[server]\nsession_id_fields = [\"metadata.session_id\", \"user\"]\n",
+        c.set(
+            "server.session_id_fields",
+            vec!["metadata.session_id", "user"],
         )
     })
     .await;
+    // Calls are counted when their answer has ended.
     let report = |session: &'static str| {
-        let gw = &gw;
-        async move {
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-            let resp = gw
-                .http
-                .get(format!("{}/v1/sessions/{session}", gw.url))
-                .bearer_auth(KEY_A)
-                .send()
-                .await
-                .unwrap();
-            (resp.status().as_u16(), json(resp).await)
-        }
+        gw.session_report_when(KEY_A, session, |r| r["used"]["calls"].as_u64() >= Some(1))
     };
     let chat = |extra: serde_json::Value| {
         let mut body =
@@ -231,12 +200,8 @@ async fn a_session_id_comes_from_the_body_when_no_header_names_one() {
         )
         .await;
     assert_eq!(resp.status(), 200);
-    let (status, body) = report("from-body").await;
-    assert_eq!(
-        (status, &body["used"]["calls"]),
-        (200, &serde_json::json!(1)),
-        "{body}"
-    );
+    let body = report("from-body").await;
+    assert_eq!(body["used"]["calls"], 1, "{body}");
 
     // The second configured field is used when the first is absent.
     let resp = gw
@@ -247,7 +212,7 @@ async fn a_session_id_comes_from_the_body_when_no_header_names_one() {
         )
         .await;
     assert_eq!(resp.status(), 200);
-    assert_eq!(report("end-user-9").await.1["used"]["calls"], 1);
+    assert_eq!(report("end-user-9").await["used"]["calls"], 1);
 
     // The header wins over the body.
     let resp = gw
@@ -259,8 +224,8 @@ async fn a_session_id_comes_from_the_body_when_no_header_names_one() {
         )
         .await;
     assert_eq!(resp.status(), 200);
-    assert_eq!(report("from-header").await.1["used"]["calls"], 1);
-    assert_eq!(report("from-body").await.1["used"]["calls"], 1);
+    assert_eq!(report("from-header").await["used"]["calls"], 1);
+    assert_eq!(report("from-body").await["used"]["calls"], 1);
 
     // A body session id Backstop cannot honour is refused, never ignored.
     let resp = gw

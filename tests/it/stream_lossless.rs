@@ -6,12 +6,10 @@
 //! ask for `stream_options.include_usage`. The mock plays each sequence verbatim
 //! (`events_b64`).
 
-mod common;
-
 use std::sync::OnceLock;
 
+use crate::common::*;
 use base64::Engine;
-use common::*;
 use proptest::prelude::*;
 use serde_json::{json, Value};
 

@@ -3,18 +3,15 @@
 //! driven in a real browser by tests/python/test_dashboard.py; the rings' timing is
 //! tested on a paused clock in `state::activity`.)
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 
 const GUARDED: &str = "bk-dash-guarded-01";
 
 async fn gateway() -> Gateway {
-    start_with(|text| {
-        let prices = admin_and_prices();
-        format!(
-            r#"{text}{prices}
+    start_with(|config| {
+        config.merge(&admin_and_prices()).merge(&format!(
+            r#"
 [[tenants]]
 name = "guarded"
 api_keys = ["{GUARDED}"]
@@ -22,7 +19,7 @@ api_keys = ["{GUARDED}"]
 identical_request_limit = 3
 identical_request_window = "10m"
 "#
-        )
+        ))
     })
     .await
 }

@@ -1,12 +1,8 @@
 //! The OpenAI Responses API end to end (`POST /v1/responses` and the stored-response
 //! routes): the real gateway in front of real mocks, the same policy as chat.
 
-mod common;
-
-use std::time::Duration;
-
+use crate::common::*;
 use backstop::config::Config;
-use common::*;
 use serde_json::{json, Value};
 
 const CAPPED: &str = "bk-capped-key-01";
@@ -40,25 +36,17 @@ impl Gateway {
     }
 
     async fn session_report(&self, key: &str, session: &str) -> Value {
-        json(
-            self.http
-                .get(format!("{}/v1/sessions/{session}", self.url))
-                .bearer_auth(key)
-                .send()
-                .await
-                .unwrap(),
-        )
-        .await
+        self.get_json(&format!("/v1/sessions/{session}"), Some(key))
+            .await
     }
 }
 
 /// A gateway with a `capped` tenant (session token cap, priced models) and a `fo-*`
 /// route that fails over from an upstream nothing listens on to the mock.
 async fn gateway() -> Gateway {
-    start_with(move |text| {
-        let prices = admin_and_prices();
-        format!(
-            r#"{text}{prices}
+    start_with(move |config| {
+        config.merge(&admin_and_prices()).merge(&format!(
+            r#"
 [[routes]]
 model = "fo-*"
 targets = [{{ upstream = "dead" }}, {{ upstream = "mock-openai", model = "gpt-4o-mini" }}]
@@ -76,7 +64,7 @@ api_keys = ["{GUARDED}"]
 identical_request_limit = 3
 tool_loop_limit = 3
 "#
-        )
+        ))
     })
     .await
 }
@@ -197,8 +185,9 @@ async fn a_streamed_response_is_relayed_and_its_usage_settled() {
         seen["body"].get("stream_options").is_none(),
         "the Responses API reports usage itself: {seen}"
     );
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(gw.session_tokens(CAPPED, "rs-stream").await, 150);
+    // Settled once the stream has ended.
+    gw.session_report_when(CAPPED, "rs-stream", |r| r["used"]["tokens"] == 150)
+        .await;
 }
 
 #[tokio::test]
@@ -901,18 +890,19 @@ const FLOOR_KEY: &str = "bk-floor-key-0001";
 /// `tenants` added.
 async fn money_gateway(store: &str, tenants: &str) -> Gateway {
     let (store, tenants) = (store.to_string(), tenants.to_string());
-    start_with(move |text| {
-        let prices = admin_and_prices();
-        let text = with_store(&text, &store);
-        format!(
-            r#"{text}{prices}
+    start_with(move |config| {
+        with_store(config, &store)
+            .merge(&admin_and_prices())
+            .merge(&format!(
+                r#"
 [[tenants]]
 name = "usd"
 api_keys = ["{USD_KEY}"]
 [tenants.budget]
 usd_per_day = 1.0
-{tenants}"#
-        )
+"#
+            ))
+            .merge(&tenants)
     })
     .await
 }
@@ -1155,7 +1145,7 @@ async fn every_reference_to_another_tenants_object_is_refused() {
 /// What writing owners before answering costs a create with the embedded store,
 /// measured (not run by default): sequential creates, stored (the owner's commit is
 /// awaited) against `store: false` (nothing recorded), mean and p50/p99.
-/// `cargo test --test responses -- --ignored --nocapture owner_write_cost`
+/// `cargo test --test it responses::owner_write_cost -- --ignored --nocapture`
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn owner_write_cost_with_the_embedded_store() {

@@ -4,11 +4,9 @@
 //! line written when the response body ends (a stream's usage, how it ended, its full
 //! duration).
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -76,7 +74,7 @@ async fn one_request_id_rule_on_every_route() {
 
 #[tokio::test]
 async fn admin_calls_pass_the_edge_with_a_request_id_and_metrics() {
-    let gw = start_with(|t| format!("{t}\n{}", admin_and_prices())).await;
+    let gw = start_with(|c| c.merge(&admin_and_prices())).await;
     let resp = gw
         .http
         .get(format!("{}/admin/upstreams", gw.url))
@@ -99,12 +97,7 @@ async fn admin_calls_pass_the_edge_with_a_request_id_and_metrics() {
     assert!(unknown.headers().contains_key("x-request-id"));
     assert_eq!(json(unknown).await["error"]["code"], "not_found");
 
-    let page = reqwest::get(format!("{}/metrics", gw.url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = gw.metrics().await;
     let admin_lines: Vec<&str> = page
         .lines()
         .filter(|l| l.starts_with("backstop_requests_total{") && l.contains("endpoint=\"admin\""))
@@ -119,7 +112,7 @@ async fn admin_calls_pass_the_edge_with_a_request_id_and_metrics() {
 
 #[tokio::test]
 async fn admin_auth_refuses_with_exact_codes() {
-    let gw = start_with(|t| format!("{t}\n{}", admin_and_prices())).await;
+    let gw = start_with(|c| c.merge(&admin_and_prices())).await;
     for (token, why) in [
         (Some(KEY_A), "a tenant key"),
         (Some("x"), "wrong"),
@@ -163,8 +156,8 @@ async fn admin_auth_refuses_with_exact_codes() {
 
 #[tokio::test]
 async fn the_session_report_is_rate_limited_like_any_tenant_call() {
-    let gw = start_with(|t| {
-        format!("{t}\n[[tenants]]\nname = \"limited\"\napi_keys = [\"{LIMITED}\"]\nrequests_per_minute = 2\n")
+    let gw = start_with(|c| {
+        c.merge(&format!("[[tenants]]\nname = \"limited\"\napi_keys = [\"{LIMITED}\"]\nrequests_per_minute = 2\n"))
     })
     .await;
     let report = || {
@@ -254,9 +247,7 @@ async fn stalled_body(addr: std::net::SocketAddr, path: &str, auth: &str) -> (u1
 
 #[tokio::test]
 async fn a_stalled_request_body_gets_408_in_the_callers_shape() {
-    let gw =
-        start_with(|t| t.replacen("[server]\n", "[server]\nbody_read_timeout = \"200ms\"\n", 1))
-            .await;
+    let gw = start_with(|c| c.set("server.body_read_timeout", "200ms")).await;
     let (status, body) = stalled_body(
         gw.server.addr,
         "/v1/chat/completions",

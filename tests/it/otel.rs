@@ -1,16 +1,14 @@
 //! OpenTelemetry traces end to end: the real gateway and mock on real sockets, and a
 //! small OTLP/HTTP receiver (protobuf) standing in for the collector.
 
-mod common;
-
 use std::{
     net::SocketAddr,
     sync::{Arc, Mutex},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
+use crate::common::*;
 use axum::{body::Bytes, extract::State, routing::post, Router};
-use common::*;
 use opentelemetry_proto::tonic::{
     collector::trace::v1::ExportTraceServiceRequest,
     common::v1::{any_value::Value as Any, KeyValue},
@@ -50,9 +48,11 @@ async fn collector() -> (SocketAddr, Received) {
     (addr, received)
 }
 
-fn traced(endpoint: &str) -> impl FnOnce(String) -> String + '_ {
-    move |text| {
-        format!("{text}\n[telemetry]\notlp_endpoint = \"{endpoint}\"\nexport_timeout = \"500ms\"\n")
+fn traced(endpoint: &str) -> impl FnOnce(TestConfig) -> TestConfig + '_ {
+    move |config| {
+        config
+            .set("telemetry.otlp_endpoint", endpoint)
+            .set("telemetry.export_timeout", "500ms")
     }
 }
 
@@ -364,15 +364,18 @@ async fn a_request_the_client_abandons_still_ends_its_span() {
     assert_eq!(attr(request, "backstop.tenant").as_deref(), Some("team-a"));
 }
 
-/// `n` chat calls, each answered 200 well within the mock's own latency budget.
+/// A traced gateway whose request deadline (400 ms) is shorter than the export timeout
+/// (500 ms): a request that waited on the collector would be answered 504, not 200.
+fn traced_with_a_short_deadline(endpoint: &str) -> impl FnOnce(TestConfig) -> TestConfig + '_ {
+    move |config| traced(endpoint)(config).set("server.request_timeout", "400ms")
+}
+
+/// `n` chat calls, each answered 200 within the request deadline.
 async fn all_answered_at_once(gw: &Gateway, scenario: &str, n: usize) {
     let body = json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]});
     for i in 0..n {
-        let started = Instant::now();
         let resp = gw.chat(&format!("{scenario}-{i}"), "", body.clone()).await;
         assert_eq!(resp.status(), 200);
-        let took = started.elapsed();
-        assert!(took < Duration::from_millis(500), "{took:?}");
     }
 }
 
@@ -388,7 +391,7 @@ fn dropped_spans() -> u64 {
 async fn with_the_collector_down_requests_are_unaffected_and_drops_counted() {
     let dead = dead_port().await;
     let endpoint = format!("http://127.0.0.1:{dead}");
-    let gw = start_with(traced(&endpoint)).await;
+    let gw = start_with(traced_with_a_short_deadline(&endpoint)).await;
     let before = dropped_spans();
     all_answered_at_once(&gw, "otel-dead", 20).await;
     gw.server.shutdown().await;
@@ -412,17 +415,13 @@ async fn a_collector_that_hangs_holds_up_no_request() {
         }
     });
     let endpoint = format!("http://{addr}");
-    let gw = start_with(traced(&endpoint)).await;
+    let gw = start_with(traced_with_a_short_deadline(&endpoint)).await;
     all_answered_at_once(&gw, "otel-hang", 10).await;
-    let started = Instant::now();
-    gw.server.shutdown().await;
     // The drain may take its 5s grace (the test client's idle connections); the flush
     // after it gives up within twice the export timeout, not never.
-    assert!(
-        started.elapsed() < Duration::from_secs(8),
-        "{:?}",
-        started.elapsed()
-    );
+    tokio::time::timeout(Duration::from_secs(8), gw.server.shutdown())
+        .await
+        .expect("the shutdown's flush gives up on a hanging collector");
 }
 
 #[tokio::test]

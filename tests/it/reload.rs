@@ -2,12 +2,10 @@
 //! Real gateway and mock on real sockets; the config is a real file, rewritten and
 //! reloaded (`POST /admin/reload`, the server handle, and `SIGHUP` on the binary).
 
-mod common;
-
 use std::{path::PathBuf, time::Duration};
 
+use crate::common::*;
 use backstop::{config::Config, mock, server};
-use common::*;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
@@ -19,7 +17,7 @@ const LATE: &str = "bk-late-key-0001";
 /// extra part and leaves the rest as it was.
 struct Reloadable {
     gw: Gateway,
-    base: String,
+    base: TestConfig,
     path: PathBuf,
     _dir: TempDir,
 }
@@ -51,10 +49,10 @@ cool_down = "60s"
 impl Reloadable {
     async fn start(extra: &str) -> Reloadable {
         let mock = mock::spawn(TcpListener::bind("127.0.0.1:0").await.unwrap());
-        let base = config_text(mock.addr, dead_port().await, "");
+        let base = gateway_config(mock.addr, dead_port().await);
         let dir = TempDir::new("backstop-reload");
         let path = dir.0.join("backstop.toml");
-        std::fs::write(&path, format!("{base}{extra}")).unwrap();
+        std::fs::write(&path, base.clone().merge(extra).text()).unwrap();
         let config = Config::load(&path).expect("test config is valid");
         let server = server::spawn(config).await.expect("gateway starts");
         Reloadable {
@@ -70,12 +68,13 @@ impl Reloadable {
         }
     }
 
+    /// Rewrites the file: the test config plus `extra`.
     fn rewrite(&self, extra: &str) {
-        self.rewrite_all(&format!("{}{extra}", self.base));
+        self.rewrite_all(&self.base.clone().merge(extra));
     }
 
-    fn rewrite_all(&self, text: &str) {
-        std::fs::write(&self.path, text).unwrap();
+    fn rewrite_all(&self, config: &TestConfig) {
+        std::fs::write(&self.path, config.text()).unwrap();
     }
 
     /// `POST /admin/reload`, as an operator would.
@@ -132,13 +131,14 @@ impl Reloadable {
 
     async fn call(&self, key: &str, session: &str, fault: &str) -> reqwest::Response {
         self.gw
-            .in_session(key, session, "reload", fault, &chat("hello"))
+            .in_session(key, session, "reload", fault, &say("hello"))
             .await
     }
 }
 
-fn chat(content: &str) -> Value {
-    json!({"model": "gpt-4o", "max_tokens": 50, "messages": [{"role": "user", "content": content}]})
+/// A chat completion saying `content`, with a small `max_tokens` so that spend is counted.
+fn say(content: &str) -> Chat {
+    chat("gpt-4o").max_tokens(50).saying(content)
 }
 
 impl Reloadable {
@@ -221,7 +221,12 @@ async fn an_invalid_file_keeps_the_running_config_and_says_where() {
     let r = Reloadable::start(&tenants(2)).await;
     assert_eq!(r.call(CAPPED, "s", "").await.status(), 200);
 
-    r.rewrite(&tenants(2).replace("max_calls = 2", "max_calls = \"ten\""));
+    r.rewrite_all(
+        &r.base
+            .clone()
+            .merge(&tenants(2))
+            .set("tenants.capped.session.max_calls", "ten"),
+    );
     let resp = r.reload().await;
     assert_eq!(resp.status(), 400);
     assert_eq!(resp.headers()["x-should-retry"], "false");
@@ -293,7 +298,7 @@ async fn state_carries_on_for_names_that_stay() {
             "/v1/chat/completions",
             Some(KEY_A),
             &[("idempotency-key", "once"), ("x-mock-scenario", "keyed")],
-            chat("once").to_string(),
+            say("once").to_string(),
         )
     };
     assert_eq!(keyed().await.status(), 200);
@@ -301,13 +306,16 @@ async fn state_carries_on_for_names_that_stay() {
     // The reload: a new route and a new tenant, team-b removed, the guard's threshold
     // raised; everything named as before keeps its state.
     let late = format!(
-        "{}\n[[routes]]\nmodel = \"late-model\"\ntargets = [{{ upstream = \"mock-openai\" }}]\n\n[[tenants]]\nname = \"late\"\napi_keys = [\"{LATE}\"]\n",
-        tenants(5).replace("max_consecutive_failures = 2", "max_consecutive_failures = 4")
+        "[[routes]]\nmodel = \"late-model\"\ntargets = [{{ upstream = \"mock-openai\" }}]\n\n[[tenants]]\nname = \"late\"\napi_keys = [\"{LATE}\"]\n",
     );
-    r.rewrite_all(&format!("{}{late}", r.base).replace(
-        "[[tenants]]\nname = \"team-b\"\napi_keys = [\"bk-test-b-key\"]\n",
-        "",
-    ));
+    r.rewrite_all(
+        &r.base
+            .clone()
+            .merge(&tenants(5))
+            .set("tenants.guarded.guard.max_consecutive_failures", 4)
+            .merge(&late)
+            .remove("tenants.team-b"),
+    );
     let resp = r.reload().await;
     assert_eq!(resp.status(), 200, "{}", resp.text().await.unwrap());
 
@@ -334,13 +342,11 @@ async fn a_stream_in_flight_finishes_on_the_upstream_it_started_with() {
     let r = Reloadable::start(&tenants(5)).await;
     let stream = r.stream(KEY_A, "any", "before", 5).await;
     // gpt-* now goes to the dead upstream.
-    let moved = r.base.replacen(
-        "model = \"gpt-*\"\nmodels = [\"gpt-4o\", \"gpt-4o-mini\"]\ntargets = [{ upstream = \"mock-openai\" }]",
-        "model = \"gpt-*\"\nmodels = [\"gpt-4o\", \"gpt-4o-mini\"]\ntargets = [{ upstream = \"dead\" }]",
-        1,
+    let moved = r.base.clone().merge(&tenants(5)).set(
+        "routes.gpt-*.targets",
+        toml_value(r#"[{ upstream = "dead" }]"#),
     );
-    assert_ne!(moved, r.base);
-    r.rewrite_all(&format!("{moved}{}", tenants(5)));
+    r.rewrite_all(&moved);
     assert_eq!(r.reload().await.status(), 200);
     let text = stream.text().await.unwrap();
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
@@ -357,10 +363,12 @@ async fn start_up_keys_are_kept_and_named() {
     let r = Reloadable::start(&tenants(5)).await;
     let changed = r
         .base
-        .replace("listen = \"127.0.0.1:0\"", "listen = \"127.0.0.1:1\"")
-        .replace("level = \"warn\"", "level = \"debug\"");
-    let tracing = "\n[telemetry]\notlp_endpoint = \"http://127.0.0.1:1\"\n";
-    r.rewrite_all(&format!("{changed}{}{tracing}", tenants(7)));
+        .clone()
+        .set("server.listen", "127.0.0.1:1")
+        .set("log.level", "debug")
+        .merge(&tenants(7))
+        .set("telemetry.otlp_endpoint", "http://127.0.0.1:1");
+    r.rewrite_all(&changed);
     let resp = r.reload().await;
     assert_eq!(resp.status(), 200);
     let body = json(resp).await;
@@ -443,7 +451,7 @@ async fn sighup_reloads_the_real_binary() {
         http.post(format!("{}/v1/chat/completions", gw.url))
             .bearer_auth(CAPPED)
             .header("x-session-id", "h")
-            .body(chat("x").to_string())
+            .body(say("x").to_string())
             .send()
     };
     assert_eq!(call().await.unwrap().status(), 200);

@@ -1,34 +1,14 @@
 //! Issue 16, as an attacker and a hostile upstream would try it: each test fails on the
 //! gateway before the fix. Real sockets, the real gateway, the real mock.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::{json, Value};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::TcpStream,
 };
-
-fn chat(model: &str) -> Value {
-    json!({"model": model, "messages": [{"role": "user", "content": "hello"}]})
-}
-
-fn stream_chat(model: &str) -> Value {
-    json!({"model": model, "stream": true, "messages": [{"role": "user", "content": "hello"}]})
-}
-
-/// Inserts `keys` into the `[server]` section of the test config.
-fn server_keys(keys: &'static str) -> impl FnOnce(String) -> String {
-    move |text| text.replacen("[server]\n", &format!("[server]\n{keys}\n"), 1)
-}
-
-/// Appends config text (routes, tenants) to the test config.
-fn append(extra: &'static str) -> impl FnOnce(String) -> String {
-    move |text| format!("{text}\n{extra}")
-}
 
 /// A route whose two targets are the same mock, so a failover is visible.
 const TWO_TARGETS: &str = r#"[[routes]]
@@ -171,7 +151,7 @@ async fn an_oversized_upstream_body_is_refused_not_buffered() {
 async fn an_sse_event_that_never_ends_is_cut_at_the_event_limit() {
     let gw = start_with(server_keys("max_sse_event_bytes = 65536")).await;
     let resp = gw
-        .chat("huge-event", "huge_event=10000000", stream_chat("gpt-4o"))
+        .chat("huge-event", "huge_event=10000000", chat("gpt-4o").stream())
         .await;
     assert_eq!(resp.status(), 200);
     let text = read_stream(resp, Duration::from_secs(10)).await;
@@ -196,7 +176,7 @@ async fn a_dripping_stream_is_as_silent_as_a_stopped_one() {
     // event, so the stream ends after ~200 ms of no complete event.
     let gw = start().await;
     let resp = gw
-        .chat("drip", "drip=50ms", stream_chat("slow-model"))
+        .chat("drip", "drip=50ms", chat("slow-model").stream())
         .await;
     assert_eq!(resp.status(), 200);
     let text = read_stream(resp, Duration::from_secs(10)).await;
@@ -207,7 +187,11 @@ async fn a_dripping_stream_is_as_silent_as_a_stopped_one() {
 async fn a_never_ending_stream_stops_at_max_stream_duration_in_both_apis() {
     let gw = start_with(server_keys("max_stream_duration = \"300ms\"")).await;
     let resp = gw
-        .chat("endless", "endless;chunk_delay=5ms", stream_chat("gpt-4o"))
+        .chat(
+            "endless",
+            "endless;chunk_delay=5ms",
+            chat("gpt-4o").stream(),
+        )
         .await;
     let text = read_stream(resp, Duration::from_secs(10)).await;
     assert!(text.matches("data: ").count() > 3, "events flowed first");
@@ -237,7 +221,7 @@ async fn a_never_ending_stream_stops_at_max_stream_duration_in_both_apis() {
 #[tokio::test]
 async fn a_stream_request_answered_with_plain_json_is_an_error_not_json() {
     let gw = start().await;
-    let resp = gw.chat("plain", "plain", stream_chat("gpt-4o")).await;
+    let resp = gw.chat("plain", "plain", chat("gpt-4o").stream()).await;
     assert_eq!(resp.headers()["x-backstop-attempts"], "1");
     let (status, body) = error_code(resp).await;
     assert_eq!(status, 502);
@@ -248,11 +232,7 @@ async fn a_stream_request_answered_with_plain_json_is_an_error_not_json() {
 
 #[tokio::test]
 async fn session_ids_and_idempotency_keys_are_bounded_and_never_silently_ignored() {
-    let gw = start_with(append(
-        r#"[tenants.session]
-max_calls = 2"#,
-    ))
-    .await;
+    let gw = start_with(|c| c.set("tenants.team-b.session.max_calls", 2)).await;
     let long = "s".repeat(257);
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("x-session-id", long.clone().into_bytes()),
@@ -687,13 +667,13 @@ async fn draining_shows_503_on_readyz_while_still_serving() {
 
 #[tokio::test]
 async fn a_stream_cut_at_the_shutdown_grace_ends_with_an_error_event() {
-    let gw = start_with(|text| {
-        server_keys("drain_delay = \"0s\"")(text)
-            .replace("shutdown_grace = \"5s\"", "shutdown_grace = \"300ms\"")
+    let gw = start_with(|c| {
+        c.set("server.drain_delay", "0s")
+            .set("server.shutdown_grace", "300ms")
     })
     .await;
     let resp = gw
-        .chat("cut", "endless;chunk_delay=20ms", stream_chat("gpt-4o"))
+        .chat("cut", "endless;chunk_delay=20ms", chat("gpt-4o").stream())
         .await;
     assert_eq!(resp.status(), 200);
     let Gateway { server, .. } = gw;
@@ -775,12 +755,7 @@ async fn client_chosen_model_names_never_become_metric_labels() {
         let resp = gw.chat("labels", "", body).await;
         assert_eq!(resp.status(), 200);
     }
-    let page = reqwest::get(format!("{}/metrics", gw.url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = gw.metrics().await;
     assert!(
         !page.contains("gpt-attacker"),
         "a client model name became a label"

@@ -2,12 +2,10 @@
 //! text flows at once, tool calls are held only until checked, corrections mid-stream,
 //! and the passthrough and annotate verdicts.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
+use crate::common::*;
 use base64::Engine;
-use common::*;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
@@ -193,7 +191,7 @@ fn structured_chat() -> Value {
 /// stream ends with an `output_invalid` error event instead of `[DONE]`; one attempt.
 #[tokio::test]
 async fn passthrough_ends_an_invalid_stream_with_an_error_event() {
-    let gw = start_with(|t| format!("{t}\n[validation]\nstream = \"passthrough\"\n")).await;
+    let gw = start_with(|t| t.set("validation.stream", "passthrough")).await;
     let fault = format!("content_b64={};chunks=3", b64(r#"{"temp": 1}"#));
     let resp = gw.chat("pass", &fault, structured_chat()).await;
     assert_eq!(resp.status(), 200);
@@ -230,7 +228,7 @@ async fn passthrough_ends_an_invalid_stream_with_an_error_event() {
 /// `backstop_validation` chunk before `[DONE]`.
 #[tokio::test]
 async fn annotate_flags_an_invalid_stream_in_a_final_event() {
-    let gw = start_with(|t| format!("{t}\n[validation]\nmode = \"annotate\"\n")).await;
+    let gw = start_with(|t| t.set("validation.mode", "annotate")).await;
     let fault = format!("content_b64={}", b64(r#"{"temp": 1}"#));
     let resp = gw.chat("annot", &fault, structured_chat()).await;
     assert_eq!(resp.headers()["x-backstop-validation"], "deferred");

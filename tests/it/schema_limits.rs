@@ -2,12 +2,10 @@
 //! and schemas over a limit are refused with 400 `invalid_schema` and no upstream call,
 //! compilation never stalls other clients, and the request deadline holds.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
+use crate::common::*;
 use base64::Engine;
-use common::*;
 use serde_json::{json, Value};
 
 fn structured(schema: Value) -> Value {
@@ -30,17 +28,10 @@ fn tool(name: &str, parameters: Value) -> Value {
 async fn start_limited(validation: &str, body_bytes: usize, timeout: &str) -> Gateway {
     let validation = validation.to_string();
     let timeout = timeout.to_string();
-    start_with(move |t| {
-        let t = t
-            .replace(
-                "max_body_bytes = 4096",
-                &format!("max_body_bytes = {body_bytes}"),
-            )
-            .replace(
-                "request_timeout = \"10s\"",
-                &format!("request_timeout = \"{timeout}\""),
-            );
-        format!("{t}\n[validation]\n{validation}\n")
+    start_with(move |c| {
+        c.set("server.max_body_bytes", body_bytes as i64)
+            .set("server.request_timeout", timeout)
+            .merge(&format!("[validation]\n{validation}\n"))
     })
     .await
 }
@@ -289,11 +280,9 @@ fn a_route_schema_with_a_cycle_stops_the_config() {
         r##"{"type": "object", "anyOf": [{"$ref": "#"}]}"##,
     )
     .unwrap();
-    let text = config_text(
-        "127.0.0.1:9".parse().unwrap(),
-        9,
-        "[[routes]]\nmodel = \"looped\"\ntargets = [{ upstream = \"mock-openai\" }]\nresponse_schema = \"loop.json\"\n",
-    );
+    let text = gateway_config("127.0.0.1:9".parse().unwrap(), 9)
+        .merge("[[routes]]\nmodel = \"looped\"\ntargets = [{ upstream = \"mock-openai\" }]\nresponse_schema = \"loop.json\"\n")
+        .text();
     let err = backstop::config::Config::from_toml_in(&text, |_| None, &dir.0)
         .unwrap_err()
         .to_string();

@@ -1,11 +1,9 @@
 //! Budgets end to end: caps exact to the call, the concurrency race, retries charged,
 //! streaming usage, tenant isolation, and the ledger surviving SIGKILL.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use serde_json::json;
 
 const CAPPED: &str = "bk-capped-key-01";
@@ -15,10 +13,9 @@ const OTHER: &str = "bk-other-key-001";
 async fn capped(session: &str, budget: &str) -> Gateway {
     let session = session.to_string();
     let budget = budget.to_string();
-    start_with(move |text| {
-        let prices = admin_and_prices();
-        format!(
-            r#"{text}{prices}
+    start_with(move |config| {
+        config.merge(&admin_and_prices()).merge(&format!(
+            r#"
 [[tenants]]
 name = "capped"
 api_keys = ["{CAPPED}"]
@@ -31,13 +28,9 @@ api_keys = ["{CAPPED}"]
 name = "other"
 api_keys = ["{OTHER}"]
 "#
-        )
+        ))
     })
     .await
-}
-
-fn chat(max_tokens: u64) -> serde_json::Value {
-    json!({"model": "gpt-4o", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hello"}]})
 }
 
 async fn refusal(resp: reqwest::Response) -> serde_json::Value {
@@ -52,14 +45,20 @@ async fn refusal(resp: reqwest::Response) -> serde_json::Value {
 async fn max_calls_is_exact_and_says_what_is_left() {
     let gw = capped("max_calls = 3", "").await;
     for left in [2, 1, 0] {
-        let resp = gw.in_session(CAPPED, "s", "calls", "", &chat(16)).await;
+        let resp = gw
+            .in_session(CAPPED, "s", "calls", "", &chat("gpt-4o").max_tokens(16))
+            .await;
         assert_eq!(resp.status(), 200);
         assert_eq!(
             resp.headers()["x-backstop-budget-remaining"],
             format!("calls={left}")
         );
     }
-    let body = refusal(gw.in_session(CAPPED, "s", "calls", "", &chat(16)).await).await;
+    let body = refusal(
+        gw.in_session(CAPPED, "s", "calls", "", &chat("gpt-4o").max_tokens(16))
+            .await,
+    )
+    .await;
     assert_eq!(body["error"]["param"], "session.max_calls");
     assert!(
         body["error"]["message"]
@@ -75,7 +74,7 @@ async fn max_calls_is_exact_and_says_what_is_left() {
     );
     // Another session of the same tenant is untouched.
     assert_eq!(
-        gw.in_session(CAPPED, "s2", "calls", "", &chat(16))
+        gw.in_session(CAPPED, "s2", "calls", "", &chat("gpt-4o").max_tokens(16))
             .await
             .status(),
         200
@@ -91,16 +90,26 @@ async fn retries_are_charged_like_any_call() {
             "s",
             "retried",
             "status=503,status=503,ok",
-            &chat(16),
+            &chat("gpt-4o").max_tokens(16),
         )
         .await;
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-backstop-budget-remaining"], "calls=0");
-    refusal(gw.in_session(CAPPED, "s", "retried-2", "", &chat(16)).await).await;
+    refusal(
+        gw.in_session(CAPPED, "s", "retried-2", "", &chat("gpt-4o").max_tokens(16))
+            .await,
+    )
+    .await;
     // A retry that would exceed the cap is refused too: 2 calls left, 3 attempts wanted.
     let gw = capped("max_calls = 2", "").await;
     let resp = gw
-        .in_session(CAPPED, "s", "cut-short", "status=503", &chat(16))
+        .in_session(
+            CAPPED,
+            "s",
+            "cut-short",
+            "status=503",
+            &chat("gpt-4o").max_tokens(16),
+        )
         .await;
     assert_eq!(resp.status(), 402);
     assert_eq!(
@@ -123,7 +132,7 @@ async fn forty_concurrent_calls_against_ten_let_exactly_ten_through() {
                 .header("x-session-id", "race")
                 .header("x-mock-scenario", "race")
                 .header("x-mock-fault", "delay=100ms")
-                .body(chat(16).to_string())
+                .body(chat("gpt-4o").max_tokens(16).to_string())
                 .send()
                 .await
                 .unwrap()
@@ -144,7 +153,7 @@ async fn forty_concurrent_calls_against_ten_let_exactly_ten_through() {
 async fn max_tokens_is_exact_with_reservations() {
     // Each call reserves ~its prompt estimate + max_tokens 100 and settles to 100 tokens.
     let gw = capped("max_tokens = 1000", "").await;
-    let body = chat(100);
+    let body = chat("gpt-4o").max_tokens(100);
     let prompt_estimate = (body.to_string().len() as u64).div_ceil(4);
     let mut passed = 0;
     loop {
@@ -173,7 +182,13 @@ async fn max_usd_is_exact_with_prices() {
     let gw = capped("max_usd = 0.05", "").await;
     let mut passed = 0;
     while gw
-        .in_session(CAPPED, "s", "usd", "usage=1000/1000", &chat(1000))
+        .in_session(
+            CAPPED,
+            "s",
+            "usd",
+            "usage=1000/1000",
+            &chat("gpt-4o").max_tokens(1000),
+        )
         .await
         .status()
         == 200
@@ -205,11 +220,11 @@ async fn tenant_day_budgets_cover_calls_without_a_session() {
             "/v1/chat/completions",
             Some(CAPPED),
             HEADERS,
-            chat(50).to_string(),
+            chat("gpt-4o").max_tokens(50).to_string(),
         )
     };
     // Each call settles 100 tokens; one more fits while 100·n + its reservation ≤ 300.
-    let reservation = (chat(50).to_string().len() as u64).div_ceil(4) + 50;
+    let reservation = (chat("gpt-4o").max_tokens(50).to_string().len() as u64).div_ceil(4) + 50;
     let expected = (0..).find(|n| 100 * n + reservation > 300).unwrap();
     for _ in 0..expected {
         assert_eq!(no_session().await.status(), 200);
@@ -231,7 +246,7 @@ async fn max_concurrent_refuses_the_extra_request_while_others_run() {
                 .header("x-session-id", "c")
                 .header("x-mock-scenario", scenario)
                 .header("x-mock-fault", "delay=1500ms")
-                .body(chat(16).to_string())
+                .body(chat("gpt-4o").max_tokens(16).to_string())
                 .send()
                 .await
                 .unwrap()
@@ -247,12 +262,14 @@ async fn max_concurrent_refuses_the_extra_request_while_others_run() {
         assert!(std::time::Instant::now() < deadline, "never in flight");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let resp = gw.in_session(CAPPED, "c", "conc", "", &chat(16)).await;
+    let resp = gw
+        .in_session(CAPPED, "c", "conc", "", &chat("gpt-4o").max_tokens(16))
+        .await;
     assert_eq!(resp.status(), 429);
     assert_eq!(json(resp).await["error"]["code"], "too_many_concurrent");
     assert_eq!((a.await.unwrap(), b.await.unwrap()), (200, 200));
     assert_eq!(
-        gw.in_session(CAPPED, "c", "conc", "", &chat(16))
+        gw.in_session(CAPPED, "c", "conc", "", &chat("gpt-4o").max_tokens(16))
             .await
             .status(),
         200,
@@ -262,16 +279,23 @@ async fn max_concurrent_refuses_the_extra_request_while_others_run() {
 
 #[tokio::test]
 async fn rate_limits_refuse_with_retry_after_and_no_upstream_call() {
-    let gw = start_with(|text| format!("{text}\n[[tenants]]\nname = \"limited\"\napi_keys = [\"{CAPPED}\"]\nrequests_per_minute = 2\n")).await;
+    let gw = start_with(|config| {
+        config.merge(&format!(
+            "[[tenants]]\nname = \"limited\"\napi_keys = [\"{CAPPED}\"]\nrequests_per_minute = 2\n"
+        ))
+    })
+    .await;
     for _ in 0..2 {
         assert_eq!(
-            gw.in_session(CAPPED, "s", "rpm", "", &chat(16))
+            gw.in_session(CAPPED, "s", "rpm", "", &chat("gpt-4o").max_tokens(16))
                 .await
                 .status(),
             200
         );
     }
-    let resp = gw.in_session(CAPPED, "s", "rpm", "", &chat(16)).await;
+    let resp = gw
+        .in_session(CAPPED, "s", "rpm", "", &chat("gpt-4o").max_tokens(16))
+        .await;
     assert_eq!(resp.status(), 429);
     let retry_after: u64 = resp.headers()["retry-after"]
         .to_str()
@@ -302,17 +326,9 @@ async fn stream_usage_is_counted_and_the_injected_chunk_hidden() {
         seen["body"]["stream_options"]["include_usage"], true,
         "Backstop asked for usage"
     );
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let report = json(
-        gw.http
-            .get(format!("{}/v1/sessions/st", gw.url))
-            .bearer_auth(CAPPED)
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await;
-    assert_eq!(report["used"]["tokens"], 150);
+    // Settled once the stream has ended: 120 + 30 reported, not the reservation.
+    gw.session_report_when(CAPPED, "st", |r| r["used"]["tokens"] == 150)
+        .await;
 
     // A client that asked for usage still gets it.
     let mut asked = stream.clone();
@@ -336,24 +352,21 @@ async fn stream_usage_is_counted_and_the_injected_chunk_hidden() {
         )
         .await;
     resp.text().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let report = json(
-        gw.http
-            .get(format!("{}/v1/sessions/st", gw.url))
-            .bearer_auth(CAPPED)
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await;
-    assert_eq!(report["used"]["tokens"], 150 + 3 + 10);
+    gw.session_report_when(CAPPED, "st", |r| r["used"]["tokens"] == 150 + 3 + 10)
+        .await;
 }
 
 #[tokio::test]
 async fn tenants_see_only_their_own_sessions() {
     let gw = capped("max_calls = 5", "").await;
-    gw.in_session(CAPPED, "shared-name", "iso", "", &chat(16))
-        .await;
+    gw.in_session(
+        CAPPED,
+        "shared-name",
+        "iso",
+        "",
+        &chat("gpt-4o").max_tokens(16),
+    )
+    .await;
     let mine = json(
         gw.http
             .get(format!("{}/v1/sessions/shared-name", gw.url))
@@ -406,12 +419,16 @@ async fn tenants_see_only_their_own_sessions() {
 async fn an_operator_reset_starts_a_session_over() {
     let gw = capped("max_calls = 1", "").await;
     assert_eq!(
-        gw.in_session(CAPPED, "r", "reset", "", &chat(16))
+        gw.in_session(CAPPED, "r", "reset", "", &chat("gpt-4o").max_tokens(16))
             .await
             .status(),
         200
     );
-    refusal(gw.in_session(CAPPED, "r", "reset", "", &chat(16)).await).await;
+    refusal(
+        gw.in_session(CAPPED, "r", "reset", "", &chat("gpt-4o").max_tokens(16))
+            .await,
+    )
+    .await;
     let reset = gw
         .http
         .post(format!("{}/admin/tenants/capped/sessions/r/reset", gw.url))
@@ -421,7 +438,7 @@ async fn an_operator_reset_starts_a_session_over() {
         .unwrap();
     assert_eq!(reset.status(), 200);
     assert_eq!(
-        gw.in_session(CAPPED, "r", "reset", "", &chat(16))
+        gw.in_session(CAPPED, "r", "reset", "", &chat("gpt-4o").max_tokens(16))
             .await
             .status(),
         200
@@ -479,7 +496,7 @@ max_calls = 5
             .bearer_auth(CAPPED)
             .header("x-session-id", "k")
             .header("x-mock-fault", "usage=1000/500")
-            .body(chat(500).to_string())
+            .body(chat("gpt-4o").max_tokens(500).to_string())
             .send()
             .await
             .unwrap();
@@ -517,7 +534,7 @@ max_calls = 5
         .post(format!("{url}/v1/chat/completions"))
         .bearer_auth(CAPPED)
         .header("x-session-id", "k")
-        .body(chat(16).to_string())
+        .body(chat("gpt-4o").max_tokens(16).to_string())
         .send()
         .await
         .unwrap();
@@ -530,7 +547,9 @@ max_calls = 5
 async fn spend_figures_are_rounded_to_micro_dollars() {
     let gw = capped("max_usd = 10.0", "usd_per_day = 100.0").await;
     for usage in ["usage=40000/0", "usage=80000/0"] {
-        let resp = gw.in_session(CAPPED, "s", "round", usage, &chat(16)).await;
+        let resp = gw
+            .in_session(CAPPED, "s", "round", usage, &chat("gpt-4o").max_tokens(16))
+            .await;
         assert_eq!(resp.status(), 200);
     }
     let session = gw
@@ -583,7 +602,7 @@ async fn spend_figures_are_rounded_to_micro_dollars() {
 async fn admin_and_session_answers_are_never_cached() {
     let gw = capped("max_calls = 5", "").await;
     assert_eq!(
-        gw.in_session(CAPPED, "s", "cache", "", &chat(16))
+        gw.in_session(CAPPED, "s", "cache", "", &chat("gpt-4o").max_tokens(16))
             .await
             .status(),
         200

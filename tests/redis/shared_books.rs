@@ -6,11 +6,9 @@
 //!
 //! Needs `redis-server` on PATH (`.ci/run` installs it).
 
-#[path = "common/redis.rs"]
-mod redis_support;
-
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
+use crate::redis_support::Redis as RedisServer;
 use backstop::{
     config::{StateBackend, StateConfig},
     policy::budget::{Caps, Usage, SESSION, TENANT_DAY},
@@ -20,7 +18,6 @@ use backstop::{
     },
 };
 use proptest::prelude::*;
-use redis_support::Redis as RedisServer;
 
 const TENANT: &str = "books";
 const DAY: i64 = 20_000;

@@ -1,19 +1,16 @@
 //! Idempotent replay: alone, concurrent, with another body, and across a restart.
 
-mod common;
-
-use common::*;
-use serde_json::json;
+use crate::common::*;
 
 const ADMIN: &str = "admin-token-0123456789";
 const BUDGETED: &str = "bk-budgeted-key-1";
 
-fn chat(text: &str) -> String {
-    json!({"model": "gpt-4o", "messages": [{"role": "user", "content": text}]}).to_string()
+fn say(text: &str) -> String {
+    chat("gpt-4o").saying(text).to_string()
 }
 
 async fn gateway() -> Gateway {
-    start_with(|t| format!("{t}\n[admin]\ntoken = \"{ADMIN}\"\n[[tenants]]\nname = \"budgeted\"\napi_keys = [\"{BUDGETED}\"]\n[tenants.session]\nmax_calls = 100\n")).await
+    start_with(|c| c.merge(&format!("[admin]\ntoken = \"{ADMIN}\"\n[[tenants]]\nname = \"budgeted\"\napi_keys = [\"{BUDGETED}\"]\n[tenants.session]\nmax_calls = 100\n"))).await
 }
 
 async fn keyed(gw: &Gateway, key: &str, scenario: &str, body: String) -> reqwest::Response {
@@ -33,12 +30,13 @@ async fn keyed(gw: &Gateway, key: &str, scenario: &str, body: String) -> reqwest
 #[tokio::test]
 async fn a_repeated_key_is_replayed_without_a_call_or_a_charge() {
     let gw = gateway().await;
-    let first = keyed(&gw, "k-1", "replay", chat("once")).await;
+    let first = keyed(&gw, "k-1", "replay", say("once")).await;
     assert_eq!(first.status(), 200);
     assert!(first.headers().get("x-backstop-replayed").is_none());
+    // No wait for the response to be kept: until it is, the first request still leads
+    // its key, and a duplicate waits for it, then replays.
     let first_body = first.text().await.unwrap();
-    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    let second = keyed(&gw, "k-1", "replay", chat("once")).await;
+    let second = keyed(&gw, "k-1", "replay", say("once")).await;
     assert_eq!(second.status(), 200);
     assert_eq!(second.headers()["x-backstop-replayed"], "true");
     assert_eq!(second.headers()["x-backstop-attempts"], "0");
@@ -55,7 +53,7 @@ async fn a_repeated_key_is_replayed_without_a_call_or_a_charge() {
     .await;
     assert_eq!(report["used"]["calls"], 1, "the replay was not charged");
     // Another key is another request.
-    assert!(keyed(&gw, "k-2", "replay", chat("once"))
+    assert!(keyed(&gw, "k-2", "replay", say("once"))
         .await
         .headers()
         .get("x-backstop-replayed")
@@ -66,9 +64,10 @@ async fn a_repeated_key_is_replayed_without_a_call_or_a_charge() {
 #[tokio::test]
 async fn the_same_key_with_another_body_is_422() {
     let gw = gateway().await;
-    assert_eq!(keyed(&gw, "k", "mismatch", chat("one")).await.status(), 200);
-    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    let resp = keyed(&gw, "k", "mismatch", chat("two")).await;
+    let first = keyed(&gw, "k", "mismatch", say("one")).await;
+    assert_eq!(first.status(), 200);
+    first.text().await.unwrap();
+    let resp = keyed(&gw, "k", "mismatch", say("two")).await;
     assert_eq!(resp.status(), 422);
     assert_eq!(json(resp).await["error"]["code"], "idempotency_key_reused");
     assert_eq!(gw.mock.attempts("mismatch"), 1);
@@ -88,7 +87,7 @@ async fn concurrent_duplicates_wait_for_the_first() {
                 .header("idempotency-key", "together")
                 .header("x-mock-scenario", "concurrent")
                 .header("x-mock-fault", "delay=300ms")
-                .body(chat("together"))
+                .body(say("together"))
                 .send()
                 .await
                 .unwrap();
@@ -128,7 +127,7 @@ async fn failures_are_not_kept() {
                 ("x-mock-scenario", "fail"),
                 ("x-mock-fault", "status=400,ok"),
             ],
-            chat("x"),
+            say("x"),
         )
         .await;
     assert_eq!(resp.status(), 400);
@@ -141,7 +140,7 @@ async fn failures_are_not_kept() {
                 ("x-mock-scenario", "fail"),
                 ("x-mock-fault", "status=400,ok"),
             ],
-            chat("x"),
+            say("x"),
         )
         .await;
     assert_eq!(resp.status(), 200);
@@ -170,7 +169,7 @@ async fn replays_survive_a_restart() {
             http.post(format!("{url}/v1/chat/completions"))
                 .bearer_auth(KEY_A)
                 .header("idempotency-key", "survivor")
-                .body(chat("persist me"))
+                .body(say("persist me"))
                 .send()
                 .await
                 .unwrap()
@@ -179,7 +178,10 @@ async fn replays_survive_a_restart() {
     let gw = Binary::start(&config, port).await;
     let first = send(gw.url.clone()).await;
     let first_body = first.text().await.unwrap();
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    // Kept before the kill: a duplicate waits while the first still leads its key, so
+    // its replay means the response is in the store.
+    let kept = send(gw.url.clone()).await;
+    assert_eq!(kept.headers()["x-backstop-replayed"], "true");
     gw.kill();
     let gw = Binary::start(&config, port).await;
     let again = send(gw.url.clone()).await;

@@ -1,16 +1,10 @@
 //! The core gateway end to end: real sockets, the real mock upstream.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use futures_util::StreamExt;
 use serde_json::json;
-
-fn chat_body(model: &str) -> serde_json::Value {
-    json!({"model": model, "messages": [{"role": "user", "content": "hello"}]})
-}
 
 #[tokio::test]
 async fn chat_is_forwarded_with_the_provider_key_and_never_the_tenant_key() {
@@ -24,7 +18,7 @@ async fn chat_is_forwarded_with_the_provider_key_and_never_the_tenant_key() {
                 ("x-request-id", "req-42"),
                 ("x-session-id", "s-1"),
             ],
-            chat_body("gpt-4o").to_string(),
+            chat("gpt-4o").to_string(),
         )
         .await;
     assert_eq!(resp.status(), 200);
@@ -73,7 +67,7 @@ async fn anthropic_gets_x_api_key_and_a_default_version() {
 #[tokio::test]
 async fn a_target_model_rewrites_the_request_model() {
     let gw = start().await;
-    let resp = gw.chat("rewrite", "", chat_body("rewrite-me")).await;
+    let resp = gw.chat("rewrite", "", chat("rewrite-me")).await;
     assert_eq!(resp.status(), 200);
     assert_eq!(
         gw.mock.last_request("rewrite").unwrap()["body"]["model"],
@@ -170,7 +164,7 @@ async fn missing_and_wrong_keys_get_401_in_each_api_shape() {
                 "/v1/chat/completions",
                 key,
                 &[("x-mock-scenario", "auth")],
-                chat_body("gpt-4o").to_string(),
+                chat("gpt-4o").to_string(),
             )
             .await;
         assert_eq!(resp.status(), 401);
@@ -211,7 +205,7 @@ async fn bad_input_is_refused_before_any_upstream_call() {
         ),
         (
             "/v1/chat/completions",
-            chat_body("llama-3").to_string(),
+            chat("llama-3").to_string(),
             404,
             "model_not_found",
         ),
@@ -263,7 +257,7 @@ async fn bad_input_is_refused_before_any_upstream_call() {
 #[tokio::test]
 async fn a_model_on_the_other_api_is_a_caller_error() {
     let gw = start().await;
-    let resp = gw.chat("mismatch", "", chat_body("claude-x")).await;
+    let resp = gw.chat("mismatch", "", chat("claude-x")).await;
     assert_eq!(resp.status(), 400);
     assert_eq!(json(resp).await["error"]["code"], "api_mismatch");
     assert_eq!(gw.mock.attempts("mismatch"), 0);
@@ -272,17 +266,17 @@ async fn a_model_on_the_other_api_is_a_caller_error() {
 #[tokio::test]
 async fn an_unreachable_upstream_is_502_and_a_slow_one_504() {
     let gw = start().await;
-    let resp = gw.chat("dead", "", chat_body("dead-model")).await;
+    let resp = gw.chat("dead", "", chat("dead-model")).await;
     assert_eq!(resp.status(), 502);
     let body = json(resp).await;
     assert_eq!(body["error"]["code"], "upstream_unavailable");
     assert_eq!(body["error"]["type"], "upstream_error");
 
-    let resp = gw.chat("slow", "delay=3s", chat_body("slow-model")).await;
+    let resp = gw.chat("slow", "delay=3s", chat("slow-model")).await;
     assert_eq!(resp.status(), 504);
     assert_eq!(json(resp).await["error"]["code"], "upstream_timeout");
 
-    let resp = gw.chat("reset", "reset", chat_body("gpt-4o")).await;
+    let resp = gw.chat("reset", "reset", chat("gpt-4o")).await;
     assert_eq!(resp.status(), 502);
     assert_eq!(resp.headers()["x-backstop-attempts"], "3");
     assert_eq!(resp.headers()["x-should-retry"], "false");
@@ -292,9 +286,8 @@ async fn an_unreachable_upstream_is_502_and_a_slow_one_504() {
 
 #[tokio::test]
 async fn the_request_deadline_covers_the_whole_request() {
-    let gw =
-        start_with(|t| t.replace("request_timeout = \"10s\"", "request_timeout = \"300ms\"")).await;
-    let resp = gw.chat("deadline", "delay=3s", chat_body("gpt-4o")).await;
+    let gw = start_with(|c| c.set("server.request_timeout", "300ms")).await;
+    let resp = gw.chat("deadline", "delay=3s", chat("gpt-4o")).await;
     assert_eq!(resp.status(), 504);
     assert_eq!(json(resp).await["error"]["code"], "request_timeout");
 }
@@ -306,7 +299,7 @@ async fn upstream_errors_pass_through_with_their_body() {
         .chat(
             "passthrough",
             "status=400;code=context_length_exceeded",
-            chat_body("gpt-4o"),
+            chat("gpt-4o"),
         )
         .await;
     assert_eq!(resp.status(), 400);
@@ -315,7 +308,7 @@ async fn upstream_errors_pass_through_with_their_body() {
         .chat(
             "passthrough-429",
             "status=429;retry_after=7",
-            chat_body("gpt-4o"),
+            chat("gpt-4o"),
         )
         .await;
     assert_eq!(resp.status(), 429);
@@ -370,16 +363,8 @@ async fn models_health_and_metrics() {
             200
         );
     }
-    gw.chat("metrics", "", chat_body("gpt-4o")).await;
-    let text = gw
-        .http
-        .get(format!("{}/metrics", gw.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    gw.chat("metrics", "", chat("gpt-4o")).await;
+    let text = gw.metrics().await;
     assert!(text.contains("backstop_requests_total{"), "{text}");
     assert!(text.contains("backstop_overhead_seconds_bucket"), "{text}");
     assert!(
@@ -411,15 +396,19 @@ async fn shutdown_lets_in_flight_requests_finish_then_stops_accepting() {
         async move {
             http.post(format!("{url}/v1/chat/completions"))
                 .bearer_auth(KEY_A)
+                .header("x-mock-scenario", "in-flight")
                 .header("x-mock-fault", "delay=400ms")
-                .body(chat_body("gpt-4o").to_string())
+                .body(chat("gpt-4o").to_string())
                 .send()
                 .await
                 .unwrap()
                 .status()
         }
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    until("the request to reach the upstream", || async {
+        gw.mock.attempts("in-flight") == 1
+    })
+    .await;
     gw.server.shutdown().await;
     assert_eq!(
         in_flight.await.unwrap(),

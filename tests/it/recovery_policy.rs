@@ -10,7 +10,6 @@ use std::{
 
 use backstop::{
     api::Endpoint,
-    config::Config,
     error::GatewayError,
     layers::{
         context::{parse, Call, TargetIndex},
@@ -31,6 +30,8 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
+
+use crate::common::TestConfig;
 
 const CONFIG: &str = r#"
 [retry]
@@ -200,8 +201,8 @@ struct Harness {
     policy: RetryPolicy,
 }
 
-fn harness(edit: impl FnOnce(String) -> String) -> Harness {
-    let config = Config::from_toml_with_env(&edit(CONFIG.to_string()), |_| None).unwrap();
+fn harness(edit: impl FnOnce(TestConfig) -> TestConfig) -> Harness {
+    let config = edit(TestConfig::parse(CONFIG)).config();
     let upstreams = build_all(&config);
     Harness {
         routes: RouteTable::new(&config, &upstreams),
@@ -444,12 +445,7 @@ async fn final_failures_become_the_right_answer() {
     assert_eq!(out.attempts, 3);
     // Three 1 s attempt timeouts fit the deadline: the upstream was slow, not the client's
     // deadline short.
-    let h = harness(|c| {
-        c.replace(
-            "base_url = \"http://primary.invalid\"",
-            "base_url = \"http://primary.invalid\"\nattempt_timeout = \"1s\"",
-        )
-    });
+    let h = harness(|c| c.set("upstreams.primary.attempt_timeout", "1s"));
     let out = h
         .send(
             "one",
@@ -493,12 +489,7 @@ async fn retry_after_inside_the_cap_is_waited_in_virtual_time() {
 /// answer is never hedged; a hedge that fails leaves the first attempt to finish.
 #[tokio::test(start_paused = true)]
 async fn a_slow_first_attempt_is_hedged_on_the_next_target() {
-    let hedged = |c: String| {
-        c.replace(
-            "context_fallback = { upstream = \"big\", model = \"big-context\" }",
-            "context_fallback = { upstream = \"big\", model = \"big-context\" }\nhedge_after = \"100ms\"",
-        )
-    };
+    let hedged = |c: TestConfig| c.set("routes.two.hedge_after", "100ms");
     let h = harness(hedged);
     let script = Script::new(&[Fail(TransportFailure::Timeout), OK]);
     let out = h.send("two", &script, LONG).await;
@@ -534,12 +525,7 @@ async fn a_slow_first_attempt_is_hedged_on_the_next_target() {
 /// percentile, and there is no hedge until it has answered 20 times.
 #[tokio::test(start_paused = true)]
 async fn a_percentile_hedge_waits_for_a_record_then_follows_it() {
-    let h = harness(|c| {
-        c.replace(
-            "context_fallback = { upstream = \"big\", model = \"big-context\" }",
-            "context_fallback = { upstream = \"big\", model = \"big-context\" }\nhedge_after = \"p95\"",
-        )
-    });
+    let h = harness(|c| c.set("routes.two.hedge_after", "p95"));
     let slow = Script::new(&[Fail(TransportFailure::Timeout), OK]);
     let out = h.send("two", &slow, LONG).await;
     assert_eq!(
@@ -643,12 +629,7 @@ async fn no_wait_ever_runs_past_the_deadline() {
         (503, 1, Duration::ZERO)
     );
     // Timeouts: attempts are cut to the time left, and the loop stops at the deadline.
-    let h = harness(|c| {
-        c.replace(
-            "base_url = \"http://primary.invalid\"",
-            "base_url = \"http://primary.invalid\"\nattempt_timeout = \"2s\"",
-        )
-    });
+    let h = harness(|c| c.set("upstreams.primary.attempt_timeout", "2s"));
     let script = Script::new(&[Fail(TransportFailure::Timeout)]);
     let out = h.send("one", &script, Duration::from_secs(3)).await;
     // Attempt 1 times out at 2 s; after a 200 ms backoff, attempt 2 gets only the 800 ms
@@ -666,7 +647,7 @@ async fn no_wait_ever_runs_past_the_deadline() {
 
 #[tokio::test(start_paused = true)]
 async fn the_breaker_opens_skips_then_probes_and_closes() {
-    let h = harness(|c| c.replace("max_attempts = 3", "max_attempts = 1"));
+    let h = harness(|c| c.set("retry.max_attempts", 1));
     let down = Script::new(&[E503]);
     for _ in 0..5 {
         assert_eq!(h.send("one", &down, LONG).await.status, 503);
@@ -710,12 +691,7 @@ async fn the_breaker_opens_skips_then_probes_and_closes() {
 /// back and forth: 9 requests to the backup, 3 to the primary, 7 to the backup, ...)
 #[tokio::test(start_paused = true)]
 async fn a_readmitted_outlier_stays_in_front_while_its_old_failures_age_out() {
-    let h = harness(|c| {
-        c.replace(
-            "half_open_probes = 1",
-            "half_open_probes = 1\nwindow = \"2s\"",
-        )
-    });
+    let h = harness(|c| c.set("breaker.window", "2s"));
     let browned = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let primary_calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let script = Script::by_upstream({
@@ -807,11 +783,9 @@ async fn the_retry_budget_caps_retries_during_an_outage() {
     // A fixed budget (max ratio = ratio): floor 2, ratio 0.2, threshold high enough
     // that the breaker stays out of it.
     let h = harness(|c| {
-        c.replace(
-            "budget_floor = 10",
-            "budget_floor = 2\nbudget_max_ratio = 0.2",
-        )
-        .replace("failure_threshold = 5", "failure_threshold = 100000")
+        c.set("retry.budget_floor", 2)
+            .set("retry.budget_max_ratio", 0.2)
+            .set("breaker.failure_threshold", 100000)
     });
     let down = Script::new(&[E503]);
     for _ in 0..100 {
@@ -827,8 +801,8 @@ async fn the_adaptive_budget_clamps_an_outage_and_spends_on_a_storm() {
     // fails, so the allowance falls to the ratio; only the first retries, granted before
     // any failed, get more. Same floor and threshold as above.
     let h = harness(|c| {
-        c.replace("budget_floor = 10", "budget_floor = 2")
-            .replace("failure_threshold = 5", "failure_threshold = 100000")
+        c.set("retry.budget_floor", 2)
+            .set("breaker.failure_threshold", 100000)
     });
     let down = Script::new(&[E503]);
     for _ in 0..100 {
@@ -843,8 +817,8 @@ async fn the_adaptive_budget_clamps_an_outage_and_spends_on_a_storm() {
     // A storm where every other attempt fails and retries work: each request's one
     // retry is granted, far beyond a fixed 20%.
     let h = harness(|c| {
-        c.replace("budget_floor = 10", "budget_floor = 2")
-            .replace("failure_threshold = 5", "failure_threshold = 100000")
+        c.set("retry.budget_floor", 2)
+            .set("breaker.failure_threshold", 100000)
     });
     let plays: Vec<Play> = (0..100).flat_map(|_| [E503, OK]).collect();
     let storm = Script::new(&plays);

@@ -2,12 +2,10 @@
 //! never interrupted. (The state machine's timing is tested on a paused clock in
 //! `policy::guard`.)
 
-mod common;
-
 use std::time::Duration;
 
+use crate::common::*;
 use backstop::clock::Clock;
-use common::*;
 use serde_json::{json, Value};
 
 const GUARDED: &str = "bk-guarded-key-01";
@@ -26,13 +24,13 @@ async fn guarded_on(store: &str, cool_down: &str, extra: &str) -> Gateway {
 async fn guarded_with(store: &str, cool_down: &str, extra: &str, clock: Clock) -> Gateway {
     let (store, cool_down, extra) = (store.to_string(), cool_down.to_string(), extra.to_string());
     start_with_clock(
-        move |text| {
+        move |config| {
             // The restarts shut down at once: draining is not what these tests are about.
-            let text =
-                with_store(&text, &store).replace("[server]\n", "[server]\ndrain_delay = \"0s\"\n");
-            let prices = admin_and_prices();
-            format!(
-                r#"{text}{prices}
+            with_store(config, &store)
+                .set("server.drain_delay", "0s")
+                .merge(&admin_and_prices())
+                .merge(&format!(
+                    r#"
 [[tenants]]
 name = "guarded"
 api_keys = ["{GUARDED}"]
@@ -49,7 +47,7 @@ name = "also-guarded"
 api_keys = ["{ALSO}"]
 [tenants.guard]
 "#
-            )
+                ))
         },
         clock,
     )
@@ -57,7 +55,7 @@ api_keys = ["{ALSO}"]
 }
 
 fn step(n: usize) -> Value {
-    json!({"model": "gpt-4o", "messages": [{"role": "user", "content": format!("step {n}")}]})
+    chat("gpt-4o").saying(format!("step {n}")).json()
 }
 
 #[tokio::test]

@@ -1,0 +1,32 @@
+//! The integration tests, one module per feature, in one test binary: each `tests/*.rs`
+//! used to link a binary of its own, which was most of CI's build time. Every test
+//! starts the real gateway on 127.0.0.1:0 (or the real binary) in front of the real mock.
+//!
+//! A feature's tests alone: `cargo test --test it budgets::`; one test:
+//! `cargo test --test it max_calls_is_exact`.
+//!
+//! The other test binaries: `redis` (needs `redis-server`) and `alone` (tests that need
+//! the process and the machine to themselves).
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod budgets;
+mod dashboard;
+mod discovery;
+mod durability;
+mod edge;
+mod gateway;
+mod guard;
+mod hardening;
+mod idempotency;
+mod otel;
+mod recovery;
+mod recovery_policy;
+mod reload;
+mod responses;
+mod schema_fuzz;
+mod schema_limits;
+mod stream_lossless;
+mod streaming;
+mod validation;

@@ -1,0 +1,12 @@
+//! The tests that need a real `redis-server` on PATH (`.ci/run` installs it; without it
+//! they fail, not skip): replicas sharing live state, and the shared books.
+//!
+//! `cargo test --test redis replicas::`, `cargo test --test redis shared_books::`.
+
+#[path = "../common/mod.rs"]
+mod common;
+#[path = "../common/redis.rs"]
+mod redis_support;
+
+mod replicas;
+mod shared_books;
