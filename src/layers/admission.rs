@@ -27,22 +27,18 @@
 //! [`SessionGuard::admit`]: crate::policy::guard::SessionGuard::admit
 
 use std::{
-    pin::Pin,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc,
     },
-    task::{Context, Poll},
     time::Instant,
 };
 
 use axum::body::Body;
-use bytes::Bytes;
 use http::Response;
-use http_body::Frame;
 use tower::{Layer, Service};
 
-use super::{context::Call, Middleware, Stack};
+use super::{context::Call, Holding, Middleware, Stack};
 use crate::{
     api::fingerprint::fingerprint,
     error::GatewayError,
@@ -77,33 +73,6 @@ impl<S> Layer<S> for AdmissionLayer {
     type Service = Admission<S>;
     fn layer(&self, inner: S) -> Admission<S> {
         Stack::new(self.clone(), inner)
-    }
-}
-
-/// A body that holds something (a concurrency slot, a memory charge) until it is
-/// finished or dropped.
-pub(crate) struct Holding<G> {
-    pub(crate) body: Body,
-    pub(crate) _guard: G,
-}
-
-impl<G: Send + Unpin + 'static> http_body::Body for Holding<G> {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
     }
 }
 

@@ -23,7 +23,7 @@ use http_body_util::{BodyExt, Limited};
 use tokio::time::Instant;
 use tower::{Layer, Service};
 
-use super::{admission::Holding, deadline::Deadline, edge::RequestId, Middleware, Stack};
+use super::{deadline::Deadline, edge::RequestId, Holding, Middleware, Stack};
 use crate::{
     api::{
         scan::{scan, BodyShape},

@@ -48,10 +48,14 @@ mod validate_stream;
 
 use std::{
     future::Future,
+    pin::Pin,
     task::{Context, Poll},
 };
 
+use axum::body::Body;
+use bytes::Bytes;
 use futures_util::future::BoxFuture;
+use http_body::Frame;
 use tower::Service;
 
 /// A layer's per-request logic. `inner` has been made ready for this one request.
@@ -104,5 +108,32 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let middleware = self.middleware.clone();
         Box::pin(async move { middleware.call(inner, req).await })
+    }
+}
+
+/// A body that holds something (a concurrency slot, a memory charge) until it is
+/// finished or dropped.
+pub(crate) struct Holding<G> {
+    pub(crate) body: Body,
+    pub(crate) _guard: G,
+}
+
+impl<G: Send + Unpin + 'static> http_body::Body for Holding<G> {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
     }
 }

@@ -14,6 +14,7 @@ mod common;
 mod budgets;
 mod dashboard;
 mod discovery;
+mod docs;
 mod durability;
 mod edge;
 mod gateway;

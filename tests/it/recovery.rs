@@ -269,30 +269,25 @@ async fn the_admin_api_is_off_without_a_token() {
 async fn each_upstream_has_its_own_breaker_threshold_and_attempts() {
     let backup = mock::spawn(TcpListener::bind("127.0.0.1:0").await.unwrap());
     let backup_addr = backup.addr;
-    let gw = start_with(move |text| {
-        let primary = text
-            .split("base_url = \"http://")
-            .nth(1)
-            .and_then(|rest| rest.split('"').next())
-            .unwrap()
-            .to_string();
-        format!(
-            r#"{text}
+    let gw = start_with(move |config| {
+        let primary = config.str_at("upstreams.mock-openai.base_url");
+        config.merge(&format!(
+            r#"
 [breaker]
 failure_threshold = 3
 open_for = "30s"
 
 [[upstreams]]
-name = "primary"
+name = "own-primary"
 api = "openai"
 forward_headers = ["x-mock-*"]
-base_url = "http://{primary}"
+base_url = "{primary}"
 
 [upstreams.breaker]
 failure_threshold = 1
 
 [[upstreams]]
-name = "backup"
+name = "own-backup"
 api = "openai"
 forward_headers = ["x-mock-*"]
 base_url = "http://{backup_addr}"
@@ -301,40 +296,48 @@ base_url = "http://{backup_addr}"
 max_attempts = 2
 
 [[routes]]
-model = "pair-*"
-targets = [{{ upstream = "primary" }}, {{ upstream = "backup" }}]
+model = "own-*"
+targets = [{{ upstream = "own-primary" }}, {{ upstream = "own-backup" }}]
 "#
-        )
+        ))
     })
     .await;
-    let resp = gw.chat("hard-down", "status=500", body("pair-x")).await;
+    let resp = gw.chat("own-hard-down", "status=500", chat("own-x")).await;
     assert_eq!(resp.status(), 500);
-    assert_eq!(gw.mock.attempts("hard-down"), 1, "primary opens at once");
     assert_eq!(
-        backup.attempts("hard-down"),
+        gw.mock.attempts("own-hard-down"),
+        1,
+        "primary opens at once"
+    );
+    assert_eq!(
+        backup.attempts("own-hard-down"),
         2,
         "backup: two attempts, still closed"
     );
 
-    let resp = gw.chat("hard-down", "status=500", body("pair-x")).await;
+    let resp = gw.chat("own-hard-down", "status=500", chat("own-x")).await;
     assert_eq!(
         resp.headers()["x-backstop-recovery"],
-        "open:primary,failover:backup,giveup:500"
+        "open:own-primary,failover:own-backup,giveup:500"
     );
-    assert_eq!(gw.mock.attempts("hard-down"), 1, "no network while open");
     assert_eq!(
-        backup.attempts("hard-down"),
+        gw.mock.attempts("own-hard-down"),
+        1,
+        "no network while open"
+    );
+    assert_eq!(
+        backup.attempts("own-hard-down"),
         3,
         "its third failure opens it"
     );
 
-    let resp = gw.chat("hard-down", "status=500", body("pair-x")).await;
+    let resp = gw.chat("own-hard-down", "status=500", chat("own-x")).await;
     assert_eq!(
         resp.headers()["x-backstop-recovery"],
-        "open:primary,failover:backup,open:backup"
+        "open:own-primary,failover:own-backup,open:own-backup"
     );
     assert_eq!(
-        gw.mock.attempts("hard-down") + backup.attempts("hard-down"),
+        gw.mock.attempts("own-hard-down") + backup.attempts("own-hard-down"),
         4
     );
 }
