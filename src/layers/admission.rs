@@ -43,6 +43,7 @@ use crate::{
     api::fingerprint::fingerprint,
     error::GatewayError,
     policy::{
+        budget::SessionSeen,
         guard::{Kept, Phase, RequestFingerprint, SessionGuard, Transition},
         trail,
     },
@@ -250,10 +251,15 @@ impl AdmissionLayer {
         Ok(slot)
     }
 
-    /// What the session has left, for `x-backstop-budget-remaining`: from the settle of
-    /// the request's last call when it saw the shared state, else read.
-    async fn remaining(&self, log: &RequestLog, tenant: &str, session: &str) {
-        let seen = log.facts().session_seen;
+    /// What the session has left, for `x-backstop-budget-remaining`: what the settle of
+    /// the request's last call saw of the shared state (`seen`), else read.
+    async fn remaining(
+        &self,
+        log: &RequestLog,
+        tenant: &str,
+        session: &str,
+        seen: Option<SessionSeen>,
+    ) {
         if let Some(remaining) = self.budgets.remaining_header(tenant, session, seen).await {
             log.set_budget_remaining(remaining);
         }
@@ -310,7 +316,8 @@ where
             let slot = self.limits(&tenant, session.as_deref()).await?;
             let result = inner.call(call).await;
             if let Some(session) = session {
-                self.remaining(&log, &tenant, &session).await;
+                let seen = log.facts().session_seen;
+                self.remaining(&log, &tenant, &session, seen).await;
             }
             return Ok(holding(result?, slot));
         };
@@ -381,7 +388,7 @@ where
             keep
         };
         persist(&self.guards, &tenant, &session, keep).await;
-        self.remaining(&log, &tenant, &session).await;
+        self.remaining(&log, &tenant, &session, seen).await;
         Ok(holding(result?, slot))
     }
 }

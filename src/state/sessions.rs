@@ -313,10 +313,9 @@ impl SessionGuards {
         let Some((version, snapshot)) = write else {
             return Saving::Local(());
         };
-        let ttl = u64::try_from(self.idle.as_millis()).unwrap_or(u64::MAX);
         match self
             .store
-            .save_guard_window(tenant, session, version, snapshot, ttl)
+            .save_guard_window(tenant, session, version, snapshot, self.shared_ttl_ms())
             .await
         {
             Ok(Some(WindowSave::Saved(saved))) => Saving::Saved(saved, ()),
