@@ -21,5 +21,6 @@ pub mod server;
 pub mod state;
 pub mod store;
 pub mod telemetry;
+pub mod translate;
 pub mod upstream;
 pub mod validation;
