@@ -32,7 +32,10 @@
 //!     meter, and a stored answer's owners made durable before it is released.
 //! 12. [`MeterLayer`]: per upstream call (retries and corrections included), reserve
 //!     against the session's and tenant's caps, settle to reported usage.
-//! 13. [`Forward`]: one upstream attempt (leaf).
+//! 13. [`TranslateLayer`]: an attempt on a target of the other API gets its translated
+//!     request sent and its answer (whole, streamed, error) brought back in the caller's
+//!     API; every other attempt passes through.
+//! 14. [`Forward`]: one upstream attempt (leaf).
 //!
 //! Around the whole router (every route: proxy, models, admin, health, metrics, 404,
 //! 405), outer → inner, tower-http's layers ([`App`]):
@@ -116,6 +119,7 @@ use crate::{
     },
     store::{RedisStore, SqliteStore, Store, StoreError},
     telemetry,
+    translate::layer::TranslateLayer,
     upstream::{self, objects::ForwardObject, Attempt, Forward, StreamCut, Upstream},
     validation::Schemas,
 };
@@ -287,7 +291,9 @@ fn check<Req, S: tower::Service<Req>>(service: S) -> S {
 fn proxy_stack(state: &AppState) -> HttpService {
     let server = &state.config.server;
     // The attempt level: one upstream call, metered.
-    let leaf = check::<Attempt, _>(Forward::new(upstream::client(), state.stream_cut.clone()));
+    let leaf = check::<Attempt, _>(
+        TranslateLayer.layer(Forward::new(upstream::client(), state.stream_cut.clone())),
+    );
     let metered = check::<Billed, _>(MeterLayer::new(state.budgets.clone()).layer(leaf));
     let metered = check::<Billed, _>(ResponseOwnersLayer::new(state.owners.clone()).layer(metered));
     // The call level: a parsed, routed request, answered by one target.

@@ -12,6 +12,8 @@ pub struct Target {
     pub upstream: Arc<Upstream>,
     /// The model to ask this upstream for; `None` keeps the client's.
     pub model: Option<String>,
+    /// The answer cap for a translated request that sets none (Anthropic targets).
+    pub max_tokens: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -26,6 +28,8 @@ pub struct Route {
     pub validation_stream: Option<crate::config::StreamValidation>,
     /// `hedge_after`: when a second attempt races a slow first one (off when `None`).
     pub hedge_after: Option<crate::config::HedgeAfter>,
+    /// Top-level request fields a translation may drop (`translate.drop`).
+    pub translate_drop: Vec<String>,
 }
 
 #[derive(Debug, Default)]
@@ -48,6 +52,7 @@ impl RouteTable {
             let target = |t: &crate::config::TargetConfig| Target {
                 upstream: upstreams[&t.upstream].clone(),
                 model: t.model.clone(),
+                max_tokens: t.max_tokens,
             };
             let resolved = Arc::new(Route {
                 pattern: route.model.clone(),
@@ -56,6 +61,7 @@ impl RouteTable {
                 response_schema: route.response_schema_value.clone(),
                 validation_stream: route.validation.stream,
                 hedge_after: route.hedge_after,
+                translate_drop: route.translate.drop.clone(),
             });
             if !route.is_glob() {
                 table.ids.push(route.model.clone());

@@ -173,6 +173,10 @@ pub struct Facts {
 pub struct Trail {
     pub steps: Vec<Step>,
     pub upstream: Option<Arc<str>>,
+    /// The model the last attempt asked its upstream for.
+    pub model: Option<Arc<str>>,
+    /// Fields a translation dropped because the route allowed it (comma-separated).
+    pub dropped: Option<Arc<str>>,
     pub attempts: u32,
     pub upstream_time: Duration,
 }
@@ -185,6 +189,8 @@ impl Trail {
         self.upstream_time += later.upstream_time;
         if later.upstream.is_some() {
             self.upstream = later.upstream;
+            self.model = later.model;
+            self.dropped = later.dropped;
         }
     }
 }
@@ -394,12 +400,14 @@ mod tests {
             upstream: Some("a".into()),
             attempts: 1,
             upstream_time: Duration::from_millis(5),
+            ..Trail::default()
         });
         trail.then(Trail {
             steps: vec![Step::GiveUp(trail::Reason::Status(503))],
             upstream: None,
             attempts: 2,
             upstream_time: Duration::from_millis(7),
+            ..Trail::default()
         });
         assert_eq!(trail::render(&trail.steps), "hedge:b,ok,giveup:503");
         assert_eq!(trail.attempts, 3);

@@ -143,6 +143,30 @@ impl ParsedRequest {
         }
     }
 
+    /// The request as translated for a target of the other API: `json` is the target's
+    /// body (built by `crate::translate`, so it needs no checking), read as `parse` would.
+    pub fn translated(&self, endpoint: Endpoint, json: Map<String, Value>) -> ParsedRequest {
+        let max_output_tokens = endpoint
+            .output_cap_fields()
+            .iter()
+            .find_map(|f| json.get(*f).and_then(Value::as_u64));
+        let client_wants_stream_usage = json
+            .get("stream_options")
+            .and_then(|o| o.get("include_usage"))
+            .and_then(Value::as_bool)
+            == Some(true);
+        ParsedRequest {
+            endpoint,
+            model: self.model.clone(),
+            stream: matches!(json.get("stream"), Some(Value::Bool(true))),
+            max_output_tokens,
+            client_wants_stream_usage,
+            body: Bytes::from(serde_json::to_vec(&json).expect("a JSON map serialises")),
+            json,
+            refs: super::StoredRefs::default(),
+        }
+    }
+
     /// The body to send upstream: as received, unless the model is rewritten or stream
     /// usage must be asked for (then re-serialised from the parsed body, with the two
     /// fields changed as it is written: the parsed body is never copied).

@@ -30,6 +30,9 @@ pub struct RouteConfig {
     /// answer times, `"p95"`) also goes to the next target; the first answer wins.
     #[serde(default)]
     pub hedge_after: Option<HedgeAfter>,
+    /// Targets that speak the other API: what their translation may lose.
+    #[serde(default)]
+    pub translate: TranslateConfig,
     /// The schema, loaded from `response_schema` and checked to compile.
     #[serde(skip)]
     pub response_schema_value: Option<std::sync::Arc<serde_json::Value>>,
@@ -42,6 +45,22 @@ pub struct TargetConfig {
     pub upstream: String,
     #[serde(default)]
     pub model: Option<String>,
+    /// The answer cap sent to an Anthropic target when a translated request sets none
+    /// (Anthropic requires one; without it such a request skips this target).
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+}
+
+/// `[routes.translate]`: a route's opt-in to named losses when a request is translated
+/// for a target of the other API.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TranslateConfig {
+    /// Top-level request fields that may be dropped when the target has no equivalent
+    /// (`["seed", "logprobs"]`); the answer names them in
+    /// `x-backstop-translation-dropped`.
+    #[serde(default)]
+    pub drop: Vec<String>,
 }
 
 impl RouteConfig {
@@ -147,6 +166,15 @@ impl TargetConfig {
             return Err(ConfigError::invalid(
                 format!("{key}.model"),
                 "must not be empty when given",
+            ));
+        }
+        if self
+            .max_tokens
+            .is_some_and(|n| n == 0 || n > crate::api::MAX_OUTPUT_TOKENS)
+        {
+            return Err(ConfigError::invalid(
+                format!("{key}.max_tokens"),
+                format_args!("must be from 1 to {}", crate::api::MAX_OUTPUT_TOKENS),
             ));
         }
         Ok(())

@@ -72,6 +72,7 @@ error_codes! {
     ConversationNotFound = "conversation_not_found",
     ModelNotFound = "model_not_found",
     ApiMismatch = "api_mismatch",
+    UnsupportedConversion = "unsupported_conversion",
     RequestTooLarge = "request_too_large",
     TooManyItems = "too_many_items",
     BodyReadError = "body_read_error",
@@ -196,6 +197,7 @@ impl ErrorCode {
             | ItemNotFound
             | ConversationNotFound
             | ApiMismatch
+            | UnsupportedConversion
             | TooManyItems
             | BodyReadError
             | InvalidSchema

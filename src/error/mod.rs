@@ -39,6 +39,12 @@ pub enum GatewayError {
         upstream_api: &'static str,
         path: &'static str,
     },
+    /// No target of the route can carry the request exactly in its API: the JSON paths
+    /// with no equivalent, per target.
+    #[error("no target of model `{model}` can take this request without losing {}: \
+             the other provider has no exact equivalent (a route may allow named losses \
+             with `translate.drop`)", paths.join(", "))]
+    UnsupportedConversion { model: String, paths: Vec<String> },
     #[error("request body exceeds the limit of {limit} bytes")]
     BodyTooLarge { limit: usize },
     /// A list in the body (or the body as a whole) holds more items than a
@@ -182,6 +188,7 @@ impl GatewayError {
             ConversationNotFound(_) => ErrorCode::ConversationNotFound,
             ModelNotFound(_) => ErrorCode::ModelNotFound,
             ApiMismatch { .. } => ErrorCode::ApiMismatch,
+            UnsupportedConversion { .. } => ErrorCode::UnsupportedConversion,
             BodyTooLarge { .. } => ErrorCode::RequestTooLarge,
             TooManyItems { .. } => ErrorCode::TooManyItems,
             Overloaded { .. } => ErrorCode::Overloaded,

@@ -327,6 +327,16 @@ fn set_headers(headers: &mut http::HeaderMap, facts: &Facts) {
     {
         headers.insert("x-backstop-recovery", value);
     }
+    let recovery = &facts.recovery;
+    for (name, value) in [
+        ("x-backstop-upstream", &recovery.upstream),
+        ("x-backstop-model", &recovery.model),
+        ("x-backstop-translation-dropped", &recovery.dropped),
+    ] {
+        if let Some(value) = value.as_deref().and_then(|v| HeaderValue::from_str(v).ok()) {
+            headers.insert(name, value);
+        }
+    }
     if let Some(state) = facts.session_state {
         headers.insert(
             "x-backstop-session-state",

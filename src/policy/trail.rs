@@ -60,6 +60,12 @@ pub enum Step {
     Correct(&'static str),
     /// Corrections exhausted on one target: the next target is asked.
     Switch(Arc<str>),
+    /// A target of the other API that cannot carry this request exactly: skipped
+    /// before any attempt, with the JSON paths it would lose (space-separated).
+    Untranslatable { upstream: Arc<str>, paths: Arc<str> },
+    /// The target speaks the other API: the request and its answer are translated
+    /// (`chat->messages`).
+    Translate(&'static str),
 }
 
 impl fmt::Display for Step {
@@ -78,6 +84,10 @@ impl fmt::Display for Step {
             Step::Refused(code) => write!(f, "refused:{code}"),
             Step::Correct(kind) => write!(f, "correct:{kind}"),
             Step::Switch(to) => write!(f, "switch:{to}"),
+            Step::Untranslatable { upstream, paths } => {
+                write!(f, "skip:{upstream}(untranslatable: {paths})")
+            }
+            Step::Translate(direction) => write!(f, "translate:{direction}"),
         }
     }
 }

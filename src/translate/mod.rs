@@ -17,6 +17,7 @@
 pub mod answer;
 pub mod finish;
 pub mod ids;
+pub mod layer;
 pub mod request;
 pub mod responses;
 pub mod stream;

@@ -142,6 +142,9 @@ pub struct Attempt {
     pub keep_answer: bool,
     /// The attempt's trace context, sent as `traceparent` (tracing on only).
     pub trace: Option<opentelemetry::Context>,
+    /// The target speaks the other API: `request` is already translated, and the answer
+    /// is brought back into the caller's (see [`crate::translate::layer`]).
+    pub translation: Option<crate::translate::AnswerContext>,
 }
 
 /// Why an attempt produced no upstream answer.

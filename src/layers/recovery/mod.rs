@@ -49,7 +49,7 @@ use super::{
     Middleware, Stack,
 };
 use crate::{
-    api::ApiKind,
+    api::{ApiKind, ParsedRequest},
     error::GatewayError,
     policy::{
         backoff::{next_wait, Wait},
@@ -60,6 +60,7 @@ use crate::{
     routing::Target,
     state::health::{HealthRegistry, UpstreamHealth},
     telemetry::Trail,
+    translate::{self, AnswerContext, Direction},
     upstream::{Attempt, AttemptError, Reply, Upstream},
 };
 
@@ -150,9 +151,20 @@ enum Next {
 struct Visit<'a> {
     by: AnsweredBy,
     target: &'a Target,
+    /// The target speaks the other API: the request as translated for it.
+    translation: Option<Arc<Translated>>,
     used: u32,
     /// A deferred target: its Retry-After, and the failure it resumes after.
     deferred: Option<(Instant, Reason)>,
+}
+
+/// A request translated for a target of the other API, judged exact before the first
+/// attempt.
+struct Translated {
+    direction: Direction,
+    request: Arc<ParsedRequest>,
+    /// Fields lost because the route allowed it, for `x-backstop-translation-dropped`.
+    dropped: Option<Arc<str>>,
 }
 
 /// What one classified attempt means.
@@ -252,26 +264,32 @@ where
     async fn recover(mut self, call: Call) -> Result<Answered, Unanswered> {
         let request_timeout = call.deadline.timeout;
         let deadline = call.deadline.at;
-        let api = call.endpoint().api();
         let route = call.route.clone();
-        let mut queue: VecDeque<Visit<'_>> = route
-            .targets
-            .iter()
-            .enumerate()
-            .skip(call.start.0)
-            .filter(|(_, t)| t.upstream.api == api)
-            .map(|(i, target)| Visit {
-                by: AnsweredBy::Target(TargetIndex(i)),
-                target,
-                used: 0,
-                deferred: None,
-            })
-            .collect();
+        let mut untranslatable: Vec<String> = Vec::new();
+        let mut queue: VecDeque<Visit<'_>> = VecDeque::with_capacity(route.targets.len());
+        for (i, target) in route.targets.iter().enumerate().skip(call.start.0) {
+            if let Some(translation) = self.judge_target(&call, target, &mut untranslatable) {
+                queue.push_back(Visit {
+                    by: AnsweredBy::Target(TargetIndex(i)),
+                    target,
+                    translation,
+                    used: 0,
+                    deferred: None,
+                });
+            }
+        }
         if queue.len() > 1 {
             self.demote_outliers(&mut queue);
         }
         if queue.is_empty() {
-            // Nothing past `start` speaks the caller's API: a route/endpoint mismatch.
+            if !untranslatable.is_empty() {
+                return self.finish(Err(GatewayError::UnsupportedConversion {
+                    model: call.request.model.clone(),
+                    paths: untranslatable,
+                }));
+            }
+            // Nothing past `start` speaks the caller's API or translates to it: a
+            // route/endpoint mismatch (embeddings, `count_tokens`).
             let other = route.targets[0].upstream.api;
             return self.finish(Err(GatewayError::ApiMismatch {
                 model: call.request.model.clone(),
@@ -288,6 +306,7 @@ where
         while let Some(Visit {
             by,
             target,
+            translation,
             used,
             deferred,
         }) = queue.pop_front()
@@ -316,7 +335,15 @@ where
                     .is_some_and(|h| h.is_closed())
             });
             match self
-                .try_target(&call, target, used, spare, &mut last, &mut open_for)
+                .try_target(
+                    &call,
+                    target,
+                    translation.as_ref(),
+                    used,
+                    spare,
+                    &mut last,
+                    &mut open_for,
+                )
                 .await
             {
                 Next::Answer(mut result) => {
@@ -333,25 +360,30 @@ where
                 } => queue.push_back(Visit {
                     by,
                     target,
+                    translation,
                     used,
                     deferred: Some((not_before, reason)),
                 }),
-                Next::ContextFallback => match route
-                    .context_fallback
-                    .as_ref()
-                    .filter(|f| f.upstream.api == api)
-                {
-                    Some(fallback) => {
-                        queue.clear();
-                        queue.push_back(Visit {
-                            by: AnsweredBy::ContextFallback,
-                            target: fallback,
-                            used: 0,
-                            deferred: None,
-                        });
+                Next::ContextFallback => {
+                    let judged = route.context_fallback.as_ref().and_then(|fallback| {
+                        let translation =
+                            self.judge_target(&call, fallback, &mut untranslatable)?;
+                        Some((fallback, translation))
+                    });
+                    match judged {
+                        Some((fallback, translation)) => {
+                            queue.clear();
+                            queue.push_back(Visit {
+                                by: AnsweredBy::ContextFallback,
+                                target: fallback,
+                                translation,
+                                used: 0,
+                                deferred: None,
+                            });
+                        }
+                        None => break,
                     }
-                    None => break,
-                },
+                }
             }
             if Instant::now() >= deadline {
                 break;
@@ -367,11 +399,54 @@ where
         self.finish(result)
     }
 
+    /// Whether a target can take this request: `Some(None)` when it speaks the caller's
+    /// API, `Some(Some(..))` with the request translated exactly for it, `None` when it
+    /// cannot (the paths it would lose go to the trail and to `untranslatable`).
+    fn judge_target(
+        &mut self,
+        call: &Call,
+        target: &Target,
+        untranslatable: &mut Vec<String>,
+    ) -> Option<Option<Arc<Translated>>> {
+        let upstream = &target.upstream;
+        let direction = match Direction::between(call.endpoint(), upstream.api) {
+            Ok(None) => return Some(None),
+            Ok(Some(direction)) => direction,
+            Err(()) => return None,
+        };
+        let options = translate::request::Options {
+            drop: &call.route.translate_drop,
+            max_tokens: target.max_tokens,
+        };
+        match translate::request::convert(direction, &call.request, options) {
+            Ok(converted) => Some(Some(Arc::new(Translated {
+                direction,
+                request: Arc::new(
+                    call.request
+                        .translated(direction.target_endpoint(), converted.json),
+                ),
+                dropped: (!converted.dropped.is_empty())
+                    .then(|| Arc::from(converted.dropped.join(","))),
+            }))),
+            Err(lost) => {
+                let paths = lost.paths.join(" ");
+                untranslatable.push(format!("{}: {paths}", upstream.name));
+                self.trail.steps.push(Step::Untranslatable {
+                    upstream: upstream.name.clone(),
+                    paths: paths.into(),
+                });
+                None
+            }
+        }
+    }
+
     /// Attempts on one target until it answers, or is to be left.
+    #[allow(clippy::too_many_arguments)]
     async fn try_target(
         &mut self,
         call: &Call,
         target: &Target,
+        translation: Option<&Arc<Translated>>,
         used: u32,
         spare: bool,
         last: &mut Option<Failure>,
@@ -384,6 +459,11 @@ where
         };
         let deadline = call.deadline.at;
         let rules = upstream.retry;
+        if let Some(translation) = translation {
+            self.trail
+                .steps
+                .push(Step::Translate(translation.direction.label()));
+        }
         for attempt_no in used..rules.max_attempts {
             let now = Instant::now();
             let admitted = match health.admit(now) {
@@ -407,7 +487,7 @@ where
             }
             let timeout = upstream.attempt_timeout.min(remaining);
             let started = Instant::now();
-            let tried = match self.attempt(call, target, timeout).await {
+            let tried = match self.attempt(call, target, translation, timeout).await {
                 Ok(tried) => tried,
                 Err(refusal) => {
                     // Refused before any network: no verdict on the upstream.
@@ -479,24 +559,30 @@ where
         &mut self,
         call: &Call,
         target: &Target,
+        translation: Option<&Arc<Translated>>,
         timeout: Duration,
     ) -> Result<Tried, GatewayError> {
         let model: Option<Arc<str>> = target.model.as_deref().map(Arc::from);
+        let request = translation.map_or(&call.request, |t| &t.request);
         let span = call.log.trace().map(|trace| {
             let asked = model.as_deref().unwrap_or(&call.request.model);
             let upstream = &target.upstream;
-            trace.attempt(&upstream.name, upstream.api, call.endpoint(), asked)
+            trace.attempt(&upstream.name, upstream.api, request.endpoint, asked)
         });
         let billed = Billed {
             attempt: Attempt {
-                request: call.request.clone(),
+                request: request.clone(),
                 upstream: target.upstream.clone(),
-                model,
+                model: model.clone(),
                 headers: call.headers.clone(),
                 timeout,
                 stream_usage: false,
                 keep_answer: call.keep_answer,
                 trace: span.as_ref().map(|s| s.context().clone()),
+                translation: translation.map(|t| AnswerContext {
+                    direction: t.direction,
+                    caller: call.request.clone(),
+                }),
             },
             tenant: call.tenant.clone(),
             session: call.session.clone(),
@@ -516,6 +602,8 @@ where
         };
         self.trail.attempts += 1;
         self.trail.upstream = Some(target.upstream.name.clone());
+        self.trail.model = Some(model.unwrap_or_else(|| Arc::from(call.request.model.as_str())));
+        self.trail.dropped = translation.and_then(|t| t.dropped.clone());
         self.trail.upstream_time += started.elapsed();
         let (class, reason) = classified(&outcome);
         if let (Some(span), Some(trace)) = (span, call.log.trace()) {
