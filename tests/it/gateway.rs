@@ -255,12 +255,38 @@ async fn bad_input_is_refused_before_any_upstream_call() {
 }
 
 #[tokio::test]
-async fn a_model_on_the_other_api_is_a_caller_error() {
+async fn a_model_on_the_other_api_is_translated_or_refused_naming_what_it_lacks() {
     let gw = start().await;
+    // Anthropic requires `max_tokens`, and the target sets no default: nothing is sent.
     let resp = gw.chat("mismatch", "", chat("claude-x")).await;
     assert_eq!(resp.status(), 400);
-    assert_eq!(json(resp).await["error"]["code"], "api_mismatch");
+    let error = json(resp).await["error"].clone();
+    assert_eq!(error["code"], "unsupported_conversion");
+    assert!(
+        error["message"].as_str().unwrap().contains("/max_tokens"),
+        "{error}"
+    );
     assert_eq!(gw.mock.attempts("mismatch"), 0);
+    let resp = gw
+        .chat("mismatch", "", chat("claude-x").max_tokens(10))
+        .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        resp.headers()["x-backstop-recovery"],
+        "translate:chat->messages,ok"
+    );
+    // Embeddings have no Anthropic counterpart at all.
+    let resp = gw
+        .post(
+            "/v1/embeddings",
+            Some(KEY_A),
+            &[("x-mock-scenario", "mismatch")],
+            r#"{"model":"claude-x","input":"hi"}"#,
+        )
+        .await;
+    assert_eq!(resp.status(), 400);
+    assert_eq!(json(resp).await["error"]["code"], "api_mismatch");
+    assert_eq!(gw.mock.attempts("mismatch"), 1);
 }
 
 #[tokio::test]

@@ -228,6 +228,21 @@ targets = [{{ upstream = "mock-anthropic" }}]
 model = "dead-model"
 targets = [{{ upstream = "dead" }}]
 
+# The strategy switch across providers (test_switch_sdk.py): the first target is down
+# (nothing listens), the second speaks the other API.
+[[routes]]
+model = "switch-gpt"
+targets = [{{ upstream = "dead" }}, {{ upstream = "mock-anthropic", model = "claude-switch", max_tokens = 1024 }}]
+
+[[routes]]
+model = "switch-claude"
+targets = [{{ upstream = "dead-anthropic" }}, {{ upstream = "mock-openai", model = "gpt-switch" }}]
+
+# One conversation, two providers: OpenAI while it is up (scripted per request), then Claude.
+[[routes]]
+model = "switch-live"
+targets = [{{ upstream = "mock-openai" }}, {{ upstream = "mock-anthropic", model = "claude-switch", max_tokens = 1024 }}]
+
 [[routes]]
 model = "dead-claude"
 targets = [{{ upstream = "dead-anthropic" }}]
