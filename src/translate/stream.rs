@@ -651,6 +651,14 @@ impl ChunksToMessages {
                         out.push(named("error", &error.anthropic()));
                         MessagesSide::Ended
                     }
+                    // Azure OpenAI opens with a chunk of content-filter results only
+                    // (no id, no model, no choices): the message starts with the first
+                    // chunk that says something.
+                    (MessagesSide::Waiting, ChatEvent::Chunk(chunk))
+                        if chunk.choices.is_empty() && chunk.usage.is_none() =>
+                    {
+                        MessagesSide::Waiting
+                    }
                     (MessagesSide::Waiting, ChatEvent::Chunk(chunk)) => {
                         let message = MessageOut {
                             id: answer::message_id(&chunk.id),
@@ -1084,7 +1092,7 @@ mod tests {
     }
 
     #[test]
-    fn calls_sent_whole_without_an_index_are_separate_blocks() {
+    fn an_azure_opener_is_skipped_and_calls_sent_whole_are_separate_blocks() {
         let cx = context(Direction::MessagesToChat, false);
         let chunk = |delta: Value, finish: Value| {
             sse(
@@ -1097,11 +1105,17 @@ mod tests {
             json!({"tool_calls": [{"id": id, "type": "function",
                 "function": {"name": name, "arguments": arguments}}]})
         };
-        let input = chunk(call("a", "f", "{\"x\":1}"), Value::Null)
+        let azure = r#"{"choices":[],"created":0,"id":"","model":"","object":"","prompt_filter_results":[]}"#;
+        let input = format!("data: {azure}\n\n")
+            + &chunk(call("a", "f", "{\"x\":1}"), Value::Null)
             + &chunk(call("b", "g", ""), Value::Null)
             + &chunk(json!({}), json!("tool_calls"))
             + "data: [DONE]\n\n";
         let folded = fold_messages(&translate(&cx, input.as_bytes(), &[])).unwrap();
+        assert_eq!(
+            (&folded["id"], &folded["model"]),
+            (&json!("msg_c"), &json!("gemini"))
+        );
         assert_eq!(
             folded["content"],
             json!([{"type": "tool_use", "id": "a", "name": "f", "input": {"x": 1}},
