@@ -930,6 +930,45 @@ mod tests {
         );
     }
 
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any status and any bytes: never a panic, always the caller's error shape, and a
+        /// 429 that names no quota is always a rate limit.
+        #[test]
+        fn any_error_body_comes_out_in_the_callers_shape(
+            status in 400u16..600,
+            body in prop_oneof![
+                proptest::collection::vec(any::<u8>(), 0..64),
+                "\\{\"(type|error)\":\\{\"(type|code|message)\":\"[a-z_ ]{0,12}\"\\}\\}"
+                    .prop_map(String::into_bytes),
+            ],
+        ) {
+            let status = StatusCode::from_u16(status).unwrap();
+            for direction in [Direction::ChatToMessages, Direction::MessagesToChat] {
+                let out: Value = serde_json::from_slice(&error(&context(direction), status, &body)).unwrap();
+                let kind = match direction {
+                    Direction::MessagesToChat => {
+                        prop_assert_eq!(&out["type"], "error");
+                        out["error"]["type"].clone()
+                    }
+                    _ => {
+                        prop_assert!(out["error"].get("param").is_some());
+                        out["error"]["code"].clone()
+                    }
+                };
+                prop_assert!(out["error"]["message"].is_string());
+                let text = String::from_utf8_lossy(&body).to_ascii_lowercase();
+                if status == 429 && !text.contains("quota") && !text.contains("billing")
+                    && !text.contains("overloaded") && !text.contains("context") && !text.contains("too")
+                    && !text.contains("error") && !text.contains("not_found")
+                {
+                    prop_assert!(kind == "rate_limit_error" || kind == "rate_limit_exceeded", "{}", out);
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_chat_answer_needs_one_choice_a_known_finish_and_object_arguments() {
         let cx = context(Direction::MessagesToChat);
