@@ -101,6 +101,10 @@ pub(super) struct Message {
 pub(super) enum ContentBlock {
     Text {
         text: String,
+        /// Only when the request enabled citations on its documents; chat completions
+        /// have nowhere to put them.
+        #[serde(default)]
+        citations: Option<Vec<Value>>,
     },
     ToolUse {
         id: String,
@@ -118,6 +122,9 @@ impl ContentBlock {
     /// Why chat completions cannot carry this block, if they cannot.
     pub(super) fn refusal(&self) -> Option<&'static str> {
         match self {
+            ContentBlock::Text {
+                citations: Some(c), ..
+            } if !c.is_empty() => Some("citations, which chat completions cannot carry"),
             ContentBlock::Text { .. } | ContentBlock::ToolUse { .. } => None,
             ContentBlock::Thinking {} | ContentBlock::RedactedThinking {} => Some(
                 "a thinking block, which chat completions cannot carry (thinking is refused for this direction)",
@@ -397,7 +404,7 @@ fn chat_completion(message: Message, created: u64) -> Result<ChatCompletionOut, 
             return Err(AnswerError(format!("the answer has {why}")));
         }
         match block {
-            ContentBlock::Text { text: t } => text.push_str(&t),
+            ContentBlock::Text { text: t, .. } => text.push_str(&t),
             ContentBlock::ToolUse { id, name, input } => tool_calls.push(ToolCallOut {
                 id: openai_tool_id(&id)?,
                 kind: "function",
@@ -1041,6 +1048,11 @@ mod tests {
         assert!(message(long, "tool_use").is_err());
         let server = json!([{"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {}}]);
         assert!(message(server, "end_turn").is_err());
+        let cited =
+            json!([{"type": "text", "text": "x", "citations": [{"type": "char_location"}]}]);
+        assert!(message(cited, "end_turn").is_err());
+        let uncited = json!([{"type": "text", "text": "x", "citations": null}]);
+        assert!(message(uncited, "end_turn").is_ok());
         let encoded = json!([{"type": "tool_use", "id": ids::for_anthropic("functions.Bash:0"), "name": "f", "input": {}}]);
         let out: Value = serde_json::from_slice(&message(encoded, "tool_use").unwrap()).unwrap();
         assert_eq!(

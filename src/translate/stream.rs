@@ -210,7 +210,7 @@ impl MessagesToChunks {
                     return Err(AnswerError(format!("the stream has {why}")));
                 }
                 let block = match content_block {
-                    ContentBlock::Text { text } => {
+                    ContentBlock::Text { text, .. } => {
                         if !text.is_empty() {
                             out.push(text_chunk(&open.head, &text));
                         }
