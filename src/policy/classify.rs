@@ -155,7 +155,9 @@ pub fn classify(observed: Observed<'_>, now: SystemTime) -> Class {
         retry_after: retry_after(headers, now),
         rate_limited,
     };
-    if says("insufficient_quota") || says("billing_hard_limit_reached") {
+    // Anthropic names a quota problem `billing_error` (and so does a translated
+    // OpenAI `insufficient_quota` reaching an Anthropic caller).
+    if says("insufficient_quota") || says("billing_hard_limit_reached") || says("billing_error") {
         return Class::CredentialOrQuota;
     }
     if says("context_length_exceeded")
@@ -258,6 +260,11 @@ mod tests {
             (429, openai_rate, RATE),
             (429, "", RATE),
             (429, openai_quota, Class::CredentialOrQuota),
+            (
+                429,
+                r#"{"type":"error","error":{"type":"billing_error","message":"You exceeded your current quota"}}"#,
+                Class::CredentialOrQuota,
+            ),
             (500, "", TRANSIENT),
             (502, "<html>bad gateway</html>", TRANSIENT),
             (503, "", TRANSIENT),

@@ -97,6 +97,12 @@ fn back(cx: &AnswerContext, reply: Reply, keep_answer: bool) -> Reply {
             } else {
                 answer::error(cx, status, &bytes)
             };
+            // Anthropic's 529 (overloaded) is not a status OpenAI clients know: it is the
+            // 503 an OpenAI server answers when it is overloaded.
+            let status = match (status.as_u16(), endpoint.api()) {
+                (529, crate::api::ApiKind::OpenAi) => http::StatusCode::SERVICE_UNAVAILABLE,
+                _ => status,
+            };
             Reply::whole(endpoint, status, headers, body, keep_answer)
         }
     }
