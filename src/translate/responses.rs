@@ -1720,6 +1720,30 @@ mod tests {
             (json!({"background": true}), "/background"),
             (json!({"metadata": {"k": "v"}}), "/metadata"),
             (json!({"top_logprobs": 2}), "/top_logprobs"),
+            (json!({"service_tier": "flex"}), "/service_tier"),
+            (json!({"prompt": {"id": "pmpt_1"}}), "/prompt"),
+            (json!({"prompt_cache_key": "k"}), "/prompt_cache_key"),
+            (json!({"max_tool_calls": 3}), "/max_tool_calls"),
+            (
+                json!({"tool_choice": {"type": "web_search_preview"}}),
+                "/tool_choice",
+            ),
+            (
+                json!({"tools": [{"type": "function", "name": "f", "defer_loading": true}]}),
+                "/tools/0/defer_loading",
+            ),
+            (
+                json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png,raw"}]}]}),
+                "/input/0/content/0",
+            ),
+            (
+                json!({"input": [{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}, {"role": "user", "content": "b"}]}),
+                "/input/1/content/0",
+            ),
+            (
+                json!({"input": [{"role": "user", "content": "a"}, {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}, {"type": "function_call_output", "call_id": "c", "output": "x"}]}),
+                "/input/1/arguments",
+            ),
             (json!({"text": {"verbosity": "low"}}), "/text/verbosity"),
             (
                 json!({"input": [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}, {"role": "user", "content": "b"}]}),
