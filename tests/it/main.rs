@@ -30,4 +30,5 @@ mod schema_fuzz;
 mod schema_limits;
 mod stream_lossless;
 mod streaming;
+mod strict_mock;
 mod validation;
