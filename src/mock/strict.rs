@@ -160,8 +160,14 @@ pub fn anthropic_messages(request: &Value) -> Checked {
             return Err(Refusal::new(format!("{required}: Field required")));
         }
     }
-    match request["max_tokens"].as_u64() {
-        Some(0) => {
+    // Validation is lax as pydantic's: `64.0` is an integer, `64.5` is not.
+    match request["max_tokens"].as_f64() {
+        Some(n) if n.fract() != 0.0 => {
+            return Err(Refusal::new(
+                "max_tokens: Input should be a valid integer, got a number with a fractional part",
+            ))
+        }
+        Some(n) if n < 1.0 => {
             return Err(Refusal::new(
                 "max_tokens: Input should be greater than or equal to 1",
             ))
@@ -976,7 +982,13 @@ mod tests {
             messages(|r| r["max_tokens"] = json!(0)),
             "max_tokens: Input should be greater than or equal to 1",
         );
+        anthropic_refuses(
+            messages(|r| r["max_tokens"] = json!(-5)),
+            "max_tokens: Input should be greater than or equal to 1",
+        );
+
         anthropic_accepts(messages(|r| r["max_tokens"] = json!(1)));
+        anthropic_accepts(messages(|r| r["max_tokens"] = json!(64.0)));
     }
 
     #[test]
