@@ -41,6 +41,10 @@ enum Command {
         /// Random faults for unscripted requests, e.g. "status=503@0.2|reset@0.05".
         #[arg(long, default_value = "")]
         fault_mix: String,
+        /// Refuse what the real APIs refuse (unknown fields, empty text blocks, orphan
+        /// tool results, ...), as they would; a request's `x-mock-strict: off` opts out.
+        #[arg(long)]
+        strict: bool,
     },
     /// Run a fault storm through Backstop against the mock and print what happened.
     Demo {
@@ -110,7 +114,11 @@ fn main() -> ExitCode {
             runtime().block_on(backstop::demo::run(requests, concurrency));
             ExitCode::SUCCESS
         }
-        Command::MockUpstream { listen, fault_mix } => {
+        Command::MockUpstream {
+            listen,
+            fault_mix,
+            strict,
+        } => {
             let mix = match backstop::mock::FaultMix::parse(&fault_mix) {
                 Ok(mix) => mix,
                 Err(err) => {
@@ -121,7 +129,7 @@ fn main() -> ExitCode {
             telemetry::init_logging(&Default::default());
             let code = runtime().block_on(async move {
                 tokio::select! {
-                    result = backstop::mock::run(listen, mix) => {
+                    result = backstop::mock::run(listen, backstop::mock::MockConfig { mix, seed: None, strict }) => {
                         let Err(err) = result;
                         eprintln!("mock upstream: {err}");
                         ExitCode::FAILURE

@@ -8,6 +8,16 @@
 //!   repeats). A step is `;`-separated tokens, see [`fault::FaultStep`].
 //! - Without a script, a random [`FaultMix`] plays: `x-mock-fault-mix: STEP@P|...` per
 //!   request, else the one the mock was started with (`--fault-mix`), for fault storms.
+//! - `x-mock-strict: on` (or `off`): strict mode for this request, whatever the instance
+//!   says. A strict mock refuses what the real APIs refuse, with their status, error
+//!   shape and message (see [`strict`]): unknown top-level fields, Anthropic without
+//!   `max_tokens`, `system` inside Anthropic's `messages`, empty text blocks, tool
+//!   results that answer no call of the previous turn, ids outside Anthropic's pattern,
+//!   OpenAI tool-call ids over 40 characters, out-of-range temperatures, and more. It is
+//!   what catches a translation between APIs that the real provider would refuse. An
+//!   instance is strict from the start with [`spawn_strict`], [`MockConfig::strict`] or
+//!   `backstop mock-upstream --strict`; it is off by default. Scripted redirects and
+//!   errors still come first, so fault scripts play the same in both modes.
 //!
 //! Introspection: `GET /mock/stats`, `GET /mock/last?scenario=NAME`, `POST /mock/reset`.
 //! It logs nothing per request, so it is never the bottleneck of a load test.
@@ -15,6 +25,7 @@
 mod fault;
 mod responses;
 mod responses_api;
+pub mod strict;
 
 use std::{
     collections::HashMap,
@@ -58,6 +69,21 @@ pub struct MockState {
     mix: FaultMix,
     /// The draws for `mix`: seeded for reproducible scenarios, else from entropy.
     rng: Mutex<fastrand::Rng>,
+    /// Refuse what the real APIs refuse ([`strict`]), unless a request says
+    /// `x-mock-strict: off`.
+    strict: bool,
+}
+
+/// How a mock instance is started: see [`spawn_config`].
+#[derive(Debug, Default, Clone)]
+pub struct MockConfig {
+    /// Faults for requests that script none (`--fault-mix`).
+    pub mix: FaultMix,
+    /// The seed of the mix's draws; `None` draws from entropy.
+    pub seed: Option<u64>,
+    /// Strict mode for every request (`--strict`); a request's `x-mock-strict` header
+    /// still decides for itself.
+    pub strict: bool,
 }
 
 impl MockState {
@@ -185,12 +211,39 @@ pub fn spawn_with(listener: TcpListener, mix: FaultMix) -> MockHandle {
 /// As [`spawn_with`], drawing the mix's faults from `seed`: the same seed plays the
 /// same sequence of faults (which request gets which still depends on arrival order).
 pub fn spawn_seeded(listener: TcpListener, mix: FaultMix, seed: u64) -> MockHandle {
+    spawn_config(
+        listener,
+        MockConfig {
+            mix,
+            seed: Some(seed),
+            strict: false,
+        },
+    )
+}
+
+/// Serves a mock in strict mode: requests the real APIs refuse are refused
+/// ([`strict`]), unless a request says `x-mock-strict: off`.
+pub fn spawn_strict(listener: TcpListener) -> MockHandle {
+    spawn_config(
+        listener,
+        MockConfig {
+            strict: true,
+            ..MockConfig::default()
+        },
+    )
+}
+
+/// Serves a mock started as `config` says.
+pub fn spawn_config(listener: TcpListener, config: MockConfig) -> MockHandle {
     let addr = listener
         .local_addr()
         .expect("bound listener has an address");
     let state = Arc::new(MockState {
-        mix,
-        rng: Mutex::new(fastrand::Rng::with_seed(seed)),
+        mix: config.mix,
+        rng: Mutex::new(fastrand::Rng::with_seed(
+            config.seed.unwrap_or_else(|| fastrand::u64(..)),
+        )),
+        strict: config.strict,
         ..MockState::default()
     });
     let shared = state.clone();
@@ -283,6 +336,11 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
     if step.reset {
         return Err(Reset);
     }
+    let strict = match header_str(&parts.headers, "x-mock-strict") {
+        Some(v) => matches!(v.trim().to_ascii_lowercase().as_str(), "on" | "true" | "1"),
+        None => state.strict,
+    };
+    let strict = strict && parts.method == Method::POST;
     let mut response = answer(
         api,
         &parts.method,
@@ -290,6 +348,7 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
         parts.uri.query(),
         &request,
         &step,
+        strict,
     );
     for (name, value) in &step.headers {
         if let (Ok(name), Ok(value)) = (
@@ -302,7 +361,8 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
     Ok(response)
 }
 
-/// The scripted answer for one attempt.
+/// The scripted answer for one attempt. Scripted redirects and errors come first; then,
+/// in strict mode, the real API's refusals; then the answer.
 fn answer(
     api: responses::Api,
     method: &Method,
@@ -310,6 +370,7 @@ fn answer(
     query: Option<&str>,
     request: &Value,
     step: &FaultStep,
+    strict: bool,
 ) -> Response<Body> {
     if let Some(status) = step.status.filter(|s| (300..400).contains(s)) {
         return Response::builder()
@@ -320,6 +381,11 @@ fn answer(
     }
     if let Some(status) = step.status.filter(|s| *s >= 400) {
         return responses::error(api, status, step);
+    }
+    if strict {
+        if let Err(refusal) = strict::check(path, request) {
+            return refusal.response(api);
+        }
     }
     if step.invalid_json {
         return Response::builder()
@@ -377,9 +443,71 @@ fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
 }
 
 /// Convenience for `main`: bind and serve until the process ends.
-pub async fn run(addr: SocketAddr, mix: FaultMix) -> std::io::Result<Infallible> {
-    let handle = spawn_with(TcpListener::bind(addr).await?, mix);
-    tracing::info!(addr = %handle.addr, "mock upstream listening");
+pub async fn run(addr: SocketAddr, config: MockConfig) -> std::io::Result<Infallible> {
+    let strict = config.strict;
+    let handle = spawn_config(TcpListener::bind(addr).await?, config);
+    tracing::info!(addr = %handle.addr, strict, "mock upstream listening");
     let _ = handle.task.await;
     std::future::pending().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn post(mock: &MockHandle, strict: Option<&str>, body: &Value) -> (u16, Value) {
+        let mut req = reqwest::Client::new()
+            .post(format!("http://{}/v1/messages", mock.addr))
+            .body(body.to_string());
+        if let Some(strict) = strict {
+            req = req.header("x-mock-strict", strict);
+        }
+        let resp = req.send().await.unwrap();
+        let status = resp.status().as_u16();
+        (
+            status,
+            serde_json::from_slice(&resp.bytes().await.unwrap()).unwrap(),
+        )
+    }
+
+    async fn bind() -> TcpListener {
+        TcpListener::bind("127.0.0.1:0").await.unwrap()
+    }
+
+    /// Without `max_tokens`: a real Claude refuses it.
+    fn no_max_tokens() -> Value {
+        json!({"model": "claude", "messages": [{"role": "user", "content": "hi"}]})
+    }
+
+    #[tokio::test]
+    async fn strict_mode_per_instance_and_per_request() {
+        let lenient = spawn(bind().await);
+        assert_eq!(post(&lenient, None, &no_max_tokens()).await.0, 200);
+        let (status, body) = post(&lenient, Some("on"), &no_max_tokens()).await;
+        assert_eq!(status, 400);
+        assert_eq!(body["error"]["message"], "max_tokens: Field required");
+
+        let strict = spawn_strict(bind().await);
+        assert_eq!(post(&strict, None, &no_max_tokens()).await.0, 400);
+        assert_eq!(post(&strict, Some("off"), &no_max_tokens()).await.0, 200);
+        let mut ok = no_max_tokens();
+        ok["max_tokens"] = json!(16);
+        assert_eq!(post(&strict, None, &ok).await.0, 200);
+        lenient.shutdown();
+        strict.shutdown();
+    }
+
+    #[tokio::test]
+    async fn scripted_errors_come_before_strict_refusals() {
+        let strict = spawn_strict(bind().await);
+        let resp = reqwest::Client::new()
+            .post(format!("http://{}/v1/messages", strict.addr))
+            .header("x-mock-fault", "status=529")
+            .body(no_max_tokens().to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 529);
+        strict.shutdown();
+    }
 }

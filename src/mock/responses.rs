@@ -235,6 +235,13 @@ fn anthropic_blocks(a: &Answer<'_>) -> Vec<Value> {
     blocks
 }
 
+/// Anthropic's usage as the real API reports it: the cache counts are always there,
+/// zero when no prompt caching was used.
+fn anthropic_usage(input: u64, output: u64) -> Value {
+    json!({"input_tokens": input, "cache_creation_input_tokens": 0,
+           "cache_read_input_tokens": 0, "output_tokens": output})
+}
+
 fn anthropic_body(a: &Answer<'_>) -> Value {
     json!({
         "id": format!("msg_mock_{}", a.id),
@@ -244,7 +251,7 @@ fn anthropic_body(a: &Answer<'_>) -> Value {
         "content": anthropic_blocks(a),
         "stop_reason": if a.tool.is_some() { "tool_use" } else { "end_turn" },
         "stop_sequence": null,
-        "usage": a.step.usage_json.clone().unwrap_or_else(|| json!({"input_tokens": a.usage.0, "output_tokens": a.usage.1})),
+        "usage": a.step.usage_json.clone().unwrap_or_else(|| anthropic_usage(a.usage.0, a.usage.1)),
     })
 }
 
@@ -338,7 +345,7 @@ fn anthropic_events(a: &Answer<'_>) -> Vec<Bytes> {
         json!({"type": "message_start", "message": {
         "id": format!("msg_mock_{}", a.id), "type": "message", "role": "assistant", "model": a.model,
         "content": [], "stop_reason": null, "stop_sequence": null,
-        "usage": {"input_tokens": a.usage.0, "output_tokens": 1}}}),
+        "usage": anthropic_usage(a.usage.0, 1)}}),
     )];
     for (index, block) in anthropic_blocks(a).into_iter().enumerate() {
         let delta = |delta: Value| {
@@ -964,7 +971,7 @@ pub(super) mod tests {
         assert!(
             body.contains(r#""content":[{"text":"mock: hello","type":"text"}],"id":"msg_mock_"#)
         );
-        assert!(body.ends_with(r#""role":"assistant","stop_reason":"end_turn","stop_sequence":null,"type":"message","usage":{"input_tokens":3,"output_tokens":4}}"#));
+        assert!(body.ends_with(r#""role":"assistant","stop_reason":"end_turn","stop_sequence":null,"type":"message","usage":{"cache_creation_input_tokens":0,"cache_read_input_tokens":0,"input_tokens":3,"output_tokens":4}}"#));
     }
 
     #[tokio::test]

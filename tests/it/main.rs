@@ -31,4 +31,5 @@ mod schema_limits;
 mod stream_lossless;
 mod streaming;
 mod translate;
+mod strict_mock;
 mod validation;
