@@ -30,6 +30,6 @@ mod schema_fuzz;
 mod schema_limits;
 mod stream_lossless;
 mod streaming;
-mod translate;
 mod strict_mock;
+mod translate;
 mod validation;
