@@ -355,7 +355,7 @@ async fn context_length_falls_back_across_providers() {
     assert_eq!(header(&resp, "x-backstop-model"), "claude-long");
     assert_eq!(
         header(&resp, "x-backstop-recovery"),
-        "fallback:mock-anthropic,translate:chat->messages,ok"
+        "fallback:mock-anthropic,failover:mock-anthropic,translate:chat->messages,ok"
     );
     assert_eq!(
         gw.mock.last_request("xo-context").unwrap()["body"]["max_tokens"],
