@@ -219,14 +219,17 @@ def test_a_conversation_switches_provider_between_turns(backstop, oai, scenario)
     call = choice.message.tool_calls[0]
     messages.append(choice.message.model_dump(exclude_none=True))
     messages.append({"role": "tool", "tool_call_id": call.id, "content": "18C"})
-    # Turn 2: OpenAI is down; the tool result goes to Claude, with the same call id.
+    # Turn 2 (a scenario of its own, so the script counts from its first attempt): OpenAI
+    # is down; the tool result goes to Claude, with the same call id.
+    turn2 = scenario + "-turn2"
     second = oai.chat.completions.with_raw_response.create(
         model="switch-live", messages=messages, tools=[WEATHER_TOOL],
-        extra_headers=_headers(scenario, "status=503,status=503,status=503,content=18C in Paris."),
+        extra_headers=_headers(turn2, "status=503,status=503,status=503,content=18C in Paris."),
     )
     assert second.headers["x-backstop-upstream"] == "mock-anthropic"
     assert second.parse().choices[0].message.content == "18C in Paris."
-    sent = backstop.last_upstream_request(scenario)
+    assert backstop.attempts(turn2) == 4
+    sent = backstop.last_upstream_request(turn2)
     assert sent["path"] == "/v1/messages"
     use = sent["body"]["messages"][1]["content"][-1]
     result = sent["body"]["messages"][2]["content"][0]
