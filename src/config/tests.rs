@@ -453,6 +453,37 @@ fn an_upstream_overrides_retry_and_breaker_defaults_key_by_key() {
 }
 
 #[test]
+fn open_min_defaults_to_a_second_and_never_exceeds_open_for() {
+    use std::time::Duration;
+    let c = load(BASE).unwrap();
+    assert_eq!(c.upstreams[0].breaker.open_min(), Duration::from_secs(1));
+    assert_eq!(c.upstreams[0].breaker.open_for, Duration::from_secs(30));
+    // Unset, it follows a shorter open_for: such a config keeps a fixed opening.
+    let c = load(&format!("[breaker]\nopen_for = \"500ms\"\n{BASE}")).unwrap();
+    assert_eq!(
+        c.upstreams[0].breaker.open_min(),
+        Duration::from_millis(500)
+    );
+    let c = load(&format!("[breaker]\nopen_min = \"2s\"\n{BASE}")).unwrap();
+    assert_eq!(c.upstreams[0].breaker.open_min(), Duration::from_secs(2));
+
+    let err = error_of(&format!("[breaker]\nopen_min = \"31s\"\n{BASE}"));
+    assert_eq!(
+        err,
+        "breaker.open_min: must not be greater than breaker.open_for"
+    );
+    let err = error_of(&format!(
+        "{BASE}\n[upstreams.breaker]\nopen_min = \"5s\"\nopen_for = \"2s\"\n"
+    ));
+    assert_eq!(
+        err,
+        "upstreams[0].breaker.open_min: must not be greater than upstreams[0].breaker.open_for"
+    );
+    let err = error_of(&format!("[breaker]\nopen_min = \"0s\"\n{BASE}"));
+    assert_eq!(err, "breaker.open_min: must be greater than 0");
+}
+
+#[test]
 fn upstream_response_limits_are_upstream_keys_and_the_server_spelling_still_reads() {
     let c = load(BASE).unwrap();
     assert_eq!(c.upstreams[0].max_response_bytes, 32 * 1024 * 1024);
