@@ -6,6 +6,8 @@
 //! Phase 2, hard down: one upstream that always answers 503, until its breaker opens,
 //! then the latency of requests refused while it is open.
 //! Phase 3, a brownout: the primary fails 30%, below its breaker, the backup none.
+//! Phase 4, a false alarm: five failures open a breaker on an upstream that is healthy
+//! from then on; how long until it serves again.
 
 use std::{
     collections::BTreeMap,
@@ -348,6 +350,65 @@ pub async fn run(requests: usize, concurrency: usize) {
     gateway.shutdown().await;
 
     brownout(requests, concurrency).await;
+    false_alarm().await;
+}
+
+/// Phase 4: the upstream fails its first five attempts (a run of bad luck, enough to
+/// open its breaker) and answers every later one. Requests every 20 ms until one is
+/// answered: how long the breaker kept a healthy upstream out.
+async fn false_alarm() {
+    println!(
+        "\nFalse alarm: five failures in a row open the breaker, then the upstream is healthy\n"
+    );
+    let healthy = mock::spawn(TcpListener::bind("127.0.0.1:0").await.expect("bind"));
+    let gateway = server::spawn(config(healthy.addr, healthy.addr, healthy.addr, 1.0, None))
+        .await
+        .expect("gateway starts");
+    let url = format!("http://{}/v1/chat/completions", gateway.addr);
+    let http = reqwest::Client::new();
+    let body = r#"{"model":"down-model","messages":[{"role":"user","content":"hello"}]}"#;
+    let mut opened: Option<Instant> = None;
+    let mut refused = 0;
+    let mut back_after = None;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(40) {
+        let status = http
+            .post(&url)
+            .bearer_auth(KEY)
+            .header("content-type", "application/json")
+            .header("x-mock-scenario", "false-alarm")
+            .header(
+                "x-mock-fault",
+                "status=503,status=503,status=503,status=503,status=503,ok",
+            )
+            .body(body)
+            .send()
+            .await
+            .map_or(0, |r| r.status().as_u16());
+        match status {
+            200 => {
+                back_after = opened.map(|at| at.elapsed());
+                break;
+            }
+            503 if healthy.attempts("false-alarm") >= 5 => {
+                opened.get_or_insert_with(Instant::now);
+                refused += 1;
+            }
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    gateway.shutdown().await;
+    println!("| figure | value |\n|---|---|");
+    println!(
+        "| healthy upstream kept out for | {} |",
+        back_after.map_or("over 40 s".into(), |d| format!("{:.1} s", d.as_secs_f64()))
+    );
+    println!("| requests refused meanwhile (circuit_open) | {refused} |");
+    println!(
+        "| upstream attempts in all | {} (5 failures, then the probe) |",
+        healthy.attempts("false-alarm")
+    );
 }
 
 /// Phase 3: the primary fails 30% (below its breaker's failure rate), the backup none.

@@ -37,7 +37,7 @@ pub use state::{OnUnavailable, StateBackend, StateConfig};
 pub use store::StoreConfig;
 pub use telemetry::TelemetryConfig;
 pub use tenant::{GuardConfig, TenantConfig};
-pub use upstream::{BaseUrl, ProviderKey, UpstreamConfig, NEVER_FORWARDED};
+pub use upstream::{BaseUrl, ProviderKey, UpstreamApi, UpstreamConfig, NEVER_FORWARDED};
 pub use validation::{StreamValidation, ValidationConfig, ValidationMode};
 
 /// The whole configuration file.

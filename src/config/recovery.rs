@@ -89,6 +89,12 @@ impl RetryConfig {
 pub struct BreakerConfig {
     /// Consecutive upstream-fault failures that open it (a 429 counts half).
     pub failure_threshold: u32,
+    /// The first opening's length: each failed half-open probe doubles it, up to
+    /// `open_for`; a successful one starts it over. Default 1 s (or `open_for`, if
+    /// shorter): see [`BreakerConfig::open_min`].
+    #[serde(with = "super::duration")]
+    pub open_min: Option<Duration>,
+    /// The longest it stays open.
     #[serde(with = "super::duration")]
     pub open_for: Duration,
     pub half_open_probes: u32,
@@ -103,6 +109,7 @@ impl Default for BreakerConfig {
     fn default() -> Self {
         BreakerConfig {
             failure_threshold: 5,
+            open_min: None,
             open_for: Duration::from_secs(30),
             half_open_probes: 1,
             failure_rate: 0.5,
@@ -111,7 +118,16 @@ impl Default for BreakerConfig {
     }
 }
 
+/// `open_min` when it is not set (and `open_for` is longer).
+const DEFAULT_OPEN_MIN: Duration = Duration::from_secs(1);
+
 impl BreakerConfig {
+    /// The first opening's length: `open_min`, else 1 s or `open_for` if shorter (so a
+    /// config that set only a short `open_for` keeps a fixed opening).
+    pub fn open_min(&self) -> Duration {
+        self.open_min.unwrap_or(DEFAULT_OPEN_MIN.min(self.open_for))
+    }
+
     /// `key`: where these settings were read (`breaker`, `upstreams[0].breaker`).
     pub(super) fn validate(&self, key: &str) -> Result<(), ConfigError> {
         if self.failure_threshold == 0 {
@@ -125,6 +141,21 @@ impl BreakerConfig {
                 format!("{key}.open_for"),
                 "must be greater than 0",
             ));
+        }
+        match self.open_min {
+            Some(min) if min.is_zero() => {
+                return Err(ConfigError::invalid(
+                    format!("{key}.open_min"),
+                    "must be greater than 0",
+                ))
+            }
+            Some(min) if min > self.open_for => {
+                return Err(ConfigError::invalid(
+                    format!("{key}.open_min"),
+                    format!("must not be greater than {key}.open_for"),
+                ))
+            }
+            _ => {}
         }
         if !(0.0..=1.0).contains(&self.failure_rate) {
             return Err(ConfigError::invalid(

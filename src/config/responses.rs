@@ -5,8 +5,8 @@
 
 use serde::Deserialize;
 
+use super::UpstreamApi;
 use super::{Config, ConfigError};
-use crate::api::ApiKind;
 
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -27,9 +27,14 @@ impl ResponsesConfig {
                 "responses.upstream",
                 format_args!("no upstream is named {name:?}"),
             )),
-            Some(u) if u.api != ApiKind::OpenAi => Err(ConfigError::invalid(
+            // Azure keeps stored responses behind its own preview API, which Backstop
+            // does not speak.
+            Some(u) if u.api != UpstreamApi::OpenAi => Err(ConfigError::invalid(
                 "responses.upstream",
-                format_args!("upstream {name:?} has api = \"anthropic\"; the Responses API needs an \"openai\" upstream"),
+                format_args!(
+                    "upstream {name:?} has api = \"{}\"; the Responses API needs an \"openai\" upstream",
+                    u.api.as_str()
+                ),
             )),
             Some(_) => Ok(()),
         }
@@ -46,7 +51,7 @@ impl Config {
         let openai = |name: &str| {
             self.upstreams
                 .iter()
-                .any(|u| u.name == name && u.api == ApiKind::OpenAi)
+                .any(|u| u.name == name && u.api == UpstreamApi::OpenAi)
         };
         self.routes
             .iter()

@@ -308,7 +308,7 @@ fn errors_never_show_a_value_from_the_environment() {
         (
             BASE.replace("api = \"openai\"", "api = \"${LEAK}\""),
             "upstreams[0].api",
-            "unknown variant, expected `openai` or `anthropic`",
+            "unknown variant, expected one of `openai`, `anthropic`, `azure`",
         ),
         (
             BASE.replace(
@@ -414,7 +414,7 @@ fn every_enumerated_value_names_its_key_and_the_allowed_values() {
     let err = error_of(&BASE.replace("api = \"openai\"", "api = \"gemini\""));
     assert_eq!(
         err,
-        "upstreams[0].api: unknown variant, expected `openai` or `anthropic`"
+        "upstreams[0].api: unknown variant, expected one of `openai`, `anthropic`, `azure`"
     );
 }
 
@@ -450,6 +450,37 @@ fn an_upstream_overrides_retry_and_breaker_defaults_key_by_key() {
     assert!(err.starts_with("upstreams[0].retry"), "{err}");
     let err = error_of(&format!("[breaker]\nopen_for = \"0s\"\n{BASE}"));
     assert!(err.starts_with("breaker.open_for:"), "{err}");
+}
+
+#[test]
+fn open_min_defaults_to_a_second_and_never_exceeds_open_for() {
+    use std::time::Duration;
+    let c = load(BASE).unwrap();
+    assert_eq!(c.upstreams[0].breaker.open_min(), Duration::from_secs(1));
+    assert_eq!(c.upstreams[0].breaker.open_for, Duration::from_secs(30));
+    // Unset, it follows a shorter open_for: such a config keeps a fixed opening.
+    let c = load(&format!("[breaker]\nopen_for = \"500ms\"\n{BASE}")).unwrap();
+    assert_eq!(
+        c.upstreams[0].breaker.open_min(),
+        Duration::from_millis(500)
+    );
+    let c = load(&format!("[breaker]\nopen_min = \"2s\"\n{BASE}")).unwrap();
+    assert_eq!(c.upstreams[0].breaker.open_min(), Duration::from_secs(2));
+
+    let err = error_of(&format!("[breaker]\nopen_min = \"31s\"\n{BASE}"));
+    assert_eq!(
+        err,
+        "breaker.open_min: must not be greater than breaker.open_for"
+    );
+    let err = error_of(&format!(
+        "{BASE}\n[upstreams.breaker]\nopen_min = \"5s\"\nopen_for = \"2s\"\n"
+    ));
+    assert_eq!(
+        err,
+        "upstreams[0].breaker.open_min: must not be greater than upstreams[0].breaker.open_for"
+    );
+    let err = error_of(&format!("[breaker]\nopen_min = \"0s\"\n{BASE}"));
+    assert_eq!(err, "breaker.open_min: must be greater than 0");
 }
 
 #[test]
@@ -515,24 +546,28 @@ fn base_url_and_api_key_are_parsed_once_into_typed_values() {
         upstream.base_url.join("/v1/chat/completions").as_str(),
         "https://proxy.example/openai/v1/chat/completions"
     );
-    let bearer = upstream
-        .api_key
-        .header(crate::api::ApiKind::OpenAi)
-        .unwrap();
-    assert_eq!(bearer, "Bearer sk-live");
+    let (name, bearer) = upstream.api_key.header(UpstreamApi::OpenAi).unwrap();
+    assert_eq!(
+        (name.as_str(), bearer.to_str().unwrap()),
+        ("authorization", "Bearer sk-live")
+    );
     assert!(bearer.is_sensitive());
-    let bare = upstream
-        .api_key
-        .header(crate::api::ApiKind::Anthropic)
-        .unwrap();
-    assert_eq!(bare, "sk-live");
+    let (name, bare) = upstream.api_key.header(UpstreamApi::Anthropic).unwrap();
+    assert_eq!(
+        (name.as_str(), bare.to_str().unwrap()),
+        ("x-api-key", "sk-live")
+    );
+    let (name, azure) = upstream.api_key.header(UpstreamApi::Azure).unwrap();
+    assert_eq!(
+        (name.as_str(), azure.to_str().unwrap()),
+        ("api-key", "sk-live")
+    );
+    assert!(azure.is_sensitive());
     assert!(!format!("{upstream:?}").contains("sk-live"));
 
     let keyless = load(&BASE.replace("api_key = \"${OPENAI_API_KEY}\"\n", "")).unwrap();
     assert_eq!(
-        keyless.upstreams[0]
-            .api_key
-            .header(crate::api::ApiKind::OpenAi),
+        keyless.upstreams[0].api_key.header(UpstreamApi::OpenAi),
         None
     );
     let err = error_of(&BASE.replace("${OPENAI_API_KEY}", "sk\\nlive"));
@@ -540,4 +575,60 @@ fn base_url_and_api_key_are_parsed_once_into_typed_values() {
         err,
         "upstreams[0].api_key: contains characters not allowed in an HTTP header"
     );
+}
+
+const AZURE: &str = "\n[[upstreams]]\nname = \"azure\"\napi = \"azure\"\nbase_url = \"https://example.openai.azure.com\"\napi_version = \"2024-10-21\"\n";
+
+#[test]
+fn azure_needs_its_api_version_and_the_others_refuse_one() {
+    let c = load(&format!("{BASE}{AZURE}")).unwrap();
+    let azure = &c.upstreams[1];
+    assert_eq!(azure.api, UpstreamApi::Azure);
+    assert_eq!(azure.api.wire(), crate::api::ApiKind::OpenAi);
+    assert_eq!(azure.api_version.as_deref(), Some("2024-10-21"));
+
+    let err = error_of(&format!(
+        "{BASE}{}",
+        AZURE.replace("api_version = \"2024-10-21\"\n", "")
+    ));
+    assert!(
+        err.starts_with("upstreams[1].api_version: is required"),
+        "{err}"
+    );
+    let err = error_of(&format!(
+        "{BASE}{}",
+        AZURE.replace("2024-10-21", "2024-10-21&x=1")
+    ));
+    assert!(
+        err.starts_with("upstreams[1].api_version: expected a version"),
+        "{err}"
+    );
+    let err = error_of(&BASE.replace(
+        "api = \"openai\"",
+        "api = \"openai\"\napi_version = \"2024-10-21\"",
+    ));
+    assert_eq!(
+        err,
+        "upstreams[0].api_version: is only for api = \"azure\" (this upstream has api = \"openai\")"
+    );
+}
+
+#[test]
+fn stored_responses_are_never_sent_to_azure() {
+    let only_azure = format!(
+        "{}{AZURE}",
+        BASE.replace(
+            "targets = [{ upstream = \"openai\" }, { upstream = \"openai\", model = \"gpt-4.1-mini\" }]",
+            "targets = [{ upstream = \"azure\" }, { upstream = \"openai\" }]"
+        )
+    );
+    let c = load(&only_azure).unwrap();
+    assert_eq!(
+        c.responses_upstream(),
+        Some("openai"),
+        "azure is passed over"
+    );
+    let err = error_of(&format!("[responses]\nupstream = \"azure\"\n{only_azure}"));
+    assert!(err.starts_with("responses.upstream:"), "{err}");
+    assert!(err.contains("api = \"azure\""), "{err}");
 }

@@ -5,12 +5,46 @@ use serde::Deserialize;
 use super::{BreakerConfig, ConfigError, RetryConfig, Secret};
 use crate::api::ApiKind;
 
+/// `upstreams[].api`: the kind of provider. Azure OpenAI speaks OpenAI's wire format
+/// (so it is an OpenAI upstream to every layer but the leaf) at its own per-deployment
+/// URLs, with its key in `api-key`.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum UpstreamApi {
+    #[serde(rename = "openai")]
+    OpenAi,
+    Anthropic,
+    Azure,
+}
+
+impl UpstreamApi {
+    /// The wire API it speaks: what translation, error shapes and validation go by.
+    pub fn wire(self) -> ApiKind {
+        match self {
+            UpstreamApi::OpenAi | UpstreamApi::Azure => ApiKind::OpenAi,
+            UpstreamApi::Anthropic => ApiKind::Anthropic,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UpstreamApi::OpenAi => "openai",
+            UpstreamApi::Anthropic => "anthropic",
+            UpstreamApi::Azure => "azure",
+        }
+    }
+}
+
 /// `[[upstreams]]`: one model provider.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct UpstreamConfig {
     pub name: String,
-    pub api: ApiKind,
+    pub api: UpstreamApi,
+    /// Azure OpenAI's `api-version` query parameter (`"2024-10-21"`): required for
+    /// `api = "azure"`, refused for the others.
+    #[serde(default)]
+    pub api_version: Option<String>,
     /// An origin with an optional path prefix; the client's path (`/v1/...`) is appended.
     pub base_url: BaseUrl,
     /// The provider key Backstop injects. May be empty for keyless upstreams (the mock).
@@ -91,6 +125,36 @@ impl UpstreamConfig {
                 format!("{key}.name"),
                 "must not be empty",
             ));
+        }
+        match (self.api, &self.api_version) {
+            (UpstreamApi::Azure, None) => {
+                return Err(ConfigError::invalid(
+                    format!("{key}.api_version"),
+                    "is required when api = \"azure\" (for example \"2024-10-21\")",
+                ))
+            }
+            (UpstreamApi::Azure, Some(version)) => {
+                let valid = !version.is_empty()
+                    && version
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
+                if !valid {
+                    return Err(ConfigError::invalid(
+                        format!("{key}.api_version"),
+                        "expected a version such as \"2024-10-21\" or \"2024-12-01-preview\"",
+                    ));
+                }
+            }
+            (api, Some(_)) => {
+                return Err(ConfigError::invalid(
+                    format!("{key}.api_version"),
+                    format_args!(
+                        "is only for api = \"azure\" (this upstream has api = \"{}\")",
+                        api.as_str()
+                    ),
+                ))
+            }
+            (_, None) => {}
         }
         let positive = [
             ("attempt_timeout", self.attempt_timeout.is_zero()),
@@ -182,8 +246,8 @@ impl<'de> Deserialize<'de> for BaseUrl {
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct ProviderKey {
     secret: Option<Secret>,
-    /// `Bearer <key>` (OpenAI) and the bare key (Anthropic's `x-api-key`), both marked
-    /// sensitive.
+    /// `Bearer <key>` (OpenAI) and the bare key (Anthropic's `x-api-key`, Azure's
+    /// `api-key`), both marked sensitive.
     headers: Option<(http::HeaderValue, http::HeaderValue)>,
 }
 
@@ -192,12 +256,14 @@ impl ProviderKey {
         self.secret.as_ref().map_or("", Secret::expose)
     }
 
-    /// The credential header's value for `api`; `None` for a keyless upstream.
-    pub fn header(&self, api: ApiKind) -> Option<http::HeaderValue> {
+    /// The credential header for `api`, name and value: `Authorization: Bearer` (OpenAI),
+    /// `x-api-key` (Anthropic), `api-key` (Azure); `None` for a keyless upstream.
+    pub fn header(&self, api: UpstreamApi) -> Option<(http::HeaderName, http::HeaderValue)> {
         let (bearer, bare) = self.headers.as_ref()?;
         Some(match api {
-            ApiKind::OpenAi => bearer.clone(),
-            ApiKind::Anthropic => bare.clone(),
+            UpstreamApi::OpenAi => (http::header::AUTHORIZATION, bearer.clone()),
+            UpstreamApi::Anthropic => (http::HeaderName::from_static("x-api-key"), bare.clone()),
+            UpstreamApi::Azure => (http::HeaderName::from_static("api-key"), bare.clone()),
         })
     }
 }

@@ -289,7 +289,10 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
         }
         _ => {}
     }
-    let api = match path.as_str() {
+    // Azure OpenAI's deployment paths answer as the OpenAI paths they stand for; the
+    // path as sent (deployment, `api-version` query) is what `last_request` records.
+    let served = azure_path(&path).unwrap_or(&path);
+    let api = match served {
         "/v1/chat/completions" | "/v1/embeddings" => responses::Api::OpenAi,
         "/v1/messages" | "/v1/messages/count_tokens" => responses::Api::Anthropic,
         "/v1/responses" => responses::Api::Responses,
@@ -344,7 +347,7 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
     let mut response = answer(
         api,
         &parts.method,
-        &path,
+        served,
         parts.uri.query(),
         &request,
         &step,
@@ -406,6 +409,17 @@ fn answer(
         "/v1/responses" => responses_api::create(request, step),
         p if p.starts_with("/v1/responses/") => responses_api::stored(method, p, query, step),
         _ => responses::completion(api, request, step),
+    }
+}
+
+/// `/openai/deployments/{d}/chat/completions` → `/v1/chat/completions`, likewise
+/// `embeddings`; `None` for any other path.
+fn azure_path(path: &str) -> Option<&'static str> {
+    let (_deployment, tail) = path.strip_prefix("/openai/deployments/")?.split_once('/')?;
+    match tail {
+        "chat/completions" => Some("/v1/chat/completions"),
+        "embeddings" => Some("/v1/embeddings"),
+        _ => None,
     }
 }
 

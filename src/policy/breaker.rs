@@ -9,6 +9,12 @@
 //! and an open breaker then refuses the 60% that would have succeeded for `open_for`.
 //! A hard-down upstream still opens after exactly `failure_threshold` failures when
 //! nothing succeeded recently.
+//!
+//! How long it stays open grows with the evidence: the first opening lasts `open_min`
+//! (1 s), each failed half-open probe doubles it up to `open_for` (30 s), and a
+//! successful probe starts it over. An unlucky run of failures on a healthy upstream (a
+//! false alarm) then costs about a second; a hard-down upstream is probed at 1, 3, 7,
+//! 15, 31 s and every `open_for` after that: five probes in its first minute.
 
 use std::time::Duration;
 
@@ -20,6 +26,9 @@ use super::window::RollingPair;
 pub struct BreakerPolicy {
     /// Consecutive upstream-fault failures (429s count half) that open it.
     pub failure_threshold: u32,
+    /// The first opening's length; each failed probe doubles it...
+    pub open_min: Duration,
+    /// ...up to this.
     pub open_for: Duration,
     /// Requests admitted at once while half-open.
     pub half_open_probes: u32,
@@ -75,6 +84,9 @@ pub struct Breaker {
     /// judge the failure rate on the handful of attempts since, and open on a run of
     /// five (it did, in a storm whose rate was 35%).
     judged: RollingPair,
+    /// Half-open probes failed in a row since it last closed: the next opening lasts
+    /// `open_min` doubled this many times, at most `open_for`.
+    failed_probes: u32,
 }
 
 impl Breaker {
@@ -84,7 +96,17 @@ impl Breaker {
             state: BreakerState::Closed { failures: 0.0 },
             recent: RollingPair::new(config.window, now),
             judged: RollingPair::new(config.window, now),
+            failed_probes: 0,
         }
+    }
+
+    /// How long the next opening lasts.
+    fn open_period(&self) -> Duration {
+        let doubled = self
+            .config
+            .open_min
+            .saturating_mul(1 << self.failed_probes.min(31));
+        doubled.min(self.config.open_for)
     }
 
     /// A reloaded policy: the state carries on; the failure-rate window starts over
@@ -152,7 +174,7 @@ impl Breaker {
         now: Instant,
     ) -> Option<Transition> {
         let open = BreakerState::Open {
-            until: now + self.config.open_for,
+            until: now + self.open_period(),
         };
         match (self.state, admission, verdict) {
             (BreakerState::Closed { .. }, _, Verdict::Healthy) => {
@@ -187,6 +209,7 @@ impl Breaker {
                 Admission::Probe,
                 Verdict::Healthy | Verdict::Neutral,
             ) => {
+                self.failed_probes = 0;
                 self.state = BreakerState::Closed { failures: 0.0 };
                 Some(Transition::Closed)
             }
@@ -195,7 +218,10 @@ impl Breaker {
                 Admission::Probe,
                 Verdict::Failed(_) | Verdict::Fatal,
             ) => {
-                self.state = open;
+                self.failed_probes = self.failed_probes.saturating_add(1);
+                self.state = BreakerState::Open {
+                    until: now + self.open_period(),
+                };
                 Some(Transition::Opened)
             }
             (BreakerState::HalfOpen { probes }, Admission::Probe, Verdict::Abandoned) => {
@@ -218,6 +244,7 @@ mod tests {
     fn config() -> BreakerPolicy {
         BreakerPolicy {
             failure_threshold: 3,
+            open_min: Duration::from_secs(30),
             open_for: Duration::from_secs(30),
             half_open_probes: 1,
             failure_rate: 0.5,
@@ -370,5 +397,104 @@ mod tests {
         assert_eq!(b.admit(t1).0, Ok(Admission::Probe));
         b.record(Admission::Probe, Verdict::Abandoned, t1);
         assert_eq!(b.admit(t1).0, Ok(Admission::Probe));
+    }
+
+    /// The default growth: 1 s first, doubled by each failed probe, at most 30 s.
+    fn growing() -> Breaker {
+        Breaker::new(
+            BreakerPolicy {
+                open_min: Duration::from_secs(1),
+                ..config()
+            },
+            Instant::now(),
+        )
+    }
+
+    /// Opens it (credentials refused) at `t0` and returns how long each opening lasted
+    /// while every probe fails, for `openings` openings.
+    fn open_periods(b: &mut Breaker, t0: Instant, openings: usize) -> Vec<u64> {
+        b.record(Admission::Normal, Verdict::Fatal, t0);
+        let mut periods = Vec::new();
+        let mut opened = t0;
+        while periods.len() < openings {
+            let BreakerState::Open { until } = b.state() else {
+                panic!("not open: {:?}", b.state());
+            };
+            assert!(b.admit(until - Duration::from_millis(1)).0.is_err());
+            assert_eq!(b.admit(until).0, Ok(Admission::Probe));
+            periods.push((until - opened).as_secs());
+            assert_eq!(
+                b.record(Admission::Probe, Verdict::Failed(1.0), until),
+                Some(Transition::Opened)
+            );
+            opened = until;
+        }
+        periods
+    }
+
+    #[test]
+    fn each_failed_probe_doubles_the_open_time_up_to_open_for() {
+        let t0 = Instant::now();
+        let mut b = growing();
+        assert_eq!(open_periods(&mut b, t0, 8), [1, 2, 4, 8, 16, 30, 30, 30]);
+    }
+
+    #[test]
+    fn a_successful_probe_starts_the_growth_over() {
+        let t0 = Instant::now();
+        let mut b = growing();
+        assert_eq!(open_periods(&mut b, t0, 4), [1, 2, 4, 8]);
+        let BreakerState::Open { until } = b.state() else {
+            panic!("open")
+        };
+        assert_eq!(b.admit(until).0, Ok(Admission::Probe));
+        assert_eq!(
+            b.record(Admission::Probe, Verdict::Healthy, until),
+            Some(Transition::Closed)
+        );
+        // A false alarm later: out for a second again, not 16.
+        assert_eq!(open_periods(&mut b, until, 2), [1, 2]);
+    }
+
+    /// A false alarm (failures past the threshold while the upstream is fine) costs a
+    /// second: the first probe succeeds and the breaker is closed again.
+    #[test]
+    fn a_false_alarm_is_over_in_a_second() {
+        let t0 = Instant::now();
+        let mut b = growing();
+        for _ in 0..3 {
+            b.record(Admission::Normal, Verdict::Failed(1.0), t0);
+        }
+        assert_eq!(b.admit(t0).0, Err(Duration::from_secs(1)));
+        let t1 = t0 + Duration::from_secs(1);
+        assert_eq!(b.admit(t1).0, Ok(Admission::Probe));
+        b.record(Admission::Probe, Verdict::Healthy, t1);
+        assert_eq!(b.admit(t1).0, Ok(Admission::Normal));
+    }
+
+    /// Hard down for a minute, asked every 100 ms: probes at 1, 3, 7, 15 and 31 s (the
+    /// next would be at 61 s), five in all. A fixed 30 s opening probed twice.
+    #[test]
+    fn a_hard_down_upstream_costs_five_probes_in_its_first_minute() {
+        let t0 = Instant::now();
+        let mut b = growing();
+        b.record(Admission::Normal, Verdict::Fatal, t0);
+        let mut probes = Vec::new();
+        for tick in 1..=600 {
+            let now = t0 + Duration::from_millis(100 * tick);
+            if b.admit(now).0 == Ok(Admission::Probe) {
+                probes.push(now - t0);
+                b.record(Admission::Probe, Verdict::Failed(1.0), now);
+            }
+        }
+        let secs: Vec<u64> = probes.iter().map(Duration::as_secs).collect();
+        assert_eq!(secs, [1, 3, 7, 15, 31]);
+    }
+
+    #[test]
+    fn open_min_equal_to_open_for_is_a_fixed_opening() {
+        let t0 = Instant::now();
+        let mut b = breaker();
+        assert_eq!(open_periods(&mut b, t0, 3), [30, 30, 30]);
     }
 }

@@ -99,23 +99,37 @@ struct ErrorFields {
     code: Option<serde_json::Value>,
     #[serde(default, rename = "type")]
     kind: Option<String>,
+    /// Google's canonical status (`RESOURCE_EXHAUSTED`), where Gemini has no `type`.
+    #[serde(default)]
+    status: Option<String>,
     #[serde(default)]
     message: Option<String>,
 }
 
 /// The error code, type and message of an OpenAI or Anthropic error body, lower-cased.
+/// Gemini's OpenAI-compatible endpoint wraps its error object in an array
+/// (`[{"error": {"code": 429, "status": "RESOURCE_EXHAUSTED", ...}}]`): the first
+/// element is read, and its `status` stands for the type.
 fn error_fields(body: &[u8]) -> (String, String, String) {
-    let fields = serde_json::from_slice::<ErrorEnvelope>(body)
-        .ok()
-        .and_then(|e| e.error)
-        .unwrap_or_default();
+    let envelope = if body.trim_ascii_start().starts_with(b"[") {
+        serde_json::from_slice::<Vec<ErrorEnvelope>>(body)
+            .ok()
+            .and_then(|all| all.into_iter().next())
+    } else {
+        serde_json::from_slice::<ErrorEnvelope>(body).ok()
+    };
+    let fields = envelope.and_then(|e| e.error).unwrap_or_default();
     let code = match fields.code {
         Some(serde_json::Value::String(s)) => s.to_ascii_lowercase(),
         _ => String::new(),
     };
     (
         code,
-        fields.kind.unwrap_or_default().to_ascii_lowercase(),
+        fields
+            .kind
+            .or(fields.status)
+            .unwrap_or_default()
+            .to_ascii_lowercase(),
         fields.message.unwrap_or_default().to_ascii_lowercase(),
     )
 }
@@ -163,6 +177,9 @@ pub fn classify(observed: Observed<'_>, now: SystemTime) -> Class {
     if says("context_length_exceeded")
         || message.contains("maximum context length")
         || message.contains("prompt is too long")
+        // Gemini: "The input token count (1200000) exceeds the maximum number of tokens
+        // allowed (1048576)."
+        || message.contains("exceeds the maximum number of tokens")
     {
         return Class::CallerFault {
             context_length: true,
@@ -206,6 +223,7 @@ pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
 mod tests {
     use super::*;
     use http::HeaderValue;
+    use serde_json::json;
 
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
@@ -317,6 +335,43 @@ mod tests {
                 TRANSIENT
             );
         }
+    }
+
+    /// Gemini's OpenAI-compatible endpoint: the error object inside an array.
+    #[test]
+    fn gemini_errors_come_in_an_array() {
+        let gemini = |code: u16, status: &str, message: &str| {
+            json!([{"error": {"code": code, "message": message, "status": status}}]).to_string()
+        };
+        let rate = gemini(
+            429,
+            "RESOURCE_EXHAUSTED",
+            "Resource has been exhausted (e.g. check quota).",
+        );
+        assert_eq!(response(429, &rate), RATE);
+        assert_eq!(
+            error_fields(rate.as_bytes()).1,
+            "resource_exhausted",
+            "the status stands for the type"
+        );
+        let context = gemini(
+            400,
+            "INVALID_ARGUMENT",
+            "The input token count (1200000) exceeds the maximum number of tokens allowed (1048576).",
+        );
+        assert_eq!(response(400, &context), CONTEXT);
+        let bad = gemini(400, "INVALID_ARGUMENT", "Invalid JSON payload received.");
+        assert_eq!(response(400, &bad), CALLER);
+        let key = gemini(403, "PERMISSION_DENIED", "API key not valid.");
+        assert_eq!(response(403, &key), Class::CredentialOrQuota);
+        assert_eq!(
+            response(503, &gemini(503, "UNAVAILABLE", "overloaded")),
+            TRANSIENT
+        );
+        // Whitespace before the array, an empty array, an array of something else.
+        assert_eq!(response(400, &format!("\n {context}")), CONTEXT);
+        assert_eq!(response(429, "[]"), RATE);
+        assert_eq!(response(400, "[1, 2]"), CALLER);
     }
 
     #[test]

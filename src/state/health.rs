@@ -260,6 +260,7 @@ fn policies(upstream: &UpstreamConfig) -> (BreakerPolicy, impl Fn(Instant) -> Re
     let b = &upstream.breaker;
     let breaker = BreakerPolicy {
         failure_threshold: b.failure_threshold,
+        open_min: b.open_min(),
         open_for: b.open_for,
         half_open_probes: b.half_open_probes,
         failure_rate: b.failure_rate,

@@ -76,23 +76,14 @@ pub(super) fn upstream_request_headers(client: &HeaderMap, upstream: &Upstream) 
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    match upstream.api {
-        ApiKind::OpenAi => {
-            if let Some(credential) = &upstream.credential {
-                out.insert(header::AUTHORIZATION, credential.clone());
-            }
-        }
-        ApiKind::Anthropic => {
-            if let Some(credential) = &upstream.credential {
-                out.insert(HeaderName::from_static("x-api-key"), credential.clone());
-            }
-            if !out.contains_key("anthropic-version") {
-                out.insert(
-                    HeaderName::from_static("anthropic-version"),
-                    upstream.anthropic_version.clone(),
-                );
-            }
-        }
+    if let Some((name, credential)) = &upstream.credential {
+        out.insert(name.clone(), credential.clone());
+    }
+    if upstream.api == ApiKind::Anthropic && !out.contains_key("anthropic-version") {
+        out.insert(
+            HeaderName::from_static("anthropic-version"),
+            upstream.anthropic_version.clone(),
+        );
     }
     out
 }
@@ -121,9 +112,12 @@ mod tests {
     use super::*;
 
     fn upstream(api: ApiKind) -> Upstream {
+        upstream_of(api.as_str(), "")
+    }
+
+    fn upstream_of(api: &str, extra: &str) -> Upstream {
         let config = format!(
-            "name = \"u\"\napi = \"{}\"\nbase_url = \"http://127.0.0.1:1\"\napi_key = \"sk-provider\"\nattempt_timeout = \"1s\"\nforward_headers = [\"x-mock-*\"]",
-            api.as_str()
+            "name = \"u\"\napi = \"{api}\"\nbase_url = \"http://127.0.0.1:1\"\napi_key = \"sk-provider\"\nattempt_timeout = \"1s\"\nforward_headers = [\"x-mock-*\"]\n{extra}"
         );
         Upstream::new(&toml::from_str(&config).unwrap())
     }
@@ -223,6 +217,21 @@ mod tests {
         h.insert("anthropic-version", HeaderValue::from_static("2099-01-01"));
         let out = upstream_request_headers(&h, &upstream(ApiKind::Anthropic));
         assert_eq!(out["anthropic-version"], "2099-01-01");
+    }
+
+    #[test]
+    fn azure_gets_the_bare_key_in_api_key_and_no_bearer() {
+        let azure = upstream_of("azure", "api_version = \"2024-10-21\"");
+        let out = upstream_request_headers(&client_headers(), &azure);
+        assert_eq!(
+            out["api-key"], "sk-provider",
+            "the provider's, not the client's"
+        );
+        assert!(out["api-key"].is_sensitive());
+        for gone in ["authorization", "x-api-key", "anthropic-version"] {
+            assert!(out.get(gone).is_none(), "{gone} was sent to azure");
+        }
+        assert_eq!(out["x-mock-fault"], "ok");
     }
 
     #[test]

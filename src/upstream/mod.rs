@@ -11,6 +11,7 @@
 //! its first byte is still retryable), then relayed as it comes, within the
 //! [`ResponseLimits`].
 
+mod dialect;
 mod headers;
 pub mod objects;
 pub mod stream;
@@ -25,7 +26,7 @@ use std::{
 use axum::body::Body;
 use bytes::Bytes;
 use futures_util::{future::BoxFuture, StreamExt};
-use http::{HeaderMap, HeaderValue, Response, StatusCode};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 
 use crate::{
     api::{AnswerView, ApiKind, Endpoint, ParsedRequest},
@@ -33,17 +34,22 @@ use crate::{
     policy::{backoff::Backoff, classify::TransportFailure},
 };
 
+pub use dialect::{Dialect, Unserved};
+
 /// A configured upstream, ready to call.
 #[derive(Debug)]
 pub struct Upstream {
     pub name: Arc<str>,
+    /// The wire API it speaks (Azure OpenAI speaks OpenAI's): what the layers compare
+    /// with the caller's.
     pub api: ApiKind,
-    /// The upstream URL per endpoint, parsed once (parsing, IDNA included, showed up
-    /// in profiles when done per request).
-    urls: HashMap<Endpoint, reqwest::Url>,
+    /// Where its calls go (URLs parsed once: parsing, IDNA included, showed up in
+    /// profiles when done per request).
+    dialect: Dialect,
     /// `base_url` without a trailing `/`: the stored-response routes append their path.
     origin: String,
-    credential: Option<HeaderValue>,
+    /// The provider key, in the header this kind of upstream reads it from.
+    credential: Option<(HeaderName, HeaderValue)>,
     pub attempt_timeout: Duration,
     /// How transient failures are retried on this upstream.
     pub retry: RetryRules,
@@ -55,14 +61,10 @@ pub struct Upstream {
 
 impl Upstream {
     pub fn new(config: &crate::config::UpstreamConfig) -> Self {
-        let urls = Endpoint::ALL
-            .into_iter()
-            .map(|e| (e, config.base_url.join(e.path())))
-            .collect();
         Upstream {
             name: config.name.as_str().into(),
-            api: config.api,
-            urls,
+            api: config.api.wire(),
+            dialect: Dialect::new(config),
             origin: config.base_url.origin(),
             credential: config.api_key.header(config.api),
             attempt_timeout: config.attempt_timeout,
@@ -334,7 +336,11 @@ async fn send(
 ) -> Result<Reply, TransportFailure> {
     let (request, upstream) = (&attempt.request, &attempt.upstream);
     let limits = upstream.limits;
-    let url = upstream.urls[&request.endpoint].clone();
+    let asked = attempt.model.as_deref().unwrap_or(&request.model);
+    let url = match upstream.dialect.url(request.endpoint, asked) {
+        Ok(url) => url,
+        Err(unserved) => return Ok(unserved_reply(upstream, request.endpoint, unserved)),
+    };
     let body = request.upstream_body(
         attempt.model.as_deref(),
         attempt.stream_usage && request.endpoint == Endpoint::ChatCompletions,
@@ -400,6 +406,41 @@ async fn send(
         body,
         attempt.keep_answer,
     ))
+}
+
+/// The answer to a call this upstream cannot be sent (an Azure upstream reached for the
+/// Responses API): a 400 in OpenAI's error shape, made here without touching the network,
+/// so recovery treats it as the caller's fault (no retry, no breaker) and the caller
+/// reads why.
+fn unserved_reply(upstream: &Upstream, endpoint: Endpoint, unserved: Unserved) -> Reply {
+    let message = match unserved {
+        Unserved::Endpoint => format!(
+            "Backstop does not send {} to upstream {:?}: an Azure OpenAI upstream serves /v1/chat/completions and /v1/embeddings only",
+            endpoint.path(),
+            &*upstream.name
+        ),
+        Unserved::Deployment => format!(
+            "the model is not a deployment name upstream {:?} can be sent",
+            &*upstream.name
+        ),
+    };
+    let body = serde_json::json!({"error": {
+        "message": message,
+        "type": "invalid_request_error",
+        "code": "unsupported_endpoint",
+    }});
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    Reply::whole(
+        endpoint,
+        StatusCode::BAD_REQUEST,
+        headers,
+        Bytes::from(body.to_string()),
+        false,
+    )
 }
 
 /// Whether a response's headers say it is an event stream.

@@ -238,7 +238,15 @@ async fn a_hard_down_route_costs_almost_nothing() {
     let _alone = ALONE.lock().await;
     let primary = mock_on("status=503@1", 1).await;
     let backup = mock_on("status=503@1", 2).await;
-    let gw = gateway(&primary, &backup, "open_for = \"60s\"", true, "", "1s").await;
+    let gw = gateway(
+        &primary,
+        &backup,
+        "open_for = \"60s\"\nopen_min = \"60s\"",
+        true,
+        "",
+        "1s",
+    )
+    .await;
     let url = format!("http://{}/v1/chat/completions", gw.addr);
     let outcomes = drive(&url, 200, 1, &[]).await;
     assert_eq!(

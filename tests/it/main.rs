@@ -11,6 +11,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod azure;
 mod budgets;
 mod dashboard;
 mod discovery;

@@ -27,6 +27,8 @@ async fn pair(threshold: u32) -> Pair {
 [breaker]
 failure_threshold = {threshold}
 open_for = "30s"
+# A fixed opening: these tests look at an open breaker, not its growth.
+open_min = "30s"
 
 [admin]
 token = "{ADMIN}"
@@ -276,6 +278,7 @@ async fn each_upstream_has_its_own_breaker_threshold_and_attempts() {
 [breaker]
 failure_threshold = 3
 open_for = "30s"
+open_min = "30s"
 
 [[upstreams]]
 name = "own-primary"

@@ -45,6 +45,8 @@ budget_floor = 10
 [breaker]
 failure_threshold = 5
 open_for = "30s"
+# A fixed opening (the growth from `open_min` is the breaker's unit tests').
+open_min = "30s"
 half_open_probes = 1
 
 [[upstreams]]

@@ -29,6 +29,7 @@ fn tenants(max_calls: u32) -> String {
 [breaker]
 failure_threshold = 2
 open_for = "60s"
+open_min = "60s"
 
 [[tenants]]
 name = "capped"
