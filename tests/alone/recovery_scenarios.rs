@@ -238,31 +238,26 @@ async fn a_hard_down_route_costs_almost_nothing() {
     let _alone = ALONE.lock().await;
     let primary = mock_on("status=503@1", 1).await;
     let backup = mock_on("status=503@1", 2).await;
-    let gw = gateway(
-        &primary,
-        &backup,
-        "open_for = \"60s\"\nopen_min = \"60s\"",
-        true,
-        "",
-        "1s",
-    )
-    .await;
+    // The default growing open time (1 s, doubling per failed probe): a slow run sees a
+    // probe or two more per upstream, and still costs little.
+    let gw = gateway(&primary, &backup, "open_for = \"60s\"", true, "", "1s").await;
     let url = format!("http://{}/v1/chat/completions", gw.addr);
     let outcomes = drive(&url, 200, 1, &[]).await;
-    assert_eq!(
-        primary.state_total(),
-        5,
-        "the primary's breaker opened at its threshold"
-    );
-    assert_eq!(backup.state_total(), 5, "and the backup's");
+    for (name, mock) in [("primary", &primary), ("backup", &backup)] {
+        let attempts = mock.state_total();
+        assert!(
+            (5..=8).contains(&attempts),
+            "the {name}'s breaker opened at its threshold, then probes at 1, 3, 7 s: {attempts}"
+        );
+    }
     let attempts = primary.state_total() + backup.state_total();
-    assert!(attempts as f64 / 200.0 <= 0.2);
+    assert!(attempts as f64 / 200.0 <= 0.2, "{attempts} attempts");
     let refused: Vec<_> = outcomes
         .iter()
         .filter(|o| o.code == "circuit_open")
         .collect();
     assert!(
-        refused.len() >= 195,
+        refused.len() >= 190,
         "{} refused as circuit_open",
         refused.len()
     );
