@@ -13,6 +13,9 @@ pub struct SseEvent {
     pub json: Option<Value>,
     /// OpenAI's `data: [DONE]`.
     pub done: bool,
+    /// It has a `data:` payload that is neither JSON nor `[DONE]`: a corrupted event,
+    /// not a comment or a keep-alive.
+    pub unreadable: bool,
 }
 
 impl SseEvent {
@@ -25,10 +28,15 @@ impl SseEvent {
                 .join("\n")
         });
         let done = data.as_deref().is_some_and(|d| d.trim() == "[DONE]");
-        let json = data
-            .filter(|d| !done && !d.is_empty())
-            .and_then(|d| serde_json::from_str(&d).ok());
-        SseEvent { raw, json, done }
+        let data = data.filter(|d| !done && !d.trim().is_empty());
+        let json: Option<Value> = data.as_deref().and_then(|d| serde_json::from_str(d).ok());
+        let unreadable = data.is_some() && json.is_none();
+        SseEvent {
+            raw,
+            json,
+            done,
+            unreadable,
+        }
     }
 
     /// An event Backstop writes: `event: NAME` (when the API names its events) and one
@@ -42,6 +50,7 @@ impl SseEvent {
             raw: Bytes::from(raw),
             json: Some(data.clone()),
             done: false,
+            unreadable: false,
         }
     }
 

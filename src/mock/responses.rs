@@ -196,7 +196,9 @@ pub fn completion(api: Api, request: &Value, step: &FaultStep) -> Response<Body>
 
 fn chat_body(a: &Answer<'_>) -> Value {
     let (input, output) = a.usage;
-    let mut message = json!({"role": "assistant", "content": a.text});
+    // As OpenAI's own answers: `refusal` and `annotations` are always there.
+    let mut message =
+        json!({"role": "assistant", "content": a.text, "refusal": null, "annotations": []});
     if let Some((name, args)) = a.tool {
         message["tool_calls"] = json!([
             {"id": format!("call_mock_{}", a.id), "type": "function", "function": {"name": name, "arguments": args}}

@@ -166,13 +166,17 @@ impl MessagesUsage {
     /// (OpenAI has no field for them); `cached_tokens` are the cache reads.
     pub(super) fn to_openai(self) -> ChatUsage {
         let read = self.cache_read_input_tokens.unwrap_or(0);
-        let prompt =
-            self.input_tokens.unwrap_or(0) + read + self.cache_creation_input_tokens.unwrap_or(0);
+        // Saturating: the counts are the upstream's, and an absurd one must not panic.
+        let prompt = self
+            .input_tokens
+            .unwrap_or(0)
+            .saturating_add(read)
+            .saturating_add(self.cache_creation_input_tokens.unwrap_or(0));
         let completion = self.output_tokens.unwrap_or(0);
         ChatUsage {
             prompt_tokens: prompt,
             completion_tokens: completion,
-            total_tokens: prompt + completion,
+            total_tokens: prompt.saturating_add(completion),
             prompt_tokens_details: Some(PromptTokensDetails {
                 cached_tokens: Some(read),
             }),
@@ -405,6 +409,9 @@ fn chat_completion(message: Message, created: u64) -> Result<ChatCompletionOut, 
         }
         match block {
             ContentBlock::Text { text: t, .. } => text.push_str(&t),
+            ContentBlock::ToolUse { input, .. } if !input.is_object() => {
+                return Err(AnswerError("a tool_use input that is not an object".into()));
+            }
             ContentBlock::ToolUse { id, name, input } => tool_calls.push(ToolCallOut {
                 id: openai_tool_id(&id)?,
                 kind: "function",

@@ -145,8 +145,12 @@ fn translated_stream(translator: Box<dyn StreamTranslator>, body: Body) -> Body 
                     for event in state.splitter.push(&chunk) {
                         state.translator.event(&event, &mut out);
                     }
-                    if !out.is_empty() {
-                        return Some((Ok::<_, std::io::Error>(joined(out)), state));
+                    // The caller's stream is over (an error event, or its end): the
+                    // rest of the target's is not read, and dropping it closes it.
+                    state.ended = state.translator.ended();
+                    if !out.is_empty() || state.ended {
+                        return (!out.is_empty() || !state.ended)
+                            .then(|| (Ok::<_, std::io::Error>(joined(out)), state));
                     }
                 }
                 // The relay ends its own failures with an error event; a body error

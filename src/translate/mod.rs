@@ -111,6 +111,9 @@ pub trait StreamTranslator: Send {
     /// The target stream ended (its bytes ran out, whatever the reason). A stream that
     /// did not finish properly ends with the caller's error event, never a successful end.
     fn finish(&mut self, out: &mut Vec<Bytes>);
+    /// The caller's stream has ended (successfully or with an error event): nothing more
+    /// will be written, so the rest of the target's stream need not be read.
+    fn ended(&self) -> bool;
 }
 
 /// Where the request side records what a target cannot carry.
@@ -133,17 +136,53 @@ impl<'a> Judge<'a> {
         }
     }
 
-    /// `path` (a JSON pointer, `/n`, `/messages/3/name`) has no exact equivalent; `field`
-    /// is the name a route's `translate.drop` lists to allow losing it.
+    /// `path` (a JSON pointer, `/n`, `/messages/3/name`) has no exact equivalent. It
+    /// is dropped instead when it is a whole top-level field (`/seed`) that the route's
+    /// `translate.drop` names and the target can do without; a part of a field (one
+    /// message's part) or a field the target requires (`max_tokens`) never is: the
+    /// rest of the request would not mean what the caller sent.
     pub fn lose(&mut self, path: impl Into<String>, field: &str) {
-        if self.drop.iter().any(|d| d == field) {
+        let path = path.into();
+        let whole_field = path.strip_prefix('/') == Some(field);
+        if whole_field && !NEVER_DROPPED.contains(&field) && self.drop.iter().any(|d| d == field) {
             if !self.dropped.iter().any(|d| d == field) {
                 self.dropped.push(field.to_string());
             }
         } else {
-            self.losses.push(path.into());
+            self.losses.push(printable(&path));
         }
     }
+}
+
+/// Fields a translation cannot leave out: what the target requires, or the
+/// conversation itself.
+const NEVER_DROPPED: &[&str] = &[
+    "model",
+    "messages",
+    "input",
+    "system",
+    "instructions",
+    "max_tokens",
+    "max_output_tokens",
+    "max_completion_tokens",
+    "tools",
+];
+
+/// A path as it can be written in a header and a log line: anything but visible ASCII
+/// percent-encoded (a caller's unknown field may be named anything).
+fn printable(path: &str) -> String {
+    if path.bytes().all(|b| b.is_ascii_graphic()) {
+        return path.to_string();
+    }
+    let mut out = String::with_capacity(path.len() + 8);
+    for b in path.bytes() {
+        if b.is_ascii_graphic() && b != b'%' {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 /// A request the target cannot carry exactly: the JSON paths of what it would lose.

@@ -56,8 +56,8 @@ const ANTHROPIC_MAX_TEMPERATURE: f64 = 1.0;
 /// OpenAI takes at most four stop sequences.
 const OPENAI_MAX_STOP: usize = 4;
 
-fn is_empty_text(value: &Value) -> bool {
-    value.as_str().is_some_and(str::is_empty)
+fn is_blank_text(value: &Value) -> bool {
+    value.as_str().is_some_and(|t| t.trim().is_empty())
 }
 
 /// An image as Anthropic's source: a `data:` URL becomes a base64 source, an http(s)
@@ -215,16 +215,43 @@ fn chat_to_messages(
             _ => judge.lose(path, key),
         }
     }
-    match chat
-        .get("max_completion_tokens")
-        .or_else(|| chat.get("max_tokens"))
-        .and_then(Value::as_u64)
-        .or(max_tokens)
+    let asked = ["max_completion_tokens", "max_tokens"]
+        .into_iter()
+        .find_map(|f| chat.get(f).filter(|v| !v.is_null()).map(|v| (f, v)));
+    match asked
+        .map(|(f, v)| (f, v.as_u64()))
+        .or(max_tokens.map(|n| ("", Some(n))))
     {
-        Some(n) => {
+        // Anthropic takes no answer of zero tokens.
+        Some((_, Some(n))) if n > 0 => {
             out.insert("max_tokens".into(), json!(n));
         }
-        None => judge.lose("/max_tokens", "max_tokens"),
+        Some((field, _)) if !field.is_empty() => judge.lose(format!("/{field}"), field),
+        _ => judge.lose("/max_tokens", "max_tokens"),
+    }
+    // Claude's current models refuse both sampling knobs at once.
+    if [chat.get("temperature"), chat.get("top_p")]
+        .iter()
+        .all(|v| v.is_some_and(|v| !v.is_null()))
+    {
+        judge.lose("/top_p", "top_p");
+    }
+    match (chat.get("user"), chat.get("safety_identifier")) {
+        (Some(Value::String(a)), Some(Value::String(b))) if a != b => {
+            judge.lose("/safety_identifier", "safety_identifier")
+        }
+        _ => {}
+    }
+    if let Some(messages) = chat.get("messages").and_then(Value::as_array) {
+        match turns.messages.last() {
+            None => judge.lose("/messages", "messages"),
+            // A last assistant turn is a prefill to Anthropic (continued), context to
+            // OpenAI (answered after): not the same request.
+            Some(("assistant", _)) => {
+                judge.lose(format!("/messages/{}", messages.len() - 1), "messages")
+            }
+            Some(_) => {}
+        }
     }
     // Without tools a choice has nothing to choose from (and Anthropic refuses one).
     if let Some(choice) = tool_choice_to_anthropic(chat, has_tools, judge).filter(|_| has_tools) {
@@ -265,8 +292,10 @@ fn chat_message(
         _ => &[],
     };
     for key in fields.keys() {
-        // `name` has no Anthropic equivalent; a null `refusal` or `tool_calls` is none.
-        let nothing = fields[key].is_null();
+        // `name` has no Anthropic equivalent; a null `refusal`, `audio` or `tool_calls`,
+        // or no `annotations` (as OpenAI's own answers carry them), is nothing.
+        let nothing = fields[key].is_null()
+            || (key == "annotations" && fields[key].as_array().is_some_and(Vec::is_empty));
         if !allowed.contains(&key.as_str()) && !nothing {
             judge.lose(format!("{path}/{key}"), "messages");
         }
@@ -365,7 +394,8 @@ fn chat_message(
 fn text_blocks(content: &Value, path: &str, judge: &mut Judge<'_>) -> Vec<Value> {
     match content {
         Value::Null => Vec::new(),
-        Value::String(text) if text.is_empty() => Vec::new(),
+        // Anthropic refuses text blocks with no visible text; such text says nothing.
+        Value::String(text) if text.trim().is_empty() => Vec::new(),
         Value::String(text) => vec![json!({"type": "text", "text": text})],
         Value::Array(parts) => {
             let mut blocks = Vec::new();
@@ -373,7 +403,7 @@ fn text_blocks(content: &Value, path: &str, judge: &mut Judge<'_>) -> Vec<Value>
                 match part.get("type").and_then(Value::as_str) {
                     Some("text") if part.as_object().is_some_and(|p| p.len() == 2) => {
                         match part.get("text") {
-                            Some(text) if is_empty_text(text) => {}
+                            Some(text) if is_blank_text(text) => {}
                             Some(Value::String(text)) => {
                                 blocks.push(json!({"type": "text", "text": text}))
                             }
@@ -400,7 +430,15 @@ fn user_blocks(content: &Value, path: &str, judge: &mut Judge<'_>) -> Vec<Value>
     let mut blocks = Vec::new();
     for (k, part) in parts.iter().enumerate() {
         if part.get("type").and_then(Value::as_str) != Some("image_url") {
-            blocks.extend(text_blocks(&Value::Array(vec![part.clone()]), path, judge));
+            let mut lost = Judge::new(&[]);
+            blocks.extend(text_blocks(
+                &Value::Array(vec![part.clone()]),
+                path,
+                &mut lost,
+            ));
+            if !lost.losses.is_empty() {
+                judge.lose(format!("{path}/{k}"), "messages");
+            }
             continue;
         }
         let image = part.get("image_url");
@@ -578,8 +616,9 @@ fn messages_to_chat(anthropic: &Map<String, Value>, judge: &mut Judge<'_>) -> Ma
                     anthropic_message(message, i, judge, &mut messages);
                 }
             }
+            // OpenAI's current field: its reasoning models refuse `max_tokens`.
             "max_tokens" => {
-                out.insert("max_tokens".into(), value.clone());
+                out.insert("max_completion_tokens".into(), value.clone());
             }
             "temperature" | "top_p" => {
                 out.insert(key.clone(), value.clone());
@@ -611,7 +650,7 @@ fn messages_to_chat(anthropic: &Map<String, Value>, judge: &mut Judge<'_>) -> Ma
                         Some(schema) => {
                             out.insert(
                                 "response_format".into(),
-                                json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema, "strict": true}}),
+                                json!({"type": "json_schema", "json_schema": {"name": "output", "schema": schema, "strict": strict_compatible(schema)}}),
                             );
                         }
                         None => judge.lose(path, key),
@@ -635,8 +674,50 @@ fn messages_to_chat(anthropic: &Map<String, Value>, judge: &mut Judge<'_>) -> Ma
     if let Some(choice) = anthropic.get("tool_choice") {
         tool_choice_to_chat(choice, has_tools, judge, &mut out);
     }
+    match anthropic
+        .get("messages")
+        .and_then(Value::as_array)
+        .and_then(|m| m.last())
+    {
+        // A last assistant turn is a prefill Anthropic continues; OpenAI would answer
+        // after it instead.
+        Some(last) if last.get("role").and_then(Value::as_str) == Some("assistant") => {
+            let at = anthropic["messages"].as_array().map_or(0, |m| m.len() - 1);
+            judge.lose(format!("/messages/{at}"), "messages");
+        }
+        None => judge.lose("/messages", "messages"),
+        Some(_) => {}
+    }
     out.insert("messages".into(), Value::Array(messages));
     out
+}
+
+/// Whether OpenAI's strict structured output takes `schema` as it is (every object
+/// closed with `additionalProperties: false` and every property required). Anthropic
+/// always holds its answer to the schema; OpenAI does so only in strict mode, which
+/// refuses any other schema, so the others go non-strict (Backstop's validation still
+/// checks the answer against the schema).
+fn strict_compatible(schema: &Value) -> bool {
+    match schema {
+        Value::Object(object) => {
+            let closed = object.get("type").and_then(Value::as_str) != Some("object")
+                || (object.get("additionalProperties") == Some(&Value::Bool(false))
+                    && object
+                        .get("properties")
+                        .and_then(Value::as_object)
+                        .is_none_or(|props| {
+                            let required: Vec<&str> = object
+                                .get("required")
+                                .and_then(Value::as_array)
+                                .map(|r| r.iter().filter_map(Value::as_str).collect())
+                                .unwrap_or_default();
+                            props.keys().all(|k| required.contains(&k.as_str()))
+                        }));
+            closed && object.values().all(strict_compatible)
+        }
+        Value::Array(items) => items.iter().all(strict_compatible),
+        _ => true,
+    }
 }
 
 /// A text block's text, when the block is only that (no `cache_control`, no citations).
@@ -707,15 +788,15 @@ fn anthropic_message(message: &Value, i: usize, judge: &mut Judge<'_>, out: &mut
             }
         }
         "assistant" => {
-            let mut text = String::new();
+            let mut texts: Vec<&str> = Vec::new();
             let mut calls = Vec::new();
             for (k, block) in blocks.iter().enumerate() {
                 let at = format!("{path}/content/{k}");
                 match block.get("type").and_then(Value::as_str) {
                     Some("text") => match plain_text(block) {
                         // Text after a tool call would be reordered: not exact.
-                        Some(t) if calls.is_empty() => text.push_str(t),
-                        Some("") => {}
+                        Some(t) if t.trim().is_empty() => {}
+                        Some(t) if calls.is_empty() => texts.push(t),
                         _ => judge.lose(at, "messages"),
                     },
                     Some("tool_use") => {
@@ -740,15 +821,19 @@ fn anthropic_message(message: &Value, i: usize, judge: &mut Judge<'_>, out: &mut
                 }
             }
             let mut message = json!({"role": "assistant"});
-            message["content"] = if text.is_empty() {
-                Value::Null
-            } else {
-                json!(text)
+            // One block is a string; several keep their boundaries as text parts.
+            message["content"] = match texts.as_slice() {
+                [] => Value::Null,
+                [one] => json!(one),
+                many => many
+                    .iter()
+                    .map(|t| json!({"type": "text", "text": t}))
+                    .collect(),
             };
             if !calls.is_empty() {
                 message["tool_calls"] = Value::Array(calls);
             }
-            if !text.is_empty() || message.get("tool_calls").is_some() {
+            if !texts.is_empty() || message.get("tool_calls").is_some() {
                 out.push(message);
             }
         }
@@ -982,6 +1067,9 @@ mod tests {
         ]
         .map(String::from)
         .into();
+        // A part of a message is never dropped (see the test below): only whole fields.
+        let mut chat = chat;
+        chat["messages"][0].as_object_mut().unwrap().remove("name");
         let caller = parsed(Endpoint::ChatCompletions, chat);
         let converted = convert(
             Direction::ChatToMessages,
@@ -1027,7 +1115,7 @@ mod tests {
         assert_eq!(
             got,
             json!({
-                "model": "claude", "max_tokens": 100, "stream": true,
+                "model": "claude", "max_completion_tokens": 100, "stream": true,
                 "stream_options": {"include_usage": true},
                 "messages": [
                     {"role": "system", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]},
@@ -1046,7 +1134,7 @@ mod tests {
                 "parallel_tool_calls": false,
                 "stop": ["END"],
                 "user": "u",
-                "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": {"type": "object"}, "strict": true}}
+                "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": {"type": "object"}, "strict": false}}
             })
         );
     }
@@ -1079,10 +1167,86 @@ mod tests {
         }
     }
 
+    #[test]
+    fn what_would_change_meaning_is_refused_even_where_it_looks_harmless() {
+        let user = || json!({"role": "user", "content": "hi"});
+        let chat = |extra: Value| {
+            let mut body = json!({"model": "m", "max_tokens": 10, "messages": [user()]});
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            convert_json(Direction::ChatToMessages, body, Options::default())
+        };
+        // A last assistant turn, no turn at all, both sampling knobs, two different users.
+        let trailing = json!({"messages": [user(), {"role": "assistant", "content": "Sure"}]});
+        assert_eq!(chat(trailing).unwrap_err(), ["/messages/1"]);
+        let none = json!({"messages": [{"role": "system", "content": "Say hi"}]});
+        assert_eq!(chat(none).unwrap_err(), ["/messages"]);
+        assert_eq!(
+            chat(json!({"temperature": 0.5, "top_p": 0.9})).unwrap_err(),
+            ["/top_p"]
+        );
+        let users = json!({"user": "a", "safety_identifier": "b"});
+        assert_eq!(chat(users).unwrap_err(), ["/safety_identifier"]);
+        assert_eq!(chat(json!({"max_tokens": 0})).unwrap_err(), ["/max_tokens"]);
+        // A null cap is no cap: the other field counts.
+        let null_cap = chat(json!({"max_completion_tokens": null, "max_tokens": 77})).unwrap();
+        assert_eq!(null_cap["max_tokens"], 77);
+        // What OpenAI's own answers carry, replayed, is nothing to lose; blank text is
+        // no text block (Anthropic refuses those).
+        let replayed = json!({"messages": [user(), {"role": "assistant", "content": "\n\n",
+            "annotations": [], "audio": null, "refusal": null, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]});
+        let got = chat(replayed).unwrap();
+        assert_eq!(
+            got["messages"][1]["content"],
+            json!([{"type": "tool_use", "id": "call_1", "name": "f", "input": {}}])
+        );
+    }
+
+    #[test]
+    fn a_route_drops_only_whole_top_level_fields_the_target_can_do_without() {
+        let drop: Vec<String> = ["messages", "max_tokens", "seed"].map(String::from).into();
+        let body = json!({"model": "m", "seed": 1, "messages": [
+            {"role": "user", "content": "hi", "name": "bob"}]});
+        let caller = parsed(Endpoint::ChatCompletions, body);
+        let lost = convert(
+            Direction::ChatToMessages,
+            &caller,
+            Options {
+                drop: &drop,
+                max_tokens: None,
+            },
+        )
+        .unwrap_err();
+        assert_eq!(lost.paths, ["/messages/0/name", "/max_tokens"]);
+    }
+
+    #[test]
+    fn openai_gets_strict_output_only_for_a_schema_strict_mode_takes() {
+        let closed = json!({"type": "object", "properties": {"a": {"type": "string"}},
+            "required": ["a"], "additionalProperties": false});
+        let open = json!({"type": "object", "properties": {"a": {"type": "string"}}});
+        for (schema, strict) in [(closed, true), (open, false)] {
+            let body = json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                "output_config": {"format": {"type": "json_schema", "schema": schema}}});
+            let got = convert_json(Direction::MessagesToChat, body, Options::default()).unwrap();
+            assert_eq!(got["response_format"]["json_schema"]["strict"], strict);
+        }
+        // An Anthropic prefill is not an OpenAI turn.
+        let prefill = json!({"model": "m", "max_tokens": 5, "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "{"}]});
+        assert_eq!(
+            convert_json(Direction::MessagesToChat, prefill, Options::default()).unwrap_err(),
+            ["/messages/1"]
+        );
+    }
+
     /// A chat request in the form a round trip keeps (one leading system string, string
     /// user turns, compact arguments, stop as a list, no stream).
     fn chat_request() -> impl Strategy<Value = Value> {
-        let text = "[a-zA-Z0-9 .,!?]{1,12}";
+        let text = "[a-zA-Z0-9.,!?][a-zA-Z0-9 .,!?]{0,11}";
         let args = proptest::collection::btree_map("[a-z]{1,4}", 0i64..100, 0..3)
             .prop_map(|m| serde_json::to_string(&m).unwrap());
         let call = ("[a-zA-Z0-9_.:]{1,12}", "[a-z]{1,6}", args);
@@ -1133,7 +1297,9 @@ mod tests {
                 for turn in exchanges {
                     messages.extend(turn);
                 }
-                let mut body = json!({"model": "m", "messages": messages, "max_tokens": max_tokens,
+                // A last assistant turn would be a prefill: the conversation ends with the user.
+                messages.push(json!({"role": "user", "content": "go on"}));
+                let mut body = json!({"model": "m", "messages": messages, "max_completion_tokens": max_tokens,
                     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]});
                 if let Some(t) = temperature { body["temperature"] = json!(t); }
                 if let Some(stop) = stop { body["stop"] = json!(stop); }

@@ -169,6 +169,10 @@ pub fn request(
                 }
                 _ => judge.lose(path, field),
             },
+            // Claude's current models refuse both sampling knobs at once.
+            "top_p" if caller.get("temperature").is_some_and(|t| !t.is_null()) => {
+                judge.lose(path, field)
+            }
             "top_p" => {
                 out.insert("top_p".into(), value.clone());
             }
@@ -244,8 +248,9 @@ fn to_value<T: Serialize>(value: &T) -> Value {
     serde_json::to_value(value).expect("Backstop's own types serialize")
 }
 
+/// A text block, unless it has no visible text (Anthropic refuses those).
 fn text_block(text: &str) -> Option<Block> {
-    (!text.is_empty()).then(|| Block::Text { text: text.into() })
+    (!text.trim().is_empty()).then(|| Block::Text { text: text.into() })
 }
 
 /// The `input` items, in order.
@@ -1522,6 +1527,10 @@ impl StreamTranslator for Translator {
             return;
         }
         let Some(json) = &event.json else {
+            if event.unreadable {
+                let message = "an upstream event whose data is not JSON";
+                self.fail_response("upstream_stream_error", message, out);
+            }
             return;
         };
         let parsed = match InEvent::deserialize(json) {
@@ -1534,6 +1543,10 @@ impl StreamTranslator for Translator {
         if let Err(message) = self.handle(parsed, out) {
             self.fail_response("upstream_stream_error", &message, out);
         }
+    }
+
+    fn ended(&self) -> bool {
+        matches!(self.phase, Phase::Ended)
     }
 
     fn finish(&mut self, out: &mut Vec<Bytes>) {

@@ -310,11 +310,19 @@ impl StreamTranslator for MessagesToChunks {
         if matches!(self.side, ChatSide::Ended) {
             return;
         }
-        // Comments and keep-alives carry no JSON.
-        let Some(json) = &event.json else { return };
-        let step = MessagesEvent::deserialize(json)
-            .map_err(|e| AnswerError(format!("an Anthropic event that does not read: {e}")))
-            .and_then(|event| self.step(event, out));
+        // Comments and keep-alives carry no JSON; a corrupted event ends the stream.
+        let step = match &event.json {
+            None if !event.unreadable => return,
+            None => Err(AnswerError(
+                "an Anthropic event whose data is not JSON".into(),
+            )),
+            Some(json) => Ok(json),
+        };
+        let step = step.and_then(|json| {
+            MessagesEvent::deserialize(json)
+                .map_err(|e| AnswerError(format!("an Anthropic event that does not read: {e}")))
+        });
+        let step = step.and_then(|event| self.step(event, out));
         if let Err(AnswerError(why)) = step {
             out.push(stream_error_event(
                 Endpoint::ChatCompletions,
@@ -323,6 +331,10 @@ impl StreamTranslator for MessagesToChunks {
             ));
             self.side = ChatSide::Ended;
         }
+    }
+
+    fn ended(&self) -> bool {
+        matches!(self.side, ChatSide::Ended)
     }
 
     fn finish(&mut self, out: &mut Vec<Bytes>) {
@@ -638,8 +650,11 @@ impl ChunksToMessages {
                 _ => return Err(AnswerError::new("[DONE] before any chunk")),
             },
             side => {
-                // Comments and keep-alives carry no JSON.
+                // Comments and keep-alives carry no JSON; a corrupted chunk ends it.
                 let Some(json) = &event.json else {
+                    if event.unreadable {
+                        return Err(AnswerError::new("a chunk whose data is not JSON"));
+                    }
                     self.side = side;
                     return Ok(());
                 };
@@ -893,6 +908,10 @@ impl StreamTranslator for ChunksToMessages {
             out.push(stream_error_event(Endpoint::Messages, MALFORMED, &why));
             self.side = MessagesSide::Ended;
         }
+    }
+
+    fn ended(&self) -> bool {
+        matches!(self.side, MessagesSide::Ended)
     }
 
     fn finish(&mut self, out: &mut Vec<Bytes>) {

@@ -260,7 +260,7 @@ async fn an_anthropic_call_fails_over_to_openai_and_is_answered_as_a_message() {
     assert_eq!(
         sent["body"],
         json!({
-            "model": "gpt-x", "max_tokens": 64,
+            "model": "gpt-x", "max_completion_tokens": 64,
             "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}],
         })
     );
@@ -337,7 +337,8 @@ async fn upstream_errors_come_back_in_the_callers_shape_and_type() {
     let resp = chat_call(&gw, "err-429", "status=429", body).await;
     assert_eq!(resp.status(), 429);
     let error = json(resp).await;
-    assert_ne!(error["error"]["type"], "invalid_request_error", "{error}");
+    assert_eq!(error["error"]["type"], "requests", "{error}");
+    assert_eq!(error["error"]["code"], "rate_limit_exceeded", "{error}");
 }
 
 #[tokio::test]
@@ -361,6 +362,21 @@ async fn context_length_falls_back_across_providers() {
         gw.mock.last_request("xo-context").unwrap()["body"]["max_tokens"],
         256
     );
+}
+
+#[tokio::test]
+async fn a_context_fallback_that_cannot_carry_the_request_leaves_the_overflow_as_the_answer() {
+    let gw = switching("").await;
+    // `seed` has no Anthropic equivalent: the fallback is skipped, the 400 stands.
+    let body = json!({"model": "xo-4o", "seed": 7, "messages": [{"role": "user", "content": "long"}]});
+    let resp = chat_call(&gw, "xo-context-seed", "status=400;code=context_length_exceeded", body).await;
+    assert_eq!(resp.status(), 400);
+    assert_eq!(
+        header(&resp, "x-backstop-recovery"),
+        "skip:mock-anthropic(untranslatable: /seed),fallback:mock-anthropic,skip:mock-anthropic(untranslatable: /seed)"
+    );
+    assert_eq!(json(resp).await["error"]["code"], "context_length_exceeded");
+    assert_eq!(gw.mock.attempts("xo-context-seed"), 1);
 }
 
 #[tokio::test]

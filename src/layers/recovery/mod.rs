@@ -143,7 +143,9 @@ enum Next {
         not_before: Instant,
         reason: Reason,
     },
-    ContextFallback,
+    /// `context_length_exceeded` with a fallback to try: the caller's answer if the
+    /// fallback cannot take the request.
+    ContextFallback(Box<Answered>),
 }
 
 /// A target in the queue: how many of its attempts are used, and how long to wait
@@ -364,7 +366,7 @@ where
                     used,
                     deferred: Some((not_before, reason)),
                 }),
-                Next::ContextFallback => {
+                Next::ContextFallback(overflow) => {
                     let judged = route.context_fallback.as_ref().and_then(|fallback| {
                         let translation =
                             self.judge_target(&call, fallback, &mut untranslatable)?;
@@ -381,7 +383,12 @@ where
                                 deferred: None,
                             });
                         }
-                        None => break,
+                        // The fallback cannot carry it: the overflow is the answer.
+                        None => {
+                            let mut answered = *overflow;
+                            answered.by = Some(by);
+                            return self.finish(Ok(answered));
+                        }
                     }
                 }
             }
@@ -459,7 +466,7 @@ where
         };
         let deadline = call.deadline.at;
         let rules = upstream.retry;
-        if let Some(translation) = translation {
+        if let Some(translation) = translation.filter(|_| used == 0) {
             self.trail
                 .steps
                 .push(Step::Translate(translation.direction.label()));
@@ -648,7 +655,7 @@ where
                         self.trail
                             .steps
                             .push(Step::Fallback(fallback.upstream.name.clone()));
-                        return Judged::Go(Next::ContextFallback);
+                        return Judged::Go(Next::ContextFallback(Box::new(answered(reply))));
                     }
                     self.trail.steps.push(Step::Pass(reason));
                     return Judged::Go(Next::Answer(Ok(answered(reply))));
