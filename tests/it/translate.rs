@@ -368,8 +368,15 @@ async fn context_length_falls_back_across_providers() {
 async fn a_context_fallback_that_cannot_carry_the_request_leaves_the_overflow_as_the_answer() {
     let gw = switching("").await;
     // `seed` has no Anthropic equivalent: the fallback is skipped, the 400 stands.
-    let body = json!({"model": "xo-4o", "seed": 7, "messages": [{"role": "user", "content": "long"}]});
-    let resp = chat_call(&gw, "xo-context-seed", "status=400;code=context_length_exceeded", body).await;
+    let body =
+        json!({"model": "xo-4o", "seed": 7, "messages": [{"role": "user", "content": "long"}]});
+    let resp = chat_call(
+        &gw,
+        "xo-context-seed",
+        "status=400;code=context_length_exceeded",
+        body,
+    )
+    .await;
     assert_eq!(resp.status(), 400);
     assert_eq!(
         header(&resp, "x-backstop-recovery"),
