@@ -766,9 +766,9 @@ pub(super) mod tests {
             !body.contains("x_future") && !body.contains("reasoning") && !body.contains("tool")
         );
         let (_, body) = run(Api::OpenAi, &chat(false), "").await;
-        assert!(body.contains(r#""choices":[{"finish_reason":"stop","index":0,"message":{"content":"mock: hello","role":"assistant"}}]"#));
+        assert!(body.contains(r#""choices":[{"finish_reason":"stop","index":0,"message":{"annotations":[],"content":"mock: hello","refusal":null,"role":"assistant"}}]"#));
         let (_, body) = run(Api::OpenAi, &chat(false), "tool=t").await;
-        assert!(body.contains(r#""message":{"content":null,"role":"assistant","tool_calls":[{"function":{"arguments":"{}","name":"t"},"id":"call_mock_"#));
+        assert!(body.contains(r#""message":{"annotations":[],"content":null,"refusal":null,"role":"assistant","tool_calls":[{"function":{"arguments":"{}","name":"t"},"id":"call_mock_"#));
     }
 
     fn anthropic(stream: bool) -> Value {
