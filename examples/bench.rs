@@ -193,6 +193,19 @@ identical_request_limit = 1000000000
     )
 }
 
+/// Waits until `url` answers a chat completion (the forwarder takes POSTs only).
+async fn wait_up_post(http: &reqwest::Client, url: &str) {
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"up?"}]}"#;
+    for _ in 0..200 {
+        let sent = http.post(url).body(body).send().await;
+        if sent.is_ok_and(|r| r.status().is_success()) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{url} did not come up");
+}
+
 fn row(out: &mut String, name: &str, f: &Figures) {
     let _ = writeln!(
         out,
@@ -235,6 +248,19 @@ async fn main() {
     )
     .unwrap();
     let gw = Proc::spawn(&bin, &["serve", "--config", config_path.to_str().unwrap()]);
+    // The floor: a bare hyper + reqwest forwarder (examples/forwarder.rs), built beside
+    // this example.
+    let floor_port = free_port();
+    let floor_bin = std::env::current_exe()
+        .expect("the bench's own path")
+        .with_file_name("forwarder");
+    let _floor = Proc::spawn(
+        floor_bin.to_str().unwrap(),
+        &[
+            &floor_port.to_string(),
+            &format!("http://127.0.0.1:{mock_port}"),
+        ],
+    );
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(512)
         .tcp_nodelay(true)
@@ -242,6 +268,11 @@ async fn main() {
         .unwrap();
     wait_up(&http, &format!("http://127.0.0.1:{mock_port}/mock/stats")).await;
     wait_up(&http, &format!("http://127.0.0.1:{port}/readyz")).await;
+    wait_up_post(
+        &http,
+        &format!("http://127.0.0.1:{floor_port}/v1/chat/completions"),
+    )
+    .await;
 
     let prompt = "What is the capital of France? Answer in one word.";
     let plain = json!({"model": "gpt-4o-mini", "max_tokens": 64, "messages": [{"role": "user", "content": prompt}]}).to_string();
@@ -265,6 +296,10 @@ async fn main() {
         body: structured,
         headers: vec![("x-mock-fault", format!("content_b64={valid}"))],
         ..through.clone()
+    };
+    let floor = Call {
+        url: format!("http://127.0.0.1:{floor_port}/v1/chat/completions"),
+        ..direct.clone()
     };
     let direct_json = Call {
         headers: vec![("x-mock-fault", format!("content_b64={valid}"))],
@@ -294,26 +329,36 @@ async fn main() {
 
     eprintln!("fixed rate");
     let d = open(&http, &direct, 1000, secs).await;
+    let f = open(&http, &floor, 1000, secs).await;
     let b = open(&http, &through, 1000, secs).await;
     let dv = open(&http, &direct_json, 1000, secs).await;
     let bv = open(&http, &validated, 1000, secs).await;
     let _ = writeln!(out, "\n## Fixed 1,000 RPS (open loop)\n\n| path | p50 | p90 | p99 | req/s | errors |\n|---|---|---|---|---|---|");
     row(&mut out, "direct", &d);
+    row(&mut out, "bare forwarder (the floor)", &f);
     row(&mut out, "Backstop, validation off", &b);
     row(&mut out, "direct (JSON answer)", &dv);
     row(&mut out, "Backstop, validation on", &bv);
+    let _ = writeln!(
+        out,
+        "\nAdded by the floor at p50 / p99: {:+.3} / {:+.3} ms.",
+        f.p50 - d.p50,
+        f.p99 - d.p99
+    );
     let _ = writeln!(out, "\nAdded by Backstop at p50 / p99: validation off {:+.3} / {:+.3} ms; validation on {:+.3} / {:+.3} ms.", b.p50 - d.p50, b.p99 - d.p99, bv.p50 - dv.p50, bv.p99 - dv.p99);
 
     eprintln!("saturation");
     let ds = closed(&http, &direct, 32, secs).await;
+    let fs = closed(&http, &floor, 32, secs).await;
     let bs = closed(&http, &through, 32, secs).await;
     let bvs = closed(&http, &validated, 32, secs).await;
     let peak = proc_kb(gw.pid(), "VmHWM:");
     let _ = writeln!(out, "\n## Saturation (closed loop, 32 connections)\n\n| path | p50 | p90 | p99 | req/s | errors |\n|---|---|---|---|---|---|");
     row(&mut out, "direct", &ds);
+    row(&mut out, "bare forwarder (the floor)", &fs);
     row(&mut out, "Backstop, validation off", &bs);
     row(&mut out, "Backstop, validation on", &bvs);
-    let _ = writeln!(out, "\nBackstop's saturation throughput: {:.0}% of direct (validation off), {:.0}% (validation on).", bs.rps / ds.rps * 100.0, bvs.rps / ds.rps * 100.0);
+    let _ = writeln!(out, "\nBackstop's saturation throughput: {:.0}% of direct (validation off), {:.0}% (validation on); the floor's: {:.0}% of direct, so Backstop does {:.2}× the floor (validation off).", bs.rps / ds.rps * 100.0, bvs.rps / ds.rps * 100.0, fs.rps / ds.rps * 100.0, bs.rps / fs.rps);
 
     eprintln!("sessions");
     let before = proc_kb(gw.pid(), "VmRSS:");
