@@ -92,6 +92,18 @@ async fn ledger_written_by_a_gateway() -> (TempDir, std::path::PathBuf, String) 
              "input_tokens": 400, "output_tokens": 100, "tokens": 500, "usd": 0.002},
         ])
     );
+    // Without `days` the view is as it was; a window that is not 1 to 366 days is refused.
+    let today = gw.get_json("/admin/tenants/team-a", Some(ADMIN)).await;
+    assert!(today.get("by_day").is_none(), "{today}");
+    assert_eq!(today["by_model"][0]["model"], "gpt-4o-mini", "{today}");
+    for days in ["0", "367", "x", ""] {
+        let resp = gw
+            .get(&format!("/admin/tenants/team-a?days={days}"), Some(ADMIN))
+            .await;
+        assert_eq!(resp.status(), 400, "days={days}");
+        let body = crate::common::json(resp).await;
+        assert_eq!(body["error"]["param"], "days", "{body}");
+    }
     let config = dir.0.join("backstop.toml");
     std::fs::write(&config, text).unwrap();
     let while_serving = stdout(&report(&config, &[]));
