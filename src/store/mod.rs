@@ -4,7 +4,9 @@
 //! kept for idempotent replays ([`Replays`]), which tenant created each stored response
 //! of the Responses API ([`Owners`]), and the session guard's closes and trips
 //! ([`GuardStates`]). Budget windows are sums over the ledger, so nothing is kept twice
-//! and a restart rebuilds every window from what was settled. The live state
+//! and a restart rebuilds every window from what was settled; so are spend reports
+//! ([`Ledger::spend_report`], read by `backstop report` through [`open_ledger_reader`]
+//! and by the admin tenant view). The live state
 //! ([`crate::state`]) and the layers hold an `Arc<dyn Store>`; [`SqliteStore`] is the
 //! embedded implementation, and `RedisStore` shares the replays, owners and guard state
 //! between replicas over it.
@@ -18,6 +20,8 @@
 //!   over by a crash are charged at their reserved amount when the store opens, so caps
 //!   hold across `kill -9`;
 //! - no call blocks the async worker threads;
+//! - a spend report is one `GROUP BY tenant, day, model` over settled ledger rows, in
+//!   that order, served by an index on `(tenant, day, model)`;
 //! - expired idempotency rows and owners, and rows older than `store.retention` go when
 //!   [`Store::purge`] runs, which [`spawn_purger`] does every [`PURGE_EVERY`].
 
