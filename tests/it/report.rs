@@ -47,7 +47,10 @@ async fn ledger_written_by_a_gateway() -> (TempDir, std::path::PathBuf, String) 
     let clock = Clock::starting_at(DAY_ONE_NOON_MS);
     let gw = start_with_clock(
         |config| {
-            let config = with_store(config, &store).merge(&admin_and_prices());
+            // No load balancer to tell: stop at once rather than after the default delay.
+            let config = with_store(config, &store)
+                .merge(&admin_and_prices())
+                .merge("[server]\ndrain_delay = \"0s\"");
             text = config.text();
             config
         },
