@@ -16,6 +16,7 @@ pub mod mock;
 pub mod otel;
 pub mod policy;
 pub mod reload;
+pub mod report;
 pub mod routing;
 pub mod server;
 pub mod state;

@@ -2,7 +2,7 @@
 
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode};
 
-use backstop::{config::Config, server, telemetry};
+use backstop::{clock::Date, config::Config, report, server, telemetry};
 use clap::{Parser, Subcommand};
 
 /// jemalloc, not glibc's malloc: it gives back to the system what a burst of large
@@ -33,6 +33,24 @@ enum Command {
     CheckConfig {
         #[arg(long, default_value = "config/backstop.toml")]
         config: PathBuf,
+    },
+    /// Print spend per tenant, UTC day and model from the ledger of the store the config
+    /// names (read-only: safe beside a running gateway).
+    Report {
+        #[arg(long, default_value = "config/backstop.toml")]
+        config: PathBuf,
+        /// One tenant only.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// First UTC day, inclusive (YYYY-MM-DD).
+        #[arg(long)]
+        from: Option<Date>,
+        /// Last UTC day, inclusive (YYYY-MM-DD).
+        #[arg(long)]
+        to: Option<Date>,
+        /// csv or json.
+        #[arg(long, default_value = "csv")]
+        format: report::Format,
     },
     /// Run the fault-injecting mock upstream alone.
     MockUpstream {
@@ -106,6 +124,45 @@ fn main() -> ExitCode {
             });
             telemetry::flush_logs();
             code
+        }
+        Command::Report {
+            config,
+            tenant,
+            from,
+            to,
+            format,
+        } => {
+            let loaded = match Config::load(&config) {
+                Ok(c) => c,
+                Err(err) => {
+                    eprintln!("{}: {err}", config.display());
+                    return ExitCode::from(2);
+                }
+            };
+            let args = report::Args {
+                tenant,
+                from,
+                to,
+                format,
+            };
+            match runtime().block_on(report::run(&loaded, &args)) {
+                Ok(text) => {
+                    use std::io::Write;
+                    let mut out = std::io::stdout().lock();
+                    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+                        // Piped into `head`: what was wanted was printed.
+                        Err(err) if err.kind() != std::io::ErrorKind::BrokenPipe => {
+                            eprintln!("backstop report: {err}");
+                            ExitCode::FAILURE
+                        }
+                        _ => ExitCode::SUCCESS,
+                    }
+                }
+                Err(err) => {
+                    eprintln!("backstop report: {err}");
+                    ExitCode::from(err.exit_code())
+                }
+            }
         }
         Command::Demo {
             requests,

@@ -24,7 +24,7 @@ mod reload;
 use std::{collections::HashMap, convert::Infallible, sync::Arc};
 
 use axum::{
-    extract::{Path, State},
+    extract::{Path, RawQuery, State},
     http::{header, HeaderValue},
     response::{IntoResponse, Response},
     routing::{get, post},
@@ -46,7 +46,10 @@ use crate::{
         respond::RespondLayer,
     },
     state::{
-        activity::Activity, budgets::Budgets, health::HealthRegistry, sessions::SessionGuards,
+        activity::Activity,
+        budgets::{Budgets, MAX_REPORT_DAYS},
+        health::HealthRegistry,
+        sessions::SessionGuards,
     },
     telemetry::RequestLog,
 };
@@ -250,18 +253,50 @@ async fn upstreams(State(state): State<AdminState>) -> Response {
     json_response(json!({"upstreams": upstreams}))
 }
 
-/// `GET /admin/tenants/{tenant}`: today's spend, by model, and what is left.
+/// `GET /admin/tenants/{tenant}`: today's spend, by model, and what is left; with
+/// `?days=N` (1 to 366), also `by_day`: the ledger's spend by UTC day and model over the
+/// last N days, today included.
 async fn tenant_view(
     State(state): State<AdminState>,
     Extension(log): Extension<Arc<RequestLog>>,
     Path(tenant): Path<String>,
+    RawQuery(query): RawQuery,
 ) -> Response {
-    let report = match state.budgets.tenant_report(&tenant).await {
-        Ok(Some(report)) => Ok(report),
-        Ok(None) => Err(AdminError::NotFound { what: "tenant" }),
-        Err(err) => Err(err.into()),
+    let report = async {
+        let days = days_param(query.as_deref())?;
+        let Some(mut report) = state.budgets.tenant_report(&tenant).await? else {
+            return Err(AdminError::NotFound { what: "tenant" });
+        };
+        if let Some(days) = days {
+            if let Some(by_day) = state.budgets.tenant_days(&tenant, days).await? {
+                report["days"] = days.into();
+                report["by_day"] = by_day;
+            }
+        }
+        Ok(report)
     };
-    answer(&log, report)
+    answer(&log, report.await)
+}
+
+/// The tenant view's `days`: absent, or a whole number of days from 1 to
+/// [`MAX_REPORT_DAYS`]; anything else is refused by name.
+fn days_param(query: Option<&str>) -> Result<Option<u32>, AdminError> {
+    let Some(value) = query
+        .unwrap_or_default()
+        .split('&')
+        .find_map(|pair| pair.strip_prefix("days="))
+    else {
+        return Ok(None);
+    };
+    match value.parse::<u32>() {
+        Ok(days) if (1..=MAX_REPORT_DAYS).contains(&days) => Ok(Some(days)),
+        _ => Err(AdminError::Gateway(GatewayError::InvalidParameter {
+            param: "days",
+            detail: format!(
+                "expected a whole number of days from 1 to {MAX_REPORT_DAYS}, got `{value}`"
+            ),
+        })),
+    }
 }
 
 /// `GET /admin/tenants/{tenant}/sessions/{session}`.

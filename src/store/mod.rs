@@ -4,7 +4,9 @@
 //! kept for idempotent replays ([`Replays`]), which tenant created each stored response
 //! of the Responses API ([`Owners`]), and the session guard's closes and trips
 //! ([`GuardStates`]). Budget windows are sums over the ledger, so nothing is kept twice
-//! and a restart rebuilds every window from what was settled. The live state
+//! and a restart rebuilds every window from what was settled; so are spend reports
+//! ([`Ledger::spend_report`], read by `backstop report` through [`open_ledger_reader`]
+//! and by the admin tenant view). The live state
 //! ([`crate::state`]) and the layers hold an `Arc<dyn Store>`; [`SqliteStore`] is the
 //! embedded implementation, and `RedisStore` shares the replays, owners and guard state
 //! between replicas over it.
@@ -18,6 +20,8 @@
 //!   over by a crash are charged at their reserved amount when the store opens, so caps
 //!   hold across `kill -9`;
 //! - no call blocks the async worker threads;
+//! - a spend report is one `GROUP BY tenant, day, model` over settled ledger rows, in
+//!   that order, served by an index on `(tenant, day, model)`;
 //! - expired idempotency rows and owners, and rows older than `store.retention` go when
 //!   [`Store::purge`] runs, which [`spawn_purger`] does every [`PURGE_EVERY`].
 
@@ -33,7 +37,7 @@ use futures_util::future::BoxFuture;
 pub use redis::RedisStore;
 pub use sqlite::SqliteStore;
 
-use crate::{clock::Clock, policy::budget::Usage};
+use crate::{clock::Clock, config::StoreConfig, policy::budget::Usage};
 
 /// One charged upstream call.
 #[derive(Debug, Clone)]
@@ -48,6 +52,39 @@ pub struct Charge {
     pub input_tokens: u64,
     pub output_tokens: u64,
     pub usd: f64,
+}
+
+/// Which ledger rows [`Ledger::spend_report`] sums: one tenant or all, and a range of
+/// UTC days (days since the Unix epoch), both ends inclusive and either open.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ReportQuery {
+    pub tenant: Option<String>,
+    pub from_day: Option<i64>,
+    pub to_day: Option<i64>,
+}
+
+/// One tenant's spend on one UTC day with one model: the sums of its ledger rows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReportRow {
+    pub tenant: String,
+    /// Days since the Unix epoch (UTC).
+    pub day: i64,
+    pub model: String,
+    pub calls: u64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub usd: f64,
+}
+
+impl ReportRow {
+    /// The row as the budgets count it (input and output tokens together).
+    pub fn usage(&self) -> Usage {
+        Usage {
+            calls: self.calls,
+            tokens: self.input_tokens.saturating_add(self.output_tokens),
+            usd: self.usd,
+        }
+    }
 }
 
 /// A budgeted call's reservation, durable while the call is in flight. The id is
@@ -217,12 +254,32 @@ pub trait Ledger: Send + Sync {
     /// A tenant's usage on one UTC day (days since the epoch).
     fn tenant_day_usage<'a>(&'a self, tenant: &'a str, day: i64) -> StoreFuture<'a, Usage>;
 
-    /// A tenant's spend on one day, by model, in model order.
+    /// Spend per tenant, UTC day and model: the sums of the ledger rows `query`
+    /// selects (settled charges only, not reservations in flight), ordered by tenant,
+    /// day and model. One `GROUP BY tenant, day, model` over the ledger in SQL; counts
+    /// saturate rather than fail on overflow.
+    fn spend_report<'a>(&'a self, query: &'a ReportQuery) -> StoreFuture<'a, Vec<ReportRow>>;
+
+    /// A tenant's spend on one day, by model, in model order: [`Ledger::spend_report`]
+    /// for that tenant and day.
     fn tenant_day_by_model<'a>(
         &'a self,
         tenant: &'a str,
         day: i64,
-    ) -> StoreFuture<'a, Vec<(String, Usage)>>;
+    ) -> StoreFuture<'a, Vec<(String, Usage)>> {
+        Box::pin(async move {
+            let query = ReportQuery {
+                tenant: Some(tenant.to_string()),
+                from_day: Some(day),
+                to_day: Some(day),
+            };
+            let rows = self.spend_report(&query).await?;
+            Ok(rows
+                .into_iter()
+                .map(|r| (r.model.clone(), r.usage()))
+                .collect())
+        })
+    }
 
     /// Durable reservations not yet settled (for tests and the admin view).
     fn open_reservations(&self) -> StoreFuture<'_, u64>;
@@ -321,6 +378,33 @@ pub trait Store: Ledger + SettleQueue + Replays + Owners + GuardStates {
     /// Deletes idempotency rows and owners expired at `now_ms` and everything older than
     /// `store.retention`.
     fn purge(&self, now_ms: i64) -> StoreFuture<'_, ()>;
+}
+
+/// The ledger `[store]` names, opened to be read beside running gateways (for
+/// `backstop report`): it does not create, migrate or recover anything, and takes no
+/// lock a gateway's writes would wait on. A store with nothing outside its process
+/// (`path = ":memory:"`) has no ledger to read. Blocking: call it before the runtime
+/// does anything else.
+pub fn open_ledger_reader(config: &StoreConfig) -> Result<Arc<dyn Ledger>, OpenError> {
+    if config.path == ":memory:" {
+        return Err(OpenError::Config(
+            "store.path is \":memory:\": that ledger lives and dies with its gateway; name the database file".into(),
+        ));
+    }
+    SqliteStore::open_read_only(config)
+        .map(|store| Arc::new(store) as Arc<dyn Ledger>)
+        .map_err(|err| OpenError::Store(format!("{}: {err}", config.path)))
+}
+
+/// Why [`open_ledger_reader`] could not open the ledger.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum OpenError {
+    /// The config names no ledger that can be read (fix the config).
+    #[error("{0}")]
+    Config(String),
+    /// The store is there in the config but could not be opened or read.
+    #[error("{0}")]
+    Store(String),
 }
 
 /// How often [`spawn_purger`] purges.

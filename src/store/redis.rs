@@ -11,8 +11,8 @@ use super::connection::Redis;
 use super::format::{self, UnknownFormat};
 use super::{
     Charge, Claim, GuardRecord, GuardStates, Ledger, OwnerRecord, Owners, QueuedSettle, Replays,
-    ReservationRecord, SettleQueue, Store, StoreError, StoreFuture, StoredOwner, StoredResponse,
-    WindowSave,
+    ReportQuery, ReportRow, ReservationRecord, SettleQueue, Store, StoreError, StoreFuture,
+    StoredOwner, StoredResponse, WindowSave,
 };
 use crate::policy::budget::Usage;
 
@@ -114,12 +114,8 @@ impl Ledger for RedisStore {
         self.inner.tenant_day_usage(tenant, day)
     }
 
-    fn tenant_day_by_model<'a>(
-        &'a self,
-        tenant: &'a str,
-        day: i64,
-    ) -> StoreFuture<'a, Vec<(String, Usage)>> {
-        self.inner.tenant_day_by_model(tenant, day)
+    fn spend_report<'a>(&'a self, query: &'a ReportQuery) -> StoreFuture<'a, Vec<ReportRow>> {
+        self.inner.spend_report(query)
     }
 
     fn open_reservations(&self) -> StoreFuture<'_, u64> {

@@ -663,3 +663,194 @@ async fn expired_idempotency_rows_are_purged_every_interval_of_tokio_time() {
     assert!(kept("later").await, "not expired yet");
     purger.abort();
 }
+
+/// A charge of `tenant` on `day` with `model`: `n` calls, `n * 100` input and `n * 10`
+/// output tokens, `n * usd`.
+fn spend(tenant: &str, day: i64, model: &str, n: u64, usd: f64) -> Charge {
+    Charge {
+        ts_ms: day * 86_400_000,
+        day,
+        tenant: tenant.into(),
+        session: None,
+        model: model.into(),
+        calls: n,
+        input_tokens: n * 100,
+        output_tokens: n * 10,
+        usd: n as f64 * usd,
+    }
+}
+
+fn report_row(tenant: &str, day: i64, model: &str, n: u64, usd: f64) -> ReportRow {
+    ReportRow {
+        tenant: tenant.into(),
+        day,
+        model: model.into(),
+        calls: n,
+        input_tokens: n * 100,
+        output_tokens: n * 10,
+        usd,
+    }
+}
+
+#[tokio::test]
+async fn spend_reports_sum_the_ledger_per_tenant_day_and_model_in_that_order() {
+    let store = SqliteStore::open(":memory:").unwrap();
+    // Written out of order, with two rows for (b, 11, gpt-4o).
+    for c in [
+        spend("b", 11, "gpt-4o", 1, 0.25),
+        spend("a", 11, "gpt-4o-mini", 2, 0.5),
+        spend("a", 10, "gpt-4o", 1, 1.0),
+        spend("b", 11, "gpt-4o", 2, 0.25),
+        spend("a", 11, "claude", 1, 0.125),
+        spend("a", 12, "gpt-4o", 4, 0.1),
+    ] {
+        store.charge(c).await.unwrap();
+    }
+    // In flight is not spend.
+    let mut held = reservation(&store, "s", 11 * 86_400_000, 1000);
+    held.tenant = "a".into();
+    store.reserve(held).await.unwrap();
+    let report = |tenant: Option<&str>, from_day, to_day| {
+        let query = ReportQuery {
+            tenant: tenant.map(str::to_owned),
+            from_day,
+            to_day,
+        };
+        let store = &store;
+        async move { store.spend_report(&query).await.unwrap() }
+    };
+    let all = vec![
+        report_row("a", 10, "gpt-4o", 1, 1.0),
+        report_row("a", 11, "claude", 1, 0.125),
+        report_row("a", 11, "gpt-4o-mini", 2, 1.0),
+        report_row("a", 12, "gpt-4o", 4, 0.4),
+        report_row("b", 11, "gpt-4o", 3, 0.75),
+    ];
+    assert_eq!(report(None, None, None).await, all);
+    assert_eq!(report(Some("a"), None, None).await, all[..4]);
+    assert_eq!(report(Some("b"), None, None).await, all[4..]);
+    assert_eq!(
+        report(None, Some(11), Some(11)).await,
+        [&all[1..3], &all[4..]].concat()
+    );
+    assert_eq!(report(Some("a"), Some(11), None).await, all[1..4]);
+    assert_eq!(report(Some("a"), None, Some(10)).await, all[..1]);
+    assert!(report(Some("nobody"), None, None).await.is_empty());
+    assert!(report(None, Some(13), None).await.is_empty());
+    // The tenant's day by model is the same read.
+    let by_model = store.tenant_day_by_model("a", 11).await.unwrap();
+    assert_eq!(
+        by_model,
+        [
+            (
+                "claude".to_string(),
+                Usage {
+                    calls: 1,
+                    tokens: 110,
+                    usd: 0.125
+                }
+            ),
+            (
+                "gpt-4o-mini".to_string(),
+                Usage {
+                    calls: 2,
+                    tokens: 220,
+                    usd: 1.0
+                }
+            ),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn spend_reports_walk_the_ledger_index_in_order_without_sorting() {
+    let store = SqliteStore::open(":memory:").unwrap();
+    let conn = rusqlite::Connection::open(&store.path).unwrap();
+    for (sql, params) in [(sqlite::REPORT_ALL, 2), (sqlite::REPORT_TENANT, 3)] {
+        let plan: Vec<String> = conn
+            .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
+            .unwrap()
+            .query_map(rusqlite::params_from_iter(0..params), |r| r.get(3))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let plan = plan.join("; ");
+        assert!(plan.contains("USING INDEX ledger_by_day_model"), "{plan}");
+        assert!(!plan.contains("TEMP B-TREE"), "{plan}");
+    }
+    let indexes: Vec<String> = conn
+        .prepare("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'ledger' ORDER BY name")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(
+        indexes,
+        ["ledger_by_day_model", "ledger_by_session"],
+        "replaced, not added"
+    );
+}
+
+#[tokio::test]
+async fn a_read_only_store_reads_beside_the_writer_and_changes_nothing() {
+    let db = TempDb::new();
+    let missing = SqliteStore::open_read_only(&db.config());
+    assert!(missing.is_err(), "no file, no ledger");
+    assert!(!std::path::Path::new(&db.path()).exists(), "not created");
+
+    let store = SqliteStore::open_with(&db.config()).unwrap();
+    store
+        .charge(spend("a", 10, "gpt-4o", 1, 0.5))
+        .await
+        .unwrap();
+    // A call in flight on the running gateway: a reader must not take it for a crash.
+    store
+        .reserve(reservation(&store, "s", 10 * 86_400_000, 100))
+        .await
+        .unwrap();
+    let reader = SqliteStore::open_read_only(&db.config()).unwrap();
+    assert_eq!(reader.recovered_reservations(), 0);
+    assert_eq!(store.open_reservations().await.unwrap(), 1);
+    let all = ReportQuery::default();
+    assert_eq!(
+        reader.spend_report(&all).await.unwrap(),
+        [report_row("a", 10, "gpt-4o", 1, 0.5)]
+    );
+    // The writer goes on while the reader is open, and the reader sees its commits.
+    store
+        .charge(spend("a", 10, "gpt-4o", 1, 0.5))
+        .await
+        .unwrap();
+    assert_eq!(
+        reader.spend_report(&all).await.unwrap(),
+        [report_row("a", 10, "gpt-4o", 2, 1.0)]
+    );
+    assert!(matches!(
+        reader.charge(spend("a", 10, "gpt-4o", 1, 0.5)).await,
+        Err(StoreError::Closed)
+    ));
+    drop(reader);
+    assert_eq!(store.open_reservations().await.unwrap(), 1);
+    assert_eq!(store.spend_report(&all).await.unwrap()[0].calls, 2);
+}
+
+#[tokio::test]
+async fn the_ledger_reader_opens_the_configured_file_and_refuses_a_memory_store() {
+    let db = TempDb::new();
+    drop(SqliteStore::open_with(&db.config()).unwrap());
+    let reader = open_ledger_reader(&db.config()).unwrap();
+    assert!(reader
+        .spend_report(&ReportQuery::default())
+        .await
+        .unwrap()
+        .is_empty());
+    let memory = StoreConfig {
+        path: ":memory:".into(),
+        ..StoreConfig::default()
+    };
+    assert!(matches!(
+        open_ledger_reader(&memory),
+        Err(OpenError::Config(_))
+    ));
+}

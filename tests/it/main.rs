@@ -26,6 +26,7 @@ mod otel;
 mod recovery;
 mod recovery_policy;
 mod reload;
+mod report;
 mod responses;
 mod schema_fuzz;
 mod schema_limits;

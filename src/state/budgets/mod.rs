@@ -26,6 +26,8 @@ use std::{
 };
 
 mod report;
+
+pub use report::MAX_REPORT_DAYS;
 pub mod reservation;
 
 use governor::{

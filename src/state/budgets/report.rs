@@ -5,9 +5,13 @@ use std::sync::atomic::Ordering;
 
 use super::{lock, Budgets, TenantBook};
 use crate::{
+    clock::Date,
     policy::budget::{Account, SessionSeen, Usd},
-    store::StoreError,
+    store::{ReportQuery, StoreError},
 };
+
+/// The longest window [`Budgets::tenant_days`] reads: a year, leap day included.
+pub const MAX_REPORT_DAYS: u32 = 366;
 
 impl Budgets {
     /// A session's account and requests in flight: from Redis when replicas share the
@@ -147,5 +151,39 @@ impl Budgets {
             "remaining_today": {"usd": usd.map(Usd), "tokens": tokens},
             "by_model": by_model,
         })))
+    }
+
+    /// A tenant's spend in the ledger by UTC day and model over the last `days` days
+    /// (today included), for the admin view's `?days=` (`None`: no such tenant). Read
+    /// from the ledger of this gateway's store through [`crate::store::Ledger::spend_report`]:
+    /// with `[state] backend = "redis"` over SQLite, that is this replica's own file.
+    pub async fn tenant_days(
+        &self,
+        tenant: &str,
+        days: u32,
+    ) -> Result<Option<serde_json::Value>, StoreError> {
+        let Some(book) = self.tenant(tenant) else {
+            return Ok(None);
+        };
+        let today = self.clock.today();
+        let days = days.clamp(1, MAX_REPORT_DAYS);
+        let query = ReportQuery {
+            tenant: Some(book.name.to_string()),
+            from_day: Some(today - i64::from(days) + 1),
+            to_day: Some(today),
+        };
+        let rows = self.store.spend_report(&query).await?;
+        let rows: Vec<_> = rows
+            .into_iter()
+            .map(|r| {
+                let tokens = r.input_tokens.saturating_add(r.output_tokens);
+                serde_json::json!({
+                    "day": r.day, "date": Date(r.day).to_string(), "model": r.model,
+                    "calls": r.calls, "input_tokens": r.input_tokens,
+                    "output_tokens": r.output_tokens, "tokens": tokens, "usd": Usd(r.usd),
+                })
+            })
+            .collect();
+        Ok(Some(serde_json::Value::Array(rows)))
     }
 }

@@ -30,8 +30,8 @@ use tokio::sync::{oneshot, Semaphore};
 
 use super::{
     count_error, Charge, GuardRecord, GuardStates, Ledger, OwnerRecord, Owners, QueuedSettle,
-    Replays, ReservationRecord, SettleQueue, Store, StoreError, StoreFuture, StoredOwner,
-    StoredResponse,
+    Replays, ReportQuery, ReportRow, ReservationRecord, SettleQueue, Store, StoreError,
+    StoreFuture, StoredOwner, StoredResponse,
 };
 use crate::{config::StoreConfig, policy::budget::Usage};
 
@@ -175,7 +175,11 @@ CREATE TABLE IF NOT EXISTS ledger (
     usd REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS ledger_by_session ON ledger (tenant, session, ts_ms);
-CREATE INDEX IF NOT EXISTS ledger_by_day ON ledger (tenant, day);
+-- A tenant's day (budget windows) and spend reports by tenant, day and model: with the
+-- model in the index, the report's GROUP BY walks it in order with no sort. It replaces
+-- the index on (tenant, day) that stores made before reports had.
+CREATE INDEX IF NOT EXISTS ledger_by_day_model ON ledger (tenant, day, model);
+DROP INDEX IF EXISTS ledger_by_day;
 CREATE TABLE IF NOT EXISTS reservations (
     id INTEGER PRIMARY KEY,
     ts_ms INTEGER NOT NULL,
@@ -256,6 +260,23 @@ fn open_conn(path: &str, busy_timeout: Duration) -> rusqlite::Result<Connection>
     // The ledger is append-mostly and read by index: a small page cache is enough, and
     // three connections of the default 2 MB each showed in Backstop's RSS.
     conn.pragma_update(None, "cache_size", -256)?;
+    Ok(conn)
+}
+
+/// A connection that reads and can write nothing (`query_only` on top of the read-only
+/// open, so that not even a pragma changes the file). It still maps the WAL index (the
+/// `-shm` file), as every WAL reader does, creating it if no gateway has it open.
+fn open_read_only_conn(path: &str, busy_timeout: Duration) -> rusqlite::Result<Connection> {
+    let flags = OpenFlags::SQLITE_OPEN_READ_ONLY
+        | OpenFlags::SQLITE_OPEN_URI
+        | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = Connection::open_with_flags(path, flags)?;
+    conn.busy_timeout(busy_timeout)?;
+    conn.pragma_update(None, "query_only", true)?;
+    conn.pragma_update(None, "cache_size", -256)?;
+    // SQLite opens lazily: a missing file, or one that is not a ledger, fails here and
+    // not at the first report.
+    conn.prepare("SELECT 1 FROM ledger LIMIT 0")?;
     Ok(conn)
 }
 
@@ -344,6 +365,32 @@ impl SqliteStore {
             _scratch: scratch,
             #[cfg(test)]
             path,
+        })
+    }
+
+    /// Opens the store at `config.path` to read its ledger beside a running gateway
+    /// (`backstop report`): read-only connections, WAL readers like the gateway's own,
+    /// so it never takes the write lock, creates the file, recovers reservations (those
+    /// of a running gateway are in flight, not crashed) nor checkpoints. Every write
+    /// fails with [`StoreError::Closed`]. Blocking.
+    pub fn open_read_only(config: &StoreConfig) -> Result<SqliteStore, StoreError> {
+        let connections = (0..READERS)
+            .map(|_| open_read_only_conn(&config.path, config.busy_timeout).map(Mutex::new))
+            .collect::<Result<Vec<_>, _>>()?;
+        // No writer: its receiver is gone, so a write is refused, never acknowledged.
+        let (writer, _) = mpsc::channel::<Write>();
+        Ok(SqliteStore {
+            writer,
+            readers: Arc::new(Readers {
+                connections,
+                permits: Arc::new(Semaphore::new(READERS)),
+            }),
+            next_reservation: AtomicI64::new(1),
+            recovered: 0,
+            _alive: Arc::new(()),
+            _scratch: None,
+            #[cfg(test)]
+            path: config.path.clone(),
         })
     }
 
@@ -471,22 +518,9 @@ impl Ledger for SqliteStore {
         }))
     }
 
-    fn tenant_day_by_model<'a>(
-        &'a self,
-        tenant: &'a str,
-        day: i64,
-    ) -> StoreFuture<'a, Vec<(String, Usage)>> {
-        let tenant = tenant.to_string();
-        Box::pin(self.read(move |c| {
-            let mut stmt = c.prepare(
-                "SELECT model, TOTAL(calls), TOTAL(input_tokens) + TOTAL(output_tokens), TOTAL(usd)
-                 FROM ledger WHERE tenant = ?1 AND day = ?2 GROUP BY model ORDER BY model",
-            )?;
-            let rows = stmt.query_map(params![tenant, day], |r| {
-                Ok((r.get::<_, String>(0)?, usage_at(r, 1)?))
-            })?;
-            rows.collect()
-        }))
+    fn spend_report<'a>(&'a self, query: &'a ReportQuery) -> StoreFuture<'a, Vec<ReportRow>> {
+        let query = query.clone();
+        Box::pin(self.read(move |c| spend_report(c, &query)))
     }
 
     fn open_reservations(&self) -> StoreFuture<'_, u64> {
@@ -643,4 +677,45 @@ fn usage_at(r: &rusqlite::Row<'_>, first: usize) -> rusqlite::Result<Usage> {
 
 fn usage_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Usage> {
     usage_at(r, 0)
+}
+
+/// [`Ledger::spend_report`]'s query, without a tenant and with one: two statements rather
+/// than `(?1 IS NULL OR tenant = ?1)`, which would keep SQLite from searching the index
+/// by tenant. Both walk `ledger_by_day_model` in the GROUP BY's order (no sort).
+pub(super) const REPORT_ALL: &str =
+    "SELECT tenant, day, model, TOTAL(calls), TOTAL(input_tokens), TOTAL(output_tokens), TOTAL(usd)
+     FROM ledger WHERE day BETWEEN ?1 AND ?2
+     GROUP BY tenant, day, model ORDER BY tenant, day, model";
+pub(super) const REPORT_TENANT: &str =
+    "SELECT tenant, day, model, TOTAL(calls), TOTAL(input_tokens), TOTAL(output_tokens), TOTAL(usd)
+     FROM ledger WHERE day BETWEEN ?1 AND ?2 AND tenant = ?3
+     GROUP BY tenant, day, model ORDER BY tenant, day, model";
+
+fn spend_report(c: &Connection, query: &ReportQuery) -> rusqlite::Result<Vec<ReportRow>> {
+    let from = query.from_day.unwrap_or(i64::MIN);
+    let to = query.to_day.unwrap_or(i64::MAX);
+    let row = |r: &rusqlite::Row<'_>| {
+        // TOTAL, as in `usage_at`: a float sum that cannot fail the report on overflow.
+        let count = |i| r.get::<_, f64>(i).map(|n| n.max(0.0) as u64);
+        let usd: f64 = r.get(6)?;
+        Ok(ReportRow {
+            tenant: r.get(0)?,
+            day: r.get(1)?,
+            model: r.get(2)?,
+            calls: count(3)?,
+            input_tokens: count(4)?,
+            output_tokens: count(5)?,
+            usd: if usd.is_nan() { 0.0 } else { usd.max(0.0) },
+        })
+    };
+    match &query.tenant {
+        Some(tenant) => c
+            .prepare_cached(REPORT_TENANT)?
+            .query_map(params![from, to, tenant], row)?
+            .collect(),
+        None => c
+            .prepare_cached(REPORT_ALL)?
+            .query_map(params![from, to], row)?
+            .collect(),
+    }
 }
