@@ -23,13 +23,16 @@
 
 pub(crate) mod connection;
 pub mod format;
+mod postgres;
 mod redis;
 mod sqlite;
+mod write;
 
 use std::{sync::Arc, time::Duration};
 
 use futures_util::future::BoxFuture;
 
+pub use postgres::{PgStore, SCHEMA_VERSION};
 pub use redis::RedisStore;
 pub use sqlite::SqliteStore;
 
