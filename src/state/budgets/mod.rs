@@ -37,7 +37,7 @@ use governor::{
 use self::reservation::Reservation;
 use crate::{
     clock::Clock,
-    config::{Config, PriceConfig, Unpriced},
+    config::{Config, OnUnavailable, PriceConfig, Unpriced},
     policy::budget::{worst_case, Account, Caps, Prices, Usage, SESSION, TENANT_DAY},
     state::{
         live::{LiveSessions, SessionKey},
@@ -90,6 +90,17 @@ pub struct SessionBook {
     pub(super) in_flight: AtomicU32,
 }
 
+impl SessionBook {
+    /// A session whose ledger could not be read: nothing settled that this replica
+    /// knows of.
+    fn unread() -> SessionBook {
+        SessionBook {
+            account: Mutex::new(Account::default()),
+            in_flight: AtomicU32::new(0),
+        }
+    }
+}
+
 pub struct Budgets {
     tenants: HashMap<Arc<str>, Arc<TenantBook>>,
     sessions: LiveSessions<SessionBook>,
@@ -105,6 +116,11 @@ pub struct Budgets {
     /// Redis, when replicas share the state (`[state] backend = "redis"`): then the
     /// books here are only the fallback while it is unavailable.
     pub(super) shared: Option<Arc<SharedBudgets>>,
+    /// `[state] on_unavailable`, for a shared store (PostgreSQL) that cannot be
+    /// reached: closed refuses budgeted calls (`store_unavailable`); open admits them
+    /// on this replica's books, counted as blind. A store error that is not
+    /// [`StoreError::Unavailable`] (SQLite's) always refuses.
+    on_unavailable: OnUnavailable,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -134,6 +150,7 @@ impl Budgets {
             max_reported_tokens: 0,
             clock,
             shared: None,
+            on_unavailable: config.state.on_unavailable,
         }
         .reconfigured(config)
     }
@@ -218,6 +235,7 @@ impl Budgets {
             max_reported_tokens: config.billing.max_reported_tokens,
             clock: self.clock.clone(),
             shared: self.shared.clone(),
+            on_unavailable: config.state.on_unavailable,
         }
     }
 
@@ -251,6 +269,23 @@ impl Budgets {
             detail: err.to_string(),
             retry_after: Duration::from_secs(1),
         })
+    }
+
+    /// Whether a budgeted call goes ahead although the store failed with `err`: only
+    /// when the store is unreachable and `on_unavailable = "open"` (logged and counted
+    /// as blind, as a Redis outage is).
+    fn blind_past(&self, err: &StoreError, what: &'static str) -> bool {
+        if !matches!(err, StoreError::Unavailable(_)) || self.on_unavailable != OnUnavailable::Open
+        {
+            return false;
+        }
+        metrics::counter!("backstop_state_blind_admissions_total", "what" => what).increment(1);
+        tracing::warn!(
+            what,
+            error = %err,
+            "store unavailable; admitted on this replica's own books (on_unavailable = \"open\")"
+        );
+        true
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -486,10 +521,22 @@ impl Budgets {
             }
         }
         let live = match session {
-            Some(s) => Some((s.to_string(), self.session(&book.name, s).await?)),
+            Some(s) => match self.session(&book.name, s).await {
+                Ok(live) => Some((s.to_string(), live)),
+                // Its spend so far unknown: counted from this call on, and not kept, so
+                // the next call reads the ledger again.
+                Err(err) if self.blind_past(&err, "session") => {
+                    Some((s.to_string(), Arc::new(SessionBook::unread())))
+                }
+                Err(err) => return Err(err.into()),
+            },
             None => None,
         };
-        let day_unread = self.know_day(&book).await.err();
+        let day_unread = self
+            .know_day(&book)
+            .await
+            .err()
+            .filter(|err| !self.blind_past(err, "day"));
         let mut reservation =
             self.reserve_in_memory(book, live, day_unread, model, prompt_tokens, max_output)?;
         let book = &reservation.tenant;
@@ -511,10 +558,15 @@ impl Budgets {
             // Named before the write is awaited: if this future is dropped meanwhile,
             // the reservation's drop settles it (the writer keeps the order).
             reservation.durable = Some(id);
-            if let Err(err) = self.store.reserve(record).await {
-                tracing::error!(tenant, session, error = %err, "cannot record a reservation; refusing the call");
-                reservation.release();
-                return Err(err.into());
+            match self.store.reserve(record).await {
+                Ok(()) => {}
+                // Settled all the same: the charge is written once the store answers.
+                Err(err) if self.blind_past(&err, "reservation") => {}
+                Err(err) => {
+                    tracing::error!(tenant, session, error = %err, "cannot record a reservation; refusing the call");
+                    reservation.release();
+                    return Err(err.into());
+                }
             }
         }
         Ok(reservation)
