@@ -75,7 +75,13 @@ pub(super) struct Failure {
 impl From<tokio_postgres::Error> for Failure {
     fn from(err: tokio_postgres::Error) -> Self {
         let transient = match err.code() {
-            None => true,
+            // No answer from the server: the connection is gone, or never was (a
+            // parameter this build failed to encode is not an outage).
+            None => {
+                err.is_closed()
+                    || std::error::Error::source(&err).is_some_and(|e| e.is::<std::io::Error>())
+                    || err.to_string().contains("timeout")
+            }
             Some(code) => {
                 let c = code.code();
                 // Connection exceptions, operator intervention (shutdown, statement
@@ -713,10 +719,10 @@ impl GuardStates for PgStore {
                     .query_opt(
                         &format!(
                             "INSERT INTO guard_windows AS w (tenant, session, version, state, expires_ms)
-                             VALUES ($1, $2, $3 + 1, $4, {NOW_MS} + $5)
+                             VALUES ($1, $2, $3::bigint + 1, $4, {NOW_MS} + $5::bigint)
                              ON CONFLICT (tenant, session) DO UPDATE
                                  SET version = EXCLUDED.version, state = EXCLUDED.state, expires_ms = EXCLUDED.expires_ms
-                                 WHERE (CASE WHEN w.expires_ms <= {NOW_MS} THEN 0 ELSE w.version END) = $3
+                                 WHERE (CASE WHEN w.expires_ms <= {NOW_MS} THEN 0 ELSE w.version END) = $3::bigint
                              RETURNING version"
                         ),
                         &[&tenant, &session, &version, &state, &ttl_ms],

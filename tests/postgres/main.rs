@@ -1,0 +1,13 @@
+//! The tests that need a real PostgreSQL (`initdb` and `pg_ctl`: `.ci/run` installs
+//! `postgresql`; without it they fail, not skip). Each test starts a server of its own
+//! (tests/common/postgres.rs).
+//!
+//! `cargo test --test postgres store::`, `cargo test --test postgres outage::`.
+
+#[path = "../common/mod.rs"]
+mod common;
+#[path = "../common/postgres.rs"]
+mod postgres_support;
+
+mod outage;
+mod store;
