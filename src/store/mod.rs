@@ -229,6 +229,28 @@ pub trait Ledger: Send + Sync {
 
     /// Durable reservations not yet settled (for tests and the admin view).
     fn open_reservations(&self) -> StoreFuture<'_, u64>;
+
+    /// What the fleet has committed on a tenant's `day` and, with `session`, in that
+    /// session since its reset: settled, plus what other processes hold reserved. Read
+    /// for every budgeted call when other processes share this store and nothing else
+    /// counts for them (no Redis). `None`: this process's own books are the whole
+    /// story (a store no other process shares, or Redis counting).
+    fn fleet_usage<'a>(
+        &'a self,
+        _tenant: &'a str,
+        _day: i64,
+        _session: Option<&'a str>,
+    ) -> StoreFuture<'a, Option<FleetUsage>> {
+        Box::pin(async { Ok(None) })
+    }
+}
+
+/// A tenant's day and a session as the whole fleet has committed them
+/// ([`Ledger::fleet_usage`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct FleetUsage {
+    pub day: Usage,
+    pub session: Option<Usage>,
 }
 
 /// Settles the shared state (Redis) could not take, kept until it can.

@@ -2,7 +2,7 @@
 //! `postgresql`; without it they fail, not skip). Each test starts a server of its own
 //! (tests/common/postgres.rs).
 //!
-//! `cargo test --test postgres store::`, `cargo test --test postgres outage::`.
+//! `cargo test --test postgres store::`, `outage::`, `replicas::`.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -10,4 +10,5 @@ mod common;
 mod postgres_support;
 
 mod outage;
+mod replicas;
 mod store;

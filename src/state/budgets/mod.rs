@@ -465,6 +465,43 @@ impl Budgets {
         Ok(())
     }
 
+    /// With a store other replicas share and no Redis counting for them: the day's and
+    /// the session's accounts take what the fleet has committed (settled, and reserved
+    /// by the other replicas) before this call is checked against them. Replicas that
+    /// reserve at the same moment can each pass on what the other has not written yet:
+    /// caps hold to within one call per replica (Redis makes them exact).
+    async fn catch_up_with_the_fleet(
+        &self,
+        book: &TenantBook,
+        live: Option<&(String, Arc<SessionBook>)>,
+        session: Option<&str>,
+    ) -> Result<(), Refusal> {
+        let today = self.clock.today();
+        let fleet = match self.store.fleet_usage(&book.name, today, session).await {
+            Ok(Some(fleet)) => fleet,
+            Ok(None) => return Ok(()),
+            Err(err) if self.blind_past(&err, "fleet") => return Ok(()),
+            Err(err) => return Err(err.into()),
+        };
+        {
+            let mut day = lock(&book.day);
+            if day.0 <= today {
+                // A new day starts from what the fleet has spent on it already.
+                *day = (
+                    today,
+                    Account {
+                        settled: fleet.day,
+                        reserved: day.1.reserved,
+                    },
+                );
+            }
+        }
+        if let (Some((_, s)), Some(used)) = (live, fleet.session) {
+            lock(&s.account).settled = used;
+        }
+        Ok(())
+    }
+
     /// Reserves one upstream call's worst case against the session and the tenant's
     /// day, atomically: both fit, or neither is touched. A budgeted call's reservation is
     /// committed to the store before this returns; if it cannot be, the call is refused.
@@ -537,6 +574,10 @@ impl Budgets {
             .await
             .err()
             .filter(|err| !self.blind_past(err, "day"));
+        if budgeted && self.shared.is_none() {
+            self.catch_up_with_the_fleet(&book, live.as_ref(), session)
+                .await?;
+        }
         let mut reservation =
             self.reserve_in_memory(book, live, day_unread, model, prompt_tokens, max_output)?;
         let book = &reservation.tenant;

@@ -46,9 +46,9 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 
 use self::writer::PgWrite;
 use super::{
-    count_error, write::Op, Charge, Claim, GuardRecord, GuardStates, Ledger, OwnerRecord, Owners,
-    QueuedSettle, Replays, ReservationRecord, SettleQueue, Store, StoreError, StoreFuture,
-    StoredOwner, StoredResponse, WindowSave,
+    count_error, write::Op, Charge, Claim, FleetUsage, GuardRecord, GuardStates, Ledger,
+    OwnerRecord, Owners, QueuedSettle, Replays, ReservationRecord, SettleQueue, Store, StoreError,
+    StoreFuture, StoredOwner, StoredResponse, WindowSave,
 };
 use crate::{config::StoreConfig, policy::budget::Usage};
 
@@ -407,6 +407,10 @@ const SUMS: &str = "COALESCE(SUM(calls), 0)::float8,
      (COALESCE(SUM(input_tokens), 0) + COALESCE(SUM(output_tokens), 0))::float8,
      COALESCE(SUM(usd), 0)::float8";
 
+/// A reservation's worst case as [`SUMS`] reads a charge: its tokens are all "input".
+const RESERVED: &str = "COALESCE(SUM(calls), 0)::float8, COALESCE(SUM(tokens), 0)::float8,
+     COALESCE(SUM(usd), 0)::float8";
+
 impl Ledger for PgStore {
     fn recovered_reservations(&self) -> u64 {
         self.recovered_at_open
@@ -506,6 +510,59 @@ impl Ledger for PgStore {
     // with the `backstop report` work; here it is one GROUP BY over `ledger_by_day`:
     // SELECT tenant, day, model, SUMS FROM ledger WHERE day BETWEEN $from AND $to
     // [AND tenant = $t] GROUP BY tenant, day, model ORDER BY tenant, day, model.
+
+    /// Two reads, pipelined: the day's and the session's ledger sums, each plus the
+    /// reservations other replicas hold (this one's are in its own books).
+    fn fleet_usage<'a>(
+        &'a self,
+        tenant: &'a str,
+        day: i64,
+        session: Option<&'a str>,
+    ) -> StoreFuture<'a, Option<FleetUsage>> {
+        let epoch = self.shared.epoch;
+        Box::pin(self.read(async move {
+            let c = self.client().await?;
+            let day_sql = format!(
+                "WITH l AS (SELECT {SUMS} FROM ledger WHERE tenant = $1 AND day = $2),
+                      r AS (SELECT {RESERVED} FROM reservations WHERE tenant = $1 AND day = $2 AND epoch <> $3)
+                 SELECT l.*, r.* FROM l, r"
+            );
+            let session_sql = format!(
+                "WITH since AS (SELECT COALESCE(
+                          (SELECT at_ms FROM session_resets WHERE tenant = $1 AND session = $2),
+                          -9223372036854775808) AS at_ms),
+                      l AS (SELECT {SUMS} FROM ledger, since
+                            WHERE tenant = $1 AND session = $2 AND ts_ms >= since.at_ms),
+                      r AS (SELECT {RESERVED} FROM reservations, since
+                            WHERE tenant = $1 AND session = $2 AND epoch <> $3 AND ts_ms >= since.at_ms)
+                 SELECT l.*, r.* FROM l, r"
+            );
+            let both = |row: &Row| {
+                let mut u = usage_at(row, 0);
+                u.add(usage_at(row, 3));
+                u
+            };
+            let (day_statement, session_statement) =
+                futures_util::future::try_join(c.prepare_cached(&day_sql), c.prepare_cached(&session_sql))
+                    .await?;
+            let day_params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&tenant, &day, &epoch];
+            let day_row = c.query_one(&day_statement, &day_params);
+            let session_row = async {
+                match session {
+                    Some(s) => c
+                        .query_one(&session_statement, &[&tenant, &s, &epoch])
+                        .await
+                        .map(Some),
+                    None => Ok(None),
+                }
+            };
+            let (day_row, session_row) = futures_util::future::try_join(day_row, session_row).await?;
+            Ok(Some(FleetUsage {
+                day: both(&day_row),
+                session: session_row.as_ref().map(both),
+            }))
+        }))
+    }
 
     fn open_reservations(&self) -> StoreFuture<'_, u64> {
         Box::pin(self.read(async move {
