@@ -197,6 +197,12 @@ pub trait Ledger: Send + Sync {
     /// counts it.
     fn settle(&self, reservation: Option<i64>, charge: Charge) -> StoreFuture<'_, ()>;
 
+    /// Forgets a reservation whose call was refused because its write failed, in case
+    /// the write landed anyway (a store across a network can lose the acknowledgement
+    /// of a commit); retried until it is done, never waited for. A local store's failed
+    /// write never landed: nothing to do.
+    fn unreserve(&self, _reservation: i64) {}
+
     /// As [`Store::settle`], without waiting (the end of a stream, a dropped call): a
     /// failure is logged and counted by the store, since no caller is left to tell.
     fn settle_later(&self, reservation: Option<i64>, charge: Charge);

@@ -32,13 +32,16 @@ pub(crate) enum Op {
     Purge {
         now_ms: i64,
     },
+    /// Deletes a reservation whose call was refused after its write failed: the write
+    /// may have landed all the same (its acknowledgement lost with the connection).
+    Unreserve(i64),
 }
 
 impl Op {
     /// The `op` label of `backstop_store_errors_total`.
     pub(crate) fn label(&self) -> &'static str {
         match self {
-            Op::Reserve(_) => "reserve",
+            Op::Reserve(_) | Op::Unreserve(_) => "reserve",
             Op::Settle { .. } => "settle",
             Op::ResetSession { .. } => "reset_session",
             Op::Remember(_) => "remember",

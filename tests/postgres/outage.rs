@@ -165,6 +165,25 @@ async fn restart_mid_traffic(on_unavailable: &str) -> (Arc<Tally>, u64, String) 
         .parse()
         .unwrap();
     assert_eq!(calls, made);
+    // None left behind: settled, or withdrawn for a call refused after its write failed
+    // (it may have landed with its acknowledgement lost).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let open: u64 = pg
+            .psql(&db, "SELECT COUNT(*) FROM reservations")
+            .parse()
+            .unwrap();
+        if open == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{open} reservations left open");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "{on_unavailable}: {made} calls made, {} refused, {} answered while postgres was down",
+        tally.refused.load(Ordering::Relaxed),
+        tally.during.load(Ordering::Relaxed)
+    );
     (tally, made, db)
 }
 

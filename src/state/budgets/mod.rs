@@ -605,6 +605,7 @@ impl Budgets {
                 Err(err) if self.blind_past(&err, "reservation") => {}
                 Err(err) => {
                     tracing::error!(tenant, session, error = %err, "cannot record a reservation; refusing the call");
+                    self.store.unreserve(id);
                     reservation.release();
                     return Err(err.into());
                 }

@@ -449,6 +449,14 @@ impl Ledger for PgStore {
         }
     }
 
+    fn unreserve(&self, reservation: i64) {
+        let op = Op::Unreserve(reservation);
+        if self.writer.send(PgWrite { op, ack: None }).is_err() {
+            // Left to be charged as a dead replica's at most: never undercounted.
+            count_error("reserve");
+        }
+    }
+
     fn reset_session<'a>(
         &'a self,
         tenant: &'a str,

@@ -35,9 +35,13 @@ pub(super) struct PgWrite {
     pub(super) ack: Option<oneshot::Sender<Result<(), StoreError>>>,
 }
 
-/// Whether a write is a charge for a call already made: kept and retried, never lost.
+/// Whether a write must land however long Postgres is away: a charge for a call
+/// already made, or the withdrawal of a refused call's reservation. Kept and retried.
 fn is_charge(op: &Op) -> bool {
-    matches!(op, Op::Settle { .. } | Op::QueueSettle(_))
+    matches!(
+        op,
+        Op::Settle { .. } | Op::QueueSettle(_) | Op::Unreserve(_)
+    )
 }
 
 pub(super) async fn write_loop(pool: Pool, mut rx: mpsc::UnboundedReceiver<PgWrite>) {
@@ -169,6 +173,7 @@ const RESERVE: &str =
 const SETTLE: &str = "WITH gone AS (DELETE FROM reservations WHERE id = $1)
      INSERT INTO ledger (id, ts_ms, day, tenant, session, model, calls, input_tokens, output_tokens, usd)
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (id) DO NOTHING";
+const UNRESERVE: &str = "DELETE FROM reservations WHERE id = $1";
 const RESET_SESSION: &str =
     "INSERT INTO session_resets (tenant, session, at_ms) VALUES ($1, $2, $3)
      ON CONFLICT (tenant, session) DO UPDATE SET at_ms = EXCLUDED.at_ms";
@@ -296,6 +301,7 @@ fn statements(op: &Op) -> Vec<(&'static str, Vec<Param>)> {
             CLEAR_GUARD,
             vec![Box::new(tenant.clone()), Box::new(session.clone())],
         )],
+        Op::Unreserve(id) => vec![(UNRESERVE, vec![Box::new(*id)])],
         // Purges run beside the writer (`PgStore::purge`).
         Op::Purge { .. } => Vec::new(),
     }
