@@ -1,5 +1,6 @@
 //! The tests that need a real PostgreSQL (`initdb` and `pg_ctl`: `.ci/run` installs
-//! `postgresql`; without it they fail, not skip). Each test starts a server of its own
+//! `postgresql`; without it they fail, not skip), and for Redis in front of it
+//! `redis-server`. Each test starts a server of its own
 //! (tests/common/postgres.rs).
 //!
 //! `cargo test --test postgres store::`, `outage::`, `replicas::`.
@@ -8,6 +9,8 @@
 mod common;
 #[path = "../common/postgres.rs"]
 mod postgres_support;
+#[path = "../common/redis.rs"]
+mod redis_support;
 
 mod outage;
 mod replicas;

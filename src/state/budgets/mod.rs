@@ -121,6 +121,9 @@ pub struct Budgets {
     /// on this replica's books, counted as blind. A store error that is not
     /// [`StoreError::Unavailable`] (SQLite's) always refuses.
     on_unavailable: OnUnavailable,
+    /// Redis counts and PostgreSQL keeps the fleet's ledger: a budgeted call held in
+    /// Redis also has a durable reservation in the ledger, settled there too.
+    fleet_ledger: bool,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -151,6 +154,7 @@ impl Budgets {
             clock,
             shared: None,
             on_unavailable: config.state.on_unavailable,
+            fleet_ledger: false,
         }
         .reconfigured(config)
     }
@@ -236,6 +240,8 @@ impl Budgets {
             clock: self.clock.clone(),
             shared: self.shared.clone(),
             on_unavailable: config.state.on_unavailable,
+            fleet_ledger: config.state.backend == crate::config::StateBackend::Redis
+                && config.store.backend == crate::config::StoreBackend::Postgres,
         }
     }
 
@@ -465,6 +471,39 @@ impl Budgets {
         Ok(())
     }
 
+    /// A budgeted call's durable reservation in the fleet's ledger, when Redis holds
+    /// its reservation: its id, or the refusal (`[state] on_unavailable` decides when
+    /// the ledger cannot be reached).
+    async fn reserve_in_ledger(
+        &self,
+        book: &TenantBook,
+        session: Option<&str>,
+        model: &str,
+        want: Usage,
+    ) -> Result<i64, Refusal> {
+        let id = self.store.next_reservation_id();
+        let record = ReservationRecord {
+            id,
+            ts_ms: self.clock.now_ms(),
+            day: self.clock.today(),
+            tenant: book.name.to_string(),
+            session: session.map(str::to_owned),
+            model: model.to_string(),
+            calls: want.calls,
+            tokens: want.tokens,
+            usd: want.usd,
+        };
+        match self.store.reserve(record).await {
+            Ok(()) => Ok(id),
+            Err(err) if self.blind_past(&err, "reservation") => Ok(id),
+            Err(err) => {
+                tracing::error!(tenant = %book.name, session, error = %err, "cannot record a reservation in the ledger; refusing the call");
+                self.store.unreserve(id);
+                Err(err.into())
+            }
+        }
+    }
+
     /// With a store other replicas share and no Redis counting for them: the day's and
     /// the session's accounts take what the fleet has committed (settled, and reserved
     /// by the other replicas) before this call is checked against them. Replicas that
@@ -523,6 +562,16 @@ impl Budgets {
         if let (Some(shared), true) = (&self.shared, budgeted) {
             let want =
                 self.worst_case(&book, session.is_some(), model, prompt_tokens, max_output)?;
+            // In the fleet's ledger first: a refusal by Redis then only withdraws it.
+            let durable = match self.fleet_ledger {
+                true => Some(self.reserve_in_ledger(&book, session, model, want).await?),
+                false => None,
+            };
+            let withdraw = || {
+                if let Some(id) = durable {
+                    self.store.unreserve(id);
+                }
+            };
             let admitted = shared
                 .admit(Admission {
                     tenant,
@@ -544,13 +593,18 @@ impl Budgets {
                         session: None,
                         model: model.to_string(),
                         amount: want,
-                        durable: None,
+                        durable,
                         shared: Some(held),
                         settled: false,
                     })
                 }
-                Err(AdmitError::Over(e)) => return Err(Refusal::Exceeded(e)),
+                Err(AdmitError::Over(e)) => {
+                    withdraw();
+                    return Err(Refusal::Exceeded(e));
+                }
                 Err(AdmitError::Unavailable(err)) => {
+                    // Either refused, or reserved again below on this replica's books.
+                    withdraw();
                     if let Some(refusal) = self.unavailable(err, "budget") {
                         return Err(refusal);
                     }
