@@ -580,3 +580,77 @@ async fn a_charge_made_while_postgres_is_down_is_written_when_it_returns() {
     assert_eq!(store.open_reservations().await.unwrap(), 0);
     assert_eq!(db.ledger_rows(), 2);
 }
+
+/// The cost of the ledger per budgeted call (a reservation committed, then settled)
+/// and ledger rows per second at 32-way concurrency, PostgreSQL against SQLite in the
+/// same run (a debug build unless run with --release; not run by default):
+/// `cargo test --test postgres store::ledger_cost -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn ledger_cost_per_budgeted_call_postgres_against_sqlite() {
+    const CALLS: usize = 8_000;
+    const CONCURRENCY: usize = 32;
+    let db = Db::new();
+    let dir = std::env::temp_dir().join(format!("backstop-cost-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let stores: Vec<(&str, Arc<dyn Store>)> = vec![
+        (
+            "sqlite",
+            Arc::new(
+                backstop::store::SqliteStore::open(dir.join("ledger.db").to_str().unwrap())
+                    .unwrap(),
+            ),
+        ),
+        ("postgres", Arc::new(db.open().await)),
+    ];
+    for (name, store) in stores {
+        let started = std::time::Instant::now();
+        let tasks: Vec<_> = (0..CONCURRENCY)
+            .map(|t| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    let mut took = Vec::new();
+                    for i in (t..CALLS).step_by(CONCURRENCY) {
+                        let session = format!("session-{}", i / 50);
+                        let call = std::time::Instant::now();
+                        let id = store.next_reservation_id();
+                        store
+                            .reserve(ReservationRecord {
+                                id,
+                                ts_ms: i as i64,
+                                day: 1,
+                                tenant: "t".into(),
+                                session: Some(session.clone()),
+                                model: "gpt-4o".into(),
+                                calls: 1,
+                                tokens: 4096,
+                                usd: 0.01,
+                            })
+                            .await
+                            .unwrap();
+                        store
+                            .settle(Some(id), charge(Some(&session), 1, i as i64, 0.001))
+                            .await
+                            .unwrap();
+                        took.push(call.elapsed());
+                    }
+                    took
+                })
+            })
+            .collect();
+        let mut took = Vec::new();
+        for t in tasks {
+            took.extend(t.await.unwrap());
+        }
+        let elapsed = started.elapsed();
+        took.sort();
+        let at = |q: f64| took[((took.len() as f64 * q) as usize).min(took.len() - 1)];
+        println!(
+            "{name}: {CALLS} budgeted calls at {CONCURRENCY}-way: {:.0} ledger rows/s, reserve+settle p50 {:?} p99 {:?}",
+            CALLS as f64 / elapsed.as_secs_f64(),
+            at(0.5),
+            at(0.99)
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
