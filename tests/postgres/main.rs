@@ -12,6 +12,7 @@ mod postgres_support;
 #[path = "../common/redis.rs"]
 mod redis_support;
 
+mod fleet;
 mod outage;
 mod replicas;
 mod store;
