@@ -6,8 +6,8 @@
 //! ([`GuardStates`]). Budget windows are sums over the ledger, so nothing is kept twice
 //! and a restart rebuilds every window from what was settled. The live state
 //! ([`crate::state`]) and the layers hold an `Arc<dyn Store>`; [`SqliteStore`] is the
-//! embedded implementation, and `RedisStore` shares the replays, owners and guard state
-//! between replicas over it.
+//! embedded implementation, [`PgStore`] one PostgreSQL database for the whole fleet, and
+//! `RedisStore` shares the replays, owners and guard state between replicas over either.
 //!
 //! The contract every implementation keeps:
 //! - a write that returns `Ok` is durable (survives the process being killed); a write

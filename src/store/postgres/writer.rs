@@ -217,8 +217,11 @@ fn statements(op: &Op) -> Vec<(&'static str, Vec<Param>)> {
             reservation,
             charge: c,
         } => {
-            // `PgStore::settle` names every charge (see there).
+            // `PgStore::settle` names every charge (see there): a nameless one here
+            // would be a bug, said loudly rather than written without its key.
             let Some(id) = reservation else {
+                tracing::error!(charge = ?c, "a charge reached the postgres writer without an id; not written");
+                metrics::counter!("backstop_store_errors_total", "op" => "settle").increment(1);
                 return Vec::new();
             };
             vec![(
