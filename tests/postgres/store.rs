@@ -654,3 +654,66 @@ async fn ledger_cost_per_budgeted_call_postgres_against_sqlite() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// TLS goes through rustls: a server without it is refused under `sslmode=require`,
+/// never spoken to in plain text.
+#[tokio::test]
+async fn sslmode_require_refuses_a_server_without_tls() {
+    let db = Db::new();
+    let err = PgStore::open(&StoreConfig {
+        url: Some(format!("{}?sslmode=require", db.pg.url(&db.name))),
+        ..db.config()
+    })
+    .await
+    .err()
+    .expect("refused");
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
+    assert!(err.to_string().contains("TLS"), "{err}");
+}
+
+/// `backstop check-config` names the schema version a postgres store would be brought
+/// to, without connecting.
+#[test]
+fn check_config_reports_the_schema_version_it_would_apply() {
+    let dir = std::env::temp_dir().join(format!("backstop-cc-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("backstop.toml");
+    std::fs::write(
+        &config,
+        r#"
+[store]
+backend = "postgres"
+url = "postgres://backstop@db.invalid:5432/ledger?sslmode=require"
+
+[[upstreams]]
+name = "mock"
+api = "openai"
+base_url = "http://127.0.0.1:9"
+api_key = "x"
+
+[[routes]]
+model = "gpt-*"
+targets = [{ upstream = "mock" }]
+
+[[tenants]]
+name = "t"
+api_keys = ["bk-check-config-key-1"]
+"#,
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_backstop"))
+        .args(["check-config", "--config", config.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(&format!("store: postgres, schema version {SCHEMA_VERSION}")),
+        "{stdout}"
+    );
+}

@@ -94,15 +94,30 @@ impl From<tokio_postgres::Error> for Failure {
             }
         };
         let message = if transient {
-            format!("postgres is unavailable: {err}")
+            format!("postgres is unavailable: {}", describe(&err))
         } else {
-            format!("postgres refused a statement: {err}")
+            format!("postgres refused a statement: {}", describe(&err))
         };
         Failure {
             transient,
             message: message.into(),
         }
     }
+}
+
+/// An error with its causes ("error performing TLS handshake: invalid peer
+/// certificate: UnknownIssuer"): tokio-postgres keeps the reason in the source.
+fn describe(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text = format!("{text}: {cause_text}");
+        }
+        source = cause.source();
+    }
+    text
 }
 
 impl Failure {
@@ -184,7 +199,13 @@ impl PgStore {
     pub async fn open(store: &StoreConfig) -> Result<PgStore, StoreError> {
         let config = pg_config(store)?;
         let tls = tls()?;
-        let unavailable = |e: tokio_postgres::Error| Failure::from(e).into_error();
+        // Whatever stops the store from opening stops the replica from starting: say
+        // what, with its causes.
+        let unavailable = |e: tokio_postgres::Error| {
+            StoreError::Unavailable(
+                format!("cannot open the ledger on postgres: {}", describe(&e)).into(),
+            )
+        };
         // The migrations' own connection, with no statement timeout: it may wait for
         // another replica's migration, and a migration may take long.
         let mut plain = config.clone();
