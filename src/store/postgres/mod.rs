@@ -208,10 +208,14 @@ impl PgStore {
         };
         // The migrations' own connection, with no statement timeout: it may wait for
         // another replica's migration, and a migration may take long.
-        let mut plain = config.clone();
-        plain.options("");
-        let (mut client, connection) = plain.connect(tls.clone()).await.map_err(unavailable)?;
+        // (The URL's own options, a search_path say, stay: the schema must be made
+        // where the pool will look for it.)
+        let (mut client, connection) = config.connect(tls.clone()).await.map_err(unavailable)?;
         let connection = tokio::spawn(connection);
+        client
+            .batch_execute("SET statement_timeout = 0")
+            .await
+            .map_err(unavailable)?;
         let migrated = migrate::migrate(&mut client).await.map_err(unavailable)?;
         drop(client);
         let _ = connection.await;
