@@ -235,10 +235,9 @@ impl PgStore {
             .recycle_timeout(Some(store.statement_timeout))
             .build()
             .map_err(|e| StoreError::Unavailable(format!("store: {e}").into()))?;
-        let client = pool
-            .get()
-            .await
-            .map_err(|e| StoreError::Unavailable(format!("postgres is unavailable: {e}").into()))?;
+        let client = pool.get().await.map_err(|e| {
+            StoreError::Unavailable(format!("postgres is unavailable: {}", describe(&e)).into())
+        })?;
         let epoch: i64 = client
             .query_one("SELECT nextval('replica_epochs')", &[])
             .await
@@ -856,7 +855,7 @@ impl Store for PgStore {
             let result = async {
                 let client = self.shared.pool.get().await.map_err(|e| Failure {
                     transient: true,
-                    message: format!("postgres is unavailable: {e}").into(),
+                    message: format!("postgres is unavailable: {}", describe(&e)).into(),
                 })?;
                 let idempotency = client
                     .execute("DELETE FROM idempotency WHERE expires_ms <= $1", &[&now_ms])
@@ -930,7 +929,7 @@ impl From<deadpool_postgres::PoolError> for Failure {
     fn from(err: deadpool_postgres::PoolError) -> Self {
         Failure {
             transient: true,
-            message: format!("postgres is unavailable: {err}").into(),
+            message: format!("postgres is unavailable: {}", describe(&err)).into(),
         }
     }
 }

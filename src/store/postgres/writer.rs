@@ -346,7 +346,10 @@ impl Failure {
     fn pool(err: deadpool_postgres::PoolError) -> Failure {
         Failure {
             transient: true,
-            message: Arc::from(format!("postgres is unavailable: {err}")),
+            message: Arc::from(format!(
+                "postgres is unavailable: {}",
+                super::describe(&err)
+            )),
         }
     }
 }
