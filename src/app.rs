@@ -90,7 +90,7 @@ use crate::{
     admin::{AdminState, Reload},
     api::Endpoint,
     clock::Clock,
-    config::{Config, PriceConfig},
+    config::{Config, PriceConfig, StoreBackend},
     error::{respond::error_response, GatewayError},
     layers::{
         admission::AdmissionLayer,
@@ -117,7 +117,7 @@ use crate::{
         sessions::SessionGuards,
         shared::{Redis, SharedBudgets},
     },
-    store::{RedisStore, SqliteStore, Store, StoreError},
+    store::{PgStore, RedisStore, SqliteStore, Store, StoreError},
     telemetry,
     translate::layer::TranslateLayer,
     upstream::{self, objects::ForwardObject, Attempt, Forward, StreamCut, Upstream},
@@ -160,15 +160,18 @@ pub struct AppState {
 }
 
 impl AppState {
-    pub fn new(config: Config) -> Result<Self, StoreError> {
-        Self::with_clock(config, Clock::system())
+    pub async fn new(config: Config) -> Result<Self, StoreError> {
+        Self::with_clock(config, Clock::system()).await
     }
 
     /// As [`AppState::new`], with the live state on `clock`.
-    pub fn with_clock(config: Config, clock: Clock) -> Result<Self, StoreError> {
+    pub async fn with_clock(config: Config, clock: Clock) -> Result<Self, StoreError> {
         let upstreams = upstream::build_all(&config);
         let routes = RouteTable::new(&config, &upstreams);
-        let embedded: Arc<dyn Store> = Arc::new(SqliteStore::open_with(&config.store)?);
+        let embedded: Arc<dyn Store> = match config.store.backend {
+            StoreBackend::Sqlite => Arc::new(SqliteStore::open_with(&config.store)?),
+            StoreBackend::Postgres => Arc::new(PgStore::open(&config.store).await?),
+        };
         let redis = match config.state.backend {
             crate::config::StateBackend::Redis => {
                 Some(Redis::new(&config.state).map_err(|e| StoreError::Unavailable(e.into()))?)
@@ -312,7 +315,7 @@ fn proxy_stack(state: &AppState) -> HttpService {
                 .in_flight(state.idempotent_in_flight.clone())
                 .shared(
                     server.request_timeout,
-                    state.budgets.shared().is_some()
+                    state.budgets.store().is_shared()
                         && state.config.state.on_unavailable
                             == crate::config::OnUnavailable::Closed,
                 ),

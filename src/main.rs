@@ -2,7 +2,11 @@
 
 use std::{net::SocketAddr, path::PathBuf, process::ExitCode};
 
-use backstop::{clock::Date, config::Config, report, server, telemetry};
+use backstop::{
+    clock::Date,
+    config::{Config, StoreBackend},
+    report, server, store, telemetry,
+};
 use clap::{Parser, Subcommand};
 
 /// jemalloc, not glibc's malloc: it gives back to the system what a burst of large
@@ -90,6 +94,13 @@ fn main() -> ExitCode {
                     c.routes.len(),
                     c.tenants.len()
                 );
+                if c.store.backend == StoreBackend::Postgres {
+                    // Not connected to: what `serve` would bring the database to.
+                    println!(
+                        "store: postgres, schema version {} (applied at start, under an advisory lock, to a database behind it)",
+                        store::SCHEMA_VERSION
+                    );
+                }
                 ExitCode::SUCCESS
             }
             Err(err) => {

@@ -93,6 +93,12 @@ impl Args {
 /// Opens the ledger `config` names to read it, and prints what `args` ask for.
 pub async fn run(config: &Config, args: &Args) -> Result<String, ReportError> {
     let query = args.query()?;
+    if config.store.backend == crate::config::StoreBackend::Postgres {
+        let rows = store::read_postgres_report(&config.store, &query)
+            .await
+            .map_err(|e| ReportError::Store(e.to_string()))?;
+        return Ok(render(&rows, args.format));
+    }
     let ledger: Arc<dyn Ledger> =
         store::open_ledger_reader(&config.store).map_err(|e| match e {
             OpenError::Config(why) => ReportError::Usage(why),

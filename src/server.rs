@@ -112,7 +112,9 @@ pub async fn spawn_with_clock(config: Config, clock: Clock) -> io::Result<Server
     let listener = TcpListener::bind(config.server.listen).await?;
     let addr = listener.local_addr()?;
     let limits = config.server.clone();
-    let state = AppState::with_clock(config, clock).map_err(io::Error::other)?;
+    let state = AppState::with_clock(config, clock)
+        .await
+        .map_err(io::Error::other)?;
     let purger = store::spawn_purger(
         state.budgets.store().clone(),
         state.clock.clone(),

@@ -34,7 +34,7 @@ pub use responses::ResponsesConfig;
 pub use route::{HedgeAfter, RouteConfig, TargetConfig};
 pub use server::{MockConfig, ServerConfig};
 pub use state::{OnUnavailable, StateBackend, StateConfig};
-pub use store::StoreConfig;
+pub use store::{StoreBackend, StoreConfig};
 pub use telemetry::TelemetryConfig;
 pub use tenant::{GuardConfig, TenantConfig};
 pub use upstream::{BaseUrl, ProviderKey, UpstreamApi, UpstreamConfig, NEVER_FORWARDED};

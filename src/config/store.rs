@@ -2,12 +2,27 @@ use serde::Deserialize;
 
 use super::ConfigError;
 
-/// `[store]`: the embedded store for the spend ledger and budget windows.
+/// `[store]`: where the spend ledger, budget windows, idempotency records and guard
+/// states are kept: an embedded SQLite file per replica, or one PostgreSQL database for
+/// the fleet.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreConfig {
+    pub backend: StoreBackend,
     /// SQLite file (WAL mode). `":memory:"` keeps nothing across restarts.
     pub path: String,
+    /// `postgres://user:password@host:port/db` (`sslmode=require` for TLS); required
+    /// with `backend = "postgres"`.
+    pub url: Option<String>,
+    /// PostgreSQL connections this replica holds at most (the writer's one included).
+    pub pool_size: usize,
+    /// Every PostgreSQL statement, and every wait for a connection, is bounded by this.
+    #[serde(with = "super::duration")]
+    pub statement_timeout: std::time::Duration,
+    /// A replica not heard from in PostgreSQL for this long is taken for dead: its
+    /// unsettled reservations are charged at their reserved amount by another replica.
+    #[serde(with = "super::duration")]
+    pub replica_lease: std::time::Duration,
     /// A session unused this long leaves memory (its ledger stays in the store).
     #[serde(with = "super::duration")]
     pub session_idle: std::time::Duration,
@@ -26,10 +41,26 @@ pub struct StoreConfig {
     pub retention: std::time::Duration,
 }
 
+/// Which database `[store]` names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreBackend {
+    /// One SQLite file per replica (the default).
+    #[default]
+    Sqlite,
+    /// One PostgreSQL database shared by every replica.
+    Postgres,
+}
+
 impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
+            backend: StoreBackend::Sqlite,
             path: "backstop.db".into(),
+            url: None,
+            pool_size: 16,
+            statement_timeout: std::time::Duration::from_secs(5),
+            replica_lease: std::time::Duration::from_secs(30),
             session_idle: std::time::Duration::from_secs(900),
             idempotency_ttl: std::time::Duration::from_secs(24 * 3600),
             busy_timeout: std::time::Duration::from_secs(2),
@@ -41,6 +72,54 @@ impl Default for StoreConfig {
 
 impl StoreConfig {
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if self.backend == StoreBackend::Postgres {
+            match self.url.as_deref() {
+                None | Some("") => {
+                    return Err(ConfigError::invalid(
+                        "store.url",
+                        "required with backend = \"postgres\"",
+                    ))
+                }
+                Some(url)
+                    if !url.starts_with("postgres://") && !url.starts_with("postgresql://") =>
+                {
+                    return Err(ConfigError::invalid(
+                        "store.url",
+                        "must be a postgres:// or postgresql:// URL",
+                    ))
+                }
+                Some(url) => {
+                    if let Err(err) = url.parse::<tokio_postgres::Config>() {
+                        return Err(ConfigError::invalid("store.url", err));
+                    }
+                }
+            }
+        } else if self.url.is_some() {
+            return Err(ConfigError::invalid(
+                "store.url",
+                "only read with backend = \"postgres\"",
+            ));
+        }
+        if !(2..=1000).contains(&self.pool_size) {
+            return Err(ConfigError::invalid(
+                "store.pool_size",
+                "must be between 2 and 1000 (one connection writes, the others read)",
+            ));
+        }
+        if self.statement_timeout < std::time::Duration::from_millis(10)
+            || self.statement_timeout > std::time::Duration::from_secs(600)
+        {
+            return Err(ConfigError::invalid(
+                "store.statement_timeout",
+                "must be between 10ms and 10m",
+            ));
+        }
+        if self.replica_lease < std::time::Duration::from_secs(1) {
+            return Err(ConfigError::invalid(
+                "store.replica_lease",
+                "must be at least 1s",
+            ));
+        }
         if self.path.trim().is_empty() {
             return Err(ConfigError::invalid("store.path", "must not be empty"));
         }

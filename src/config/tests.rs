@@ -138,6 +138,37 @@ fn shipped_configs_are_valid() {
 }
 
 #[test]
+fn postgres_store_settings_are_checked_by_key() {
+    let cases = [
+        ("backend = \"postgres\"\n", "store.url"),
+        ("backend = \"postgres\"\nurl = \"mysql://x\"\n", "store.url"),
+        (
+            "backend = \"postgres\"\nurl = \"postgres://h/db?sslmode=sometimes\"\n",
+            "store.url",
+        ),
+        ("url = \"postgres://h/db\"\n", "store.url"),
+        ("pool_size = 1\n", "store.pool_size"),
+        ("statement_timeout = \"1ms\"\n", "store.statement_timeout"),
+        ("replica_lease = \"500ms\"\n", "store.replica_lease"),
+        ("backend = \"mysql\"\n", "store"),
+    ];
+    for (store, key) in cases {
+        let err = error_of(&format!("{BASE}\n[store]\n{store}"));
+        assert!(err.contains(key), "expected {key} in: {err}");
+    }
+    let ok = load(&format!(
+        "{BASE}\n[store]\nbackend = \"postgres\"\nurl = \"postgres://backstop@db:5432/ledger?sslmode=require\"\n"
+    ))
+    .unwrap();
+    assert_eq!(ok.store.backend, super::StoreBackend::Postgres);
+    assert_eq!(ok.store.pool_size, 16);
+    assert_eq!(
+        ok.store.statement_timeout,
+        std::time::Duration::from_secs(5)
+    );
+}
+
+#[test]
 fn state_settings_are_checked_by_key() {
     let cases = [
         ("[state]\nbackend = \"redis\"\n", "state.url"),

@@ -8,8 +8,8 @@
 //! ([`Ledger::spend_report`], read by `backstop report` through [`open_ledger_reader`]
 //! and by the admin tenant view). The live state
 //! ([`crate::state`]) and the layers hold an `Arc<dyn Store>`; [`SqliteStore`] is the
-//! embedded implementation, and `RedisStore` shares the replays, owners and guard state
-//! between replicas over it.
+//! embedded implementation, [`PgStore`] one PostgreSQL database for the whole fleet, and
+//! `RedisStore` shares the replays, owners and guard state between replicas over either.
 //!
 //! The contract every implementation keeps:
 //! - a write that returns `Ok` is durable (survives the process being killed); a write
@@ -27,13 +27,16 @@
 
 pub(crate) mod connection;
 pub mod format;
+mod postgres;
 mod redis;
 mod sqlite;
+mod write;
 
 use std::{sync::Arc, time::Duration};
 
 use futures_util::future::BoxFuture;
 
+pub use postgres::{read_report as read_postgres_report, PgStore, SCHEMA_VERSION};
 pub use redis::RedisStore;
 pub use sqlite::SqliteStore;
 
@@ -231,6 +234,12 @@ pub trait Ledger: Send + Sync {
     /// counts it.
     fn settle(&self, reservation: Option<i64>, charge: Charge) -> StoreFuture<'_, ()>;
 
+    /// Forgets a reservation whose call was refused because its write failed, in case
+    /// the write landed anyway (a store across a network can lose the acknowledgement
+    /// of a commit); retried until it is done, never waited for. A local store's failed
+    /// write never landed: nothing to do.
+    fn unreserve(&self, _reservation: i64) {}
+
     /// As [`Store::settle`], without waiting (the end of a stream, a dropped call): a
     /// failure is logged and counted by the store, since no caller is left to tell.
     fn settle_later(&self, reservation: Option<i64>, charge: Charge);
@@ -283,6 +292,28 @@ pub trait Ledger: Send + Sync {
 
     /// Durable reservations not yet settled (for tests and the admin view).
     fn open_reservations(&self) -> StoreFuture<'_, u64>;
+
+    /// What the fleet has committed on a tenant's `day` and, with `session`, in that
+    /// session since its reset: settled, plus what other processes hold reserved. Read
+    /// for every budgeted call when other processes share this store and nothing else
+    /// counts for them (no Redis). `None`: this process's own books are the whole
+    /// story (a store no other process shares, or Redis counting).
+    fn fleet_usage<'a>(
+        &'a self,
+        _tenant: &'a str,
+        _day: i64,
+        _session: Option<&'a str>,
+    ) -> StoreFuture<'a, Option<FleetUsage>> {
+        Box::pin(async { Ok(None) })
+    }
+}
+
+/// A tenant's day and a session as the whole fleet has committed them
+/// ([`Ledger::fleet_usage`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct FleetUsage {
+    pub day: Usage,
+    pub session: Option<Usage>,
 }
 
 /// Settles the shared state (Redis) could not take, kept until it can.

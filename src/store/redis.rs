@@ -97,6 +97,10 @@ impl Ledger for RedisStore {
         self.inner.settle_later(reservation, charge)
     }
 
+    fn unreserve(&self, reservation: i64) {
+        self.inner.unreserve(reservation)
+    }
+
     fn reset_session<'a>(
         &'a self,
         tenant: &'a str,

@@ -39,7 +39,7 @@ use governor::{
 use self::reservation::Reservation;
 use crate::{
     clock::Clock,
-    config::{Config, PriceConfig, Unpriced},
+    config::{Config, OnUnavailable, PriceConfig, Unpriced},
     policy::budget::{worst_case, Account, Caps, Prices, Usage, SESSION, TENANT_DAY},
     state::{
         live::{LiveSessions, SessionKey},
@@ -92,6 +92,17 @@ pub struct SessionBook {
     pub(super) in_flight: AtomicU32,
 }
 
+impl SessionBook {
+    /// A session whose ledger could not be read: nothing settled that this replica
+    /// knows of.
+    fn unread() -> SessionBook {
+        SessionBook {
+            account: Mutex::new(Account::default()),
+            in_flight: AtomicU32::new(0),
+        }
+    }
+}
+
 pub struct Budgets {
     tenants: HashMap<Arc<str>, Arc<TenantBook>>,
     sessions: LiveSessions<SessionBook>,
@@ -107,6 +118,14 @@ pub struct Budgets {
     /// Redis, when replicas share the state (`[state] backend = "redis"`): then the
     /// books here are only the fallback while it is unavailable.
     pub(super) shared: Option<Arc<SharedBudgets>>,
+    /// `[state] on_unavailable`, for a shared store (PostgreSQL) that cannot be
+    /// reached: closed refuses budgeted calls (`store_unavailable`); open admits them
+    /// on this replica's books, counted as blind. A store error that is not
+    /// [`StoreError::Unavailable`] (SQLite's) always refuses.
+    on_unavailable: OnUnavailable,
+    /// Redis counts and PostgreSQL keeps the fleet's ledger: a budgeted call held in
+    /// Redis also has a durable reservation in the ledger, settled there too.
+    fleet_ledger: bool,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -136,6 +155,8 @@ impl Budgets {
             max_reported_tokens: 0,
             clock,
             shared: None,
+            on_unavailable: config.state.on_unavailable,
+            fleet_ledger: false,
         }
         .reconfigured(config)
     }
@@ -220,6 +241,9 @@ impl Budgets {
             max_reported_tokens: config.billing.max_reported_tokens,
             clock: self.clock.clone(),
             shared: self.shared.clone(),
+            on_unavailable: config.state.on_unavailable,
+            fleet_ledger: config.state.backend == crate::config::StateBackend::Redis
+                && config.store.backend == crate::config::StoreBackend::Postgres,
         }
     }
 
@@ -253,6 +277,23 @@ impl Budgets {
             detail: err.to_string(),
             retry_after: Duration::from_secs(1),
         })
+    }
+
+    /// Whether a budgeted call goes ahead although the store failed with `err`: only
+    /// when the store is unreachable and `on_unavailable = "open"` (logged and counted
+    /// as blind, as a Redis outage is).
+    fn blind_past(&self, err: &StoreError, what: &'static str) -> bool {
+        if !matches!(err, StoreError::Unavailable(_)) || self.on_unavailable != OnUnavailable::Open
+        {
+            return false;
+        }
+        metrics::counter!("backstop_state_blind_admissions_total", "what" => what).increment(1);
+        tracing::warn!(
+            what,
+            error = %err,
+            "store unavailable; admitted on this replica's own books (on_unavailable = \"open\")"
+        );
+        true
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -432,6 +473,76 @@ impl Budgets {
         Ok(())
     }
 
+    /// A budgeted call's durable reservation in the fleet's ledger, when Redis holds
+    /// its reservation: its id, or the refusal (`[state] on_unavailable` decides when
+    /// the ledger cannot be reached).
+    async fn reserve_in_ledger(
+        &self,
+        book: &TenantBook,
+        session: Option<&str>,
+        model: &str,
+        want: Usage,
+    ) -> Result<i64, Refusal> {
+        let id = self.store.next_reservation_id();
+        let record = ReservationRecord {
+            id,
+            ts_ms: self.clock.now_ms(),
+            day: self.clock.today(),
+            tenant: book.name.to_string(),
+            session: session.map(str::to_owned),
+            model: model.to_string(),
+            calls: want.calls,
+            tokens: want.tokens,
+            usd: want.usd,
+        };
+        match self.store.reserve(record).await {
+            Ok(()) => Ok(id),
+            Err(err) if self.blind_past(&err, "reservation") => Ok(id),
+            Err(err) => {
+                tracing::error!(tenant = %book.name, session, error = %err, "cannot record a reservation in the ledger; refusing the call");
+                self.store.unreserve(id);
+                Err(err.into())
+            }
+        }
+    }
+
+    /// With a store other replicas share and no Redis counting for them: the day's and
+    /// the session's accounts take what the fleet has committed (settled, and reserved
+    /// by the other replicas) before this call is checked against them. Replicas that
+    /// reserve at the same moment can each pass on what the other has not written yet:
+    /// caps hold to within one call per replica (Redis makes them exact).
+    async fn catch_up_with_the_fleet(
+        &self,
+        book: &TenantBook,
+        live: Option<&(String, Arc<SessionBook>)>,
+        session: Option<&str>,
+    ) -> Result<(), Refusal> {
+        let today = self.clock.today();
+        let fleet = match self.store.fleet_usage(&book.name, today, session).await {
+            Ok(Some(fleet)) => fleet,
+            Ok(None) => return Ok(()),
+            Err(err) if self.blind_past(&err, "fleet") => return Ok(()),
+            Err(err) => return Err(err.into()),
+        };
+        {
+            let mut day = lock(&book.day);
+            if day.0 <= today {
+                // A new day starts from what the fleet has spent on it already.
+                *day = (
+                    today,
+                    Account {
+                        settled: fleet.day,
+                        reserved: day.1.reserved,
+                    },
+                );
+            }
+        }
+        if let (Some((_, s)), Some(used)) = (live, fleet.session) {
+            lock(&s.account).settled = used;
+        }
+        Ok(())
+    }
+
     /// Reserves one upstream call's worst case against the session and the tenant's
     /// day, atomically: both fit, or neither is touched. A budgeted call's reservation is
     /// committed to the store before this returns; if it cannot be, the call is refused.
@@ -453,6 +564,16 @@ impl Budgets {
         if let (Some(shared), true) = (&self.shared, budgeted) {
             let want =
                 self.worst_case(&book, session.is_some(), model, prompt_tokens, max_output)?;
+            // In the fleet's ledger first: a refusal by Redis then only withdraws it.
+            let durable = match self.fleet_ledger {
+                true => Some(self.reserve_in_ledger(&book, session, model, want).await?),
+                false => None,
+            };
+            let withdraw = || {
+                if let Some(id) = durable {
+                    self.store.unreserve(id);
+                }
+            };
             let admitted = shared
                 .admit(Admission {
                     tenant,
@@ -474,13 +595,18 @@ impl Budgets {
                         session: None,
                         model: model.to_string(),
                         amount: want,
-                        durable: None,
+                        durable,
                         shared: Some(held),
                         settled: false,
                     })
                 }
-                Err(AdmitError::Over(e)) => return Err(Refusal::Exceeded(e)),
+                Err(AdmitError::Over(e)) => {
+                    withdraw();
+                    return Err(Refusal::Exceeded(e));
+                }
                 Err(AdmitError::Unavailable(err)) => {
+                    // Either refused, or reserved again below on this replica's books.
+                    withdraw();
                     if let Some(refusal) = self.unavailable(err, "budget") {
                         return Err(refusal);
                     }
@@ -488,10 +614,26 @@ impl Budgets {
             }
         }
         let live = match session {
-            Some(s) => Some((s.to_string(), self.session(&book.name, s).await?)),
+            Some(s) => match self.session(&book.name, s).await {
+                Ok(live) => Some((s.to_string(), live)),
+                // Its spend so far unknown: counted from this call on, and not kept, so
+                // the next call reads the ledger again.
+                Err(err) if self.blind_past(&err, "session") => {
+                    Some((s.to_string(), Arc::new(SessionBook::unread())))
+                }
+                Err(err) => return Err(err.into()),
+            },
             None => None,
         };
-        let day_unread = self.know_day(&book).await.err();
+        let day_unread = self
+            .know_day(&book)
+            .await
+            .err()
+            .filter(|err| !self.blind_past(err, "day"));
+        if budgeted && self.shared.is_none() {
+            self.catch_up_with_the_fleet(&book, live.as_ref(), session)
+                .await?;
+        }
         let mut reservation =
             self.reserve_in_memory(book, live, day_unread, model, prompt_tokens, max_output)?;
         let book = &reservation.tenant;
@@ -513,10 +655,16 @@ impl Budgets {
             // Named before the write is awaited: if this future is dropped meanwhile,
             // the reservation's drop settles it (the writer keeps the order).
             reservation.durable = Some(id);
-            if let Err(err) = self.store.reserve(record).await {
-                tracing::error!(tenant, session, error = %err, "cannot record a reservation; refusing the call");
-                reservation.release();
-                return Err(err.into());
+            match self.store.reserve(record).await {
+                Ok(()) => {}
+                // Settled all the same: the charge is written once the store answers.
+                Err(err) if self.blind_past(&err, "reservation") => {}
+                Err(err) => {
+                    tracing::error!(tenant, session, error = %err, "cannot record a reservation; refusing the call");
+                    self.store.unreserve(id);
+                    reservation.release();
+                    return Err(err.into());
+                }
             }
         }
         Ok(reservation)

@@ -170,6 +170,12 @@ impl Reservation {
         let (charge, actual) = self.charge_for(outcome);
         self.apply(actual);
         if let Some(held) = self.shared.take() {
+            if let Some(id) = self.durable {
+                // The fleet's ledger (Redis counts): written beside Redis's settle.
+                if let Err(err) = self.budgets.store.settle(Some(id), charge.clone()).await {
+                    tracing::error!(tenant = %self.tenant.name, error = %err, "cannot record a charge in the ledger");
+                }
+            }
             return Settlement {
                 usd: actual.usd,
                 seen: settle_shared(self.budgets.clone(), held, charge).await,
@@ -200,6 +206,9 @@ impl Reservation {
     fn write_later(&mut self, charge: Charge) {
         match self.shared.take() {
             Some(held) => {
+                if let Some(id) = self.durable {
+                    self.budgets.store.settle_later(Some(id), charge.clone());
+                }
                 if let Ok(rt) = tokio::runtime::Handle::try_current() {
                     rt.spawn(settle_shared(self.budgets.clone(), held, charge).map(drop));
                 }

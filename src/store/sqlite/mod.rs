@@ -28,61 +28,13 @@ mod writer;
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 use tokio::sync::{oneshot, Semaphore};
 
+use super::write::{Op, Write};
 use super::{
     count_error, Charge, GuardRecord, GuardStates, Ledger, OwnerRecord, Owners, QueuedSettle,
     Replays, ReportQuery, ReportRow, ReservationRecord, SettleQueue, Store, StoreError,
     StoreFuture, StoredOwner, StoredResponse,
 };
 use crate::{config::StoreConfig, policy::budget::Usage};
-
-pub(super) enum Op {
-    Reserve(ReservationRecord),
-    /// Appends a ledger row and, for a durable reservation, deletes it, atomically.
-    Settle {
-        reservation: Option<i64>,
-        charge: Charge,
-    },
-    ResetSession {
-        tenant: String,
-        session: String,
-        at_ms: i64,
-    },
-    Remember(StoredResponse),
-    QueueSettle(QueuedSettle),
-    UnqueueSettle(String),
-    RecordOwners(Vec<OwnerRecord>),
-    SaveGuard(GuardRecord),
-    ClearGuard {
-        tenant: String,
-        session: String,
-    },
-    Purge {
-        now_ms: i64,
-    },
-}
-
-impl Op {
-    /// The `op` label of `backstop_store_errors_total`.
-    pub(super) fn label(&self) -> &'static str {
-        match self {
-            Op::Reserve(_) => "reserve",
-            Op::Settle { .. } => "settle",
-            Op::ResetSession { .. } => "reset_session",
-            Op::Remember(_) => "remember",
-            Op::QueueSettle(_) | Op::UnqueueSettle(_) => "queued_settle",
-            Op::RecordOwners(_) => "owners",
-            Op::SaveGuard(_) | Op::ClearGuard { .. } => "guard",
-            Op::Purge { .. } => "purge",
-        }
-    }
-}
-
-type Ack = oneshot::Sender<Result<(), Arc<str>>>;
-
-pub(super) struct Write {
-    pub(super) op: Op,
-    pub(super) ack: Option<Ack>,
-}
 
 /// Read connections, used from tokio's blocking pool.
 ///

@@ -226,6 +226,10 @@ fn commit(conn: &mut Connection, batch: &[Write]) -> rusqlite::Result<()> {
                 tx.prepare_cached("DELETE FROM guard_states WHERE tenant = ?1 AND session = ?2")?
                     .execute(params![tenant, session])?;
             }
+            Op::Unreserve(id) => {
+                tx.prepare_cached("DELETE FROM reservations WHERE id = ?1")?
+                    .execute(params![id])?;
+            }
             Op::Purge { .. } => {}
         }
     }

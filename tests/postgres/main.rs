@@ -1,0 +1,18 @@
+//! The tests that need a real PostgreSQL (`initdb` and `pg_ctl`: `.ci/run` installs
+//! `postgresql`; without it they fail, not skip), and for Redis in front of it
+//! `redis-server`. Each test starts a server of its own
+//! (tests/common/postgres.rs).
+//!
+//! `cargo test --test postgres store::`, `outage::`, `replicas::`.
+
+#[path = "../common/mod.rs"]
+mod common;
+#[path = "../common/postgres.rs"]
+mod postgres_support;
+#[path = "../common/redis.rs"]
+mod redis_support;
+
+mod fleet;
+mod outage;
+mod replicas;
+mod store;
