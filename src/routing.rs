@@ -10,8 +10,9 @@ use crate::{config::Config, upstream::Upstream};
 #[derive(Debug)]
 pub struct Target {
     pub upstream: Arc<Upstream>,
-    /// The model to ask this upstream for; `None` keeps the client's.
-    pub model: Option<String>,
+    /// The model to ask this upstream for; `None` keeps the client's. Shared, so each
+    /// attempt takes it without a copy.
+    pub model: Option<Arc<str>>,
     /// The answer cap for a translated request that sets none (Anthropic targets).
     pub max_tokens: Option<u64>,
 }
@@ -51,7 +52,7 @@ impl RouteTable {
         for route in &config.routes {
             let target = |t: &crate::config::TargetConfig| Target {
                 upstream: upstreams[&t.upstream].clone(),
-                model: t.model.clone(),
+                model: t.model.as_deref().map(Arc::from),
                 max_tokens: t.max_tokens,
             };
             let resolved = Arc::new(Route {

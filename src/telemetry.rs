@@ -173,7 +173,8 @@ pub struct Facts {
 pub struct Trail {
     pub steps: Vec<Step>,
     pub upstream: Option<Arc<str>>,
-    /// The model the last attempt asked its upstream for.
+    /// The model the last attempt asked its upstream for, when its target rewrote the
+    /// caller's (else it is the request's own, [`Facts::model`]).
     pub model: Option<Arc<str>>,
     /// Fields a translation dropped because the route allowed it (comma-separated).
     pub dropped: Option<Arc<str>>,

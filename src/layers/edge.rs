@@ -328,12 +328,20 @@ fn set_headers(headers: &mut http::HeaderMap, facts: &Facts) {
         headers.insert("x-backstop-recovery", value);
     }
     let recovery = &facts.recovery;
+    // The model asked: a target's rewrite, else the request's own, once an attempt was made.
+    let model = recovery
+        .upstream
+        .as_ref()
+        .and(recovery.model.as_deref().or(facts.model.as_deref()));
     for (name, value) in [
-        ("x-backstop-upstream", &recovery.upstream),
-        ("x-backstop-model", &recovery.model),
-        ("x-backstop-translation-dropped", &recovery.dropped),
+        ("x-backstop-upstream", recovery.upstream.as_deref()),
+        ("x-backstop-model", model),
+        (
+            "x-backstop-translation-dropped",
+            recovery.dropped.as_deref(),
+        ),
     ] {
-        if let Some(value) = value.as_deref().and_then(|v| HeaderValue::from_str(v).ok()) {
+        if let Some(value) = value.and_then(|v| HeaderValue::from_str(v).ok()) {
             headers.insert(name, value);
         }
     }

@@ -569,7 +569,7 @@ where
         translation: Option<&Arc<Translated>>,
         timeout: Duration,
     ) -> Result<Tried, GatewayError> {
-        let model: Option<Arc<str>> = target.model.as_deref().map(Arc::from);
+        let model = target.model.clone();
         let request = translation.map_or(&call.request, |t| &t.request);
         let span = call.log.trace().map(|trace| {
             let asked = model.as_deref().unwrap_or(&call.request.model);
@@ -609,7 +609,8 @@ where
         };
         self.trail.attempts += 1;
         self.trail.upstream = Some(target.upstream.name.clone());
-        self.trail.model = Some(model.unwrap_or_else(|| Arc::from(call.request.model.as_str())));
+        // The caller's model is in the request's record already: only a rewrite is kept.
+        self.trail.model = model;
         self.trail.dropped = translation.and_then(|t| t.dropped.clone());
         self.trail.upstream_time += started.elapsed();
         let (class, reason) = classified(&outcome);
