@@ -23,11 +23,13 @@ use common::*;
 use serde_json::json;
 
 const KEY: &str = "bk-bench-full-stack";
+/// A tenant with the core configuration only: auth and routing, no policy.
+const CORE_KEY: &str = "bk-bench-core-only";
 
 #[derive(Clone)]
 struct Call {
     url: String,
-    auth: bool,
+    key: Option<&'static str>,
     body: String,
     headers: Vec<(&'static str, String)>,
 }
@@ -38,8 +40,8 @@ impl Call {
             .post(&self.url)
             .header("content-type", "application/json")
             .body(self.body.clone());
-        if self.auth {
-            req = req.bearer_auth(KEY);
+        if let Some(key) = self.key {
+            req = req.bearer_auth(key);
         }
         for (k, v) in &self.headers {
             req = req.header(*k, v);
@@ -189,6 +191,9 @@ tokens_per_day = 1000000000000
 [tenants.guard]
 max_consecutive_failures = 5
 identical_request_limit = 1000000000
+[[tenants]]
+name = "core"
+api_keys = ["{CORE_KEY}"]
 "#
     )
 }
@@ -282,19 +287,23 @@ async fn main() {
     let valid = base64::engine::general_purpose::STANDARD.encode(r#"{"capital": "Paris"}"#);
     let direct = Call {
         url: format!("http://127.0.0.1:{mock_port}/v1/chat/completions"),
-        auth: false,
+        key: None,
         body: plain.clone(),
         headers: vec![],
     };
     let through = Call {
         url: format!("http://127.0.0.1:{port}/v1/chat/completions"),
-        auth: true,
+        key: Some(KEY),
         body: plain,
         headers: vec![],
     };
     let validated = Call {
         body: structured,
         headers: vec![("x-mock-fault", format!("content_b64={valid}"))],
+        ..through.clone()
+    };
+    let core = Call {
+        key: Some(CORE_KEY),
         ..through.clone()
     };
     let floor = Call {
@@ -309,6 +318,22 @@ async fn main() {
     eprintln!("warming up");
     closed(&http, &direct, 32, 2).await;
     closed(&http, &through, 32, 2).await;
+    // `--only saturation|core|floor`: that one closed loop, for a profiler to attach to
+    // the process whose pid is printed first.
+    if let Some(only) = arg("--only") {
+        let (call, pid) = match only.as_str() {
+            "core" => (&core, gw.pid()),
+            "floor" => (&floor, _floor.pid()),
+            _ => (&through, gw.pid()),
+        };
+        eprintln!("pid {pid}");
+        let f = closed(&http, call, 32, secs).await;
+        eprintln!(
+            "{only}: {:.0} req/s, p50 {:.3} ms, p99 {:.3} ms, errors {}",
+            f.rps, f.p50, f.p99, f.errors
+        );
+        return;
+    }
 
     let mut out = String::new();
     let cpu = std::fs::read_to_string("/proc/cpuinfo")

@@ -40,6 +40,9 @@ pub fn init_logging(config: &LogConfig) {
         // are noise (and `NO_COLOR` turns them off anyway).
         let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
             && std::env::var_os("NO_COLOR").is_none();
+        if config.format == LogFormat::Json {
+            let _ = JSON_QUEUE.set(writer.clone());
+        }
         let fmt = tracing_subscriber::fmt::layer()
             .with_writer(writer)
             .with_ansi(ansi);
@@ -53,6 +56,67 @@ pub fn init_logging(config: &LogConfig) {
         };
         *LOG_FLUSH.lock().unwrap_or_else(|e| e.into_inner()) = Some(guard);
     });
+}
+
+/// The log queue, when lines are JSON: the access-log line goes into it directly.
+static JSON_QUEUE: OnceLock<tracing_appender::non_blocking::NonBlocking> = OnceLock::new();
+
+/// One request's access-log line in the shape the JSON formatter gives every other line
+/// (the same keys in the same order; a `None` is left out), serialised straight into the
+/// log queue. Through tracing's formatter the line cost about 33,000 instructions a
+/// request (a visitor per field, the timestamp written piece by piece, the line copied
+/// twice), a tenth of the every-policy path; this is a few thousand.
+#[derive(serde::Serialize)]
+pub struct AccessLine<'a> {
+    #[serde(serialize_with = "now_rfc3339")]
+    pub timestamp: (),
+    pub level: &'static str,
+    pub message: &'static str,
+    pub request_id: &'a str,
+    pub endpoint: &'static str,
+    pub tenant: &'a str,
+    pub session: &'a str,
+    pub model: &'a str,
+    pub upstream: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    pub error: &'a str,
+    pub attempts: u32,
+    pub recovery: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub input_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub output_tokens: Option<u64>,
+    pub end: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cut: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub head_ms: Option<f64>,
+    pub latency_ms: f64,
+    pub upstream_ms: f64,
+    pub target: &'static str,
+}
+
+fn now_rfc3339<S: serde::Serializer>(_: &(), s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(&humantime::format_rfc3339_micros(
+        std::time::SystemTime::now(),
+    ))
+}
+
+impl AccessLine<'_> {
+    /// Writes the line when logs are JSON (and the line's level is on); false when they
+    /// are text, for the caller to log it through tracing instead.
+    pub fn write_json(&self) -> bool {
+        let Some(queue) = JSON_QUEUE.get() else {
+            return false;
+        };
+        let mut line = Vec::with_capacity(512);
+        if serde_json::to_writer(&mut line, self).is_ok() {
+            line.push(b'\n');
+            let _ = std::io::Write::write_all(&mut queue.clone(), &line);
+        }
+        true
+    }
 }
 
 /// Keeps the background log writer alive; dropping it flushes what is queued.

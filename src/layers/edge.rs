@@ -34,7 +34,7 @@ use tower_http::{request_id::MakeRequestId, trace::MakeSpan};
 use crate::{
     api::Endpoint,
     state::activity::Activity,
-    telemetry::{BodyEnd, Facts, RequestLog},
+    telemetry::{AccessLine, BodyEnd, Facts, RequestLog},
 };
 
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -379,27 +379,56 @@ impl Ending {
         let end = end.or_cut(facts.stream_cut.is_some());
         let status = self.head.map(|(status, _)| status);
         super::trace::end_span(&self.log, &facts, self.endpoint, status, end);
+        if !tracing::enabled!(tracing::Level::INFO) {
+            return;
+        }
         let (input_tokens, output_tokens) = facts.usage.unzip();
-        tracing::info!(
-            request_id = self.id.to_str().unwrap_or("-"),
-            endpoint = self.label,
-            tenant = facts.tenant.as_deref().unwrap_or("-"),
-            session = facts.session.as_deref().unwrap_or("-"),
-            model = facts.model.as_deref().unwrap_or("-"),
-            upstream = facts.recovery.upstream.as_deref().unwrap_or("-"),
+        let recovery = facts.recovery_header();
+        let line = AccessLine {
+            timestamp: (),
+            level: "INFO",
+            message: "request",
+            request_id: self.id.to_str().unwrap_or("-"),
+            endpoint: self.label,
+            tenant: facts.tenant.as_deref().unwrap_or("-"),
+            session: facts.session.as_deref().unwrap_or("-"),
+            model: facts.model.as_deref().unwrap_or("-"),
+            upstream: facts.recovery.upstream.as_deref().unwrap_or("-"),
             status,
-            error = facts.error.map_or("-", |code| code.as_str()),
-            attempts = facts.recovery.attempts,
-            recovery = facts.recovery_header().as_deref().unwrap_or(""),
+            error: facts.error.map_or("-", |code| code.as_str()),
+            attempts: facts.recovery.attempts,
+            recovery: recovery.as_deref().unwrap_or(""),
             input_tokens,
             output_tokens,
-            end = end.label(),
-            cut = facts.stream_cut,
-            head_ms = self.head.map(|(_, head)| head.as_secs_f64() * 1e3),
-            latency_ms = elapsed.as_secs_f64() * 1e3,
-            upstream_ms = facts.recovery.upstream_time.as_secs_f64() * 1e3,
-            "request"
-        );
+            end: end.label(),
+            cut: facts.stream_cut,
+            head_ms: self.head.map(|(_, head)| head.as_secs_f64() * 1e3),
+            latency_ms: elapsed.as_secs_f64() * 1e3,
+            upstream_ms: facts.recovery.upstream_time.as_secs_f64() * 1e3,
+            target: module_path!(),
+        };
+        if !line.write_json() {
+            tracing::info!(
+                request_id = line.request_id,
+                endpoint = line.endpoint,
+                tenant = line.tenant,
+                session = line.session,
+                model = line.model,
+                upstream = line.upstream,
+                status = line.status,
+                error = line.error,
+                attempts = line.attempts,
+                recovery = line.recovery,
+                input_tokens = line.input_tokens,
+                output_tokens = line.output_tokens,
+                end = line.end,
+                cut = line.cut,
+                head_ms = line.head_ms,
+                latency_ms = line.latency_ms,
+                upstream_ms = line.upstream_ms,
+                "request"
+            );
+        }
     }
 }
 
