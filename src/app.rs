@@ -294,9 +294,10 @@ fn check<Req, S: tower::Service<Req>>(service: S) -> S {
 fn proxy_stack(state: &AppState) -> HttpService {
     let server = &state.config.server;
     // The attempt level: one upstream call, metered.
-    let leaf = check::<Attempt, _>(
-        TranslateLayer.layer(Forward::new(upstream::client(), state.stream_cut.clone())),
-    );
+    let leaf = check::<Attempt, _>(TranslateLayer.layer(Forward::new(
+        upstream::Clients::new(),
+        state.stream_cut.clone(),
+    )));
     let metered = check::<Billed, _>(MeterLayer::new(state.budgets.clone()).layer(leaf));
     let metered = check::<Billed, _>(ResponseOwnersLayer::new(state.owners.clone()).layer(metered));
     // The call level: a parsed, routed request, answered by one target.
@@ -371,7 +372,7 @@ where
 /// or guarded: counting tokens spends nothing, and agents do it before each call.
 fn count_tokens_stack(state: &AppState) -> HttpService {
     let leaf = check::<Billed, _>(Unmetered::new(Forward::new(
-        upstream::client(),
+        upstream::Clients::new(),
         state.stream_cut.clone(),
     )));
     let recovered = check::<Call, _>(

@@ -19,13 +19,13 @@ use std::{
 };
 
 use axum::body::Body;
-use futures_util::{future::BoxFuture, StreamExt};
+use futures_util::future::BoxFuture;
 use http::{Method, Request, Response};
 use http_body_util::{BodyExt, Limited};
 
 use super::{
-    first_chunk, headers, is_event_stream, read_capped, stream, transport, Endpoint, FirstChunk,
-    StreamCut, Upstream,
+    first_chunk, headers, is_event_stream, read_capped, stream, transport, Endpoint, Fetched,
+    FirstChunk, StreamCut, Upstream,
 };
 use crate::{
     error::{GatewayError, Protocol},
@@ -176,19 +176,21 @@ impl ForwardObject {
         };
         let exchange = async {
             let response = request.send().await.map_err(|e| transport(&e))?;
-            let status = response.status();
-            let headers = headers::client_response_headers(response.headers());
-            if !(status.is_success() && is_event_stream(response.headers())) {
+            let response = Fetched::from_reqwest(response);
+            let (status, is_sse) = (response.status, is_event_stream(&response.headers));
+            let headers = headers::client_response_headers(&response.headers);
+            if !(status.is_success() && is_sse) {
                 let bytes = read_capped(response, upstream.limits.max_response_bytes).await?;
                 return Ok::<_, TransportFailure>((status, headers, Body::from(bytes)));
             }
             // `GET /v1/responses/{id}?stream=true`: relayed as it comes, with the bounds
             // of any relayed stream, once its first chunk is in.
-            let mut chunks = StreamExt::boxed(response.bytes_stream());
+            let mut chunks = response.chunks;
             let first = match first_chunk(&mut chunks).await {
                 Ok(chunk) => chunk,
-                Err(FirstChunk::Ended) => return Err(TransportFailure::Reset),
-                Err(FirstChunk::Failed(err)) => return Err(transport(&err)),
+                Err(FirstChunk::Ended | FirstChunk::Failed(_)) => {
+                    return Err(TransportFailure::Reset)
+                }
             };
             let relay = stream::Relay {
                 endpoint: Endpoint::Responses,

@@ -21,10 +21,7 @@ use tokio::time::Instant;
 
 use axum::body::Body;
 use bytes::{Bytes, BytesMut};
-use futures_util::{
-    stream::{self, BoxStream},
-    StreamExt,
-};
+use futures_util::{stream, StreamExt};
 use serde_json::Value;
 
 use crate::api::{sse::first_boundary, stream_error_event, Endpoint};
@@ -287,11 +284,7 @@ impl Relay {
     /// The client-side body of a stream whose `first` chunk has already arrived. A
     /// transport error or any of the module's bounds afterwards ends the stream with one
     /// error event in the caller's API, instead of a silently cut connection.
-    pub(super) fn body(
-        self,
-        first: Bytes,
-        rest: BoxStream<'static, reqwest::Result<Bytes>>,
-    ) -> Body {
+    pub(super) fn body(self, first: Bytes, rest: super::Chunks) -> Body {
         let now = Instant::now();
         let finish = Finish(self.usage.clone());
         let state = RelayState {
@@ -409,7 +402,7 @@ impl End {
 
 struct RelayState {
     relay: Relay,
-    upstream: Option<BoxStream<'static, reqwest::Result<Bytes>>>,
+    upstream: Option<super::Chunks>,
     /// Bytes of an event not yet complete.
     pending: BytesMut,
     /// How much of `pending` has been searched for a boundary.
@@ -423,7 +416,7 @@ struct RelayState {
 
 impl RelayState {
     /// The next upstream chunk, or why the stream must end now.
-    async fn next_chunk(&mut self) -> Result<Option<reqwest::Result<Bytes>>, End> {
+    async fn next_chunk(&mut self) -> Result<Option<Result<Bytes, super::ChunkError>>, End> {
         let upstream = self.upstream.as_mut().ok_or(End::Broken)?;
         let deadline = self.event_due.min(self.ends_at);
         let mut cut = self.relay.cut.clone();

@@ -447,3 +447,81 @@ async fn shutdown_lets_in_flight_requests_finish_then_stops_accepting() {
         .await;
     assert!(after.is_err(), "still accepting after shutdown");
 }
+
+/// Plain-HTTP upstreams are called through hyper directly, unless a proxy is set in the
+/// environment: then reqwest carries every call, and the proxy gets it (in absolute
+/// form), as it did before the direct path existed.
+#[tokio::test]
+async fn a_proxy_in_the_environment_carries_plain_http_upstream_calls() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let proxy = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let proxy_port = proxy.local_addr().unwrap().port();
+    // Nothing listens there: only the proxy can answer.
+    let upstream_port = dead_port().await;
+    let seen = tokio::spawn(async move {
+        let (mut conn, _) = proxy.accept().await.unwrap();
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            conn.read_exact(&mut byte).await.unwrap();
+            head.push(byte[0]);
+        }
+        let head = String::from_utf8(head).unwrap();
+        let length: usize = head
+            .lines()
+            .find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-length:")
+                    .map(|v| v.trim().parse().unwrap())
+            })
+            .unwrap();
+        let mut body = vec![0u8; length];
+        conn.read_exact(&mut body).await.unwrap();
+        let answer = json!({"id": "chatcmpl-proxied", "object": "chat.completion", "created": 1, "model": "gpt-4o",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "via the proxy"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}})
+        .to_string();
+        let reply = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{answer}",
+            answer.len()
+        );
+        conn.write_all(reply.as_bytes()).await.unwrap();
+        head.lines().next().unwrap().to_owned()
+    });
+    let dir = TempDir::new("backstop-proxied");
+    let port = dead_port().await;
+    let config = dir.0.join("backstop.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\ndrain_delay = \"0s\"\n[store]\npath = \":memory:\"\n[retry]\nmax_attempts = 1\n[[upstreams]]\nname = \"m\"\napi = \"openai\"\nbase_url = \"http://127.0.0.1:{upstream_port}\"\n[[routes]]\nmodel = \"*\"\ntargets = [{{ upstream = \"m\" }}]\n[[tenants]]\nname = \"t\"\napi_keys = [\"bk-proxied\"]\n"
+        ),
+    )
+    .unwrap();
+    let proxy_env = format!("HTTP_PROXY=http://127.0.0.1:{proxy_port}");
+    let binary = Binary::start_under(
+        &["env", &proxy_env],
+        &config,
+        port,
+        std::process::Stdio::null(),
+    )
+    .await;
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", binary.url))
+        .bearer_auth("bk-proxied")
+        .header("content-type", "application/json")
+        .body(
+            json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}).to_string(),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body: serde_json::Value = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
+    assert_eq!(body["choices"][0]["message"]["content"], "via the proxy");
+    let request_line = seen.await.unwrap();
+    assert_eq!(
+        request_line,
+        format!("POST http://127.0.0.1:{upstream_port}/v1/chat/completions HTTP/1.1")
+    );
+}
