@@ -18,7 +18,14 @@ use crate::redis_support::{free_port, MockUpstream, Redis};
 const FLEET: &str = "bk-fleet-key-000001";
 const CALLS: u64 = 1000;
 
-fn replica_config(port: u16, pg_url: &str, redis: &Redis, prefix: &str, mock: &str) -> String {
+fn replica_config(
+    port: u16,
+    pg_url: &str,
+    spool: &std::path::Path,
+    redis: &Redis,
+    prefix: &str,
+    mock: &str,
+) -> String {
     format!(
         r#"
 [server]
@@ -33,6 +40,7 @@ level = "warn"
 [store]
 backend = "postgres"
 url = "{pg_url}"
+spool = "{spool}"
 statement_timeout = "2s"
 replica_lease = "2s"
 
@@ -72,6 +80,7 @@ api_keys = ["{FLEET}"]
 usd_per_day = 1000.0
 "#,
         redis_url = redis.url(),
+        spool = spool.display(),
     )
 }
 
@@ -87,7 +96,15 @@ async fn a_kill_9_mid_run_leaves_one_ledger_row_per_upstream_call_matching_redis
     for i in 0..3 {
         let port = free_port();
         let config = dir.0.join(format!("replica-{i}.toml"));
-        let text = replica_config(port, &pg.url(&db), &redis, &prefix, &mock.base_url());
+        let spool = dir.0.join(format!("replica-{i}-spool.db"));
+        let text = replica_config(
+            port,
+            &pg.url(&db),
+            &spool,
+            &redis,
+            &prefix,
+            &mock.base_url(),
+        );
         std::fs::write(&config, text).unwrap();
         replicas.push(Binary::start(&config, port).await);
     }

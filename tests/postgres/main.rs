@@ -3,7 +3,7 @@
 //! `redis-server`. Each test starts a server of its own
 //! (tests/common/postgres.rs).
 //!
-//! `cargo test --test postgres store::`, `outage::`, `replicas::`.
+//! `cargo test --test postgres store::`, `outage::`, `replicas::`, `spool::`, `start::`.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -14,5 +14,8 @@ mod redis_support;
 
 mod fleet;
 mod outage;
+mod process;
 mod replicas;
+mod spool;
+mod start;
 mod store;

@@ -1,0 +1,107 @@
+//! Replica binaries on a PostgreSQL ledger, for the tests that need real processes (a
+//! `kill -9`, an environment of their own, an exit code): their config, and a run that
+//! is expected to end.
+
+use std::{
+    path::Path,
+    process::{Command, ExitStatus, Stdio},
+    time::{Duration, Instant},
+};
+
+pub const KEY: &str = "bk-process-key-0001";
+
+/// A replica on `127.0.0.1:port` whose ledger is `[store]` (its lines), with
+/// `on_unavailable`, sending to `mock`; tenant `capped` (key [`KEY`]) has a day cap,
+/// so each of its calls is budgeted.
+pub fn replica_toml(port: u16, store: &str, on_unavailable: &str, mock: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:{port}"
+request_timeout = "30s"
+drain_delay = "0s"
+shutdown_grace = "1s"
+
+[log]
+level = "info"
+
+[store]
+backend = "postgres"
+{store}
+
+[state]
+on_unavailable = "{on_unavailable}"
+
+[[prices]]
+model = "gpt-4o*"
+input_per_mtok = 2.5
+output_per_mtok = 10.0
+
+[[upstreams]]
+name = "mock"
+api = "openai"
+forward_headers = ["x-mock-*"]
+base_url = "{mock}"
+api_key = "sk-mock-not-secret"
+attempt_timeout = "30s"
+
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "mock" }}]
+
+[[tenants]]
+name = "capped"
+api_keys = ["{KEY}"]
+[tenants.budget]
+usd_per_day = 1000.0
+"#
+    )
+}
+
+/// Runs `backstop serve` on `config` with `env` set, expecting it to exit (it must not
+/// start); its exit status and what it wrote to stderr.
+pub fn serve_until_exit(config: &Path, env: &[(&str, &str)]) -> (ExitStatus, String) {
+    let log = config.with_extension("log");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_backstop"))
+        .args(["serve", "--config", config.to_str().unwrap()])
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "still running after 60s: {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status, std::fs::read_to_string(&log).unwrap())
+}
+
+/// A budgeted chat call through the replica at `url`, in mock scenario `scenario`
+/// with `fault` (none if empty).
+pub async fn call(
+    http: &reqwest::Client,
+    url: &str,
+    scenario: &str,
+    fault: &str,
+) -> reqwest::Result<reqwest::Response> {
+    let mut req = http
+        .post(format!("{url}/v1/chat/completions"))
+        .bearer_auth(KEY)
+        .header("x-mock-scenario", scenario)
+        .body(serde_json::Value::from(crate::common::chat("gpt-4o").max_tokens(16)).to_string());
+    if !fault.is_empty() {
+        req = req.header("x-mock-fault", fault);
+    }
+    req.send().await
+}
