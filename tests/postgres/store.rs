@@ -800,6 +800,10 @@ api_keys = ["bk-check-config-key-1"]
         stdout.contains(&format!("store: postgres, schema version {SCHEMA_VERSION}")),
         "{stdout}"
     );
+    assert!(
+        stdout.contains("store: writes postgres cannot take are spooled to backstop-spool.db\n"),
+        "the spool's default, beside store.path: {stdout}"
+    );
 }
 
 #[tokio::test]
