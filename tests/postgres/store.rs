@@ -604,6 +604,36 @@ async fn a_charge_made_while_postgres_is_down_is_written_when_it_returns() {
     assert_eq!(store.spooled(), 0, "forgotten once postgres has them");
 }
 
+/// A reservation spooled while Postgres was down and its settle made the moment it is
+/// back: the settle goes in behind the reservation (or the reservation, landing after
+/// its settle, would be left open and charged again as a dead replica's).
+#[tokio::test]
+async fn a_write_made_as_postgres_returns_goes_in_behind_what_the_spool_holds() {
+    let db = Db::new();
+    let store = db.open().await;
+    db.pg.stop_now();
+    let r = reservation(&store, "s", 1, 300);
+    let id = r.id;
+    let err = store.reserve(r).await.unwrap_err();
+    assert!(err.to_string().contains("kept in the spool"), "{err}");
+    assert_eq!(store.spooled(), 1);
+    // Failed replays back off (100 ms, doubling): after 2 s the next is over a second
+    // away, so the settle below, not the timer, is what finds Postgres back.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    db.pg.start_again();
+    store
+        .settle(Some(id), charge(Some("s"), 1, 2, 0.5))
+        .await
+        .unwrap();
+    assert_eq!(store.spooled(), 0);
+    assert_eq!(db.ledger_rows(), 1);
+    assert_eq!(
+        store.open_reservations().await.unwrap(),
+        0,
+        "none left open"
+    );
+}
+
 /// A copy of the spool file at `from` (its write-ahead log with it) at `to`: what the
 /// spool held at that moment, as a process killed then would have left it.
 fn copy_spool(from: &str, to: &str) {
