@@ -140,23 +140,32 @@ pub struct Postgres {
     dir: PathBuf,
     /// Whether it speaks TLS ([`Postgres::start_tls`]).
     tls: bool,
+    /// Whether commits are flushed to disk ([`Postgres::start_durable`]); the tests'
+    /// servers run with `fsync = off` otherwise.
+    durable: bool,
 }
 
 impl Postgres {
     /// A fresh server (a copy of the template) on a free port, answering when this
     /// returns.
     pub fn start() -> Postgres {
-        Self::start_with(false)
+        Self::start_with(false, false)
+    }
+
+    /// As [`Postgres::start`], with `fsync = on` (the server's default) as a production
+    /// server runs, for measurements.
+    pub fn start_durable() -> Postgres {
+        Self::start_with(false, true)
     }
 
     /// As [`Postgres::start`], with `ssl = on`: a certificate for `127.0.0.1` signed by
     /// a CA of the test's own ([`Postgres::ca_file`]), both made by the `openssl`
     /// command line. Clients may still connect without TLS (`sslmode=disable`).
     pub fn start_tls() -> Postgres {
-        Self::start_with(true)
+        Self::start_with(true, false)
     }
 
-    fn start_with(tls: bool) -> Postgres {
+    fn start_with(tls: bool, durable: bool) -> Postgres {
         let dir =
             std::env::temp_dir().join(format!("backstop-pg-{}", uuid::Uuid::new_v4().simple()));
         // `cp -a` keeps the owner (postgres) and the data directory's 0700.
@@ -171,6 +180,7 @@ impl Postgres {
             port: free_port(),
             dir,
             tls,
+            durable,
         };
         if tls {
             pg.make_certificates();
@@ -267,9 +277,10 @@ impl Postgres {
     /// Starts the server again on its port, after [`Postgres::stop_now`].
     pub fn start_again(&self) {
         let mut options = format!(
-            "-k {} -p {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200",
+            "-k {} -p {} -c listen_addresses=127.0.0.1 -c fsync={} -c max_connections=200",
             self.dir_str(),
-            self.port
+            self.port,
+            if self.durable { "on" } else { "off" }
         );
         if self.tls {
             options.push_str(" -c ssl=on -c ssl_cert_file=server.crt -c ssl_key_file=server.key");

@@ -10,7 +10,8 @@ use std::{
 
 pub const KEY: &str = "bk-process-key-0001";
 
-/// A replica on `127.0.0.1:port` whose ledger is `[store]` (its lines), with
+/// A replica on `127.0.0.1:port` whose ledger is `[store]` (its lines, `backend`
+/// included), with
 /// `on_unavailable`, sending to `mock`; tenant `capped` (key [`KEY`]) has a day cap,
 /// so each of its calls is budgeted.
 pub fn replica_toml(port: u16, store: &str, on_unavailable: &str, mock: &str) -> String {
@@ -26,7 +27,6 @@ shutdown_grace = "1s"
 level = "info"
 
 [store]
-backend = "postgres"
 {store}
 
 [state]

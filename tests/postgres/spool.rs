@@ -34,7 +34,7 @@ async fn charges_spooled_by_a_replica_killed_while_postgres_was_down_are_replaye
     let port = free_port();
     let spool = dir.0.join("spool.db");
     let store = format!(
-        "url = \"{}\"\nspool = \"{}\"\nstatement_timeout = \"1s\"\nreplica_lease = \"2s\"",
+        "backend = \"postgres\"\nurl = \"{}\"\nspool = \"{}\"\nstatement_timeout = \"1s\"\nreplica_lease = \"2s\"",
         pg.url(&db),
         spool.display()
     );

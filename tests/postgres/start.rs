@@ -20,7 +20,7 @@ async fn sslmode_require_reaches_a_server_whose_ca_is_named_by_ssl_cert_file() {
     let dir = TempDir::new("backstop-pg-tls");
     let port = free_port();
     let store = format!(
-        "url = \"{}?sslmode=require\"\nspool = \"{}\"",
+        "backend = \"postgres\"\nurl = \"{}?sslmode=require\"\nspool = \"{}\"",
         pg.url(&db),
         dir.0.join("spool.db").display()
     );
@@ -73,7 +73,7 @@ async fn a_replica_waiting_for_the_migration_lock_gives_up_after_the_timeout() {
     let dir = TempDir::new("backstop-pg-lock");
     let port = free_port();
     let store = format!(
-        "url = \"{}\"\nspool = \"{}\"\nmigration_timeout = \"1s\"",
+        "backend = \"postgres\"\nurl = \"{}\"\nspool = \"{}\"\nmigration_timeout = \"1s\"",
         pg.url(&db),
         dir.0.join("spool.db").display()
     );
