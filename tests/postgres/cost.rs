@@ -101,11 +101,7 @@ async fn added_latency_per_budgeted_call_postgres_against_sqlite() {
     for (name, store) in &stores {
         let port = free_port();
         let config = dir.0.join(format!("{name}.toml"));
-        std::fs::write(
-            &config,
-            replica_toml(port, store, "closed", &mock.base_url()),
-        )
-        .unwrap();
+        std::fs::write(&config, replica_toml(port, store, "", &mock.base_url())).unwrap();
         let gateway = Binary::start(&config, port).await;
         gateways.push((
             *name,

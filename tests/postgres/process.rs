@@ -8,13 +8,15 @@ use std::{
     time::{Duration, Instant},
 };
 
+use crate::common::admin_and_prices;
+use crate::postgres_support::Postgres;
+
 pub const KEY: &str = "bk-process-key-0001";
 
-/// A replica on `127.0.0.1:port` whose ledger is `[store]` (its lines, `backend`
-/// included), with
-/// `on_unavailable`, sending to `mock`; tenant `capped` (key [`KEY`]) has a day cap,
-/// so each of its calls is budgeted.
-pub fn replica_toml(port: u16, store: &str, on_unavailable: &str, mock: &str) -> String {
+/// A replica on `127.0.0.1:port` whose ledger is `[store]` and whose live state is
+/// `[state]` (their lines, `backend` included), sending to `mock`; tenant `fleet` (key
+/// [`KEY`]) has a day cap, so each of its calls is budgeted.
+pub fn replica_toml(port: u16, store: &str, state: &str, mock: &str) -> String {
     format!(
         r#"
 [server]
@@ -30,13 +32,8 @@ level = "info"
 {store}
 
 [state]
-on_unavailable = "{on_unavailable}"
-
-[[prices]]
-model = "gpt-4o*"
-input_per_mtok = 2.5
-output_per_mtok = 10.0
-
+{state}
+{admin_and_prices}
 [[upstreams]]
 name = "mock"
 api = "openai"
@@ -50,11 +47,12 @@ model = "gpt-*"
 targets = [{{ upstream = "mock" }}]
 
 [[tenants]]
-name = "capped"
+name = "fleet"
 api_keys = ["{KEY}"]
 [tenants.budget]
 usd_per_day = 1000.0
-"#
+"#,
+        admin_and_prices = admin_and_prices(),
     )
 }
 
@@ -104,4 +102,21 @@ pub async fn call(
         req = req.header("x-mock-fault", fault);
     }
     req.send().await
+}
+
+/// Polls `db` until its ledger holds `rows` rows and no reservation is left open, for
+/// 30 s at most; what it holds then: (ledger rows, open reservations).
+pub async fn ledger_settles(pg: &Postgres, db: &str, rows: u64) -> (u64, u64) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let held: u64 = pg.psql(db, "SELECT COUNT(*) FROM ledger").parse().unwrap();
+        let open: u64 = pg
+            .psql(db, "SELECT COUNT(*) FROM reservations")
+            .parse()
+            .unwrap();
+        if (held, open) == (rows, 0) || Instant::now() > deadline {
+            return (held, open);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

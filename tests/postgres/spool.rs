@@ -10,7 +10,7 @@ use std::{
 
 use crate::common::{Binary, TempDir};
 use crate::postgres_support::Postgres;
-use crate::process::{call, replica_toml};
+use crate::process::{call, ledger_settles, replica_toml};
 use crate::redis_support::{free_port, MockUpstream};
 
 /// The value of an unlabelled metric on a `/metrics` page.
@@ -41,7 +41,7 @@ async fn charges_spooled_by_a_replica_killed_while_postgres_was_down_are_replaye
     let config = dir.0.join("replica.toml");
     std::fs::write(
         &config,
-        replica_toml(port, &store, "open", &mock.base_url()),
+        replica_toml(port, &store, "on_unavailable = \"open\"", &mock.base_url()),
     )
     .unwrap();
     let log = |name: &str| std::fs::File::create(dir.0.join(name)).unwrap().into();
@@ -116,18 +116,7 @@ async fn charges_spooled_by_a_replica_killed_while_postgres_was_down_are_replaye
     assert_eq!(made, 4 + 3 + 10 + 3);
     // The spool is replayed at start; the held calls' reservations (the dead process's)
     // are charged once its lease has passed.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let (rows, open) = loop {
-        let rows: u64 = pg.psql(&db, "SELECT COUNT(*) FROM ledger").parse().unwrap();
-        let open: u64 = pg
-            .psql(&db, "SELECT COUNT(*) FROM reservations")
-            .parse()
-            .unwrap();
-        if (rows, open) == (made, 0) || Instant::now() > deadline {
-            break (rows, open);
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let (rows, open) = ledger_settles(&pg, &db, made).await;
     let logs = std::fs::read_to_string(dir.0.join("next.log")).unwrap_or_default();
     assert_eq!(
         (rows, open),

@@ -25,11 +25,7 @@ async fn sslmode_require_reaches_a_server_whose_ca_is_named_by_ssl_cert_file() {
         dir.0.join("spool.db").display()
     );
     let config = dir.0.join("replica.toml");
-    std::fs::write(
-        &config,
-        replica_toml(port, &store, "closed", &mock.base_url()),
-    )
-    .unwrap();
+    std::fs::write(&config, replica_toml(port, &store, "", &mock.base_url())).unwrap();
 
     // The system's roots do not know the test's CA: refused, and said why.
     let (status, log) = serve_until_exit(&config, &[]);
@@ -80,7 +76,7 @@ async fn a_replica_waiting_for_the_migration_lock_gives_up_after_the_timeout() {
     let config = dir.0.join("replica.toml");
     std::fs::write(
         &config,
-        replica_toml(port, &store, "closed", "http://127.0.0.1:9"),
+        replica_toml(port, &store, "", "http://127.0.0.1:9"),
     )
     .unwrap();
     let (holder, connection) = tokio_postgres::connect(&pg.url(&db), tokio_postgres::NoTls)

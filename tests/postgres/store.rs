@@ -284,7 +284,14 @@ async fn reservations_left_by_a_dead_replica_are_charged_once_by_another() {
 #[tokio::test]
 async fn a_settle_racing_the_recovery_of_its_reservation_is_one_row() {
     let db = Db::new();
-    let slow = db.open().await;
+    // A long lease of its own: its next heartbeat (a quarter lease away) cannot undo
+    // the partition below before the other store has opened.
+    let slow = PgStore::open(&StoreConfig {
+        replica_lease: Duration::from_secs(60),
+        ..db.config()
+    })
+    .await
+    .unwrap();
     let r = reservation(&slow, "s", 1, 300);
     let id = r.id;
     slow.reserve(r).await.unwrap();

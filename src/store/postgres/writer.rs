@@ -260,16 +260,16 @@ async fn answer(batch: Vec<PgWrite>, results: Vec<Result<(), Failure>>, backlog:
             // Refused by Postgres itself: retrying would be refused again.
             tracing::error!(op = ?DebugOp(&w.op), "a charge was refused by postgres and is not in the ledger");
         }
-        let op = match failure.transient {
+        let keep = match failure.transient {
             true => Kept::of(w.op),
-            false => Err(w.op),
+            false => None,
         };
-        match op {
-            Ok(k) => {
+        match keep {
+            Some(k) => {
                 kept.push(k);
                 waiting.push((w.ack, failure.message.clone()));
             }
-            Err(_) => {
+            None => {
                 let error = match failure.transient {
                     true => StoreError::Unavailable(failure.message.clone()),
                     false => StoreError::Write(failure.message.clone()),
