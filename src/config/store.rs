@@ -143,10 +143,12 @@ impl StoreConfig {
                 ));
             }
         }
-        if self.migration_timeout < std::time::Duration::from_secs(1) {
+        if self.migration_timeout < std::time::Duration::from_secs(1)
+            || self.migration_timeout > std::time::Duration::from_secs(86_400)
+        {
             return Err(ConfigError::invalid(
                 "store.migration_timeout",
-                "must be at least 1s",
+                "must be between 1s and 24h",
             ));
         }
         if !(2..=1000).contains(&self.pool_size) {

@@ -165,6 +165,10 @@ fn postgres_store_settings_are_checked_by_key() {
             "backend = \"postgres\"\nurl = \"postgres://h/db\"\nmigration_timeout = \"100ms\"\n",
             "store.migration_timeout",
         ),
+        (
+            "backend = \"postgres\"\nurl = \"postgres://h/db\"\nmigration_timeout = \"30d\"\n",
+            "store.migration_timeout",
+        ),
     ];
     for (store, key) in cases {
         let err = error_of(&format!("{BASE}\n[store]\n{store}"));

@@ -241,7 +241,7 @@ async fn commit_each(pool: &Pool, ops: &[&Op]) -> Vec<Result<(), Failure>> {
 /// `Unavailable` saying where it is kept.
 async fn answer(batch: Vec<PgWrite>, results: Vec<Result<(), Failure>>, backlog: &mut Backlog) {
     let mut kept = Vec::new();
-    let mut waiting = Vec::new();
+    let mut to_answer = Vec::new();
     let mut failed = 0;
     let mut first_failure = None;
     for (w, result) in batch.into_iter().zip(results) {
@@ -267,7 +267,7 @@ async fn answer(batch: Vec<PgWrite>, results: Vec<Result<(), Failure>>, backlog:
         match keep {
             Some(k) => {
                 kept.push(k);
-                waiting.push((w.ack, failure.message.clone()));
+                to_answer.push((w.ack, failure.message.clone()));
             }
             None => {
                 let error = match failure.transient {
@@ -285,7 +285,7 @@ async fn answer(batch: Vec<PgWrite>, results: Vec<Result<(), Failure>>, backlog:
         tracing::error!(error = %failure.message, writes = failed, transient = failure.transient, "store write failed");
     }
     let place = backlog.keep(kept).await;
-    for (ack, message) in waiting {
+    for (ack, message) in to_answer {
         if let Some(ack) = ack {
             let _ = ack.send(Err(StoreError::Unavailable(
                 format!("{message}; {place} and written when postgres answers").into(),
