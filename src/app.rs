@@ -168,6 +168,9 @@ impl AppState {
     pub async fn with_clock(config: Config, clock: Clock) -> Result<Self, StoreError> {
         let upstreams = upstream::build_all(&config);
         let routes = RouteTable::new(&config, &upstreams);
+        // Installed before the store opens, so that what opening counts (reservations
+        // recovered, writes replayed from the spool) is on the page.
+        let metrics = telemetry::metrics_handle();
         let embedded: Arc<dyn Store> = match config.store.backend {
             StoreBackend::Sqlite => Arc::new(SqliteStore::open_with(&config.store)?),
             StoreBackend::Postgres => Arc::new(PgStore::open(&config.store).await?),
@@ -219,7 +222,7 @@ impl AppState {
             routes: Arc::new(routes),
             upstreams: Arc::new(upstreams),
             config: Arc::new(config),
-            metrics: telemetry::metrics_handle(),
+            metrics,
             ready: Arc::new(AtomicBool::new(false)),
             idempotent_in_flight: InFlight::default(),
             body_memory,

@@ -100,6 +100,10 @@ fn main() -> ExitCode {
                         "store: postgres, schema version {} (applied at start, under an advisory lock, to a database behind it)",
                         store::SCHEMA_VERSION
                     );
+                    println!(
+                        "store: writes postgres cannot take are spooled to {}",
+                        c.store.spool_path()
+                    );
                 }
                 ExitCode::SUCCESS
             }

@@ -151,7 +151,8 @@ impl<'a> From<&'a ReportRow> for JsonRow<'a> {
 }
 
 /// RFC 4180: a header line, then a line per row; a field with a comma, a quote or a line
-/// break is quoted, its quotes doubled. Lines end with `\n`.
+/// break is quoted, its quotes doubled. Lines end with `\n`. Tenant and model names are
+/// made safe to open in a spreadsheet first ([`field`]).
 fn csv(rows: &[ReportRow]) -> String {
     let mut out = COLUMNS.join(",");
     out.push('\n');
@@ -171,11 +172,24 @@ fn csv(rows: &[ReportRow]) -> String {
     out
 }
 
+/// What a spreadsheet takes for the start of a formula when a cell begins with it.
+const FORMULA_START: [char; 6] = ['=', '+', '-', '@', '\t', '\r'];
+
+/// A text field of the CSV. Model names come from callers' requests and tenant names
+/// from the config, and the report is made to be opened by finance people in Excel,
+/// LibreOffice or Google Sheets, which run a cell starting with `=`, `+`, `-` or `@`
+/// (or a tab or carriage return before one) as a formula: CSV injection. Such a name
+/// gets a leading `'`, as OWASP advises, which they show as text; the JSON report, read
+/// by programs, carries names as they are.
 fn field(text: &str) -> String {
+    let text = match text.starts_with(FORMULA_START) {
+        true => std::borrow::Cow::Owned(format!("'{text}")),
+        false => std::borrow::Cow::Borrowed(text),
+    };
     if text.contains([',', '"', '\r', '\n']) {
         format!("\"{}\"", text.replace('"', "\"\""))
     } else {
-        text.to_string()
+        text.into_owned()
     }
 }
 
@@ -213,6 +227,28 @@ mod tests {
             render(&[], Format::Csv),
             "tenant,day,model,calls,input_tokens,output_tokens,usd\n"
         );
+    }
+
+    #[test]
+    fn a_name_a_spreadsheet_would_run_as_a_formula_is_written_as_text() {
+        let rows = [
+            row("=cmd", 0, "+1", 1.0),
+            row("@SUM(A1:A9)", 0, "-2", 1.0),
+            row("\tx", 0, "=HYPERLINK(\"http://x\",\"y\")", 1.0),
+            row("team-a", 0, "a=b", 1.0),
+        ];
+        let csv = render(&rows, Format::Csv);
+        assert_eq!(
+            csv.lines().skip(1).collect::<Vec<_>>(),
+            [
+                "'=cmd,1970-01-01,'+1,3,1000,20,1.000000",
+                "'@SUM(A1:A9),1970-01-01,'-2,3,1000,20,1.000000",
+                "'\tx,1970-01-01,\"'=HYPERLINK(\"\"http://x\"\",\"\"y\"\")\",3,1000,20,1.000000",
+                "team-a,1970-01-01,a=b,3,1000,20,1.000000",
+            ]
+        );
+        let json = render(&rows[..1], Format::Json);
+        assert!(json.contains("\"tenant\": \"=cmd\""), "{json}");
     }
 
     #[test]

@@ -39,6 +39,14 @@ pub struct StoreConfig {
     /// session idle longer starts over. Tenant day budgets only need today.
     #[serde(with = "super::duration")]
     pub retention: std::time::Duration,
+    /// PostgreSQL: the local SQLite file that keeps, fsynced, the charges Postgres could
+    /// not take while it was away, until it does. One per replica; `None`: beside
+    /// `path` ([`StoreConfig::spool_path`]).
+    pub spool: Option<String>,
+    /// PostgreSQL: how long a replica waits for another's migrations (their advisory
+    /// lock) at start before it gives up and exits.
+    #[serde(with = "super::duration")]
+    pub migration_timeout: std::time::Duration,
 }
 
 /// Which database `[store]` names.
@@ -66,11 +74,33 @@ impl Default for StoreConfig {
             busy_timeout: std::time::Duration::from_secs(2),
             max_wal_bytes: 64 * 1024 * 1024,
             retention: std::time::Duration::from_secs(90 * 86_400),
+            spool: None,
+            migration_timeout: std::time::Duration::from_secs(60),
         }
     }
 }
 
 impl StoreConfig {
+    /// The spool's file: `spool`, or beside `path` with `-spool` added to its stem
+    /// (`backstop.db` → `backstop-spool.db`; `":memory:"` → `backstop-spool.db`).
+    pub fn spool_path(&self) -> String {
+        if let Some(spool) = &self.spool {
+            return spool.clone();
+        }
+        let path = match self.path.as_str() {
+            ":memory:" => std::path::Path::new("backstop.db"),
+            path => std::path::Path::new(path),
+        };
+        let stem = path
+            .file_stem()
+            .map_or("backstop".into(), |s| s.to_string_lossy());
+        let name = match path.extension() {
+            Some(ext) => format!("{stem}-spool.{}", ext.to_string_lossy()),
+            None => format!("{stem}-spool"),
+        };
+        path.with_file_name(name).to_string_lossy().into_owned()
+    }
+
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
         if self.backend == StoreBackend::Postgres {
             match self.url.as_deref() {
@@ -98,6 +128,27 @@ impl StoreConfig {
             return Err(ConfigError::invalid(
                 "store.url",
                 "only read with backend = \"postgres\"",
+            ));
+        } else if self.spool.is_some() {
+            return Err(ConfigError::invalid(
+                "store.spool",
+                "only read with backend = \"postgres\" (a sqlite store keeps its writes itself)",
+            ));
+        }
+        if let Some(spool) = &self.spool {
+            if spool.trim().is_empty() || spool.ends_with('/') {
+                return Err(ConfigError::invalid(
+                    "store.spool",
+                    "must name a file (one per replica)",
+                ));
+            }
+        }
+        if self.migration_timeout < std::time::Duration::from_secs(1)
+            || self.migration_timeout > std::time::Duration::from_secs(86_400)
+        {
+            return Err(ConfigError::invalid(
+                "store.migration_timeout",
+                "must be between 1s and 24h",
             ));
         }
         if !(2..=1000).contains(&self.pool_size) {

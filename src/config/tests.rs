@@ -147,10 +147,28 @@ fn postgres_store_settings_are_checked_by_key() {
             "store.url",
         ),
         ("url = \"postgres://h/db\"\n", "store.url"),
+        (
+            // libpq's, not read: the CA is named by SSL_CERT_FILE.
+            "backend = \"postgres\"\nurl = \"postgres://h/db?sslrootcert=/ca.pem\"\n",
+            "store.url",
+        ),
         ("pool_size = 1\n", "store.pool_size"),
         ("statement_timeout = \"1ms\"\n", "store.statement_timeout"),
         ("replica_lease = \"500ms\"\n", "store.replica_lease"),
         ("backend = \"mysql\"\n", "store"),
+        ("spool = \"/var/lib/backstop/spool.db\"\n", "store.spool"),
+        (
+            "backend = \"postgres\"\nurl = \"postgres://h/db\"\nspool = \"/var/lib/backstop/\"\n",
+            "store.spool",
+        ),
+        (
+            "backend = \"postgres\"\nurl = \"postgres://h/db\"\nmigration_timeout = \"100ms\"\n",
+            "store.migration_timeout",
+        ),
+        (
+            "backend = \"postgres\"\nurl = \"postgres://h/db\"\nmigration_timeout = \"30d\"\n",
+            "store.migration_timeout",
+        ),
     ];
     for (store, key) in cases {
         let err = error_of(&format!("{BASE}\n[store]\n{store}"));
@@ -165,6 +183,30 @@ fn postgres_store_settings_are_checked_by_key() {
     assert_eq!(
         ok.store.statement_timeout,
         std::time::Duration::from_secs(5)
+    );
+    assert_eq!(
+        ok.store.migration_timeout,
+        std::time::Duration::from_secs(60)
+    );
+    assert_eq!(ok.store.spool_path(), "backstop-spool.db", "beside path");
+}
+
+#[test]
+fn the_spool_is_beside_the_store_path_unless_named() {
+    let store = |path: &str, spool: Option<&str>| super::StoreConfig {
+        path: path.into(),
+        spool: spool.map(str::to_owned),
+        ..super::StoreConfig::default()
+    };
+    assert_eq!(
+        store("/var/lib/backstop/ledger.db", None).spool_path(),
+        "/var/lib/backstop/ledger-spool.db"
+    );
+    assert_eq!(store("data/ledger", None).spool_path(), "data/ledger-spool");
+    assert_eq!(store(":memory:", None).spool_path(), "backstop-spool.db");
+    assert_eq!(
+        store("backstop.db", Some("/srv/spool.db")).spool_path(),
+        "/srv/spool.db"
     );
 }
 

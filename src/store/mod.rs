@@ -36,14 +36,14 @@ use std::{sync::Arc, time::Duration};
 
 use futures_util::future::BoxFuture;
 
-pub use postgres::{read_report as read_postgres_report, PgStore, SCHEMA_VERSION};
+pub use postgres::{read_report as read_postgres_report, PgStore, MIGRATION_LOCK, SCHEMA_VERSION};
 pub use redis::RedisStore;
 pub use sqlite::SqliteStore;
 
 use crate::{clock::Clock, config::StoreConfig, policy::budget::Usage};
 
 /// One charged upstream call.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Charge {
     pub ts_ms: i64,
     /// Days since the Unix epoch (UTC), the tenant budget window.
@@ -94,7 +94,7 @@ impl ReportRow {
 /// assigned by [`Store::next_reservation_id`] before the write is queued, so a settle
 /// can name it even while the reservation's own write is still queued (the writer
 /// applies writes in order).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ReservationRecord {
     pub id: i64,
     pub ts_ms: i64,
@@ -110,7 +110,7 @@ pub struct ReservationRecord {
 /// A settle the shared state (Redis) could not take when its call ended, kept in the
 /// replica's own store until it can: `body` is the encoded settle
 /// ([`crate::state::shared::SharedSettle`]), replayed idempotently per reservation.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct QueuedSettle {
     pub reservation: String,
     pub body: String,

@@ -138,12 +138,34 @@ fn free_port() -> u16 {
 pub struct Postgres {
     pub port: u16,
     dir: PathBuf,
+    /// Whether it speaks TLS ([`Postgres::start_tls`]).
+    tls: bool,
+    /// Whether commits are flushed to disk ([`Postgres::start_durable`]); the tests'
+    /// servers run with `fsync = off` otherwise.
+    durable: bool,
 }
 
 impl Postgres {
     /// A fresh server (a copy of the template) on a free port, answering when this
     /// returns.
     pub fn start() -> Postgres {
+        Self::start_with(false, false)
+    }
+
+    /// As [`Postgres::start`], with `fsync = on` (the server's default) as a production
+    /// server runs, for measurements.
+    pub fn start_durable() -> Postgres {
+        Self::start_with(false, true)
+    }
+
+    /// As [`Postgres::start`], with `ssl = on`: a certificate for `127.0.0.1` signed by
+    /// a CA of the test's own ([`Postgres::ca_file`]), both made by the `openssl`
+    /// command line. Clients may still connect without TLS (`sslmode=disable`).
+    pub fn start_tls() -> Postgres {
+        Self::start_with(true, false)
+    }
+
+    fn start_with(tls: bool, durable: bool) -> Postgres {
         let dir =
             std::env::temp_dir().join(format!("backstop-pg-{}", uuid::Uuid::new_v4().simple()));
         // `cp -a` keeps the owner (postgres) and the data directory's 0700.
@@ -157,9 +179,95 @@ impl Postgres {
         let pg = Postgres {
             port: free_port(),
             dir,
+            tls,
+            durable,
         };
+        if tls {
+            pg.make_certificates();
+        }
         pg.start_again();
         pg
+    }
+
+    /// The CA that signed a TLS server's certificate (PEM).
+    pub fn ca_file(&self) -> PathBuf {
+        assert!(self.tls, "a server started with start_tls");
+        self.dir.join("ca.crt")
+    }
+
+    /// `ca.crt` (CA:TRUE, self-signed) and `server.crt` / `server.key` (CA:FALSE,
+    /// subjectAltName IP 127.0.0.1, as rustls requires) in the data directory, the
+    /// key readable by the server only.
+    fn make_certificates(&self) {
+        let openssl = |args: &[&str]| {
+            let out = Command::new("openssl")
+                .current_dir(&self.dir)
+                .args(args)
+                .output()
+                .expect("openssl makes the test certificates");
+            check(&format!("openssl {args:?}"), out);
+        };
+        openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=backstop test CA",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+        ]);
+        openssl(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        ]);
+        std::fs::write(
+            self.dir.join("server.ext"),
+            "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
+        )
+        .unwrap();
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-out",
+            "server.crt",
+            "-extfile",
+            "server.ext",
+        ]);
+        let key = self.dir.join("server.key");
+        if is_root() {
+            let owned = Command::new("chown")
+                .arg("postgres")
+                .arg(&key)
+                .arg(self.dir.join("server.crt"))
+                .output()
+                .expect("chown");
+            check("chown the server's key", owned);
+        }
+        std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
     }
 
     fn dir_str(&self) -> &str {
@@ -168,11 +276,15 @@ impl Postgres {
 
     /// Starts the server again on its port, after [`Postgres::stop_now`].
     pub fn start_again(&self) {
-        let options = format!(
-            "-k {} -p {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200",
+        let mut options = format!(
+            "-k {} -p {} -c listen_addresses=127.0.0.1 -c fsync={} -c max_connections=200",
             self.dir_str(),
-            self.port
+            self.port,
+            if self.durable { "on" } else { "off" }
         );
+        if self.tls {
+            options.push_str(" -c ssl=on -c ssl_cert_file=server.crt -c ssl_key_file=server.key");
+        }
         let log = self.dir.join("server.log");
         check(
             "pg_ctl start",

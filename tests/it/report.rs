@@ -278,3 +278,65 @@ async fn report_refuses_bad_arguments_by_name_with_exit_code_2() {
         "a report never creates a store"
     );
 }
+
+/// A model name is the caller's to choose and a tenant's is free text, so either may
+/// read as a spreadsheet formula: the CSV writes such a name as text (a leading `'`),
+/// quoted as RFC 4180 asks when it holds a quote or a comma; the JSON keeps it as it is.
+#[tokio::test]
+async fn report_csv_writes_names_a_spreadsheet_would_run_as_text() {
+    let dir = TempDir::new("backstop-report-formula");
+    let store = format!("path = \"{}\"", dir.0.join("ledger.db").display());
+    let mut text = String::new();
+    let gw = start_with_clock(
+        |config| {
+            let config = with_store(config, &store)
+                .merge(&admin_and_prices())
+                .merge("[server]\ndrain_delay = \"0s\"")
+                .merge(
+                    r#"
+[[routes]]
+model = "*"
+targets = [{ upstream = "mock-openai" }]
+
+[[tenants]]
+name = "@finance"
+api_keys = ["bk-formula-key-0001"]
+"#,
+                );
+            text = config.text();
+            config
+        },
+        Clock::starting_at(DAY_ONE_NOON_MS),
+    )
+    .await;
+    let hyperlink = r#"=HYPERLINK("http://evil.example","refund")"#;
+    for model in ["-1+2", hyperlink] {
+        let resp = gw
+            .post(
+                "/v1/chat/completions",
+                Some("bk-formula-key-0001"),
+                &[("x-mock-fault", "usage=1000/500")],
+                chat(model).json().to_string(),
+            )
+            .await;
+        assert_eq!(resp.status(), 200, "{model}");
+        resp.bytes().await.unwrap();
+    }
+    settled(&gw, "@finance", 2).await;
+    gw.server.shutdown().await;
+    let config = dir.0.join("backstop.toml");
+    std::fs::write(&config, text).unwrap();
+    assert_eq!(
+        stdout(&report(&config, &["--tenant", "@finance"])),
+        "tenant,day,model,calls,input_tokens,output_tokens,usd\n\
+         '@finance,2025-12-01,'-1+2,1,1000,500,0.000000\n\
+         '@finance,2025-12-01,\"'=HYPERLINK(\"\"http://evil.example\"\",\"\"refund\"\")\",1,1000,500,0.000000\n"
+    );
+    let json: Value = serde_json::from_str(&stdout(&report(
+        &config,
+        &["--tenant", "@finance", "--format", "json"],
+    )))
+    .unwrap();
+    assert_eq!(json[0]["tenant"], "@finance");
+    assert_eq!(json[1]["model"], hyperlink);
+}

@@ -3,7 +3,7 @@
 //! `redis-server`. Each test starts a server of its own
 //! (tests/common/postgres.rs).
 //!
-//! `cargo test --test postgres store::`, `outage::`, `replicas::`.
+//! `cargo test --test postgres store::`, `outage::`, `replicas::`, `spool::`, `start::`; `cost::` (ignored: a measurement).
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -12,7 +12,11 @@ mod postgres_support;
 #[path = "../common/redis.rs"]
 mod redis_support;
 
+mod cost;
 mod fleet;
 mod outage;
+mod process;
 mod replicas;
+mod spool;
+mod start;
 mod store;

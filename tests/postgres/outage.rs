@@ -17,10 +17,11 @@ use crate::postgres_support::Postgres;
 
 const CAPPED: &str = "bk-capped-key-pg1";
 
-async fn gateway(pg: &Postgres, db: &str, on_unavailable: &str) -> Gateway {
+async fn gateway(pg: &Postgres, db: &str, on_unavailable: &str, spool: &TempDir) -> Gateway {
     let store = format!(
-        "backend = \"postgres\"\nurl = \"{}\"\nstatement_timeout = \"1s\"\npool_size = 8",
-        pg.url(db)
+        "backend = \"postgres\"\nurl = \"{}\"\nstatement_timeout = \"1s\"\npool_size = 8\nspool = \"{}\"",
+        pg.url(db),
+        spool.0.join("spool.db").display()
     );
     let on_unavailable = on_unavailable.to_string();
     start_with(move |config| {
@@ -60,7 +61,8 @@ struct Tally {
 async fn restart_mid_traffic(on_unavailable: &str) -> (Arc<Tally>, u64, String) {
     let pg = Arc::new(Postgres::start());
     let db = pg.create_database();
-    let gw = Arc::new(gateway(&pg, &db, on_unavailable).await);
+    let spool = TempDir::new("backstop-pg-outage");
+    let gw = Arc::new(gateway(&pg, &db, on_unavailable, &spool).await);
     let tally = Arc::new(Tally::default());
     let down = Arc::new(AtomicBool::new(false));
     let stop = Arc::new(AtomicBool::new(false));

@@ -8,15 +8,20 @@ use crate::redis_support::Redis;
 
 const CAPPED: &str = "bk-capped-key-pg2";
 
-async fn replica(pg: &Postgres, db: &str) -> Gateway {
-    replica_with(pg, db, "").await
+async fn replica(pg: &Postgres, db: &str, spools: &TempDir) -> Gateway {
+    replica_with(pg, db, spools, "").await
 }
 
-/// A replica on `db`, with `extra` (a `[state]` section) merged in.
-async fn replica_with(pg: &Postgres, db: &str, extra: &str) -> Gateway {
+/// A replica on `db`, with a spool of its own in `spools` and `extra` (a `[state]`
+/// section) merged in.
+async fn replica_with(pg: &Postgres, db: &str, spools: &TempDir, extra: &str) -> Gateway {
+    let spool = spools
+        .0
+        .join(format!("spool-{}.db", uuid::Uuid::new_v4().simple()));
     let store = format!(
-        "backend = \"postgres\"\nurl = \"{}\"\nstatement_timeout = \"2s\"",
-        pg.url(db)
+        "backend = \"postgres\"\nurl = \"{}\"\nstatement_timeout = \"2s\"\nspool = \"{}\"",
+        pg.url(db),
+        spool.display()
     );
     let extra = extra.to_string();
     start_with(move |config| {
@@ -42,7 +47,11 @@ max_calls = 5
 async fn a_session_cap_holds_across_replicas_sharing_only_postgres() {
     let pg = Postgres::start();
     let db = pg.create_database();
-    let replicas = [replica(&pg, &db).await, replica(&pg, &db).await];
+    let spools = TempDir::new("backstop-pg-replicas");
+    let replicas = [
+        replica(&pg, &db, &spools).await,
+        replica(&pg, &db, &spools).await,
+    ];
     let mut ok = 0;
     let mut refused = Vec::new();
     for i in 0..12 {
@@ -79,9 +88,10 @@ async fn with_redis_counting_every_call_made_is_one_ledger_row() {
     let db = pg.create_database();
     let redis = Redis::start();
     let state = format!("[state]\nbackend = \"redis\"\nurl = \"{}\"\n", redis.url());
+    let spools = TempDir::new("backstop-pg-replicas");
     let replicas = [
-        replica_with(&pg, &db, &state).await,
-        replica_with(&pg, &db, &state).await,
+        replica_with(&pg, &db, &spools, &state).await,
+        replica_with(&pg, &db, &spools, &state).await,
     ];
     let mut ok = 0;
     for i in 0..12 {

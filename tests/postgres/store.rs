@@ -16,29 +16,48 @@ use backstop::{
     },
 };
 
+use crate::common::TempDir;
 use crate::postgres_support::Postgres;
 
-/// A server and one empty database on it.
+/// A server and one empty database on it, and a folder for the stores' spools.
 struct Db {
     pg: Postgres,
     name: String,
+    dir: TempDir,
 }
 
 impl Db {
     fn new() -> Db {
         let pg = Postgres::start();
         let name = pg.create_database();
-        Db { pg, name }
+        Db {
+            pg,
+            name,
+            dir: TempDir::new("backstop-pg-spools"),
+        }
     }
 
+    /// The settings of a store of its own: each gets a new spool, as each replica has.
     fn config(&self) -> StoreConfig {
+        self.config_on(&self.new_spool())
+    }
+
+    /// The settings of a store on the spool at `spool`.
+    fn config_on(&self, spool: &str) -> StoreConfig {
         StoreConfig {
             backend: StoreBackend::Postgres,
             url: Some(self.pg.url(&self.name)),
             statement_timeout: Duration::from_secs(2),
             replica_lease: Duration::from_secs(1),
+            spool: Some(spool.to_string()),
             ..StoreConfig::default()
         }
+    }
+
+    /// A path for a new spool.
+    fn new_spool(&self) -> String {
+        let file = format!("spool-{}.db", uuid::Uuid::new_v4().simple());
+        self.dir.0.join(file).to_str().unwrap().to_string()
     }
 
     async fn open(&self) -> PgStore {
@@ -265,7 +284,14 @@ async fn reservations_left_by_a_dead_replica_are_charged_once_by_another() {
 #[tokio::test]
 async fn a_settle_racing_the_recovery_of_its_reservation_is_one_row() {
     let db = Db::new();
-    let slow = db.open().await;
+    // A long lease of its own: its next heartbeat (a quarter lease away) cannot undo
+    // the partition below before the other store has opened.
+    let slow = PgStore::open(&StoreConfig {
+        replica_lease: Duration::from_secs(60),
+        ..db.config()
+    })
+    .await
+    .unwrap();
     let r = reservation(&slow, "s", 1, 300);
     let id = r.id;
     slow.reserve(r).await.unwrap();
@@ -285,10 +311,9 @@ async fn a_settle_racing_the_recovery_of_its_reservation_is_one_row() {
 #[tokio::test]
 async fn two_stores_opened_at_once_on_an_empty_database_migrate_once() {
     let db = Db::new();
-    let config = db.config();
     let opens: Vec<_> = (0..4)
         .map(|_| {
-            let config = config.clone();
+            let config = db.config();
             tokio::spawn(async move { PgStore::open(&config).await })
         })
         .collect();
@@ -551,17 +576,21 @@ async fn a_charge_made_while_postgres_is_down_is_written_when_it_returns() {
     db.pg.stop_now();
     let err = store.session_usage("t", "s").await.unwrap_err();
     assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
-    let err = store
-        .reserve(reservation(&store, "s", 2, 10))
-        .await
-        .unwrap_err();
+    let refused = reservation(&store, "s", 2, 10);
+    let refused_id = refused.id;
+    let err = store.reserve(refused).await.unwrap_err();
     assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
+    // Its call refused, the budgets withdraw it (its write may land all the same).
+    store.unreserve(refused_id);
     let err = store
         .settle(Some(id), charge(Some("s"), 1, 3, 0.5))
         .await
         .unwrap_err();
-    assert!(err.to_string().contains("kept in memory"), "{err}");
+    assert!(err.to_string().contains("kept in the spool"), "{err}");
     store.settle_later(None, charge(Some("s"), 1, 4, 0.25));
+    // The reservation and its withdrawal, and the two charges; each on disk before it
+    // was answered.
+    crate::common::until("four writes spooled", || async { store.spooled() == 4 }).await;
     db.pg.start_again();
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
@@ -579,6 +608,98 @@ async fn a_charge_made_while_postgres_is_down_is_written_when_it_returns() {
     }
     assert_eq!(store.open_reservations().await.unwrap(), 0);
     assert_eq!(db.ledger_rows(), 2);
+    assert_eq!(store.spooled(), 0, "forgotten once postgres has them");
+}
+
+/// A reservation spooled while Postgres was down and its settle made the moment it is
+/// back: the settle goes in behind the reservation (or the reservation, landing after
+/// its settle, would be left open and charged again as a dead replica's).
+#[tokio::test]
+async fn a_write_made_as_postgres_returns_goes_in_behind_what_the_spool_holds() {
+    let db = Db::new();
+    let store = db.open().await;
+    db.pg.stop_now();
+    let r = reservation(&store, "s", 1, 300);
+    let id = r.id;
+    let err = store.reserve(r).await.unwrap_err();
+    assert!(err.to_string().contains("kept in the spool"), "{err}");
+    assert_eq!(store.spooled(), 1);
+    // Failed replays back off (100 ms, doubling): after 2 s the next is over a second
+    // away, so the settle below, not the timer, is what finds Postgres back.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    db.pg.start_again();
+    store
+        .settle(Some(id), charge(Some("s"), 1, 2, 0.5))
+        .await
+        .unwrap();
+    assert_eq!(store.spooled(), 0);
+    assert_eq!(db.ledger_rows(), 1);
+    assert_eq!(
+        store.open_reservations().await.unwrap(),
+        0,
+        "none left open"
+    );
+}
+
+/// A copy of the spool file at `from` (its write-ahead log with it) at `to`: what the
+/// spool held at that moment, as a process killed then would have left it.
+fn copy_spool(from: &str, to: &str) {
+    std::fs::copy(from, to).unwrap();
+    let wal = format!("{from}-wal");
+    if std::path::Path::new(&wal).exists() {
+        std::fs::copy(&wal, format!("{to}-wal")).unwrap();
+    }
+}
+
+/// A spool replayed after Postgres took part of it (the process died between the
+/// commit and forgetting what it committed, or the commit's acknowledgement was lost):
+/// each write is in the ledger once, the ones already there unchanged.
+#[tokio::test]
+async fn a_spool_replayed_after_a_partial_success_does_not_double() {
+    let db = Db::new();
+    let spool = db.new_spool();
+    let store = PgStore::open(&db.config_on(&spool)).await.unwrap();
+    let r = reservation(&store, "s", 1, 300);
+    let reserved = r.id;
+    store.reserve(r).await.unwrap();
+    db.pg.stop_now();
+    let usds = [0.5, 0.25, 0.125, 0.0625];
+    for (i, usd) in usds.iter().enumerate() {
+        let id = match i {
+            0 => Some(reserved),
+            _ => None,
+        };
+        let err = store
+            .settle(id, charge(Some("s"), 1, 10 + i as i64, *usd))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("kept in the spool"), "{err}");
+    }
+    assert_eq!(store.spooled(), 4);
+    let (left, left_again) = (db.new_spool(), db.new_spool());
+    copy_spool(&spool, &left);
+    copy_spool(&spool, &left_again);
+    db.pg.start_again();
+    crate::common::until("the spool replayed", || async {
+        store.spooled() == 0 && db.ledger_rows() == 4
+    })
+    .await;
+    drop(store);
+    // Postgres took the first two of the four, the last two were lost with the
+    // connection: the copy lists all four.
+    db.sql("DELETE FROM ledger WHERE ts_ms >= 12");
+    assert_eq!(db.ledger_rows(), 2);
+    let next = PgStore::open(&db.config_on(&left)).await.unwrap();
+    assert_eq!(next.spooled(), 0, "replayed at open");
+    assert_eq!(db.ledger_rows(), 4, "each once");
+    assert_eq!(
+        db.sql("SELECT string_agg(usd::text, ',' ORDER BY ts_ms) FROM ledger"),
+        "0.5,0.25,0.125,0.0625"
+    );
+    assert_eq!(next.open_reservations().await.unwrap(), 0);
+    // And a replay of writes all taken already changes nothing either.
+    let again = PgStore::open(&db.config_on(&left_again)).await.unwrap();
+    assert_eq!((again.spooled(), db.ledger_rows()), (0, 4));
 }
 
 /// The cost of the ledger per budgeted call (a reservation committed, then settled)
@@ -715,6 +836,10 @@ api_keys = ["bk-check-config-key-1"]
     assert!(
         stdout.contains(&format!("store: postgres, schema version {SCHEMA_VERSION}")),
         "{stdout}"
+    );
+    assert!(
+        stdout.contains("store: writes postgres cannot take are spooled to backstop-spool.db\n"),
+        "the spool's default, beside store.path: {stdout}"
     );
 }
 

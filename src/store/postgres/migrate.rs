@@ -5,13 +5,18 @@
 //! the versions applied, applies the missing ones in order (each in its own transaction
 //! with its row), and lets go: replicas starting together wait for the first, then find
 //! nothing left to do. The lock goes with the connection, so a replica killed while
-//! migrating holds no one up (and its transaction rolls back).
+//! migrating holds no one up (and its transaction rolls back). The wait for it is
+//! bounded by `store.migration_timeout` (`lock_timeout` on the server, and the same
+//! bound plus a margin here, for a network that stopped answering): a replica that
+//! cannot have it gives up with [`MigrateError::LockWait`] instead of hanging at start.
 //!
 //! A migration is never edited once released: a change is a new file and a new entry.
 //! A database at a version newer than this build knows is used as it is (a rolling
 //! upgrade meets the older replicas there: migrations only add), with a warning.
 
-use tokio_postgres::Client;
+use std::time::Duration;
+
+use tokio_postgres::{error::SqlState, Client};
 
 /// One version of the schema.
 pub struct Migration {
@@ -42,14 +47,40 @@ pub struct Migrated {
     pub to: i32,
 }
 
-/// Applies what is missing, under the advisory lock. `client` is a connection of the
-/// migration's own, without a statement timeout (a migration may outlast one, and so
-/// may the wait for another replica's).
-pub async fn migrate(client: &mut Client) -> Result<Migrated, tokio_postgres::Error> {
+/// Why the migrations did not run.
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    /// Another session held the lock for longer than the wait allowed.
+    #[error(
+        "another session has held the migrations' advisory lock ({MIGRATION_LOCK}) for longer than \
+         store.migration_timeout ({0:?}): a migration still running, or a session stuck holding it \
+         (pg_locks, locktype 'advisory'); giving up"
+    )]
+    LockWait(Duration),
+    #[error(transparent)]
+    Postgres(#[from] tokio_postgres::Error),
+}
+
+/// Applies what is missing, under the advisory lock, waited for `wait` at most.
+/// `client` is a connection of the migration's own, without a statement timeout (a
+/// migration may outlast one).
+pub async fn migrate(client: &mut Client, wait: Duration) -> Result<Migrated, MigrateError> {
+    let ms = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX);
     client
-        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
+        .batch_execute(&format!("SET lock_timeout = {ms}"))
         .await?;
-    let result = apply(client).await;
+    let lock = client.execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK]);
+    match tokio::time::timeout(wait + Duration::from_secs(5), lock).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(err)) if err.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+            return Err(MigrateError::LockWait(wait))
+        }
+        Ok(Err(err)) => return Err(err.into()),
+        Err(_) => return Err(MigrateError::LockWait(wait)),
+    }
+    // The migrations themselves wait for what they need.
+    client.batch_execute("SET lock_timeout = 0").await?;
+    let result = apply(client).await.map_err(MigrateError::from);
     // On an error the connection is dropped by the caller, which releases it too.
     client
         .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])

@@ -19,7 +19,9 @@
 //!   again does not take its peers, cut off as long as it was, for dead.
 //! - **Outages.** A connection that fails, or a statement past `store.statement_timeout`,
 //!   is [`StoreError::Unavailable`]: the budgets then follow `[state] on_unavailable`,
-//!   and the writer keeps charges for calls already made until Postgres takes them.
+//!   and the writer keeps charges for calls already made in the replica's spool
+//!   (`store.spool`, [`spool`]), fsynced, until Postgres takes them; a process opening
+//!   the spool replays what its predecessor left there before anything else.
 //! - **Schema.** Versioned migrations embedded in the binary, applied at open under an
 //!   advisory lock ([`migrate`]).
 //!
@@ -35,16 +37,20 @@ use std::{
 };
 
 mod migrate;
+mod spool;
 mod writer;
 
-pub use migrate::{Migrated, SCHEMA_VERSION};
+pub use migrate::{Migrated, MIGRATION_LOCK, SCHEMA_VERSION};
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio::sync::{mpsc, oneshot};
 use tokio_postgres::{error::SqlState, Row};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use self::writer::PgWrite;
+use self::{
+    spool::Spool,
+    writer::{Backlog, PgWrite},
+};
 use super::{
     count_error, write::Op, Charge, Claim, FleetUsage, GuardRecord, GuardStates, Ledger,
     OwnerRecord, Owners, QueuedSettle, Replays, ReportQuery, ReportRow, ReservationRecord,
@@ -146,6 +152,8 @@ pub struct PgStore {
     migrated: Migrated,
     /// Ledger rows, session resets and guard states older than this are purged.
     retention: Duration,
+    /// The writer's spool, here to say how much it holds.
+    spool: Spool,
 }
 
 /// rustls with the system's trusted roots (as `rediss://` uses), on ring (the provider
@@ -198,6 +206,8 @@ impl PgStore {
     /// cannot be reached: a replica does not start without its ledger.
     pub async fn open(store: &StoreConfig) -> Result<PgStore, StoreError> {
         let config = pg_config(store)?;
+        // Taken first: a replica pointed at another's spool stops here, before Postgres.
+        let mut backlog = Backlog::new(Spool::open(&store.spool_path())?);
         let tls = tls()?;
         // Whatever stops the store from opening stops the replica from starting: say
         // what, with its causes.
@@ -216,7 +226,14 @@ impl PgStore {
             .batch_execute("SET statement_timeout = 0")
             .await
             .map_err(unavailable)?;
-        let migrated = migrate::migrate(&mut client).await.map_err(unavailable)?;
+        let migrated = migrate::migrate(&mut client, store.migration_timeout)
+            .await
+            .map_err(|e| match e {
+                migrate::MigrateError::Postgres(e) => unavailable(e),
+                wait => StoreError::Unavailable(
+                    format!("cannot open the ledger on postgres: {wait}").into(),
+                ),
+            })?;
         drop(client);
         let _ = connection.await;
 
@@ -244,6 +261,23 @@ impl PgStore {
             .map_err(unavailable)?
             .get(0);
         heartbeat(&client, epoch).await.map_err(unavailable)?;
+        // What a predecessor on this spool could not write, before its reservations are
+        // charged as a dead replica's: its settles say what the calls really cost.
+        if backlog.spool.len() > 0 {
+            let left = backlog.spool.len();
+            match writer::replay(&pool, &mut backlog).await {
+                Ok(n) => tracing::info!(
+                    writes = n,
+                    spool = backlog.spool.path(),
+                    "writes left in the spool by an earlier process are in postgres"
+                ),
+                Err(failure) => tracing::warn!(
+                    writes = left,
+                    error = %failure.message,
+                    "writes left in the spool by an earlier process wait for postgres"
+                ),
+            }
+        }
         let recovered = recover(&client, epoch, store.replica_lease)
             .await
             .map_err(unavailable)?;
@@ -259,7 +293,8 @@ impl PgStore {
             recovered: AtomicU64::new(recovered),
         });
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(writer::write_loop(pool, rx));
+        let spool = backlog.spool.clone();
+        tokio::spawn(writer::write_loop(pool, backlog, rx));
         tokio::spawn(keep_alive(Arc::downgrade(&shared)));
         tracing::info!(epoch, schema = migrated.to, "ledger on postgres");
         Ok(PgStore {
@@ -269,7 +304,13 @@ impl PgStore {
             recovered_at_open: recovered,
             migrated,
             retention: store.retention,
+            spool,
         })
+    }
+
+    /// Writes waiting in the spool for Postgres to take them.
+    pub fn spooled(&self) -> u64 {
+        self.spool.len()
     }
 
     /// What opening found and applied.

@@ -3,13 +3,15 @@
 //! one connection, and acknowledges each write once it is committed.
 //!
 //! When Postgres cannot be reached (or does not answer within `store.statement_timeout`)
-//! every write of the batch fails with [`StoreError::Unavailable`]; the charges among them
-//! (ledger settles, and settles kept for Redis) are for calls already made, so they are
-//! also kept here, in memory, and retried with a backoff until Postgres takes them: their
-//! ids make the retry exactly once (`ON CONFLICT (id) DO NOTHING`), even when the failed
-//! commit did in fact land. They are in memory only: a replica killed while Postgres is
-//! down loses them, and its durable reservations are then charged at their reserved
-//! amount by the replica that finds it dead. `backstop_store_kept_writes` counts them.
+//! every write of the batch fails with [`StoreError::Unavailable`]. The writes among them
+//! that must land however long Postgres is away ([`Kept`]: charges for calls already
+//! made, reservations and their withdrawals, settles kept for Redis) go to the spool
+//! ([`Spool`], fsynced) before they are answered, and are replayed oldest first when
+//! Postgres answers again, before any newer write (so a reservation is in before its
+//! settle), with a backoff between attempts; their ids make a replay exactly once
+//! (`ON CONFLICT (id) DO NOTHING`), even when the failed commit did in fact land. If the
+//! spool itself cannot take them (a full disk), they are kept in memory instead
+//! (`backstop_store_kept_writes`), lost if the process dies.
 //!
 //! A batch refused by Postgres itself (an SQL error) is retried one write at a time, so
 //! one bad write fails alone.
@@ -21,12 +23,16 @@ use futures_util::future::{try_join_all, BoxFuture};
 use tokio::sync::{mpsc, oneshot};
 use tokio_postgres::types::ToSql;
 
-use super::{epoch_of, Failure};
+use super::{
+    epoch_of,
+    spool::{Kept, Spool},
+    Failure,
+};
 use crate::store::{sqlite::to_sql, write::Op, StoreError};
 
 /// Writes committed in one transaction at most.
 const MAX_BATCH: usize = 4096;
-/// How soon kept charges are retried first, and at most.
+/// How soon kept writes are retried first, and at most.
 const RETRY_FIRST: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(5);
 
@@ -35,117 +41,255 @@ pub(super) struct PgWrite {
     pub(super) ack: Option<oneshot::Sender<Result<(), StoreError>>>,
 }
 
-/// Whether a write must land however long Postgres is away: a charge for a call
-/// already made, or the withdrawal of a refused call's reservation. Kept and retried.
-fn is_charge(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Settle { .. } | Op::QueueSettle(_) | Op::Unreserve(_)
-    )
+/// The writes waiting for Postgres: the spool's, then (only when the spool could not
+/// take them) those kept in memory.
+pub(super) struct Backlog {
+    pub(super) spool: Spool,
+    memory: VecDeque<Kept>,
 }
 
-pub(super) async fn write_loop(pool: Pool, mut rx: mpsc::UnboundedReceiver<PgWrite>) {
-    let mut kept: VecDeque<Op> = VecDeque::new();
+impl Backlog {
+    pub(super) fn new(spool: Spool) -> Backlog {
+        Backlog {
+            spool,
+            memory: VecDeque::new(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.spool.len() == 0 && self.memory.is_empty()
+    }
+
+    /// Keeps `writes` behind the others: in the spool, or in memory if it cannot take
+    /// them. Where they went, said for their callers.
+    async fn keep(&mut self, writes: Vec<Kept>) -> String {
+        if writes.is_empty() {
+            return String::new();
+        }
+        match self.spool.keep(&writes).await {
+            Ok(()) => {
+                tracing::warn!(
+                    writes = writes.len(),
+                    spooled = self.spool.len(),
+                    spool = self.spool.path(),
+                    "postgres is unavailable: writes kept in the spool until it answers"
+                );
+                format!("kept in the spool ({})", self.spool.path())
+            }
+            Err(err) => {
+                tracing::error!(
+                    error = %err,
+                    writes = writes.len(),
+                    "the spool cannot take writes postgres could not: kept in memory only, lost if this process dies"
+                );
+                self.memory.extend(writes);
+                metrics::gauge!("backstop_store_kept_writes").set(self.memory.len() as f64);
+                "kept in memory (the spool could not take it)".into()
+            }
+        }
+    }
+}
+
+/// What woke the writer.
+enum Wake {
+    Write(PgWrite),
+    /// Every sender is gone.
+    Closed,
+    /// Time to try the backlog again.
+    Retry,
+}
+
+pub(super) async fn write_loop(
+    pool: Pool,
+    mut backlog: Backlog,
+    mut rx: mpsc::UnboundedReceiver<PgWrite>,
+) {
     let mut retry = RETRY_FIRST;
     let mut open = true;
-    while open || !kept.is_empty() {
-        let first = if kept.is_empty() {
-            rx.recv().await
-        } else {
-            tokio::select! {
-                w = rx.recv(), if open => w,
-                () = tokio::time::sleep(retry) => None,
-            }
-        };
-        if first.is_none() && kept.is_empty() {
-            open = false;
-            continue;
+    loop {
+        let waiting = !backlog.is_empty();
+        if !open && !waiting {
+            return;
         }
-        // Kept charges go first: they are the oldest.
-        let mut batch: Vec<PgWrite> = kept.drain(..).map(|op| PgWrite { op, ack: None }).collect();
-        let retrying = !batch.is_empty();
-        batch.extend(first);
+        let wake = if waiting {
+            tokio::select! {
+                w = rx.recv(), if open => w.map_or(Wake::Closed, Wake::Write),
+                () = tokio::time::sleep(retry) => Wake::Retry,
+            }
+        } else {
+            rx.recv().await.map_or(Wake::Closed, Wake::Write)
+        };
+        let mut batch = match wake {
+            Wake::Closed => {
+                open = false;
+                continue;
+            }
+            Wake::Write(w) => vec![w],
+            Wake::Retry => Vec::new(),
+        };
         while batch.len() < MAX_BATCH {
             match rx.try_recv() {
                 Ok(w) => batch.push(w),
                 Err(_) => break,
             }
         }
-        let done = commit_batch(&pool, batch, &mut kept).await;
-        metrics::gauge!("backstop_store_kept_writes").set(kept.len() as f64);
-        if done && retrying {
-            tracing::info!("postgres is back: the charges kept in memory are in the ledger");
+        // Nothing newer goes in ahead of what is kept.
+        let outage = match waiting {
+            true => replay(&pool, &mut backlog).await.err(),
+            false => None,
+        };
+        match &outage {
+            None if batch.is_empty() => {}
+            None => {
+                let ops: Vec<&Op> = batch.iter().map(|w| &w.op).collect();
+                let results = commit_each(&pool, &ops).await;
+                answer(batch, results, &mut backlog).await;
+            }
+            Some(failure) => {
+                let results = vec![Err(failure.clone()); batch.len()];
+                answer(batch, results, &mut backlog).await;
+            }
         }
-        retry = if kept.is_empty() {
-            RETRY_FIRST
-        } else {
-            (retry * 2).min(RETRY_MAX)
+        retry = match (outage, backlog.is_empty()) {
+            (_, true) => RETRY_FIRST,
+            (Some(_), false) => (retry * 2).min(RETRY_MAX),
+            (None, false) => retry,
         };
     }
 }
 
-/// Commits `batch`, acknowledging each write; a charge that could not be written for
-/// want of Postgres goes to `kept`. Whether the batch's first commit went through.
-async fn commit_batch(pool: &Pool, batch: Vec<PgWrite>, kept: &mut VecDeque<Op>) -> bool {
-    let ops: Vec<&Op> = batch.iter().map(|w| &w.op).collect();
-    let result = commit(pool, &ops).await;
+/// Commits what the backlog holds, oldest first and in batches, forgetting each batch
+/// once Postgres has it. A write Postgres refuses (an SQL error) is logged and dropped:
+/// it would be refused again. Stops at the first outage; how many writes it replayed.
+pub(super) async fn replay(pool: &Pool, backlog: &mut Backlog) -> Result<u64, Failure> {
+    let mut replayed = 0;
+    loop {
+        let rows = backlog
+            .spool
+            .oldest(MAX_BATCH)
+            .await
+            .map_err(spool_failure)?;
+        // Those kept in memory are newer than the whole spool.
+        let with_memory = rows.len() < MAX_BATCH;
+        let mut kept: Vec<&Kept> = rows.iter().map(|(_, k)| k).collect();
+        if with_memory {
+            kept.extend(backlog.memory.iter());
+        }
+        if kept.is_empty() {
+            return Ok(replayed);
+        }
+        let ops: Vec<Op> = kept.iter().map(|k| k.to_op()).collect();
+        let refs: Vec<&Op> = ops.iter().collect();
+        for (op, result) in ops.iter().zip(commit_each(pool, &refs).await) {
+            match result {
+                Ok(()) => {}
+                Err(failure) if failure.transient => return Err(failure),
+                Err(failure) => {
+                    metrics::counter!("backstop_store_errors_total", "op" => op.label())
+                        .increment(1);
+                    tracing::error!(error = %failure.message, op = ?DebugOp(op), "a kept write was refused by postgres and is dropped");
+                }
+            }
+        }
+        replayed += ops.len() as u64;
+        if let Some((last, _)) = rows.last() {
+            backlog.spool.forget(*last).await.map_err(spool_failure)?;
+        }
+        if with_memory {
+            backlog.memory.clear();
+            metrics::gauge!("backstop_store_kept_writes").set(0.0);
+            tracing::info!(
+                writes = replayed,
+                "postgres answers: the writes kept while it was away are in"
+            );
+            return Ok(replayed);
+        }
+    }
+}
+
+/// A spool that cannot be read or written holds up the writes behind it, as an outage
+/// of Postgres would.
+fn spool_failure(err: StoreError) -> Failure {
+    tracing::error!(error = %err, "the spool failed");
+    Failure {
+        transient: true,
+        message: err.to_string().into(),
+    }
+}
+
+/// Commits `ops` in one transaction; if Postgres refuses it (an SQL error, not an
+/// outage), one at a time, so that one bad write fails alone. Each write's result.
+async fn commit_each(pool: &Pool, ops: &[&Op]) -> Vec<Result<(), Failure>> {
+    let result = commit(pool, ops).await;
     metrics::counter!("backstop_store_commits_total").increment(1);
     match result {
-        Ok(()) => {
-            for w in batch {
+        Ok(()) => vec![Ok(()); ops.len()],
+        Err(failure) if failure.transient || ops.len() == 1 => vec![Err(failure); ops.len()],
+        Err(failure) => {
+            tracing::warn!(error = %failure.message, writes = ops.len(), "store batch refused; writing it one by one");
+            let mut results = Vec::with_capacity(ops.len());
+            for op in ops {
+                results.push(commit(pool, &[op]).await);
+            }
+            results
+        }
+    }
+}
+
+/// Acknowledges each write of `batch` with its result. A write that must land and
+/// failed for want of Postgres is kept ([`Backlog::keep`]) first, then answered
+/// `Unavailable` saying where it is kept.
+async fn answer(batch: Vec<PgWrite>, results: Vec<Result<(), Failure>>, backlog: &mut Backlog) {
+    let mut kept = Vec::new();
+    let mut to_answer = Vec::new();
+    let mut failed = 0;
+    let mut first_failure = None;
+    for (w, result) in batch.into_iter().zip(results) {
+        let failure = match result {
+            Ok(()) => {
                 if let Some(ack) = w.ack {
                     let _ = ack.send(Ok(()));
                 }
+                continue;
             }
-            true
-        }
-        Err(failure) if failure.transient || batch.len() == 1 => {
-            fail(batch, &failure, kept);
-            false
-        }
-        Err(failure) => {
-            tracing::warn!(error = %failure.message, writes = batch.len(), "store batch refused; writing it one by one");
-            for w in batch {
-                let result = commit(pool, &[&w.op]).await;
-                match result {
-                    Ok(()) => {
-                        if let Some(ack) = w.ack {
-                            let _ = ack.send(Ok(()));
-                        }
-                    }
-                    Err(failure) => fail(vec![w], &failure, kept),
-                }
-            }
-            false
-        }
-    }
-}
-
-fn fail(batch: Vec<PgWrite>, failure: &Failure, kept: &mut VecDeque<Op>) {
-    tracing::error!(error = %failure.message, writes = batch.len(), transient = failure.transient, "store write failed");
-    for w in batch {
-        metrics::counter!("backstop_store_errors_total", "op" => w.op.label()).increment(1);
-        let error = if failure.transient && is_charge(&w.op) {
-            StoreError::Unavailable(
-                format!(
-                    "{}; the charge is kept in memory and written when postgres answers",
-                    failure.message
-                )
-                .into(),
-            )
-        } else if failure.transient {
-            StoreError::Unavailable(failure.message.clone())
-        } else {
-            StoreError::Write(failure.message.clone())
+            Err(failure) => failure,
         };
-        if let Some(ack) = w.ack {
-            let _ = ack.send(Err(error));
-        }
-        if failure.transient && is_charge(&w.op) {
-            kept.push_back(w.op);
-        } else if matches!(w.op, Op::Settle { .. }) {
+        failed += 1;
+        metrics::counter!("backstop_store_errors_total", "op" => w.op.label()).increment(1);
+        if !failure.transient && matches!(w.op, Op::Settle { .. }) {
             // Refused by Postgres itself: retrying would be refused again.
             tracing::error!(op = ?DebugOp(&w.op), "a charge was refused by postgres and is not in the ledger");
+        }
+        let keep = match failure.transient {
+            true => Kept::of(w.op),
+            false => None,
+        };
+        match keep {
+            Some(k) => {
+                kept.push(k);
+                to_answer.push((w.ack, failure.message.clone()));
+            }
+            None => {
+                let error = match failure.transient {
+                    true => StoreError::Unavailable(failure.message.clone()),
+                    false => StoreError::Write(failure.message.clone()),
+                };
+                if let Some(ack) = w.ack {
+                    let _ = ack.send(Err(error));
+                }
+            }
+        }
+        first_failure.get_or_insert(failure);
+    }
+    if let Some(failure) = first_failure {
+        tracing::error!(error = %failure.message, writes = failed, transient = failure.transient, "store write failed");
+    }
+    let place = backlog.keep(kept).await;
+    for (ack, message) in to_answer {
+        if let Some(ack) = ack {
+            let _ = ack.send(Err(StoreError::Unavailable(
+                format!("{message}; {place} and written when postgres answers").into(),
+            )));
         }
     }
 }
