@@ -207,6 +207,11 @@ fn open_conn(path: &str, busy_timeout: Duration) -> rusqlite::Result<Connection>
         | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     let conn = Connection::open_with_flags(path, flags)?;
     conn.busy_timeout(busy_timeout)?;
+    // A new file only (a page size is fixed once the file is in WAL mode): each commit
+    // writes every page it touched (the ledger's last leaf and one of each index) whole
+    // into the WAL and checksums it, and an append-mostly ledger touches a few bytes of
+    // each. 1 KB pages made each commit's WAL write a quarter of 4 KB pages'.
+    conn.pragma_update(None, "page_size", 1024)?;
     conn.pragma_update(None, "journal_mode", "WAL")?;
     conn.pragma_update(None, "synchronous", "NORMAL")?;
     // The ledger is append-mostly and read by index: a small page cache is enough, and
