@@ -328,8 +328,9 @@ async fn main() {
         };
         eprintln!("pid {pid}");
         let f = closed(&http, call, 32, secs).await;
+        let peak = proc_kb(pid, "VmHWM:") as f64 / 1024.0;
         eprintln!(
-            "{only}: {:.0} req/s, p50 {:.3} ms, p99 {:.3} ms, errors {}",
+            "{only}: {:.0} req/s, p50 {:.3} ms, p99 {:.3} ms, errors {}, peak RSS {peak:.1} MB",
             f.rps, f.p50, f.p99, f.errors
         );
         return;
