@@ -180,6 +180,9 @@ pub struct Trail {
     pub dropped: Option<Arc<str>>,
     pub attempts: u32,
     pub upstream_time: Duration,
+    /// The upstream's own error code (else its type) when its error was answered as it
+    /// came, for the fleet's failure signatures.
+    pub upstream_code: Option<Arc<str>>,
 }
 
 impl Trail {
@@ -193,6 +196,7 @@ impl Trail {
             self.model = later.model;
             self.dropped = later.dropped;
         }
+        self.upstream_code = later.upstream_code;
     }
 }
 
