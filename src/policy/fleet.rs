@@ -154,7 +154,7 @@ pub struct Signature {
 }
 
 /// The template's first characters, as the description quotes them.
-const PREVIEW_CHARS: usize = 60;
+const PREVIEW_CHARS: usize = 80;
 
 impl Signature {
     /// The id is XXH3-64 of `signature/1\n{shape key:016x}\n{class}\n{code}\n{detail}`.
