@@ -605,7 +605,10 @@ where
             fleet: fleet.as_ref(),
         };
         // The request's shape, only while the tenant's fleet view watches one.
-        let shape = (fleet.is_some() && self.fleet.watching(&tenant)).then(|| g.shape());
+        let shape = match fleet {
+            Some(_) if self.fleet.watching(&tenant).await => Some(g.shape()),
+            _ => None,
+        };
         if let Err(refused) = self.preempt(&g, shape.as_ref()).await {
             log.set_session_state(lock(&entry).guard.state().phase());
             return Err(refused);

@@ -6,7 +6,8 @@
 //!
 //! In replica mode each replica keeps a copy of the tenant's *watched* shapes (hot
 //! signatures, and those with predictions pending), refreshed from Redis at most every
-//! [`WATCH_REFRESH`] in the background, and updated by the replies of its own scripts:
+//! [`WATCH_REFRESH`] in the background (before the request, for a copy older than
+//! [`WATCH_STALE`]), and updated by the replies of its own scripts:
 //! it tells whether a request's shape is worth hashing and which signatures to ask Redis
 //! about, so a tenant without a hot signature costs no round trip and no hash on the
 //! success path. When Redis cannot answer, the replica predicts from its own view (its
@@ -29,7 +30,7 @@ use crate::{
     state::shared::Redis,
 };
 
-pub use self::redis::{SharedFleet, WATCH_REFRESH};
+pub use self::redis::{SharedFleet, WATCH_REFRESH, WATCH_STALE};
 
 /// A tenant's view as the admin API shows it.
 #[derive(Debug, Clone)]
@@ -115,13 +116,14 @@ impl Fleet {
     }
 
     /// Whether the tenant's requests are worth a shape now: a signature is hot, or a
-    /// prediction awaits its verdict. Cheap: no hash, no round trip.
-    pub fn watching(&self, tenant: &str) -> bool {
+    /// prediction awaits its verdict. Cheap: no hash, and no round trip but a replica's
+    /// first request of the tenant in [`WATCH_STALE`].
+    pub async fn watching(&self, tenant: &str) -> bool {
         if !self.policies.contains_key(tenant) {
             return false;
         }
         match &self.shared {
-            Some(shared) => shared.watching(tenant) || self.locally_watching(tenant),
+            Some(shared) => shared.watching(tenant).await || self.locally_watching(tenant),
             None => self.locally_watching(tenant),
         }
     }

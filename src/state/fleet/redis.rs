@@ -41,8 +41,13 @@ use crate::{
 };
 
 /// How stale a replica's copy of a tenant's watched shapes may get before it is read
-/// again (in the background; the request that notices does not wait).
+/// again (in the background: the request that notices does not wait, unless the copy is
+/// older than [`WATCH_STALE`]).
 pub const WATCH_REFRESH: Duration = Duration::from_secs(1);
+
+/// How stale a copy may be and still be used while it is read again: older than this,
+/// the request waits for the read.
+pub const WATCH_STALE: Duration = Duration::from_secs(10);
 
 /// Signatures the admin report lists at most.
 const REPORT_LIMIT: usize = 500;
@@ -462,26 +467,42 @@ impl SharedFleet {
             .await
     }
 
-    /// Whether the replica's copy of the tenant's watched shapes holds any; a copy older
-    /// than [`WATCH_REFRESH`] (or none yet) is read again in the background.
-    pub fn watching(&self, tenant: &str) -> bool {
-        let now = self.clock.now_ms();
-        let mut all = lock(&self.watch);
-        let watch = all.entry(tenant.to_string()).or_default();
-        let due = watch
-            .fetched
-            .is_none_or(|at| self.clock.now().saturating_duration_since(at) >= WATCH_REFRESH);
-        if due && !watch.refreshing && tokio::runtime::Handle::try_current().is_ok() {
-            watch.refreshing = true;
-            tokio::spawn(refresh(
+    /// Whether the replica's copy of the tenant's watched shapes holds any. A copy older
+    /// than [`WATCH_REFRESH`] is read again in the background; one older than
+    /// [`WATCH_STALE`] (a replica that has not served the tenant for a while, or never),
+    /// before the request is judged.
+    pub async fn watching(&self, tenant: &str) -> bool {
+        let now = self.clock.now();
+        let age = {
+            let mut all = lock(&self.watch);
+            let watch = all.entry(tenant.to_string()).or_default();
+            let age = watch.fetched.map(|at| now.saturating_duration_since(at));
+            let due = age.is_none_or(|age| age >= WATCH_REFRESH);
+            if due && !watch.refreshing {
+                watch.refreshing = true;
+                Some(age)
+            } else {
+                None
+            }
+        };
+        if let Some(age) = age {
+            let refresh = refresh(
                 self.redis.clone(),
                 self.watch.clone(),
                 tenant.to_string(),
                 self.prefix(tenant),
                 self.clock.clone(),
-            ));
+            );
+            if age.is_none_or(|age| age >= WATCH_STALE) {
+                refresh.await;
+            } else {
+                tokio::spawn(refresh);
+            }
         }
-        watch.shapes.values().flatten().any(|w| w.until >= now)
+        let now_ms = self.clock.now_ms();
+        lock(&self.watch)
+            .get(tenant)
+            .is_some_and(|w| w.shapes.values().flatten().any(|w| w.until >= now_ms))
     }
 
     /// The watched signatures of `shape`, as this replica's copy has them (`hot`: only
