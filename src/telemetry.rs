@@ -120,6 +120,18 @@ fn describe() {
         "backstop_trace_spans_dropped_total",
         "Trace spans not delivered to the collector, by reason (queue_full, export_failed)"
     );
+    metrics::describe_counter!(
+        "backstop_session_trips_total",
+        "Sessions tripped by the guard, by the rule that fired (fleet_pattern included)"
+    );
+    metrics::describe_counter!(
+        "backstop_fleet_refusals_total",
+        "Requests refused because of a hot failure signature: preempted before their first attempt, or of a session the fleet tripped"
+    );
+    metrics::describe_counter!(
+        "backstop_fleet_predictions_total",
+        "Fleet predictions judged: confirmed (the session failed that way again) or unconfirmed (its next request of that shape succeeded)"
+    );
 }
 
 /// What one request did: one typed record per request, made by the edge layer and

@@ -38,13 +38,13 @@ pub fn mask(text: &str) -> String {
     while !text.is_char_boundary(end) {
         end -= 1;
     }
-    let text = &text[..end];
-    let mut out = String::with_capacity(text.len());
+    let mut rest = &text[..end];
+    let mut out = String::with_capacity(rest.len());
     let mut space = false;
-    let mut chars = text.char_indices().peekable();
-    while let Some((start, c)) = chars.next() {
+    while let Some(c) = rest.chars().next() {
         if c.is_whitespace() {
             space = !out.is_empty();
+            rest = &rest[c.len_utf8()..];
             continue;
         }
         if space {
@@ -52,33 +52,26 @@ pub fn mask(text: &str) -> String {
             space = false;
         }
         if !is_word(c) {
-            out.push(c.to_ascii_lowercase());
+            out.push(c);
+            rest = &rest[c.len_utf8()..];
             continue;
         }
-        let mut stop = start + c.len_utf8();
-        let mut digit = c.is_ascii_digit();
-        while let Some((at, next)) = chars.peek().copied() {
-            if !is_word(next) {
-                break;
-            }
-            digit |= next.is_ascii_digit();
-            stop = at + next.len_utf8();
-            chars.next();
+        let len = rest.find(|c: char| !is_word(c)).unwrap_or(rest.len());
+        let (word, after) = rest.split_at(len);
+        rest = after;
+        if !word.bytes().any(|b| b.is_ascii_digit()) {
+            out.push_str(word);
+            continue;
         }
-        if digit {
-            // `#` after `#.` (or `,` `:` `/`) is the same number or id going on.
-            let joined = out.len() >= 2
-                && out.ends_with(['.', ',', ':', '/'])
-                && out[..out.len() - 1].ends_with('#');
-            if joined {
-                out.pop();
-            } else {
-                out.push('#');
-            }
+        // `#` after `#.` (or `,` `:` `/`) is the same number or id going on.
+        let joined = out.ends_with(['.', ',', ':', '/']) && out[..out.len() - 1].ends_with('#');
+        if joined {
+            out.pop();
         } else {
-            out.extend(text[start..stop].chars().map(|c| c.to_ascii_lowercase()));
+            out.push('#');
         }
     }
+    out.make_ascii_lowercase();
     out
 }
 
