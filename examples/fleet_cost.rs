@@ -312,20 +312,10 @@ fn gateway_config(mock: std::net::SocketAddr, fleet: bool) -> Config {
     } else {
         ""
     };
-    Config::from_toml_with_env(
+    common::in_process_config(
+        mock,
         &format!(
             r#"
-[server]
-listen = "127.0.0.1:0"
-[log]
-level = "error"
-[store]
-path = ":memory:"
-[[upstreams]]
-name = "mock"
-api = "openai"
-forward_headers = ["x-mock-*"]
-base_url = "http://{mock}"
 [[routes]]
 model = "gpt-*"
 targets = [{{ upstream = "mock" }}]
@@ -336,9 +326,7 @@ api_keys = ["bk-fleet-cost-key"]
 {fleet}
 "#
         ),
-        |_| None,
     )
-    .unwrap()
 }
 
 async fn latency_end_to_end() {

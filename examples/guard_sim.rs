@@ -9,12 +9,15 @@
 //! with `[tenants.guard.fleet]` (3 sessions failing twice within 10m, cool-down 60s), with
 //! and without `preempt`; then again with the upstream bug fixed halfway through, to
 //! measure how soon new sessions get through. Real gateway, real mock, loopback; time is
-//! the gateway's clock moved a second per tick (an hour runs in a minute or two), so the
-//! counts are deterministic.
+//! the gateway's clock moved a second per tick (an hour runs in a minute or two). The
+//! requests of one tick run concurrently, so a count can differ by a few calls between
+//! runs (which request of a tick is a signature's probe, say).
 //!
 //!     cargo run --release --example guard_sim
 //!
 //! (A debug build prints the same counts, more slowly.)
+
+mod common;
 
 use std::time::{Duration, Instant};
 
@@ -102,26 +105,17 @@ fn config(mock: std::net::SocketAddr, fleet: Fleet) -> Config {
             "[tenants.guard.fleet]\nmin_sessions = 3\nmin_failures = 2\nwindow = \"10m\"\ncool_down = \"{COOL_DOWN}s\"\npreempt = {preempt}\n"
         ),
     };
-    let text = format!(
-        r#"
-[server]
-listen = "127.0.0.1:0"
-[log]
-level = "error"
-[store]
-path = ":memory:"
+    common::in_process_config(
+        mock,
+        &format!(
+            r#"
 [retry]
 base_delay = "1ms"
 max_delay = "10ms"
 budget_ratio = 1.0
-[[upstreams]]
-name = "provider"
-api = "openai"
-forward_headers = ["x-mock-*"]
-base_url = "http://{mock}"
 [[routes]]
 model = "gpt-4o"
-targets = [{{ upstream = "provider" }}]
+targets = [{{ upstream = "mock" }}]
 [[tenants]]
 name = "agents"
 api_keys = ["{KEY}"]
@@ -133,8 +127,8 @@ tool_loop_limit = 3
 cool_down = "{COOL_DOWN}s"
 {fleet}
 "#
-    );
-    Config::from_toml_with_env(&text, |_| None).unwrap()
+        ),
+    )
 }
 
 fn agents() -> Vec<Agent> {

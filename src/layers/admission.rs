@@ -272,6 +272,19 @@ impl Guarded<'_> {
         signature::shape(self.route, self.request.endpoint, &self.request.json)
     }
 
+    /// A request refused, or its session tripped (`what`), by a hot signature.
+    fn hot(&self, hot: &Hot, what: &'static str) {
+        tracing::warn!(
+            tenant = &**self.tenant,
+            session = self.session,
+            signature = %hot.id,
+            sessions = hot.sessions,
+            request_id = self.request_id,
+            what,
+            "a hot failure signature (fleet_pattern)"
+        );
+    }
+
     /// A refusal's trace entry.
     fn refused(&self, e: &mut GuardedSession, trip: &Trip) {
         let state = e.guard.state().label();
@@ -434,14 +447,7 @@ impl AdmissionLayer {
         g.refused(&mut lock(g.entry), &trip);
         metrics::counter!("backstop_fleet_refusals_total", "kind" => "preempted").increment(1);
         self.fleet.avoided(g.tenant, hot.id, 1);
-        tracing::info!(
-            tenant = &**g.tenant,
-            session = g.session,
-            signature = %hot.id,
-            sessions = hot.sessions,
-            request_id = g.request_id,
-            "request refused before its first attempt: its shape's failure signature is hot"
-        );
+        g.hot(&hot, "preempted");
         Err(GatewayError::SessionRefused {
             code: TripCode::SessionTripped,
             detail: format!(
@@ -500,14 +506,7 @@ impl AdmissionLayer {
                 .increment(1);
         }
         let hot = verdict.trip?;
-        tracing::warn!(
-            tenant = &**g.tenant,
-            session = g.session,
-            signature = %hot.id,
-            sessions = hot.sessions,
-            request_id = g.request_id,
-            "a failure with a hot signature: the session is tripped (fleet_pattern)"
-        );
+        g.hot(&hot, "tripped");
         Some((fleet_trip(&hot, policy), policy.cool_down))
     }
 

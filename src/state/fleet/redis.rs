@@ -56,14 +56,6 @@ const REPORT_LIMIT: usize = 500;
 /// window (ms), ARGV[4] the keys' expiry (ms).
 const COMMON: &str = r#"
 local P, now, window, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local function split(s)
-  local out, start = {}, 1
-  while true do
-    local i = string.find(s, '|', start, true)
-    if not i then table.insert(out, string.sub(s, start)); return out end
-    table.insert(out, string.sub(s, start, i - 1)); start = i + 1
-  end
-end
 local function forget(sig)
   local e, stats = P .. 'e:' .. sig, P .. 'stats'
   local v = redis.call('HMGET', e, 'shape', 'tripped', 'preempted', 'confirmed', 'unconfirmed',
@@ -131,8 +123,8 @@ local function keep_single(s, at, c, u)
 end
 if redis.call('EXISTS', e) == 0 then
   local kept = redis.call('HGET', singles, sig)
-  local first = kept and split(kept)
-  if not first or now - tonumber(first[2]) > window then
+  local first = kept and {string.match(kept, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)$')}
+  if not first or not first[2] or now - tonumber(first[2]) > window then
     keep_single(session, now, calls, usd)
     return {'single'}
   end
