@@ -27,6 +27,11 @@ struct Replicas {
 
 impl Replicas {
     async fn start(redis: &Redis, clock: &Clock, n: usize) -> Replicas {
+        Replicas::start_with(redis, clock, n, "2s").await
+    }
+
+    /// As [`Replicas::start`], each Redis call bounded by `timeout`.
+    async fn start_with(redis: &Redis, clock: &Clock, n: usize, timeout: &str) -> Replicas {
         let mock = mock::spawn(TcpListener::bind("127.0.0.1:0").await.unwrap());
         let prefix = format!("fleet-{}", uuid::Uuid::new_v4().simple());
         let mut servers = Vec::new();
@@ -41,7 +46,7 @@ url = "{url}"
 key_prefix = "{prefix}"
 cluster = {cluster}
 replicas = {n}
-command_timeout = "2s"
+command_timeout = "{timeout}"
 
 [[tenants]]
 name = "fleet"
@@ -227,4 +232,37 @@ async fn replicas_predict_together_on_one_server() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_predict_together_on_a_cluster() {
     replicas_predict_together(Redis::start_cluster()).await;
+}
+
+/// Redis stops answering: the replica counts failures in its own view and predicts from
+/// it (its own sessions' failures alone), and its admin view says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_redis_cannot_answer_a_replica_predicts_from_its_own_view() {
+    let redis = Redis::start();
+    let clock = Clock::system();
+    let fleet = Replicas::start_with(&redis, &clock, 1, "200ms").await;
+    redis.pause();
+    for run in ["r-1", "r-2", "r-3"] {
+        for attempt in 0..2 {
+            let resp = fleet.send(0, run, OVERFLOW, attempt).await;
+            let expected = if run == "r-3" && attempt == 1 {
+                "tripped"
+            } else {
+                "recovering"
+            };
+            assert_eq!(state(&resp), (400, expected.to_string()), "{run} {attempt}");
+        }
+    }
+    // Hot in this replica's view: a new session's request is refused before its first
+    // attempt.
+    let resp = fleet.send(0, "r-4", OVERFLOW, 0).await;
+    assert_eq!(resp.status(), 429);
+    assert_eq!(fleet.mock.attempts("compaction"), 6);
+    let view = fleet.view(0).await;
+    assert!(
+        view["error"].as_str().is_some_and(|e| !e.is_empty()),
+        "{view}"
+    );
+    assert_eq!(view["signatures"][0]["state"], "hot", "{view}");
+    redis.resume();
 }

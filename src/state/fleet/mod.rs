@@ -143,8 +143,14 @@ impl Fleet {
         let now = self.clock.now_ms();
         if let Some(shared) = &self.shared {
             match shared.check(tenant, &policy, shape, session).await {
+                Ok(Check::Clear) => {}
                 Ok(check) => return check,
                 Err(err) => unavailable("check", &err),
+            }
+            // Clear in Redis (or not asked: nothing watched there), but this replica's
+            // own view may hold a signature it made hot while Redis could not answer.
+            if !self.locally_watching(tenant) {
+                return Check::Clear;
             }
         }
         let view = self.view(tenant, &policy);
