@@ -261,7 +261,7 @@ struct Guarded<'a> {
     request_id: &'a str,
     fp: &'a RequestFingerprint,
     request: &'a ParsedRequest,
-    /// The route's `model`, for the request's fleet shape.
+    /// The route's `model` (its pattern), for the request's fleet shape.
     route: &'a str,
     /// The tenant's fleet rule, when it has one.
     fleet: Option<&'a Arc<FleetPolicy>>,
@@ -490,7 +490,9 @@ impl AdmissionLayer {
             }
             return None;
         }
-        let sig = Signature::new(&shape.unwrap_or_else(|| g.shape()), &failure?);
+        // A failure that says nothing of the request is not read at all.
+        let failure = failure?;
+        let sig = Signature::new(&shape.unwrap_or_else(|| g.shape()), &failure);
         let verdict = self
             .fleet
             .failed(
