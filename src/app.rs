@@ -112,6 +112,7 @@ use crate::{
         activity::Activity,
         body_memory::BodyMemory,
         budgets::Budgets,
+        fleet::Fleet,
         health::HealthRegistry,
         owners::ResponseOwners,
         sessions::SessionGuards,
@@ -137,6 +138,8 @@ pub struct AppState {
     pub budgets: Arc<Budgets>,
     pub schemas: Arc<Schemas>,
     pub guards: Arc<SessionGuards>,
+    /// Each fleet tenant's failure signatures, shared by replicas in Redis.
+    pub fleet: Arc<Fleet>,
     /// Which tenant created each stored response (the Responses API).
     pub owners: Arc<ResponseOwners>,
     /// The one clock of the live state (tokio time, and the calendar derived from it).
@@ -199,6 +202,7 @@ impl AppState {
             }
             budgets = budgets.with_shared(shared);
         }
+        let fleet = Arc::new(Fleet::new(&config, redis.clone(), clock.clone()));
         warn_unpriced(&config);
         let (stream_cut, cut_streams) = StreamCut::channel();
         let body_memory = Arc::new(BodyMemory::from_config(&config.server));
@@ -216,6 +220,7 @@ impl AppState {
                 store,
                 clock.clone(),
             )),
+            fleet,
             clock,
             tenants: Arc::new(TenantKeys::new(&config)),
             health: Arc::new(HealthRegistry::new(&config)),
@@ -252,6 +257,7 @@ impl AppState {
             health: Arc::new(self.health.reconfigured(&config)),
             budgets: Arc::new(self.budgets.reconfigured(&config)),
             guards: Arc::new(self.guards.reconfigured(&config)),
+            fleet: Arc::new(self.fleet.reconfigured(&config)),
             schemas,
             owners: self.owners.clone(),
             activity: self.activity.clone(),
@@ -327,6 +333,7 @@ fn proxy_stack(state: &AppState) -> HttpService {
             .layer(AdmissionLayer::new(
                 state.budgets.clone(),
                 state.guards.clone(),
+                state.fleet.clone(),
             ))
             .layer(ValidateLayer::new(
                 state.schemas.clone(),
@@ -562,6 +569,7 @@ fn admin_state(state: &AppState, reload: Weak<dyn Reload>) -> AdminState {
         ),
         budgets: state.budgets.clone(),
         guards: state.guards.clone(),
+        fleet: state.fleet.clone(),
         tenants: state.tenants.clone(),
         activity: state.activity.clone(),
         max_session_id_bytes: state.config.server.max_session_id_bytes,

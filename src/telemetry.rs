@@ -276,6 +276,18 @@ fn describe() {
         "backstop_trace_spans_dropped_total",
         "Trace spans not delivered to the collector, by reason (queue_full, export_failed)"
     );
+    metrics::describe_counter!(
+        "backstop_session_trips_total",
+        "Sessions tripped by the guard, by the rule that fired (fleet_pattern included)"
+    );
+    metrics::describe_counter!(
+        "backstop_fleet_refusals_total",
+        "Requests refused because of a hot failure signature: preempted before their first attempt, or of a session the fleet tripped"
+    );
+    metrics::describe_counter!(
+        "backstop_fleet_predictions_total",
+        "Fleet predictions judged: confirmed (the session failed that way again) or unconfirmed (its next request of that shape succeeded)"
+    );
 }
 
 /// What one request did: one typed record per request, made by the edge layer and
@@ -336,6 +348,9 @@ pub struct Trail {
     pub dropped: Option<Arc<str>>,
     pub attempts: u32,
     pub upstream_time: Duration,
+    /// The upstream's own error code (else its type) when its error was answered as it
+    /// came, for the fleet's failure signatures.
+    pub upstream_code: Option<Arc<str>>,
 }
 
 impl Trail {
@@ -349,6 +364,7 @@ impl Trail {
             self.model = later.model;
             self.dropped = later.dropped;
         }
+        self.upstream_code = later.upstream_code;
     }
 }
 

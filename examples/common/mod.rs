@@ -119,3 +119,26 @@ pub async fn one_call_per_session(
         t.await.unwrap();
     }
 }
+
+/// The config of a gateway in this process: any port, errors-only logs, an in-memory
+/// store, one upstream `mock` at `mock` (forwarding the `x-mock-*` headers), and `rest`
+/// (routes, tenants, other sections) after it.
+pub fn in_process_config(mock: std::net::SocketAddr, rest: &str) -> backstop::config::Config {
+    let text = format!(
+        r#"
+[server]
+listen = "127.0.0.1:0"
+[log]
+level = "error"
+[store]
+path = ":memory:"
+[[upstreams]]
+name = "mock"
+api = "openai"
+forward_headers = ["x-mock-*"]
+base_url = "http://{mock}"
+{rest}
+"#
+    );
+    backstop::config::Config::from_toml_with_env(&text, |_| None).unwrap()
+}

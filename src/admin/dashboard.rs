@@ -45,7 +45,7 @@ const MAX_LIMIT: usize = 1000;
 /// Models listed per tenant, by spend.
 const TOP_MODELS: usize = 5;
 
-fn rfc3339(ms: i64) -> String {
+pub(super) fn rfc3339(ms: i64) -> String {
     let at = UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0));
     humantime::format_rfc3339_seconds(at).to_string()
 }
@@ -175,6 +175,7 @@ pub async fn data(State(state): State<AdminState>, RawQuery(query): RawQuery) ->
         "config": state.reload.upgrade().map(|r| r.stamp()),
         "upstreams": upstreams(&state),
         "tenants": tenants(&state).await,
+        "fleet": fleet(&state).await,
         "sessions": sessions,
         "recovery": {
             "minute_ms": 60_000,
@@ -225,6 +226,24 @@ async fn tenants(state: &AdminState) -> Vec<Value> {
         }
         report["guarded"] = guarded.into();
         out.push(report);
+    }
+    out
+}
+
+/// Signatures shown per tenant on the dashboard.
+const FLEET_SIGNATURES: usize = 10;
+
+/// Each fleet tenant's view: its hot signatures first, and how well it predicts.
+async fn fleet(state: &AdminState) -> Vec<Value> {
+    let mut out = Vec::new();
+    for tenant in state.fleet.tenants() {
+        if let Some(report) = state.fleet.report(&tenant).await {
+            out.push(super::fleet::report_json(
+                &tenant,
+                &report,
+                FLEET_SIGNATURES,
+            ));
+        }
     }
     out
 }

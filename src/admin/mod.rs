@@ -1,5 +1,6 @@
 //! The operator API, behind `[admin] token`: upstream breakers, tenant spend and
-//! budgets, session figures, reset and close. A reset or close is written to the store
+//! budgets, session figures, reset and close, the fleet's failure signatures
+//! ([`fleet`]). A reset or close is written to the store
 //! before it is answered; if it cannot be, the answer is 503 `store_unavailable`. Plus one
 //! tenant-facing read: a tenant key may read its own sessions' budgets
 //! (`GET /v1/sessions/{id}`), and nothing of other tenants.
@@ -19,6 +20,7 @@
 mod auth;
 mod dashboard;
 mod error;
+mod fleet;
 mod reload;
 
 use std::{collections::HashMap, convert::Infallible, sync::Arc};
@@ -48,6 +50,7 @@ use crate::{
     state::{
         activity::Activity,
         budgets::{Budgets, MAX_REPORT_DAYS},
+        fleet::Fleet,
         health::HealthRegistry,
         sessions::SessionGuards,
     },
@@ -65,6 +68,8 @@ pub struct AdminState {
     pub upstream_apis: Arc<HashMap<String, ApiKind>>,
     pub budgets: Arc<Budgets>,
     pub guards: Arc<SessionGuards>,
+    /// The fleet views: hot signatures and how well they predict.
+    pub fleet: Arc<Fleet>,
     /// Tenant keys, for `GET /v1/sessions/{id}`.
     pub tenants: Arc<TenantKeys>,
     /// `[admin] token`; `None` turns the operator routes off (403 `admin_disabled`).
@@ -94,6 +99,7 @@ pub fn routes<S: Clone + Send + Sync + 'static>(state: AdminState) -> Router<S> 
     let admin = Router::new()
         .route("/admin/upstreams", get(upstreams))
         .route("/admin/tenants/{tenant}", get(tenant_view))
+        .route("/admin/tenants/{tenant}/fleet", get(fleet::fleet_view))
         .route("/admin/tenants/{tenant}/sessions/{session}", get(session))
         .route(
             "/admin/tenants/{tenant}/sessions/{session}/reset",

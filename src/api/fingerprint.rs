@@ -12,7 +12,8 @@ fn canonical(text: &str) -> String {
     serde_json::from_str::<Value>(text).map_or_else(|_| text.trim().to_string(), |v| v.to_string())
 }
 
-fn text_of(content: Option<&Value>) -> String {
+/// The text of a message's `content`: a string, or its parts' `text` joined.
+pub(crate) fn text_of(content: Option<&Value>) -> String {
     match content {
         Some(Value::String(s)) => s.clone(),
         Some(Value::Array(parts)) => parts
@@ -22,6 +23,19 @@ fn text_of(content: Option<&Value>) -> String {
             .join(""),
         Some(other) => other.to_string(),
         None => String::new(),
+    }
+}
+
+/// Feeds serialised JSON straight into an XXH3 hasher, without building a string.
+pub(crate) struct HashWriter(pub xxhash_rust::xxh3::Xxh3);
+
+impl std::io::Write for HashWriter {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.update(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -44,19 +58,7 @@ pub const FINGERPRINT_SEED: u64 = 0;
 /// would only trip its own session). A test pins the value of a fixed request, so a
 /// change of algorithm, or of how serde_json writes, cannot go unnoticed.
 pub fn fingerprint(json: &serde_json::Map<String, Value>) -> RequestFingerprint {
-    use xxhash_rust::xxh3::Xxh3;
-    /// Feeds serialised JSON straight into the hasher, without building a string.
-    struct HashWriter(Xxh3);
-    impl std::io::Write for HashWriter {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0.update(bytes);
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut hasher = HashWriter(Xxh3::with_seed(FINGERPRINT_SEED));
+    let mut hasher = HashWriter(xxhash_rust::xxh3::Xxh3::with_seed(FINGERPRINT_SEED));
     for key in ["model", "system", "messages", "tools"] {
         hasher.0.update(key.as_bytes());
         if let Some(value) = json.get(key) {

@@ -9,6 +9,7 @@ pub mod refs;
 pub mod request;
 pub mod scan;
 mod shape;
+pub mod signature;
 pub mod sse;
 
 pub use answer::{AnswerView, ReportedUsage};

@@ -36,7 +36,7 @@ pub use server::{MockConfig, ServerConfig};
 pub use state::{OnUnavailable, StateBackend, StateConfig};
 pub use store::{StoreBackend, StoreConfig};
 pub use telemetry::TelemetryConfig;
-pub use tenant::{GuardConfig, TenantConfig};
+pub use tenant::{FleetConfig, GuardConfig, TenantConfig};
 pub use upstream::{BaseUrl, ProviderKey, UpstreamApi, UpstreamConfig, NEVER_FORWARDED};
 pub use validation::{StreamValidation, ValidationConfig, ValidationMode};
 

@@ -41,6 +41,84 @@ pub struct GuardConfig {
     pub max_usd_per_minute: Option<f64>,
     #[serde(with = "super::duration")]
     pub cool_down: std::time::Duration,
+    /// Early failure prediction across the tenant's sessions; off unless this table is
+    /// present.
+    pub fleet: Option<FleetConfig>,
+}
+
+/// `[tenants.guard.fleet]`: when enough of the tenant's sessions fail the same way, the
+/// next one is tripped on its first such failure (see `docs/fleet-prediction.md`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FleetConfig {
+    /// Distinct sessions that must have failed with one signature before it is hot.
+    pub min_sessions: u32,
+    /// Failures with the signature a session needs before it counts towards
+    /// `min_sessions`.
+    pub min_failures: u32,
+    /// The sliding window both counts are taken over.
+    #[serde(with = "super::duration")]
+    pub window: std::time::Duration,
+    /// Refuse a request whose shape matches a hot signature before its first attempt.
+    pub preempt: bool,
+    /// How long a hot signature refuses before one request is let through as a probe;
+    /// also how long a session it trips stays tripped.
+    #[serde(with = "super::duration")]
+    pub cool_down: std::time::Duration,
+}
+
+/// The largest `min_sessions` / `min_failures` accepted: a signature keeps at most this
+/// many sessions' counts ([`crate::policy::fleet::SESSIONS_PER_SIGNATURE`] is larger).
+pub const MAX_FLEET_COUNT: u32 = 1000;
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        FleetConfig {
+            min_sessions: 3,
+            min_failures: 2,
+            window: std::time::Duration::from_secs(600),
+            preempt: false,
+            cool_down: std::time::Duration::from_secs(60),
+        }
+    }
+}
+
+impl FleetConfig {
+    fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        let count = |name: &str, value: u32, min: u32| {
+            if value < min || value > MAX_FLEET_COUNT {
+                Err(ConfigError::invalid(
+                    format!("{key}.{name}"),
+                    format_args!("must be from {min} to {MAX_FLEET_COUNT}, got {value}"),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        // One session failing is that session's own business (the guard's other rules);
+        // a pattern takes at least two.
+        count("min_sessions", self.min_sessions, 2)?;
+        count("min_failures", self.min_failures, 1)?;
+        for (name, value) in [("window", self.window), ("cool_down", self.cool_down)] {
+            if value < std::time::Duration::from_secs(1) {
+                return Err(ConfigError::invalid(
+                    format!("{key}.{name}"),
+                    "must be at least 1s",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn policy(&self) -> crate::policy::fleet::FleetPolicy {
+        crate::policy::fleet::FleetPolicy {
+            min_sessions: self.min_sessions,
+            min_failures: self.min_failures,
+            window: self.window,
+            preempt: self.preempt,
+            cool_down: self.cool_down,
+        }
+    }
 }
 
 impl Default for GuardConfig {
@@ -52,6 +130,7 @@ impl Default for GuardConfig {
             tool_loop_limit: 3,
             max_usd_per_minute: None,
             cool_down: std::time::Duration::from_secs(60),
+            fleet: None,
         }
     }
 }
@@ -85,6 +164,9 @@ impl GuardConfig {
                 format!("{key}.cool_down"),
                 "must be greater than 0",
             ));
+        }
+        if let Some(fleet) = &self.fleet {
+            fleet.validate(&format!("{key}.fleet"))?;
         }
         Ok(())
     }

@@ -705,3 +705,32 @@ fn stored_responses_are_never_sent_to_azure() {
     assert!(err.starts_with("responses.upstream:"), "{err}");
     assert!(err.contains("api = \"azure\""), "{err}");
 }
+
+/// `[tenants.guard.fleet]`: off without the table, its defaults with an empty one, and
+/// each bad value refused by its key.
+#[test]
+fn the_fleet_view_is_off_by_default_and_checked_by_key() {
+    let guarded = format!("{BASE}\n[tenants.guard]\n");
+    let c = load(&guarded).unwrap();
+    assert_eq!(c.tenants[0].guard.as_ref().unwrap().fleet, None);
+    let c = load(&format!("{guarded}\n[tenants.guard.fleet]\n")).unwrap();
+    let fleet = c.tenants[0].guard.as_ref().unwrap().fleet.clone().unwrap();
+    assert_eq!(fleet, FleetConfig::default());
+    assert_eq!(
+        (fleet.min_sessions, fleet.min_failures, fleet.preempt),
+        (3, 2, false)
+    );
+    let cases = [
+        ("min_sessions = 1", "tenants[0].guard.fleet.min_sessions"),
+        ("min_sessions = 1001", "tenants[0].guard.fleet.min_sessions"),
+        ("min_failures = 0", "tenants[0].guard.fleet.min_failures"),
+        ("window = \"0s\"", "tenants[0].guard.fleet.window"),
+        ("cool_down = \"500ms\"", "tenants[0].guard.fleet.cool_down"),
+        ("cool_down = \"soon\"", "tenants[0].guard.fleet.cool_down"),
+        ("min_session = 3", "min_session"),
+    ];
+    for (line, key) in cases {
+        let err = error_of(&format!("{guarded}\n[tenants.guard.fleet]\n{line}\n"));
+        assert!(err.contains(key), "expected {key} in: {err}");
+    }
+}

@@ -16,6 +16,14 @@
 //! guard's record of a success need no other read or write; only a failure (which
 //! changes the guard) writes the guard again.
 //!
+//! For a tenant with `[tenants.guard.fleet]`, the session's failures are also counted in
+//! the tenant's fleet view ([`Fleet`]): a failure whose signature is hot trips the
+//! session at once (rule `fleet_pattern`, the signature and how many sessions shared it
+//! as evidence), and with `preempt` a request whose shape is a hot signature's is refused
+//! (429 `session_tripped`, `fleet_pattern`) before the limits or any attempt, unless it
+//! is the signature's probe. Nothing of this is hashed or asked on the success path
+//! unless the tenant has a hot signature or a prediction pending.
+//!
 //! The concurrency slot is held until the response body ends, so a stream counts while
 //! it streams. Every response of a guarded session carries `x-backstop-session-state`,
 //! and of a budgeted one `x-backstop-budget-remaining`. A trip is written to the store
@@ -40,31 +48,41 @@ use tower::{Layer, Service};
 
 use super::{context::Call, Holding, Middleware, Stack};
 use crate::{
-    api::fingerprint::fingerprint,
-    error::GatewayError,
+    api::{fingerprint::fingerprint, signature, ParsedRequest},
+    error::{Category, GatewayError},
     policy::{
         budget::SessionSeen,
-        guard::{Kept, Phase, RequestFingerprint, SessionGuard, Transition},
+        fleet::{Check, FailureKind, FleetPolicy, Hot, Shape, Signature, SignatureId},
+        guard::{
+            GuardState, Kept, Phase, RequestFingerprint, SessionGuard, Transition, Trip, TripCode,
+            TripRule,
+        },
         trail,
     },
     state::{
         budgets::{Budgets, ConcurrencySlot, Gated, Refusal},
+        fleet::Fleet,
         sessions::{lock, GuardedSession, Saving, SessionGuards, TraceEntry},
         shared::GuardWrite,
     },
     store::format::UnknownFormat,
-    telemetry::RequestLog,
+    telemetry::{RequestLog, Trail},
 };
 
 #[derive(Clone)]
 pub struct AdmissionLayer {
     budgets: Arc<Budgets>,
     guards: Arc<SessionGuards>,
+    fleet: Arc<Fleet>,
 }
 
 impl AdmissionLayer {
-    pub fn new(budgets: Arc<Budgets>, guards: Arc<SessionGuards>) -> Self {
-        AdmissionLayer { budgets, guards }
+    pub fn new(budgets: Arc<Budgets>, guards: Arc<SessionGuards>, fleet: Arc<Fleet>) -> Self {
+        AdmissionLayer {
+            budgets,
+            guards,
+            fleet,
+        }
     }
 }
 
@@ -90,6 +108,105 @@ fn transition(tenant: &str, session: &str, change: Option<Transition>, request_i
         );
         metrics::counter!("backstop_session_transitions_total", "from" => from, "to" => to)
             .increment(1);
+    }
+}
+
+/// A trip, counted by its reason (`backstop_session_trips_total{reason}`, and the
+/// tenant's fleet record).
+fn tripped(fleet: &Fleet, tenant: &str, guard: &SessionGuard, change: Option<Transition>) {
+    if let (Some((_, Phase::Tripped)), GuardState::Tripped { trip, .. }) = (change, guard.state()) {
+        let reason = trip.rule.as_str();
+        metrics::counter!("backstop_session_trips_total", "reason" => reason).increment(1);
+        fleet.tripped(tenant, reason);
+    }
+}
+
+/// How a request failed, as the fleet's signature names it: the upstream's error
+/// answered as it came (its code, else `http_<status>`), or a caller fault or malformed
+/// answer of Backstop's own (an `output_invalid` with its contract's hash and first error
+/// path). `None` for failures that say nothing of the request itself: an upstream
+/// outage, a rate limit or timeout (transient, the breakers' and retries' business), a
+/// refusal.
+fn failure_kind(
+    result: &Result<Response<Body>, GatewayError>,
+    trail: &Trail,
+    request: &ParsedRequest,
+) -> Option<FailureKind> {
+    match result {
+        Ok(response) => {
+            let status = response.status().as_u16();
+            if !(400..500).contains(&status) || matches!(status, 408 | 429) {
+                return None;
+            }
+            Some(FailureKind {
+                class: if matches!(status, 401..=403) {
+                    "credential_or_quota"
+                } else {
+                    "caller_fault"
+                },
+                code: trail
+                    .upstream_code
+                    .as_deref()
+                    .map_or_else(|| format!("http_{status}"), str::to_string),
+                detail: format!("HTTP {status}"),
+            })
+        }
+        Err(err) => {
+            let code = err.code();
+            let (class, detail) = match (code.category(), err) {
+                (Category::Malformed, GatewayError::OutputInvalid { errors, .. }) => {
+                    let path = errors
+                        .first()
+                        .and_then(|e| e.split_once(": "))
+                        .map_or("", |(path, _)| path);
+                    let contract = signature::contract_hash(&request.json).unwrap_or(0);
+                    (
+                        "malformed",
+                        format!(
+                            "contract {contract:016x}, first error at {}",
+                            signature::mask(if path.is_empty() { "/" } else { path })
+                        ),
+                    )
+                }
+                (Category::Malformed, _) => ("malformed", "HTTP 502".to_string()),
+                (Category::CallerFault, _) => ("caller_fault", format!("HTTP {}", code.status())),
+                _ => return None,
+            };
+            Some(FailureKind {
+                class,
+                code: code.as_str().to_string(),
+                detail,
+            })
+        }
+    }
+}
+
+/// A loop the guard tripped a session on, as the fleet's signature names it: the tool
+/// and the hash of the result it kept returning, or the identical request.
+fn loop_kind(trip: &Trip, request: &ParsedRequest) -> Option<FailureKind> {
+    let detail = match trip.rule {
+        TripRule::ToolLoopLimit => {
+            let (name, result) = signature::last_tool_result(&request.json)?;
+            format!(
+                "tool {}, result {result:016x}",
+                name.as_deref().unwrap_or("(unnamed)")
+            )
+        }
+        TripRule::IdenticalRequestLimit => "identical request".to_string(),
+        _ => return None,
+    };
+    Some(FailureKind {
+        class: "loop",
+        code: TripCode::LoopDetected.as_str().to_string(),
+        detail,
+    })
+}
+
+/// A fleet trip's evidence, as the trip and its refusals carry it.
+fn fleet_trip(hot: &Hot, policy: &FleetPolicy) -> Trip {
+    Trip {
+        signature: Some(hot.id.0),
+        ..Trip::new(TripRule::FleetPattern, hot.evidence(policy))
     }
 }
 
@@ -143,6 +260,48 @@ struct Guarded<'a> {
     entry: &'a std::sync::Mutex<GuardedSession>,
     request_id: &'a str,
     fp: &'a RequestFingerprint,
+    request: &'a ParsedRequest,
+    /// The route's `model` (its pattern), for the request's fleet shape.
+    route: &'a str,
+    /// The tenant's fleet rule, when it has one.
+    fleet: Option<&'a Arc<FleetPolicy>>,
+}
+
+impl Guarded<'_> {
+    fn shape(&self) -> Shape {
+        signature::shape(self.route, self.request.endpoint, &self.request.json)
+    }
+
+    /// A request refused, or its session tripped (`what`), by a hot signature.
+    fn hot(&self, hot: &Hot, what: &'static str) {
+        tracing::warn!(
+            tenant = &**self.tenant,
+            session = self.session,
+            signature = %hot.id,
+            sessions = hot.sessions,
+            request_id = self.request_id,
+            what,
+            "a hot failure signature (fleet_pattern)"
+        );
+    }
+
+    /// A refusal's trace entry.
+    fn refused(&self, e: &mut GuardedSession, trip: &Trip) {
+        let state = e.guard.state().label();
+        e.trace(TraceEntry {
+            request_id: self.request_id.to_string(),
+            status: 0,
+            failed: false,
+            action: format!("refused:{}", trip.code().as_str()),
+            detail: Some(format!("{}: {}", trip.rule.as_str(), trip.evidence)),
+            attempts: 0,
+            upstream: None,
+            latency_ms: 0.0,
+            cost_usd: 0.0,
+            tool_loop: self.fp.tool_loop.as_ref().map_or(0, |(_, n)| *n),
+            state,
+        });
+    }
 }
 
 impl AdmissionLayer {
@@ -211,30 +370,17 @@ impl AdmissionLayer {
         let keep = {
             let mut e = lock(g.entry);
             transition(g.tenant, g.session, change, g.request_id);
+            tripped(&self.fleet, g.tenant, &e.guard, change);
             let keep = to_keep(change, &e.guard, self.guards.now());
             if let Err(refused) = &admitted {
-                let state = e.guard.state().label();
-                e.trace(TraceEntry {
-                    request_id: g.request_id.to_string(),
-                    status: 0,
-                    failed: false,
-                    action: format!("refused:{}", refused.trip.code().as_str()),
-                    detail: Some(format!(
-                        "{}: {}",
-                        refused.trip.rule.as_str(),
-                        refused.trip.evidence
-                    )),
-                    attempts: 0,
-                    upstream: None,
-                    latency_ms: 0.0,
-                    cost_usd: 0.0,
-                    tool_loop: g.fp.tool_loop.as_ref().map_or(0, |(_, n)| *n),
-                    state,
-                });
+                g.refused(&mut e, &refused.trip);
             }
             keep
         };
         persist(&self.guards, g.tenant, g.session, keep).await;
+        if let Err(refused) = &admitted {
+            self.fleet_refused(g, &refused.trip, change).await;
+        }
         if let Err(refused) = admitted {
             let code = refused.trip.code();
             return Err(GatewayError::SessionRefused {
@@ -249,6 +395,121 @@ impl AdmissionLayer {
             });
         }
         Ok(slot)
+    }
+
+    /// A refusal by the session's guard, for the fleet: one of a fleet trip's refusals
+    /// is credited to its signature; a loop the guard just tripped the session on is a
+    /// failure with a signature of its own.
+    async fn fleet_refused(&self, g: &Guarded<'_>, trip: &Trip, change: Option<Transition>) {
+        if g.fleet.is_none() {
+            return;
+        }
+        if let (TripRule::FleetPattern, Some(id)) = (trip.rule, trip.signature) {
+            metrics::counter!("backstop_fleet_refusals_total", "kind" => "tripped_session")
+                .increment(1);
+            self.fleet.avoided(g.tenant, SignatureId(id), 1);
+            return;
+        }
+        let Some(kind) = matches!(change, Some((_, Phase::Tripped)))
+            .then(|| loop_kind(trip, g.request))
+            .flatten()
+        else {
+            return;
+        };
+        let sig = Signature::new(&g.shape(), &kind);
+        // The session is tripped already: a hot loop signature only adds its count.
+        self.fleet.failed(g.tenant, &sig, g.session, 0, 0.0).await;
+    }
+
+    /// With `preempt`, a request whose shape is a hot signature's is refused before it
+    /// runs, unless it is the signature's probe (or the session's own guard refuses it
+    /// anyway, with its own reason).
+    async fn preempt(&self, g: &Guarded<'_>, shape: Option<&Shape>) -> Result<(), GatewayError> {
+        let (Some(policy), Some(shape)) = (g.fleet, shape) else {
+            return Ok(());
+        };
+        if !policy.preempt {
+            return Ok(());
+        }
+        let now = self.guards.now();
+        let refusing = match lock(g.entry).guard.state() {
+            GuardState::Closed | GuardState::Probing { .. } => true,
+            GuardState::Tripped { until, .. } => now < *until,
+            GuardState::Active | GuardState::Recovering => false,
+        };
+        if refusing {
+            return Ok(());
+        }
+        let Check::Refuse(hot) = self.fleet.check(g.tenant, shape.key, g.session).await else {
+            return Ok(());
+        };
+        let trip = fleet_trip(&hot, policy);
+        g.refused(&mut lock(g.entry), &trip);
+        metrics::counter!("backstop_fleet_refusals_total", "kind" => "preempted").increment(1);
+        self.fleet.avoided(g.tenant, hot.id, 1);
+        g.hot(&hot, "preempted");
+        Err(GatewayError::SessionRefused {
+            code: TripCode::SessionTripped,
+            detail: format!(
+                "{} ({}): {}; refused before its first attempt (probe in {}s)",
+                TripCode::SessionTripped.as_str(),
+                TripRule::FleetPattern.as_str(),
+                trip.evidence,
+                hot.retry_after.as_secs()
+            ),
+            retry_after: hot.retry_after.max(std::time::Duration::from_secs(1)),
+        })
+    }
+
+    /// How the request ended, for the fleet: a failure is counted under its signature
+    /// (and, hot, trips the session: the trip to impose is returned); a success of a
+    /// watched shape cools its hot signatures down and judges predictions.
+    async fn fleet_outcome(
+        &self,
+        g: &Guarded<'_>,
+        shape: Option<Shape>,
+        failure: Option<FailureKind>,
+        failed: bool,
+        facts: &crate::telemetry::Facts,
+    ) -> Option<(Trip, std::time::Duration)> {
+        let policy = g.fleet?;
+        if !failed {
+            let shape = shape?;
+            let done = self.fleet.succeeded(g.tenant, shape.key, g.session).await;
+            if done.unconfirmed {
+                metrics::counter!("backstop_fleet_predictions_total", "outcome" => "unconfirmed")
+                    .increment(1);
+            }
+            if done.cooled > 0 {
+                tracing::info!(
+                    tenant = &**g.tenant,
+                    session = g.session,
+                    cooled = done.cooled,
+                    "a hot failure signature cooled down: a request of its shape succeeded"
+                );
+            }
+            return None;
+        }
+        // A failure that says nothing of the request is not read at all.
+        let failure = failure?;
+        let sig = Signature::new(&shape.unwrap_or_else(|| g.shape()), &failure);
+        let verdict = self
+            .fleet
+            .failed(
+                g.tenant,
+                &sig,
+                g.session,
+                facts.recovery.attempts,
+                facts.spent_usd,
+            )
+            .await;
+        if verdict.confirmed {
+            metrics::counter!("backstop_fleet_predictions_total", "outcome" => "confirmed")
+                .increment(1);
+        }
+        let hot = verdict.trip?;
+        g.hot(&hot, "tripped");
+        Some((fleet_trip(&hot, policy), policy.cool_down))
     }
 
     /// What the session has left, for `x-backstop-budget-remaining`: what the settle of
@@ -323,6 +584,9 @@ where
         };
         let request_id = call.request_id.to_str().unwrap_or("-").to_owned();
         let fp = fingerprint(&call.request.json);
+        let request = call.request.clone();
+        let route = call.route.clone();
+        let fleet = self.fleet.policy(&tenant).cloned();
         // The session's spend so far, for the guard's spend samples: in replica mode what
         // this replica last saw of it (the settle of its last call here, or another
         // replica's newer sample), read afresh only for a guard watching spend velocity.
@@ -337,7 +601,19 @@ where
             entry: &entry,
             request_id: &request_id,
             fp: &fp,
+            request: &request,
+            route: &route.pattern,
+            fleet: fleet.as_ref(),
         };
+        // The request's shape, only while the tenant's fleet view watches one.
+        let shape = match fleet {
+            Some(_) if self.fleet.watching(&tenant).await => Some(g.shape()),
+            _ => None,
+        };
+        if let Err(refused) = self.preempt(&g, shape.as_ref()).await {
+            log.set_session_state(lock(&entry).guard.state().phase());
+            return Err(refused);
+        }
         let slot = self.admit(&g, usd_before).await;
         log.set_session_state(lock(&entry).guard.state().phase());
         let slot = slot?;
@@ -349,6 +625,11 @@ where
         };
         let facts = log.facts();
         let seen = facts.session_seen;
+        let failure = match &fleet {
+            Some(_) if failed => failure_kind(&result, &facts.recovery, &request),
+            _ => None,
+        };
+        let imposed = self.fleet_outcome(&g, shape, failure, failed, &facts).await;
         // Shared state that became unreadable meanwhile is left as it is (already logged):
         // this outcome goes uncounted.
         let change = self
@@ -359,6 +640,7 @@ where
                 &entry,
                 failed,
                 seen.map(|s| s.guard_version),
+                imposed,
             )
             .await
             .unwrap_or_default();
@@ -369,14 +651,24 @@ where
             }
             let now = self.guards.now();
             transition(&tenant, &session, change, &request_id);
+            tripped(&self.fleet, &tenant, &e.guard, change);
             let keep = to_keep(change, &e.guard, now);
             let state = e.guard.state().label();
+            // The trip this request's failure caused, named in the trace.
+            let detail = match (change, e.guard.state()) {
+                (Some((_, Phase::Tripped)), GuardState::Tripped { trip, .. }) => Some(format!(
+                    "tripped: {}: {}",
+                    trip.rule.as_str(),
+                    trip.evidence
+                )),
+                _ => None,
+            };
             e.trace(TraceEntry {
                 request_id,
                 status,
                 failed,
                 action: trail::render(&facts.recovery.steps),
-                detail: None,
+                detail,
                 attempts: facts.recovery.attempts,
                 upstream: facts.recovery.upstream,
                 latency_ms: (started.elapsed().as_secs_f64() * 1e3) as f32,

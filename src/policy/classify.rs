@@ -134,6 +134,13 @@ fn error_fields(body: &[u8]) -> (String, String, String) {
     )
 }
 
+/// The error code an OpenAI or Anthropic error body names (else its type), lower-cased:
+/// `context_length_exceeded`, `invalid_request_error`. `None` when it names neither.
+pub fn error_code(body: &[u8]) -> Option<String> {
+    let (code, kind, _) = error_fields(body);
+    [code, kind].into_iter().find(|s| !s.is_empty())
+}
+
 /// Classifies one attempt. `now` resolves an HTTP-date `Retry-After`.
 pub fn classify(observed: Observed<'_>, now: SystemTime) -> Class {
     let (status, headers, body, readable) = match observed {

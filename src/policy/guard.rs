@@ -7,7 +7,8 @@
 //!
 //! Rules: consecutive failed requests; the identical request (model + messages + tools)
 //! too often in a window; the same tool call answered by the same result too often in the
-//! conversation; spend velocity.
+//! conversation; spend velocity. One more is decided outside the session, across the
+//! tenant's fleet ([`crate::policy::fleet`]), and imposed on it ([`SessionGuard::impose`]).
 
 use std::{collections::VecDeque, time::Duration};
 
@@ -51,6 +52,9 @@ pub enum TripRule {
     IdenticalRequestLimit,
     ToolLoopLimit,
     MaxUsdPerMinute,
+    /// Enough of the tenant's sessions failed the same way that this session's failure
+    /// (or its request, with `preempt`) was taken for the same doomed work.
+    FleetPattern,
     /// An operator closed the session.
     Closed,
     /// Read back from the store under a rule name this build does not know.
@@ -61,9 +65,10 @@ impl TripRule {
     pub fn code(self) -> TripCode {
         match self {
             TripRule::IdenticalRequestLimit | TripRule::ToolLoopLimit => TripCode::LoopDetected,
-            TripRule::MaxConsecutiveFailures | TripRule::MaxUsdPerMinute | TripRule::Closed => {
-                TripCode::SessionTripped
-            }
+            TripRule::MaxConsecutiveFailures
+            | TripRule::MaxUsdPerMinute
+            | TripRule::FleetPattern
+            | TripRule::Closed => TripCode::SessionTripped,
             TripRule::Restored(code) => code,
         }
     }
@@ -75,6 +80,7 @@ impl TripRule {
             TripRule::IdenticalRequestLimit => "identical_request_limit",
             TripRule::ToolLoopLimit => "tool_loop_limit",
             TripRule::MaxUsdPerMinute => "max_usd_per_minute",
+            TripRule::FleetPattern => "fleet_pattern",
             TripRule::Closed => "closed",
             TripRule::Restored(_) => "restored",
         }
@@ -86,9 +92,20 @@ impl TripRule {
 pub struct Trip {
     pub rule: TripRule,
     pub evidence: String,
+    /// For a [`TripRule::FleetPattern`] trip, the fleet signature it was predicted from
+    /// (its refusals are credited to it).
+    pub signature: Option<u64>,
 }
 
 impl Trip {
+    pub fn new(rule: TripRule, evidence: String) -> Trip {
+        Trip {
+            rule,
+            evidence,
+            signature: None,
+        }
+    }
+
     pub fn code(&self) -> TripCode {
         self.rule.code()
     }
@@ -184,11 +201,12 @@ pub fn restore_trip(code: &str, rule: &str, evidence: String) -> Trip {
         "identical_request_limit" => TripRule::IdenticalRequestLimit,
         "tool_loop_limit" => TripRule::ToolLoopLimit,
         "max_usd_per_minute" => TripRule::MaxUsdPerMinute,
+        "fleet_pattern" => TripRule::FleetPattern,
         "closed" => TripRule::Closed,
         _ if code == "loop_detected" => TripRule::Restored(TripCode::LoopDetected),
         _ => TripRule::Restored(TripCode::SessionTripped),
     };
-    Trip { rule, evidence }
+    Trip::new(rule, evidence)
 }
 
 #[derive(Debug, Clone)]
@@ -333,10 +351,7 @@ impl SessionGuard {
         }
         match &self.state {
             GuardState::Closed => {
-                let trip = Trip {
-                    rule: TripRule::Closed,
-                    evidence: "an operator closed this session".into(),
-                };
+                let trip = Trip::new(TripRule::Closed, "an operator closed this session".into());
                 return (
                     Err(Refused {
                         trip,
@@ -374,29 +389,31 @@ impl SessionGuard {
         }
         let repeats = self.recent.iter().filter(|(_, h)| *h == fp.request).count() as u32;
         let rule = if repeats >= self.config.identical_request_limit {
-            Some(Trip {
-                rule: TripRule::IdenticalRequestLimit,
-                evidence: format!(
+            Some(Trip::new(
+                TripRule::IdenticalRequestLimit,
+                format!(
                     "the same request was sent {} times within {}",
                     repeats + 1,
                     humantime::format_duration(window)
                 ),
-            })
+            ))
         } else if let Some((call, n)) = fp
             .tool_loop
             .as_ref()
             .filter(|(_, n)| *n >= self.config.tool_loop_limit)
         {
-            Some(Trip {
-                rule: TripRule::ToolLoopLimit,
-                evidence: format!("{call} {n} times"),
-            })
+            Some(Trip::new(
+                TripRule::ToolLoopLimit,
+                format!("{call} {n} times"),
+            ))
         } else {
             self.config.max_usd_per_minute.and_then(|limit| {
                 let spent = self.usd_last_minute(now, session_usd);
-                (spent >= limit).then(|| Trip {
-                    rule: TripRule::MaxUsdPerMinute,
-                    evidence: format!("spent ${spent:.4} in the last minute (limit ${limit:.4})"),
+                (spent >= limit).then(|| {
+                    Trip::new(
+                        TripRule::MaxUsdPerMinute,
+                        format!("spent ${spent:.4} in the last minute (limit ${limit:.4})"),
+                    )
                 })
             })
         };
@@ -444,16 +461,32 @@ impl SessionGuard {
             return self.trip(now, trip);
         }
         if self.consecutive_failures >= self.config.max_consecutive_failures {
-            let trip = Trip {
-                rule: TripRule::MaxConsecutiveFailures,
-                evidence: format!(
+            let trip = Trip::new(
+                TripRule::MaxConsecutiveFailures,
+                format!(
                     "{} requests in a row failed after Backstop's own recovery",
                     self.consecutive_failures
                 ),
-            };
+            );
             return self.trip(now, trip);
         }
         self.set(GuardState::Recovering)
+    }
+
+    /// Trips the session for `cool_down` on a rule decided outside it (the fleet's), as
+    /// [`SessionGuard::record`] leaves it: an active, recovering or probing session is
+    /// tripped; one tripped already (by its own rules: their evidence stands) or closed
+    /// is left as it is.
+    pub fn impose(&mut self, now: Instant, trip: Trip, cool_down: Duration) -> Option<Transition> {
+        match self.state {
+            GuardState::Tripped { .. } | GuardState::Closed => None,
+            GuardState::Active | GuardState::Recovering | GuardState::Probing { .. } => {
+                self.set(GuardState::Tripped {
+                    until: now + cool_down,
+                    trip,
+                })
+            }
+        }
     }
 
     pub fn close(&mut self) -> Option<Transition> {

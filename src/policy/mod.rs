@@ -6,6 +6,7 @@ pub mod backoff;
 pub mod breaker;
 pub mod budget;
 pub mod classify;
+pub mod fleet;
 pub mod guard;
 pub mod outlier;
 pub mod retry_budget;

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use crate::{
     policy::{
         budget::Usd,
-        guard::{restore_trip, Counts, GuardPolicy, GuardState, Phase, SessionGuard},
+        guard::{restore_trip, Counts, GuardPolicy, GuardState, Phase, SessionGuard, Trip},
     },
     store::format::GuardSnapshot,
 };
@@ -48,6 +48,7 @@ pub fn snapshot(guard: &SessionGuard, now: Instant, now_ms: i64) -> GuardSnapsho
         recent: counts.recent.iter().map(|(t, h)| (at(*t), *h)).collect(),
         spend: counts.spend.iter().map(|(t, usd)| (at(*t), *usd)).collect(),
         transitions: counts.transitions,
+        signature: trip.and_then(|t| t.signature),
     }
 }
 
@@ -62,8 +63,9 @@ pub fn from_snapshot(
         let ago = u64::try_from(now_ms.saturating_sub(ms)).unwrap_or(0);
         now.checked_sub(Duration::from_millis(ago)).unwrap_or(now)
     };
-    let trip = || {
-        restore_trip(
+    let trip = || Trip {
+        signature: snap.signature,
+        ..restore_trip(
             snap.code.as_deref().unwrap_or(""),
             snap.rule.as_deref().unwrap_or(""),
             snap.evidence.clone().unwrap_or_default(),

@@ -9,6 +9,7 @@
 pub mod activity;
 pub mod body_memory;
 pub mod budgets;
+pub mod fleet;
 pub mod guard_view;
 pub mod health;
 pub mod live;

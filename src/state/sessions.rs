@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use crate::{
     clock::Clock,
     config::Config,
-    policy::guard::{restore_trip, GuardPolicy, Kept, SessionGuard},
+    policy::guard::{restore_trip, GuardPolicy, Kept, SessionGuard, Trip},
     state::{
         guard_view,
         live::{LiveSessions, SessionKey},
@@ -259,11 +259,13 @@ impl SessionGuards {
         self.apply(tenant, session, entry, f, save, false).await
     }
 
-    /// Records how an admitted request ended ([`SessionGuard::record`]). In replica
-    /// mode the write-back is skipped when it would change nothing: the settle of the
-    /// request's last call saw the shared state still at this replica's version
-    /// (`seen_version`), and recording the outcome leaves the guard as it was (a success
-    /// of an active session, the common case).
+    /// Records how an admitted request ended ([`SessionGuard::record`]), and imposes a
+    /// trip decided outside the session (`imposed`: the fleet's, with its cool-down;
+    /// [`SessionGuard::impose`]) in the same write. In replica mode the write-back is
+    /// skipped when it would change nothing: the settle of the request's last call saw
+    /// the shared state still at this replica's version (`seen_version`), and recording
+    /// the outcome leaves the guard as it was (a success of an active session, the
+    /// common case).
     pub async fn record(
         &self,
         tenant: &Arc<str>,
@@ -271,7 +273,19 @@ impl SessionGuards {
         entry: &Mutex<GuardedSession>,
         failed: bool,
         seen_version: Option<u64>,
+        imposed: Option<(Trip, Duration)>,
     ) -> Result<Option<crate::policy::guard::Transition>, UnknownFormat> {
+        if let Some((trip, cool_down)) = imposed {
+            return self
+                .update(tenant, session, entry, |guard, now| {
+                    let from = guard.state().phase();
+                    guard.record(now, failed);
+                    guard.impose(now, trip.clone(), cool_down);
+                    let to = guard.state().phase();
+                    (from != to).then_some((from, to))
+                })
+                .await;
+        }
         if self.shares(tenant) {
             let e = lock(entry);
             if seen_version == Some(e.version) {

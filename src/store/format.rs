@@ -46,6 +46,12 @@ pub struct GuardSnapshot {
     pub recent: Vec<(i64, u64)>,
     pub spend: Vec<(i64, f64)>,
     pub transitions: u64,
+    /// The fleet signature a `fleet_pattern` trip was predicted from. Written only when
+    /// there is one (so every other snapshot's bytes are version 1's as they were); a
+    /// build that does not know the field ignores it, and loses only the credit of the
+    /// trip's refusals to its signature.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signature: Option<u64>,
 }
 
 /// The records with a versioned format (the `record` label of the count).
@@ -371,6 +377,7 @@ mod tests {
             recent: vec![(1_700_000_000_000, 0x594d_c199_7f11_1abb)],
             spend: vec![(1_700_000_000_000, 0.25)],
             transitions: 3,
+            signature: None,
         }
     }
 
@@ -381,6 +388,18 @@ mod tests {
         let snap = r#"{"v":1,"phase":"tripped","until_ms":1700000060000,"code":"loop_detected","rule":"identical_request_limit","evidence":"the same request was sent 4 times within 10m","consecutive_failures":2,"recent":[[1700000000000,6435012307588291259]],"spend":[[1700000000000,0.25]],"transitions":3}"#;
         assert_eq!(encode_snapshot(&snapshot()), snap);
         assert_eq!(decode_snapshot(snap), Ok(snapshot()));
+        // A fleet trip adds its signature at the end; version 1 readers ignore it.
+        let fleet = GuardSnapshot {
+            rule: Some("fleet_pattern".into()),
+            signature: Some(42),
+            ..snapshot()
+        };
+        let text = encode_snapshot(&fleet);
+        assert!(
+            text.ends_with(r#""transitions":3,"signature":42}"#),
+            "{text}"
+        );
+        assert_eq!(decode_snapshot(&text), Ok(fleet));
 
         let kept = GuardRecord {
             tenant: "acme".into(),

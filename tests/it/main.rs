@@ -18,6 +18,7 @@ mod discovery;
 mod docs;
 mod durability;
 mod edge;
+mod fleet;
 mod gateway;
 mod guard;
 mod hardening;

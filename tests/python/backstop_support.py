@@ -42,6 +42,7 @@ TENANT_B_KEY = "bk-test-b"
 CAPPED_KEY = "bk-test-capped"
 THROTTLED_KEY = "bk-test-throttled"
 GUARDED_KEY = "bk-test-guarded"
+FLEET_KEY = "bk-test-fleet"
 ADMIN_TOKEN = "admin-test-token-0123456789"
 PROVIDER_OPENAI_KEY = "sk-provider-openai"
 PROVIDER_ANTHROPIC_KEY = "sk-provider-anthropic"
@@ -279,6 +280,15 @@ max_consecutive_failures = 3
 name = "throttled"
 api_keys = ["{THROTTLED_KEY}"]
 requests_per_minute = 1
+
+[[tenants]]
+name = "fleet"
+api_keys = ["{FLEET_KEY}"]
+[tenants.guard]
+[tenants.guard.fleet]
+min_sessions = 3
+min_failures = 2
+preempt = true
 """
 
 

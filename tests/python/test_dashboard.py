@@ -25,7 +25,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from backstop_support import ADMIN_TOKEN, GUARDED_KEY
+from backstop_support import ADMIN_TOKEN, FLEET_KEY, GUARDED_KEY
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -248,3 +248,47 @@ def test_dashboard_shows_a_tripped_session_and_resets_it(backstop, browser, tmp_
     wait_for("the filtered table", lambda: session_row(driver, session) is None)
     Select(driver.find_element(By.ID, "filter-state")).select_by_visible_text("all")
     wait_for("the unfiltered table", lambda: session_row(driver, session) is not None)
+
+
+def test_dashboard_shows_a_hot_failure_signature(backstop, browser, tmp_path):
+    """Three sessions of the `fleet` tenant fail the same compaction twice each: the fleet
+    panel shows the hot signature with its sessions and record, and a fourth session's
+    request is refused before its first attempt."""
+    from selenium.webdriver.common.by import By
+
+    run = uuid.uuid4().hex[:8]
+    client = openai.OpenAI(api_key=FLEET_KEY, base_url=backstop.openai_base_url, max_retries=0, timeout=20)
+    scenario = f"fleet-{run}"
+    try:
+        def compact(session, attempt):
+            return client.chat.completions.create(model="gpt-4o", messages=[
+                {"role": "system", "content": "You are a coding agent."},
+                {"role": "user", "content": f"Summarize the conversation of run {session} in under {1000 + attempt} tokens."},
+            ], extra_headers={"x-session-id": session, "x-mock-scenario": scenario,
+                              "x-mock-fault": "status=400;code=context_length_exceeded"})
+
+        for k in range(3):
+            for attempt in range(2):
+                with pytest.raises(openai.BadRequestError):
+                    compact(f"{run}-{k}", attempt)
+        with pytest.raises(openai.RateLimitError) as refused:
+            compact(f"{run}-new", 0)
+        assert refused.value.code == "session_tripped"
+        assert "refused before its first attempt" in str(refused.value)
+    finally:
+        client.close()
+    assert backstop.attempts(scenario) == 6
+
+    driver = browser
+    driver.get(f"{backstop.url}/admin/ui")
+    login(driver, ADMIN_TOKEN)
+    wait_for("the fleet panel", lambda: driver.find_element(By.ID, "fleet-panel").is_displayed())
+    row = wait_for("the hot signature", lambda: next(
+        (r for r in driver.find_elements(By.CSS_SELECTOR, "#fleet tbody tr") if r.get_attribute("data-state") == "hot"), None))
+    text = row.text
+    assert "context_length_exceeded" in text and "summarize the conversation of run #" in text, text
+    assert "hot" in row.find_element(By.CSS_SELECTOR, ".state").text
+    summary = driver.find_element(By.CSS_SELECTOR, "[data-fleet-tenant='fleet']").text
+    assert "fleet_pattern" in summary and "preempt" in summary, summary
+    driver.execute_script("document.getElementById('fleet-panel').scrollIntoView()")
+    save_screenshot(driver, tmp_path, "dashboard-fleet.png")

@@ -8,5 +8,6 @@ mod common;
 #[path = "../common/redis.rs"]
 mod redis_support;
 
+mod fleet;
 mod replicas;
 mod shared_books;

@@ -161,7 +161,40 @@ function render(data) {
   renderRecovery(data.recovery.minutes);
   renderUpstreams(data.upstreams);
   renderTenants(data.tenants);
+  renderFleet(data.fleet || []);
   renderSessions(data.sessions, data.tenants);
+}
+
+// One line per tenant with a fleet view (trips by reason, how well it predicts), then
+// its signatures, hot first.
+function renderFleet(fleet) {
+  $("fleet-panel").hidden = fleet.length === 0;
+  $("fleet-tenants").replaceChildren(...fleet.map((f) => {
+    const trips = Object.entries(f.trips_by_reason).map(([r, n]) => r + " " + n).join(", ") || "none";
+    const p = f.predictions;
+    const precision = p.precision === null ? "–" : Math.round(p.precision * 100) + "%";
+    return el("div", { class: "tenant", "data-fleet-tenant": f.tenant },
+      el("b", {}, f.tenant), el("span", { class: "muted" }, " · " + f.hot + " hot of " + f.counted + " signatures · " +
+        f.policy.min_sessions + " sessions x " + f.policy.min_failures + " failures in " + f.policy.window +
+        (f.policy.preempt ? ", preempt" : "") + ", cool-down " + f.policy.cool_down + (f.error ? " · " + f.error : "")),
+      el("div", {}, "trips by reason: " + trips + " · predictions confirmed " + fmt.int(p.confirmed) + ", not " +
+        fmt.int(p.unconfirmed) + " (" + precision + "), pending " + fmt.int(p.pending) + " · avoided " +
+        fmt.int(f.record.avoided_calls) + " calls, " + fmt.usd(f.record.avoided_usd)));
+  }));
+  const rows = fleet.flatMap((f) => f.signatures.map((s) => [f.tenant, s]));
+  $("fleet").tBodies[0].replaceChildren(...rows.map(([tenant, s]) => {
+    const state = s.state === "hot" ? "tripped" : s.state === "cooled" ? "active" : "recovering";
+    const probe = s.next_probe ? " (probe at " + s.next_probe + ")" : "";
+    return el("tr", { "data-signature": s.id, "data-state": s.state },
+      el("td", {}, tenant),
+      el("td", { class: "trip" }, el("code", {}, s.id), " ", s.description),
+      el("td", { class: "nowrap" }, el("span", { class: "state state-" + state }, s.state), probe),
+      el("td", { class: "num" }, fmt.int(s.sessions) + " (" + fmt.int(s.sessions_at_min_failures) + ")"),
+      el("td", { class: "nowrap" }, s.first_seen, el("br", {}), s.last_seen),
+      el("td", { class: "num" }, fmt.int(s.record.tripped) + " / " + fmt.int(s.record.preempted)),
+      el("td", { class: "num" }, fmt.int(s.record.confirmed) + " / " + fmt.int(s.record.unconfirmed)),
+      el("td", { class: "num" }, fmt.int(s.record.avoided_calls) + " calls, " + fmt.usd(s.record.avoided_usd)));
+  }));
 }
 
 function sum(minutes, pick) {

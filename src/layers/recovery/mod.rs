@@ -725,12 +725,20 @@ where
     /// The outcome with its trail. (A large `Err`: it is moved once per call, never per
     /// attempt, and boxing it would cost an allocation on every failure answered.)
     #[allow(clippy::result_large_err)]
-    fn finish(self, result: Result<Answered, GatewayError>) -> Result<Answered, Unanswered> {
+    fn finish(mut self, result: Result<Answered, GatewayError>) -> Result<Answered, Unanswered> {
         match result {
-            Ok(answered) => Ok(Answered {
-                trail: self.trail,
-                ..answered
-            }),
+            Ok(answered) => {
+                if answered.reply.status.as_u16() >= 400 {
+                    // An upstream error answered as it came: its own code, for the fleet's
+                    // failure signatures (read on this failure path only).
+                    self.trail.upstream_code =
+                        crate::policy::classify::error_code(answered.reply.bytes()).map(Arc::from);
+                }
+                Ok(Answered {
+                    trail: self.trail,
+                    ..answered
+                })
+            }
             Err(error) => Err(Unanswered {
                 error,
                 trail: self.trail,
