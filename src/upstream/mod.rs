@@ -186,11 +186,7 @@ impl Clients {
             *request.headers_mut() = headers;
             let response = plain.request(request).await.map_err(|err| {
                 tracing::debug!(error = %err, "upstream transport error");
-                if err.is_connect() {
-                    TransportFailure::Connect
-                } else {
-                    TransportFailure::Reset
-                }
+                plain_failure(&err)
             })?;
             let (head, body) = response.into_parts();
             let content_length = http_body::Body::size_hint(&body).exact();
@@ -215,6 +211,27 @@ impl Clients {
                 transport(&err)
             })?;
         Ok(Fetched::from_reqwest(response))
+    }
+}
+
+/// What a failed plain-HTTP call was, as reqwest would have said it: a connect that
+/// timed out is a timeout (it is also a connect error), any other connect error is
+/// `Connect`, the rest `Reset`.
+fn plain_failure(err: &hyper_util::client::legacy::Error) -> TransportFailure {
+    let mut source = std::error::Error::source(err);
+    while let Some(cause) = source {
+        if cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return TransportFailure::Timeout;
+        }
+        source = cause.source();
+    }
+    if err.is_connect() {
+        TransportFailure::Connect
+    } else {
+        TransportFailure::Reset
     }
 }
 
