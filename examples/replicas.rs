@@ -5,9 +5,14 @@
 //! `redis-server` on PATH and a release build. `--cluster`: the same on a Redis Cluster
 //! of three masters (`redis-cli --cluster create`). `--load SESSIONS CALLS`: only the
 //! closed loop over the three redis replicas (after a 3 s pause to attach a profiler to
-//! the pids it prints), with its round trips per call.
+//! the pids it prints), with its round trips and CPU time per call and, with
+//! `--slowlog`, redis-server's time per command (logging every command costs time of its
+//! own: compare those figures with each other, not with a run without it).
 //!
-//!     cargo build --release && cargo run --release --example replicas -- [SECONDS] [--cluster] [--load SESSIONS CALLS]
+//! CPU time per call (every thread's, from `/proc`) is the figure to compare on a shared,
+//! noisy machine: calls per second move with whatever else runs.
+//!
+//!     cargo build --release && cargo run --release --example replicas -- [SECONDS] [--cluster] [--load SESSIONS CALLS [--slowlog]]
 
 #[path = "common/mod.rs"]
 mod common;

@@ -604,16 +604,37 @@ impl SessionGuards {
             .await
     }
 
-    /// Signals (counters, risk) and the trace, for the admin API.
+    /// Signals (counters, risk) and the trace, for the admin API. In replica mode the
+    /// signals are the shared state's (this replica's guard may be behind it: requests
+    /// joined through other replicas are not loaded into it until it writes whole).
     pub async fn report(&self, tenant: &str, session: &str, session_usd: f64) -> Option<Value> {
         let tenant: Arc<str> = tenant.into();
         let entry = match self.entry(&tenant, session).await {
             Ok(entry) => entry?,
             Err(unknown) => return Some(json!({"unreadable": unknown.to_string()})),
         };
+        let shared = match self.configs.get(&*tenant).filter(|_| self.shares(&tenant)) {
+            Some(config) => match self.store.guard_window(&tenant, session).await {
+                Ok(Some((version, state))) => Some((config.clone(), version, state)),
+                // None shared yet, or unreachable: this replica's own.
+                Ok(None) | Err(_) => None,
+            },
+            None => None,
+        };
         let entry = lock(&entry);
+        let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
+        let signals = match shared.filter(|(_, version, _)| *version != entry.version) {
+            Some((config, _, state)) => match format::decode_snapshot(&state) {
+                Ok(snap) => {
+                    let guard = guard_view::from_snapshot(config, snap, now, now_ms);
+                    guard_view::signals(&guard, now, session_usd, entry.tool_loop())
+                }
+                Err(unknown) => return Some(json!({"unreadable": unknown.to_string()})),
+            },
+            None => entry.signals(now, session_usd),
+        };
         Some(json!({
-            "signals": entry.signals(self.clock.now(), session_usd),
+            "signals": signals,
             "trace": entry.trace.iter().map(TraceEntry::to_json).collect::<Vec<_>>(),
         }))
     }

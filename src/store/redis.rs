@@ -325,6 +325,28 @@ impl GuardStates for RedisStore {
         })
     }
 
+    fn guard_window<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+    ) -> StoreFuture<'a, Option<(u64, String)>> {
+        Box::pin(async move {
+            let key = self.redis.key(tenant, &format!("guard-window:{session}"));
+            let (version, state): (Option<u64>, Option<String>) = self
+                .redis
+                .run("guard_window", |mut c| async move {
+                    redis::cmd("HMGET")
+                        .arg(&key)
+                        .arg(&["v", "state"])
+                        .query_async(&mut c)
+                        .await
+                })
+                .await
+                .map_err(unavailable)?;
+            Ok(state.map(|state| (version.unwrap_or(0), state)))
+        })
+    }
+
     fn save_guard(&self, record: GuardRecord) -> StoreFuture<'_, ()> {
         Box::pin(async move {
             let key = self.guard_key(&record.tenant, &record.session);

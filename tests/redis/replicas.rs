@@ -672,6 +672,23 @@ cool_down = "60s"
         let answer = cluster.call(replica, GUARDED, &headers, &step(1)).await;
         assert_eq!(answer.status, 200, "replica {replica}: {}", answer.text);
     }
+    // Every replica's view of the session is the shared one, wherever the requests went.
+    for replica in [0, 1, 2] {
+        let view = cluster
+            .admin(
+                replica,
+                reqwest::Method::GET,
+                "/admin/tenants/guarded/sessions/spread",
+            )
+            .await;
+        assert_eq!(view.status, 200, "{}", view.text);
+        assert_eq!(
+            view.json()["guard"]["signals"]["max_identical_requests_in_window"],
+            3,
+            "replica {replica}: {}",
+            view.text
+        );
+    }
     let fourth = cluster.call(0, GUARDED, &headers, &step(1)).await;
     assert_eq!(fourth.status, 429, "{}", fourth.text);
     assert_eq!(fourth.code(), "loop_detected");
