@@ -289,6 +289,41 @@ async fn closed_loop(
     total as f64 / started.elapsed().as_secs_f64()
 }
 
+/// Gateways driven together, and the Redis they share (none for the embedded one).
+struct Fleet<'a> {
+    urls: &'a [String],
+    /// The gateways' ports, to read their round trips.
+    ports: &'a [u16],
+    replicas: &'a [Proc],
+    redis: &'a [Proc],
+}
+
+/// What one closed loop over a [`Fleet`] measured.
+struct Measured {
+    calls_per_s: f64,
+    /// CPU per call of the gateways, and of redis-server.
+    cpu_us: f64,
+    redis_cpu_us: f64,
+    /// Redis round trips per call ([`per_call`]).
+    trips: String,
+}
+
+impl Fleet<'_> {
+    /// [`closed_loop`] at concurrency 32 over the gateways in turn, with its cost.
+    async fn closed_loop(&self, http: &reqwest::Client, sessions: usize, total: usize) -> Measured {
+        let before = round_trips(http, self.ports).await;
+        let (cpu, redis_cpu) = (cpu_ns(self.replicas), cpu_ns(self.redis));
+        let calls_per_s = closed_loop(http, self.urls, sessions, total, 32).await;
+        let us_per_call = |before: u64, after: u64| (after - before) as f64 / 1e3 / total as f64;
+        Measured {
+            calls_per_s,
+            cpu_us: us_per_call(cpu, cpu_ns(self.replicas)),
+            redis_cpu_us: us_per_call(redis_cpu, cpu_ns(self.redis)),
+            trips: per_call(&before, &round_trips(http, self.ports).await, total as f64),
+        }
+    }
+}
+
 /// Three `redis-server --cluster-enabled yes` joined into one cluster; the first node's
 /// port names it.
 fn start_cluster(dir: &std::path::Path) -> (Vec<Proc>, u16) {
@@ -453,21 +488,21 @@ async fn main() {
                 .await
                 .unwrap();
         }
-        let before = round_trips(&http, &redis_ports).await;
-        let (replicas_cpu, redis_cpu) = (cpu_ns(&gateways[1..]), cpu_ns(&redis));
-        let three = closed_loop(&http, &shared, sessions, total, 32).await;
-        let us_per_call = |before: u64, after: u64| (after - before) as f64 / 1e3 / total as f64;
-        let (replicas_cpu, redis_cpu) = (
-            us_per_call(replicas_cpu, cpu_ns(&gateways[1..])),
-            us_per_call(redis_cpu, cpu_ns(&redis)),
+        let fleet = Fleet {
+            urls: &shared,
+            ports: &redis_ports,
+            replicas: &gateways[1..],
+            redis: &redis,
+        };
+        let m = fleet.closed_loop(&http, sessions, total).await;
+        println!(
+            "redis, 3 replicas round-robin, {sessions} sessions: {:.0} calls/s; round trips per call {}",
+            m.calls_per_s, m.trips
         );
-        let trips = per_call(
-            &before,
-            &round_trips(&http, &redis_ports).await,
-            total as f64,
+        println!(
+            "CPU per call: replicas {:.0} µs, redis-server {:.0} µs",
+            m.cpu_us, m.redis_cpu_us
         );
-        println!("redis, 3 replicas round-robin, {sessions} sessions: {three:.0} calls/s; round trips per call {trips}");
-        println!("CPU per call: replicas {replicas_cpu:.0} µs, redis-server {redis_cpu:.0} µs");
         if logged {
             println!(
                 "time redis-server spent running each command, per call (SLOWLOG, µs): {}",
@@ -509,25 +544,29 @@ async fn main() {
     let total = 6000;
     println!("\nReserved calls per second, closed loop at concurrency 32, {total} calls; CPU per call of the gateways (and redis-server), from /proc; Redis round trips per call, all replicas:");
     println!("| setup | sessions | calls/s | CPU µs per call | round trips per call |\n|---|---|---|---|---|");
-    let us_per_call = |before: u64, after: u64| (after - before) as f64 / 1e3 / total as f64;
+    let one_replica = Fleet {
+        urls: std::slice::from_ref(&embedded),
+        ports: &[],
+        replicas: &gateways[..1],
+        redis: &[],
+    };
+    let fleet = Fleet {
+        urls: &shared,
+        ports: &redis_ports,
+        replicas: &gateways[1..],
+        redis: &redis,
+    };
     for sessions in [1, 64] {
-        let cpu = cpu_ns(&gateways[..1]);
-        let one = closed_loop(&http, std::slice::from_ref(&embedded), sessions, total, 32).await;
-        let one_cpu = us_per_call(cpu, cpu_ns(&gateways[..1]));
-        let before = round_trips(&http, &redis_ports).await;
-        let (cpu, redis_cpu) = (cpu_ns(&gateways[1..]), cpu_ns(&redis));
-        let three = closed_loop(&http, &shared, sessions, total, 32).await;
-        let (three_cpu, redis_cpu) = (
-            us_per_call(cpu, cpu_ns(&gateways[1..])),
-            us_per_call(redis_cpu, cpu_ns(&redis)),
+        let one = one_replica.closed_loop(&http, sessions, total).await;
+        let three = fleet.closed_loop(&http, sessions, total).await;
+        println!(
+            "| embedded, 1 replica | {sessions} | {:.0} | {:.0} | |",
+            one.calls_per_s, one.cpu_us
         );
-        let trips = per_call(
-            &before,
-            &round_trips(&http, &redis_ports).await,
-            total as f64,
+        println!(
+            "| redis, 3 replicas round-robin | {sessions} | {:.0} | {:.0} (+ {:.0}) | {} |",
+            three.calls_per_s, three.cpu_us, three.redis_cpu_us, three.trips
         );
-        println!("| embedded, 1 replica | {sessions} | {one:.0} | {one_cpu:.0} | |");
-        println!("| redis, 3 replicas round-robin | {sessions} | {three:.0} | {three_cpu:.0} (+ {redis_cpu:.0}) | {trips} |");
     }
 
     for node in &redis {

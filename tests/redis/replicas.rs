@@ -1742,6 +1742,14 @@ async fn round_trips_once_freed(
     }
 }
 
+/// The round trips of `n` successful requests that hold a concurrency slot.
+fn each_request(n: u64) -> Vec<(String, u64)> {
+    ["admit", "gate", "leave", "settle"]
+        .into_iter()
+        .map(|op| (op.to_string(), n))
+        .collect()
+}
+
 /// What `after` added to `before`, ops that did not move left out.
 fn added(
     before: &std::collections::BTreeMap<String, u64>,
@@ -1805,12 +1813,7 @@ max_consecutive_failures = 3
     let after = round_trips_once_freed(&cluster, 0, 6).await;
     assert_eq!(
         added(&before, &after),
-        [
-            ("admit".into(), 5),
-            ("gate".into(), 5),
-            ("leave".into(), 5),
-            ("settle".into(), 5)
-        ],
+        each_request(5),
         "per request: gate + admit before the call, settle after (and, after the body, the slot's release)"
     );
     let session = cluster.session(0, GUARDED, "trips").await;
@@ -1849,12 +1852,7 @@ max_consecutive_failures = 3
     ]);
     assert_eq!(
         added(&before, &after),
-        [
-            ("admit".into(), 6),
-            ("gate".into(), 6),
-            ("leave".into(), 6),
-            ("settle".into(), 6)
-        ],
+        each_request(6),
         "replicas in turn: one gate per request, no guard write after"
     );
 

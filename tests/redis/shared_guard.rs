@@ -241,13 +241,18 @@ fn run_sequence(
 /// Case count for the property test.
 const CASES: u32 = 256;
 
-#[test]
-fn a_joined_request_is_decided_as_the_guard_decides_on_the_shared_state() {
-    let server = RedisServer::start();
+/// A `redis-server` and a runtime to drive it from a test.
+fn bench() -> (RedisServer, tokio::runtime::Runtime) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
+    (RedisServer::start(), rt)
+}
+
+#[test]
+fn a_joined_request_is_decided_as_the_guard_decides_on_the_shared_state() {
+    let (server, rt) = bench();
     let config = ProptestConfig {
         cases: CASES,
         failure_persistence: None,
@@ -264,11 +269,7 @@ fn a_joined_request_is_decided_as_the_guard_decides_on_the_shared_state() {
 /// The window a join keeps is the guard's last [`RECENT_CAP`] requests.
 #[test]
 fn a_joined_window_keeps_the_guards_last_requests() {
-    let server = RedisServer::start();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let (server, rt) = bench();
     let steps: Vec<Step> = (0..RECENT_CAP as u64 + 20)
         .map(|i| Step::Request {
             request: 1000 + i,
