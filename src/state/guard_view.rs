@@ -31,6 +31,15 @@ pub enum Write {
     },
     /// One admitted request, added to whatever the shared state holds now ([`Joined`]).
     Join(Joined),
+    /// The whole state if the shared state is still at `version`, else the request
+    /// joined to it: for a replica that wrote the shared state last, which is then
+    /// spared reading and splicing it (Redis's Lua is slow with kilobyte strings).
+    WholeOrJoin {
+        version: u64,
+        state: String,
+        entries: usize,
+        join: Joined,
+    },
 }
 
 /// The versions a write took the shared state from and to.

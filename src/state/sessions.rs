@@ -98,6 +98,9 @@ pub struct GuardedSession {
     /// their retries) are only ever between replicas, and a whole write never holds a
     /// request that is still being joined.
     updating: Arc<tokio::sync::RwLock<()>>,
+    /// The shared state was this replica's guard before its last write (nobody wrote
+    /// between): it likely still is at the next.
+    last_writer: bool,
     /// The config generation `guard`'s policy is from (see [`SessionGuards::reconfigured`]).
     generation: u64,
 }
@@ -386,11 +389,21 @@ impl SessionGuards {
         };
         let turn = lock(entry).updating.clone();
         let mut newer: Option<(u64, String)> = None;
+        let mut alone = None;
         if let Some(request) = request {
             // Joins go together: each is decided on the shared state by the script, so
             // one session's requests on this replica do not wait for each other's round
             // trips. A request that cannot be joined waits for them, and they for it.
-            let _joining = turn.read().await;
+            // The replica that wrote the shared state last, if none of the session's
+            // requests is being joined here, offers its whole state too (see
+            // [`Write::WholeOrJoin`]): whole writes hold the turn alone.
+            if lock(entry).last_writer {
+                alone = turn.clone().try_write_owned().ok();
+            }
+            let _joining = match alone {
+                Some(_) => None,
+                None => Some(turn.read().await),
+            };
             let joined = {
                 let mut e = lock(entry);
                 let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
@@ -405,23 +418,35 @@ impl SessionGuards {
                     e.guard = admitted;
                     let window = i64::try_from(config.identical_request_window.as_millis())
                         .unwrap_or(i64::MAX);
-                    let joined = Joined {
+                    let join = Joined {
                         at_ms: now_ms,
                         request,
                         limit: config.identical_request_limit,
                         since_ms: now_ms.saturating_sub(window),
                     };
-                    (result, joined)
+                    let write = match alone {
+                        Some(_) => Write::WholeOrJoin {
+                            version: e.version,
+                            state: format::encode_snapshot(&guard_view::snapshot(
+                                &e.guard, now, now_ms,
+                            )),
+                            entries: e.guard.counts().recent.len(),
+                            join,
+                        },
+                        None => Write::Join(join),
+                    };
+                    (result, write)
                 })
             };
-            if let Some((result, joined)) = joined {
-                match save(Some(Write::Join(joined))).await {
+            if let Some((result, write)) = joined {
+                match save(Some(write)).await {
                     Saving::Saved(written, t) => {
                         // Joined to a state another replica (or another join) wrote
                         // since: this replica's guard is not that state, so it stays
                         // at its version (a whole write is then handed the state back).
                         let mut e = lock(entry);
-                        if e.version == written.from {
+                        e.last_writer = e.version == written.from;
+                        if e.last_writer {
                             e.version = written.to;
                         }
                         return Ok((result, Some(t)));
@@ -430,7 +455,9 @@ impl SessionGuards {
                         // The request stays in this replica's guard (joins beside it
                         // may have added theirs since), which is therefore no longer
                         // the shared state at any version.
-                        lock(entry).version = UNKNOWN_VERSION;
+                        let mut e = lock(entry);
+                        e.version = UNKNOWN_VERSION;
+                        e.last_writer = false;
                         return Ok((result, Some(t)));
                     }
                     Saving::Local(t) => return Ok((result, Some(t))),
@@ -440,7 +467,10 @@ impl SessionGuards {
                 }
             }
         }
-        let _turn = turn.write().await;
+        let _turn = match alone {
+            Some(turn) => turn,
+            None => turn.write_owned().await,
+        };
         // Optimistic: this replica's guard is assumed current; if it is not, the save
         // hands back the shared state, which is loaded and redone.
         for _ in 0..MAX_RACES {
@@ -479,7 +509,9 @@ impl SessionGuards {
             };
             match save(Some(write)).await {
                 Saving::Saved(written, t) => {
-                    lock(entry).version = written.to;
+                    let mut e = lock(entry);
+                    e.version = written.to;
+                    e.last_writer = true;
                     return Ok((result, Some(t)));
                 }
                 Saving::Moved(version, state) => {
@@ -550,6 +582,7 @@ impl SessionGuards {
                     version: 0,
                     seen_usd: 0.0,
                     updating: Arc::default(),
+                    last_writer: false,
                     generation: self.generation,
                 }))
             })

@@ -354,12 +354,16 @@ return out
 /// `{"moved", version, state}`, `{"busy"}` or `{scope, wait_us}` (scope `tenant` or
 /// `session`). Times on the server's clock.
 ///
+/// A replica that wrote the shared state last sends both: the whole state, written if
+/// the shared state is still at its version, else the request joined.
+///
 /// KEYS: tenant rate, session rate, concurrency slots, guard window.
 /// ARGV: tenant interval and burst, session interval and burst (interval 0: no limit),
 /// concurrency limit (0: none), slot lease (ms), slot id, the guard write ('' none, 'join'
 /// or the version the whole state must be at), the whole state, its expiry (ms), '1'
-/// when the guard refuses, the whole state's count of requests in its window; joining:
-/// when (ms), the request's fingerprint, the limit, the window's start (ms).
+/// when the guard refuses, the whole state's count of requests in its window; to join
+/// (alone, or if the whole state is not taken): when (ms), the request's fingerprint, the
+/// limit, the window's start (ms).
 const GATE: &str = r#"
 -- The state with the request joined to its window, and the window's count of requests
 -- after; nil if the guard would not admit it there (or the state is of a format or
@@ -415,7 +419,10 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now_ms = math.floor(now / 1000)
 local guarded = ARGV[8] ~= ''
 local v, state, entries = 0, ARGV[9], ARGV[12]
-if guarded and ARGV[8] == 'join' then
+if guarded and ARGV[8] ~= 'join' then
+  v = tonumber(redis.call('HGET', KEYS[4], 'v') or '0')
+end
+if guarded and (ARGV[8] == 'join' or (v ~= tonumber(ARGV[8]) and ARGV[13])) then
   local cur = redis.call('HMGET', KEYS[4], 'v', 'state', 'brief')
   v = tonumber(cur[1] or '0')
   if cur[2] then
@@ -423,11 +430,8 @@ if guarded and ARGV[8] == 'join' then
       tonumber(ARGV[15]), tonumber(ARGV[16]))
   end
   if not cur[2] or not state then return {'moved', tostring(v), cur[2] or ''} end
-elseif guarded then
-  v = tonumber(redis.call('HGET', KEYS[4], 'v') or '0')
-  if v ~= tonumber(ARGV[8]) then
-    return {'moved', tostring(v), redis.call('HGET', KEYS[4], 'state') or ''}
-  end
+elseif guarded and v ~= tonumber(ARGV[8]) then
+  return {'moved', tostring(v), redis.call('HGET', KEYS[4], 'state') or ''}
 end
 local function probe(key, interval, burst)
   if interval <= 0 then return nil, 0 end
@@ -950,21 +954,30 @@ impl SharedBudgets {
             .arg(&id);
         match &ask.guard {
             Some(g) => {
-                match &g.write {
-                    Write::Whole { version, state, .. } => inv.arg(version).arg(state),
-                    Write::Join(_) => inv.arg("join").arg(""),
+                let (whole, join) = match &g.write {
+                    Write::Whole {
+                        version,
+                        state,
+                        entries,
+                    } => (Some((version, state, entries)), None),
+                    Write::Join(join) => (None, Some(join)),
+                    Write::WholeOrJoin {
+                        version,
+                        state,
+                        entries,
+                        join,
+                    } => (Some((version, state, entries)), Some(join)),
+                };
+                match whole {
+                    Some((version, state, _)) => inv.arg(version).arg(state),
+                    None => inv.arg("join").arg(""),
                 };
                 inv.arg(g.ttl_ms.max(1000))
-                    .arg(if g.refuses { "1" } else { "0" });
-                match &g.write {
-                    Write::Whole { entries, .. } => inv.arg(entries),
-                    Write::Join(j) => inv
-                        .arg("")
-                        .arg(j.at_ms)
-                        .arg(j.request)
-                        .arg(j.limit)
-                        .arg(j.since_ms),
-                };
+                    .arg(if g.refuses { "1" } else { "0" })
+                    .arg(whole.map_or(0, |(_, _, entries)| *entries));
+                if let Some(j) = join {
+                    inv.arg(j.at_ms).arg(j.request).arg(j.limit).arg(j.since_ms);
+                }
             }
             None => {
                 inv.arg("").arg("").arg(0).arg("0");

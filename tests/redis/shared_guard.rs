@@ -31,8 +31,14 @@ const T0_MS: i64 = 1_700_000_000_000;
 
 #[derive(Debug, Clone)]
 enum Step {
-    /// A request with this fingerprint, this long after the last step.
-    Request { request: u64, after_ms: u64 },
+    /// A request with this fingerprint, this long after the last step; sent `as_whole`
+    /// too (when the guard admits it plainly), at the shared state's version or a stale
+    /// one, as a replica that wrote the state last does.
+    Request {
+        request: u64,
+        after_ms: u64,
+        as_whole: Option<bool>,
+    },
     /// The last request's outcome, written whole as a replica would; by a build that
     /// writes no brief beside it, when `briefless`.
     Outcome { failed: bool, briefless: bool },
@@ -46,7 +52,9 @@ fn step() -> impl Strategy<Value = Step> {
         1 => Just(WINDOW.as_millis() as u64 + 1),
     ];
     prop_oneof![
-        6 => (0u64..4, after).prop_map(|(request, after_ms)| Step::Request { request, after_ms }),
+        6 => (0u64..4, after, proptest::option::of(any::<bool>())).prop_map(
+            |(request, after_ms, as_whole)| Step::Request { request, after_ms, as_whole }
+        ),
         1 => (any::<bool>(), any::<bool>())
             .prop_map(|(failed, briefless)| Step::Outcome { failed, briefless }),
     ]
@@ -157,7 +165,11 @@ fn run_sequence(
         let mut joined = 0;
         for step in steps {
             match step {
-                Step::Request { request, after_ms } => {
+                Step::Request {
+                    request,
+                    after_ms,
+                    as_whole,
+                } => {
                     elapsed += Duration::from_millis(after_ms);
                     let (now, now_ms) = clock(elapsed);
                     let (before_v, before) = s.stored().await;
@@ -166,14 +178,22 @@ fn run_sequence(
                     let plain = verdict.is_ok()
                         && change.is_none()
                         && guard_view::joins(&guard, &admitted, now, request);
-                    let reply = s
-                        .gate(Write::Join(Joined {
-                            at_ms: now_ms,
-                            request,
-                            limit,
-                            since_ms: now_ms - WINDOW.as_millis() as i64,
-                        }))
-                        .await;
+                    let join = Joined {
+                        at_ms: now_ms,
+                        request,
+                        limit,
+                        since_ms: now_ms - WINDOW.as_millis() as i64,
+                    };
+                    let write = match as_whole.filter(|_| plain) {
+                        Some(current) => Write::WholeOrJoin {
+                            version: if current { version } else { version + 7 },
+                            state: encode_snapshot(&guard_view::snapshot(&admitted, now, now_ms)),
+                            entries: admitted.counts().recent.len(),
+                            join,
+                        },
+                        None => Write::Join(join),
+                    };
+                    let reply = s.gate(write).await;
                     match reply {
                         GateReply::Passed { guard: Some(w), .. } => {
                             prop_assert!(
@@ -274,6 +294,7 @@ fn a_joined_window_keeps_the_guards_last_requests() {
         .map(|i| Step::Request {
             request: 1000 + i,
             after_ms: 1,
+            as_whole: None,
         })
         .collect();
     let joined = run_sequence(&rt, &server, 3, steps).unwrap();
@@ -283,6 +304,7 @@ fn a_joined_window_keeps_the_guards_last_requests() {
     let request = |i: u64, after_ms: u64| Step::Request {
         request: 5000 + i,
         after_ms,
+        as_whole: None,
     };
     let out = WINDOW.as_millis() as u64 + 101 - 150;
     let steps: Vec<Step> = (0..150)
