@@ -3,9 +3,16 @@
 //! reservations per second across 3 redis replicas; the admission decision time with
 //! Redis stopped (SIGSTOP), and how many Redis round trips a request makes. Needs
 //! `redis-server` on PATH and a release build. `--cluster`: the same on a Redis Cluster
-//! of three masters (`redis-cli --cluster create`).
+//! of three masters (`redis-cli --cluster create`). `--load SESSIONS CALLS`: only the
+//! closed loop over the three redis replicas (after a 3 s pause to attach a profiler to
+//! the pids it prints), with its round trips and CPU time per call and, with
+//! `--slowlog`, redis-server's time per command (logging every command costs time of its
+//! own: compare those figures with each other, not with a run without it).
 //!
-//!     cargo build --release && cargo run --release --example replicas -- [SECONDS] [--cluster]
+//! CPU time per call (every thread's, from `/proc`) is the figure to compare on a shared,
+//! noisy machine: calls per second move with whatever else runs.
+//!
+//!     cargo build --release && cargo run --release --example replicas -- [SECONDS] [--cluster] [--load SESSIONS CALLS [--slowlog]]
 
 #[path = "common/mod.rs"]
 mod common;
@@ -133,6 +140,104 @@ async fn round_trips(
     by_op
 }
 
+/// Round trips per call between two [`round_trips`] readings: the total and by op.
+fn per_call(
+    before: &std::collections::BTreeMap<String, f64>,
+    after: &std::collections::BTreeMap<String, f64>,
+    calls: f64,
+) -> String {
+    let by_op: Vec<(String, f64)> = after
+        .iter()
+        .map(|(op, n)| {
+            let moved = n - before.get(op).copied().unwrap_or(0.0);
+            (op.clone(), moved / calls)
+        })
+        .filter(|(_, n)| *n > 0.0)
+        .collect();
+    let total: f64 = by_op.iter().map(|(_, n)| n).sum();
+    let ops: Vec<String> = by_op.iter().map(|(op, n)| format!("{op} {n:.2}")).collect();
+    format!("{total:.2} ({})", ops.join(", "))
+}
+
+/// CPU time the processes have used so far, in nanoseconds (every thread's, from
+/// `/proc/PID/task/*/schedstat`): on a shared machine, what one call costs whatever else
+/// runs beside it.
+fn cpu_ns(procs: &[Proc]) -> u64 {
+    let mut ns = 0;
+    for p in procs {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", p.pid())) else {
+            continue;
+        };
+        for task in tasks.flatten() {
+            let stat = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
+            ns += stat
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    ns
+}
+
+async fn redis_conn(port: u16) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(format!("redis://127.0.0.1:{port}/0"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// What the SLOWLOG (set to log every command) holds, as microseconds per call by
+/// command: a script named by its first key's last part and its key count (`rate/4` is
+/// the gate, `generation/8` the admission, `reservations/8` the settle).
+async fn command_time(conn: &mut redis::aio::MultiplexedConnection, calls: f64) -> String {
+    let entries: Vec<redis::Value> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(-1)
+        .query_async(conn)
+        .await
+        .unwrap();
+    let text = |v: &redis::Value| match v {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        redis::Value::SimpleString(s) => s.clone(),
+        _ => String::new(),
+    };
+    let mut by: std::collections::BTreeMap<String, (u64, i64)> = Default::default();
+    for entry in entries {
+        let redis::Value::Array(fields) = entry else {
+            continue;
+        };
+        let (Some(redis::Value::Int(us)), Some(redis::Value::Array(args))) =
+            (fields.get(2), fields.get(3))
+        else {
+            continue;
+        };
+        let args: Vec<String> = args.iter().map(text).collect();
+        let name = match args.first().map(|a| a.to_ascii_lowercase()).as_deref() {
+            Some("evalsha") | Some("eval") => format!(
+                "{}/{}",
+                args.get(3)
+                    .and_then(|k| k.rsplit(':').next())
+                    .unwrap_or("?"),
+                args.get(2).map_or("?", String::as_str)
+            ),
+            Some(cmd) => cmd.to_string(),
+            None => continue,
+        };
+        let e = by.entry(name).or_default();
+        e.0 += 1;
+        e.1 += us;
+    }
+    let total: i64 = by.values().map(|(_, us)| us).sum();
+    let parts: Vec<String> = by
+        .iter()
+        .filter(|(_, (n, _))| *n as f64 >= calls / 100.0)
+        .map(|(name, (n, us))| format!("{name} {:.1} ({n} calls)", *us as f64 / calls))
+        .collect();
+    format!("{:.1} in all: {}", total as f64 / calls, parts.join(", "))
+}
+
 /// A request every millisecond for `seconds`, whatever the answers take.
 async fn paced(http: &reqwest::Client, url: &str, auth: bool, seconds: u64) -> Vec<Duration> {
     let mut tick = tokio::time::interval(Duration::from_millis(1));
@@ -182,6 +287,41 @@ async fn closed_loop(
         t.await.unwrap();
     }
     total as f64 / started.elapsed().as_secs_f64()
+}
+
+/// Gateways driven together, and the Redis they share (none for the embedded one).
+struct Fleet<'a> {
+    urls: &'a [String],
+    /// The gateways' ports, to read their round trips.
+    ports: &'a [u16],
+    replicas: &'a [Proc],
+    redis: &'a [Proc],
+}
+
+/// What one closed loop over a [`Fleet`] measured.
+struct Measured {
+    calls_per_s: f64,
+    /// CPU per call of the gateways, and of redis-server.
+    cpu_us: f64,
+    redis_cpu_us: f64,
+    /// Redis round trips per call ([`per_call`]).
+    trips: String,
+}
+
+impl Fleet<'_> {
+    /// [`closed_loop`] at concurrency 32 over the gateways in turn, with its cost.
+    async fn closed_loop(&self, http: &reqwest::Client, sessions: usize, total: usize) -> Measured {
+        let before = round_trips(http, self.ports).await;
+        let (cpu, redis_cpu) = (cpu_ns(self.replicas), cpu_ns(self.redis));
+        let calls_per_s = closed_loop(http, self.urls, sessions, total, 32).await;
+        let us_per_call = |before: u64, after: u64| (after - before) as f64 / 1e3 / total as f64;
+        Measured {
+            calls_per_s,
+            cpu_us: us_per_call(cpu, cpu_ns(self.replicas)),
+            redis_cpu_us: us_per_call(redis_cpu, cpu_ns(self.redis)),
+            trips: per_call(&before, &round_trips(http, self.ports).await, total as f64),
+        }
+    }
 }
 
 /// Three `redis-server --cluster-enabled yes` joined into one cluster; the first node's
@@ -248,7 +388,8 @@ async fn main() {
     let bin = backstop_bin();
     let dir = std::env::temp_dir().join(format!("backstop-replicas-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let on_cluster = std::env::args().any(|a| a == "--cluster");
+    let args: Vec<String> = std::env::args().collect();
+    let on_cluster = args.iter().any(|a| a == "--cluster");
     let mock = free_port();
     let (redis, redis_port) = if on_cluster {
         start_cluster(&dir)
@@ -316,6 +457,62 @@ async fn main() {
         closed_loop(&http, std::slice::from_ref(url), 1, 500, 16).await;
     }
 
+    if let Some(at) = args.iter().position(|a| a == "--load") {
+        let arg = |i: usize| args.get(at + i).and_then(|s| s.parse::<usize>().ok());
+        let (sessions, total) = (arg(1).unwrap_or(1), arg(2).unwrap_or(20_000));
+        let pids: Vec<String> = gateways[1..]
+            .iter()
+            .chain(&redis)
+            .map(|p| p.pid().to_string())
+            .collect();
+        println!("pids (3 replicas, then redis): {}", pids.join(","));
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        // Logging every command costs redis-server time of its own: asked for alone.
+        let mut slowlog = redis_conn(redis_port).await;
+        let logged = args.iter().any(|a| a == "--slowlog");
+        if logged {
+            let _: () = redis::cmd("CONFIG")
+                .arg(&[
+                    "SET",
+                    "slowlog-log-slower-than",
+                    "0",
+                    "slowlog-max-len",
+                    "1000000",
+                ])
+                .query_async(&mut slowlog)
+                .await
+                .unwrap();
+            let _: () = redis::cmd("SLOWLOG")
+                .arg("RESET")
+                .query_async(&mut slowlog)
+                .await
+                .unwrap();
+        }
+        let fleet = Fleet {
+            urls: &shared,
+            ports: &redis_ports,
+            replicas: &gateways[1..],
+            redis: &redis,
+        };
+        let m = fleet.closed_loop(&http, sessions, total).await;
+        println!(
+            "redis, 3 replicas round-robin, {sessions} sessions: {:.0} calls/s; round trips per call {}",
+            m.calls_per_s, m.trips
+        );
+        println!(
+            "CPU per call: replicas {:.0} µs, redis-server {:.0} µs",
+            m.cpu_us, m.redis_cpu_us
+        );
+        if logged {
+            println!(
+                "time redis-server spent running each command, per call (SLOWLOG, µs): {}",
+                command_time(&mut slowlog, total as f64).await
+            );
+        }
+        drop(gateways);
+        let _ = std::fs::remove_dir_all(&dir);
+        return;
+    }
     let on = if on_cluster {
         "a 3-master Redis Cluster"
     } else {
@@ -339,31 +536,37 @@ async fn main() {
     }
 
     let after = round_trips(&http, &redis_ports).await;
-    let requests = (seconds * 1000) as f64;
-    let per_op: Vec<String> = after
-        .iter()
-        .map(|(op, n)| (op, (n - before.get(op).copied().unwrap_or(0.0)) / requests))
-        .filter(|(_, n)| *n > 0.0)
-        .map(|(op, n)| format!("{op} {n:.2}"))
-        .collect();
-    let total_trips: f64 = after
-        .iter()
-        .map(|(op, n)| n - before.get(op).copied().unwrap_or(0.0))
-        .sum::<f64>()
-        / requests;
     println!(
-        "\nRedis round trips per request in the redis row: {total_trips:.2} ({})",
-        per_op.join(", ")
+        "\nRedis round trips per request in the redis row: {}",
+        per_call(&before, &after, (seconds * 1000) as f64)
     );
 
     let total = 6000;
-    println!("\nReserved calls per second, closed loop at concurrency 32, {total} calls:");
-    println!("| setup | sessions | calls/s |\n|---|---|---|");
+    println!("\nReserved calls per second, closed loop at concurrency 32, {total} calls; CPU per call of the gateways (and redis-server), from /proc; Redis round trips per call, all replicas:");
+    println!("| setup | sessions | calls/s | CPU µs per call | round trips per call |\n|---|---|---|---|---|");
+    let one_replica = Fleet {
+        urls: std::slice::from_ref(&embedded),
+        ports: &[],
+        replicas: &gateways[..1],
+        redis: &[],
+    };
+    let fleet = Fleet {
+        urls: &shared,
+        ports: &redis_ports,
+        replicas: &gateways[1..],
+        redis: &redis,
+    };
     for sessions in [1, 64] {
-        let one = closed_loop(&http, std::slice::from_ref(&embedded), sessions, total, 32).await;
-        let three = closed_loop(&http, &shared, sessions, total, 32).await;
-        println!("| embedded, 1 replica | {sessions} | {one:.0} |");
-        println!("| redis, 3 replicas round-robin | {sessions} | {three:.0} |");
+        let one = one_replica.closed_loop(&http, sessions, total).await;
+        let three = fleet.closed_loop(&http, sessions, total).await;
+        println!(
+            "| embedded, 1 replica | {sessions} | {:.0} | {:.0} | |",
+            one.calls_per_s, one.cpu_us
+        );
+        println!(
+            "| redis, 3 replicas round-robin | {sessions} | {:.0} | {:.0} (+ {:.0}) | {} |",
+            three.calls_per_s, three.cpu_us, three.redis_cpu_us, three.trips
+        );
     }
 
     for node in &redis {

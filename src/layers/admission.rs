@@ -62,6 +62,7 @@ use crate::{
     state::{
         budgets::{Budgets, ConcurrencySlot, Gated, Refusal},
         fleet::Fleet,
+        guard_view::Write,
         sessions::{lock, GuardedSession, Saving, SessionGuards, TraceEntry},
         shared::GuardWrite,
     },
@@ -347,6 +348,7 @@ impl AdmissionLayer {
                         refuses.store(verdict.0.is_err(), Ordering::Relaxed);
                         verdict
                     },
+                    g.fp.request,
                     |write| self.gate(g, write, refuses.load(Ordering::Relaxed)),
                 )
                 .await
@@ -530,12 +532,11 @@ impl AdmissionLayer {
     async fn gate(
         &self,
         g: &Guarded<'_>,
-        write: Option<(u64, String)>,
+        write: Option<Write>,
         refuses: bool,
     ) -> Saving<Result<Option<ConcurrencySlot>, Refusal>> {
-        let write = write.map(|(version, state)| GuardWrite {
-            version,
-            state,
+        let write = write.map(|write| GuardWrite {
+            write,
             ttl_ms: self.guards.shared_ttl_ms(),
             refuses,
         });
@@ -543,8 +544,8 @@ impl AdmissionLayer {
         match self.budgets.gate(g.tenant, Some(g.session), write).await {
             Ok(Gated::Passed {
                 slot,
-                guard_version: Some(version),
-            }) if written => Saving::Saved(version, Ok(slot)),
+                guard: Some(versions),
+            }) if written => Saving::Saved(versions, Ok(slot)),
             Ok(Gated::Passed { slot, .. }) => Saving::Local(Ok(slot)),
             Ok(Gated::Moved(version, state)) => Saving::Moved(version, state),
             Err(refusal) => Saving::Undone(Err(refusal)),
@@ -634,14 +635,7 @@ where
         // this outcome goes uncounted.
         let change = self
             .guards
-            .record(
-                &tenant,
-                &session,
-                &entry,
-                failed,
-                seen.map(|s| s.guard_version),
-                imposed,
-            )
+            .record(&tenant, &session, &entry, failed, seen, imposed)
             .await
             .unwrap_or_default();
         let keep = {

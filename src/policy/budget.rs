@@ -239,6 +239,9 @@ pub struct SessionSeen {
     pub settled: Usage,
     pub reserved: Usage,
     pub guard_version: u64,
+    /// The guard's shared state is quiet (active, no failures in a row): a success
+    /// changes nothing in it.
+    pub guard_quiet: bool,
 }
 
 #[cfg(test)]

@@ -16,6 +16,77 @@ use crate::{
     store::format::GuardSnapshot,
 };
 
+pub use crate::store::format::{ADMITTING_PREFIXES, QUIET_PREFIX};
+
+/// What a guard's update asks of the state replicas share.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Write {
+    /// The whole state, taken only if the shared state is still at `version`
+    /// (compare-and-set): anything else another replica wrote meanwhile is handed back.
+    Whole {
+        version: u64,
+        state: String,
+        /// The number of requests in its window (written beside it, for joins).
+        entries: usize,
+    },
+    /// One admitted request, added to whatever the shared state holds now ([`Joined`]).
+    Join(Joined),
+    /// The whole state if the shared state is still at `version`, else the request
+    /// joined to it: for a replica that wrote the shared state last, which is then
+    /// spared reading and splicing it (Redis's Lua is slow with kilobyte strings).
+    WholeOrJoin {
+        version: u64,
+        state: String,
+        entries: usize,
+        join: Joined,
+    },
+}
+
+/// The versions a write took the shared state from and to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Written {
+    pub from: u64,
+    pub to: u64,
+}
+
+/// A request a guard admitted with nothing else changed ([`joins`]): the shared state,
+/// at whatever version another replica left it, takes it without this replica's
+/// snapshot if its guard would admit it too: its phase admits (active or recovering)
+/// and the request is in its window fewer than `limit` times once entries from before
+/// `since_ms` are dropped. The request is then appended (the window kept to
+/// [`RECENT_CAP`] entries, as the guard keeps it); otherwise nothing is written and the
+/// shared state is handed back, for the request to be decided again on it. Either way
+/// the answer is the one the guard itself gives on the shared state: replicas need not
+/// be at the shared state's version to add a request to it, only to change anything else.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Joined {
+    /// When, on the wall clock ([`snapshot`]'s times).
+    pub at_ms: i64,
+    /// The request's fingerprint ([`RequestFingerprint::request`](crate::policy::guard::RequestFingerprint::request)).
+    pub request: u64,
+    /// The guard's `identical_request_limit`.
+    pub limit: u32,
+    /// `at_ms` less the guard's `identical_request_window`.
+    pub since_ms: i64,
+}
+
+/// The identical-request window's length in a snapshot: the guard keeps its last 256
+/// requests (`policy::guard`'s `RECENT_CAP`; a test below holds the two equal).
+pub const RECENT_CAP: usize = 256;
+
+/// Whether `after` is `before` with `request` admitted at `now` and nothing else changed
+/// (its windows trimmed and a spend sample taken, as every admission does): a request a
+/// guard in a phase that admits let through, which can be joined to the shared state
+/// ([`Joined`]) instead of replacing it.
+pub fn joins(before: &SessionGuard, after: &SessionGuard, now: Instant, request: u64) -> bool {
+    let (b, a) = (before.counts(), after.counts());
+    matches!(b.state, GuardState::Active | GuardState::Recovering)
+        && a.state.phase() == b.state.phase()
+        && a.consecutive_failures == b.consecutive_failures
+        && a.transitions == b.transitions
+        && a.recent.back() == Some(&(now, request))
+}
+
 /// Everything the guard's rules count, on the wall clock (`now` is `now_ms`), for the
 /// replicas that share its session.
 pub fn snapshot(guard: &SessionGuard, now: Instant, now_ms: i64) -> GuardSnapshot {
@@ -127,8 +198,76 @@ mod tests {
     use super::*;
     use crate::policy::guard::{
         tests::{config, fp},
-        TripRule,
+        GuardPolicy, TripRule,
     };
+
+    /// The prefixes the scripts read a snapshot's phase by are how the format writes it.
+    #[test]
+    fn the_scripts_prefixes_are_how_snapshots_begin() {
+        use crate::store::format::encode_snapshot;
+        let t0 = Instant::now();
+        let (now_ms, mut g) = (1_000_000, SessionGuard::new(config()));
+        let fresh = encode_snapshot(&snapshot(&g, t0, now_ms));
+        assert!(fresh.starts_with(QUIET_PREFIX), "{fresh}");
+        assert!(fresh.starts_with(ADMITTING_PREFIXES[0]));
+        assert!(g.admit(t0, &fp(1), 0.0).0.is_ok());
+        let active = encode_snapshot(&snapshot(&g, t0, now_ms));
+        assert!(active.starts_with(QUIET_PREFIX), "{active}");
+        assert!(active.contains(r#""recent":[[1000000,1]],"spend":["#));
+        g.record(t0, true);
+        let recovering = encode_snapshot(&snapshot(&g, t0, now_ms));
+        assert!(
+            recovering.starts_with(ADMITTING_PREFIXES[1]),
+            "{recovering}"
+        );
+        assert!(!recovering.starts_with(QUIET_PREFIX));
+        for text in ADMITTING_PREFIXES.iter().chain([&QUIET_PREFIX]) {
+            // Written into the scripts inside single quotes.
+            assert!(!text.contains(['\'', '\\']));
+        }
+    }
+
+    /// The window a script keeps when it joins a request is the guard's own.
+    #[test]
+    fn the_window_cap_is_the_guards() {
+        let t0 = Instant::now();
+        let mut g = SessionGuard::new(GuardPolicy {
+            identical_request_limit: 1000,
+            ..config()
+        });
+        for i in 0..(RECENT_CAP as u64 + 10) {
+            assert!(g.admit(t0, &fp(i), 0.0).0.is_ok());
+        }
+        assert_eq!(g.counts().recent.len(), RECENT_CAP);
+    }
+
+    #[test]
+    fn only_a_plain_admission_joins() {
+        let t0 = Instant::now();
+        let g = SessionGuard::new(config());
+        let mut admitted = g.clone();
+        assert!(admitted.admit(t0, &fp(1), 0.0).0.is_ok());
+        assert!(joins(&g, &admitted, t0, 1));
+        assert!(!joins(&g, &admitted, t0, 2), "another request");
+        let mut failed = admitted.clone();
+        failed.record(t0, true);
+        let mut again = failed.clone();
+        assert!(again.admit(t0, &fp(2), 0.0).0.is_ok());
+        assert!(joins(&failed, &again, t0, 2), "recovering admits");
+        // A trip, a close or a probe changes more than the window.
+        let mut looping = admitted.clone();
+        for _ in 0..2 {
+            assert!(looping.admit(t0, &fp(1), 0.0).0.is_ok());
+        }
+        let mut tripped = looping.clone();
+        assert!(tripped.admit(t0, &fp(1), 0.0).0.is_err());
+        assert!(!joins(&looping, &tripped, t0, 1));
+        let mut closed = g.clone();
+        closed.close();
+        let mut refused = closed.clone();
+        assert!(refused.admit(t0, &fp(3), 0.0).0.is_err());
+        assert!(!joins(&closed, &refused, t0, 3));
+    }
 
     /// A guard carried to another replica as a snapshot goes on counting where it was:
     /// its windows, failures and trip (with the cool-down left) come through, with

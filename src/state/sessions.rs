@@ -22,9 +22,12 @@ use tokio::time::Instant;
 use crate::{
     clock::Clock,
     config::Config,
-    policy::guard::{restore_trip, GuardPolicy, Kept, SessionGuard, Trip},
+    policy::{
+        budget::SessionSeen,
+        guard::{restore_trip, GuardPolicy, Kept, SessionGuard, Trip},
+    },
     state::{
-        guard_view,
+        guard_view::{self, Joined, Write, Written},
         live::{LiveSessions, SessionKey},
     },
     store::{
@@ -70,9 +73,10 @@ impl TraceEntry {
 /// How a guard's write-back went ([`SessionGuards::update_with`]), with what the saver
 /// decided besides (`T`).
 pub enum Saving<T> {
-    /// Written; the shared state is at this version now.
-    Saved(u64, T),
-    /// Another replica wrote first: its version and state (nothing was written).
+    /// Written, taking the shared state from one version to the next.
+    Saved(Written, T),
+    /// Another replica wrote first (or, for a joined request, the shared state would not
+    /// admit it): its version and state (nothing was written).
     Moved(u64, String),
     /// Not written, and what the update did is undone: the request was refused before
     /// the guard counted it.
@@ -89,9 +93,14 @@ pub struct GuardedSession {
     /// The session's settled spend as this replica last saw it (the settle of its last
     /// call here), for the guard's spend samples without a read of its own.
     pub seen_usd: f64,
-    /// One shared-state update of this session at a time from this replica, so races
-    /// (and their retries) are only ever between replicas.
-    updating: Arc<tokio::sync::Mutex<()>>,
+    /// Whole writes of this session's shared state one at a time from this replica, and
+    /// none while requests are being joined to it (those go together), so races (and
+    /// their retries) are only ever between replicas, and a whole write never holds a
+    /// request that is still being joined.
+    updating: Arc<tokio::sync::RwLock<()>>,
+    /// The shared state was this replica's guard before its last write (nobody wrote
+    /// between): it likely still is at the next.
+    last_writer: bool,
     /// The config generation `guard`'s policy is from (see [`SessionGuards::reconfigured`]).
     generation: u64,
 }
@@ -139,6 +148,11 @@ pub struct SessionGuards {
 /// How many times a guard update is redone because another replica changed the same
 /// session meanwhile, before this replica decides on its own state.
 const MAX_RACES: usize = 8;
+
+/// The version of a replica's guard that is not the shared state at any version (a
+/// request it holds was refused by the limits after joins beside it): a whole write from
+/// it is handed the shared state back.
+const UNKNOWN_VERSION: u64 = u64::MAX;
 
 /// Each guarded tenant's policy.
 fn policies(config: &Config) -> HashMap<String, Arc<GuardPolicy>> {
@@ -223,12 +237,12 @@ impl SessionGuards {
         }))
     }
 
-    /// Runs `f` on a session's guard. With a store shared by replicas, the guard is
-    /// first brought up to the shared state, and what `f` changed is written back only
-    /// if no other replica changed it meanwhile (else it is reloaded and `f` runs
-    /// again), so every rule counts every replica's requests. When the store cannot be
-    /// reached, or races go on, this replica's own guard decides. Shared state this build
-    /// cannot read is an error: `f` is not run and nothing is written.
+    /// Runs `f` on a session's guard. With a store shared by replicas, what `f` changed
+    /// is written back only if no other replica changed the shared state meanwhile (else
+    /// the guard is brought up to the shared state and `f` runs again), so every rule
+    /// counts every replica's requests. When the store cannot be reached, or races go on,
+    /// this replica's own guard decides. Shared state this build cannot read is an error:
+    /// `f` is not run and nothing is written.
     pub async fn update<R>(
         &self,
         tenant: &Arc<str>,
@@ -236,43 +250,51 @@ impl SessionGuards {
         entry: &Mutex<GuardedSession>,
         f: impl Fn(&mut SessionGuard, Instant) -> R,
     ) -> Result<R, UnknownFormat> {
-        let save = |write: Option<(u64, String)>| self.save_window(tenant, session, write);
-        Ok(self.apply(tenant, session, entry, f, save, false).await?.0)
+        let save = |write: Option<Write>| self.save_window(tenant, session, write);
+        Ok(self
+            .apply(tenant, session, entry, f, None, save, false)
+            .await?
+            .0)
     }
 
-    /// [`SessionGuards::update`], with the write-back done by `save` (with the version
-    /// the shared state must be at and the new state; `None` when races went on: write
-    /// nothing), which may decide more in the same round trip (the request's limits) and
-    /// may undo what `f` did ([`Saving::Undone`]). Without shared state, `f` runs alone
-    /// and `save` is not called.
+    /// [`SessionGuards::update`] of an admission: `f` admits (or refuses) the request
+    /// whose fingerprint is `request`, and the write-back is done by `save` (given what
+    /// to write; `None` when races went on: write nothing), which may decide more in the
+    /// same round trip (the request's limits) and may undo what `f` did
+    /// ([`Saving::Undone`]). A request admitted with nothing else changed is joined to the
+    /// shared state as it is ([`Joined`]), whichever replica wrote it last: only when
+    /// the shared state would not admit it is it handed back and the request decided
+    /// again on it. Without shared state, `f` runs alone and `save` is not called.
     pub async fn update_with<R, T, Fut>(
         &self,
         tenant: &Arc<str>,
         session: &str,
         entry: &Mutex<GuardedSession>,
         f: impl Fn(&mut SessionGuard, Instant) -> R,
-        save: impl Fn(Option<(u64, String)>) -> Fut,
+        request: u64,
+        save: impl Fn(Option<Write>) -> Fut,
     ) -> Result<(R, Option<T>), UnknownFormat>
     where
         Fut: std::future::Future<Output = Saving<T>>,
     {
-        self.apply(tenant, session, entry, f, save, false).await
+        self.apply(tenant, session, entry, f, Some(request), save, false)
+            .await
     }
 
     /// Records how an admitted request ended ([`SessionGuard::record`]), and imposes a
     /// trip decided outside the session (`imposed`: the fleet's, with its cool-down;
     /// [`SessionGuard::impose`]) in the same write. In replica mode the write-back is
-    /// skipped when it would change nothing: the settle of the request's last call saw
-    /// the shared state still at this replica's version (`seen_version`), and recording
-    /// the outcome leaves the guard as it was (a success of an active session, the
-    /// common case).
+    /// skipped when it would change nothing, as the settle of the request's last call saw
+    /// the shared state (`seen`): a success of a quiet session (active, no failures in a
+    /// row; the common case), whichever replica wrote it last, or an outcome that leaves
+    /// the guard as it was when the shared state was still at this replica's version.
     pub async fn record(
         &self,
         tenant: &Arc<str>,
         session: &str,
         entry: &Mutex<GuardedSession>,
         failed: bool,
-        seen_version: Option<u64>,
+        seen: Option<SessionSeen>,
         imposed: Option<(Trip, Duration)>,
     ) -> Result<Option<crate::policy::guard::Transition>, UnknownFormat> {
         if let Some((trip, cool_down)) = imposed {
@@ -287,8 +309,15 @@ impl SessionGuards {
                 .await;
         }
         if self.shares(tenant) {
-            let e = lock(entry);
-            if seen_version == Some(e.version) {
+            let mut e = lock(entry);
+            if !failed && seen.is_some_and(|s| s.guard_quiet) {
+                // Nothing to write. This replica's guard, behind the shared state if
+                // another replica wrote since, takes the success too; the change, if any,
+                // was the other replica's.
+                e.guard.record(self.clock.now(), false);
+                return Ok(None);
+            }
+            if seen.map(|s| s.guard_version) == Some(e.version) {
                 let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
                 let before = guard_view::snapshot(&e.guard, now, now_ms);
                 let mut after = e.guard.clone();
@@ -317,22 +346,24 @@ impl SessionGuards {
         self.store.is_shared() && self.configs.contains_key(tenant)
     }
 
-    /// The store's compare-and-set of the guard's shared state.
-    async fn save_window(
-        &self,
-        tenant: &str,
-        session: &str,
-        write: Option<(u64, String)>,
-    ) -> Saving<()> {
-        let Some((version, snapshot)) = write else {
+    /// The store's compare-and-set of the guard's shared state (only [`Write::Whole`]:
+    /// the store joins no request, see [`SessionGuards::update_with`]).
+    async fn save_window(&self, tenant: &str, session: &str, write: Option<Write>) -> Saving<()> {
+        let Some(Write::Whole { version, state, .. }) = write else {
             return Saving::Local(());
         };
         match self
             .store
-            .save_guard_window(tenant, session, version, snapshot, self.shared_ttl_ms())
+            .save_guard_window(tenant, session, version, state, self.shared_ttl_ms())
             .await
         {
-            Ok(Some(WindowSave::Saved(saved))) => Saving::Saved(saved, ()),
+            Ok(Some(WindowSave::Saved(saved))) => Saving::Saved(
+                Written {
+                    from: version,
+                    to: saved,
+                },
+                (),
+            ),
             Ok(Some(WindowSave::Moved(version, state))) => Saving::Moved(version, state),
             // Unreachable, or not shared after all: this replica's guard decided.
             Ok(None) | Err(_) => Saving::Local(()),
@@ -344,15 +375,18 @@ impl SessionGuards {
         u64::try_from(self.idle.as_millis()).unwrap_or(u64::MAX)
     }
 
-    /// [`SessionGuards::update_with`], or, with `replace` (an operator's close or reset,
-    /// which replaces the state), over shared state this build cannot read as well.
+    /// [`SessionGuards::update_with`] (with `request`: `f` admits it) or
+    /// [`SessionGuards::update`], or, with `replace` (an operator's close or reset, which
+    /// replaces the state), over shared state this build cannot read as well.
+    #[allow(clippy::too_many_arguments)]
     async fn apply<R, T, Fut>(
         &self,
         tenant: &Arc<str>,
         session: &str,
         entry: &Mutex<GuardedSession>,
         f: impl Fn(&mut SessionGuard, Instant) -> R,
-        save: impl Fn(Option<(u64, String)>) -> Fut,
+        request: Option<u64>,
+        save: impl Fn(Option<Write>) -> Fut,
         replace: bool,
     ) -> Result<(R, Option<T>), UnknownFormat>
     where
@@ -367,12 +401,93 @@ impl SessionGuards {
             return Ok((f(&mut e.guard, self.clock.now()), None));
         };
         let turn = lock(entry).updating.clone();
-        let _turn = turn.lock().await;
-        // Optimistic: this replica's guard is assumed current; if another replica
-        // wrote since, the save hands back its state, which is loaded and redone.
         let mut newer: Option<(u64, String)> = None;
+        let mut alone = None;
+        if let Some(request) = request {
+            // Joins go together: each is decided on the shared state by the script, so
+            // one session's requests on this replica do not wait for each other's round
+            // trips. A request that cannot be joined waits for them, and they for it.
+            // The replica that wrote the shared state last, if none of the session's
+            // requests is being joined here, offers its whole state too (see
+            // [`Write::WholeOrJoin`]): whole writes hold the turn alone.
+            if lock(entry).last_writer {
+                alone = turn.clone().try_write_owned().ok();
+            }
+            let _joining = match alone {
+                Some(_) => None,
+                None => Some(turn.read().await),
+            };
+            let joined = {
+                let mut e = lock(entry);
+                let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
+                let mut admitted = e.guard.clone();
+                let result = f(&mut admitted, now);
+                // A new session here writes whole (there may be no shared state yet), and
+                // spend samples are only written whole.
+                let joins = e.version > 0
+                    && config.max_usd_per_minute.is_none()
+                    && guard_view::joins(&e.guard, &admitted, now, request);
+                joins.then(|| {
+                    e.guard = admitted;
+                    let window = i64::try_from(config.identical_request_window.as_millis())
+                        .unwrap_or(i64::MAX);
+                    let join = Joined {
+                        at_ms: now_ms,
+                        request,
+                        limit: config.identical_request_limit,
+                        since_ms: now_ms.saturating_sub(window),
+                    };
+                    let write = match alone {
+                        Some(_) => Write::WholeOrJoin {
+                            version: e.version,
+                            state: format::encode_snapshot(&guard_view::snapshot(
+                                &e.guard, now, now_ms,
+                            )),
+                            entries: e.guard.counts().recent.len(),
+                            join,
+                        },
+                        None => Write::Join(join),
+                    };
+                    (result, write)
+                })
+            };
+            if let Some((result, write)) = joined {
+                match save(Some(write)).await {
+                    Saving::Saved(written, t) => {
+                        // Joined to a state another replica (or another join) wrote
+                        // since: this replica's guard is not that state, so it stays
+                        // at its version (a whole write is then handed the state back).
+                        let mut e = lock(entry);
+                        e.last_writer = e.version == written.from;
+                        if e.last_writer {
+                            e.version = written.to;
+                        }
+                        return Ok((result, Some(t)));
+                    }
+                    Saving::Undone(t) => {
+                        // The request stays in this replica's guard (joins beside it
+                        // may have added theirs since), which is therefore no longer
+                        // the shared state at any version.
+                        let mut e = lock(entry);
+                        e.version = UNKNOWN_VERSION;
+                        e.last_writer = false;
+                        return Ok((result, Some(t)));
+                    }
+                    Saving::Local(t) => return Ok((result, Some(t))),
+                    // The shared state would not admit it: decided again on that state,
+                    // alone.
+                    Saving::Moved(version, state) => newer = Some((version, state)),
+                }
+            }
+        }
+        let _turn = match alone {
+            Some(turn) => turn,
+            None => turn.write_owned().await,
+        };
+        // Optimistic: this replica's guard is assumed current; if it is not, the save
+        // hands back the shared state, which is loaded and redone.
         for _ in 0..MAX_RACES {
-            let (result, before, snapshot, version) = {
+            let (result, before, write) = {
                 let mut e = lock(entry);
                 let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
                 if let Some((version, state)) = newer.take() {
@@ -398,13 +513,18 @@ impl SessionGuards {
                 }
                 let before = e.guard.clone();
                 let result = f(&mut e.guard, now);
-                let snapshot =
-                    format::encode_snapshot(&guard_view::snapshot(&e.guard, now, now_ms));
-                (result, before, snapshot, e.version)
+                let write = Write::Whole {
+                    version: e.version,
+                    state: format::encode_snapshot(&guard_view::snapshot(&e.guard, now, now_ms)),
+                    entries: e.guard.counts().recent.len(),
+                };
+                (result, before, write)
             };
-            match save(Some((version, snapshot))).await {
-                Saving::Saved(saved, t) => {
-                    lock(entry).version = saved;
+            match save(Some(write)).await {
+                Saving::Saved(written, t) => {
+                    let mut e = lock(entry);
+                    e.version = written.to;
+                    e.last_writer = true;
                     return Ok((result, Some(t)));
                 }
                 Saving::Moved(version, state) => {
@@ -475,6 +595,7 @@ impl SessionGuards {
                     version: 0,
                     seen_usd: 0.0,
                     updating: Arc::default(),
+                    last_writer: false,
                     generation: self.generation,
                 }))
             })
@@ -529,16 +650,37 @@ impl SessionGuards {
             .await
     }
 
-    /// Signals (counters, risk) and the trace, for the admin API.
+    /// Signals (counters, risk) and the trace, for the admin API. In replica mode the
+    /// signals are the shared state's (this replica's guard may be behind it: requests
+    /// joined through other replicas are not loaded into it until it writes whole).
     pub async fn report(&self, tenant: &str, session: &str, session_usd: f64) -> Option<Value> {
         let tenant: Arc<str> = tenant.into();
         let entry = match self.entry(&tenant, session).await {
             Ok(entry) => entry?,
             Err(unknown) => return Some(json!({"unreadable": unknown.to_string()})),
         };
+        let shared = match self.configs.get(&*tenant).filter(|_| self.shares(&tenant)) {
+            Some(config) => match self.store.guard_window(&tenant, session).await {
+                Ok(Some((version, state))) => Some((config.clone(), version, state)),
+                // None shared yet, or unreachable: this replica's own.
+                Ok(None) | Err(_) => None,
+            },
+            None => None,
+        };
         let entry = lock(&entry);
+        let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
+        let signals = match shared.filter(|(_, version, _)| *version != entry.version) {
+            Some((config, _, state)) => match format::decode_snapshot(&state) {
+                Ok(snap) => {
+                    let guard = guard_view::from_snapshot(config, snap, now, now_ms);
+                    guard_view::signals(&guard, now, session_usd, entry.tool_loop())
+                }
+                Err(unknown) => return Some(json!({"unreadable": unknown.to_string()})),
+            },
+            None => entry.signals(now, session_usd),
+        };
         Some(json!({
-            "signals": entry.signals(self.clock.now(), session_usd),
+            "signals": signals,
             "trace": entry.trace.iter().map(TraceEntry::to_json).collect::<Vec<_>>(),
         }))
     }
@@ -564,6 +706,7 @@ impl SessionGuards {
                 session,
                 &entry,
                 |guard, _| guard.close(),
+                None,
                 |write| self.save_window(&tenant, session, write),
                 true,
             )
@@ -588,6 +731,7 @@ impl SessionGuards {
                     session,
                     &entry,
                     |guard, _| guard.reset(),
+                    None,
                     |write| self.save_window(&tenant, session, write),
                     true,
                 )

@@ -34,6 +34,8 @@ use redis::Script;
 pub use crate::store::connection::{Redis, Unavailable};
 use crate::{
     policy::budget::{CapNames, Caps, Exceeded, SessionSeen, Usage},
+    state::guard_view::{Write, Written, RECENT_CAP},
+    store::format::{brief_lua, ADMITTING_PREFIXES},
     store::{connection::ms, QueuedSettle, Store},
 };
 
@@ -269,8 +271,11 @@ return {'ok', tostring(unknown)}
 /// replay), nothing changes. Appends the charge (or the correction) to the spend stream.
 /// Replies `{1}` = settled now, `{2}` = corrected, `{0}` = settled already; with a
 /// session, 1 and 2 are followed by what the session holds now (settled calls, tokens,
-/// micro-dollars, then reserved) and its guard state's version, so the request that
-/// settles needs no other round trip to learn what the session has left.
+/// micro-dollars, then reserved), its guard state's version and whether that state is
+/// quiet (`1`: active, no failures in a row, as its brief says: see
+/// [`crate::store::format::brief_lua`]), so the request that settles
+/// needs no other round trip to learn what the session has left, nor, when it
+/// succeeded, to tell the guard.
 ///
 /// KEYS: reservations, reservation records, day, session, lease-expired charges, their
 /// times, spend stream, the session's guard window.
@@ -318,35 +323,115 @@ if ARGV[5] ~= '1' then return {tostring(reply)} end
 local u = redis.call('HMGET', KEYS[4], 'calls', 'tokens', 'usd', 'rcalls', 'rtokens', 'rusd')
 local out = {tostring(reply)}
 for i = 1, 6 do out[i + 1] = u[i] or '0' end
-out[8] = redis.call('HGET', KEYS[8], 'v') or '0'
+local guard = redis.call('HMGET', KEYS[8], 'v', 'brief')
+out[8] = guard[1] or '0'
+local _, quiet = read_brief(guard[2], tonumber(out[8]))
+out[9] = quiet and '1' or '0'
 return out
 "#;
 
 /// What a client request asks of the shared state before it runs, in one script: the
 /// tenant's and the session's rate limiters (GCRA, both or neither), a session
-/// concurrency slot, and the session guard's compare-and-set write-back. In that order,
-/// as the layers decided them one by one: a rate refusal writes nothing; a session at
-/// its concurrency limit spends its rate but writes no guard state; a guard that refuses
-/// takes no slot. A guard state written meanwhile by another replica is handed back
-/// before anything is written, so the request is decided again on it.
+/// concurrency slot, and the session guard's write-back. In that order, as the layers
+/// decided them one by one: a rate refusal writes nothing; a session at its concurrency
+/// limit spends its rate but writes no guard state; a guard that refuses takes no slot.
 ///
-/// Replies `{"ok", guard_version}`, `{"moved", version, state}`, `{"busy"}` or
-/// `{scope, wait_us}` (scope `tenant` or `session`). Times on the server's clock.
+/// The guard's write-back is either the whole state, compare-and-set on its version
+/// (another replica's state written meanwhile is handed back before anything is
+/// written, so the request is decided again on it), or, for a request the guard
+/// admitted with nothing else changed, the request alone, joined to whatever state is
+/// there if the guard would admit it on that state too ([`Joined`]; else the state is
+/// handed back the same way). Joining is what lets replicas take turns on one session
+/// without each first catching up with the others' writes.
+///
+/// Either way the state's brief ([`crate::store::format::brief_lua`]) is written beside
+/// it: a join reads the count of requests in the window from it instead of counting
+/// them (a snapshot is kilobytes, which Redis's Lua is slow to take in; a join copies it
+/// once into the new state and touches nothing else of it), and settles read whether
+/// the state is quiet from it.
+///
+/// Replies `{"ok", version, version_before}` (`{"ok", ""}` without a guard write),
+/// `{"moved", version, state}`, `{"busy"}` or `{scope, wait_us}` (scope `tenant` or
+/// `session`). Times on the server's clock.
+///
+/// A replica that wrote the shared state last sends both: the whole state, written if
+/// the shared state is still at its version, else the request joined.
 ///
 /// KEYS: tenant rate, session rate, concurrency slots, guard window.
 /// ARGV: tenant interval and burst, session interval and burst (interval 0: no limit),
-/// concurrency limit (0: none), slot lease (ms), slot id, guard version ('' writes no
-/// guard state), guard state, its expiry (ms), '1' when the guard refuses.
+/// concurrency limit (0: none), slot lease (ms), slot id, the guard write ('' none, 'join'
+/// or the version the whole state must be at), the whole state, its expiry (ms), '1'
+/// when the guard refuses, the whole state's count of requests in its window; to join
+/// (alone, or if the whole state is not taken): when (ms), the request's fingerprint, the
+/// limit, the window's start (ms).
 const GATE: &str = r#"
+-- The state with the request joined to its window, and the window's count of requests
+-- after; nil if the guard would not admit it there (or the state is of a format or
+-- phase this does not join to).
+local function join(state, n, at, request, limit, since)
+  if limit <= 0 then return nil end
+  local admits = false
+  for _, phase in ipairs({@ADMITTING@}) do
+    if string.sub(state, 1, #phase) == phase then admits = true end
+  end
+  if not admits then return nil end
+  local open = string.find(state, '"recent":[', 1, true)
+  if not open then return nil end
+  local first = open + 10
+  local close = string.find(state, '],"spend":[', first, true)
+  if not close then return nil end
+  if not n then
+    n = 0
+    local i = first
+    while true do
+      i = string.find(state, '[', i, true)
+      if not i or i >= close then break end
+      n, i = n + 1, i + 1
+    end
+  end
+  -- Requests from before the window's start no longer count.
+  local from = first
+  while from < close do
+    local _, e, t = string.find(state, '^%[(%d+),%d+%],?', from)
+    if not t or tonumber(t) >= since then break end
+    from, n = e + 1, n - 1
+  end
+  local needle, seen, i = ',' .. request .. ']', 0, from
+  while true do
+    i = string.find(state, needle, i, true)
+    if not i or i >= close then break end
+    seen = seen + 1
+    if seen >= limit then return nil end
+    i = i + 1
+  end
+  -- The guard keeps its last @RECENT_CAP@ requests.
+  if n + 1 > @RECENT_CAP@ then
+    local _, e = string.find(state, '^%[%d+,%d+%],', from)
+    if e then from, n = e + 1, n - 1 end
+  end
+  local entry = '[' .. at .. ',' .. request .. ']'
+  if from < close then entry = ',' .. entry end
+  return string.sub(state, 1, first - 1) .. string.sub(state, from, close - 1) .. entry ..
+    string.sub(state, close), n + 1
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now_ms = math.floor(now / 1000)
 local guarded = ARGV[8] ~= ''
-local v = 0
-if guarded then
-  local cur = redis.call('HMGET', KEYS[4], 'v', 'state')
+local v, state, entries = 0, ARGV[9], ARGV[12]
+if guarded and ARGV[8] ~= 'join' then
+  v = tonumber(redis.call('HGET', KEYS[4], 'v') or '0')
+end
+if guarded and (ARGV[8] == 'join' or (v ~= tonumber(ARGV[8]) and ARGV[13])) then
+  local cur = redis.call('HMGET', KEYS[4], 'v', 'state', 'brief')
   v = tonumber(cur[1] or '0')
-  if v ~= tonumber(ARGV[8]) then return {'moved', tostring(v), cur[2] or ''} end
+  if cur[2] then
+    state, entries = join(cur[2], read_brief(cur[3], v), ARGV[13], ARGV[14],
+      tonumber(ARGV[15]), tonumber(ARGV[16]))
+  end
+  if not cur[2] or not state then return {'moved', tostring(v), cur[2] or ''} end
+elseif guarded and v ~= tonumber(ARGV[8]) then
+  return {'moved', tostring(v), redis.call('HGET', KEYS[4], 'state') or ''}
 end
 local function probe(key, interval, burst)
   if interval <= 0 then return nil, 0 end
@@ -373,10 +458,22 @@ if limit > 0 then
   end
 end
 if not guarded then return {'ok', ''} end
-redis.call('HSET', KEYS[4], 'v', v + 1, 'state', ARGV[9])
+redis.call('HSET', KEYS[4], 'v', v + 1, 'state', state, 'brief', brief(v + 1, state, entries))
 redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[10]))
-return {'ok', tostring(v + 1)}
+return {'ok', tostring(v + 1), tostring(v)}
 "#;
+
+/// [`GATE`] with what it reads a guard snapshot by filled in.
+fn gate_script() -> String {
+    let admitting: Vec<String> = ADMITTING_PREFIXES
+        .iter()
+        .map(|p| format!("'{p}'"))
+        .collect();
+    let gate = GATE
+        .replace("@ADMITTING@", &admitting.join(", "))
+        .replace("@RECENT_CAP@", &RECENT_CAP.to_string());
+    format!("{}{gate}", brief_lua())
+}
 
 /// Pushes the expiry of held members (reservations, slots) of one sorted set.
 const RENEW: &str = r#"
@@ -413,15 +510,13 @@ pub struct Gate<'a> {
     pub session_rpm: Option<u32>,
     /// The session's concurrency limit (ignored without a session).
     pub max_concurrent: Option<u32>,
-    /// The session guard's state after admitting this request, written if the guard's
-    /// shared state is still at `version`.
+    /// The session guard's write-back after deciding this request ([`GATE`] says how).
     pub guard: Option<GuardWrite>,
 }
 
-/// A session guard's compare-and-set write-back.
+/// A session guard's write-back.
 pub struct GuardWrite {
-    pub version: u64,
-    pub state: String,
+    pub write: Write,
     pub ttl_ms: u64,
     /// The guard refuses this request: no concurrency slot is taken.
     pub refuses: bool,
@@ -429,10 +524,10 @@ pub struct GuardWrite {
 
 /// How [`SharedBudgets::gate`] decided.
 pub enum GateReply {
-    /// Admitted by the limits (the guard's state, if any, is written at `guard_version`).
+    /// Admitted by the limits (and the guard's state written, if one was asked to be).
     Passed {
         slot: Option<SharedSlot>,
-        guard_version: Option<u64>,
+        guard: Option<Written>,
     },
     RateLimited {
         scope: &'static str,
@@ -473,8 +568,8 @@ impl SharedBudgets {
         Arc::new(SharedBudgets {
             redis,
             admit: Script::new(&format!("{COMMON}{ADMIT}")),
-            settle: Script::new(&format!("{COMMON}{SETTLE}")),
-            gate: Script::new(GATE),
+            settle: Script::new(&format!("{COMMON}{}{SETTLE}", brief_lua())),
+            gate: Script::new(&gate_script()),
             renew: Script::new(RENEW),
             held: Mutex::default(),
             session_ttl_s: session_retention.as_secs().max(60),
@@ -704,7 +799,7 @@ impl SharedBudgets {
             Some("2") => Settled::Corrected,
             _ => Settled::Already,
         };
-        let seen = (reply.len() >= 8).then(|| SessionSeen {
+        let seen = (reply.len() >= 9).then(|| SessionSeen {
             settled: Usage {
                 calls: n(1),
                 tokens: n(2),
@@ -716,6 +811,7 @@ impl SharedBudgets {
                 usd: n(6) as f64 / 1e6,
             },
             guard_version: n(7),
+            guard_quiet: reply.get(8).is_some_and(|q| q == "1"),
         });
         Ok((how, seen))
     }
@@ -857,12 +953,35 @@ impl SharedBudgets {
             .arg(ms(self.redis.reservation_ttl))
             .arg(&id);
         match &ask.guard {
-            Some(g) => inv
-                .arg(g.version)
-                .arg(&g.state)
-                .arg(g.ttl_ms.max(1000))
-                .arg(if g.refuses { "1" } else { "0" }),
-            None => inv.arg("").arg("").arg(0).arg("0"),
+            Some(g) => {
+                let (whole, join) = match &g.write {
+                    Write::Whole {
+                        version,
+                        state,
+                        entries,
+                    } => (Some((version, state, entries)), None),
+                    Write::Join(join) => (None, Some(join)),
+                    Write::WholeOrJoin {
+                        version,
+                        state,
+                        entries,
+                        join,
+                    } => (Some((version, state, entries)), Some(join)),
+                };
+                match whole {
+                    Some((version, state, _)) => inv.arg(version).arg(state),
+                    None => inv.arg("join").arg(""),
+                };
+                inv.arg(g.ttl_ms.max(1000))
+                    .arg(if g.refuses { "1" } else { "0" })
+                    .arg(whole.map_or(0, |(_, _, entries)| *entries));
+                if let Some(j) = join {
+                    inv.arg(j.at_ms).arg(j.request).arg(j.limit).arg(j.since_ms);
+                }
+            }
+            None => {
+                inv.arg("").arg("").arg(0).arg("0");
+            }
         };
         let reply: Vec<String> = self
             .redis
@@ -883,9 +1002,13 @@ impl SharedBudgets {
                         id,
                     }
                 });
+                let version = |i: usize| num(i).map(|v| v as u64);
                 GateReply::Passed {
                     slot,
-                    guard_version: num(1).map(|v| v as u64),
+                    guard: version(1).map(|to| Written {
+                        from: version(2).unwrap_or(0),
+                        to,
+                    }),
                 }
             }
             Some("moved") => GateReply::Moved(
@@ -903,7 +1026,7 @@ impl SharedBudgets {
             },
             None => GateReply::Passed {
                 slot: None,
-                guard_version: None,
+                guard: None,
             },
         })
     }

@@ -191,6 +191,45 @@ fn parse<'a, T: Deserialize<'a>>(record: Record, text: &'a str) -> Result<T, Unk
     serde_json::from_str(text).map_err(|err| UnknownFormat::unparsed(record, err))
 }
 
+/// How a stored snapshot (version 1) of a guard that admits requests (active or
+/// recovering) begins. The Redis scripts that add a request to a snapshot or tell
+/// whether it is quiet read it by these prefixes (and `"recent":[`, which follows
+/// `"consecutive_failures"`), so they hold only for the version this build writes: a
+/// snapshot of another version never matches, and is left to be decoded here.
+pub const ADMITTING_PREFIXES: [&str; 2] = [
+    r#"{"v":1,"phase":"active","#,
+    r#"{"v":1,"phase":"recovering","#,
+];
+
+/// How a stored snapshot of a quiet guard begins: active, no failures in a row.
+pub const QUIET_PREFIX: &str = r#"{"v":1,"phase":"active","until_ms":0,"code":null,"rule":null,"evidence":null,"consecutive_failures":0,"recent":["#;
+
+/// Lua for the scripts that write or read a guard snapshot in Redis: its *brief*, a
+/// field beside it (`brief`) that says what the scripts need to know of the snapshot
+/// without reading it (a snapshot is kilobytes, which Redis's Lua is slow to take in):
+/// `version|entries|quiet`, the version of the snapshot it describes, the number of
+/// requests in its window (empty when not counted) and whether it is quiet (`1`; see
+/// [`QUIET_PREFIX`]). A brief of another version than the snapshot's (a build that
+/// writes none, or wrote the snapshot since) says nothing.
+///
+/// `brief(version, state, entries)` makes one; `read_brief(brief, version)` gives the
+/// entries (nil: not known) and whether the snapshot is quiet (false: not known).
+pub fn brief_lua() -> String {
+    r#"
+local QUIET = '@QUIET@'
+local function brief(v, state, entries)
+  local quiet = string.sub(state, 1, #QUIET) == QUIET
+  return v .. '|' .. (entries or '') .. '|' .. (quiet and '1' or '0')
+end
+local function read_brief(b, v)
+  local bv, n, q = string.match(b or '', '^(%d+)|(%d*)|([01])$')
+  if not bv or tonumber(bv) ~= v then return nil, false end
+  return tonumber(n), q == '1'
+end
+"#
+    .replace("@QUIET@", QUIET_PREFIX)
+}
+
 /// A guard snapshot as stored: `{"v":1,"phase":..}`, the [`GuardSnapshot`]'s fields
 /// in order (see the golden test).
 pub fn encode_snapshot(snapshot: &GuardSnapshot) -> String {

@@ -396,6 +396,16 @@ pub trait GuardStates: Send + Sync {
     ) -> StoreFuture<'a, Option<WindowSave>> {
         Box::pin(async { Ok(None) })
     }
+
+    /// A session guard's state shared by replicas as it is now: its version and state
+    /// (`None`: none yet, or a store no other process shares).
+    fn guard_window<'a>(
+        &'a self,
+        _tenant: &'a str,
+        _session: &'a str,
+    ) -> StoreFuture<'a, Option<(u64, String)>> {
+        Box::pin(async { Ok(None) })
+    }
 }
 
 /// The persistence seam: every role, object-safe (the state tier holds an

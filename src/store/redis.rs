@@ -27,12 +27,14 @@ pub struct RedisStore {
 }
 
 /// Compare-and-set of a guard's shared state: `{"saved", version}`, or, when another
-/// replica wrote first, `{"moved", version, state}` (one round trip either way).
+/// replica wrote first, `{"moved", version, state}` (one round trip either way). The
+/// state's brief ([`format::brief_lua`]) is written beside it, its entries not counted.
 const SAVE_WINDOW: &str = r#"
-local cur = redis.call('HMGET', KEYS[1], 'v', 'state')
-local v = tonumber(cur[1] or '0')
-if v ~= tonumber(ARGV[1]) then return {'moved', tostring(v), cur[2] or ''} end
-redis.call('HSET', KEYS[1], 'v', v + 1, 'state', ARGV[2])
+local v = tonumber(redis.call('HGET', KEYS[1], 'v') or '0')
+if v ~= tonumber(ARGV[1]) then
+  return {'moved', tostring(v), redis.call('HGET', KEYS[1], 'state') or ''}
+end
+redis.call('HSET', KEYS[1], 'v', v + 1, 'state', ARGV[2], 'brief', brief(v + 1, ARGV[2], nil))
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
 return {'saved', tostring(v + 1)}
 "#;
@@ -42,7 +44,7 @@ impl RedisStore {
         RedisStore {
             inner,
             redis,
-            save_window: redis::Script::new(SAVE_WINDOW),
+            save_window: redis::Script::new(&format!("{}{SAVE_WINDOW}", format::brief_lua())),
         }
     }
 
@@ -320,6 +322,28 @@ impl GuardStates for RedisStore {
                 Some("saved") => WindowSave::Saved(version),
                 _ => WindowSave::Moved(version, reply.get(2).cloned().unwrap_or_default()),
             }))
+        })
+    }
+
+    fn guard_window<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+    ) -> StoreFuture<'a, Option<(u64, String)>> {
+        Box::pin(async move {
+            let key = self.redis.key(tenant, &format!("guard-window:{session}"));
+            let (version, state): (Option<u64>, Option<String>) = self
+                .redis
+                .run("guard_window", |mut c| async move {
+                    redis::cmd("HMGET")
+                        .arg(&key)
+                        .arg(&["v", "state"])
+                        .query_async(&mut c)
+                        .await
+                })
+                .await
+                .map_err(unavailable)?;
+            Ok(state.map(|state| (version.unwrap_or(0), state)))
         })
     }
 

@@ -1,7 +1,8 @@
 //! The tests that need a real `redis-server` on PATH (`.ci/run` installs it; without it
 //! they fail, not skip): replicas sharing live state, and the shared books.
 //!
-//! `cargo test --test redis replicas::`, `cargo test --test redis shared_books::`.
+//! `cargo test --test redis replicas::`, `cargo test --test redis shared_books::`,
+//! `cargo test --test redis shared_guard::`.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -11,3 +12,4 @@ mod redis_support;
 mod fleet;
 mod replicas;
 mod shared_books;
+mod shared_guard;

@@ -672,6 +672,23 @@ cool_down = "60s"
         let answer = cluster.call(replica, GUARDED, &headers, &step(1)).await;
         assert_eq!(answer.status, 200, "replica {replica}: {}", answer.text);
     }
+    // Every replica's view of the session is the shared one, wherever the requests went.
+    for replica in [0, 1, 2] {
+        let view = cluster
+            .admin(
+                replica,
+                reqwest::Method::GET,
+                "/admin/tenants/guarded/sessions/spread",
+            )
+            .await;
+        assert_eq!(view.status, 200, "{}", view.text);
+        assert_eq!(
+            view.json()["guard"]["signals"]["max_identical_requests_in_window"],
+            3,
+            "replica {replica}: {}",
+            view.text
+        );
+    }
     let fourth = cluster.call(0, GUARDED, &headers, &step(1)).await;
     assert_eq!(fourth.status, 429, "{}", fourth.text);
     assert_eq!(fourth.code(), "loop_detected");
@@ -716,6 +733,75 @@ cool_down = "60s"
     assert_eq!(tripped.status, 429, "{}", tripped.text);
     assert_eq!(tripped.code(), "session_tripped");
     assert_eq!(cluster.mock.attempts("failing").await, 3);
+}
+
+on_one_server_and_a_cluster!(
+    requests_joined_together_on_one_replica_count_exactly,
+    requests_joined_together_on_one_replica_count_exactly_on_a_cluster,
+    requests_joined_together_on_one_replica_count_exactly_with
+);
+
+/// One session's requests on one replica are joined to the shared guard state together,
+/// not one round trip after another: what the limits refuse among them leaves no trace
+/// in the shared state (this replica's guard, which counted them, is reloaded before it
+/// writes anything), and the identical-request limit counts only the requests made.
+async fn requests_joined_together_on_one_replica_count_exactly_with(redis: Redis) {
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "guarded"
+api_keys = ["{GUARDED}"]
+[tenants.session]
+max_concurrent = 2
+[tenants.guard]
+identical_request_limit = 4
+identical_request_window = "10m"
+"#
+    );
+    let cluster = Cluster::start(&redis, &[PATIENT, PATIENT, PATIENT], &tenants).await;
+    let first = cluster
+        .call(0, GUARDED, &[("x-session-id", "together")], &step(0))
+        .await;
+    assert_eq!(first.status, 200, "{}", first.text);
+    let slow = [
+        ("x-session-id", "together"),
+        ("x-mock-scenario", "together"),
+        ("x-mock-fault", "delay=300ms"),
+    ];
+    let tasks: Vec<_> = (0..12)
+        .map(|_| tokio::spawn(cluster.call(0, GUARDED, &slow, &step(1))))
+        .collect();
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.unwrap());
+    }
+    let made = answers.iter().filter(|a| a.status == 200).count();
+    let busy = answers
+        .iter()
+        .filter(|a| a.status == 429 && a.code() == "too_many_concurrent")
+        .count();
+    assert_eq!(
+        (made, busy),
+        (2, 10),
+        "{:?}",
+        answers
+            .iter()
+            .map(|a| (a.status, &a.text))
+            .collect::<Vec<_>>()
+    );
+    // Two of the identical request were made: two more may be, then it is a loop.
+    let headers = [
+        ("x-session-id", "together"),
+        ("x-mock-scenario", "together"),
+    ];
+    for n in 0..2 {
+        let answer = cluster.call(0, GUARDED, &headers, &step(1)).await;
+        assert_eq!(answer.status, 200, "repeat {n}: {}", answer.text);
+    }
+    let fifth = cluster.call(0, GUARDED, &headers, &step(1)).await;
+    assert_eq!(fifth.status, 429, "{}", fifth.text);
+    assert_eq!(fifth.code(), "loop_detected");
+    assert_eq!(cluster.mock.attempts("together").await, 4);
 }
 
 on_one_server_and_a_cluster!(
@@ -1656,6 +1742,14 @@ async fn round_trips_once_freed(
     }
 }
 
+/// The round trips of `n` successful requests that hold a concurrency slot.
+fn each_request(n: u64) -> Vec<(String, u64)> {
+    ["admit", "gate", "leave", "settle"]
+        .into_iter()
+        .map(|op| (op.to_string(), n))
+        .collect()
+}
+
 /// What `after` added to `before`, ops that did not move left out.
 fn added(
     before: &std::collections::BTreeMap<String, u64>,
@@ -1719,16 +1813,48 @@ max_consecutive_failures = 3
     let after = round_trips_once_freed(&cluster, 0, 6).await;
     assert_eq!(
         added(&before, &after),
-        [
-            ("admit".into(), 5),
-            ("gate".into(), 5),
-            ("leave".into(), 5),
-            ("settle".into(), 5)
-        ],
+        each_request(5),
         "per request: gate + admit before the call, settle after (and, after the body, the slot's release)"
     );
     let session = cluster.session(0, GUARDED, "trips").await;
     assert_eq!(session["used"]["calls"], 6, "{session}");
+
+    // Replicas taking turns on the session, as a load balancer sends them: each request
+    // is joined to the guard state another replica left, in the same one gate, and its
+    // success needs no write after (the settle saw the session quiet).
+    for (n, replica) in [(6, 1), (7, 2)] {
+        let answer = cluster.call(replica, GUARDED, &headers, &step(n)).await;
+        assert_eq!(answer.status, 200, "{}", answer.text);
+    }
+    let all = |trips: Vec<std::collections::BTreeMap<String, u64>>| {
+        let mut sum = std::collections::BTreeMap::new();
+        for t in trips {
+            for (op, n) in t {
+                *sum.entry(op).or_insert(0) += n;
+            }
+        }
+        sum
+    };
+    let before = all(vec![
+        round_trips_once_freed(&cluster, 0, 6).await,
+        round_trips_once_freed(&cluster, 1, 1).await,
+        round_trips_once_freed(&cluster, 2, 1).await,
+    ]);
+    for n in 0..6 {
+        let answer = cluster.call(n % 3, GUARDED, &headers, &step(200 + n)).await;
+        assert_eq!(answer.status, 200, "{}", answer.text);
+        assert_eq!(answer.header("x-backstop-session-state"), Some("active"));
+    }
+    let after = all(vec![
+        round_trips_once_freed(&cluster, 0, 8).await,
+        round_trips_once_freed(&cluster, 1, 3).await,
+        round_trips_once_freed(&cluster, 2, 3).await,
+    ]);
+    assert_eq!(
+        added(&before, &after),
+        each_request(6),
+        "replicas in turn: one gate per request, no guard write after"
+    );
 
     // A failure changes the guard (one failure in a row): written back after the settle.
     let failing = [
@@ -1736,23 +1862,24 @@ max_consecutive_failures = 3
         ("x-mock-scenario", "trips-failing"),
         ("x-mock-fault", "status=400;code=context_length_exceeded"),
     ];
-    let before = round_trips_once_freed(&cluster, 0, 6).await;
+    let before = round_trips_once_freed(&cluster, 0, 8).await;
     let answer = cluster.call(0, GUARDED, &failing, &step(100)).await;
     assert_eq!(answer.status, 400, "{}", answer.text);
     assert_eq!(
         answer.header("x-backstop-session-state"),
         Some("recovering")
     );
-    let after = round_trips_once_freed(&cluster, 0, 7).await;
+    let after = round_trips_once_freed(&cluster, 0, 9).await;
     assert_eq!(
         added(&before, &after),
         [
             ("admit".into(), 1),
             ("gate".into(), 1),
             ("leave".into(), 1),
-            ("save_guard_window".into(), 1),
+            ("save_guard_window".into(), 2),
             ("settle".into(), 1)
-        ]
+        ],
+        "the failure's write is handed the state the other replicas left, then written"
     );
     // Another replica sees the failure: two more trip the session.
     for (n, replica) in [(101, 1), (102, 2)] {

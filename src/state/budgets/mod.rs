@@ -42,6 +42,7 @@ use crate::{
     config::{Config, OnUnavailable, PriceConfig, Unpriced},
     policy::budget::{worst_case, Account, Caps, Prices, Usage, SESSION, TENANT_DAY},
     state::{
+        guard_view::Written,
         live::{LiveSessions, SessionKey},
         shared::{
             Admission, AdmitError, Gate, GateReply, GuardWrite, SharedBudgets, SharedSlot,
@@ -384,7 +385,7 @@ impl Budgets {
         let Some(book) = self.tenant(tenant) else {
             return Ok(Gated::Passed {
                 slot: None,
-                guard_version: None,
+                guard: None,
             });
         };
         let (rpm, session_rpm) = book.rpm;
@@ -404,13 +405,10 @@ impl Budgets {
                 guard,
             };
             match shared.gate(ask).await {
-                Ok(GateReply::Passed {
-                    slot,
-                    guard_version,
-                }) => {
+                Ok(GateReply::Passed { slot, guard }) => {
                     return Ok(Gated::Passed {
                         slot: slot.map(ConcurrencySlot::Shared),
-                        guard_version,
+                        guard,
                     })
                 }
                 Ok(GateReply::Moved(version, state)) => return Ok(Gated::Moved(version, state)),
@@ -447,10 +445,7 @@ impl Budgets {
             }
             _ => None,
         };
-        Ok(Gated::Passed {
-            slot,
-            guard_version: None,
-        })
+        Ok(Gated::Passed { slot, guard: None })
     }
 
     /// This replica's own rate limiters (embedded mode, or Redis unreachable).
@@ -816,11 +811,11 @@ impl Budgets {
 
 /// What the limits decided for a request they let through ([`Budgets::gate`]).
 pub enum Gated {
-    /// Admitted; the guard's state was written at `guard_version` (`None`: not written,
-    /// this replica's guard decided alone).
+    /// Admitted; the guard's state was written, from and to these versions (`None`: not
+    /// written, this replica's guard decided alone).
     Passed {
         slot: Option<ConcurrencySlot>,
-        guard_version: Option<u64>,
+        guard: Option<Written>,
     },
     /// Another replica wrote the guard's state first (its version and state): nothing
     /// was spent or written; decide the request again on it.

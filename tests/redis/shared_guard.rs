@@ -1,0 +1,316 @@
+//! The gate script's joining of an admitted request to a session guard's shared state
+//! (`guard_view::Joined`), against the guard itself on a real `redis-server`: random
+//! sequences of requests (few fingerprints, so they repeat; time moving on past the
+//! window now and then), failures and successes written whole between them (some by a
+//! build that writes no brief, so the script counts the window itself). For every
+//! request the script decides as the guard decides on the shared state: joined when the
+//! guard admits it with nothing else changed, handed back untouched when the guard would
+//! trip or refuse; and a joined state's window is the guard's, entry for entry.
+//!
+//! Needs `redis-server` on PATH (`.ci/run` installs it).
+
+use std::{sync::Arc, time::Duration};
+
+use crate::redis_support::Redis as RedisServer;
+use backstop::{
+    config::{StateBackend, StateConfig},
+    policy::guard::{GuardPolicy, RequestFingerprint, SessionGuard},
+    state::{
+        guard_view::{self, Joined, Write, RECENT_CAP},
+        shared::{Gate, GateReply, GuardWrite, Redis, SharedBudgets},
+    },
+    store::format::{decode_snapshot, encode_snapshot},
+};
+use proptest::prelude::*;
+use tokio::time::Instant;
+
+const TENANT: &str = "guards";
+const WINDOW: Duration = Duration::from_secs(10);
+/// Wall-clock milliseconds at the guard's `t0`.
+const T0_MS: i64 = 1_700_000_000_000;
+
+#[derive(Debug, Clone)]
+enum Step {
+    /// A request with this fingerprint, this long after the last step; sent `as_whole`
+    /// too (when the guard admits it plainly), at the shared state's version or a stale
+    /// one, as a replica that wrote the state last does.
+    Request {
+        request: u64,
+        after_ms: u64,
+        as_whole: Option<bool>,
+    },
+    /// The last request's outcome, written whole as a replica would; by a build that
+    /// writes no brief beside it, when `briefless`.
+    Outcome { failed: bool, briefless: bool },
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    let after = prop_oneof![
+        4 => Just(0u64),
+        4 => 1u64..2_000,
+        1 => Just(WINDOW.as_millis() as u64),
+        1 => Just(WINDOW.as_millis() as u64 + 1),
+    ];
+    prop_oneof![
+        6 => (0u64..4, after, proptest::option::of(any::<bool>())).prop_map(
+            |(request, after_ms, as_whole)| Step::Request { request, after_ms, as_whole }
+        ),
+        1 => (any::<bool>(), any::<bool>())
+            .prop_map(|(failed, briefless)| Step::Outcome { failed, briefless }),
+    ]
+}
+
+fn policy(limit: u32) -> GuardPolicy {
+    GuardPolicy {
+        max_consecutive_failures: 3,
+        identical_request_limit: limit,
+        identical_request_window: WINDOW,
+        tool_loop_limit: 100,
+        max_usd_per_minute: None,
+        cool_down: Duration::from_secs(3600),
+    }
+}
+
+struct Session {
+    shared: Arc<SharedBudgets>,
+    conn: redis::aio::MultiplexedConnection,
+    key: String,
+    name: String,
+}
+
+impl Session {
+    async fn gate(&self, write: Write) -> GateReply {
+        self.shared
+            .gate(Gate {
+                tenant: TENANT,
+                session: Some(&self.name),
+                tenant_rpm: None,
+                session_rpm: None,
+                max_concurrent: None,
+                guard: Some(GuardWrite {
+                    write,
+                    ttl_ms: 600_000,
+                    refuses: false,
+                }),
+            })
+            .await
+            .expect("redis")
+    }
+
+    async fn stored(&mut self) -> (u64, String) {
+        let (v, state): (Option<u64>, Option<String>) = redis::cmd("HMGET")
+            .arg(&self.key)
+            .arg(&["v", "state"])
+            .query_async(&mut self.conn)
+            .await
+            .unwrap();
+        (v.unwrap_or(0), state.unwrap_or_default())
+    }
+}
+
+async fn session(server: &RedisServer) -> Session {
+    let prefix = format!("g{}", uuid::Uuid::new_v4().simple());
+    let config = StateConfig {
+        backend: StateBackend::Redis,
+        url: Some(server.url()),
+        key_prefix: prefix.clone(),
+        command_timeout: Duration::from_secs(5),
+        ..StateConfig::default()
+    };
+    let shared = SharedBudgets::new(Redis::new(&config).unwrap(), Duration::from_secs(3600));
+    let client = redis::Client::open(server.url().as_str()).unwrap();
+    let conn = client.get_multiplexed_async_connection().await.unwrap();
+    let name = "s".to_string();
+    Session {
+        shared,
+        conn,
+        key: format!("{prefix}:{{{TENANT}}}:guard-window:{name}"),
+        name,
+    }
+}
+
+fn fp(request: u64) -> RequestFingerprint {
+    RequestFingerprint {
+        request,
+        tool_loop: None,
+    }
+}
+
+fn run_sequence(
+    rt: &tokio::runtime::Runtime,
+    server: &RedisServer,
+    limit: u32,
+    steps: Vec<Step>,
+) -> Result<u32, TestCaseError> {
+    rt.block_on(async {
+        let mut s = session(server).await;
+        let t0 = Instant::now();
+        let mut elapsed = Duration::ZERO;
+        let clock = |elapsed: Duration| (t0 + elapsed, T0_MS + elapsed.as_millis() as i64);
+        // The shared state, as a guard; the first state is written whole.
+        let mut guard = SessionGuard::new(policy(limit));
+        let (now, now_ms) = clock(elapsed);
+        let first = encode_snapshot(&guard_view::snapshot(&guard, now, now_ms));
+        let GateReply::Passed { guard: Some(w), .. } = s
+            .gate(Write::Whole {
+                version: 0,
+                state: first,
+                entries: 0,
+            })
+            .await
+        else {
+            panic!("a first whole write at version 0 is taken")
+        };
+        let mut version = w.to;
+        let mut joined = 0;
+        for step in steps {
+            match step {
+                Step::Request {
+                    request,
+                    after_ms,
+                    as_whole,
+                } => {
+                    elapsed += Duration::from_millis(after_ms);
+                    let (now, now_ms) = clock(elapsed);
+                    let (before_v, before) = s.stored().await;
+                    let mut admitted = guard.clone();
+                    let (verdict, change) = admitted.admit(now, &fp(request), 0.0);
+                    let plain = verdict.is_ok()
+                        && change.is_none()
+                        && guard_view::joins(&guard, &admitted, now, request);
+                    let join = Joined {
+                        at_ms: now_ms,
+                        request,
+                        limit,
+                        since_ms: now_ms - WINDOW.as_millis() as i64,
+                    };
+                    let write = match as_whole.filter(|_| plain) {
+                        Some(current) => Write::WholeOrJoin {
+                            version: if current { version } else { version + 7 },
+                            state: encode_snapshot(&guard_view::snapshot(&admitted, now, now_ms)),
+                            entries: admitted.counts().recent.len(),
+                            join,
+                        },
+                        None => Write::Join(join),
+                    };
+                    let reply = s.gate(write).await;
+                    match reply {
+                        GateReply::Passed { guard: Some(w), .. } => {
+                            prop_assert!(
+                                plain,
+                                "joined a request the guard does not admit plainly: {:?}",
+                                guard.state()
+                            );
+                            prop_assert_eq!((w.from, w.to), (version, version + 1));
+                            version = w.to;
+                            joined += 1;
+                            guard = admitted;
+                            let (_, state) = s.stored().await;
+                            let stored = decode_snapshot(&state).expect("a joined state reads");
+                            let model = guard_view::snapshot(&guard, now, now_ms);
+                            prop_assert_eq!(&stored.recent, &model.recent);
+                            prop_assert_eq!(stored.phase, model.phase);
+                            prop_assert_eq!(
+                                stored.consecutive_failures,
+                                model.consecutive_failures
+                            );
+                        }
+                        GateReply::Moved(v, state) => {
+                            prop_assert!(!plain, "handed back a request the guard admits plainly");
+                            prop_assert_eq!((v, &state), (before_v, &before));
+                            prop_assert_eq!(
+                                s.stored().await,
+                                (before_v, before),
+                                "nothing written"
+                            );
+                        }
+                        _ => prop_assert!(false, "neither joined nor handed back"),
+                    }
+                }
+                Step::Outcome { failed, briefless } => {
+                    let (now, now_ms) = clock(elapsed);
+                    guard.record(now, failed);
+                    let state = encode_snapshot(&guard_view::snapshot(&guard, now, now_ms));
+                    let entries = guard.counts().recent.len();
+                    let GateReply::Passed { guard: Some(w), .. } = s
+                        .gate(Write::Whole {
+                            version,
+                            state,
+                            entries,
+                        })
+                        .await
+                    else {
+                        panic!("a whole write at the current version is taken")
+                    };
+                    version = w.to;
+                    if briefless {
+                        let _: i64 = redis::cmd("HDEL")
+                            .arg(&s.key)
+                            .arg("brief")
+                            .query_async(&mut s.conn)
+                            .await
+                            .unwrap();
+                    }
+                }
+            }
+        }
+        Ok(joined)
+    })
+}
+
+/// Case count for the property test.
+const CASES: u32 = 256;
+
+/// A `redis-server` and a runtime to drive it from a test.
+fn bench() -> (RedisServer, tokio::runtime::Runtime) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    (RedisServer::start(), rt)
+}
+
+#[test]
+fn a_joined_request_is_decided_as_the_guard_decides_on_the_shared_state() {
+    let (server, rt) = bench();
+    let config = ProptestConfig {
+        cases: CASES,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    };
+    let joined = std::sync::atomic::AtomicU32::new(0);
+    proptest!(config, |(limit in 1u32..5, steps in proptest::collection::vec(step(), 1..60))| {
+        let n = run_sequence(&rt, &server, limit, steps)?;
+        joined.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    });
+    assert!(joined.into_inner() > 0, "no request was ever joined");
+}
+
+/// The window a join keeps is the guard's last [`RECENT_CAP`] requests.
+#[test]
+fn a_joined_window_keeps_the_guards_last_requests() {
+    let (server, rt) = bench();
+    let steps: Vec<Step> = (0..RECENT_CAP as u64 + 20)
+        .map(|i| Step::Request {
+            request: 1000 + i,
+            after_ms: 1,
+            as_whole: None,
+        })
+        .collect();
+    let joined = run_sequence(&rt, &server, 3, steps).unwrap();
+    assert_eq!(joined as usize, RECENT_CAP + 20);
+    // Requests that left the window are no longer counted towards the cap: 150, then
+    // 100 of them out of the window, then the window filled past the cap again.
+    let request = |i: u64, after_ms: u64| Step::Request {
+        request: 5000 + i,
+        after_ms,
+        as_whole: None,
+    };
+    let out = WINDOW.as_millis() as u64 + 101 - 150;
+    let steps: Vec<Step> = (0..150)
+        .map(|i| request(i, 1))
+        .chain([request(150, out)])
+        .chain((151..500).map(|i| request(i, 1)))
+        .collect();
+    assert_eq!(run_sequence(&rt, &server, 3, steps).unwrap(), 500);
+}
