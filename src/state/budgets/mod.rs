@@ -478,18 +478,8 @@ impl Budgets {
         model: &str,
         want: Usage,
     ) -> Result<i64, Refusal> {
-        let id = self.store.next_reservation_id();
-        let record = ReservationRecord {
-            id,
-            ts_ms: self.clock.now_ms(),
-            day: self.clock.today(),
-            tenant: book.name.to_string(),
-            session: session.map(str::to_owned),
-            model: model.to_string(),
-            calls: want.calls,
-            tokens: want.tokens,
-            usd: want.usd,
-        };
+        let record = self.reservation_record(&book.name, session, model, want);
+        let id = record.id;
         match self.store.reserve(record).await {
             Ok(()) => Ok(id),
             Err(err) if self.blind_past(&err, "reservation") => Ok(id),
@@ -498,6 +488,27 @@ impl Budgets {
                 self.store.unreserve(id);
                 Err(err.into())
             }
+        }
+    }
+
+    /// A call's durable reservation, under a new id, as the store records it.
+    fn reservation_record(
+        &self,
+        tenant: &str,
+        session: Option<&str>,
+        model: &str,
+        amount: Usage,
+    ) -> ReservationRecord {
+        ReservationRecord {
+            id: self.store.next_reservation_id(),
+            ts_ms: self.clock.now_ms(),
+            day: self.clock.today(),
+            tenant: tenant.to_string(),
+            session: session.map(str::to_owned),
+            model: model.to_string(),
+            calls: amount.calls,
+            tokens: amount.tokens,
+            usd: amount.usd,
         }
     }
 
@@ -635,18 +646,13 @@ impl Budgets {
         let budgeted = !book.day_limits.is_unlimited()
             || (reservation.session.is_some() && !book.session_limits.is_unlimited());
         if budgeted {
-            let id = self.store.next_reservation_id();
-            let record = ReservationRecord {
-                id,
-                ts_ms: self.clock.now_ms(),
-                day: self.clock.today(),
-                tenant: book.name.to_string(),
-                session: reservation.session.as_ref().map(|(s, _)| s.clone()),
-                model: reservation.model.clone(),
-                calls: reservation.amount.calls,
-                tokens: reservation.amount.tokens,
-                usd: reservation.amount.usd,
-            };
+            let record = self.reservation_record(
+                &book.name,
+                reservation.session.as_ref().map(|(s, _)| s.as_str()),
+                &reservation.model,
+                reservation.amount,
+            );
+            let id = record.id;
             // Named before the write is awaited: if this future is dropped meanwhile,
             // the reservation's drop settles it (the writer keeps the order).
             reservation.durable = Some(id);
