@@ -24,7 +24,7 @@ use crate::{
     config::Config,
     policy::{
         budget::SessionSeen,
-        guard::{restore_trip, GuardPolicy, Kept, SessionGuard, Trip},
+        guard::{restore_trip, GuardPolicy, Kept, Phase, SessionGuard, Trip},
     },
     state::{
         guard_view::{self, Joined, Write, Written},
@@ -40,33 +40,78 @@ use crate::{
 const TRACE_LEN: usize = 100;
 
 /// One line of a session's recovery trace. Kept as a small struct (not JSON) because
-/// every live session holds up to [`TRACE_LEN`] of them.
+/// every live session holds up to [`TRACE_LEN`] of them: 96 bytes, plus the bytes of a
+/// trail, a refusal's detail, or a client's own request id.
 #[derive(Debug, Clone)]
 pub struct TraceEntry {
-    pub request_id: String,
+    pub request_id: TraceId,
     /// 0 for a request the guard refused.
     pub status: u16,
     pub failed: bool,
     /// Recovery's trail (`retry:503,ok`), or `refused:<code>`.
-    pub action: String,
+    pub action: Box<str>,
     /// The rule and evidence, for refusals.
-    pub detail: Option<String>,
+    pub detail: Option<Box<str>>,
     pub attempts: u32,
     pub upstream: Option<Arc<str>>,
     pub latency_ms: f32,
     pub cost_usd: f64,
     pub tool_loop: u32,
-    pub state: &'static str,
+    pub state: Phase,
 }
 
 impl TraceEntry {
     fn to_json(&self) -> Value {
         json!({
-            "request_id": self.request_id, "status": self.status,
+            "request_id": self.request_id.to_string(), "status": self.status,
             "class": if self.status == 0 { "refused" } else if self.failed { "failed" } else { "ok" },
             "action": self.action, "detail": self.detail, "attempts": self.attempts, "upstream": self.upstream.as_deref(),
-            "latency_ms": self.latency_ms, "cost_usd": crate::policy::budget::Usd(self.cost_usd), "tool_loop": self.tool_loop, "state": self.state,
+            "latency_ms": self.latency_ms, "cost_usd": crate::policy::budget::Usd(self.cost_usd), "tool_loop": self.tool_loop, "state": self.state.label(),
         })
+    }
+}
+
+/// A request id as a trace keeps it: one Backstop made (32 lowercase hex digits, see
+/// [`crate::layers::edge::new_request_id`]) as its 16 bytes, a client's as it came.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TraceId {
+    Hex([u8; 16]),
+    Given(Box<str>),
+}
+
+impl TraceId {
+    pub fn new(id: &str) -> TraceId {
+        let b = id.as_bytes();
+        let digit = |c: u8| match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            _ => None,
+        };
+        if b.len() == 32 {
+            let mut out = [0u8; 16];
+            let all = out.iter_mut().zip(b.chunks_exact(2)).all(|(o, pair)| {
+                match (digit(pair[0]), digit(pair[1])) {
+                    (Some(hi), Some(lo)) => {
+                        *o = hi << 4 | lo;
+                        true
+                    }
+                    _ => false,
+                }
+            });
+            if all {
+                return TraceId::Hex(out);
+            }
+        }
+        TraceId::Given(id.into())
+    }
+}
+
+impl std::fmt::Display for TraceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TraceId::Hex(bytes) => bytes.iter().try_for_each(|b| write!(f, "{b:02x}")),
+            TraceId::Given(id) => f.write_str(id),
+        }
     }
 }
 
@@ -96,8 +141,9 @@ pub struct GuardedSession {
     /// Whole writes of this session's shared state one at a time from this replica, and
     /// none while requests are being joined to it (those go together), so races (and
     /// their retries) are only ever between replicas, and a whole write never holds a
-    /// request that is still being joined.
-    updating: Arc<tokio::sync::RwLock<()>>,
+    /// request that is still being joined. Made on the first write to shared state:
+    /// most sessions never share theirs, and each one costs memory while it is live.
+    updating: Option<Arc<tokio::sync::RwLock<()>>>,
     /// The shared state was this replica's guard before its last write (nobody wrote
     /// between): it likely still is at the next.
     last_writer: bool,
@@ -400,7 +446,10 @@ impl SessionGuards {
             let mut e = lock(entry);
             return Ok((f(&mut e.guard, self.clock.now()), None));
         };
-        let turn = lock(entry).updating.clone();
+        let turn = lock(entry)
+            .updating
+            .get_or_insert_with(Arc::default)
+            .clone();
         let mut newer: Option<(u64, String)> = None;
         let mut alone = None;
         if let Some(request) = request {
@@ -594,7 +643,7 @@ impl SessionGuards {
                     trace: VecDeque::with_capacity(1),
                     version: 0,
                     seen_usd: 0.0,
-                    updating: Arc::default(),
+                    updating: None,
                     last_writer: false,
                     generation: self.generation,
                 }))
@@ -738,5 +787,41 @@ impl SessionGuards {
                 .await;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_trace_keeps_request_ids_as_they_came() {
+        let made = crate::layers::edge::new_request_id();
+        let made = made.to_str().unwrap();
+        assert!(matches!(TraceId::new(made), TraceId::Hex(_)));
+        for id in [
+            made,
+            "00000000000000000000000000000000",
+            "0123456789abcdef0123456789abcdef",
+            // Not Backstop's shape: kept as given, case and all.
+            "0123456789ABCDEF0123456789ABCDEF",
+            "0123456789abcdef0123456789abcde",
+            "0123456789abcdef0123456789abcdef0",
+            "0123456789abcdeg0123456789abcdef",
+            "client-id-42",
+            "-",
+        ] {
+            assert_eq!(TraceId::new(id).to_string(), id);
+        }
+        assert!(matches!(
+            TraceId::new("0123456789ABCDEF0123456789ABCDEF"),
+            TraceId::Given(_)
+        ));
+    }
+
+    #[test]
+    fn a_trace_entry_stays_small() {
+        // Every live session holds at least one.
+        assert!(std::mem::size_of::<TraceEntry>() <= 96);
     }
 }

@@ -53,7 +53,16 @@ use crate::{
 };
 
 type Direct = RateLimiter<NotKeyed, InMemoryState, Clock, NoOpMiddleware<Duration>>;
-type Keyed = RateLimiter<String, DashMapStateStore<String>, Clock, NoOpMiddleware<Duration>>;
+/// Keyed by a hash of the session id, not the id: each live session's limiter state is
+/// then 16 bytes in the map, with no copy of its id (one is made per request otherwise).
+/// The hasher is seeded per process, so no client can aim two ids at one limit.
+type Keyed = RateLimiter<u64, DashMapStateStore<u64>, Clock, NoOpMiddleware<Duration>>;
+
+fn session_rate_key(session: &str) -> u64 {
+    static SEED: std::sync::LazyLock<std::hash::RandomState> =
+        std::sync::LazyLock::new(std::hash::RandomState::new);
+    std::hash::BuildHasher::hash_one(&*SEED, session)
+}
 
 /// Why a call may not go ahead: typed beside the error it becomes.
 pub use crate::error::budget::Refusal;
@@ -459,7 +468,7 @@ impl Budgets {
         }
         if let (Some(limiter), Some(session)) = (&book.session_rate, session) {
             limiter
-                .check_key(&session.to_string())
+                .check_key(&session_rate_key(session))
                 .map_err(|not_until| Refusal::RateLimited {
                     scope: "session.requests_per_minute",
                     retry_after: not_until.wait_time_from(now),
