@@ -650,9 +650,9 @@ where
             let state = e.guard.state().phase();
             // The trip this request's failure caused, named in the trace.
             let detail = match (change, e.guard.state()) {
-                (Some((_, Phase::Tripped)), GuardState::Tripped { trip, .. }) => Some(
-                    format!("tripped: {}: {}", trip.rule.as_str(), trip.evidence).into(),
-                ),
+                (Some((_, Phase::Tripped)), GuardState::Tripped { trip, .. }) => {
+                    Some(format!("tripped: {}: {}", trip.rule.as_str(), trip.evidence).into())
+                }
                 _ => None,
             };
             e.trace(TraceEntry {

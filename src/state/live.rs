@@ -1,6 +1,6 @@
-//! Per-session live values that idle out of memory but are never rebuilt while held:
-//! the one map shape behind both the budget sessions ([`super::budgets`]) and the guard
-//! sessions ([`super::sessions`]).
+//! Per-session live values that idle out of memory but are never rebuilt while held.
+//! One map holds each session's budget book ([`super::budgets`]) and guard
+//! ([`super::sessions`]) together, in one [`Session`].
 
 use std::{
     collections::HashMap,
@@ -8,13 +8,25 @@ use std::{
     hash::{BuildHasher, RandomState},
     sync::{
         atomic::{AtomicU64, Ordering},
-        Arc, Mutex, MutexGuard,
+        Arc, Mutex, MutexGuard, OnceLock,
     },
     time::Duration,
 };
 
+use super::{budgets::SessionBook, sessions::GuardedSession};
+
 /// (tenant, session).
 pub type SessionKey = (Arc<str>, String);
+
+/// Everything this process keeps live about one session, under one map entry: its budget
+/// book and, for a guarded tenant, its guard, each loaded on first use (a load that fails
+/// leaves its part empty, to be read again next time). Whatever holds either part holds
+/// the whole session in memory.
+#[derive(Default)]
+pub struct Session {
+    pub(super) book: OnceLock<SessionBook>,
+    pub(super) guard: OnceLock<Mutex<GuardedSession>>,
+}
 
 /// Shards of the map: a lookup locks one, so concurrent sessions rarely wait for each
 /// other, and a sweep holds one at a time.
@@ -141,8 +153,12 @@ impl<V: Send + Sync + 'static> LiveSessions<V> {
     /// since the last: new sessions then make room for themselves even where nothing
     /// calls [`LiveSessions::sweep`].
     fn sweep_if_due(&self, now: u64) {
-        let every = u64::try_from((self.inner.idle / 4).min(Duration::from_secs(60)).as_millis())
-            .unwrap_or(u64::MAX);
+        let every = u64::try_from(
+            (self.inner.idle / 4)
+                .min(Duration::from_secs(60))
+                .as_millis(),
+        )
+        .unwrap_or(u64::MAX);
         let last = self.inner.swept.load(Ordering::Relaxed);
         if now.saturating_sub(last) >= every
             && self
@@ -211,7 +227,10 @@ mod tests {
         assert_eq!(live.len(), 1);
         assert_eq!(*get(&live, "free", 2).await, 2, "loaded again");
         let again = get(&live, "held", 2).await;
-        assert!(Arc::ptr_eq(&held, &again), "a held session is never rebuilt");
+        assert!(
+            Arc::ptr_eq(&held, &again),
+            "a held session is never rebuilt"
+        );
     }
 
     #[tokio::test]

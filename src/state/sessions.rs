@@ -28,7 +28,7 @@ use crate::{
     },
     state::{
         guard_view::{self, Joined, Write, Written},
-        live::{LiveSessions, SessionKey},
+        live::{LiveSessions, Session, SessionKey},
     },
     store::{
         format::{self, UnknownFormat},
@@ -184,7 +184,7 @@ pub struct SessionGuards {
     /// Counts reloads: a session whose policy is from an older one takes the current one
     /// when next used here (never an older one, from a request still in flight).
     generation: u64,
-    sessions: LiveSessions<Mutex<GuardedSession>>,
+    sessions: LiveSessions<Session>,
     store: Arc<dyn Store>,
     clock: Clock,
     /// A session's shared state is forgotten after this long unused, as its memory is.
@@ -211,6 +211,21 @@ fn policies(config: &Config) -> HashMap<String, Arc<GuardPolicy>> {
                 .map(|g| (t.name.clone(), Arc::new(g.policy())))
         })
         .collect()
+}
+
+/// A live session's guard, holding the session in memory (see [`Session`]).
+#[derive(Clone)]
+pub struct GuardRef(Arc<Session>);
+
+impl std::ops::Deref for GuardRef {
+    type Target = Mutex<GuardedSession>;
+
+    fn deref(&self) -> &Mutex<GuardedSession> {
+        self.0
+            .guard
+            .get()
+            .expect("a GuardRef is only made for a loaded guard")
+    }
 }
 
 pub fn lock(entry: &Mutex<GuardedSession>) -> MutexGuard<'_, GuardedSession> {
@@ -611,7 +626,7 @@ impl SessionGuards {
         &self,
         tenant: &Arc<str>,
         session: &str,
-    ) -> Result<Option<Arc<Mutex<GuardedSession>>>, UnknownFormat> {
+    ) -> Result<Option<GuardRef>, UnknownFormat> {
         self.load(tenant, session, false).await
     }
 
@@ -622,33 +637,38 @@ impl SessionGuards {
         tenant: &Arc<str>,
         session: &str,
         replace: bool,
-    ) -> Result<Option<Arc<Mutex<GuardedSession>>>, UnknownFormat> {
+    ) -> Result<Option<GuardRef>, UnknownFormat> {
         let Some(config) = self.configs.get(&**tenant) else {
             return Ok(None);
         };
-        let entry = self
+        let live = self
             .sessions
             .get_or_load((tenant.clone(), session.to_string()), || async {
-                let kept = match self.kept(tenant, session).await {
-                    Ok(kept) => kept,
-                    Err(_) if replace => None,
-                    Err(unknown) => return Err(unknown),
-                };
-                let guard = match kept {
-                    Some(kept) => SessionGuard::restored(config.clone(), kept, self.clock.now()),
-                    None => SessionGuard::new(config.clone()),
-                };
-                Ok(Mutex::new(GuardedSession {
-                    guard,
-                    trace: VecDeque::with_capacity(1),
-                    version: 0,
-                    seen_usd: 0.0,
-                    updating: None,
-                    last_writer: false,
-                    generation: self.generation,
-                }))
+                Ok::<_, UnknownFormat>(Session::default())
             })
             .await?;
+        if live.guard.get().is_none() {
+            let kept = match self.kept(tenant, session).await {
+                Ok(kept) => kept,
+                Err(_) if replace => None,
+                Err(unknown) => return Err(unknown),
+            };
+            let guard = match kept {
+                Some(kept) => SessionGuard::restored(config.clone(), kept, self.clock.now()),
+                None => SessionGuard::new(config.clone()),
+            };
+            // Another request may have made it meanwhile: the first one set is kept.
+            let _ = live.guard.set(Mutex::new(GuardedSession {
+                guard,
+                trace: VecDeque::with_capacity(1),
+                version: 0,
+                seen_usd: 0.0,
+                updating: None,
+                last_writer: false,
+                generation: self.generation,
+            }));
+        }
+        let entry = GuardRef(live);
         {
             let mut e = lock(&entry);
             if e.generation < self.generation {
@@ -735,8 +755,20 @@ impl SessionGuards {
     }
 
     /// Every guarded session in memory now, in no order.
-    pub fn live(&self) -> Vec<(SessionKey, Arc<Mutex<GuardedSession>>)> {
-        self.sessions.list()
+    pub fn live(&self) -> Vec<(SessionKey, GuardRef)> {
+        self.sessions
+            .list()
+            .into_iter()
+            .filter(|(_, live)| live.guard.get().is_some())
+            .map(|(key, live)| (key, GuardRef(live)))
+            .collect()
+    }
+
+    /// The guards kept in the same live sessions as the budget books (one map entry a
+    /// session for both); the sessions' idle time is theirs.
+    pub fn sharing(mut self, sessions: &LiveSessions<Session>) -> Self {
+        self.sessions = sessions.clone();
+        self
     }
 
     /// An operator closes a session for good (kept in the store first: a close that
@@ -817,6 +849,58 @@ mod tests {
             TraceId::new("0123456789ABCDEF0123456789ABCDEF"),
             TraceId::Given(_)
         ));
+    }
+
+    #[tokio::test]
+    async fn a_sessions_book_and_guard_share_one_live_entry() {
+        use crate::{state::budgets::Budgets, store::SqliteStore};
+        let text = r#"
+            [[upstreams]]
+            name = "u"
+            api = "openai"
+            base_url = "http://127.0.0.1:1"
+            [[routes]]
+            model = "*"
+            targets = [{ upstream = "u" }]
+            [[tenants]]
+            name = "guarded"
+            api_keys = ["bk-test-key-1"]
+            [tenants.guard]
+            max_consecutive_failures = 3
+            [[tenants]]
+            name = "plain"
+            api_keys = ["bk-test-key-2"]
+        "#;
+        let config = Config::from_toml_with_env(text, |_| None).unwrap();
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(":memory:").unwrap());
+        let idle = Duration::from_secs(600);
+        let budgets = Budgets::new(&config, store.clone(), idle, Clock::system());
+        let guards =
+            SessionGuards::new(&config, idle, store, Clock::system()).sharing(budgets.live());
+        for tenant in ["guarded", "plain"] {
+            let tenant: Arc<str> = tenant.into();
+            budgets.check_rate(&tenant, Some("s")).await.unwrap();
+            budgets.session_usd(&tenant, "s").await;
+            let entry = guards.entry(&tenant, "s").await.unwrap();
+            assert_eq!(entry.is_some(), &*tenant == "guarded");
+        }
+        // One entry a session, whichever part made it first.
+        assert_eq!(budgets.live().len(), 2);
+        let books = budgets.live_sessions();
+        assert_eq!(books.len(), 2, "both sessions have a book");
+        let guarded = guards.live();
+        assert_eq!(
+            guarded.len(),
+            1,
+            "only the guarded tenant's session has a guard"
+        );
+        assert_eq!(&*guarded[0].0 .0, "guarded");
+        // A guard made before the book: the book is loaded into the same entry.
+        let tenant: Arc<str> = "guarded".into();
+        guards.entry(&tenant, "g").await.unwrap().unwrap();
+        budgets.session_usd(&tenant, "g").await;
+        assert_eq!(budgets.live().len(), 3);
+        assert_eq!((budgets.live_sessions().len(), guards.live().len()), (3, 2));
     }
 
     #[test]

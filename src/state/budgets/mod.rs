@@ -43,7 +43,7 @@ use crate::{
     policy::budget::{worst_case, Account, Caps, Prices, Usage, SESSION, TENANT_DAY},
     state::{
         guard_view::Written,
-        live::{LiveSessions, SessionKey},
+        live::{LiveSessions, Session, SessionKey},
         shared::{
             Admission, AdmitError, Gate, GateReply, GuardWrite, SharedBudgets, SharedSlot,
             Unavailable,
@@ -113,9 +113,34 @@ impl SessionBook {
     }
 }
 
+/// A live session's book, holding the session in memory (see [`Session`]).
+#[derive(Clone)]
+pub struct BookRef(Arc<Session>);
+
+impl BookRef {
+    /// A book kept nowhere: gone with its last holder.
+    fn detached(book: SessionBook) -> BookRef {
+        BookRef(Arc::new(Session {
+            book: book.into(),
+            ..Session::default()
+        }))
+    }
+}
+
+impl std::ops::Deref for BookRef {
+    type Target = SessionBook;
+
+    fn deref(&self) -> &SessionBook {
+        self.0
+            .book
+            .get()
+            .expect("a BookRef is only made for a loaded book")
+    }
+}
+
 pub struct Budgets {
     tenants: HashMap<Arc<str>, Arc<TenantBook>>,
-    sessions: LiveSessions<SessionBook>,
+    sessions: LiveSessions<Session>,
     pub(super) store: Arc<dyn Store>,
     pub(super) prices: Prices,
     /// Model names as metric labels: configured names only.
@@ -324,21 +349,32 @@ impl Budgets {
         &self,
         tenant: &Arc<str>,
         session: &str,
-    ) -> Result<Arc<SessionBook>, StoreError> {
-        self.sessions
+    ) -> Result<BookRef, StoreError> {
+        let live = self
+            .sessions
             .get_or_load((tenant.clone(), session.to_string()), || async {
-                let settled = self.store.session_usage(tenant, session).await.inspect_err(|err| {
-                    tracing::error!(%tenant, session, error = %err, "cannot read the ledger for a session");
-                })?;
-                Ok(SessionBook {
-                    account: Mutex::new(Account {
-                        settled,
-                        reserved: Usage::default(),
-                    }),
-                    in_flight: AtomicU32::new(0),
-                })
+                Ok::<_, StoreError>(Session::default())
             })
-            .await
+            .await?;
+        if live.book.get().is_none() {
+            let settled = self.store.session_usage(tenant, session).await.inspect_err(|err| {
+                tracing::error!(%tenant, session, error = %err, "cannot read the ledger for a session");
+            })?;
+            // Another call may have read it meanwhile: the first book set is kept.
+            let _ = live.book.set(SessionBook {
+                account: Mutex::new(Account {
+                    settled,
+                    reserved: Usage::default(),
+                }),
+                in_flight: AtomicU32::new(0),
+            });
+        }
+        Ok(BookRef(live))
+    }
+
+    /// The live sessions, for the session guards to keep theirs in the same entries.
+    pub fn live(&self) -> &LiveSessions<Session> {
+        &self.sessions
     }
 
     /// Reads the tenant's settled spend today from the ledger, once: the first read that
@@ -518,7 +554,7 @@ impl Budgets {
     async fn catch_up_with_the_fleet(
         &self,
         book: &TenantBook,
-        live: Option<&(String, Arc<SessionBook>)>,
+        live: Option<&(String, BookRef)>,
         session: Option<&str>,
     ) -> Result<(), Refusal> {
         let today = self.clock.today();
@@ -623,7 +659,7 @@ impl Budgets {
                 // Its spend so far unknown: counted from this call on, and not kept, so
                 // the next call reads the ledger again.
                 Err(err) if self.blind_past(&err, "session") => {
-                    Some((s.to_string(), Arc::new(SessionBook::unread())))
+                    Some((s.to_string(), BookRef::detached(SessionBook::unread())))
                 }
                 Err(err) => return Err(err.into()),
             },
@@ -703,7 +739,7 @@ impl Budgets {
     fn reserve_in_memory(
         self: &Arc<Self>,
         book: Arc<TenantBook>,
-        live: Option<(String, Arc<SessionBook>)>,
+        live: Option<(String, BookRef)>,
         day_unread: Option<StoreError>,
         model: &str,
         prompt_tokens: u64,
@@ -781,7 +817,7 @@ impl Budgets {
         self.sessions
             .list()
             .into_iter()
-            .map(|(key, book)| (key, lock(&book.account).settled))
+            .filter_map(|(key, live)| Some((key, lock(&live.book.get()?.account).settled)))
             .collect()
     }
 
@@ -834,7 +870,7 @@ pub enum Gated {
 /// One in-flight request of a session (its place under `session.max_concurrent`);
 /// dropping it frees the slot.
 pub enum ConcurrencySlot {
-    Local(Arc<SessionBook>),
+    Local(BookRef),
     /// Held in Redis (shared by replicas); freed there on drop.
     Shared(SharedSlot),
 }
