@@ -54,8 +54,11 @@ impl<V> Clone for LiveSessions<V> {
     }
 }
 
+/// One shard of the map.
+type Shard<V> = Mutex<HashMap<SessionKey, Slot<V>>>;
+
 struct Inner<V> {
-    shards: Box<[Mutex<HashMap<SessionKey, Slot<V>>>]>,
+    shards: Box<[Shard<V>]>,
     hasher: RandomState,
     idle: Duration,
     /// What `used` and `swept` count from (the real clock, as the idle time always has).
