@@ -1,7 +1,7 @@
 //! The live budget state: per tenant a daily account, rate limiters and session limits;
-//! per session an account and an in-flight count. Sessions idle out of memory (moka, with
-//! a time-to-idle) and are rebuilt from the ledger when they come back, so no history is
-//! lost; a session with a call in flight is never rebuilt (see [`LiveSessions`]). The
+//! per session an account and an in-flight count. Sessions idle out of memory (after
+//! `session_idle` unused) and are rebuilt from the ledger when they come back, so no
+//! history is lost; a session with a call in flight is never rebuilt (see [`LiveSessions`]). The
 //! arithmetic is in [`crate::policy::budget`]; persistence in [`crate::store`]; time
 //! (rate limits and the UTC day) comes from the injected [`Clock`].
 //!
