@@ -30,6 +30,13 @@ use common::*;
 
 const KEY: &str = "bk-bench-budgeted-0001";
 
+/// The tenant's and the session's rate limits: 10,000 requests a second (a GCRA interval
+/// of 100 µs in Redis, with a burst of a minute's worth), above anything the bench sends,
+/// so they never refuse, but low enough that the rate is counted. A limit so high that
+/// its interval rounds to 0 µs (1e8 a minute) is no limit in Redis: the gate skipped the
+/// rate work, and the figures flattered Redis mode.
+const RPM: u32 = 600_000;
+
 fn config(port: u16, mock: u16, dir: &std::path::Path, name: &str, state: &str) -> String {
     let path = dir.join(format!("{name}.toml"));
     let store = dir.join(format!("{name}.db"));
@@ -59,9 +66,9 @@ output_per_mtok = 10.0
 [[tenants]]
 name = "budgeted"
 api_keys = ["{KEY}"]
-requests_per_minute = 100000000
+requests_per_minute = {RPM}
 [tenants.session]
-requests_per_minute = 100000000
+requests_per_minute = {RPM}
 max_calls = 100000000
 max_tokens = 100000000000
 max_usd = 100000000.0
@@ -104,7 +111,7 @@ async fn call(
     let resp = req.send().await.unwrap();
     let status = resp.status().as_u16();
     let body = resp.bytes().await.unwrap();
-    if status != 200 && status != 503 {
+    if status != 200 && (status != 503 || std::env::var_os("BENCH_SHOW_503").is_some()) {
         eprintln!("{status}: {}", String::from_utf8_lossy(&body));
     }
     (t.elapsed(), status)

@@ -144,6 +144,9 @@ pub struct GuardedSession {
     /// request that is still being joined. Made on the first write to shared state:
     /// most sessions never share theirs, and each one costs memory while it is live.
     updating: Option<Arc<tokio::sync::RwLock<()>>>,
+    /// The session's requests on their way to the shared state from this replica (joined,
+    /// or offered whole beside a join): while any is, no whole state is offered.
+    joining: usize,
     /// The shared state was this replica's guard before its last write (nobody wrote
     /// between): it likely still is at the next.
     last_writer: bool,
@@ -199,6 +202,16 @@ const MAX_RACES: usize = 8;
 /// request it holds was refused by the limits after joins beside it): a whole write from
 /// it is handed the shared state back.
 const UNKNOWN_VERSION: u64 = u64::MAX;
+
+/// A request of a session on its way to the shared state ([`GuardedSession::joining`]),
+/// until it is dropped: when the write is answered, or abandoned.
+struct OnItsWay<'a>(&'a Mutex<GuardedSession>);
+
+impl Drop for OnItsWay<'_> {
+    fn drop(&mut self) {
+        lock(self.0).joining -= 1;
+    }
+}
 
 /// Each guarded tenant's policy.
 fn policies(config: &Config) -> HashMap<String, Arc<GuardPolicy>> {
@@ -466,21 +479,17 @@ impl SessionGuards {
             .get_or_insert_with(Arc::default)
             .clone();
         let mut newer: Option<(u64, String)> = None;
-        let mut alone = None;
         if let Some(request) = request {
             // Joins go together: each is decided on the shared state by the script, so
             // one session's requests on this replica do not wait for each other's round
             // trips. A request that cannot be joined waits for them, and they for it.
-            // The replica that wrote the shared state last, if none of the session's
-            // requests is being joined here, offers its whole state too (see
-            // [`Write::WholeOrJoin`]): whole writes hold the turn alone.
-            if lock(entry).last_writer {
-                alone = turn.clone().try_write_owned().ok();
-            }
-            let _joining = match alone {
-                Some(_) => None,
-                None => Some(turn.read().await),
-            };
+            // The replica that wrote the shared state last offers its whole state too
+            // (see [`Write::WholeOrJoin`]) when none of the session's requests here is
+            // on its way to the shared state: the whole state holds those requests,
+            // which would be counted twice if one of them were joined after it. The
+            // requests that come while it is on its way are joined beside it, in
+            // either order: the script takes the whole state only at its version.
+            let _joining = turn.read().await;
             let joined = {
                 let mut e = lock(entry);
                 let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
@@ -501,21 +510,24 @@ impl SessionGuards {
                         limit: config.identical_request_limit,
                         since_ms: now_ms.saturating_sub(window),
                     };
-                    let write = match alone {
-                        Some(_) => Write::WholeOrJoin {
+                    let write = if e.last_writer && e.joining == 0 {
+                        Write::WholeOrJoin {
                             version: e.version,
                             state: format::encode_snapshot(&guard_view::snapshot(
                                 &e.guard, now, now_ms,
                             )),
                             entries: e.guard.counts().recent.len(),
                             join,
-                        },
-                        None => Write::Join(join),
+                        }
+                    } else {
+                        Write::Join(join)
                     };
+                    e.joining += 1;
                     (result, write)
                 })
             };
             if let Some((result, write)) = joined {
+                let _on_its_way = OnItsWay(entry);
                 match save(Some(write)).await {
                     Saving::Saved(written, t) => {
                         // Joined to a state another replica (or another join) wrote
@@ -544,10 +556,7 @@ impl SessionGuards {
                 }
             }
         }
-        let _turn = match alone {
-            Some(turn) => turn,
-            None => turn.write_owned().await,
-        };
+        let _turn = turn.write_owned().await;
         // Optimistic: this replica's guard is assumed current; if it is not, the save
         // hands back the shared state, which is loaded and redone.
         for _ in 0..MAX_RACES {
@@ -664,6 +673,7 @@ impl SessionGuards {
                 version: 0,
                 seen_usd: 0.0,
                 updating: None,
+                joining: 0,
                 last_writer: false,
                 generation: self.generation,
             }));
@@ -825,6 +835,10 @@ impl SessionGuards {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{
+        policy::guard::tests::fp,
+        store::{connection::Redis, RedisStore, SqliteStore},
+    };
 
     #[test]
     fn a_trace_keeps_request_ids_as_they_came() {
@@ -907,5 +921,140 @@ mod tests {
     fn a_trace_entry_stays_small() {
         // Every live session holds at least one.
         assert!(std::mem::size_of::<TraceEntry>() <= 96);
+    }
+
+    /// Guards of tenant `t` over a store replicas share (its Redis is never called: the
+    /// tests give the write-backs' answers themselves).
+    fn guards() -> SessionGuards {
+        let config = Config::from_toml_with_env(
+            "[[upstreams]]\nname = \"u\"\napi = \"openai\"\nbase_url = \"http://x\"\n[[routes]]\nmodel = \"*\"\ntargets = [{ upstream = \"u\" }]\n[[tenants]]\nname = \"t\"\napi_keys = [\"bk-test-key\"]\n[tenants.guard]\nidentical_request_limit = 100",
+            |_| None,
+        )
+        .unwrap();
+        let mut state = config.state.clone();
+        state.url = Some("redis://127.0.0.1:1/0".into());
+        let store = RedisStore::new(
+            Arc::new(SqliteStore::open(":memory:").unwrap()),
+            Redis::new(&state).unwrap(),
+        );
+        SessionGuards::new(
+            &config,
+            Duration::from_secs(600),
+            Arc::new(store),
+            Clock::system(),
+        )
+    }
+
+    /// A session whose guard is the shared state at `version`, which this replica wrote.
+    fn session(guards: &SessionGuards, version: u64) -> Mutex<GuardedSession> {
+        Mutex::new(GuardedSession {
+            guard: SessionGuard::new(guards.configs["t"].clone()),
+            trace: VecDeque::new(),
+            version,
+            seen_usd: 0.0,
+            updating: None,
+            joining: 0,
+            last_writer: true,
+            generation: 0,
+        })
+    }
+
+    fn admit(n: u64) -> impl Fn(&mut SessionGuard, Instant) -> bool {
+        move |guard, now| guard.admit(now, &fp(n), 0.0).0.is_ok()
+    }
+
+    fn kind(write: &Write) -> (&'static str, Option<u64>) {
+        match write {
+            Write::Whole { version, .. } => ("whole", Some(*version)),
+            Write::Join(_) => ("join", None),
+            Write::WholeOrJoin { version, .. } => ("whole_or_join", Some(*version)),
+        }
+    }
+
+    /// The replica that wrote a session's shared state last offers its whole state with
+    /// a request; the session's other requests meanwhile are joined beside it, without
+    /// waiting for its round trip, and none of them offers the whole state (it holds the
+    /// first request, which would then be counted twice). Once every write is answered,
+    /// the whole state is offered again.
+    #[tokio::test(start_paused = true)]
+    async fn a_whole_state_offered_beside_a_join_holds_no_request_back() {
+        let guards = guards();
+        let tenant: Arc<str> = "t".into();
+        let entry = session(&guards, 5);
+        let writes = Mutex::new(Vec::new());
+        let (release, held) = tokio::sync::oneshot::channel::<()>();
+        let held = Mutex::new(Some(held));
+        let first = guards.update_with(&tenant, "s", &entry, admit(1), 1, |write| {
+            writes.lock().unwrap().push(kind(write.as_ref().unwrap()));
+            let held = held.lock().unwrap().take().unwrap();
+            async move {
+                let _ = held.await;
+                Saving::Saved(Written { from: 5, to: 6 }, ())
+            }
+        });
+        tokio::pin!(first);
+        // On its way to Redis, not answered.
+        assert!(futures_util::poll!(&mut first).is_pending());
+        for (n, from) in [(2, 6), (3, 7)] {
+            let beside = guards.update_with(&tenant, "s", &entry, admit(n), n, |write| {
+                writes.lock().unwrap().push(kind(write.as_ref().unwrap()));
+                async move { Saving::Saved(Written { from, to: from + 1 }, ()) }
+            });
+            let (admitted, saved) = tokio::time::timeout(Duration::from_secs(1), beside)
+                .await
+                .expect("held back by the whole state's round trip")
+                .unwrap();
+            assert!(admitted && saved.is_some());
+        }
+        release.send(()).unwrap();
+        let (admitted, _) = first.await.unwrap();
+        assert!(admitted);
+        assert_eq!(
+            *writes.lock().unwrap(),
+            [("whole_or_join", Some(5)), ("join", None), ("join", None)]
+        );
+        {
+            // The whole state was taken at 5; the joins landed after it.
+            let e = lock(&entry);
+            assert_eq!((e.version, e.last_writer, e.joining), (6, true, 0));
+            assert_eq!(e.guard.counts().recent.len(), 3);
+        }
+        let next = guards.update_with(&tenant, "s", &entry, admit(4), 4, |write| {
+            writes.lock().unwrap().push(kind(write.as_ref().unwrap()));
+            async move { Saving::Saved(Written { from: 8, to: 9 }, ()) }
+        });
+        assert!(next.await.unwrap().0);
+        assert_eq!(writes.lock().unwrap()[3], ("whole_or_join", Some(6)));
+    }
+
+    /// A request abandoned on its way (its client left) no longer keeps the whole state
+    /// from being offered.
+    #[tokio::test(start_paused = true)]
+    async fn an_abandoned_write_does_not_stop_whole_offers() {
+        let guards = guards();
+        let tenant: Arc<str> = "t".into();
+        let entry = session(&guards, 5);
+        let writes = Mutex::new(Vec::new());
+        let save = |write: Option<Write>| {
+            writes.lock().unwrap().push(kind(write.as_ref().unwrap()));
+            std::future::pending::<Saving<()>>()
+        };
+        let abandoned = tokio::time::timeout(
+            Duration::from_secs(1),
+            guards.update_with(&tenant, "s", &entry, admit(1), 1, save),
+        )
+        .await;
+        assert!(abandoned.is_err());
+        assert_eq!(lock(&entry).joining, 0);
+        let next = tokio::time::timeout(
+            Duration::from_secs(1),
+            guards.update_with(&tenant, "s", &entry, admit(2), 2, save),
+        )
+        .await;
+        assert!(next.is_err());
+        assert_eq!(
+            *writes.lock().unwrap(),
+            [("whole_or_join", Some(5)), ("whole_or_join", Some(5))]
+        );
     }
 }
