@@ -12,7 +12,8 @@
 //!   prompt, 30 messages), naming the failure, and counting it in the view, per failure;
 //!   and the check a success pays when no signature is hot.
 //! - The failure path end to end: failing requests (a 400 passed through) of distinct
-//!   sessions through a real gateway, with the fleet view off and on, interleaved; and
+//!   sessions through a real gateway, with the fleet view off and on, request by request
+//!   in turn; and
 //!   the same in replica mode (`[state] backend = "redis"`, on the server above), where
 //!   the fleet's count rides on the guard's write-back.
 //!
@@ -360,13 +361,16 @@ async fn latency_end_to_end(redis: Option<&str>) {
         .map(|i| Value::Object(request(i)).to_string())
         .collect();
     let mut times = [Vec::new(), Vec::new()];
+    let urls = [&off, &on].map(|gw| format!("http://{}/v1/chat/completions", gw.addr));
+    // Off and on take turns request by request (which goes first alternating), so a burst
+    // of the machine's other load falls on both alike.
     for round in 0..6u64 {
-        for (k, gw) in [&off, &on].into_iter().enumerate() {
-            let url = format!("http://{}/v1/chat/completions", gw.addr);
-            for n in 0..500u64 {
+        for n in 0..500u64 {
+            for k in [n % 2, 1 - n % 2] {
+                let k = k as usize;
                 let started = Instant::now();
                 let resp = http
-                    .post(&url)
+                    .post(&urls[k])
                     .bearer_auth("bk-fleet-cost-key")
                     .header("x-session-id", format!("r{round}-{n}"))
                     .header("x-mock-fault", "status=400;code=context_length_exceeded")

@@ -19,7 +19,8 @@
 //! For a tenant with `[tenants.guard.fleet]`, the session's failures are also counted in
 //! the tenant's fleet view ([`Fleet`]): a failure whose signature is hot trips the
 //! session at once (rule `fleet_pattern`, the signature and how many sessions shared it
-//! as evidence), and with `preempt` a request whose shape is a hot signature's is refused
+//! as evidence; in replica mode counted and imposed in the guard's one write after the
+//! call), and with `preempt` a request whose shape is a hot signature's is refused
 //! (429 `session_tripped`, `fleet_pattern`) before the limits or any attempt, unless it
 //! is the signature's probe. Nothing of this is hashed or asked on the success path
 //! unless the tenant has a hot signature or a prediction pending.
@@ -558,7 +559,10 @@ impl AdmissionLayer {
         let imposed = match (g.fleet, failure) {
             (Some(policy), Some(failure)) if folded => {
                 let sig = Signature::new(&shape.unwrap_or_else(|| g.shape()), &failure);
-                match self.fleet_failed_in_write_back(g, policy, &sig, facts).await {
+                match self
+                    .fleet_failed_in_write_back(g, policy, &sig, facts)
+                    .await
+                {
                     Some(change) => return change,
                     None => self.fleet_failed(g, policy, &sig, facts).await,
                 }
@@ -743,9 +747,7 @@ where
             Some(_) if failed => failure_kind(&result, &facts.recovery, &request),
             _ => None,
         };
-        let change = self
-            .outcome(&g, shape, failure, failed, &facts, seen)
-            .await;
+        let change = self.outcome(&g, shape, failure, failed, &facts, seen).await;
         let keep = {
             let mut e = lock(&entry);
             if let Some(seen) = seen {

@@ -257,7 +257,13 @@ pub const EVIDENCE_MARKS: [&str; 2] = ["@fleet-sessions@", "@fleet-qualified@"];
 impl Hot {
     /// The trip's evidence: the signature in words and how many sessions shared it.
     pub fn evidence(&self, policy: &FleetPolicy) -> String {
-        evidence(&self.sessions, &self.qualified, self.id, &self.description, policy)
+        evidence(
+            &self.sessions,
+            &self.qualified,
+            self.id,
+            &self.description,
+            policy,
+        )
     }
 
     /// The evidence of a trip by signature `id` whose counts are not known yet: the
@@ -1038,7 +1044,10 @@ mod tests {
         let marked = Hot::evidence_marked(sig.id, &sig.description, &policy());
         let [sessions, qualified] = EVIDENCE_MARKS;
         assert_eq!(
-            (marked.matches(sessions).count(), marked.matches(qualified).count()),
+            (
+                marked.matches(sessions).count(),
+                marked.matches(qualified).count()
+            ),
             (1, 1)
         );
         assert!(marked.find(sessions) < marked.find(qualified));

@@ -405,9 +405,8 @@ impl SessionGuards {
             let change = recorded.record(now, true);
             let mut tripped = recorded.clone();
             tripped.impose(now, trip.0.clone(), trip.1);
-            let state = |g: &SessionGuard| {
-                format::encode_snapshot(&guard_view::snapshot(g, now, now_ms))
-            };
+            let state =
+                |g: &SessionGuard| format::encode_snapshot(&guard_view::snapshot(g, now, now_ms));
             let recorded_state = state(&recorded);
             let tripped_state = state(&tripped);
             let tripped = if tripped_state == recorded_state {

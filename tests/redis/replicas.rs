@@ -1953,8 +1953,7 @@ cool_down = "30s"
             ("x-mock-fault", "status=400;code=context_length_exceeded"),
         ]
     };
-    let compaction =
-        json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "Summarize in 1,000 tokens."}]});
+    let compaction = json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "Summarize in 1,000 tokens."}]});
     // After the call: the fleet's count and the guard's write-back, one script.
     let one = [("fleet_failed_and_save".to_string(), 1)];
     // s-1 and s-2 fail twice each, the second time on the other replica.
@@ -1963,14 +1962,20 @@ cool_down = "30s"
             let (answer, ops) =
                 failure_round_trips(&cluster, replica, &failing(session), &compaction).await;
             assert_eq!(answer.status, 400, "{}", answer.text);
-            assert_eq!(answer.header("x-backstop-session-state"), Some("recovering"));
+            assert_eq!(
+                answer.header("x-backstop-session-state"),
+                Some("recovering")
+            );
             assert_eq!(ops, one, "{session}, failure {n}, on replica {replica}");
         }
     }
     // s-3's second failure, on replica 1, is the third session's second: the script makes
     // the signature hot and writes the session's state tripped, its evidence counted in.
     let (answer, ops) = failure_round_trips(&cluster, 0, &failing("s-3"), &compaction).await;
-    assert_eq!(answer.header("x-backstop-session-state"), Some("recovering"));
+    assert_eq!(
+        answer.header("x-backstop-session-state"),
+        Some("recovering")
+    );
     assert_eq!(ops, one);
     let (answer, ops) = failure_round_trips(&cluster, 1, &failing("s-3"), &compaction).await;
     assert_eq!(answer.status, 400, "{}", answer.text);
@@ -1987,7 +1992,10 @@ cool_down = "30s"
     let refused = cluster.call(0, FLEET, &failing("s-3"), &compaction).await;
     assert_eq!(refused.status, 429, "{}", refused.text);
     assert_eq!(refused.code(), "session_tripped");
-    let message = refused.json()["error"]["message"].as_str().unwrap().to_string();
+    let message = refused.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
     assert!(
         message.contains("session_tripped (fleet_pattern): 3 sessions of this tenant failed the same way within 10m (3 of them at least 2 times): signature "),
         "{message}"
@@ -2007,7 +2015,10 @@ cool_down = "30s"
     let refused = cluster.call(0, FLEET, &failing("s-4"), &step(1)).await;
     assert_eq!(refused.status, 429, "{}", refused.text);
     assert_eq!(refused.code(), "session_tripped");
-    let message = refused.json()["error"]["message"].as_str().unwrap().to_string();
+    let message = refused.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
     assert!(
         message.contains("(fleet_pattern): 4 sessions of this tenant failed the same way within 10m (3 of them at least 2 times)")
             && !message.contains("@fleet-"),
@@ -2018,13 +2029,17 @@ cool_down = "30s"
     // the same session goes through replica 0. The script counts the failure and hands
     // back the state replica 0 wrote; the failure is then written by the plain
     // compare-and-set, and counted once.
-    let racing = json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "Race the replicas."}]});
+    let racing =
+        json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "Race the replicas."}]});
     let slow = [
         ("x-session-id", "m-1"),
         ("x-mock-scenario", "fleet-race"),
         ("x-mock-fault", "status=400;code=invalid_value;delay=1s"),
     ];
-    let quick = [("x-session-id", "m-1"), ("x-mock-scenario", "fleet-race-ok")];
+    let quick = [
+        ("x-session-id", "m-1"),
+        ("x-mock-scenario", "fleet-race-ok"),
+    ];
     let ok = cluster.call(1, FLEET, &quick, &step(10)).await;
     assert_eq!(ok.status, 200, "{}", ok.text);
     for n in 1..=2u64 {
@@ -2049,13 +2064,20 @@ cool_down = "30s"
             "race {n}: the script's write handed back, written again alone"
         );
     }
-    let view = cluster.admin(0, reqwest::Method::GET, "/admin/tenants/fleet/fleet").await;
+    let view = cluster
+        .admin(0, reqwest::Method::GET, "/admin/tenants/fleet/fleet")
+        .await;
     let view = view.json();
     let raced: Vec<&Value> = view["signatures"]
         .as_array()
         .unwrap()
         .iter()
-        .filter(|s| s["description"].as_str().unwrap().starts_with("invalid_value"))
+        .filter(|s| {
+            s["description"]
+                .as_str()
+                .unwrap()
+                .starts_with("invalid_value")
+        })
         .collect();
     assert_eq!(raced.len(), 1, "{view}");
     assert_eq!(

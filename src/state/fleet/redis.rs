@@ -17,6 +17,10 @@
 //!   predictions pending, which replicas copy ([`WATCH_REFRESH`]);
 //! - `stats`: trips by reason (`trip:{reason}`), `untracked`, `expired`.
 //!
+//! A failure is counted in the same script as the session guard's write-back
+//! ([`FAILED_AND_SAVE`]), so the trip it decides is imposed in that write, one round trip
+//! after the request's call.
+//!
 //! Sessions are the hex of their hash ([`crate::policy::fleet::session_key`]). One
 //! difference from the embedded view: a full table makes room by pushing out the least
 //! shared of its 16 least recently active signatures, not of all of them.
@@ -33,8 +37,8 @@ use tokio::time::Instant;
 use crate::{
     clock::Clock,
     policy::fleet::{
-        session_key, sort_reports, Check, Failed, FleetPolicy, Hot, Record, ShapeKey, Signature, SignatureId,
-        SignatureReport, SignatureState, Succeeded, Totals, EXACT_SIGNATURES,
+        session_key, sort_reports, Check, Failed, FleetPolicy, Hot, Record, ShapeKey, Signature,
+        SignatureId, SignatureReport, SignatureState, Succeeded, Totals, EXACT_SIGNATURES,
         PREDICTIONS_PER_SIGNATURE, SESSIONS_PER_SIGNATURE, SINGLES,
     },
     state::{
@@ -649,7 +653,13 @@ impl SharedFleet {
     }
 
     /// [`FAILED`]'s reply, read (and a trip noted in this replica's watched shapes).
-    fn counted(&self, tenant: &str, policy: &FleetPolicy, sig: &Signature, reply: &[String]) -> Failed {
+    fn counted(
+        &self,
+        tenant: &str,
+        policy: &FleetPolicy,
+        sig: &Signature,
+        reply: &[String],
+    ) -> Failed {
         let field = |i: usize| reply.get(i).map(String::as_str).unwrap_or("");
         match field(0) {
             "counted" => {
