@@ -202,6 +202,14 @@ impl AppState {
             }
             budgets = budgets.with_shared(shared);
         }
+        // One live entry a session for its budget book and its guard.
+        let guards = SessionGuards::new(
+            &config,
+            config.store.session_idle,
+            store.clone(),
+            clock.clone(),
+        )
+        .sharing(budgets.live());
         let fleet = Arc::new(Fleet::new(&config, redis.clone(), clock.clone()));
         warn_unpriced(&config);
         let (stream_cut, cut_streams) = StreamCut::channel();
@@ -214,12 +222,7 @@ impl AppState {
             budgets: Arc::new(budgets),
             schemas: Arc::new(Schemas::new(config.validation.schema_settings())),
             owners: Arc::new(ResponseOwners::new(store.clone(), clock.clone())),
-            guards: Arc::new(SessionGuards::new(
-                &config,
-                config.store.session_idle,
-                store,
-                clock.clone(),
-            )),
+            guards: Arc::new(guards),
             fleet,
             clock,
             tenants: Arc::new(TenantKeys::new(&config)),

@@ -13,7 +13,6 @@
 
 use std::{
     collections::HashMap,
-    sync::{Arc, Mutex},
     time::{Duration, UNIX_EPOCH},
 };
 
@@ -30,7 +29,7 @@ use crate::{
     policy::budget::Usage,
     state::{
         live::SessionKey,
-        sessions::{lock, GuardedSession},
+        sessions::{lock, GuardRef},
     },
 };
 
@@ -139,7 +138,7 @@ struct Row {
     used: Usage,
     /// The guard's entry, for guarded sessions: its signals are read only for the rows
     /// shown.
-    guard: Option<Arc<Mutex<GuardedSession>>>,
+    guard: Option<GuardRef>,
     risk: f64,
 }
 

@@ -67,7 +67,7 @@ use crate::{
         budgets::{Budgets, ConcurrencySlot, Gated, Refusal},
         fleet::Fleet,
         guard_view::Write,
-        sessions::{lock, GuardedSession, Saving, SessionGuards, TraceEntry},
+        sessions::{lock, GuardedSession, Saving, SessionGuards, TraceEntry, TraceId},
         shared::GuardWrite,
     },
     store::format::UnknownFormat,
@@ -308,13 +308,13 @@ impl Guarded<'_> {
 
     /// A refusal's trace entry.
     fn refused(&self, e: &mut GuardedSession, trip: &Trip) {
-        let state = e.guard.state().label();
+        let state = e.guard.state().phase();
         e.trace(TraceEntry {
-            request_id: self.request_id.to_string(),
+            request_id: TraceId::new(self.request_id),
             status: 0,
             failed: false,
-            action: format!("refused:{}", trip.code().as_str()),
-            detail: Some(format!("{}: {}", trip.rule.as_str(), trip.evidence)),
+            action: format!("refused:{}", trip.code().as_str()).into(),
+            detail: Some(format!("{}: {}", trip.rule.as_str(), trip.evidence).into()),
             attempts: 0,
             upstream: None,
             latency_ms: 0.0,
@@ -757,21 +757,19 @@ where
             transition(&tenant, &session, change, &request_id);
             tripped(&self.fleet, &tenant, &e.guard, change);
             let keep = to_keep(change, &e.guard, now);
-            let state = e.guard.state().label();
+            let state = e.guard.state().phase();
             // The trip this request's failure caused, named in the trace.
             let detail = match (change, e.guard.state()) {
-                (Some((_, Phase::Tripped)), GuardState::Tripped { trip, .. }) => Some(format!(
-                    "tripped: {}: {}",
-                    trip.rule.as_str(),
-                    trip.evidence
-                )),
+                (Some((_, Phase::Tripped)), GuardState::Tripped { trip, .. }) => {
+                    Some(format!("tripped: {}: {}", trip.rule.as_str(), trip.evidence).into())
+                }
                 _ => None,
             };
             e.trace(TraceEntry {
-                request_id,
+                request_id: TraceId::new(&request_id),
                 status,
                 failed,
-                action: trail::render(&facts.recovery.steps),
+                action: trail::render(&facts.recovery.steps).into(),
                 detail,
                 attempts: facts.recovery.attempts,
                 upstream: facts.recovery.upstream,

@@ -144,12 +144,13 @@ impl Phase {
 /// A change of phase, `(from, to)`.
 pub type Transition = (Phase, Phase);
 
+/// A trip is boxed: every live session holds a state, few hold a trip.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GuardState {
     Active,
     Recovering,
-    Tripped { until: Instant, trip: Trip },
-    Probing { trip: Trip },
+    Tripped { until: Instant, trip: Box<Trip> },
+    Probing { trip: Box<Trip> },
     Closed,
 }
 
@@ -252,7 +253,7 @@ impl SessionGuard {
             Kept::Closed => GuardState::Closed,
             Kept::Tripped { remaining, trip } => GuardState::Tripped {
                 until: now + remaining,
-                trip,
+                trip: Box::new(trip),
             },
         };
         guard
@@ -265,11 +266,11 @@ impl SessionGuard {
             GuardState::Closed => Some(Kept::Closed),
             GuardState::Tripped { until, trip } => Some(Kept::Tripped {
                 remaining: until.saturating_duration_since(now),
-                trip: trip.clone(),
+                trip: Trip::clone(trip),
             }),
             GuardState::Probing { trip } => Some(Kept::Tripped {
                 remaining: Duration::ZERO,
-                trip: trip.clone(),
+                trip: Trip::clone(trip),
             }),
             GuardState::Active | GuardState::Recovering => None,
         }
@@ -294,7 +295,7 @@ impl SessionGuard {
     fn trip(&mut self, now: Instant, trip: Trip) -> Option<Transition> {
         self.set(GuardState::Tripped {
             until: now + self.config.cool_down,
-            trip,
+            trip: Box::new(trip),
         })
     }
 
@@ -363,7 +364,7 @@ impl SessionGuard {
             GuardState::Tripped { until, trip } if now < *until => {
                 return (
                     Err(Refused {
-                        trip: trip.clone(),
+                        trip: Trip::clone(trip),
                         retry_after: *until - now,
                     }),
                     None,
@@ -379,7 +380,7 @@ impl SessionGuard {
                 // One probe at a time; its outcome decides.
                 return (
                     Err(Refused {
-                        trip: trip.clone(),
+                        trip: Trip::clone(trip),
                         retry_after: Duration::from_secs(1),
                     }),
                     None,
@@ -456,7 +457,7 @@ impl SessionGuard {
                     "{}; the probe after the cool-down failed too",
                     trip.evidence
                 ),
-                ..trip.clone()
+                ..Trip::clone(trip)
             };
             return self.trip(now, trip);
         }
@@ -483,7 +484,7 @@ impl SessionGuard {
             GuardState::Active | GuardState::Recovering | GuardState::Probing { .. } => {
                 self.set(GuardState::Tripped {
                     until: now + cool_down,
-                    trip,
+                    trip: Box::new(trip),
                 })
             }
         }

@@ -104,9 +104,9 @@ pub fn snapshot(guard: &SessionGuard, now: Instant, now_ms: i64) -> GuardSnapsho
             now_ms.saturating_add(
                 i64::try_from(until.saturating_duration_since(now).as_millis()).unwrap_or(i64::MAX),
             ),
-            Some(trip),
+            Some(&**trip),
         ),
-        GuardState::Probing { trip } => (Phase::Probing, 0, Some(trip)),
+        GuardState::Probing { trip } => (Phase::Probing, 0, Some(&**trip)),
         GuardState::Closed => (Phase::Closed, 0, None),
     };
     GuardSnapshot {
@@ -150,9 +150,11 @@ pub fn from_snapshot(
                 + Duration::from_millis(
                     u64::try_from(snap.until_ms.saturating_sub(now_ms)).unwrap_or(0),
                 ),
-            trip: trip(),
+            trip: Box::new(trip()),
         },
-        Phase::Probing => GuardState::Probing { trip: trip() },
+        Phase::Probing => GuardState::Probing {
+            trip: Box::new(trip()),
+        },
         Phase::Closed => GuardState::Closed,
     };
     SessionGuard::from_counts(

@@ -1,96 +1,103 @@
-//! Per-session live values that idle out of memory but are never rebuilt while held:
-//! the one cache shape behind both the budget sessions ([`super::budgets`]) and the guard
-//! sessions ([`super::sessions`]).
+//! Per-session live values that idle out of memory but are never rebuilt while held.
+//! One map holds each session's budget book ([`super::budgets`]) and guard
+//! ([`super::sessions`]) together, in one [`Session`].
 
 use std::{
     collections::HashMap,
     future::Future,
-    sync::{Arc, Mutex, Weak},
+    hash::{BuildHasher, RandomState},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex, MutexGuard, OnceLock,
+    },
     time::Duration,
 };
 
-use moka::sync::Cache;
+use super::{budgets::SessionBook, sessions::GuardedSession};
 
 /// (tenant, session).
 pub type SessionKey = (Arc<str>, String);
 
+/// Everything this process keeps live about one session, under one map entry: its budget
+/// book and, for a guarded tenant, its guard, each loaded on first use (a load that fails
+/// leaves its part empty, to be read again next time). Whatever holds either part holds
+/// the whole session in memory.
+#[derive(Default)]
+pub struct Session {
+    pub(super) book: OnceLock<SessionBook>,
+    pub(super) guard: OnceLock<Mutex<GuardedSession>>,
+}
+
+/// Shards of the map: a lookup locks one, so concurrent sessions rarely wait for each
+/// other, and a sweep holds one at a time.
+const SHARDS: usize = 16;
+
 /// Per-session live state that idles out of memory, except while something still holds
-/// it: the cache (moka, time-to-idle) keeps idle sessions alive, and a registry of weak
-/// references finds a session that the cache dropped while a call, a reservation or an
-/// in-flight slot still held it. Such a session is put back, never rebuilt, so its
-/// reservations and concurrency count are not lost. The registry entry goes when the
-/// cache evicts a session nobody holds (and in [`LiveSessions::sweep`]).
+/// it: a session unused for the idle time and held by nobody else (no call, reservation
+/// or in-flight slot) is dropped by the next sweep; one still held stays, so it is never
+/// rebuilt and its reservations and concurrency count are not lost.
+///
+/// One map entry a session (the key, the value and when it was last used), not a cache
+/// beside a registry: with 100,000 live sessions that difference is tens of megabytes.
+/// Sweeps run when [`LiveSessions::sweep`] is called and, between those, on a miss once
+/// a quarter of the idle time (at most a minute) has passed since the last.
 pub struct LiveSessions<V> {
-    cache: Cache<SessionKey, Arc<V>>,
-    registry: Arc<Mutex<Registry<V>>>,
+    inner: Arc<Inner<V>>,
 }
 
 /// A handle on the same sessions (a reloaded config's books share them).
 impl<V> Clone for LiveSessions<V> {
     fn clone(&self) -> Self {
         LiveSessions {
-            cache: self.cache.clone(),
-            registry: self.registry.clone(),
+            inner: self.inner.clone(),
         }
     }
 }
 
-struct Registry<V> {
-    live: HashMap<SessionKey, Weak<V>>,
-    /// Evicted while held: their entries go once the holders are done.
-    orphans: Vec<SessionKey>,
+/// One shard of the map.
+type Shard<V> = Mutex<HashMap<SessionKey, Slot<V>>>;
+
+struct Inner<V> {
+    shards: Box<[Shard<V>]>,
+    hasher: RandomState,
+    idle: Duration,
+    /// What `used` and `swept` count from (the real clock, as the idle time always has).
+    epoch: std::time::Instant,
+    /// Milliseconds since `epoch` at the last sweep.
+    swept: AtomicU64,
 }
 
-impl<V> Registry<V> {
-    fn forget_released_orphans(&mut self) {
-        let live = &mut self.live;
-        self.orphans.retain(|key| {
-            let held = live.get(key).is_some_and(|w| w.strong_count() > 0);
-            if !held {
-                live.remove(key);
-            }
-            held
-        });
-    }
+struct Slot<V> {
+    value: Arc<V>,
+    /// Milliseconds since `epoch` at the last lookup.
+    used: u64,
 }
 
 impl<V: Send + Sync + 'static> LiveSessions<V> {
     pub fn new(idle: Duration) -> Self {
-        let registry = Arc::new(Mutex::new(Registry {
-            live: HashMap::new(),
-            orphans: Vec::new(),
-        }));
-        let on_evict = Arc::downgrade(&registry);
-        let cache = Cache::builder()
-            .time_to_idle(idle)
-            .max_capacity(1_000_000)
-            .eviction_listener(move |key: Arc<SessionKey>, value: Arc<V>, _cause| {
-                let Some(registry) = on_evict.upgrade() else {
-                    return;
-                };
-                let mut registry = lock(&registry);
-                // Another value under this key (revived or rebuilt) is not ours to touch.
-                let ours = registry
-                    .live
-                    .get(&*key)
-                    .is_some_and(|w| w.as_ptr() == Arc::as_ptr(&value));
-                if !ours {
-                    return;
-                }
-                if Arc::strong_count(&value) == 1 {
-                    // Only the evicted value itself holds it: nobody can come back for it.
-                    registry.live.remove(&*key);
-                } else {
-                    registry.orphans.push((*key).clone());
-                }
-            })
-            .build();
-        LiveSessions { cache, registry }
+        LiveSessions {
+            inner: Arc::new(Inner {
+                shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
+                hasher: RandomState::new(),
+                idle,
+                epoch: std::time::Instant::now(),
+                swept: AtomicU64::new(0),
+            }),
+        }
     }
 
-    /// The live value for `key`: cached, still held elsewhere, or loaded by `load`. The
-    /// load runs without any lock held; if another caller put a value under `key`
-    /// meanwhile, that one is kept and ours dropped, so there is only ever one.
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.inner.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn shard(&self, key: &SessionKey) -> MutexGuard<'_, HashMap<SessionKey, Slot<V>>> {
+        let at = self.inner.hasher.hash_one(key) as usize % SHARDS;
+        lock(&self.inner.shards[at])
+    }
+
+    /// The live value for `key`: in memory (held or not), or loaded by `load`. The load
+    /// runs without any lock held; if another caller put a value under `key` meanwhile,
+    /// that one is kept and ours dropped, so there is only ever one.
     pub async fn get_or_load<E, F>(
         &self,
         key: SessionKey,
@@ -99,62 +106,169 @@ impl<V: Send + Sync + 'static> LiveSessions<V> {
     where
         F: Future<Output = Result<V, E>>,
     {
-        if let Some(v) = self.cache.get(&key) {
-            return Ok(v);
+        let now = self.now_ms();
+        if let Some(slot) = self.shard(&key).get_mut(&key) {
+            slot.used = now;
+            return Ok(slot.value.clone());
         }
-        let held = {
-            let mut registry = lock(&self.registry);
-            registry.forget_released_orphans();
-            registry.live.get(&key).and_then(Weak::upgrade)
-        };
-        let value = match held {
-            Some(v) => v,
-            None => {
-                let loaded = load().await?;
-                let mut registry = lock(&self.registry);
-                match registry.live.get(&key).and_then(Weak::upgrade) {
-                    Some(v) => v,
-                    None => {
-                        let v = Arc::new(loaded);
-                        registry.live.insert(key.clone(), Arc::downgrade(&v));
-                        v
-                    }
-                }
-            }
-        };
-        // Outside the registry lock: an insert may run moka's maintenance, and with it
-        // the eviction listener, which takes that lock.
-        self.cache.insert(key, value.clone());
-        Ok(value)
+        self.sweep_if_due(now);
+        let loaded = load().await?;
+        let now = self.now_ms();
+        let mut shard = self.shard(&key);
+        let slot = shard.entry(key).or_insert_with(|| Slot {
+            value: Arc::new(loaded),
+            used: now,
+        });
+        slot.used = now;
+        Ok(slot.value.clone())
     }
 
-    /// Every session in memory now (cached, or idle-evicted but still held), in no
-    /// order. The registry's lock is held only while the references are copied.
+    /// Every session in memory now, in no order. Each shard's lock is held only while
+    /// its references are copied.
     pub fn list(&self) -> Vec<(SessionKey, Arc<V>)> {
-        let registry = lock(&self.registry);
-        registry
-            .live
-            .iter()
-            .filter_map(|(key, weak)| Some((key.clone(), weak.upgrade()?)))
-            .collect()
+        let mut all = Vec::new();
+        for shard in self.inner.shards.iter() {
+            all.extend(
+                lock(shard)
+                    .iter()
+                    .map(|(key, slot)| (key.clone(), slot.value.clone())),
+            );
+        }
+        all
     }
 
-    /// Evicts every session from the cache, as `session_idle` would (moka's idle clock is
-    /// its own, not tokio's); held sessions stay reachable through the registry.
+    /// Drops every session nobody holds, as `session_idle` would once it passed (the
+    /// idle time runs on the real clock, not tokio's); held sessions stay.
     #[cfg(test)]
     pub(crate) fn evict_all(&self) {
-        self.cache.invalidate_all();
+        self.evict(|_| true);
     }
 
-    /// Runs the cache's pending evictions and drops registry entries nobody holds.
+    /// Drops the sessions idle for `session_idle` that nobody holds.
     pub fn sweep(&self) {
-        self.cache.run_pending_tasks();
-        let mut registry = lock(&self.registry);
-        registry.live.retain(|_, w| w.strong_count() > 0);
-        registry.orphans.clear();
+        let now = self.now_ms();
+        self.inner.swept.store(now, Ordering::Relaxed);
+        let idle = u64::try_from(self.inner.idle.as_millis()).unwrap_or(u64::MAX);
+        self.evict(|used| now.saturating_sub(used) >= idle);
+    }
+
+    /// A sweep on a miss, when a quarter of the idle time (at most a minute) has passed
+    /// since the last: new sessions then make room for themselves even where nothing
+    /// calls [`LiveSessions::sweep`].
+    fn sweep_if_due(&self, now: u64) {
+        let every = u64::try_from(
+            (self.inner.idle / 4)
+                .min(Duration::from_secs(60))
+                .as_millis(),
+        )
+        .unwrap_or(u64::MAX);
+        let last = self.inner.swept.load(Ordering::Relaxed);
+        if now.saturating_sub(last) >= every
+            && self
+                .inner
+                .swept
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.sweep();
+        }
+    }
+
+    fn evict(&self, idle: impl Fn(u64) -> bool) {
+        for shard in self.inner.shards.iter() {
+            let mut map = lock(shard);
+            map.retain(|_, slot| Arc::strong_count(&slot.value) > 1 || !idle(slot.used));
+            // Give back what a burst of sessions left behind.
+            if map.capacity() > 64 && map.capacity() > map.len() * 4 {
+                map.shrink_to_fit();
+            }
+        }
+    }
+
+    /// How many sessions are in memory now.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.inner.shards.iter().map(|s| lock(s).len()).sum()
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(session: &str) -> SessionKey {
+        ("t".into(), session.to_string())
+    }
+
+    async fn get(live: &LiveSessions<u32>, session: &str, loaded: u32) -> Arc<u32> {
+        live.get_or_load(key(session), || async { Ok::<_, ()>(loaded) })
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_session_in_memory_is_not_loaded_again() {
+        let live = LiveSessions::new(Duration::from_secs(3600));
+        assert_eq!(*get(&live, "s", 1).await, 1);
+        assert_eq!(*get(&live, "s", 2).await, 1, "the first value is kept");
+        live.sweep();
+        assert_eq!(*get(&live, "s", 3).await, 1, "not idle yet");
+        assert_eq!(live.list().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn an_idle_session_nobody_holds_is_dropped_and_a_held_one_kept() {
+        // Idle at once: every session is past its idle time at the next sweep.
+        let live = LiveSessions::new(Duration::ZERO);
+        let held = get(&live, "held", 1).await;
+        drop(get(&live, "free", 1).await);
+        live.sweep();
+        assert_eq!(live.len(), 1);
+        assert_eq!(*get(&live, "free", 2).await, 2, "loaded again");
+        let again = get(&live, "held", 2).await;
+        assert!(
+            Arc::ptr_eq(&held, &again),
+            "a held session is never rebuilt"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_miss_sweeps_when_it_is_due_without_being_asked() {
+        let live = LiveSessions::new(Duration::ZERO);
+        for i in 0..100 {
+            drop(get(&live, &format!("s{i}"), 1).await);
+        }
+        // Each miss swept the sessions before it: only the last is left.
+        assert_eq!(live.len(), 1);
+        let live = LiveSessions::new(Duration::from_secs(3600));
+        for i in 0..100 {
+            drop(get(&live, &format!("s{i}"), 1).await);
+        }
+        assert_eq!(live.len(), 100, "none idle");
+    }
+
+    #[tokio::test]
+    async fn evict_all_keeps_what_is_held() {
+        let live = LiveSessions::new(Duration::from_secs(3600));
+        let held = get(&live, "held", 1).await;
+        drop(get(&live, "free", 1).await);
+        live.evict_all();
+        assert_eq!(live.list().len(), 1);
+        assert!(Arc::ptr_eq(&held, &get(&live, "held", 2).await));
+    }
+
+    #[tokio::test]
+    async fn a_failed_load_leaves_nothing_behind() {
+        let live: LiveSessions<u32> = LiveSessions::new(Duration::from_secs(3600));
+        let failed = live
+            .get_or_load(key("s"), || async { Err::<u32, _>("unreadable") })
+            .await;
+        assert_eq!(failed, Err("unreadable"));
+        assert_eq!(live.len(), 0);
+        assert_eq!(*get(&live, "s", 7).await, 7);
+    }
 }

@@ -24,11 +24,11 @@ use crate::{
     config::Config,
     policy::{
         budget::SessionSeen,
-        guard::{restore_trip, GuardPolicy, Kept, SessionGuard, Trip},
+        guard::{restore_trip, GuardPolicy, Kept, Phase, SessionGuard, Trip},
     },
     state::{
         guard_view::{self, Joined, Write, Written},
-        live::{LiveSessions, SessionKey},
+        live::{LiveSessions, Session, SessionKey},
     },
     store::{
         format::{self, UnknownFormat},
@@ -40,33 +40,78 @@ use crate::{
 const TRACE_LEN: usize = 100;
 
 /// One line of a session's recovery trace. Kept as a small struct (not JSON) because
-/// every live session holds up to [`TRACE_LEN`] of them.
+/// every live session holds up to [`TRACE_LEN`] of them: 96 bytes, plus the bytes of a
+/// trail, a refusal's detail, or a client's own request id.
 #[derive(Debug, Clone)]
 pub struct TraceEntry {
-    pub request_id: String,
+    pub request_id: TraceId,
     /// 0 for a request the guard refused.
     pub status: u16,
     pub failed: bool,
     /// Recovery's trail (`retry:503,ok`), or `refused:<code>`.
-    pub action: String,
+    pub action: Box<str>,
     /// The rule and evidence, for refusals.
-    pub detail: Option<String>,
+    pub detail: Option<Box<str>>,
     pub attempts: u32,
     pub upstream: Option<Arc<str>>,
     pub latency_ms: f32,
     pub cost_usd: f64,
     pub tool_loop: u32,
-    pub state: &'static str,
+    pub state: Phase,
 }
 
 impl TraceEntry {
     fn to_json(&self) -> Value {
         json!({
-            "request_id": self.request_id, "status": self.status,
+            "request_id": self.request_id.to_string(), "status": self.status,
             "class": if self.status == 0 { "refused" } else if self.failed { "failed" } else { "ok" },
             "action": self.action, "detail": self.detail, "attempts": self.attempts, "upstream": self.upstream.as_deref(),
-            "latency_ms": self.latency_ms, "cost_usd": crate::policy::budget::Usd(self.cost_usd), "tool_loop": self.tool_loop, "state": self.state,
+            "latency_ms": self.latency_ms, "cost_usd": crate::policy::budget::Usd(self.cost_usd), "tool_loop": self.tool_loop, "state": self.state.label(),
         })
+    }
+}
+
+/// A request id as a trace keeps it: one Backstop made (32 lowercase hex digits, see
+/// [`crate::layers::edge::new_request_id`]) as its 16 bytes, a client's as it came.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TraceId {
+    Hex([u8; 16]),
+    Given(Box<str>),
+}
+
+impl TraceId {
+    pub fn new(id: &str) -> TraceId {
+        let b = id.as_bytes();
+        let digit = |c: u8| match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            _ => None,
+        };
+        if b.len() == 32 {
+            let mut out = [0u8; 16];
+            let all = out.iter_mut().zip(b.chunks_exact(2)).all(|(o, pair)| {
+                match (digit(pair[0]), digit(pair[1])) {
+                    (Some(hi), Some(lo)) => {
+                        *o = hi << 4 | lo;
+                        true
+                    }
+                    _ => false,
+                }
+            });
+            if all {
+                return TraceId::Hex(out);
+            }
+        }
+        TraceId::Given(id.into())
+    }
+}
+
+impl std::fmt::Display for TraceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TraceId::Hex(bytes) => bytes.iter().try_for_each(|b| write!(f, "{b:02x}")),
+            TraceId::Given(id) => f.write_str(id),
+        }
     }
 }
 
@@ -127,8 +172,9 @@ pub struct GuardedSession {
     /// Whole writes of this session's shared state one at a time from this replica, and
     /// none while requests are being joined to it (those go together), so races (and
     /// their retries) are only ever between replicas, and a whole write never holds a
-    /// request that is still being joined.
-    updating: Arc<tokio::sync::RwLock<()>>,
+    /// request that is still being joined. Made on the first write to shared state:
+    /// most sessions never share theirs, and each one costs memory while it is live.
+    updating: Option<Arc<tokio::sync::RwLock<()>>>,
     /// The shared state was this replica's guard before its last write (nobody wrote
     /// between): it likely still is at the next.
     last_writer: bool,
@@ -169,7 +215,7 @@ pub struct SessionGuards {
     /// Counts reloads: a session whose policy is from an older one takes the current one
     /// when next used here (never an older one, from a request still in flight).
     generation: u64,
-    sessions: LiveSessions<Mutex<GuardedSession>>,
+    sessions: LiveSessions<Session>,
     store: Arc<dyn Store>,
     clock: Clock,
     /// A session's shared state is forgotten after this long unused, as its memory is.
@@ -196,6 +242,21 @@ fn policies(config: &Config) -> HashMap<String, Arc<GuardPolicy>> {
                 .map(|g| (t.name.clone(), Arc::new(g.policy())))
         })
         .collect()
+}
+
+/// A live session's guard, holding the session in memory (see [`Session`]).
+#[derive(Clone)]
+pub struct GuardRef(Arc<Session>);
+
+impl std::ops::Deref for GuardRef {
+    type Target = Mutex<GuardedSession>;
+
+    fn deref(&self) -> &Mutex<GuardedSession> {
+        self.0
+            .guard
+            .get()
+            .expect("a GuardRef is only made for a loaded guard")
+    }
 }
 
 pub fn lock(entry: &Mutex<GuardedSession>) -> MutexGuard<'_, GuardedSession> {
@@ -396,7 +457,10 @@ impl SessionGuards {
         else {
             return Ok(None);
         };
-        let turn = lock(entry).updating.clone();
+        let turn = lock(entry)
+            .updating
+            .get_or_insert_with(Arc::default)
+            .clone();
         let _turn = turn.write_owned().await;
         let (now, before, recorded, candidates) = {
             let mut e = lock(entry);
@@ -536,7 +600,10 @@ impl SessionGuards {
             let mut e = lock(entry);
             return Ok((f(&mut e.guard, self.clock.now()), None));
         };
-        let turn = lock(entry).updating.clone();
+        let turn = lock(entry)
+            .updating
+            .get_or_insert_with(Arc::default)
+            .clone();
         let mut newer: Option<(u64, String)> = None;
         let mut alone = None;
         if let Some(request) = request {
@@ -720,7 +787,7 @@ impl SessionGuards {
         &self,
         tenant: &Arc<str>,
         session: &str,
-    ) -> Result<Option<Arc<Mutex<GuardedSession>>>, UnknownFormat> {
+    ) -> Result<Option<GuardRef>, UnknownFormat> {
         self.load(tenant, session, false).await
     }
 
@@ -731,33 +798,38 @@ impl SessionGuards {
         tenant: &Arc<str>,
         session: &str,
         replace: bool,
-    ) -> Result<Option<Arc<Mutex<GuardedSession>>>, UnknownFormat> {
+    ) -> Result<Option<GuardRef>, UnknownFormat> {
         let Some(config) = self.configs.get(&**tenant) else {
             return Ok(None);
         };
-        let entry = self
+        let live = self
             .sessions
             .get_or_load((tenant.clone(), session.to_string()), || async {
-                let kept = match self.kept(tenant, session).await {
-                    Ok(kept) => kept,
-                    Err(_) if replace => None,
-                    Err(unknown) => return Err(unknown),
-                };
-                let guard = match kept {
-                    Some(kept) => SessionGuard::restored(config.clone(), kept, self.clock.now()),
-                    None => SessionGuard::new(config.clone()),
-                };
-                Ok(Mutex::new(GuardedSession {
-                    guard,
-                    trace: VecDeque::with_capacity(1),
-                    version: 0,
-                    seen_usd: 0.0,
-                    updating: Arc::default(),
-                    last_writer: false,
-                    generation: self.generation,
-                }))
+                Ok::<_, UnknownFormat>(Session::default())
             })
             .await?;
+        if live.guard.get().is_none() {
+            let kept = match self.kept(tenant, session).await {
+                Ok(kept) => kept,
+                Err(_) if replace => None,
+                Err(unknown) => return Err(unknown),
+            };
+            let guard = match kept {
+                Some(kept) => SessionGuard::restored(config.clone(), kept, self.clock.now()),
+                None => SessionGuard::new(config.clone()),
+            };
+            // Another request may have made it meanwhile: the first one set is kept.
+            let _ = live.guard.set(Mutex::new(GuardedSession {
+                guard,
+                trace: VecDeque::with_capacity(1),
+                version: 0,
+                seen_usd: 0.0,
+                updating: None,
+                last_writer: false,
+                generation: self.generation,
+            }));
+        }
+        let entry = GuardRef(live);
         {
             let mut e = lock(&entry);
             if e.generation < self.generation {
@@ -844,8 +916,20 @@ impl SessionGuards {
     }
 
     /// Every guarded session in memory now, in no order.
-    pub fn live(&self) -> Vec<(SessionKey, Arc<Mutex<GuardedSession>>)> {
-        self.sessions.list()
+    pub fn live(&self) -> Vec<(SessionKey, GuardRef)> {
+        self.sessions
+            .list()
+            .into_iter()
+            .filter(|(_, live)| live.guard.get().is_some())
+            .map(|(key, live)| (key, GuardRef(live)))
+            .collect()
+    }
+
+    /// The guards kept in the same live sessions as the budget books (one map entry a
+    /// session for both); the sessions' idle time is theirs.
+    pub fn sharing(mut self, sessions: &LiveSessions<Session>) -> Self {
+        self.sessions = sessions.clone();
+        self
     }
 
     /// An operator closes a session for good (kept in the store first: a close that
@@ -901,7 +985,90 @@ impl SessionGuards {
 
 #[cfg(test)]
 mod tests {
-    use super::cut;
+    use super::*;
+
+    #[test]
+    fn a_trace_keeps_request_ids_as_they_came() {
+        let made = crate::layers::edge::new_request_id();
+        let made = made.to_str().unwrap();
+        assert!(matches!(TraceId::new(made), TraceId::Hex(_)));
+        for id in [
+            made,
+            "00000000000000000000000000000000",
+            "0123456789abcdef0123456789abcdef",
+            // Not Backstop's shape: kept as given, case and all.
+            "0123456789ABCDEF0123456789ABCDEF",
+            "0123456789abcdef0123456789abcde",
+            "0123456789abcdef0123456789abcdef0",
+            "0123456789abcdeg0123456789abcdef",
+            "client-id-42",
+            "-",
+        ] {
+            assert_eq!(TraceId::new(id).to_string(), id);
+        }
+        assert!(matches!(
+            TraceId::new("0123456789ABCDEF0123456789ABCDEF"),
+            TraceId::Given(_)
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_sessions_book_and_guard_share_one_live_entry() {
+        use crate::{state::budgets::Budgets, store::SqliteStore};
+        let text = r#"
+            [[upstreams]]
+            name = "u"
+            api = "openai"
+            base_url = "http://127.0.0.1:1"
+            [[routes]]
+            model = "*"
+            targets = [{ upstream = "u" }]
+            [[tenants]]
+            name = "guarded"
+            api_keys = ["bk-test-key-1"]
+            [tenants.guard]
+            max_consecutive_failures = 3
+            [[tenants]]
+            name = "plain"
+            api_keys = ["bk-test-key-2"]
+        "#;
+        let config = Config::from_toml_with_env(text, |_| None).unwrap();
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(":memory:").unwrap());
+        let idle = Duration::from_secs(600);
+        let budgets = Budgets::new(&config, store.clone(), idle, Clock::system());
+        let guards =
+            SessionGuards::new(&config, idle, store, Clock::system()).sharing(budgets.live());
+        for tenant in ["guarded", "plain"] {
+            let tenant: Arc<str> = tenant.into();
+            budgets.check_rate(&tenant, Some("s")).await.unwrap();
+            budgets.session_usd(&tenant, "s").await;
+            let entry = guards.entry(&tenant, "s").await.unwrap();
+            assert_eq!(entry.is_some(), &*tenant == "guarded");
+        }
+        // One entry a session, whichever part made it first.
+        assert_eq!(budgets.live().len(), 2);
+        let books = budgets.live_sessions();
+        assert_eq!(books.len(), 2, "both sessions have a book");
+        let guarded = guards.live();
+        assert_eq!(
+            guarded.len(),
+            1,
+            "only the guarded tenant's session has a guard"
+        );
+        assert_eq!(&*guarded[0].0 .0, "guarded");
+        // A guard made before the book: the book is loaded into the same entry.
+        let tenant: Arc<str> = "guarded".into();
+        guards.entry(&tenant, "g").await.unwrap().unwrap();
+        budgets.session_usd(&tenant, "g").await;
+        assert_eq!(budgets.live().len(), 3);
+        assert_eq!((budgets.live_sessions().len(), guards.live().len()), (3, 2));
+    }
+
+    #[test]
+    fn a_trace_entry_stays_small() {
+        // Every live session holds at least one.
+        assert!(std::mem::size_of::<TraceEntry>() <= 96);
+    }
 
     #[test]
     fn a_state_is_cut_at_each_mark_found_once_in_order() {

@@ -1,7 +1,7 @@
 //! The live budget state: per tenant a daily account, rate limiters and session limits;
-//! per session an account and an in-flight count. Sessions idle out of memory (moka, with
-//! a time-to-idle) and are rebuilt from the ledger when they come back, so no history is
-//! lost; a session with a call in flight is never rebuilt (see [`LiveSessions`]). The
+//! per session an account and an in-flight count. Sessions idle out of memory (after
+//! `session_idle` unused) and are rebuilt from the ledger when they come back, so no
+//! history is lost; a session with a call in flight is never rebuilt (see [`LiveSessions`]). The
 //! arithmetic is in [`crate::policy::budget`]; persistence in [`crate::store`]; time
 //! (rate limits and the UTC day) comes from the injected [`Clock`].
 //!
@@ -43,7 +43,7 @@ use crate::{
     policy::budget::{worst_case, Account, Caps, Prices, Usage, SESSION, TENANT_DAY},
     state::{
         guard_view::Written,
-        live::{LiveSessions, SessionKey},
+        live::{LiveSessions, Session, SessionKey},
         shared::{
             Admission, AdmitError, Gate, GateReply, GuardWrite, SharedBudgets, SharedSlot,
             Unavailable,
@@ -53,7 +53,16 @@ use crate::{
 };
 
 type Direct = RateLimiter<NotKeyed, InMemoryState, Clock, NoOpMiddleware<Duration>>;
-type Keyed = RateLimiter<String, DashMapStateStore<String>, Clock, NoOpMiddleware<Duration>>;
+/// Keyed by a hash of the session id, not the id: each live session's limiter state is
+/// then 16 bytes in the map, with no copy of its id (one is made per request otherwise).
+/// The hasher is seeded per process, so no client can aim two ids at one limit.
+type Keyed = RateLimiter<u64, DashMapStateStore<u64>, Clock, NoOpMiddleware<Duration>>;
+
+fn session_rate_key(session: &str) -> u64 {
+    static SEED: std::sync::LazyLock<std::hash::RandomState> =
+        std::sync::LazyLock::new(std::hash::RandomState::new);
+    std::hash::BuildHasher::hash_one(&*SEED, session)
+}
 
 /// Why a call may not go ahead: typed beside the error it becomes.
 pub use crate::error::budget::Refusal;
@@ -104,9 +113,34 @@ impl SessionBook {
     }
 }
 
+/// A live session's book, holding the session in memory (see [`Session`]).
+#[derive(Clone)]
+pub struct BookRef(Arc<Session>);
+
+impl BookRef {
+    /// A book kept nowhere: gone with its last holder.
+    fn detached(book: SessionBook) -> BookRef {
+        BookRef(Arc::new(Session {
+            book: book.into(),
+            ..Session::default()
+        }))
+    }
+}
+
+impl std::ops::Deref for BookRef {
+    type Target = SessionBook;
+
+    fn deref(&self) -> &SessionBook {
+        self.0
+            .book
+            .get()
+            .expect("a BookRef is only made for a loaded book")
+    }
+}
+
 pub struct Budgets {
     tenants: HashMap<Arc<str>, Arc<TenantBook>>,
-    sessions: LiveSessions<SessionBook>,
+    sessions: LiveSessions<Session>,
     pub(super) store: Arc<dyn Store>,
     pub(super) prices: Prices,
     /// Model names as metric labels: configured names only.
@@ -315,21 +349,32 @@ impl Budgets {
         &self,
         tenant: &Arc<str>,
         session: &str,
-    ) -> Result<Arc<SessionBook>, StoreError> {
-        self.sessions
+    ) -> Result<BookRef, StoreError> {
+        let live = self
+            .sessions
             .get_or_load((tenant.clone(), session.to_string()), || async {
-                let settled = self.store.session_usage(tenant, session).await.inspect_err(|err| {
-                    tracing::error!(%tenant, session, error = %err, "cannot read the ledger for a session");
-                })?;
-                Ok(SessionBook {
-                    account: Mutex::new(Account {
-                        settled,
-                        reserved: Usage::default(),
-                    }),
-                    in_flight: AtomicU32::new(0),
-                })
+                Ok::<_, StoreError>(Session::default())
             })
-            .await
+            .await?;
+        if live.book.get().is_none() {
+            let settled = self.store.session_usage(tenant, session).await.inspect_err(|err| {
+                tracing::error!(%tenant, session, error = %err, "cannot read the ledger for a session");
+            })?;
+            // Another call may have read it meanwhile: the first book set is kept.
+            let _ = live.book.set(SessionBook {
+                account: Mutex::new(Account {
+                    settled,
+                    reserved: Usage::default(),
+                }),
+                in_flight: AtomicU32::new(0),
+            });
+        }
+        Ok(BookRef(live))
+    }
+
+    /// The live sessions, for the session guards to keep theirs in the same entries.
+    pub fn live(&self) -> &LiveSessions<Session> {
+        &self.sessions
     }
 
     /// Reads the tenant's settled spend today from the ledger, once: the first read that
@@ -459,7 +504,7 @@ impl Budgets {
         }
         if let (Some(limiter), Some(session)) = (&book.session_rate, session) {
             limiter
-                .check_key(&session.to_string())
+                .check_key(&session_rate_key(session))
                 .map_err(|not_until| Refusal::RateLimited {
                     scope: "session.requests_per_minute",
                     retry_after: not_until.wait_time_from(now),
@@ -478,18 +523,8 @@ impl Budgets {
         model: &str,
         want: Usage,
     ) -> Result<i64, Refusal> {
-        let id = self.store.next_reservation_id();
-        let record = ReservationRecord {
-            id,
-            ts_ms: self.clock.now_ms(),
-            day: self.clock.today(),
-            tenant: book.name.to_string(),
-            session: session.map(str::to_owned),
-            model: model.to_string(),
-            calls: want.calls,
-            tokens: want.tokens,
-            usd: want.usd,
-        };
+        let record = self.reservation_record(&book.name, session, model, want);
+        let id = record.id;
         match self.store.reserve(record).await {
             Ok(()) => Ok(id),
             Err(err) if self.blind_past(&err, "reservation") => Ok(id),
@@ -501,6 +536,27 @@ impl Budgets {
         }
     }
 
+    /// A call's durable reservation, under a new id, as the store records it.
+    fn reservation_record(
+        &self,
+        tenant: &str,
+        session: Option<&str>,
+        model: &str,
+        amount: Usage,
+    ) -> ReservationRecord {
+        ReservationRecord {
+            id: self.store.next_reservation_id(),
+            ts_ms: self.clock.now_ms(),
+            day: self.clock.today(),
+            tenant: tenant.to_string(),
+            session: session.map(str::to_owned),
+            model: model.to_string(),
+            calls: amount.calls,
+            tokens: amount.tokens,
+            usd: amount.usd,
+        }
+    }
+
     /// With a store other replicas share and no Redis counting for them: the day's and
     /// the session's accounts take what the fleet has committed (settled, and reserved
     /// by the other replicas) before this call is checked against them. Replicas that
@@ -509,7 +565,7 @@ impl Budgets {
     async fn catch_up_with_the_fleet(
         &self,
         book: &TenantBook,
-        live: Option<&(String, Arc<SessionBook>)>,
+        live: Option<&(String, BookRef)>,
         session: Option<&str>,
     ) -> Result<(), Refusal> {
         let today = self.clock.today();
@@ -614,7 +670,7 @@ impl Budgets {
                 // Its spend so far unknown: counted from this call on, and not kept, so
                 // the next call reads the ledger again.
                 Err(err) if self.blind_past(&err, "session") => {
-                    Some((s.to_string(), Arc::new(SessionBook::unread())))
+                    Some((s.to_string(), BookRef::detached(SessionBook::unread())))
                 }
                 Err(err) => return Err(err.into()),
             },
@@ -635,18 +691,13 @@ impl Budgets {
         let budgeted = !book.day_limits.is_unlimited()
             || (reservation.session.is_some() && !book.session_limits.is_unlimited());
         if budgeted {
-            let id = self.store.next_reservation_id();
-            let record = ReservationRecord {
-                id,
-                ts_ms: self.clock.now_ms(),
-                day: self.clock.today(),
-                tenant: book.name.to_string(),
-                session: reservation.session.as_ref().map(|(s, _)| s.clone()),
-                model: reservation.model.clone(),
-                calls: reservation.amount.calls,
-                tokens: reservation.amount.tokens,
-                usd: reservation.amount.usd,
-            };
+            let record = self.reservation_record(
+                &book.name,
+                reservation.session.as_ref().map(|(s, _)| s.as_str()),
+                &reservation.model,
+                reservation.amount,
+            );
+            let id = record.id;
             // Named before the write is awaited: if this future is dropped meanwhile,
             // the reservation's drop settles it (the writer keeps the order).
             reservation.durable = Some(id);
@@ -694,7 +745,7 @@ impl Budgets {
     fn reserve_in_memory(
         self: &Arc<Self>,
         book: Arc<TenantBook>,
-        live: Option<(String, Arc<SessionBook>)>,
+        live: Option<(String, BookRef)>,
         day_unread: Option<StoreError>,
         model: &str,
         prompt_tokens: u64,
@@ -772,7 +823,7 @@ impl Budgets {
         self.sessions
             .list()
             .into_iter()
-            .map(|(key, book)| (key, lock(&book.account).settled))
+            .filter_map(|(key, live)| Some((key, lock(&live.book.get()?.account).settled)))
             .collect()
     }
 
@@ -825,7 +876,7 @@ pub enum Gated {
 /// One in-flight request of a session (its place under `session.max_concurrent`);
 /// dropping it frees the slot.
 pub enum ConcurrencySlot {
-    Local(Arc<SessionBook>),
+    Local(BookRef),
     /// Held in Redis (shared by replicas); freed there on drop.
     Shared(SharedSlot),
 }

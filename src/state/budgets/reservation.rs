@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use futures_util::FutureExt;
 
-use super::{lock, Budgets, SessionBook, TenantBook};
+use super::{lock, BookRef, Budgets, TenantBook};
 use crate::state::shared::{SharedCharge, SharedReservation};
 use crate::{
     policy::budget::{sane_usd, SessionSeen, Usage},
@@ -45,7 +45,7 @@ pub struct Settlement {
 pub struct Reservation {
     pub(super) budgets: Arc<Budgets>,
     pub(super) tenant: Arc<TenantBook>,
-    pub(super) session: Option<(String, Arc<SessionBook>)>,
+    pub(super) session: Option<(String, BookRef)>,
     pub(super) model: String,
     pub(super) amount: Usage,
     /// The durable reservation's id, for budgeted calls.

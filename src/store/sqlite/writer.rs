@@ -25,6 +25,8 @@ use super::{to_sql, Op, Write};
 
 /// Writes committed in one transaction at most.
 const MAX_BATCH: usize = 4096;
+/// Prepared statements the writer keeps: `commit`'s, with room to spare.
+const STATEMENTS: usize = 32;
 /// How often the background connection checkpoints (passively: it never blocks the
 /// writer, so under sustained load it cannot always finish; the writer's WAL bound
 /// covers that).
@@ -48,6 +50,8 @@ pub(super) struct Settings {
 }
 
 pub(super) fn write_loop(mut conn: Connection, rx: mpsc::Receiver<Write>, settings: Settings) {
+    // Every statement of `commit` stays prepared (rusqlite keeps 16 by default).
+    conn.set_prepared_statement_cache_capacity(STATEMENTS);
     let mut truncate_not_before: Option<Instant> = None;
     let mut backfilled = Instant::now();
     while let Ok(first) = rx.recv() {
@@ -107,10 +111,53 @@ pub(super) fn write_loop(mut conn: Connection, rx: mpsc::Receiver<Write>, settin
 /// How often the writer backfills the WAL itself, between batches.
 const WRITER_BACKFILL_EVERY: Duration = Duration::from_millis(100);
 
+/// A write transaction begun `IMMEDIATE` (the write lock taken up front, so a database
+/// locked by another process fails here, after `busy_timeout`, before anything is
+/// half-written), rolled back when dropped uncommitted. Its `BEGIN` and `COMMIT` are
+/// cached statements: rusqlite's `Transaction` runs them through `execute_batch`, which
+/// parses both again on every commit (about 8,700 instructions a budgeted call, which
+/// commits twice: `scripts/instructions-per-request`).
+struct Immediate<'c> {
+    conn: &'c Connection,
+}
+
+impl<'c> Immediate<'c> {
+    fn begin(conn: &'c Connection) -> rusqlite::Result<Self> {
+        conn.prepare_cached("BEGIN IMMEDIATE")?.execute([])?;
+        Ok(Immediate { conn })
+    }
+
+    /// Commits; a failed commit is rolled back (as the drop does).
+    fn commit(self) -> rusqlite::Result<()> {
+        self.conn.prepare_cached("COMMIT")?.execute([]).map(drop)
+    }
+}
+
+impl std::ops::Deref for Immediate<'_> {
+    type Target = Connection;
+
+    fn deref(&self) -> &Connection {
+        self.conn
+    }
+}
+
+impl Drop for Immediate<'_> {
+    fn drop(&mut self) {
+        // Still in the transaction: not committed, or the commit failed.
+        if !self.conn.is_autocommit() {
+            let rolled_back = self
+                .conn
+                .prepare_cached("ROLLBACK")
+                .and_then(|mut s| s.execute([]));
+            if let Err(err) = rolled_back {
+                tracing::error!(error = %err, "cannot roll back a failed store write");
+            }
+        }
+    }
+}
+
 fn commit(conn: &mut Connection, batch: &[Write]) -> rusqlite::Result<()> {
-    // IMMEDIATE: take the write lock up front, so a database locked by another process
-    // fails here (after `busy_timeout`), before anything is half-written.
-    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let tx = Immediate::begin(conn)?;
     for w in batch {
         match &w.op {
             Op::Reserve(r) => {
@@ -363,4 +410,54 @@ pub(super) fn spawn_checkpointer(conn: Connection, alive: Weak<()>) {
             }
         })
         .expect("spawn store checkpointer");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::ReservationRecord;
+
+    fn reserve(id: i64) -> Write {
+        Write {
+            op: Op::Reserve(ReservationRecord {
+                id,
+                ts_ms: 1,
+                day: 1,
+                tenant: "t".into(),
+                session: Some("s".into()),
+                model: "m".into(),
+                calls: 1,
+                tokens: 10,
+                usd: 0.5,
+            }),
+            ack: None,
+        }
+    }
+
+    fn reserved(conn: &Connection) -> Vec<i64> {
+        let mut ids = conn
+            .prepare("SELECT id FROM reservations ORDER BY id")
+            .unwrap();
+        let ids = ids.query_map([], |r| r.get(0)).unwrap();
+        ids.map(Result::unwrap).collect()
+    }
+
+    /// A batch that fails part-way leaves nothing of itself (its cached `BEGIN` is
+    /// rolled back, not left open), and the next batch commits.
+    #[test]
+    fn a_failed_batch_is_rolled_back_whole_and_the_next_commits() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        conn.execute_batch(super::super::SCHEMA).unwrap();
+        commit(&mut conn, &[reserve(1)]).unwrap();
+        // The second write of this batch breaks the primary key.
+        let err = commit(&mut conn, &[reserve(2), reserve(1)]).unwrap_err();
+        assert!(err.to_string().contains("UNIQUE"), "{err}");
+        assert!(
+            conn.is_autocommit(),
+            "the failed batch's transaction is still open"
+        );
+        assert_eq!(reserved(&conn), [1]);
+        commit(&mut conn, &[reserve(3), reserve(4)]).unwrap();
+        assert_eq!(reserved(&conn), [1, 3, 4]);
+    }
 }
