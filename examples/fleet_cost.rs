@@ -12,7 +12,10 @@
 //!   prompt, 30 messages), naming the failure, and counting it in the view, per failure;
 //!   and the check a success pays when no signature is hot.
 //! - The failure path end to end: failing requests (a 400 passed through) of distinct
-//!   sessions through a real gateway, with the fleet view off and on, interleaved.
+//!   sessions through a real gateway, with the fleet view off and on, request by request
+//!   in turn; and
+//!   the same in replica mode (`[state] backend = "redis"`, on the server above), where
+//!   the fleet's count rides on the guard's write-back.
 //!
 //!     cargo run --release --example fleet_cost
 //!
@@ -171,7 +174,8 @@ fn memory_embedded() {
     );
 }
 
-async fn memory_redis() -> Option<(SharedFleet, common::Proc)> {
+/// A fresh `redis-server` of this program's own: its URL and process.
+async fn start_redis() -> Option<(String, common::Proc)> {
     let port = common::free_port();
     let server = std::process::Command::new("redis-server")
         .args([
@@ -184,14 +188,18 @@ async fn memory_redis() -> Option<(SharedFleet, common::Proc)> {
         ])
         .stdout(std::process::Stdio::null())
         .spawn();
-    let Ok(server) = server else {
+    let server = common::Proc(server.ok()?);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    Some((format!("redis://127.0.0.1:{port}/0"), server))
+}
+
+async fn memory_redis() -> Option<(SharedFleet, String, common::Proc)> {
+    let Some((url, server)) = start_redis().await else {
         println!("| redis | (redis-server not on PATH: not measured) | | |");
         return None;
     };
-    let server = common::Proc(server);
-    tokio::time::sleep(Duration::from_millis(300)).await;
     let redis = Redis::new(&StateConfig {
-        url: Some(format!("redis://127.0.0.1:{port}/0")),
+        url: Some(url.clone()),
         command_timeout: Duration::from_secs(5),
         ..StateConfig::default()
     })
@@ -238,7 +246,7 @@ async fn memory_redis() -> Option<(SharedFleet, common::Proc)> {
             mb(after - before)
         );
     }
-    Some((fleet, server))
+    Some((fleet, url, server))
 }
 
 fn latency_in_process() {
@@ -306,7 +314,9 @@ async fn latency_redis(fleet: &SharedFleet) {
     );
 }
 
-fn gateway_config(mock: std::net::SocketAddr, fleet: bool) -> Config {
+/// A gateway with tenant `t` guarded, its fleet view on or off; in replica mode with
+/// `state` (a `[state]` section).
+fn gateway_config(mock: std::net::SocketAddr, fleet: bool, state: &str) -> Config {
     let fleet = if fleet {
         "[tenants.guard.fleet]\nmin_sessions = 3\nmin_failures = 2\n"
     } else {
@@ -316,6 +326,7 @@ fn gateway_config(mock: std::net::SocketAddr, fleet: bool) -> Config {
         mock,
         &format!(
             r#"
+{state}
 [[routes]]
 model = "gpt-*"
 targets = [{{ upstream = "mock" }}]
@@ -329,12 +340,20 @@ api_keys = ["bk-fleet-cost-key"]
     )
 }
 
-async fn latency_end_to_end() {
+/// Failing requests of distinct sessions through two gateways, the fleet view off and
+/// on, interleaved; in replica mode when `redis` (a URL) is given, each gateway under a
+/// key prefix of its own.
+async fn latency_end_to_end(redis: Option<&str>) {
     let mock = mock::spawn(TcpListener::bind("127.0.0.1:0").await.unwrap());
-    let off = server::spawn(gateway_config(mock.addr, false))
+    let state = |name: &str| {
+        redis.map_or(String::new(), |url| {
+            format!("[state]\nbackend = \"redis\"\nurl = \"{url}\"\nkey_prefix = \"cost-{name}\"\nreplicas = 2\n")
+        })
+    };
+    let off = server::spawn(gateway_config(mock.addr, false, &state("off")))
         .await
         .unwrap();
-    let on = server::spawn(gateway_config(mock.addr, true))
+    let on = server::spawn(gateway_config(mock.addr, true, &state("on")))
         .await
         .unwrap();
     let http = reqwest::Client::new();
@@ -342,13 +361,16 @@ async fn latency_end_to_end() {
         .map(|i| Value::Object(request(i)).to_string())
         .collect();
     let mut times = [Vec::new(), Vec::new()];
+    let urls = [&off, &on].map(|gw| format!("http://{}/v1/chat/completions", gw.addr));
+    // Off and on take turns request by request (which goes first alternating), so a burst
+    // of the machine's other load falls on both alike.
     for round in 0..6u64 {
-        for (k, gw) in [&off, &on].into_iter().enumerate() {
-            let url = format!("http://{}/v1/chat/completions", gw.addr);
-            for n in 0..500u64 {
+        for n in 0..500u64 {
+            for k in [n % 2, 1 - n % 2] {
+                let k = k as usize;
                 let started = Instant::now();
                 let resp = http
-                    .post(&url)
+                    .post(&urls[k])
                     .bearer_auth("bk-fleet-cost-key")
                     .header("x-session-id", format!("r{round}-{n}"))
                     .header("x-mock-fault", "status=400;code=context_length_exceeded")
@@ -367,11 +389,16 @@ async fn latency_end_to_end() {
         t.sort();
     }
     let (p_off, p_on) = (pct(&times[0], 0.5), pct(&times[1], 0.5));
+    let (q_off, q_on) = (pct(&times[0], 0.99), pct(&times[1], 0.99));
+    let mode = if redis.is_some() {
+        "replica mode (Redis)"
+    } else {
+        "embedded"
+    };
     println!(
-        "| end to end: a failing request (400 passed through), fleet view off / on (2,500 each, distinct sessions) | {p_off:.3} / {p_on:.3} (+{:.3}) | {:.3} / {:.3} |",
+        "| end to end, {mode}: a failing request (400 passed through), fleet view off / on (2,500 each, distinct sessions) | {p_off:.3} / {p_on:.3} ({:+.3}) | {q_off:.3} / {q_on:.3} ({:+.3}) |",
         p_on - p_off,
-        pct(&times[0], 0.99),
-        pct(&times[1], 0.99)
+        q_on - q_off,
     );
     on.shutdown().await;
     off.shutdown().await;
@@ -379,13 +406,25 @@ async fn latency_end_to_end() {
 
 #[tokio::main]
 async fn main() {
+    // `-- end-to-end`: only the end-to-end rows (for comparing two builds, interleaved).
+    if std::env::args().nth(1).as_deref() == Some("end-to-end") {
+        println!("| failure path | p50 ms | p99 ms |\n|---|---|---|");
+        latency_end_to_end(None).await;
+        if let Some((url, _server)) = start_redis().await {
+            latency_end_to_end(Some(&url)).await;
+        }
+        return;
+    }
     println!("| where | what | signatures counted in full | memory |\n|---|---|---|---|");
     memory_embedded();
     let shared = memory_redis().await;
     println!("\n| failure path | p50 ms | p99 ms |\n|---|---|---|");
     latency_in_process();
-    if let Some((fleet, _server)) = &shared {
+    if let Some((fleet, _, _server)) = &shared {
         latency_redis(fleet).await;
     }
-    latency_end_to_end().await;
+    latency_end_to_end(None).await;
+    if let Some((_, url, _server)) = &shared {
+        latency_end_to_end(Some(url)).await;
+    }
 }

@@ -19,7 +19,8 @@
 //! For a tenant with `[tenants.guard.fleet]`, the session's failures are also counted in
 //! the tenant's fleet view ([`Fleet`]): a failure whose signature is hot trips the
 //! session at once (rule `fleet_pattern`, the signature and how many sessions shared it
-//! as evidence), and with `preempt` a request whose shape is a hot signature's is refused
+//! as evidence; in replica mode counted and imposed in the guard's one write after the
+//! call), and with `preempt` a request whose shape is a hot signature's is refused
 //! (429 `session_tripped`, `fleet_pattern`) before the limits or any attempt, unless it
 //! is the signature's probe. Nothing of this is hashed or asked on the success path
 //! unless the tenant has a hot signature or a prediction pending.
@@ -52,7 +53,10 @@ use crate::{
     error::{Category, GatewayError},
     policy::{
         budget::SessionSeen,
-        fleet::{Check, FailureKind, FleetPolicy, Hot, Shape, Signature, SignatureId},
+        fleet::{
+            Check, Failed, FailureKind, FleetPolicy, Hot, Shape, Signature, SignatureId,
+            EVIDENCE_MARKS,
+        },
         guard::{
             GuardState, Kept, Phase, RequestFingerprint, SessionGuard, Transition, Trip, TripCode,
             TripRule,
@@ -209,6 +213,22 @@ fn fleet_trip(hot: &Hot, policy: &FleetPolicy) -> Trip {
         signature: Some(hot.id.0),
         ..Trip::new(TripRule::FleetPattern, hot.evidence(policy))
     }
+}
+
+/// A counted failure's verdict: a confirmed prediction counted, and the trip to impose
+/// (logged) if it trips the session.
+fn fleet_verdict(
+    g: &Guarded<'_>,
+    policy: &FleetPolicy,
+    verdict: &Failed,
+) -> Option<(Trip, std::time::Duration)> {
+    if verdict.confirmed {
+        metrics::counter!("backstop_fleet_predictions_total", "outcome" => "confirmed")
+            .increment(1);
+    }
+    let hot = verdict.trip.as_ref()?;
+    g.hot(hot, "tripped");
+    Some((fleet_trip(hot, policy), policy.cool_down))
 }
 
 /// What a state change means for the store: `Some(kept)` to write (a trip, a probe, a
@@ -495,23 +515,120 @@ impl AdmissionLayer {
         // A failure that says nothing of the request is not read at all.
         let failure = failure?;
         let sig = Signature::new(&shape.unwrap_or_else(|| g.shape()), &failure);
+        self.fleet_failed(g, policy, &sig, facts).await
+    }
+
+    /// A failure counted under its signature: the trip to impose, if it trips the session.
+    async fn fleet_failed(
+        &self,
+        g: &Guarded<'_>,
+        policy: &FleetPolicy,
+        sig: &Signature,
+        facts: &crate::telemetry::Facts,
+    ) -> Option<(Trip, std::time::Duration)> {
         let verdict = self
             .fleet
             .failed(
                 g.tenant,
-                &sig,
+                sig,
                 g.session,
                 facts.recovery.attempts,
                 facts.spent_usd,
             )
             .await;
-        if verdict.confirmed {
-            metrics::counter!("backstop_fleet_predictions_total", "outcome" => "confirmed")
-                .increment(1);
+        fleet_verdict(g, policy, &verdict)
+    }
+
+    /// How the request ended, for the fleet and the session's guard: the guard's
+    /// transition. In replica mode a failure the fleet counts is counted in the guard's
+    /// write-back, one round trip that also imposes the trip it decides
+    /// ([`SessionGuards::record_failure`]); otherwise the fleet's count comes first and
+    /// the guard's write-back after, imposing its trip.
+    ///
+    /// [`SessionGuards::record_failure`]: crate::state::sessions::SessionGuards::record_failure
+    async fn outcome(
+        &self,
+        g: &Guarded<'_>,
+        shape: Option<Shape>,
+        failure: Option<FailureKind>,
+        failed: bool,
+        facts: &crate::telemetry::Facts,
+        seen: Option<SessionSeen>,
+    ) -> Option<Transition> {
+        let folded = failed && self.fleet.shares(g.tenant) && self.guards.shares(g.tenant);
+        let imposed = match (g.fleet, failure) {
+            (Some(policy), Some(failure)) if folded => {
+                let sig = Signature::new(&shape.unwrap_or_else(|| g.shape()), &failure);
+                match self
+                    .fleet_failed_in_write_back(g, policy, &sig, facts)
+                    .await
+                {
+                    Some(change) => return change,
+                    None => self.fleet_failed(g, policy, &sig, facts).await,
+                }
+            }
+            (_, failure) => self.fleet_outcome(g, shape, failure, failed, facts).await,
+        };
+        // Shared state that became unreadable meanwhile is left as it is (already logged):
+        // this outcome goes uncounted.
+        self.guards
+            .record(g.tenant, g.session, g.entry, failed, seen, imposed)
+            .await
+            .unwrap_or_default()
+    }
+
+    /// A failure counted under its signature in the guard's write-back (replica mode):
+    /// the guard's transition, or `None` when it cannot be (the tripped state would not
+    /// hold the evidence's marks once each): nothing done, count it the usual way.
+    async fn fleet_failed_in_write_back(
+        &self,
+        g: &Guarded<'_>,
+        policy: &FleetPolicy,
+        sig: &Signature,
+        facts: &crate::telemetry::Facts,
+    ) -> Option<Option<Transition>> {
+        let marked = Trip {
+            signature: Some(sig.id.0),
+            ..Trip::new(
+                TripRule::FleetPattern,
+                Hot::evidence_marked(sig.id, &sig.description, policy),
+            )
+        };
+        let write = |candidates| {
+            self.fleet.failed_and_save(
+                g.tenant,
+                sig,
+                g.session,
+                facts.recovery.attempts,
+                facts.spent_usd,
+                candidates,
+            )
+        };
+        let imposed = |verdict: &Failed| {
+            let hot = verdict.trip.as_ref()?;
+            Some((fleet_trip(hot, policy), policy.cool_down))
+        };
+        let recorded = self
+            .guards
+            .record_failure(
+                g.tenant,
+                g.session,
+                g.entry,
+                &(marked, policy.cool_down),
+                &EVIDENCE_MARKS,
+                write,
+                imposed,
+            )
+            .await;
+        match recorded {
+            Ok(Some((verdict, change))) => {
+                fleet_verdict(g, policy, &verdict);
+                Some(change)
+            }
+            Ok(None) => None,
+            // Unreadable (already logged): counted in the fleet, not in the guard.
+            Err(_) => Some(None),
         }
-        let hot = verdict.trip?;
-        g.hot(&hot, "tripped");
-        Some((fleet_trip(&hot, policy), policy.cool_down))
     }
 
     /// What the session has left, for `x-backstop-budget-remaining`: what the settle of
@@ -630,14 +747,7 @@ where
             Some(_) if failed => failure_kind(&result, &facts.recovery, &request),
             _ => None,
         };
-        let imposed = self.fleet_outcome(&g, shape, failure, failed, &facts).await;
-        // Shared state that became unreadable meanwhile is left as it is (already logged):
-        // this outcome goes uncounted.
-        let change = self
-            .guards
-            .record(&tenant, &session, &entry, failed, seen, imposed)
-            .await
-            .unwrap_or_default();
+        let change = self.outcome(&g, shape, failure, failed, &facts, seen).await;
         let keep = {
             let mut e = lock(&entry);
             if let Some(seen) = seen {

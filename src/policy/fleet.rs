@@ -249,19 +249,44 @@ pub struct Hot {
     pub retry_after: Duration,
 }
 
+/// What a trip's evidence holds in place of its counts (sessions, then qualified
+/// sessions) when it is written before they are known ([`Hot::evidence_marked`]): plain
+/// ASCII, so a state holding it holds it verbatim.
+pub const EVIDENCE_MARKS: [&str; 2] = ["@fleet-sessions@", "@fleet-qualified@"];
+
 impl Hot {
     /// The trip's evidence: the signature in words and how many sessions shared it.
     pub fn evidence(&self, policy: &FleetPolicy) -> String {
-        format!(
-            "{} sessions of this tenant failed the same way within {} ({} of them at least {} times): signature {}: {}",
-            self.sessions,
-            humantime::format_duration(policy.window),
-            self.qualified,
-            policy.min_failures,
+        evidence(
+            &self.sessions,
+            &self.qualified,
             self.id,
-            self.description
+            &self.description,
+            policy,
         )
     }
+
+    /// The evidence of a trip by signature `id` whose counts are not known yet: the
+    /// [`EVIDENCE_MARKS`] in their place, for the script that counts the failure to put
+    /// them in (as decimal integers, which makes it [`Hot::evidence`]).
+    pub fn evidence_marked(id: SignatureId, description: &str, policy: &FleetPolicy) -> String {
+        let [sessions, qualified] = EVIDENCE_MARKS;
+        evidence(&sessions, &qualified, id, description, policy)
+    }
+}
+
+fn evidence(
+    sessions: &dyn std::fmt::Display,
+    qualified: &dyn std::fmt::Display,
+    id: SignatureId,
+    description: &str,
+    policy: &FleetPolicy,
+) -> String {
+    format!(
+        "{sessions} sessions of this tenant failed the same way within {} ({qualified} of them at least {} times): signature {id}: {description}",
+        humantime::format_duration(policy.window),
+        policy.min_failures,
+    )
 }
 
 /// A failure, counted.
@@ -1004,6 +1029,34 @@ mod tests {
     /// request goes through per cool-down; its success cools the signature down, and the
     /// predictions are judged: a session that failed again confirms its prediction, one
     /// whose next request succeeded does not.
+    /// The evidence written before its counts are known is the evidence once the script
+    /// puts them in: the replicas' guard states must not differ by who wrote them.
+    #[test]
+    fn marked_evidence_filled_in_is_the_evidence() {
+        let sig = compaction();
+        let hot = Hot {
+            id: sig.id,
+            description: sig.description.clone(),
+            sessions: 12,
+            qualified: 3,
+            retry_after: Duration::from_secs(9),
+        };
+        let marked = Hot::evidence_marked(sig.id, &sig.description, &policy());
+        let [sessions, qualified] = EVIDENCE_MARKS;
+        assert_eq!(
+            (
+                marked.matches(sessions).count(),
+                marked.matches(qualified).count()
+            ),
+            (1, 1)
+        );
+        assert!(marked.find(sessions) < marked.find(qualified));
+        assert_eq!(
+            marked.replace(sessions, "12").replace(qualified, "3"),
+            hot.evidence(&policy())
+        );
+    }
+
     #[tokio::test(start_paused = true)]
     async fn probes_cool_a_signature_down_and_predictions_are_judged() {
         let clock = crate::clock::Clock::starting_at(1_700_000_000_000);

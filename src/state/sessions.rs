@@ -130,6 +130,37 @@ pub enum Saving<T> {
     Local(T),
 }
 
+/// A failure's write-back offered two ways ([`SessionGuards::record_failure`]), for
+/// the round trip that writes it to pick: compare-and-set at `version`, of `recorded`
+/// (the failure recorded) or, when that round trip trips the session, of the failure
+/// recorded and the trip imposed: `tripped`, that state cut at its marks, for what the
+/// round trip counted to go between the parts (`None`: imposing changes nothing).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidates {
+    pub version: u64,
+    pub recorded: String,
+    pub tripped: Option<Vec<String>>,
+    /// How long the state outlives its last write.
+    pub ttl_ms: u64,
+}
+
+/// `state` cut at each of `marks`, in order, each found exactly once: the parts around
+/// them. `None` when a mark is missing, repeated or out of order.
+fn cut(state: &str, marks: &[&str]) -> Option<Vec<String>> {
+    let mut parts = Vec::with_capacity(marks.len() + 1);
+    let mut rest = state;
+    for mark in marks {
+        if state.matches(mark).count() != 1 {
+            return None;
+        }
+        let (part, after) = rest.split_once(mark)?;
+        parts.push(part.to_string());
+        rest = after;
+    }
+    parts.push(rest.to_string());
+    Some(parts)
+}
+
 pub struct GuardedSession {
     pub guard: SessionGuard,
     trace: VecDeque<TraceEntry>,
@@ -407,6 +438,114 @@ impl SessionGuards {
         .await
     }
 
+    /// [`SessionGuards::record`] of a failure in replica mode when the round trip that
+    /// writes it back also decides whether a trip is imposed (the fleet's count, with
+    /// `trip` as the trip it would impose, its evidence holding `marks` in place of what
+    /// that round trip counts). `write` is that round trip, given both states
+    /// ([`Candidates`]); it answers what it decided (`V`, of which `imposed` tells the
+    /// trip) and how the write went. It runs once: when another replica wrote the
+    /// shared state first, the failure (and the trip it decided, if any) is written
+    /// again by the plain compare-and-set, never counted again. Unreachable, as
+    /// [`SessionGuards::record`]. `None` (and `write` not run): the tenant's guard does
+    /// not share its state, or the tripped state does not hold each mark exactly once
+    /// (a description quoting one): record it the usual way.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn record_failure<V, Fut>(
+        &self,
+        tenant: &Arc<str>,
+        session: &str,
+        entry: &Mutex<GuardedSession>,
+        trip: &(Trip, Duration),
+        marks: &[&str],
+        write: impl FnOnce(Candidates) -> Fut,
+        imposed: impl Fn(&V) -> Option<(Trip, Duration)>,
+    ) -> Result<Option<(V, Option<crate::policy::guard::Transition>)>, UnknownFormat>
+    where
+        Fut: std::future::Future<Output = (V, Saving<()>)>,
+    {
+        let Some(config) = self
+            .configs
+            .get(&**tenant)
+            .filter(|_| self.store.is_shared())
+        else {
+            return Ok(None);
+        };
+        let turn = lock(entry)
+            .updating
+            .get_or_insert_with(Arc::default)
+            .clone();
+        let _turn = turn.write_owned().await;
+        let (now, before, recorded, candidates) = {
+            let mut e = lock(entry);
+            let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
+            let mut recorded = e.guard.clone();
+            let change = recorded.record(now, true);
+            let mut tripped = recorded.clone();
+            tripped.impose(now, trip.0.clone(), trip.1);
+            let state =
+                |g: &SessionGuard| format::encode_snapshot(&guard_view::snapshot(g, now, now_ms));
+            let recorded_state = state(&recorded);
+            let tripped_state = state(&tripped);
+            let tripped = if tripped_state == recorded_state {
+                // Tripped already, or by this failure: nothing to impose.
+                None
+            } else {
+                match cut(&tripped_state, marks) {
+                    Some(parts) => Some(parts),
+                    None => return Ok(None),
+                }
+            };
+            let candidates = Candidates {
+                version: e.version,
+                recorded: recorded_state,
+                tripped,
+                ttl_ms: self.shared_ttl_ms(),
+            };
+            // As a whole write: done here, undone if the write is handed another state.
+            let before = std::mem::replace(&mut e.guard, recorded);
+            (now, before, change, candidates)
+        };
+        let (verdict, saving) = write(candidates).await;
+        let imposed = imposed(&verdict);
+        let f = |guard: &mut SessionGuard, now| match &imposed {
+            Some((trip, cool_down)) => {
+                let from = guard.state().phase();
+                guard.record(now, true);
+                guard.impose(now, trip.clone(), *cool_down);
+                let to = guard.state().phase();
+                (from != to).then_some((from, to))
+            }
+            None => guard.record(now, true),
+        };
+        let newer = match saving {
+            Saving::Saved(written, ()) => {
+                let mut e = lock(entry);
+                let change = match &imposed {
+                    Some((trip, cool_down)) => {
+                        e.guard.impose(now, trip.clone(), *cool_down);
+                        let (from, to) = (before.state().phase(), e.guard.state().phase());
+                        (from != to).then_some((from, to))
+                    }
+                    None => recorded,
+                };
+                e.version = written.to;
+                e.last_writer = true;
+                return Ok(Some((verdict, change)));
+            }
+            // Another replica wrote first: done again on its state, by the usual write.
+            Saving::Moved(version, state) => Some((version, state)),
+            // Unreachable: as a write that could not be made, by the usual write (which
+            // lets this replica's guard decide while Redis cannot answer).
+            Saving::Undone(()) | Saving::Local(()) => None,
+        };
+        lock(entry).guard = before;
+        let save = |write: Option<Write>| self.save_window(tenant, session, write);
+        let (change, _) = self
+            .write_whole(tenant, session, entry, config, f, save, false, newer)
+            .await?;
+        Ok(Some((verdict, change)))
+    }
+
     /// Whether the tenant's guard watches the session's spend (`max_usd_per_minute`),
     /// for which a request needs the session's spend read before it is admitted.
     pub fn watches_spend(&self, tenant: &str) -> bool {
@@ -557,6 +696,28 @@ impl SessionGuards {
             }
         }
         let _turn = turn.write_owned().await;
+        self.write_whole(tenant, session, entry, config, f, save, replace, newer)
+            .await
+    }
+
+    /// The whole writes of [`SessionGuards::apply`], this replica's turn held: `f` on
+    /// the guard (on `newer` first, the shared state a write was handed back), written
+    /// back compare-and-set, redone on the state that won a race.
+    #[allow(clippy::too_many_arguments)]
+    async fn write_whole<R, T, Fut>(
+        &self,
+        tenant: &Arc<str>,
+        session: &str,
+        entry: &Mutex<GuardedSession>,
+        config: &Arc<GuardPolicy>,
+        f: impl Fn(&mut SessionGuard, Instant) -> R,
+        save: impl Fn(Option<Write>) -> Fut,
+        replace: bool,
+        mut newer: Option<(u64, String)>,
+    ) -> Result<(R, Option<T>), UnknownFormat>
+    where
+        Fut: std::future::Future<Output = Saving<T>>,
+    {
         // Optimistic: this replica's guard is assumed current; if it is not, the save
         // hands back the shared state, which is loaded and redone.
         for _ in 0..MAX_RACES {
@@ -1056,5 +1217,22 @@ mod tests {
             *writes.lock().unwrap(),
             [("whole_or_join", Some(5)), ("whole_or_join", Some(5))]
         );
+    }
+
+    #[test]
+    fn a_state_is_cut_at_each_mark_found_once_in_order() {
+        let marks = ["@s@", "@q@"];
+        assert_eq!(
+            cut(r#"{"evidence":"@s@ sessions (@q@ of them)"}"#, &marks),
+            Some(vec![
+                r#"{"evidence":""#.to_string(),
+                " sessions (".to_string(),
+                r#" of them)"}"#.to_string()
+            ])
+        );
+        // A description quoting a mark, a mark missing, or out of order: not cut.
+        assert_eq!(cut("@s@ (@q@) said @s@", &marks), None);
+        assert_eq!(cut("@s@ only", &marks), None);
+        assert_eq!(cut("@q@ before @s@", &marks), None);
     }
 }

@@ -765,10 +765,10 @@ impl SharedBudgets {
             .key(self.redis.key(tenant, "lease-expired"))
             .key(self.redis.key(tenant, "lease-expired-at"))
             .key(self.redis.key(tenant, "spend"))
-            .key(self.redis.key(
-                tenant,
-                &format!("guard-window:{}", s.session.as_deref().unwrap_or("")),
-            ))
+            .key(
+                self.redis
+                    .guard_window_key(tenant, s.session.as_deref().unwrap_or("")),
+            )
             .arg(&s.reservation)
             .arg(1)
             .arg(tokens)
@@ -944,7 +944,7 @@ impl SharedBudgets {
         inv.key(self.redis.key(tenant, "rate"))
             .key(self.redis.key(tenant, &format!("rate:{session}")))
             .key(&set)
-            .key(self.redis.key(tenant, &format!("guard-window:{session}")))
+            .key(self.redis.guard_window_key(tenant, session))
             .arg(interval(ask.tenant_rpm))
             .arg(burst(ask.tenant_rpm))
             .arg(interval(session_rpm))

@@ -239,6 +239,12 @@ impl Redis {
         )
     }
 
+    /// The key of a session guard's state shared by replicas (a hash: `v`, `state`,
+    /// `brief`), under its tenant's hash tag like the tenant's other keys.
+    pub fn guard_window_key(&self, tenant: &str, session: &str) -> String {
+        self.key(tenant, &format!("guard-window:{session}"))
+    }
+
     /// A key of no tenant: `prefix:rest`.
     pub fn global(&self, rest: &str) -> String {
         format!("{}:{rest}", self.prefix)

@@ -306,7 +306,7 @@ impl GuardStates for RedisStore {
     ) -> StoreFuture<'a, Option<WindowSave>> {
         Box::pin(async move {
             let mut inv = self.save_window.prepare_invoke();
-            inv.key(self.redis.key(tenant, &format!("guard-window:{session}")))
+            inv.key(self.redis.guard_window_key(tenant, session))
                 .arg(version)
                 .arg(state)
                 .arg(ttl_ms.max(1000));
@@ -331,7 +331,7 @@ impl GuardStates for RedisStore {
         session: &'a str,
     ) -> StoreFuture<'a, Option<(u64, String)>> {
         Box::pin(async move {
-            let key = self.redis.key(tenant, &format!("guard-window:{session}"));
+            let key = self.redis.guard_window_key(tenant, session);
             let (version, state): (Option<u64>, Option<String>) = self
                 .redis
                 .run("guard_window", |mut c| async move {

@@ -1890,3 +1890,211 @@ max_consecutive_failures = 3
     assert_eq!(tripped.status, 429, "{}", tripped.text);
     assert_eq!(tripped.code(), "session_tripped");
 }
+
+const FLEET: &str = "bk-replica-fleet-key";
+
+on_one_server_and_a_cluster!(
+    a_failure_counted_by_the_fleet_is_one_round_trip_after_its_call,
+    a_failure_counted_by_the_fleet_is_one_round_trip_after_its_call_on_a_cluster,
+    a_failure_counted_by_the_fleet_is_one_round_trip_after_its_call_with
+);
+
+/// The round trips of a guarded request of a fleet tenant that are not on its way back
+/// from the call: before it, its session's kept state read (its first request on a
+/// replica) and the gate (limits and the guard's admission; twice when the session's
+/// state moved since this replica's last write); in the background, the fleet's read of
+/// its watched shapes (at most once a second) and its count of trips by reason.
+const NOT_AFTER_THE_CALL: [&str; 4] = ["gate", "guard_state", "fleet_watch", "fleet_tripped"];
+
+/// What a failing request added to replica `i`'s round trips after its call.
+async fn failure_round_trips(
+    cluster: &Cluster,
+    i: usize,
+    headers: &[(&str, &str)],
+    body: &Value,
+) -> (Answer, Vec<(String, u64)>) {
+    let before = round_trips(cluster, i).await;
+    let answer = cluster.call(i, FLEET, headers, body).await;
+    assert!(matches!(answer.status, 400 | 429), "{}", answer.text);
+    let after = round_trips(cluster, i).await;
+    let ops = added(&before, &after)
+        .into_iter()
+        .filter(|(op, _)| !NOT_AFTER_THE_CALL.contains(&op.as_str()))
+        .collect();
+    (answer, ops)
+}
+
+/// In replica mode the fleet counts a failure in the same script that writes the
+/// session guard's state back (compare-and-set), imposing the trip it decides in that
+/// write: one round trip after the call, not two, and the trip is the shared state every
+/// replica refuses on. A write another replica's request beat is done again without the
+/// fleet's count: it is counted once.
+async fn a_failure_counted_by_the_fleet_is_one_round_trip_after_its_call_with(redis: Redis) {
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "fleet"
+api_keys = ["{FLEET}"]
+[tenants.guard]
+identical_request_limit = 1000
+max_consecutive_failures = 5
+[tenants.guard.fleet]
+min_sessions = 3
+min_failures = 2
+window = "10m"
+cool_down = "30s"
+"#
+    );
+    let cluster = Cluster::start(&redis, &[PATIENT, PATIENT], &tenants).await;
+    let failing = |session: &'static str| {
+        [
+            ("x-session-id", session),
+            ("x-mock-scenario", "fleet-fold"),
+            ("x-mock-fault", "status=400;code=context_length_exceeded"),
+        ]
+    };
+    let compaction = json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "Summarize in 1,000 tokens."}]});
+    // After the call: the fleet's count and the guard's write-back, one script.
+    let one = [("fleet_failed_and_save".to_string(), 1)];
+    // s-1 and s-2 fail twice each, the second time on the other replica.
+    for (session, first) in [("s-1", 0), ("s-2", 1)] {
+        for (n, replica) in [first, 1 - first].into_iter().enumerate() {
+            let (answer, ops) =
+                failure_round_trips(&cluster, replica, &failing(session), &compaction).await;
+            assert_eq!(answer.status, 400, "{}", answer.text);
+            assert_eq!(
+                answer.header("x-backstop-session-state"),
+                Some("recovering")
+            );
+            assert_eq!(ops, one, "{session}, failure {n}, on replica {replica}");
+        }
+    }
+    // s-3's second failure, on replica 1, is the third session's second: the script makes
+    // the signature hot and writes the session's state tripped, its evidence counted in.
+    let (answer, ops) = failure_round_trips(&cluster, 0, &failing("s-3"), &compaction).await;
+    assert_eq!(
+        answer.header("x-backstop-session-state"),
+        Some("recovering")
+    );
+    assert_eq!(ops, one);
+    let (answer, ops) = failure_round_trips(&cluster, 1, &failing("s-3"), &compaction).await;
+    assert_eq!(answer.status, 400, "{}", answer.text);
+    assert_eq!(answer.header("x-backstop-session-state"), Some("tripped"));
+    assert_eq!(
+        ops,
+        [
+            ("fleet_failed_and_save".to_string(), 1),
+            ("save_guard".to_string(), 1),
+        ],
+        "and the trip kept (as every trip is), but no other write of the guard's state"
+    );
+    // The other replica refuses the session on the state that script wrote.
+    let refused = cluster.call(0, FLEET, &failing("s-3"), &compaction).await;
+    assert_eq!(refused.status, 429, "{}", refused.text);
+    assert_eq!(refused.code(), "session_tripped");
+    let message = refused.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        message.contains("session_tripped (fleet_pattern): 3 sessions of this tenant failed the same way within 10m (3 of them at least 2 times): signature "),
+        "{message}"
+    );
+    // A new session's first failure with the hot signature trips it in that one write,
+    // and the other replica refuses its next request.
+    let (answer, ops) = failure_round_trips(&cluster, 1, &failing("s-4"), &compaction).await;
+    assert_eq!(answer.status, 400, "{}", answer.text);
+    assert_eq!(answer.header("x-backstop-session-state"), Some("tripped"));
+    assert_eq!(
+        ops,
+        [
+            ("fleet_failed_and_save".to_string(), 1),
+            ("save_guard".to_string(), 1),
+        ]
+    );
+    let refused = cluster.call(0, FLEET, &failing("s-4"), &step(1)).await;
+    assert_eq!(refused.status, 429, "{}", refused.text);
+    assert_eq!(refused.code(), "session_tripped");
+    let message = refused.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        message.contains("(fleet_pattern): 4 sessions of this tenant failed the same way within 10m (3 of them at least 2 times)")
+            && !message.contains("@fleet-"),
+        "{message}"
+    );
+
+    // A write another replica beat: m-1 fails on replica 1 (slowly) while a request of
+    // the same session goes through replica 0. The script counts the failure and hands
+    // back the state replica 0 wrote; the failure is then written by the plain
+    // compare-and-set, and counted once.
+    let racing =
+        json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "Race the replicas."}]});
+    let slow = [
+        ("x-session-id", "m-1"),
+        ("x-mock-scenario", "fleet-race"),
+        ("x-mock-fault", "status=400;code=invalid_value;delay=1s"),
+    ];
+    let quick = [
+        ("x-session-id", "m-1"),
+        ("x-mock-scenario", "fleet-race-ok"),
+    ];
+    let ok = cluster.call(1, FLEET, &quick, &step(10)).await;
+    assert_eq!(ok.status, 200, "{}", ok.text);
+    for n in 1..=2u64 {
+        let before = round_trips(&cluster, 1).await;
+        let failure = tokio::spawn(cluster.call(1, FLEET, &slow, &racing));
+        cluster.mock.wait_for("fleet-race", n).await;
+        let ok = cluster.call(0, FLEET, &quick, &step(10 + n as usize)).await;
+        assert_eq!(ok.status, 200, "{}", ok.text);
+        let failure = failure.await.unwrap();
+        assert_eq!(failure.status, 400, "{}", failure.text);
+        let after = round_trips(&cluster, 1).await;
+        let ops: Vec<(String, u64)> = added(&before, &after)
+            .into_iter()
+            .filter(|(op, _)| !NOT_AFTER_THE_CALL.contains(&op.as_str()))
+            .collect();
+        assert_eq!(
+            ops,
+            [
+                ("fleet_failed_and_save".to_string(), 1),
+                ("save_guard_window".to_string(), 1),
+            ],
+            "race {n}: the script's write handed back, written again alone"
+        );
+    }
+    let view = cluster
+        .admin(0, reqwest::Method::GET, "/admin/tenants/fleet/fleet")
+        .await;
+    let view = view.json();
+    let raced: Vec<&Value> = view["signatures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| {
+            s["description"]
+                .as_str()
+                .unwrap()
+                .starts_with("invalid_value")
+        })
+        .collect();
+    assert_eq!(raced.len(), 1, "{view}");
+    assert_eq!(
+        (&raced[0]["failures"], &raced[0]["sessions"]),
+        (&json!(2), &json!(1)),
+        "each failure counted once: {view}"
+    );
+    // The guard's shared state holds the failure, written on the state replica 0 left
+    // (whose success had set the failures in a row back to none).
+    let report = cluster
+        .admin(1, reqwest::Method::GET, "/admin/tenants/fleet/sessions/m-1")
+        .await
+        .json();
+    let signals = &report["guard"]["signals"];
+    assert_eq!(
+        (&signals["state"], &signals["consecutive_failures"]),
+        (&json!("recovering"), &json!(1)),
+        "{report}"
+    );
+}

@@ -27,7 +27,12 @@ use crate::{
         session_key, Check, Failed, FleetPolicy, ShapeKey, Signature, SignatureId, SignatureReport,
         Succeeded, TenantView, Totals,
     },
-    state::shared::Redis,
+    state::{
+        guard_view::Written,
+        sessions::{Candidates, Saving},
+        shared::Redis,
+    },
+    store::WindowSave,
 };
 
 pub use self::redis::{SharedFleet, WATCH_REFRESH, WATCH_STALE};
@@ -185,6 +190,53 @@ impl Fleet {
         let view = self.view(tenant, &policy);
         let failed = lock(&view).failed(now, sig, session, calls, usd);
         failed
+    }
+
+    /// Whether the tenant's view is in Redis (replica mode).
+    pub fn shares(&self, tenant: &str) -> bool {
+        self.shared.is_some() && self.policies.contains_key(tenant)
+    }
+
+    /// [`Fleet::failed`] in replica mode, and the session guard's write-back in the same
+    /// round trip ([`SessionGuards::record_failure`]): the state written is `guard`'s
+    /// tripped one when this failure trips the session. When Redis cannot answer, this
+    /// replica's own view counts it and nothing is written ([`Saving::Local`]).
+    ///
+    /// [`SessionGuards::record_failure`]: crate::state::sessions::SessionGuards::record_failure
+    pub async fn failed_and_save(
+        &self,
+        tenant: &str,
+        sig: &Signature,
+        session: &str,
+        calls: u32,
+        usd: f64,
+        guard: Candidates,
+    ) -> (Failed, Saving<()>) {
+        let Some(policy) = self.policies.get(tenant).cloned() else {
+            return (Failed::default(), Saving::Local(()));
+        };
+        if let Some(shared) = &self.shared {
+            match shared
+                .failed_and_save(tenant, &policy, sig, session, calls, usd, &guard)
+                .await
+            {
+                Ok((failed, WindowSave::Saved(to))) => {
+                    let written = Written {
+                        from: guard.version,
+                        to,
+                    };
+                    return (failed, Saving::Saved(written, ()));
+                }
+                Ok((failed, WindowSave::Moved(version, state))) => {
+                    return (failed, Saving::Moved(version, state))
+                }
+                Err(err) => unavailable("failed", &err),
+            }
+        }
+        let now = self.clock.now_ms();
+        let view = self.view(tenant, &policy);
+        let failed = lock(&view).failed(now, sig, session_key(session), calls, usd);
+        (failed, Saving::Local(()))
     }
 
     /// A request of `session` with `shape` succeeded while the tenant was watched.

@@ -17,6 +17,10 @@
 //!   predictions pending, which replicas copy ([`WATCH_REFRESH`]);
 //! - `stats`: trips by reason (`trip:{reason}`), `untracked`, `expired`.
 //!
+//! A failure is counted in the same script as the session guard's write-back
+//! ([`FAILED_AND_SAVE`]), so the trip it decides is imposed in that write, one round trip
+//! after the request's call.
+//!
 //! Sessions are the hex of their hash ([`crate::policy::fleet::session_key`]). One
 //! difference from the embedded view: a full table makes room by pushing out the least
 //! shared of its 16 least recently active signatures, not of all of them.
@@ -33,11 +37,15 @@ use tokio::time::Instant;
 use crate::{
     clock::Clock,
     policy::fleet::{
-        sort_reports, Check, Failed, FleetPolicy, Hot, Record, ShapeKey, Signature, SignatureId,
-        SignatureReport, SignatureState, Succeeded, Totals, EXACT_SIGNATURES,
+        session_key, sort_reports, Check, Failed, FleetPolicy, Hot, Record, ShapeKey, Signature,
+        SignatureId, SignatureReport, SignatureState, Succeeded, Totals, EXACT_SIGNATURES,
         PREDICTIONS_PER_SIGNATURE, SESSIONS_PER_SIGNATURE, SINGLES,
     },
-    state::shared::{Redis, Unavailable},
+    state::{
+        sessions::Candidates,
+        shared::{Redis, Unavailable},
+    },
+    store::WindowSave,
 };
 
 /// How stale a replica's copy of a tenant's watched shapes may get before it is read
@@ -195,6 +203,36 @@ return {'counted', tostring(trip), tostring(redis.call('ZCARD', fz)), tostring(q
   tostring(confirmed), tostring(probe_at), desc}
 "#;
 
+/// A failure counted ([`FAILED`], as a function of the same arguments) and the session
+/// guard's write-back in the same round trip, for replicas: the compare-and-set of
+/// [`crate::store::RedisStore`]'s `save_guard_window` on KEYS[2] (the session's guard
+/// state, under the same hash tag as the fleet's keys), of ARGV[20] (the failure
+/// recorded) or, when the count trips the session and ARGV[21..23] are given, of the
+/// state with the trip imposed: ARGV[21] .. sessions .. ARGV[22] .. qualified ..
+/// ARGV[23], the counts the reply gives. ARGV[18] the guard state's version, ARGV[19]
+/// its expiry (ms). Replies `{"saved", version, ""}` or `{"moved", version, state}`
+/// (nothing written: another replica wrote first), then [`FAILED`]'s reply, whose count
+/// stands either way.
+const FAILED_AND_SAVE: &str = r#"
+local fleet = count()
+local g, version, gttl = KEYS[2], tonumber(ARGV[18]), tonumber(ARGV[19])
+local state = ARGV[20]
+if fleet[1] == 'counted' and fleet[2] == '1' and ARGV[23] then
+  state = ARGV[21] .. fleet[3] .. ARGV[22] .. fleet[4] .. ARGV[23]
+end
+local v = tonumber(redis.call('HGET', g, 'v') or '0')
+local out
+if v ~= version then
+  out = {'moved', tostring(v), redis.call('HGET', g, 'state') or ''}
+else
+  redis.call('HSET', g, 'v', v + 1, 'state', state, 'brief', brief(v + 1, state, nil))
+  redis.call('PEXPIRE', g, gttl)
+  out = {'saved', tostring(v + 1), ''}
+end
+for _, f in ipairs(fleet) do table.insert(out, f) end
+return out
+"#;
+
 /// The preemptive check: ARGV[5] the session, ARGV[6] cool_down, ARGV[7] the
 /// predictions' cap, ARGV[8..] the signatures of the shape. Replies `{"clear"}`,
 /// `{"probe", sig}` or `{"refuse", sig, description, sessions, qualified, probe_at}`.
@@ -304,6 +342,7 @@ pub struct SharedFleet {
     redis: Arc<Redis>,
     clock: Clock,
     failed: Script,
+    failed_and_save: Script,
     check: Script,
     succeeded: Script,
     avoided: Script,
@@ -391,6 +430,30 @@ async fn refresh(
     watch.fetched = Some(clock.now());
 }
 
+/// [`FAILED`]'s arguments after the common ones.
+fn failed_args(
+    inv: &mut redis::ScriptInvocation<'_>,
+    policy: &FleetPolicy,
+    sig: &Signature,
+    session: u64,
+    calls: u32,
+    usd: f64,
+) {
+    inv.arg(hex(sig.id.0))
+        .arg(hex(sig.shape.0))
+        .arg(&*sig.description)
+        .arg(hex(session))
+        .arg(calls)
+        .arg(micro(usd))
+        .arg(policy.min_failures)
+        .arg(policy.min_sessions)
+        .arg(policy.cool_down_ms())
+        .arg(SINGLES)
+        .arg(EXACT_SIGNATURES)
+        .arg(SESSIONS_PER_SIGNATURE)
+        .arg(PREDICTIONS_PER_SIGNATURE);
+}
+
 fn hot_of(
     id: SignatureId,
     description: &str,
@@ -420,6 +483,10 @@ impl SharedFleet {
             redis,
             clock,
             failed: script(FAILED),
+            failed_and_save: Script::new(&format!(
+                "{COMMON}{}\nlocal function count()\n{FAILED}\nend\n{FAILED_AND_SAVE}",
+                crate::store::format::brief_lua()
+            )),
             check: script(CHECK),
             succeeded: script(SUCCEEDED),
             avoided: script(AVOIDED),
@@ -539,22 +606,62 @@ impl SharedFleet {
         usd: f64,
     ) -> Result<Failed, Unavailable> {
         let mut inv = self.invoke(&self.failed, tenant, policy);
-        inv.arg(hex(sig.id.0))
-            .arg(hex(sig.shape.0))
-            .arg(&*sig.description)
-            .arg(hex(session))
-            .arg(calls)
-            .arg(micro(usd))
-            .arg(policy.min_failures)
-            .arg(policy.min_sessions)
-            .arg(policy.cool_down_ms())
-            .arg(SINGLES)
-            .arg(EXACT_SIGNATURES)
-            .arg(SESSIONS_PER_SIGNATURE)
-            .arg(PREDICTIONS_PER_SIGNATURE);
+        failed_args(&mut inv, policy, sig, session, calls, usd);
         let reply: Vec<String> = self.run_script("fleet_failed", inv).await?;
+        Ok(self.counted(tenant, policy, sig, &reply))
+    }
+
+    /// [`SharedFleet::failed`] and the session's guard write-back in one round trip
+    /// ([`FAILED_AND_SAVE`]): the failure counted, and the guard state written as the
+    /// count decides (`guard.tripped` when it trips the session), or handed back when
+    /// another replica wrote first. A trip's description is the failure's own (`sig`),
+    /// as the state written holds it.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn failed_and_save(
+        &self,
+        tenant: &str,
+        policy: &FleetPolicy,
+        sig: &Signature,
+        session: &str,
+        calls: u32,
+        usd: f64,
+        guard: &Candidates,
+    ) -> Result<(Failed, WindowSave), Unavailable> {
+        let mut inv = self.invoke(&self.failed_and_save, tenant, policy);
+        inv.key(self.redis.guard_window_key(tenant, session));
+        failed_args(&mut inv, policy, sig, session_key(session), calls, usd);
+        inv.arg(guard.version)
+            .arg(guard.ttl_ms.max(1000))
+            .arg(&guard.recorded);
+        if let Some(parts) = &guard.tripped {
+            for part in parts {
+                inv.arg(part);
+            }
+        }
+        let reply: Vec<String> = self.run_script("fleet_failed_and_save", inv).await?;
+        let field = |i: usize| reply.get(i).cloned().unwrap_or_default();
+        let version = field(1).parse().unwrap_or(0);
+        let saved = match field(0).as_str() {
+            "saved" => WindowSave::Saved(version),
+            _ => WindowSave::Moved(version, field(2)),
+        };
+        let mut failed = self.counted(tenant, policy, sig, reply.get(3..).unwrap_or_default());
+        if let Some(hot) = &mut failed.trip {
+            hot.description = sig.description.clone();
+        }
+        Ok((failed, saved))
+    }
+
+    /// [`FAILED`]'s reply, read (and a trip noted in this replica's watched shapes).
+    fn counted(
+        &self,
+        tenant: &str,
+        policy: &FleetPolicy,
+        sig: &Signature,
+        reply: &[String],
+    ) -> Failed {
         let field = |i: usize| reply.get(i).map(String::as_str).unwrap_or("");
-        Ok(match field(0) {
+        match field(0) {
             "counted" => {
                 let now = self.clock.now_ms();
                 let trip = (field(1) == "1")
@@ -578,7 +685,7 @@ impl SharedFleet {
                 ..Failed::default()
             },
             _ => Failed::default(),
-        })
+        }
     }
 
     pub async fn check(
