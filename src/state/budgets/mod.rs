@@ -1062,7 +1062,7 @@ mod tests {
         );
         let slot = enter(&b, "t", "s").await.unwrap();
         let first = b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap();
-        // moka's idle clock is its own, not tokio's: evict as `session_idle` would.
+        // The live map's idle clock is the real one, not tokio's: evict as `session_idle` would.
         b.sessions.evict_all();
         b.forget_idle_limiters();
         assert!(
