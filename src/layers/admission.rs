@@ -215,6 +215,12 @@ fn fleet_trip(hot: &Hot, policy: &FleetPolicy) -> Trip {
     }
 }
 
+/// The trip a counted failure imposes on its session, if its verdict trips it.
+fn fleet_imposed(verdict: &Failed, policy: &FleetPolicy) -> Option<(Trip, std::time::Duration)> {
+    let hot = verdict.trip.as_ref()?;
+    Some((fleet_trip(hot, policy), policy.cool_down))
+}
+
 /// A counted failure's verdict: a confirmed prediction counted, and the trip to impose
 /// (logged) if it trips the session.
 fn fleet_verdict(
@@ -226,9 +232,10 @@ fn fleet_verdict(
         metrics::counter!("backstop_fleet_predictions_total", "outcome" => "confirmed")
             .increment(1);
     }
-    let hot = verdict.trip.as_ref()?;
-    g.hot(hot, "tripped");
-    Some((fleet_trip(hot, policy), policy.cool_down))
+    if let Some(hot) = &verdict.trip {
+        g.hot(hot, "tripped");
+    }
+    fleet_imposed(verdict, policy)
 }
 
 /// What a state change means for the store: `Some(kept)` to write (a trip, a probe, a
@@ -604,10 +611,7 @@ impl AdmissionLayer {
                 candidates,
             )
         };
-        let imposed = |verdict: &Failed| {
-            let hot = verdict.trip.as_ref()?;
-            Some((fleet_trip(hot, policy), policy.cool_down))
-        };
+        let imposed = |verdict: &Failed| fleet_imposed(verdict, policy);
         let recorded = self
             .guards
             .record_failure(

@@ -272,6 +272,24 @@ impl std::ops::Deref for GuardRef {
     }
 }
 
+/// Records how a request ended and imposes a trip decided outside the session, if any:
+/// the guard's transition over both.
+fn record_imposing(
+    guard: &mut SessionGuard,
+    now: Instant,
+    failed: bool,
+    imposed: Option<&(Trip, Duration)>,
+) -> Option<crate::policy::guard::Transition> {
+    let Some((trip, cool_down)) = imposed else {
+        return guard.record(now, failed);
+    };
+    let from = guard.state().phase();
+    guard.record(now, failed);
+    guard.impose(now, trip.clone(), *cool_down);
+    let to = guard.state().phase();
+    (from != to).then_some((from, to))
+}
+
 pub fn lock(entry: &Mutex<GuardedSession>) -> MutexGuard<'_, GuardedSession> {
     entry.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -402,14 +420,10 @@ impl SessionGuards {
         seen: Option<SessionSeen>,
         imposed: Option<(Trip, Duration)>,
     ) -> Result<Option<crate::policy::guard::Transition>, UnknownFormat> {
-        if let Some((trip, cool_down)) = imposed {
+        if let Some(imposed) = imposed {
             return self
                 .update(tenant, session, entry, |guard, now| {
-                    let from = guard.state().phase();
-                    guard.record(now, failed);
-                    guard.impose(now, trip.clone(), cool_down);
-                    let to = guard.state().phase();
-                    (from != to).then_some((from, to))
+                    record_imposing(guard, now, failed, Some(&imposed))
                 })
                 .await;
         }
@@ -507,16 +521,7 @@ impl SessionGuards {
         };
         let (verdict, saving) = write(candidates).await;
         let imposed = imposed(&verdict);
-        let f = |guard: &mut SessionGuard, now| match &imposed {
-            Some((trip, cool_down)) => {
-                let from = guard.state().phase();
-                guard.record(now, true);
-                guard.impose(now, trip.clone(), *cool_down);
-                let to = guard.state().phase();
-                (from != to).then_some((from, to))
-            }
-            None => guard.record(now, true),
-        };
+        let f = |guard: &mut SessionGuard, now| record_imposing(guard, now, true, imposed.as_ref());
         let newer = match saving {
             Saving::Saved(written, ()) => {
                 let mut e = lock(entry);
