@@ -7,11 +7,19 @@
 //! The gateways run in this process on one [`Clock`], moved past cool-downs instead of
 //! slept through: the fleet's scripts take the replicas' time, never Redis's.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use crate::common::{admin_and_prices, dead_port, gateway_config, json, until_some, ADMIN};
 use crate::redis_support::Redis;
-use backstop::{clock::Clock, mock, server};
+use backstop::{
+    api::{signature, Endpoint},
+    clock::Clock,
+    config::StateConfig,
+    mock,
+    policy::fleet::{FailureKind, FleetPolicy, Signature, TenantView},
+    server,
+    state::{fleet::SharedFleet, shared},
+};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
@@ -265,4 +273,100 @@ async fn when_redis_cannot_answer_a_replica_predicts_from_its_own_view() {
     );
     assert_eq!(view["signatures"][0]["state"], "hot", "{view}");
     redis.resume();
+}
+
+/// The scripts against the embedded view whose rules they carry: random failures of three
+/// signatures by eight sessions, the clock moving by up to a third of the window between
+/// them (so sessions' counts start again and signatures go stale and are forgotten), on
+/// one Redis and one [`TenantView`]. Every failure gets the same verdict from both: a
+/// trip or not, the qualified sessions it names, whether it confirmed a prediction. The
+/// sessions a trip names are at least the embedded view's: the scripts drop a session
+/// whose last failure left the window once per refresh (an eighth of the window), not at
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scripts_decide_as_the_embedded_view_does() {
+    let redis = Redis::start();
+    let state = shared::Redis::new(&StateConfig {
+        url: Some(redis.url()),
+        ..StateConfig::default()
+    })
+    .unwrap();
+    let clock = Clock::starting_at(1_800_000_000_000);
+    let fleet = SharedFleet::new(state, clock.clone());
+    let policy = Arc::new(FleetPolicy {
+        min_sessions: 3,
+        min_failures: 2,
+        window: Duration::from_secs(60),
+        preempt: false,
+        cool_down: Duration::from_secs(10),
+    });
+    let mut view = TenantView::new(policy.clone());
+    let failure = FailureKind {
+        class: "caller_fault",
+        code: "context_length_exceeded".to_string(),
+        detail: "HTTP 400".to_string(),
+    };
+    let sigs: Vec<Signature> = (0..3)
+        .map(|i| {
+            let request = json!({"model": "gpt-4o", "messages": [
+                {"role": "user", "content": format!("Summarize task {i}")}
+            ]});
+            let shape = signature::shape(
+                "gpt-*",
+                Endpoint::ChatCompletions,
+                request.as_object().unwrap(),
+            );
+            Signature::new(&shape, &failure)
+        })
+        .collect();
+    // xorshift64: the same sequence every run.
+    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let (mut trips, mut confirmed, mut restarts) = (0, 0, 0);
+    for step in 0..1500 {
+        // Mostly close together, now and then a long pause.
+        let pause = if next(10) == 0 {
+            next(20_000)
+        } else {
+            next(2_000)
+        };
+        clock.skip(Duration::from_millis(pause));
+        restarts += usize::from(pause > 10_000);
+        let sig = &sigs[next(3) as usize];
+        let session = next(8);
+        let now = clock.now_ms();
+        let embedded = view.failed(now, sig, session, 1, 0.0);
+        let scripts = fleet
+            .failed("t", &policy, sig, session, 1, 0.0)
+            .await
+            .unwrap();
+        let at = format!("step {step} (t+{} ms)", now - 1_800_000_000_000);
+        assert_eq!(scripts.trip.is_some(), embedded.trip.is_some(), "{at}");
+        assert_eq!(scripts.confirmed, embedded.confirmed, "{at}");
+        assert!(!scripts.untracked && !embedded.untracked, "{at}");
+        if let (Some(s), Some(e)) = (&scripts.trip, &embedded.trip) {
+            assert_eq!(s.qualified, e.qualified, "{at}");
+            assert!(
+                s.sessions >= e.sessions,
+                "{at}: {} < {}",
+                s.sessions,
+                e.sessions
+            );
+            // Its wait to the next probe, as each read its clock (which runs on as well).
+            let apart = s.retry_after.abs_diff(e.retry_after);
+            assert!(apart < Duration::from_millis(100), "{at}: {apart:?}");
+            trips += 1;
+        }
+        confirmed += usize::from(embedded.confirmed);
+    }
+    // The sequence went through every case the comparison is for.
+    assert!(
+        trips > 50 && confirmed > 20 && restarts > 50,
+        "{trips} {confirmed} {restarts}"
+    );
 }

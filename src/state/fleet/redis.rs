@@ -5,10 +5,10 @@
 //! (passed in, like the embedded view's), never Redis's.
 //!
 //! Keys, all under the tenant's hash tag (`{prefix}:{tenant}:fleet:...`), each expiring
-//! two windows after its last write:
+//! two windows after its last write (give or take a refresh: see below):
 //! - `index`: zset of full signatures by last activity; `e:{sig}`: its fields
-//!   (description, shape, state, times, failure sums, the record); `f:{sig}`: zset of
-//!   sessions by their last failure; `c:{sig}`: hash of their failure counts; `q:{sig}`:
+//!   (description, shape, state, times, failure sums, the record, and of each session
+//!   that failed `s:{session}` = `{count}|{last failure}`, `n` of them); `q:{sig}`:
 //!   zset of the sessions that failed `min_failures` times; `p:{sig}`: hash of sessions
 //!   predicted to fail, verdict pending;
 //! - `singles` / `singles:t`: signatures seen failing once (session, when, cost) and
@@ -19,7 +19,19 @@
 //!
 //! A failure is counted in the same script as the session guard's write-back
 //! ([`FAILED_AND_SAVE`]), so the trip it decides is imposed in that write, one round trip
-//! after the request's call.
+//! after the request's call. That script is on the failure path, and each command it
+//! runs costs a few microseconds of Redis's one thread (issue 28's target is 0.1 ms at
+//! p50 for the whole path), so a signature's upkeep is done once per refresh (an eighth
+//! of the window, its `kept` time), not at each failure: its index time, its keys'
+//! expiry, and the sweep of sessions whose last failure left the window (until then
+//! `n` counts them too; a session's own count restarts as soon as its last failure is
+//! out of the window). A failure that is not the refresh reads the entry (the session's
+//! count with it) and writes it back: two commands.
+//!
+//! Upgrading from the release that kept a signature's sessions in `f:{sig}` (a zset) and
+//! `c:{sig}` (their counts): the two releases count sessions in different places, so
+//! while both run, a signature's sessions are split between them and it turns hot later;
+//! nothing is misread. The old keys are deleted when a signature is forgotten.
 //!
 //! Sessions are the hex of their hash ([`crate::policy::fleet::session_key`]). One
 //! difference from the embedded view: a full table makes room by pushing out the least
@@ -83,7 +95,7 @@ local function forget(sig)
   if shape then redis.call('HDEL', P .. 'watch', shape .. ':' .. sig) end
 end
 local function touch(sig)
-  for _, k in ipairs({'e:', 'f:', 'c:', 'q:', 'p:'}) do redis.call('PEXPIRE', P .. k .. sig, ttl) end
+  for _, k in ipairs({'e:', 'q:', 'p:'}) do redis.call('PEXPIRE', P .. k .. sig, ttl) end
   for _, k in ipairs({'index', 'watch', 'singles', 'singles:t'}) do redis.call('PEXPIRE', P .. k, ttl) end
 end
 local function predict(sig, session, cap)
@@ -106,20 +118,35 @@ end
 /// `{"counted", trip, sessions, qualified, confirmed, probe_at}`.
 const FAILED: &str = r#"
 local sig, shape, desc, session = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
-local calls, usd = ARGV[9], ARGV[10]
+local calls, usd = tonumber(ARGV[9]), tonumber(ARGV[10])
 local min_failures, min_sessions, cool_down = tonumber(ARGV[11]), tonumber(ARGV[12]), tonumber(ARGV[13])
 local index, singles, singles_t = P .. 'index', P .. 'singles', P .. 'singles:t'
-for _, old in ipairs(redis.call('ZRANGEBYSCORE', singles_t, '-inf', now - window - 1, 'LIMIT', 0, 64)) do
-  redis.call('HDEL', singles, old); redis.call('ZREM', singles_t, old)
-end
-for _, old in ipairs(redis.call('ZRANGEBYSCORE', index, '-inf', now - window - 1, 'LIMIT', 0, 16)) do
-  forget(old)
+-- Times as integers' strings: Lua would print a number as a float, slowly.
+local now_s, stale = ARGV[2], string.format('%d', now - window - 1)
+-- A signature's place in the index, like its keys' expiry, is refreshed once per
+-- `refresh` (its 'kept' time), not at each failure: an index time is up to that old.
+local refresh = math.floor(window / 8)
+local function sweep_index()
+  for _, old in ipairs(redis.call('ZRANGEBYSCORE', index, '-inf', stale, 'LIMIT', 0, 16)) do
+    local last = tonumber(redis.call('HGET', P .. 'e:' .. old, 'last') or '0')
+    if now - last > window then forget(old) else redis.call('ZADD', index, last, old) end
+  end
 end
 local e = P .. 'e:' .. sig
-local fz, cz, qz = P .. 'f:' .. sig, P .. 'c:' .. sig, P .. 'q:' .. sig
-local last = redis.call('HGET', e, 'last')
-if last and now - tonumber(last) > window then forget(sig) end
+local qz, pz = P .. 'q:' .. sig, P .. 'p:' .. sig
+-- The session's count and last failure, in the entry: `s:{session}` = 'count|last'.
+local own = 's:' .. session
+-- 'state' is set whenever the entry exists.
+local st = redis.call('HMGET', e, 'state', 'last', 'probe_at', 'fails', 'fcalls', 'fusd', 'tripped',
+  'confirmed', 'kept', 'n', own)
+if st[1] and now - tonumber(st[2] or '0') > window then
+  forget(sig)
+  st = {}
+end
 local function keep_single(s, at, c, u)
+  for _, old in ipairs(redis.call('ZRANGEBYSCORE', singles_t, '-inf', stale, 'LIMIT', 0, 64)) do
+    redis.call('HDEL', singles, old); redis.call('ZREM', singles_t, old)
+  end
   redis.call('HSET', singles, sig, s .. '|' .. at .. '|' .. c .. '|' .. u)
   redis.call('ZADD', singles_t, at, sig)
   local over = redis.call('ZCARD', singles_t) - tonumber(ARGV[14])
@@ -127,13 +154,15 @@ local function keep_single(s, at, c, u)
     local popped = redis.call('ZPOPMIN', singles_t, over)
     for i = 1, #popped, 2 do redis.call('HDEL', singles, popped[i]) end
   end
-  touch(sig)
+  redis.call('PEXPIRE', singles, ttl); redis.call('PEXPIRE', singles_t, ttl)
 end
-if redis.call('EXISTS', e) == 0 then
+if not st[1] then
+  -- Stale signatures are swept (their records kept in the stats) as new ones come.
+  sweep_index()
   local kept = redis.call('HGET', singles, sig)
   local first = kept and {string.match(kept, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)$')}
   if not first or not first[2] or now - tonumber(first[2]) > window then
-    keep_single(session, now, calls, usd)
+    keep_single(session, now_s, ARGV[9], ARGV[10])
     return {'single'}
   end
   redis.call('HDEL', singles, sig); redis.call('ZREM', singles_t, sig)
@@ -141,7 +170,8 @@ if redis.call('EXISTS', e) == 0 then
     local victim, best = nil, nil
     for _, old in ipairs(redis.call('ZRANGE', index, 0, 15)) do
       if redis.call('HGET', P .. 'e:' .. old, 'state') ~= 'hot' then
-        local rank = redis.call('ZCARD', P .. 'q:' .. old) * 1e6 + redis.call('ZCARD', P .. 'f:' .. old)
+        local n = tonumber(redis.call('HGET', P .. 'e:' .. old, 'n') or '0')
+        local rank = redis.call('ZCARD', P .. 'q:' .. old) * 1e6 + n
         if not best or rank < best then best, victim = rank, old end
       end
     end
@@ -153,54 +183,97 @@ if redis.call('EXISTS', e) == 0 then
     forget(victim)
   end
   redis.call('HSET', e, 'shape', shape, 'desc', desc, 'first', first[2], 'last', first[2],
-    'fails', 1, 'fcalls', first[3], 'fusd', first[4], 'state', 'warm')
-  redis.call('ZADD', fz, first[2], first[1])
-  redis.call('HSET', cz, first[1], 1)
+    'state', 'warm', 's:' .. first[1], '1|' .. first[2])
+  st = {'warm', first[2], nil, 1, first[3], first[4], nil, nil, nil, 1}
+  if first[1] == session then st[11] = '1|' .. first[2] end
 end
-redis.call('HSET', e, 'last', now)
-redis.call('HINCRBY', e, 'fails', 1)
-redis.call('HINCRBY', e, 'fcalls', calls)
-redis.call('HINCRBY', e, 'fusd', usd)
-redis.call('ZADD', index, now, sig)
-for _, old in ipairs(redis.call('ZRANGEBYSCORE', fz, '-inf', now - window - 1, 'LIMIT', 0, 64)) do
-  redis.call('ZREM', fz, old); redis.call('HDEL', cz, old)
+local state = st[1]
+-- The keys this call may have made are given their expiry; all of them once per refresh.
+local written = {}
+local kept = st[9] and now - tonumber(st[9]) < refresh
+if not kept then
+  redis.call('ZADD', index, now_s, sig)
+  written = {e, qz, pz, index}
 end
-redis.call('ZREMRANGEBYSCORE', qz, '-inf', now - window - 1)
-local count
-if redis.call('ZSCORE', fz, session) then
-  count = redis.call('HINCRBY', cz, session, 1)
-else
-  if redis.call('ZCARD', fz) >= tonumber(ARGV[16]) then
-    local oldest = redis.call('ZPOPMIN', fz)
-    if oldest[1] then redis.call('HDEL', cz, oldest[1]); redis.call('ZREM', qz, oldest[1]) end
+-- The sessions that failed (the entry's `s:` fields), `n` of them: those whose last
+-- failure left the window are dropped once per refresh, and the least recent when there
+-- are `cap`; a session's count starts again once its last failure left the window.
+local cap, n = tonumber(ARGV[16]), tonumber(st[10] or '0')
+local function sweep(limit)
+  local all = redis.call('HGETALL', e)
+  local live, drop, sessions = {}, {}, 0
+  for i = 1, #all, 2 do
+    if string.sub(all[i], 1, 2) == 's:' then
+      sessions = sessions + 1
+      local at = tonumber(string.match(all[i + 1], '|(%d+)$') or '0')
+      if now - at > window then table.insert(drop, all[i]) else table.insert(live, {at, all[i]}) end
+    end
   end
-  redis.call('HSET', cz, session, 1)
-  count = 1
+  if #live > limit then
+    table.sort(live, function(a, b) return a[1] < b[1] end)
+    for i = 1, #live - limit do table.insert(drop, live[i][2]) end
+  end
+  for i = 1, #drop, 1000 do
+    local fields, ids = {}, {}
+    for j = i, math.min(i + 999, #drop) do
+      table.insert(fields, drop[j]); table.insert(ids, string.sub(drop[j], 3))
+    end
+    redis.call('HDEL', e, unpack(fields)); redis.call('ZREM', qz, unpack(ids))
+  end
+  return sessions - #drop
 end
-redis.call('ZADD', fz, now, session)
-if count >= min_failures then redis.call('ZADD', qz, now, session) end
-local confirmed = redis.call('HDEL', P .. 'p:' .. sig, session)
-if confirmed == 1 then redis.call('HINCRBY', e, 'confirmed', 1) end
-local st = redis.call('HMGET', e, 'state', 'probe_at')
-local hot = st[1] == 'hot'
-local probe_at = tonumber(st[2] or '0') or 0
-local qualified = redis.call('ZCARD', qz)
+-- The session is among the `n` while its field is there: fresh, or stale and not swept.
+local count, counted = 1, false
+if st[11] then
+  local c, at = string.match(st[11], '^(%d+)|(%d+)$')
+  if c and now - tonumber(at) <= window then count = tonumber(c) + 1 end
+  counted = count > 1 or kept
+end
+if not kept then n = sweep(cap) end
+if not counted then
+  if n >= cap then n = sweep(cap - math.max(1, math.floor(cap / 8))) end
+  n = n + 1
+end
+if count >= min_failures and redis.call('ZADD', qz, now_s, session) == 1 and kept then
+  table.insert(written, qz)
+end
+-- Only a signature that has been hot has predictions, or a place among the watched.
+local confirmed = 0
+if state ~= 'warm' then confirmed = redis.call('HDEL', pz, session) end
+local hot = state == 'hot'
+local probe_at = tonumber(st[3] or '0') or 0
+-- Sessions qualify only by failing: none did unless this one did.
+local qualified = 0
+if hot or count >= min_failures then
+  qualified = redis.call('ZCOUNT', qz, string.format('%d', now - window), '+inf')
+end
+local function int(v) return string.format('%d', v) end
+local fields = {'last', now_s, 'n', int(n), 'fails', int(tonumber(st[4] or '0') + 1),
+  'fcalls', int(tonumber(st[5] or '0') + calls), 'fusd', int(tonumber(st[6] or '0') + usd)}
+local function set(k, v) table.insert(fields, k); table.insert(fields, v) end
+set(own, count .. '|' .. now_s)
+if not kept then set('kept', now_s) end
+if confirmed == 1 then set('confirmed', int(tonumber(st[8] or '0') + 1)) end
 if not hot and qualified >= min_sessions then
   hot, probe_at = true, now + cool_down
-  redis.call('HSET', e, 'state', 'hot', 'since', now, 'probe_at', probe_at)
+  set('state', 'hot'); set('since', now_s); set('probe_at', int(probe_at))
 end
-local trip = 0
+local trip, sessions = 0, 0
 if hot then
   trip = 1
-  redis.call('HINCRBY', e, 'tripped', 1)
+  set('tripped', int(tonumber(st[7] or '0') + 1))
   predict(sig, session, tonumber(ARGV[17]))
   watch(sig, shape, 'hot')
-elseif redis.call('HLEN', P .. 'p:' .. sig) == 0 then
+  table.insert(written, pz)
+  table.insert(written, P .. 'watch')
+  sessions = n
+elseif state ~= 'warm' and redis.call('HLEN', pz) == 0 then
   redis.call('HDEL', P .. 'watch', shape .. ':' .. sig)
 end
-touch(sig)
-return {'counted', tostring(trip), tostring(redis.call('ZCARD', fz)), tostring(qualified),
-  tostring(confirmed), tostring(probe_at), desc}
+redis.call('HSET', e, unpack(fields))
+for _, k in ipairs(written) do redis.call('PEXPIRE', k, ttl) end
+return {'counted', tostring(trip), tostring(sessions), tostring(qualified),
+  tostring(confirmed), int(probe_at), desc}
 "#;
 
 /// A failure counted ([`FAILED`], as a function of the same arguments) and the session
@@ -241,7 +314,7 @@ local session, cool_down = ARGV[5], tonumber(ARGV[6])
 for i = 8, #ARGV do
   local sig = ARGV[i]
   local e = P .. 'e:' .. sig
-  local st = redis.call('HMGET', e, 'state', 'probe_at', 'last', 'desc')
+  local st = redis.call('HMGET', e, 'state', 'probe_at', 'last', 'desc', 'n')
   if st[1] == 'hot' and now - tonumber(st[3]) <= window then
     local probe_at = tonumber(st[2])
     if now >= probe_at then
@@ -251,8 +324,8 @@ for i = 8, #ARGV do
     redis.call('HINCRBY', e, 'preempted', 1)
     predict(sig, session, tonumber(ARGV[7]))
     touch(sig)
-    return {'refuse', sig, st[4], tostring(redis.call('ZCARD', P .. 'f:' .. sig)),
-      tostring(redis.call('ZCARD', P .. 'q:' .. sig)), tostring(probe_at)}
+    return {'refuse', sig, st[4], st[5] or '0',
+      tostring(redis.call('ZCOUNT', P .. 'q:' .. sig, now - window, '+inf')), tostring(probe_at)}
   end
 end
 return {'clear'}
@@ -274,7 +347,12 @@ for i = 6, #ARGV do
     end
     local st = redis.call('HMGET', e, 'state', 'shape')
     if st[1] == 'hot' then
-      redis.call('HSET', e, 'state', 'cooled', 'cooled_at', now, 'last', now)
+      redis.call('HSET', e, 'state', 'cooled', 'cooled_at', now, 'last', now, 'n', 0)
+      local own = {}
+      for _, f in ipairs(redis.call('HKEYS', e)) do
+        if string.sub(f, 1, 2) == 's:' then table.insert(own, f) end
+      end
+      for j = 1, #own, 1000 do redis.call('HDEL', e, unpack(own, j, math.min(j + 999, #own))) end
       redis.call('DEL', P .. 'f:' .. sig, P .. 'c:' .. sig, P .. 'q:' .. sig)
       redis.call('ZADD', P .. 'index', now, sig)
       cooled = cooled + 1
@@ -305,14 +383,19 @@ const REPORT_FIELDS: usize = 18;
 /// [`REPORT_FIELDS`] per signature, then the stats as field/value pairs.
 const REPORT: &str = r#"
 local out = {}
-local sigs = redis.call('ZREVRANGEBYSCORE', P .. 'index', '+inf', now - window, 'LIMIT', 0, tonumber(ARGV[5]))
+-- Index times lag by up to a refresh (window / 8): signatures last seen out of the
+-- window are left out here.
+local sigs = {}
+for _, sig in ipairs(redis.call('ZREVRANGEBYSCORE', P .. 'index', '+inf', now - window - math.floor(window / 8), 'LIMIT', 0, tonumber(ARGV[5]))) do
+  if now - tonumber(redis.call('HGET', P .. 'e:' .. sig, 'last') or '0') <= window then table.insert(sigs, sig) end
+end
 table.insert(out, tostring(#sigs))
 for _, sig in ipairs(sigs) do
   local v = redis.call('HMGET', P .. 'e:' .. sig, 'desc', 'state', 'first', 'last', 'fails',
-    'tripped', 'preempted', 'confirmed', 'unconfirmed', 'acalls', 'ausd', 'probe_at', 'since', 'cooled_at')
+    'tripped', 'preempted', 'confirmed', 'unconfirmed', 'acalls', 'ausd', 'probe_at', 'since', 'cooled_at', 'n')
   table.insert(out, sig)
   for i = 1, 14 do table.insert(out, v[i] or '') end
-  table.insert(out, tostring(redis.call('ZCOUNT', P .. 'f:' .. sig, now - window, '+inf')))
+  table.insert(out, v[15] or '0')
   table.insert(out, tostring(redis.call('ZCOUNT', P .. 'q:' .. sig, now - window, '+inf')))
   table.insert(out, tostring(redis.call('HLEN', P .. 'p:' .. sig)))
 end
