@@ -16,7 +16,9 @@ use backstop::{
     clock::Clock,
     config::StateConfig,
     mock,
-    policy::fleet::{FailureKind, FleetPolicy, Signature, TenantView},
+    policy::fleet::{
+        Failed, FailureKind, FleetPolicy, Signature, TenantView, SESSIONS_PER_SIGNATURE,
+    },
     server,
     state::{fleet::SharedFleet, shared},
 };
@@ -283,16 +285,15 @@ async fn when_redis_cannot_answer_a_replica_predicts_from_its_own_view() {
 /// sessions a trip names are at least the embedded view's: the scripts drop a session
 /// whose last failure left the window once per refresh (an eighth of the window), not at
 /// once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_scripts_decide_as_the_embedded_view_does() {
-    let redis = Redis::start();
+/// The fleet's scripts on `redis` alone (no gateway), on a clock of their own, with a
+/// minute's window: 3 sessions failing twice make a signature hot.
+fn scripts(redis: &Redis) -> (SharedFleet, Clock, Arc<FleetPolicy>) {
     let state = shared::Redis::new(&StateConfig {
         url: Some(redis.url()),
         ..StateConfig::default()
     })
     .unwrap();
     let clock = Clock::starting_at(1_800_000_000_000);
-    let fleet = SharedFleet::new(state, clock.clone());
     let policy = Arc::new(FleetPolicy {
         min_sessions: 3,
         min_failures: 2,
@@ -300,13 +301,34 @@ async fn the_scripts_decide_as_the_embedded_view_does() {
         preempt: false,
         cool_down: Duration::from_secs(10),
     });
-    let mut view = TenantView::new(policy.clone());
+    (SharedFleet::new(state, clock.clone()), clock, policy)
+}
+
+/// One failure of `session` with `sig` now, counted by the scripts and by the embedded
+/// view: their verdicts, in that order.
+async fn fail_both(
+    fleet: &SharedFleet,
+    view: &mut TenantView,
+    now: i64,
+    sig: &Signature,
+    session: u64,
+) -> (Failed, Failed) {
+    let policy = view.policy().clone();
+    let scripts = fleet
+        .failed("t", &policy, sig, session, 1, 0.0)
+        .await
+        .unwrap();
+    (scripts, view.failed(now, sig, session, 1, 0.0))
+}
+
+/// `n` signatures of distinct shapes, the same failure.
+fn signatures(n: usize) -> Vec<Signature> {
     let failure = FailureKind {
         class: "caller_fault",
         code: "context_length_exceeded".to_string(),
         detail: "HTTP 400".to_string(),
     };
-    let sigs: Vec<Signature> = (0..3)
+    (0..n)
         .map(|i| {
             let request = json!({"model": "gpt-4o", "messages": [
                 {"role": "user", "content": format!("Summarize task {i}")}
@@ -318,7 +340,15 @@ async fn the_scripts_decide_as_the_embedded_view_does() {
             );
             Signature::new(&shape, &failure)
         })
-        .collect();
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scripts_decide_as_the_embedded_view_does() {
+    let redis = Redis::start();
+    let (fleet, clock, policy) = scripts(&redis);
+    let mut view = TenantView::new(policy.clone());
+    let sigs = signatures(3);
     // xorshift64: the same sequence every run.
     let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
     let mut next = move |n: u64| {
@@ -340,11 +370,7 @@ async fn the_scripts_decide_as_the_embedded_view_does() {
         let sig = &sigs[next(3) as usize];
         let session = next(8);
         let now = clock.now_ms();
-        let embedded = view.failed(now, sig, session, 1, 0.0);
-        let scripts = fleet
-            .failed("t", &policy, sig, session, 1, 0.0)
-            .await
-            .unwrap();
+        let (scripts, embedded) = fail_both(&fleet, &mut view, now, sig, session).await;
         let at = format!("step {step} (t+{} ms)", now - 1_800_000_000_000);
         assert_eq!(scripts.trip.is_some(), embedded.trip.is_some(), "{at}");
         assert_eq!(scripts.confirmed, embedded.confirmed, "{at}");
@@ -369,4 +395,42 @@ async fn the_scripts_decide_as_the_embedded_view_does() {
         trips > 50 && confirmed > 20 && restarts > 50,
         "{trips} {confirmed} {restarts}"
     );
+}
+
+/// A signature failing in more sessions than it keeps (`SESSIONS_PER_SIGNATURE`): the
+/// scripts make room by dropping its least recent eighth at once (one read of the
+/// sessions, not one a new session), so it holds between seven eighths of the cap and
+/// the cap; the sessions dropped are the least recent, so three recent sessions failing
+/// again still qualify and trip it, as in the embedded view.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signature_past_its_sessions_cap_drops_the_least_recent() {
+    let redis = Redis::start();
+    let (fleet, clock, policy) = scripts(&redis);
+    let mut view = TenantView::new(policy.clone());
+    let sig = &signatures(1)[0];
+    let cap = SESSIONS_PER_SIGNATURE as u64;
+    let (mut low, mut high) = (u32::MAX, 0);
+    for session in 0..cap + 300 {
+        clock.skip(Duration::from_millis(1));
+        let (scripts, embedded) = fail_both(&fleet, &mut view, clock.now_ms(), sig, session).await;
+        assert!(
+            scripts.trip.is_none() && embedded.trip.is_none(),
+            "{session}"
+        );
+        if session >= cap {
+            let (_, reports) = fleet.report("t", &policy).await.unwrap();
+            low = low.min(reports[0].sessions);
+            high = high.max(reports[0].sessions);
+        }
+    }
+    let cap = cap as u32;
+    assert!(high <= cap && low > cap - cap / 8, "{low}..{high}");
+    assert!(low < cap, "room was made at least once: {low}..{high}");
+    // The three most recent sessions fail again: qualified, hot, the third one tripped.
+    for (n, session) in (cap as u64 + 297..cap as u64 + 300).enumerate() {
+        clock.skip(Duration::from_millis(1));
+        let (scripts, embedded) = fail_both(&fleet, &mut view, clock.now_ms(), sig, session).await;
+        assert_eq!(scripts.trip.is_some(), n == 2, "{session}");
+        assert_eq!(embedded.trip.is_some(), n == 2, "{session}");
+    }
 }

@@ -26,7 +26,9 @@
 //! expiry, and the sweep of sessions whose last failure left the window (until then
 //! `n` counts them too; a session's own count restarts as soon as its last failure is
 //! out of the window). A failure that is not the refresh reads the entry (the session's
-//! count with it) and writes it back: two commands.
+//! count with it) and writes it back: two commands. A signature holding its most
+//! sessions ([`SESSIONS_PER_SIGNATURE`]) makes room for a new one by dropping its least
+//! recent eighth in one read, where the embedded view drops the least recent one.
 //!
 //! Upgrading from the release that kept a signature's sessions in `f:{sig}` (a zset) and
 //! `c:{sig}` (their counts): the two releases count sessions in different places, so
