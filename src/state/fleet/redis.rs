@@ -128,12 +128,6 @@ local now_s, stale = ARGV[2], string.format('%d', now - window - 1)
 -- A signature's place in the index, like its keys' expiry, is refreshed once per
 -- `refresh` (its 'kept' time), not at each failure: an index time is up to that old.
 local refresh = math.floor(window / 8)
-local function sweep_index()
-  for _, old in ipairs(redis.call('ZRANGEBYSCORE', index, '-inf', stale, 'LIMIT', 0, 16)) do
-    local last = tonumber(redis.call('HGET', P .. 'e:' .. old, 'last') or '0')
-    if now - last > window then forget(old) else redis.call('ZADD', index, last, old) end
-  end
-end
 local e = P .. 'e:' .. sig
 local qz, pz = P .. 'q:' .. sig, P .. 'p:' .. sig
 -- The session's count and last failure, in the entry: `s:{session}` = 'count|last'.
@@ -145,20 +139,27 @@ if st[1] and now - tonumber(st[2] or '0') > window then
   forget(sig)
   st = {}
 end
-local function keep_single(s, at, c, u)
-  for _, old in ipairs(redis.call('ZRANGEBYSCORE', singles_t, '-inf', stale, 'LIMIT', 0, 64)) do
-    redis.call('HDEL', singles, old); redis.call('ZREM', singles_t, old)
-  end
-  redis.call('HSET', singles, sig, s .. '|' .. at .. '|' .. c .. '|' .. u)
-  redis.call('ZADD', singles_t, at, sig)
-  local over = redis.call('ZCARD', singles_t) - tonumber(ARGV[14])
-  if over > 0 then
-    local popped = redis.call('ZPOPMIN', singles_t, over)
-    for i = 1, #popped, 2 do redis.call('HDEL', singles, popped[i]) end
-  end
-  redis.call('PEXPIRE', singles, ttl); redis.call('PEXPIRE', singles_t, ttl)
-end
+-- Helpers are made where they are used: a closure made at each call costs it too.
 if not st[1] then
+  local function sweep_index()
+    for _, old in ipairs(redis.call('ZRANGEBYSCORE', index, '-inf', stale, 'LIMIT', 0, 16)) do
+      local last = tonumber(redis.call('HGET', P .. 'e:' .. old, 'last') or '0')
+      if now - last > window then forget(old) else redis.call('ZADD', index, last, old) end
+    end
+  end
+  local function keep_single(s, at, c, u)
+    for _, old in ipairs(redis.call('ZRANGEBYSCORE', singles_t, '-inf', stale, 'LIMIT', 0, 64)) do
+      redis.call('HDEL', singles, old); redis.call('ZREM', singles_t, old)
+    end
+    redis.call('HSET', singles, sig, s .. '|' .. at .. '|' .. c .. '|' .. u)
+    redis.call('ZADD', singles_t, at, sig)
+    local over = redis.call('ZCARD', singles_t) - tonumber(ARGV[14])
+    if over > 0 then
+      local popped = redis.call('ZPOPMIN', singles_t, over)
+      for i = 1, #popped, 2 do redis.call('HDEL', singles, popped[i]) end
+    end
+    redis.call('PEXPIRE', singles, ttl); redis.call('PEXPIRE', singles_t, ttl)
+  end
   -- Stale signatures are swept (their records kept in the stats) as new ones come.
   sweep_index()
   local kept = redis.call('HGET', singles, sig)
@@ -201,29 +202,6 @@ end
 -- failure left the window are dropped once per refresh, and the least recent when there
 -- are `cap`; a session's count starts again once its last failure left the window.
 local cap, n = tonumber(ARGV[16]), tonumber(st[10] or '0')
-local function sweep(limit)
-  local all = redis.call('HGETALL', e)
-  local live, drop, sessions = {}, {}, 0
-  for i = 1, #all, 2 do
-    if string.sub(all[i], 1, 2) == 's:' then
-      sessions = sessions + 1
-      local at = tonumber(string.match(all[i + 1], '|(%d+)$') or '0')
-      if now - at > window then table.insert(drop, all[i]) else table.insert(live, {at, all[i]}) end
-    end
-  end
-  if #live > limit then
-    table.sort(live, function(a, b) return a[1] < b[1] end)
-    for i = 1, #live - limit do table.insert(drop, live[i][2]) end
-  end
-  for i = 1, #drop, 1000 do
-    local fields, ids = {}, {}
-    for j = i, math.min(i + 999, #drop) do
-      table.insert(fields, drop[j]); table.insert(ids, string.sub(drop[j], 3))
-    end
-    redis.call('HDEL', e, unpack(fields)); redis.call('ZREM', qz, unpack(ids))
-  end
-  return sessions - #drop
-end
 -- The session is among the `n` while its field is there: fresh, or stale and not swept.
 local count, counted = 1, false
 if st[11] then
@@ -231,11 +209,34 @@ if st[11] then
   if c and now - tonumber(at) <= window then count = tonumber(c) + 1 end
   counted = count > 1 or kept
 end
-if not kept then n = sweep(cap) end
-if not counted then
-  if n >= cap then n = sweep(cap - math.max(1, math.floor(cap / 8))) end
-  n = n + 1
+if not kept or (not counted and n >= cap) then
+  local function sweep(limit)
+    local all = redis.call('HGETALL', e)
+    local live, drop, sessions = {}, {}, 0
+    for i = 1, #all, 2 do
+      if string.sub(all[i], 1, 2) == 's:' then
+        sessions = sessions + 1
+        local at = tonumber(string.match(all[i + 1], '|(%d+)$') or '0')
+        if now - at > window then table.insert(drop, all[i]) else table.insert(live, {at, all[i]}) end
+      end
+    end
+    if #live > limit then
+      table.sort(live, function(a, b) return a[1] < b[1] end)
+      for i = 1, #live - limit do table.insert(drop, live[i][2]) end
+    end
+    for i = 1, #drop, 1000 do
+      local fields, ids = {}, {}
+      for j = i, math.min(i + 999, #drop) do
+        table.insert(fields, drop[j]); table.insert(ids, string.sub(drop[j], 3))
+      end
+      redis.call('HDEL', e, unpack(fields)); redis.call('ZREM', qz, unpack(ids))
+    end
+    return sessions - #drop
+  end
+  if not kept then n = sweep(cap) end
+  if not counted and n >= cap then n = sweep(cap - math.max(1, math.floor(cap / 8))) end
 end
+if not counted then n = n + 1 end
 if count >= min_failures and redis.call('ZADD', qz, now_s, session) == 1 and kept then
   table.insert(written, qz)
 end
@@ -249,21 +250,24 @@ local qualified = 0
 if hot or count >= min_failures then
   qualified = redis.call('ZCOUNT', qz, string.format('%d', now - window), '+inf')
 end
-local function int(v) return string.format('%d', v) end
-local fields = {'last', now_s, 'n', int(n), 'fails', int(tonumber(st[4] or '0') + 1),
-  'fcalls', int(tonumber(st[5] or '0') + calls), 'fusd', int(tonumber(st[6] or '0') + usd)}
-local function set(k, v) table.insert(fields, k); table.insert(fields, v) end
-set(own, count .. '|' .. now_s)
-if not kept then set('kept', now_s) end
-if confirmed == 1 then set('confirmed', int(tonumber(st[8] or '0') + 1)) end
+local fmt = string.format
+local fields = {'last', now_s, 'n', fmt('%d', n), 'fails', fmt('%d', tonumber(st[4] or '0') + 1),
+  'fcalls', fmt('%d', tonumber(st[5] or '0') + calls), 'fusd', fmt('%d', tonumber(st[6] or '0') + usd),
+  own, count .. '|' .. now_s}
+if not kept then table.insert(fields, 'kept'); table.insert(fields, now_s) end
+if confirmed == 1 then
+  table.insert(fields, 'confirmed'); table.insert(fields, fmt('%d', tonumber(st[8] or '0') + 1))
+end
 if not hot and qualified >= min_sessions then
   hot, probe_at = true, now + cool_down
-  set('state', 'hot'); set('since', now_s); set('probe_at', int(probe_at))
+  for _, v in ipairs({'state', 'hot', 'since', now_s, 'probe_at', fmt('%d', probe_at)}) do
+    table.insert(fields, v)
+  end
 end
 local trip, sessions = 0, 0
 if hot then
   trip = 1
-  set('tripped', int(tonumber(st[7] or '0') + 1))
+  table.insert(fields, 'tripped'); table.insert(fields, fmt('%d', tonumber(st[7] or '0') + 1))
   predict(sig, session, tonumber(ARGV[17]))
   watch(sig, shape, 'hot')
   table.insert(written, pz)
@@ -275,7 +279,7 @@ end
 redis.call('HSET', e, unpack(fields))
 for _, k in ipairs(written) do redis.call('PEXPIRE', k, ttl) end
 return {'counted', tostring(trip), tostring(sessions), tostring(qualified),
-  tostring(confirmed), int(probe_at), desc}
+  tostring(confirmed), fmt('%d', probe_at), desc}
 "#;
 
 /// A failure counted ([`FAILED`], as a function of the same arguments) and the session
