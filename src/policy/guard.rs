@@ -217,9 +217,13 @@ pub struct SessionGuard {
     state: GuardState,
     consecutive_failures: u32,
     recent: VecDeque<(Instant, u64)>,
-    /// (when, session spend total in USD at that time), oldest first.
-    spend: VecDeque<(Instant, f64)>,
-    transitions: u64,
+    /// (when, session spend total in USD at that time), oldest first: about one sample
+    /// a second for a minute, so a `Vec` (8 bytes smaller than a `VecDeque`, which every
+    /// live session pays for) whose front is removed at most once a second.
+    spend: Vec<(Instant, f64)>,
+    /// Saturates (at four billion changes of state); `u32` to share a word with
+    /// `consecutive_failures`.
+    transitions: u32,
 }
 
 impl SessionGuard {
@@ -231,7 +235,7 @@ impl SessionGuard {
             state: GuardState::Active,
             consecutive_failures: 0,
             recent: VecDeque::with_capacity(1),
-            spend: VecDeque::with_capacity(1),
+            spend: Vec::with_capacity(1),
             transitions: 0,
         }
     }
@@ -285,7 +289,7 @@ impl SessionGuard {
         let to = state.phase();
         self.state = state;
         if from != to {
-            self.transitions += 1;
+            self.transitions = self.transitions.saturating_add(1);
             Some((from, to))
         } else {
             None
@@ -306,14 +310,14 @@ impl SessionGuard {
             .iter()
             .rev()
             .find(|(t, _)| minute_ago.is_none_or(|m| *t <= m))
-            .or_else(|| self.spend.front())
+            .or_else(|| self.spend.first())
             .map_or(0.0, |(_, usd)| *usd);
         (total - base).max(0.0)
     }
 
     /// The session's spend at its latest sample (any replica's, in replica mode).
     pub fn last_spend(&self) -> Option<f64> {
-        self.spend.back().map(|(_, usd)| *usd)
+        self.spend.last().map(|(_, usd)| *usd)
     }
 
     /// Admits a request or refuses it; may trip the session. `session_usd` is the
@@ -332,23 +336,22 @@ impl SessionGuard {
         {
             self.recent.pop_front();
         }
-        while self.spend.len() > 1
-            && self
-                .spend
-                .get(1)
-                .is_some_and(|(t, _)| now.saturating_duration_since(*t) >= Duration::from_secs(60))
-        {
-            self.spend.pop_front();
-        }
+        let stale = self
+            .spend
+            .iter()
+            .skip(1)
+            .take_while(|(t, _)| now.saturating_duration_since(*t) >= Duration::from_secs(60))
+            .count();
+        self.spend.drain(..stale);
         // One spend sample a second is enough to find the total a minute ago (the
         // current total is `session_usd` itself), and keeps a busy session's window at
         // about 60 entries.
         if self
             .spend
-            .back()
+            .last()
             .is_none_or(|last| now.saturating_duration_since(last.0) >= Duration::from_secs(1))
         {
-            self.spend.push_back((now, session_usd));
+            self.spend.push((now, session_usd));
         }
         match &self.state {
             GuardState::Closed => {
@@ -526,7 +529,7 @@ impl SessionGuard {
             max_repeat,
             usd_last_minute: velocity,
             consecutive_failures: self.consecutive_failures,
-            transitions: self.transitions,
+            transitions: u64::from(self.transitions),
         }
     }
 
@@ -538,7 +541,7 @@ impl SessionGuard {
             consecutive_failures: self.consecutive_failures,
             recent: &self.recent,
             spend: &self.spend,
-            transitions: self.transitions,
+            transitions: u64::from(self.transitions),
         }
     }
 
@@ -549,8 +552,8 @@ impl SessionGuard {
             state: counts.state.clone(),
             consecutive_failures: counts.consecutive_failures,
             recent: counts.recent.clone(),
-            spend: counts.spend.clone(),
-            transitions: counts.transitions,
+            spend: counts.spend.to_vec(),
+            transitions: u32::try_from(counts.transitions).unwrap_or(u32::MAX),
         }
     }
 }
@@ -562,7 +565,7 @@ pub struct Counts<'a> {
     /// (when, [`RequestFingerprint::request`]), oldest first.
     pub recent: &'a VecDeque<(Instant, u64)>,
     /// (when, the session's spend total in USD then), oldest first.
-    pub spend: &'a VecDeque<(Instant, f64)>,
+    pub spend: &'a [(Instant, f64)],
     pub transitions: u64,
 }
 

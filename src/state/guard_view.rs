@@ -163,7 +163,11 @@ pub fn from_snapshot(
             state: &state,
             consecutive_failures: snap.consecutive_failures,
             recent: &snap.recent.iter().map(|(ms, h)| (at(*ms), *h)).collect(),
-            spend: &snap.spend.iter().map(|(ms, usd)| (at(*ms), *usd)).collect(),
+            spend: &snap
+                .spend
+                .iter()
+                .map(|(ms, usd)| (at(*ms), *usd))
+                .collect::<Vec<_>>(),
             transitions: snap.transitions,
         },
     )

@@ -164,31 +164,61 @@ fn cut(state: &str, marks: &[&str]) -> Option<Vec<String>> {
 pub struct GuardedSession {
     pub guard: SessionGuard,
     trace: VecDeque<TraceEntry>,
-    /// The shared state's version `guard` is at (replicas sharing a store).
-    version: u64,
     /// The session's settled spend as this replica last saw it (the settle of its last
     /// call here), for the guard's spend samples without a read of its own.
     pub seen_usd: f64,
+    /// The config generation `guard`'s policy is from (see [`SessionGuards::reconfigured`]).
+    generation: u64,
+    /// How this replica's guard stands to the session's shared state (replica mode).
+    /// Made on first use and boxed: most sessions (every one in embedded mode) never
+    /// share theirs, and every live session pays for what is inline here (these 32 bytes
+    /// inline put a session's record in jemalloc's 320-byte class, not the 256).
+    shared: Option<Box<Sharing>>,
+}
+
+/// A session's guard against its shared state, on this replica.
+#[derive(Default)]
+struct Sharing {
+    /// The shared state's version the guard is at (0: none known).
+    version: u64,
     /// Whole writes of this session's shared state one at a time from this replica, and
     /// none while requests are being joined to it (those go together), so races (and
     /// their retries) are only ever between replicas, and a whole write never holds a
-    /// request that is still being joined. Made on the first write to shared state:
-    /// most sessions never share theirs, and each one costs memory while it is live.
-    updating: Option<Arc<tokio::sync::RwLock<()>>>,
+    /// request that is still being joined.
+    updating: Arc<tokio::sync::RwLock<()>>,
     /// The session's requests on their way to the shared state from this replica (joined,
     /// or offered whole beside a join): while any is, no whole state is offered.
     joining: usize,
     /// The shared state was this replica's guard before its last write (nobody wrote
     /// between): it likely still is at the next.
     last_writer: bool,
-    /// The config generation `guard`'s policy is from (see [`SessionGuards::reconfigured`]).
-    generation: u64,
 }
 
 impl GuardedSession {
+    fn new(guard: SessionGuard, generation: u64) -> Self {
+        GuardedSession {
+            guard,
+            trace: VecDeque::with_capacity(1),
+            seen_usd: 0.0,
+            generation,
+            shared: None,
+        }
+    }
+
     /// The shared state's version this replica's guard is at.
     pub fn version(&self) -> u64 {
-        self.version
+        self.shared.as_ref().map_or(0, |s| s.version)
+    }
+
+    fn sharing(&mut self) -> &mut Sharing {
+        self.shared.get_or_insert_with(Box::default)
+    }
+
+    /// This replica wrote the shared state whole, at `version`.
+    fn wrote(&mut self, version: u64) {
+        let s = self.sharing();
+        s.version = version;
+        s.last_writer = true;
     }
 
     pub fn trace(&mut self, item: TraceEntry) {
@@ -240,7 +270,7 @@ struct OnItsWay<'a>(&'a Mutex<GuardedSession>);
 
 impl Drop for OnItsWay<'_> {
     fn drop(&mut self) {
-        lock(self.0).joining -= 1;
+        lock(self.0).sharing().joining -= 1;
     }
 }
 
@@ -436,7 +466,7 @@ impl SessionGuards {
                 e.guard.record(self.clock.now(), false);
                 return Ok(None);
             }
-            if seen.map(|s| s.guard_version) == Some(e.version) {
+            if seen.map(|s| s.guard_version) == Some(e.version()) {
                 let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
                 let before = guard_view::snapshot(&e.guard, now, now_ms);
                 let mut after = e.guard.clone();
@@ -484,10 +514,7 @@ impl SessionGuards {
         else {
             return Ok(None);
         };
-        let turn = lock(entry)
-            .updating
-            .get_or_insert_with(Arc::default)
-            .clone();
+        let turn = lock(entry).sharing().updating.clone();
         let _turn = turn.write_owned().await;
         let (now, before, recorded, candidates) = {
             let mut e = lock(entry);
@@ -510,7 +537,7 @@ impl SessionGuards {
                 }
             };
             let candidates = Candidates {
-                version: e.version,
+                version: e.version(),
                 recorded: recorded_state,
                 tripped,
                 ttl_ms: self.shared_ttl_ms(),
@@ -533,8 +560,7 @@ impl SessionGuards {
                     }
                     None => recorded,
                 };
-                e.version = written.to;
-                e.last_writer = true;
+                e.wrote(written.to);
                 return Ok(Some((verdict, change)));
             }
             // Another replica wrote first: done again on its state, by the usual write.
@@ -618,10 +644,7 @@ impl SessionGuards {
             let mut e = lock(entry);
             return Ok((f(&mut e.guard, self.clock.now()), None));
         };
-        let turn = lock(entry)
-            .updating
-            .get_or_insert_with(Arc::default)
-            .clone();
+        let turn = lock(entry).sharing().updating.clone();
         let mut newer: Option<(u64, String)> = None;
         if let Some(request) = request {
             // Joins go together: each is decided on the shared state by the script, so
@@ -641,7 +664,7 @@ impl SessionGuards {
                 let result = f(&mut admitted, now);
                 // A new session here writes whole (there may be no shared state yet), and
                 // spend samples are only written whole.
-                let joins = e.version > 0
+                let joins = e.version() > 0
                     && config.max_usd_per_minute.is_none()
                     && guard_view::joins(&e.guard, &admitted, now, request);
                 joins.then(|| {
@@ -654,9 +677,13 @@ impl SessionGuards {
                         limit: config.identical_request_limit,
                         since_ms: now_ms.saturating_sub(window),
                     };
-                    let write = if e.last_writer && e.joining == 0 {
+                    let whole = {
+                        let s = e.sharing();
+                        s.last_writer && s.joining == 0
+                    };
+                    let write = if whole {
                         Write::WholeOrJoin {
-                            version: e.version,
+                            version: e.version(),
                             state: format::encode_snapshot(&guard_view::snapshot(
                                 &e.guard, now, now_ms,
                             )),
@@ -666,7 +693,7 @@ impl SessionGuards {
                     } else {
                         Write::Join(join)
                     };
-                    e.joining += 1;
+                    e.sharing().joining += 1;
                     (result, write)
                 })
             };
@@ -678,9 +705,10 @@ impl SessionGuards {
                         // since: this replica's guard is not that state, so it stays
                         // at its version (a whole write is then handed the state back).
                         let mut e = lock(entry);
-                        e.last_writer = e.version == written.from;
-                        if e.last_writer {
-                            e.version = written.to;
+                        let s = e.sharing();
+                        s.last_writer = s.version == written.from;
+                        if s.last_writer {
+                            s.version = written.to;
                         }
                         return Ok((result, Some(t)));
                     }
@@ -689,8 +717,9 @@ impl SessionGuards {
                         // may have added theirs since), which is therefore no longer
                         // the shared state at any version.
                         let mut e = lock(entry);
-                        e.version = UNKNOWN_VERSION;
-                        e.last_writer = false;
+                        let s = e.sharing();
+                        s.version = UNKNOWN_VERSION;
+                        s.last_writer = false;
                         return Ok((result, Some(t)));
                     }
                     Saving::Local(t) => return Ok((result, Some(t))),
@@ -748,12 +777,12 @@ impl SessionGuards {
                             }
                         }
                     }
-                    e.version = version;
+                    e.sharing().version = version;
                 }
                 let before = e.guard.clone();
                 let result = f(&mut e.guard, now);
                 let write = Write::Whole {
-                    version: e.version,
+                    version: e.version(),
                     state: format::encode_snapshot(&guard_view::snapshot(&e.guard, now, now_ms)),
                     entries: e.guard.counts().recent.len(),
                 };
@@ -761,9 +790,7 @@ impl SessionGuards {
             };
             match save(Some(write)).await {
                 Saving::Saved(written, t) => {
-                    let mut e = lock(entry);
-                    e.version = written.to;
-                    e.last_writer = true;
+                    lock(entry).wrote(written.to);
                     return Ok((result, Some(t)));
                 }
                 Saving::Moved(version, state) => {
@@ -833,16 +860,9 @@ impl SessionGuards {
                 None => SessionGuard::new(config.clone()),
             };
             // Another request may have made it meanwhile: the first one set is kept.
-            let _ = live.guard.set(Mutex::new(GuardedSession {
-                guard,
-                trace: VecDeque::with_capacity(1),
-                version: 0,
-                seen_usd: 0.0,
-                updating: None,
-                joining: 0,
-                last_writer: false,
-                generation: self.generation,
-            }));
+            let _ = live
+                .guard
+                .set(Mutex::new(GuardedSession::new(guard, self.generation)));
         }
         let entry = GuardRef(live);
         {
@@ -914,7 +934,7 @@ impl SessionGuards {
         };
         let entry = lock(&entry);
         let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
-        let signals = match shared.filter(|(_, version, _)| *version != entry.version) {
+        let signals = match shared.filter(|(_, version, _)| *version != entry.version()) {
             Some((config, _, state)) => match format::decode_snapshot(&state) {
                 Ok(snap) => {
                     let guard = guard_view::from_snapshot(config, snap, now, now_ms);
@@ -1113,16 +1133,9 @@ mod tests {
 
     /// A session whose guard is the shared state at `version`, which this replica wrote.
     fn session(guards: &SessionGuards, version: u64) -> Mutex<GuardedSession> {
-        Mutex::new(GuardedSession {
-            guard: SessionGuard::new(guards.configs["t"].clone()),
-            trace: VecDeque::new(),
-            version,
-            seen_usd: 0.0,
-            updating: None,
-            joining: 0,
-            last_writer: true,
-            generation: 0,
-        })
+        let mut session = GuardedSession::new(SessionGuard::new(guards.configs["t"].clone()), 0);
+        session.wrote(version);
+        Mutex::new(session)
     }
 
     fn admit(n: u64) -> impl Fn(&mut SessionGuard, Instant) -> bool {
@@ -1181,8 +1194,9 @@ mod tests {
         );
         {
             // The whole state was taken at 5; the joins landed after it.
-            let e = lock(&entry);
-            assert_eq!((e.version, e.last_writer, e.joining), (6, true, 0));
+            let mut e = lock(&entry);
+            let s = e.sharing();
+            assert_eq!((s.version, s.last_writer, s.joining), (6, true, 0));
             assert_eq!(e.guard.counts().recent.len(), 3);
         }
         let next = guards.update_with(&tenant, "s", &entry, admit(4), 4, |write| {
@@ -1211,7 +1225,7 @@ mod tests {
         )
         .await;
         assert!(abandoned.is_err());
-        assert_eq!(lock(&entry).joining, 0);
+        assert_eq!(lock(&entry).sharing().joining, 0);
         let next = tokio::time::timeout(
             Duration::from_secs(1),
             guards.update_with(&tenant, "s", &entry, admit(2), 2, save),
