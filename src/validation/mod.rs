@@ -433,8 +433,8 @@ fn schema_errors(validator: &Validator, instance: &Value) -> Vec<String> {
         .iter_errors(instance)
         .take(20)
         .map(|e| {
-            let mut path = e.instance_path.to_string();
-            if let ValidationErrorKind::Required { property } = &e.kind {
+            let mut path = e.instance_path().to_string();
+            if let ValidationErrorKind::Required { property } = e.kind() {
                 if let Some(p) = property.as_str() {
                     path = format!("{path}/{p}");
                 }

@@ -25,12 +25,13 @@
 //!   (`d0 = allOf[d1, d1]`, `d1 = allOf[d2, d2]`, ...): 1.5 KB that keeps a core busy for
 //!   minutes per instance. Limited by `validation.max_schema_fanout`, the number of
 //!   subschemas applied to one instance value.
-//! - **Depth and keyword paths**: jsonschema checks every schema against its draft's
-//!   meta-schema with a process-wide validator that compiles itself lazily, a few MB
-//!   for every new sequence of keywords (`/properties/items/anyOf/...`) it meets, and
-//!   keeps that memory for the life of the process. A 3 KB schema of six applicators
-//!   nested three deep held 1 GB. Limited by `validation.max_schema_depth` (JSON
-//!   nesting) and `validation.max_schema_paths` (distinct keyword sequences).
+//! - **Depth and keyword paths**: the work of compiling one schema. Limited by
+//!   `validation.max_schema_depth` (JSON nesting) and `validation.max_schema_paths`
+//!   (distinct keyword sequences, `/properties/items/anyOf/...`). Under jsonschema 0.33
+//!   these limits also bounded a leak, per schema only: its process-wide meta-schema
+//!   validator grew by a few MB for every new keyword sequence it met and kept them for
+//!   the process's life (300 requests of new shapes held 1.5 GB). jsonschema 0.61's
+//!   does not grow (`tests/it/hardening.rs`, `schemas_of_new_shapes_...`).
 
 use std::collections::{HashMap, HashSet};
 
@@ -318,7 +319,11 @@ impl<'r> Walk<'r> {
 
     fn visit(&mut self, id: usize, value: &'r Value, resolver: Resolver<'r>, draft: Draft) {
         let Value::Object(schema) = value else { return };
-        let draft = draft.detect(value).unwrap_or(draft);
+        // A `$schema` this crate cannot name keeps the draft the walk is in.
+        let draft = match draft.detect(value) {
+            Draft::Unknown => draft,
+            detected => detected,
+        };
         let resolver = resolver
             .in_subresource(draft.create_resource_ref(value))
             .unwrap_or(resolver);
@@ -367,12 +372,8 @@ impl<'r> Walk<'r> {
             let Ok(resolved) = resolver.lookup(reference) else {
                 continue;
             };
-            let target = self.node(
-                resolved.contents(),
-                resolved.resolver().clone(),
-                resolved.draft(),
-                reference,
-            );
+            let (contents, resolver, draft) = resolved.into_inner();
+            let target = self.node(contents, resolver, draft, reference);
             // jsonschema drops a `$ref`/`$dynamicRef` to the subschema that holds it, but
             // not a `$recursiveRef` (that one overflows the stack).
             if target != id || keyword == "$recursiveRef" {
@@ -418,14 +419,19 @@ impl Graph {
     /// The graph, or `None` when the document cannot be put in a registry (an invalid
     /// `$id`, an unknown `$schema`): jsonschema refuses those too.
     fn of(schema: &Value) -> Option<Graph> {
-        let draft = Draft::default().detect(schema).ok()?;
-        let resource = draft.create_resource(schema.clone());
-        let base = resource.id().unwrap_or(DEFAULT_BASE).to_string();
-        let registry = Registry::options()
+        let draft = Draft::default().detect(schema);
+        if draft == Draft::Unknown {
+            return None;
+        }
+        let resource = draft.create_resource_ref(schema);
+        let base = referencing::uri::from_str(resource.id().unwrap_or(DEFAULT_BASE)).ok()?;
+        let registry = Registry::new()
             .draft(draft)
-            .build([(base.as_str(), resource)])
+            .add(base.as_str(), resource)
+            .ok()?
+            .prepare()
             .ok()?;
-        let resolver = registry.try_resolver(&base).ok()?;
+        let resolver = registry.resolver(base);
         let root = resolver.lookup("").ok()?;
         let mut walk = Walk {
             ids: HashMap::new(),
@@ -440,7 +446,8 @@ impl Graph {
             recursive_refs: Vec::new(),
         };
         pointers(root.contents(), &mut String::new(), &mut walk.pointers);
-        walk.node(root.contents(), root.resolver().clone(), root.draft(), "#");
+        let (contents, resolver, draft) = root.into_inner();
+        walk.node(contents, resolver, draft, "#");
         while let Some((id, value, resolver, draft)) = walk.queue.pop() {
             walk.visit(id, value, resolver, draft);
         }

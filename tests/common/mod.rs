@@ -364,6 +364,16 @@ impl Binary {
         text
     }
 
+    /// The process's anonymous resident memory (heap and stacks), in KiB.
+    pub fn rss_anon_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("RssAnon:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("RssAnon in /proc/PID/status")
+    }
+
     /// Sends the process a signal (`"HUP"`, ...).
     pub fn signal(&self, name: &str) {
         std::process::Command::new("kill")

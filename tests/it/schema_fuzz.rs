@@ -4,8 +4,6 @@
 //! bounded time (an in-place cycle they missed would overflow the stack or run away).
 //!
 //! 256 cases by default; `PROPTEST_CASES=10000 cargo test --test it schema_fuzz::` for more.
-//! The keyword nesting stays shallow on purpose: every new keyword sequence grows
-//! jsonschema's process-wide meta-schema validator by a few MB.
 
 use std::{sync::mpsc, time::Duration};
 
