@@ -59,10 +59,38 @@ pub struct Gateway {
     pub http: reqwest::Client,
 }
 
-/// A free port nothing listens on.
+/// Ports handed out to this test process, and the sockets that hold the dead ones.
+static PORTS: std::sync::Mutex<(Vec<u16>, Vec<tokio::net::TcpSocket>)> =
+    std::sync::Mutex::new((Vec::new(), Vec::new()));
+
+/// A port nothing listens on, ever: bound (so nothing else can take it) but never
+/// listening, so a connection to it is refused. Held for the life of the test process.
 pub async fn dead_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    l.local_addr().unwrap().port()
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = socket.local_addr().unwrap().port();
+    let mut ports = PORTS.lock().unwrap();
+    ports.0.push(port);
+    ports.1.push(socket);
+    port
+}
+
+/// A free port for a process the test starts to listen on. The kernel may hand a port
+/// just released straight back, so none is given twice in one test process (tests run
+/// in parallel: two of them must not be given one port).
+pub fn free_port() -> u16 {
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut ports = PORTS.lock().unwrap();
+        if !ports.0.contains(&port) {
+            ports.0.push(port);
+            return port;
+        }
+    }
 }
 
 /// The test config: a gateway in front of the mock at `mock`, with an upstream `dead`

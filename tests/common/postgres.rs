@@ -12,6 +12,8 @@ use std::{
     sync::OnceLock,
 };
 
+use crate::common::free_port;
+
 /// The directory holding `initdb`, `pg_ctl` and `psql`: `initdb` on PATH (symlinks
 /// followed, since Debian links only some of the tools), else the newest
 /// `/usr/lib/postgresql/*/bin`.
@@ -126,12 +128,6 @@ fn template() -> &'static Path {
         }
         dir
     })
-}
-
-/// A free TCP port on 127.0.0.1 (bound, then released).
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
 }
 
 /// One running server of the test's own.

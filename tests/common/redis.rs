@@ -11,6 +11,8 @@ use std::{
 
 use serde_json::Value;
 
+pub use crate::common::free_port;
+
 /// A port for a cluster node: it and its cluster bus port (10000 above it) both free.
 fn free_cluster_port() -> u16 {
     loop {
@@ -20,12 +22,6 @@ fn free_cluster_port() -> u16 {
             return port;
         }
     }
-}
-
-/// A port nothing listens on (bound, then released).
-pub fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
 }
 
 /// A `redis-server` child with nothing persisted: killing it loses its data, which is

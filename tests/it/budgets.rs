@@ -449,8 +449,8 @@ async fn an_operator_reset_starts_a_session_over() {
 #[tokio::test]
 async fn settled_spend_survives_sigkill() {
     let dir = TempDir::new("backstop-kill");
-    let port = dead_port().await;
-    let mock_port = dead_port().await;
+    let port = free_port();
+    let mock_port = free_port();
     let config = dir.0.join("backstop.toml");
     std::fs::write(
         &config,

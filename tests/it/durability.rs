@@ -56,7 +56,7 @@ async fn in_flight_reservations_count_across_sigkill() {
     // The upstream lives in the test, so it outlives the gateway and counts every call.
     let upstream = mock::spawn(TcpListener::bind("127.0.0.1:0").await.unwrap());
     let dir = TempDir::new("backstop-inflight-kill");
-    let port = dead_port().await;
+    let port = free_port();
     let config = dir.0.join("backstop.toml");
     std::fs::write(
         &config,

@@ -277,8 +277,8 @@ async fn a_stalled_request_body_gets_408_in_the_callers_shape() {
 /// The real binary on its built-in mock, logging JSON to a pipe: its log lines are
 /// read once it is stopped ([`json_lines`]).
 async fn json_logged(dir: &TempDir) -> Binary {
-    let port = dead_port().await;
-    let mock_port = dead_port().await;
+    let port = free_port();
+    let mock_port = free_port();
     let config = dir.0.join("backstop.toml");
     std::fs::write(
         &config,

@@ -489,7 +489,7 @@ async fn a_proxy_in_the_environment_carries_plain_http_upstream_calls() {
         head.lines().next().unwrap().to_owned()
     });
     let dir = TempDir::new("backstop-proxied");
-    let port = dead_port().await;
+    let port = free_port();
     let config = dir.0.join("backstop.toml");
     std::fs::write(
         &config,

@@ -541,8 +541,8 @@ async fn schemas_of_new_shapes_do_not_grow_the_gateway_for_good() {
         "if",
     ];
     let dir = TempDir::new("backstop-schema-memory");
-    let port = dead_port().await;
-    let mock_port = dead_port().await;
+    let port = free_port();
+    let mock_port = free_port();
     let config = on_its_mock(&dir, port, mock_port, "", "bk-schema-memory");
     let binary = Binary::start(&config, port).await;
     let client = reqwest::Client::new();
@@ -613,8 +613,8 @@ fn on_its_mock(
 #[tokio::test]
 async fn more_idle_connections_than_descriptors_still_leave_new_clients_a_prompt_answer() {
     let dir = TempDir::new("backstop-fd");
-    let port = dead_port().await;
-    let mock_port = dead_port().await;
+    let port = free_port();
+    let mock_port = free_port();
     let config = on_its_mock(
         &dir,
         port,
@@ -792,8 +792,8 @@ async fn method_not_allowed_has_a_body_and_request_ids_are_bounded_everywhere() 
 #[tokio::test]
 async fn logs_carry_no_ansi_colour_when_stderr_is_not_a_terminal() {
     let dir = TempDir::new("backstop-ansi");
-    let port = dead_port().await;
-    let mock_port = dead_port().await;
+    let port = free_port();
+    let mock_port = free_port();
     let config = on_its_mock(&dir, port, mock_port, "", "bk-ansi-test");
     let binary = Binary::start_with(&config, port, std::process::Stdio::piped()).await;
     // SIGTERM: a graceful stop flushes the log writer.

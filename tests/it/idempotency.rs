@@ -150,7 +150,7 @@ async fn failures_are_not_kept() {
 #[tokio::test]
 async fn replays_survive_a_restart() {
     let dir = TempDir::new("backstop-idem");
-    let (port, mock_port) = (dead_port().await, dead_port().await);
+    let (port, mock_port) = (free_port(), free_port());
     let config = dir.0.join("backstop.toml");
     std::fs::write(
         &config,

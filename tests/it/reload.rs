@@ -434,8 +434,8 @@ async fn reload_needs_the_admin_token() {
 #[tokio::test]
 async fn sighup_reloads_the_real_binary() {
     let dir = TempDir::new("backstop-sighup");
-    let port = dead_port().await;
-    let mock_port = dead_port().await;
+    let port = free_port();
+    let mock_port = free_port();
     let path = dir.0.join("backstop.toml");
     let text = |max_calls: u32| {
         binary_config(
@@ -515,8 +515,8 @@ async fn a_refused_reload_never_shows_a_value_from_the_environment() {
     const SECRET: &str = "9kQvXhTzWmRbLpNs";
     const TAIL: &str = "kQvXhTzWmRbLpNs";
     let dir = TempDir::new("backstop-reload-secret");
-    let port = dead_port().await;
-    let mock_port = dead_port().await;
+    let port = free_port();
+    let mock_port = free_port();
     let path = dir.0.join("backstop.toml");
     let log_path = dir.0.join("stderr.log");
     let text = |open_for: &str| {
