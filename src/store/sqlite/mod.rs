@@ -292,8 +292,8 @@ impl SqliteStore {
         let wal = Some(PathBuf::from(format!("{path}-wal")));
         // Checkpoints copy the WAL into the database and sync it: slow, and on the
         // commit path they would stall every request waiting for its ledger write.
-        // The writer backfills between batches instead (see `writer`), and truncates
-        // the WAL only if it has grown past the bound anyway.
+        // The writer backfills between batches once the WAL has grown (see `writer`),
+        // and truncates it only if it has grown past the bound anyway.
         writer_conn.pragma_update(None, "wal_autocheckpoint", 0)?;
         writer_conn.pragma_update(None, "journal_size_limit", to_sql(config.max_wal_bytes))?;
         let checkpointer = open_conn(&path, busy)?;
@@ -305,6 +305,7 @@ impl SqliteStore {
             wal,
             max_wal_bytes: config.max_wal_bytes,
             retention: config.retention,
+            backfills: Arc::default(),
         };
         thread::Builder::new()
             .name("backstop-store".into())
