@@ -8,12 +8,14 @@
 //! between two batches, when no commit can race it, so the whole WAL is backfilled and
 //! SQLite restarts it from its beginning on the next write. (A checkpoint on another
 //! connection under steady writes always finds newer frames, so the WAL never restarts:
-//! 1.1 GB after 60 s at 1,000 RPS.) That pass syncs the WAL and the database file, a
-//! few ms here during which no commit lands, so it runs by size, not by the clock: a
-//! light load never pays it (the background checkpointer finds the WAL quiet and the
-//! WAL restarts by itself), and a steady 1,000 budgeted calls a second pays it about 6
-//! times fewer than the every-100-ms pass it replaced, which took their added p99 from
-//! +3.5 to +3.7 ms down to +1.3 to +1.4 ms (`docs/performance.md`). Truncating past
+//! 1.1 GB after 60 s at 1,000 RPS.) That pass syncs the WAL and the database file, and
+//! no commit lands while it runs, so it runs by size, not by the clock, and the
+//! background checkpointer does most of its copying beforehand, every
+//! [`CHECKPOINT_EVERY`], off the commit path. A light load never pays the pass (the
+//! background checkpoint catches up and the WAL restarts by itself); a `bench` run
+//! pays it about 55 times, 4 ms each (median), where a pass every 100 ms paid 3 to 4 ms
+//! about 260 times. That took the added p99 at 1,000 RPS with every policy from +3.4 to
+//! +3.7 ms to +0.6 to +1.0 ms (`docs/performance.md`). Truncating past
 //! `store.max_wal_bytes` is the fallback when a reader pins the WAL.
 
 use std::{
@@ -37,9 +39,10 @@ const MAX_BATCH: usize = 4096;
 /// Prepared statements the writer keeps: `commit`'s, with room to spare.
 const STATEMENTS: usize = 32;
 /// How often the background connection checkpoints (passively: it never blocks the
-/// writer, so under sustained load it cannot always finish; the writer's WAL bound
-/// covers that).
-const CHECKPOINT_EVERY: Duration = Duration::from_millis(500);
+/// writer, so under sustained load it cannot always finish; the writer's pass and its
+/// WAL bound cover that). Often enough that the writer's pass finds little left to copy:
+/// at 500 ms that pass took 12 to 16 ms at 1,000 budgeted calls a second, at 100 ms 4.
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
 /// Ledger rows deleted per purge transaction, and transactions per purge: old rows go
 /// in bounded steps instead of one transaction that stalls every ledger write.
 const PURGE_STEP: i64 = 10_000;
