@@ -360,3 +360,97 @@ async fn a_session_is_not_forgotten_while_a_call_is_in_flight() {
         200
     );
 }
+
+/// A `":memory:"` store is a private file in the temp dir; `kill -9` leaves it there, and
+/// the next gateway to make one removes it (its lock is free), never a live gateway's.
+#[tokio::test]
+async fn a_killed_gateways_scratch_store_is_removed_by_the_next_never_a_live_ones() {
+    let dir = TempDir::new("backstop-scratch-sweep");
+    let tmp = TempDir::new("backstop-scratch-tmp");
+    let tmpdir = format!("TMPDIR={}", tmp.0.display());
+    let files = || {
+        let mut names: Vec<String> = std::fs::read_dir(&tmp.0)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.starts_with("backstop-memory-"))
+            .collect();
+        names.sort();
+        names
+    };
+    let stores = |names: &[String]| {
+        let mut stems: Vec<String> = names
+            .iter()
+            .filter_map(|n| n.strip_suffix(".lock"))
+            .map(str::to_string)
+            .collect();
+        stems.sort();
+        stems
+    };
+    let start = || async {
+        let (port, mock_port) = (free_port(), free_port());
+        let config = dir.0.join(format!("backstop-{port}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "[server]\nlisten = \"127.0.0.1:{port}\"\ndrain_delay = \"0s\"\n[store]\npath = \":memory:\"\n[mock]\nlisten = \"127.0.0.1:{mock_port}\"\n[[upstreams]]\nname = \"m\"\napi = \"openai\"\nbase_url = \"http://127.0.0.1:{mock_port}\"\n[[routes]]\nmodel = \"*\"\ntargets = [{{ upstream = \"m\" }}]\n[[tenants]]\nname = \"t\"\napi_keys = [\"bk-scratch-sweep\"]\n"
+            ),
+        )
+        .unwrap();
+        Binary::start_under(
+            &["env", &tmpdir],
+            &config,
+            port,
+            std::process::Stdio::null(),
+        )
+        .await
+    };
+
+    let killed = start().await;
+    let [killed_store] = &stores(&files())[..] else {
+        panic!("one store: {:?}", files());
+    };
+    let killed_store = killed_store.clone();
+    let alive = start().await;
+    let two = files();
+    let alive_store = stores(&two)
+        .into_iter()
+        .find(|s| *s != killed_store)
+        .expect("a second store");
+    for stem in [&killed_store, &alive_store] {
+        assert!(two.contains(&format!("{stem}.db")), "{two:?}");
+    }
+    killed.kill();
+    assert_eq!(files(), two, "kill -9 removes nothing");
+
+    let third = start().await;
+    let after = files();
+    assert!(
+        after.iter().all(|n| !n.starts_with(&killed_store)),
+        "the killed gateway's files are gone: {after:?}"
+    );
+    assert!(
+        ["db", "lock"]
+            .iter()
+            .all(|ext| after.contains(&format!("{alive_store}.{ext}"))),
+        "the live gateway's are kept: {after:?}"
+    );
+    assert_eq!(stores(&after).len(), 2, "{after:?}");
+
+    // The live one still serves from its store, and both leave nothing at a graceful stop.
+    let http = reqwest::Client::new();
+    let resp = http
+        .post(format!("{}/v1/chat/completions", alive.url))
+        .bearer_auth("bk-scratch-sweep")
+        .header("content-type", "application/json")
+        .body(
+            json!({"model": "mock-model", "messages": [{"role": "user", "content": "hi"}]})
+                .to_string(),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    alive.terminate();
+    third.terminate();
+    assert_eq!(files(), Vec::<String>::new());
+}

@@ -23,11 +23,13 @@ use std::{
     time::Duration,
 };
 
+mod scratch;
 mod writer;
 
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 use tokio::sync::{oneshot, Semaphore};
 
+use self::scratch::Scratch;
 use super::write::{Op, Write};
 use super::{
     count_error, Charge, GuardRecord, GuardStates, Ledger, OwnerRecord, Owners, QueuedSettle,
@@ -78,27 +80,11 @@ pub struct SqliteStore {
     recovered: u64,
     /// The checkpointer thread runs while this lives.
     _alive: Arc<()>,
-    /// For `":memory:"`: the private file behind it, removed with the store.
+    /// For `":memory:"`: the private file behind it ([`scratch`]), removed with the store.
     _scratch: Option<Scratch>,
     /// The database file (for tests that open it beside the store).
     #[cfg(test)]
     pub(super) path: String,
-}
-
-/// A `":memory:"` store's database: a private file in the temp dir, in WAL mode like any
-/// other. SQLite's shared-cache in-memory databases lock whole tables between their
-/// connections, and `busy_timeout` does not cover those locks: under concurrent calls a
-/// session read failed with "database table is locked" while the writer committed
-/// (found by the k6 steady smoke). Removed when the store is dropped; a crashed process
-/// leaves it in the temp dir.
-struct Scratch(PathBuf);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        for suffix in ["", "-wal", "-shm"] {
-            let _ = std::fs::remove_file(format!("{}{suffix}", self.0.display()));
-        }
-    }
 }
 
 /// A store made before owners had a context size gains the column (NULL: unknown).
@@ -265,14 +251,9 @@ impl SqliteStore {
 
     /// Opens the store that `[store]` describes. Blocking: call it at start-up.
     pub fn open_with(config: &StoreConfig) -> Result<SqliteStore, StoreError> {
-        let scratch = (config.path == ":memory:").then(|| {
-            Scratch(std::env::temp_dir().join(format!(
-                "backstop-memory-{}.db",
-                uuid::Uuid::new_v4().simple()
-            )))
-        });
+        let scratch = (config.path == ":memory:").then(Scratch::create);
         let path = match &scratch {
-            Some(Scratch(file)) => file.display().to_string(),
+            Some(scratch) => scratch.path().display().to_string(),
             None => config.path.clone(),
         };
         let busy = config.busy_timeout;
