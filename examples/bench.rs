@@ -3,7 +3,7 @@
 //! saturation (closed loop, 32 connections), with validation off and on; Backstop's peak
 //! RSS under that load and after 100,000 distinct sessions. Writes docs/benchmarks.md.
 //!
-//!     cargo build --release && cargo run --release --example bench
+//!     cargo build --release --bin backstop --example forwarder && cargo run --release --example bench
 //!     cargo run --release --example bench -- --seconds 5 --out /tmp/bench.md
 
 #[path = "common/mod.rs"]
@@ -345,7 +345,7 @@ async fn main() {
         .unwrap_or_default();
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let _ = writeln!(out, "# Benchmarks\n");
-    let _ = writeln!(out, "Measured by `cargo run --release --example bench` (this file is its output), on {cores} cores ({cpu}), with the load generator, the mock upstream and Backstop on the same machine over loopback. Each row ran for {secs} s. Latencies in milliseconds.\n");
+    let _ = writeln!(out, "Measured by `cargo build --release --bin backstop --example forwarder && cargo run --release --example bench` (this file is its output), on {cores} cores ({cpu}), with the load generator, the mock upstream and Backstop on the same machine over loopback. Each row ran for {secs} s. Latencies in milliseconds.\n");
     let _ = writeln!(out, "Backstop ran with its whole policy stack on: tenant auth, tenant and session rate limits, session caps and a tenant day budget with reservations settled into the SQLite ledger (a file, WAL), the session guard, two-target routes with breakers and retry, metrics, and one JSON log line per request (to /dev/null). \"validation on\" adds a `response_format` JSON schema that every answer is checked against. \"core config\" is a second tenant of the same gateway with auth and routing only (no limits, budget, prices or guard; its calls still reach the ledger and the log). The bare forwarder (`examples/forwarder.rs`) is the floor: a hyper server and one shared reqwest client, the body collected and re-sent, nothing else.\n");
 
     eprintln!("mock alone");

@@ -17,7 +17,7 @@ impl Proc {
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
-                .unwrap_or_else(|e| panic!("{bin}: {e} (cargo build --release first)")),
+                .unwrap_or_else(|e| panic!("{bin}: {e} (build it first: cargo build --release --bin backstop --example forwarder)")),
         )
     }
 
