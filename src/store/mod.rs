@@ -473,4 +473,6 @@ pub fn spawn_purger(
 }
 
 #[cfg(test)]
+pub(crate) mod test_dir;
+#[cfg(test)]
 mod tests;

@@ -305,24 +305,10 @@ fn set_aside_unreadable(tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<usiz
 mod tests {
     use super::*;
 
-    struct Dir(std::path::PathBuf);
+    use crate::store::test_dir::TestDir;
 
-    impl Dir {
-        fn new() -> Dir {
-            let dir = std::env::temp_dir()
-                .join(format!("backstop-spool-{}", uuid::Uuid::new_v4().simple()));
-            std::fs::create_dir_all(&dir).unwrap();
-            Dir(dir)
-        }
-        fn file(&self) -> String {
-            self.0.join("spool.db").to_str().unwrap().to_string()
-        }
-    }
-
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
+    fn spool_file(dir: &TestDir) -> String {
+        dir.path().join("spool.db").to_str().unwrap().to_string()
     }
 
     fn settle(reservation: i64, usd: f64) -> Kept {
@@ -367,15 +353,15 @@ mod tests {
 
     #[tokio::test]
     async fn kept_writes_come_back_in_order_across_a_reopen_until_forgotten() {
-        let dir = Dir::new();
-        let spool = Spool::open(&dir.file()).unwrap();
+        let dir = TestDir::new("spool");
+        let spool = Spool::open(&spool_file(&dir)).unwrap();
         assert_eq!(spool.len(), 0);
         spool.keep(&kinds()).await.unwrap();
         spool.keep(&[settle(11, 1.0)]).await.unwrap();
         assert_eq!(spool.len(), 5);
         drop(spool);
 
-        let spool = Spool::open(&dir.file()).unwrap();
+        let spool = Spool::open(&spool_file(&dir)).unwrap();
         assert_eq!(spool.len(), 5, "counted again at open");
         let rows = spool.oldest(3).await.unwrap();
         let got: Vec<Kept> = rows.iter().map(|(_, k)| k.clone()).collect();
@@ -413,33 +399,33 @@ mod tests {
 
     #[test]
     fn a_spool_in_use_by_another_process_is_refused() {
-        let dir = Dir::new();
-        let _held = Spool::open(&dir.file()).unwrap();
-        let err = Spool::open(&dir.file()).err().expect("refused");
+        let dir = TestDir::new("spool");
+        let _held = Spool::open(&spool_file(&dir)).unwrap();
+        let err = Spool::open(&spool_file(&dir)).err().expect("refused");
         assert_eq!(
             err.to_string(),
             format!(
                 "store.spool: cannot open {}: in use by another process (each replica needs a spool of its own)",
-                dir.file()
+                spool_file(&dir)
             )
         );
     }
 
     #[test]
     fn a_spool_of_a_newer_format_is_refused_and_unreadable_rows_set_aside() {
-        let dir = Dir::new();
-        drop(Spool::open(&dir.file()).unwrap());
-        let conn = Connection::open(dir.file()).unwrap();
+        let dir = TestDir::new("spool");
+        drop(Spool::open(&spool_file(&dir)).unwrap());
+        let conn = Connection::open(spool_file(&dir)).unwrap();
         conn.execute(
             "INSERT INTO spool (kept_ms, record) VALUES (1, '{\"op\":\"teleport\"}')",
             [],
         )
         .unwrap();
         drop(conn);
-        let spool = Spool::open(&dir.file()).unwrap();
+        let spool = Spool::open(&spool_file(&dir)).unwrap();
         assert_eq!(spool.len(), 0, "never replayed as something else");
         drop(spool);
-        let conn = Connection::open(dir.file()).unwrap();
+        let conn = Connection::open(spool_file(&dir)).unwrap();
         let kept: String = conn
             .query_row("SELECT record FROM unreadable", [], |r| r.get(0))
             .unwrap();
@@ -447,7 +433,7 @@ mod tests {
         conn.pragma_update(None, "user_version", FORMAT + 1)
             .unwrap();
         drop(conn);
-        let err = Spool::open(&dir.file()).err().expect("refused");
+        let err = Spool::open(&spool_file(&dir)).err().expect("refused");
         assert!(
             err.to_string()
                 .contains("written by a newer release (format 2"),

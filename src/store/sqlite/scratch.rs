@@ -133,67 +133,48 @@ fn sweep_one(lock_path: &Path) -> bool {
 mod tests {
     use super::*;
 
-    struct Dir(PathBuf);
+    use crate::store::test_dir::TestDir;
 
-    impl Dir {
-        fn new() -> Dir {
-            let dir = std::env::temp_dir().join(format!(
-                "backstop-scratch-test-{}",
-                uuid::Uuid::new_v4().simple()
-            ));
-            std::fs::create_dir_all(&dir).unwrap();
-            Dir(dir)
-        }
-
-        fn touch(&self, name: &str) -> PathBuf {
-            let path = self.0.join(name);
-            std::fs::write(&path, b"x").unwrap();
-            path
-        }
-
-        fn names(&self) -> Vec<String> {
-            let mut names: Vec<String> = std::fs::read_dir(&self.0)
-                .unwrap()
-                .map(|e| e.unwrap().file_name().into_string().unwrap())
-                .collect();
-            names.sort();
-            names
-        }
+    fn touch(dir: &TestDir, name: &str) {
+        std::fs::write(dir.path().join(name), b"x").unwrap();
     }
 
-    impl Drop for Dir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
+    fn names(dir: &TestDir) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        names
     }
 
     /// What a store leaves when its process is killed: the database, its WAL and shared
     /// memory, and a lock file nobody holds.
-    fn left_by_a_killed_process(dir: &Dir, id: &str) {
+    fn left_by_a_killed_process(dir: &TestDir, id: &str) {
         for suffix in [".db", ".db-wal", ".db-shm", ".lock"] {
-            dir.touch(&format!("{PREFIX}{id}{suffix}"));
+            touch(dir, &format!("{PREFIX}{id}{suffix}"));
         }
     }
 
     #[test]
     fn a_new_scratch_store_removes_what_dead_processes_left_and_nothing_else() {
-        let dir = Dir::new();
+        let dir = TestDir::new("scratch-test");
         left_by_a_killed_process(&dir, "dead1");
         left_by_a_killed_process(&dir, "dead2");
         // Alive: its lock is held (by another open file: `flock` locks are per open file).
         left_by_a_killed_process(&dir, "alive");
         let held = File::options()
             .write(true)
-            .open(dir.0.join(format!("{PREFIX}alive.lock")))
+            .open(dir.path().join(format!("{PREFIX}alive.lock")))
             .unwrap();
         held.lock().unwrap();
         // Being made: its lock file exists, its database not yet.
-        dir.touch(&format!("{PREFIX}making.lock"));
+        touch(&dir, &format!("{PREFIX}making.lock"));
         // A database from before lock files, and someone else's file: not ours to judge.
-        dir.touch(&format!("{PREFIX}older.db"));
-        dir.touch("other.db");
+        touch(&dir, &format!("{PREFIX}older.db"));
+        touch(&dir, "other.db");
 
-        let scratch = Scratch::create_in(&dir.0);
+        let scratch = Scratch::create_in(dir.path());
         let own = scratch
             .path()
             .file_stem()
@@ -215,44 +196,44 @@ mod tests {
         .chain([format!("{own}.lock"), "other.db".to_string()])
         .collect();
         expected.sort();
-        assert_eq!(dir.names(), expected);
+        assert_eq!(names(&dir), expected);
     }
 
     #[test]
     fn a_live_scratch_store_is_never_swept_and_goes_with_its_store() {
-        let dir = Dir::new();
-        let first = Scratch::create_in(&dir.0);
+        let dir = TestDir::new("scratch-test");
+        let first = Scratch::create_in(dir.path());
         for suffix in ["", "-wal", "-shm"] {
             let mut file = first.path().as_os_str().to_owned();
             file.push(suffix);
             std::fs::write(file, b"x").unwrap();
         }
-        let second = Scratch::create_in(&dir.0);
+        let second = Scratch::create_in(dir.path());
         assert_eq!(
-            dir.names().len(),
+            names(&dir).len(),
             5,
             "the first's four files and the second's lock"
         );
         drop(second);
-        assert_eq!(dir.names().len(), 4);
+        assert_eq!(names(&dir).len(), 4);
         drop(first);
-        assert_eq!(dir.names(), Vec::<String>::new());
+        assert_eq!(names(&dir), Vec::<String>::new());
     }
 
     #[test]
     fn a_store_killed_before_it_let_go_is_swept_by_the_next() {
-        let dir = Dir::new();
-        let killed = Scratch::create_in(&dir.0);
+        let dir = TestDir::new("scratch-test");
+        let killed = Scratch::create_in(dir.path());
         std::fs::write(killed.path(), b"x").unwrap();
         // What the kernel does for a killed process: its lock goes, its files stay.
         killed.lock.as_ref().unwrap().1.unlock().unwrap();
         std::mem::forget(killed);
 
-        let next = Scratch::create_in(&dir.0);
+        let next = Scratch::create_in(dir.path());
         let own = format!(
             "{}.lock",
             next.path().file_stem().unwrap().to_str().unwrap()
         );
-        assert_eq!(dir.names(), vec![own]);
+        assert_eq!(names(&dir), vec![own]);
     }
 }
