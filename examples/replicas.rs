@@ -1,7 +1,10 @@
 //! The Redis state backend's cost, in the same run: added latency at a paced 1,000 RPS
 //! (budgets + rate limits + guard on, one session) for direct, embedded and redis;
-//! reservations per second across 3 redis replicas; the admission decision time with
-//! Redis stopped (SIGSTOP), and how many Redis round trips a request makes. Needs
+//! reservations per second across 3 redis replicas, beside one embedded replica and
+//! beside 3 embedded replicas that share nothing (the ceiling three processes reach on
+//! this machine with Redis's cost left out); the admission decision time with Redis
+//! stopped (SIGSTOP), how many Redis round trips a request makes and how long each one
+//! waited, as the replica saw it (`backstop_state_seconds`). Needs
 //! `redis-server` on PATH and a release build. `--cluster`: the same on a Redis Cluster
 //! of three masters (`redis-cli --cluster create`). `--load SESSIONS CALLS`: only the
 //! closed loop over the three redis replicas (after a 3 s pause to attach a profiler to
@@ -123,6 +126,16 @@ async fn round_trips(
     http: &reqwest::Client,
     ports: &[u16],
 ) -> std::collections::BTreeMap<String, f64> {
+    state_seconds(http, ports, "count").await
+}
+
+/// `backstop_state_seconds_{part}` (`count` or `sum`) by `op`, summed over `ports`.
+async fn state_seconds(
+    http: &reqwest::Client,
+    ports: &[u16],
+    part: &str,
+) -> std::collections::BTreeMap<String, f64> {
+    let prefix = format!("backstop_state_seconds_{part}{{op=\"");
     let mut by_op = std::collections::BTreeMap::new();
     for port in ports {
         let text = http
@@ -134,7 +147,7 @@ async fn round_trips(
             .await
             .unwrap();
         for line in text.lines() {
-            let Some(rest) = line.strip_prefix("backstop_state_seconds_count{op=\"") else {
+            let Some(rest) = line.strip_prefix(&prefix) else {
                 continue;
             };
             let Some((op, value)) = rest.split_once("\"}") else {
@@ -443,22 +456,40 @@ async fn main() {
             ],
         ));
     }
+    // Three replicas that share nothing (each its own books): not a fleet, the ceiling
+    // any fleet of three reaches on this machine, Redis's cost left out. `gateways` is
+    // then [embedded, redis 0..3, alone 0..3].
+    let alone_ports = [free_port(), free_port(), free_port()];
+    for (i, port) in alone_ports.iter().enumerate() {
+        let name = format!("alone-{i}");
+        gateways.push(Proc::spawn(
+            &bin,
+            &["serve", "--config", &config(*port, mock, &dir, &name, "")],
+        ));
+    }
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(512)
         .tcp_nodelay(true)
         .build()
         .unwrap();
     wait_up(&http, &format!("http://127.0.0.1:{mock}/mock/stats")).await;
-    for port in std::iter::once(embedded_port).chain(redis_ports) {
+    for port in std::iter::once(embedded_port)
+        .chain(redis_ports)
+        .chain(alone_ports)
+    {
         wait_up(&http, &format!("http://127.0.0.1:{port}/readyz")).await;
     }
     let path = "/v1/chat/completions";
     let direct = format!("http://127.0.0.1:{mock}{path}");
     let embedded = format!("http://127.0.0.1:{embedded_port}{path}");
-    let shared: Vec<String> = redis_ports
-        .iter()
-        .map(|p| format!("http://127.0.0.1:{p}{path}"))
-        .collect();
+    let urls = |ports: &[u16]| -> Vec<String> {
+        ports
+            .iter()
+            .map(|p| format!("http://127.0.0.1:{p}{path}"))
+            .collect()
+    };
+    let shared = urls(&redis_ports);
+    let alone = urls(&alone_ports);
     // Warm every path.
     for url in [&direct, &embedded, &shared[0]] {
         closed_loop(&http, std::slice::from_ref(url), 1, 500, 16).await;
@@ -467,7 +498,7 @@ async fn main() {
     if let Some(at) = args.iter().position(|a| a == "--load") {
         let arg = |i: usize| args.get(at + i).and_then(|s| s.parse::<usize>().ok());
         let (sessions, total) = (arg(1).unwrap_or(1), arg(2).unwrap_or(20_000));
-        let pids: Vec<String> = gateways[1..]
+        let pids: Vec<String> = gateways[1..4]
             .iter()
             .chain(&redis)
             .map(|p| p.pid().to_string())
@@ -498,7 +529,7 @@ async fn main() {
         let fleet = Fleet {
             urls: &shared,
             ports: &redis_ports,
-            replicas: &gateways[1..],
+            replicas: &gateways[1..4],
             redis: &redis,
         };
         let m = fleet.closed_loop(&http, sessions, total).await;
@@ -531,6 +562,7 @@ async fn main() {
     let (dp50, dp99) = (pct(&d, 0.5), pct(&d, 0.99));
     println!("| direct | {dp50:.3} | {dp99:.3} | |");
     let before = round_trips(&http, &redis_ports).await;
+    let before_waited = state_seconds(&http, &redis_ports, "sum").await;
     for (name, url) in [("embedded", &embedded), ("redis", &shared[0])] {
         let b = paced(&http, url, true, seconds).await;
         println!(
@@ -547,6 +579,19 @@ async fn main() {
         "\nRedis round trips per request in the redis row: {}",
         per_call(&before, &after, (seconds * 1000) as f64)
     );
+    let waited = state_seconds(&http, &redis_ports, "sum").await;
+    let means: Vec<String> = after
+        .iter()
+        .filter_map(|(op, n)| {
+            let calls = n - before.get(op).copied().unwrap_or(0.0);
+            let secs = waited.get(op)? - before_waited.get(op).copied().unwrap_or(0.0);
+            (calls > 0.0).then(|| format!("{op} {:.0}", secs / calls * 1e6))
+        })
+        .collect();
+    println!(
+        "Each round trip's wait as the replica saw it, mean µs: {}",
+        means.join(", ")
+    );
 
     let total = 6000;
     println!("\nReserved calls per second, closed loop at concurrency 32, {total} calls; CPU per call of the gateways (and redis-server), from /proc; Redis round trips per call, all replicas:");
@@ -560,19 +605,36 @@ async fn main() {
     let fleet = Fleet {
         urls: &shared,
         ports: &redis_ports,
-        replicas: &gateways[1..],
+        replicas: &gateways[1..4],
         redis: &redis,
+    };
+    let unshared = Fleet {
+        urls: &alone,
+        ports: &[],
+        replicas: &gateways[4..],
+        redis: &[],
     };
     for sessions in [1, 64] {
         let one = one_replica.closed_loop(&http, sessions, total).await;
+        let ceiling = unshared.closed_loop(&http, sessions, total).await;
         let three = fleet.closed_loop(&http, sessions, total).await;
         println!(
             "| embedded, 1 replica | {sessions} | {:.0} | {:.0} | |",
             one.calls_per_s, one.cpu_us
         );
         println!(
-            "| redis, 3 replicas round-robin | {sessions} | {:.0} | {:.0} (+ {:.0}) | {} |",
-            three.calls_per_s, three.cpu_us, three.redis_cpu_us, three.trips
+            "| embedded, 3 replicas sharing nothing (a ceiling, not a fleet) | {sessions} | {:.0} ({:.2}x) | {:.0} | |",
+            ceiling.calls_per_s,
+            ceiling.calls_per_s / one.calls_per_s,
+            ceiling.cpu_us
+        );
+        println!(
+            "| redis, 3 replicas round-robin | {sessions} | {:.0} ({:.2}x) | {:.0} (+ {:.0}) | {} |",
+            three.calls_per_s,
+            three.calls_per_s / one.calls_per_s,
+            three.cpu_us,
+            three.redis_cpu_us,
+            three.trips
         );
     }
 
