@@ -200,6 +200,22 @@ fn cpu_ns(procs: &[Proc]) -> u64 {
     ns
 }
 
+/// The p50 of a bare `PING` sent every millisecond, in ms: what one round trip to Redis
+/// costs on this machine before any script runs (mostly the wake-ups at both ends).
+async fn bare_round_trip(port: u16) -> f64 {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/0")).unwrap();
+    let mut conn = redis::aio::ConnectionManager::new(client).await.unwrap();
+    let mut took = Vec::with_capacity(2000);
+    for _ in 0..2000 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let t = Instant::now();
+        let _: String = redis::cmd("PING").query_async(&mut conn).await.unwrap();
+        took.push(t.elapsed());
+    }
+    took.sort();
+    pct(&took, 0.5)
+}
+
 async fn redis_conn(port: u16) -> redis::aio::MultiplexedConnection {
     redis::Client::open(format!("redis://127.0.0.1:{port}/0"))
         .unwrap()
@@ -591,6 +607,10 @@ async fn main() {
     println!(
         "Each round trip's wait as the replica saw it, mean µs: {}",
         means.join(", ")
+    );
+    println!(
+        "A bare PING, 1 ms apart as the paced row's calls are, through the client the gateway uses (redis-rs's ConnectionManager): p50 {:.0} µs",
+        bare_round_trip(redis_port).await * 1e3
     );
 
     let total = 6000;
