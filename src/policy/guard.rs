@@ -15,7 +15,7 @@ use std::{collections::VecDeque, time::Duration};
 use tokio::time::Instant;
 
 /// Requests remembered per session for the identical-request rule.
-const RECENT_CAP: usize = 256;
+pub const RECENT_CAP: usize = 256;
 
 #[derive(Debug, Clone)]
 pub struct GuardPolicy {
@@ -318,6 +318,19 @@ impl SessionGuard {
     /// The session's spend at its latest sample (any replica's, in replica mode).
     pub fn last_spend(&self) -> Option<f64> {
         self.spend.last().map(|(_, usd)| *usd)
+    }
+
+    /// Whether [`SessionGuard::admit`] at `now` counts its request in the window (an
+    /// active or recovering guard always does, even when the request trips it; a tripped
+    /// one whose cool-down is over does, with its probe; a closed, cooling or probing one
+    /// refuses without counting). A replica that keeps the window beside the shared
+    /// state adds the request there only then.
+    pub fn counts_request(&self, now: Instant) -> bool {
+        match &self.state {
+            GuardState::Active | GuardState::Recovering => true,
+            GuardState::Tripped { until, .. } => now >= *until,
+            GuardState::Probing { .. } | GuardState::Closed => false,
+        }
     }
 
     /// Admits a request or refuses it; may trip the session. `session_usd` is the

@@ -13,7 +13,7 @@ use crate::{
         budget::Usd,
         guard::{restore_trip, Counts, GuardPolicy, GuardState, Phase, SessionGuard, Trip},
     },
-    store::format::GuardSnapshot,
+    store::format::{GuardSnapshot, WindowWrite},
 };
 
 pub use crate::store::format::{ADMITTING_PREFIXES, QUIET_PREFIX};
@@ -26,8 +26,9 @@ pub enum Write {
     Whole {
         version: u64,
         state: String,
-        /// The number of requests in its window (written beside it, for joins).
-        entries: usize,
+        /// What it did to the window of requests (for Redis, which keeps it beside the
+        /// state).
+        window: WindowWrite,
     },
     /// One admitted request, added to whatever the shared state holds now ([`Joined`]).
     Join(Joined),
@@ -37,7 +38,6 @@ pub enum Write {
     WholeOrJoin {
         version: u64,
         state: String,
-        entries: usize,
         join: Joined,
     },
 }
@@ -71,8 +71,8 @@ pub struct Joined {
 }
 
 /// The identical-request window's length in a snapshot: the guard keeps its last 256
-/// requests (`policy::guard`'s `RECENT_CAP`; a test below holds the two equal).
-pub const RECENT_CAP: usize = 256;
+/// requests.
+pub use crate::policy::guard::RECENT_CAP;
 
 /// Whether `after` is `before` with `request` admitted at `now` and nothing else changed
 /// (its windows trimmed and a spend sample taken, as every admission does): a request a

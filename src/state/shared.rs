@@ -35,7 +35,10 @@ pub use crate::store::connection::{Redis, Unavailable};
 use crate::{
     policy::budget::{CapNames, Caps, Exceeded, SessionSeen, Usage},
     state::guard_view::{Write, Written, RECENT_CAP},
-    store::format::{brief_lua, ADMITTING_PREFIXES},
+    store::format::{
+        beside_prefix, beside_write, brief_lua, from_beside, window_lua, WindowWrite,
+        ADMITTING_PREFIXES,
+    },
     store::{connection::ms, QueuedSettle, Store},
 };
 
@@ -344,94 +347,59 @@ return out
 /// handed back the same way). Joining is what lets replicas take turns on one session
 /// without each first catching up with the others' writes.
 ///
-/// Either way the state's brief ([`crate::store::format::brief_lua`]) is written beside
-/// it: a join reads the count of requests in the window from it instead of counting
-/// them (a snapshot is kilobytes, which Redis's Lua is slow to take in; a join copies it
-/// once into the new state and touches nothing else of it), and settles read whether
-/// the state is quiet from it.
+/// The state is version 2 ([`crate::store::format::to_beside`]): its window of requests
+/// is kept beside it, a list and each request's count in it, so a join reads one count
+/// and pushes one entry ([`crate::store::format::window_lua`]) and never copies the
+/// window (kilobytes, which Redis's Lua is slow to copy). The state's brief
+/// ([`crate::store::format::brief_lua`]) is written beside it; settles read whether the
+/// state is quiet from it.
 ///
 /// Replies `{"ok", version, version_before}` (`{"ok", ""}` without a guard write),
-/// `{"moved", version, state}`, `{"busy"}` or `{scope, wait_us}` (scope `tenant` or
-/// `session`). Times on the server's clock.
+/// `{"moved", version, state, window}`, `{"busy"}` or `{scope, wait_us}` (scope `tenant`
+/// or `session`). Times on the server's clock.
 ///
 /// A replica that wrote the shared state last sends both: the whole state, written if
 /// the shared state is still at its version, else the request joined.
 ///
-/// KEYS: tenant rate, session rate, concurrency slots, guard window.
-/// ARGV: tenant interval and burst, session interval and burst (interval 0: no limit),
-/// concurrency limit (0: none), slot lease (ms), slot id, the guard write ('' none, 'join'
-/// or the version the whole state must be at), the whole state, its expiry (ms), '1'
-/// when the guard refuses, the whole state's count of requests in its window; to join
-/// (alone, or if the whole state is not taken): when (ms), the request's fingerprint, the
-/// limit, the window's start (ms).
+/// KEYS: tenant rate, session rate, concurrency slots, the guard's hash, its window, the
+/// window's counts. ARGV: tenant interval and burst, session interval and burst
+/// (interval 0: no limit), concurrency limit (0: none), slot lease (ms), slot id, the
+/// guard write ('' none, 'join' or the version the whole state must be at), the whole
+/// state, its expiry (ms), '1' when the guard refuses, the whole state's window op and
+/// argument; to join (alone, or if the whole state is not taken): when (ms), the
+/// request's fingerprint, the limit, the window's start (ms).
 const GATE: &str = r#"
--- The state with the request joined to its window, and the window's count of requests
--- after; nil if the guard would not admit it there (or the state is of a format or
--- phase this does not join to).
-local function join(state, n, at, request, limit, since)
-  if limit <= 0 then return nil end
-  local admits = false
+local function admits(state)
   for _, phase in ipairs({@ADMITTING@}) do
-    if string.sub(state, 1, #phase) == phase then admits = true end
+    if string.sub(state, 1, #phase) == phase then return true end
   end
-  if not admits then return nil end
-  local open = string.find(state, '"recent":[', 1, true)
-  if not open then return nil end
-  local first = open + 10
-  local close = string.find(state, '],"spend":[', first, true)
-  if not close then return nil end
-  if not n then
-    n = 0
-    local i = first
-    while true do
-      i = string.find(state, '[', i, true)
-      if not i or i >= close then break end
-      n, i = n + 1, i + 1
-    end
-  end
-  -- Requests from before the window's start no longer count.
-  local from = first
-  while from < close do
-    local _, e, t = string.find(state, '^%[(%d+),%d+%],?', from)
-    if not t or tonumber(t) >= since then break end
-    from, n = e + 1, n - 1
-  end
-  local needle, seen, i = ',' .. request .. ']', 0, from
-  while true do
-    i = string.find(state, needle, i, true)
-    if not i or i >= close then break end
-    seen = seen + 1
-    if seen >= limit then return nil end
-    i = i + 1
-  end
-  -- The guard keeps its last @RECENT_CAP@ requests.
-  if n + 1 > @RECENT_CAP@ then
-    local _, e = string.find(state, '^%[%d+,%d+%],', from)
-    if e then from, n = e + 1, n - 1 end
-  end
-  local entry = '[' .. at .. ',' .. request .. ']'
-  if from < close then entry = ',' .. entry end
-  return string.sub(state, 1, first - 1) .. string.sub(state, from, close - 1) .. entry ..
-    string.sub(state, close), n + 1
+  return false
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now_ms = math.floor(now / 1000)
 local guarded = ARGV[8] ~= ''
-local v, state, entries = 0, ARGV[9], ARGV[12]
-if guarded and ARGV[8] ~= 'join' then
-  v = tonumber(redis.call('HGET', KEYS[4], 'v') or '0')
-end
-if guarded and (ARGV[8] == 'join' or (v ~= tonumber(ARGV[8]) and ARGV[13])) then
-  local cur = redis.call('HMGET', KEYS[4], 'v', 'state', 'brief')
-  v = tonumber(cur[1] or '0')
-  if cur[2] then
-    state, entries = join(cur[2], read_brief(cur[3], v), ARGV[13], ARGV[14],
-      tonumber(ARGV[15]), tonumber(ARGV[16]))
+local g, list, seen = KEYS[4], KEYS[5], KEYS[6]
+local v, state, op, arg = 0, ARGV[9], ARGV[12], ARGV[13]
+local stored = nil
+if guarded then
+  local cur = redis.call('HMGET', g, 'v', 'state')
+  v, stored = tonumber(cur[1] or '0'), cur[2]
+  if ARGV[8] == 'join' or v ~= tonumber(ARGV[8]) then
+    -- Joined, if the guard would admit the request on the state there.
+    local at, request = ARGV[14], ARGV[15]
+    local limit, since = tonumber(ARGV[16] or '0'), tonumber(ARGV[17] or '0')
+    local joins = at and stored and beside(stored) and limit > 0 and admits(stored)
+    if joins then
+      local _, same = window_stale(list, since, request)
+      joins = tonumber(redis.call('HGET', seen, request) or '0') - same < limit
+    end
+    if not joins then
+      return {'moved', tostring(v), stored or '',
+        (stored and beside(stored)) and window_text(list) or ''}
+    end
+    state, op, arg = stored, 'a', at .. ',' .. request .. ',' .. ARGV[17]
   end
-  if not cur[2] or not state then return {'moved', tostring(v), cur[2] or ''} end
-elseif guarded and v ~= tonumber(ARGV[8]) then
-  return {'moved', tostring(v), redis.call('HGET', KEYS[4], 'state') or ''}
 end
 local function probe(key, interval, burst)
   if interval <= 0 then return nil, 0 end
@@ -458,8 +426,10 @@ if limit > 0 then
   end
 end
 if not guarded then return {'ok', ''} end
-redis.call('HSET', KEYS[4], 'v', v + 1, 'state', state, 'brief', brief(v + 1, state, entries))
-redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[10]))
+redis.call('HSET', g, 'v', v + 1, 'state', state, 'brief', brief(v + 1, state))
+window_write(list, seen, stored, op, arg)
+redis.call('PEXPIRE', g, tonumber(ARGV[10]))
+window_expire(list, seen, tonumber(ARGV[10]))
 return {'ok', tostring(v + 1), tostring(v)}
 "#;
 
@@ -467,12 +437,10 @@ return {'ok', tostring(v + 1), tostring(v)}
 fn gate_script() -> String {
     let admitting: Vec<String> = ADMITTING_PREFIXES
         .iter()
-        .map(|p| format!("'{p}'"))
+        .map(|p| format!("'{}'", beside_prefix(p)))
         .collect();
-    let gate = GATE
-        .replace("@ADMITTING@", &admitting.join(", "))
-        .replace("@RECENT_CAP@", &RECENT_CAP.to_string());
-    format!("{}{gate}", brief_lua())
+    let gate = GATE.replace("@ADMITTING@", &admitting.join(", "));
+    format!("{}{}{gate}", brief_lua(), window_lua(RECENT_CAP))
 }
 
 /// Pushes the expiry of held members (reservations, slots) of one sorted set.
@@ -943,9 +911,11 @@ impl SharedBudgets {
         let mut inv = self.gate.prepare_invoke();
         inv.key(self.redis.key(tenant, "rate"))
             .key(self.redis.key(tenant, &format!("rate:{session}")))
-            .key(&set)
-            .key(self.redis.guard_window_key(tenant, session))
-            .arg(interval(ask.tenant_rpm))
+            .key(&set);
+        for key in self.redis.guard_window_keys(tenant, session) {
+            inv.key(key);
+        }
+        inv.arg(interval(ask.tenant_rpm))
             .arg(burst(ask.tenant_rpm))
             .arg(interval(session_rpm))
             .arg(burst(session_rpm))
@@ -958,29 +928,48 @@ impl SharedBudgets {
                     Write::Whole {
                         version,
                         state,
-                        entries,
-                    } => (Some((version, state, entries)), None),
+                        window,
+                    } => (Some((*version, state, *window)), None),
                     Write::Join(join) => (None, Some(join)),
                     Write::WholeOrJoin {
                         version,
                         state,
-                        entries,
                         join,
-                    } => (Some((version, state, entries)), Some(join)),
+                    } => (
+                        Some((
+                            *version,
+                            state,
+                            WindowWrite::Append {
+                                at_ms: join.at_ms,
+                                request: join.request,
+                                since_ms: join.since_ms,
+                            },
+                        )),
+                        Some(join),
+                    ),
                 };
-                match whole {
-                    Some((version, state, _)) => inv.arg(version).arg(state),
-                    None => inv.arg("join").arg(""),
+                let (state, op, arg) = match whole {
+                    Some((version, state, window)) => {
+                        let (state, op, arg) = beside_write(state.clone(), window, version);
+                        inv.arg(version);
+                        (state, op, arg)
+                    }
+                    None => {
+                        inv.arg("join");
+                        (String::new(), "", String::new())
+                    }
                 };
-                inv.arg(g.ttl_ms.max(1000))
+                inv.arg(state)
+                    .arg(g.ttl_ms.max(1000))
                     .arg(if g.refuses { "1" } else { "0" })
-                    .arg(whole.map_or(0, |(_, _, entries)| *entries));
+                    .arg(op)
+                    .arg(arg);
                 if let Some(j) = join {
                     inv.arg(j.at_ms).arg(j.request).arg(j.limit).arg(j.since_ms);
                 }
             }
             None => {
-                inv.arg("").arg("").arg(0).arg("0");
+                inv.arg("").arg("").arg(0).arg("0").arg("").arg("");
             }
         };
         let reply: Vec<String> = self
@@ -1013,7 +1002,10 @@ impl SharedBudgets {
             }
             Some("moved") => GateReply::Moved(
                 num(1).map_or(0, |v| v as u64),
-                reply.get(2).cloned().unwrap_or_default(),
+                from_beside(
+                    reply.get(2).map_or("", String::as_str),
+                    reply.get(3).map_or("", String::as_str),
+                ),
             ),
             Some("busy") => GateReply::Busy { limit },
             Some(scope) => GateReply::RateLimited {

@@ -245,6 +245,14 @@ impl Redis {
         self.key(tenant, &format!("guard-window:{session}"))
     }
 
+    /// [`Redis::guard_window_key`], then the keys of the window kept beside it
+    /// ([`super::format::to_beside`]): its entries (a list) and each request's count in
+    /// it (a hash). One hash tag: one slot.
+    pub fn guard_window_keys(&self, tenant: &str, session: &str) -> [String; 3] {
+        let key = self.guard_window_key(tenant, session);
+        [key.clone(), format!("{key}:recent"), format!("{key}:seen")]
+    }
+
     /// A key of no tenant: `prefix:rest`.
     pub fn global(&self, rest: &str) -> String {
         format!("{}:{rest}", self.prefix)

@@ -204,22 +204,101 @@ pub const ADMITTING_PREFIXES: [&str; 2] = [
 /// How a stored snapshot of a quiet guard begins: active, no failures in a row.
 pub const QUIET_PREFIX: &str = r#"{"v":1,"phase":"active","until_ms":0,"code":null,"rule":null,"evidence":null,"consecutive_failures":0,"recent":["#;
 
+/// How a snapshot of version 1 begins.
+const V1: &str = r#"{"v":1,"#;
+/// How a snapshot of version 2 begins: the form Redis keeps ([`to_beside`]).
+const V2: &str = r#"{"v":2,"#;
+/// Where a snapshot's window of requests begins and ends (only numbers between: a quote
+/// inside a JSON string is escaped, so neither can be part of one).
+const RECENT_OPEN: &str = r#""recent":["#;
+const RECENT_CLOSE: &str = r#"],"spend":["#;
+
+/// A prefix of version 1 ([`ADMITTING_PREFIXES`], [`QUIET_PREFIX`]) as version 2 has it.
+pub fn beside_prefix(prefix: &str) -> String {
+    format!("{V2}{}", prefix.strip_prefix(V1).unwrap_or(prefix))
+}
+
+/// What a whole write of a guard's shared state does to its window of requests, where
+/// Redis keeps the window beside the state ([`to_beside`]). A store that keeps the whole
+/// snapshot (PostgreSQL) ignores it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum WindowWrite {
+    /// Left as it is: only an admission adds to the window (an outcome, a failure or a
+    /// trip does not).
+    Keep,
+    /// The admitted request added at `at_ms` (on the wall clock), once entries from
+    /// before `since_ms` are dropped; the window then keeps its last 256 entries, as the
+    /// guard does.
+    Append {
+        at_ms: i64,
+        request: u64,
+        since_ms: i64,
+    },
+    /// Replaced by the snapshot's own window (an operator's reset or close, or a state
+    /// this replica has no version of yet).
+    Replace,
+}
+
+/// A snapshot of version 1 as Redis keeps it: version 2, the same fields with `recent`
+/// empty, its window kept beside it (a list of `ms,fingerprint` and a hash of each
+/// fingerprint's count, which scripts extend in place: a window is kilobytes, which
+/// Redis's Lua is slow to copy); and the window's entries as version 1 has them
+/// (`[ms,fingerprint],...`). A build that reads only version 1 refuses version 2
+/// (loudly), never reads it as an empty window. `None` for text of any other shape: kept
+/// as it is.
+pub fn to_beside(text: &str) -> Option<(String, &str)> {
+    let rest = text.strip_prefix(V1)?;
+    let open = rest.find(RECENT_OPEN)? + RECENT_OPEN.len();
+    let close = open + rest[open..].find(RECENT_CLOSE)?;
+    let mut state = String::with_capacity(V2.len() + rest.len() - (close - open));
+    state.push_str(V2);
+    state.push_str(&rest[..open]);
+    state.push_str(&rest[close..]);
+    Some((state, &rest[open..close]))
+}
+
+/// The version 1 snapshot of a version 2 state and the window read from beside it
+/// (`ms,fingerprint` entries joined by `;`); any other text as it is (a version 1 state
+/// an older build wrote holds its own window).
+pub fn from_beside(state: &str, window: &str) -> String {
+    let Some(rest) = state.strip_prefix(V2) else {
+        return state.to_string();
+    };
+    let Some(open) = rest.find(RECENT_OPEN).map(|at| at + RECENT_OPEN.len()) else {
+        return state.to_string();
+    };
+    let mut text = String::with_capacity(state.len() + window.len() * 2);
+    text.push_str(V1);
+    text.push_str(&rest[..open]);
+    for (i, entry) in window.split(';').filter(|e| !e.is_empty()).enumerate() {
+        if i > 0 {
+            text.push(',');
+        }
+        text.push('[');
+        text.push_str(entry);
+        text.push(']');
+    }
+    text.push_str(&rest[open..]);
+    text
+}
+
 /// Lua for the scripts that write or read a guard snapshot in Redis: its *brief*, a
-/// field beside it (`brief`) that says what the scripts need to know of the snapshot
-/// without reading it (a snapshot is kilobytes, which Redis's Lua is slow to take in):
-/// `version|entries|quiet`, the version of the snapshot it describes, the number of
-/// requests in its window (empty when not counted) and whether it is quiet (`1`; see
+/// field beside it (`brief`) that says what the settle needs to know of the snapshot
+/// without reading it: `version|entries|quiet`, the version of the snapshot it
+/// describes, the number of requests in its window (empty: not counted; builds before
+/// the window was kept beside the state counted it) and whether it is quiet (`1`; see
 /// [`QUIET_PREFIX`]). A brief of another version than the snapshot's (a build that
 /// writes none, or wrote the snapshot since) says nothing.
 ///
-/// `brief(version, state, entries)` makes one; `read_brief(brief, version)` gives the
-/// entries (nil: not known) and whether the snapshot is quiet (false: not known).
+/// `brief(version, state)` makes one for a version 2 state ([`to_beside`]);
+/// `read_brief(brief, version)` gives the entries (nil: not known) and whether the
+/// snapshot is quiet (false: not known).
 pub fn brief_lua() -> String {
     r#"
 local QUIET = '@QUIET@'
-local function brief(v, state, entries)
+local function brief(v, state)
   local quiet = string.sub(state, 1, #QUIET) == QUIET
-  return v .. '|' .. (entries or '') .. '|' .. (quiet and '1' or '0')
+  return v .. '||' .. (quiet and '1' or '0')
 end
 local function read_brief(b, v)
   local bv, n, q = string.match(b or '', '^(%d+)|(%d*)|([01])$')
@@ -227,7 +306,139 @@ local function read_brief(b, v)
   return tonumber(n), q == '1'
 end
 "#
-    .replace("@QUIET@", QUIET_PREFIX)
+    .replace("@QUIET@", &beside_prefix(QUIET_PREFIX))
+}
+
+/// Lua for the scripts that write a guard's window where Redis keeps it beside the
+/// state ([`to_beside`]): a list of `ms,fingerprint`, oldest first, and a hash of each
+/// fingerprint's count in it, kept equal by every change. `cap` is the guard's 256.
+///
+/// `beside(state)`: whether a stored state keeps its window beside it (version 2; or
+/// there is none), not inside (version 1, written by an older build).
+/// `window_stale(list, since, request)`: how many of the oldest entries are from before
+/// `since`, and how many of those are `request` (read only). `window_write(list, seen,
+/// stored, op, arg)`: a whole write's [`WindowWrite`] over the state `stored` before it
+/// (`op` `''` keep, `a` append `ms,fingerprint,since`, `r` replace with `arg`'s entries,
+/// `[ms,fingerprint],...`); a window still inside `stored` is first moved beside it.
+/// `window_text(list)`: the entries joined by `;`.
+pub fn window_lua(cap: usize) -> String {
+    r#"
+local function beside(state)
+  return not state or string.sub(state, 1, 7) == '{"v":2,'
+end
+local function window_drop(list, seen)
+  local e = redis.call('LPOP', list)
+  local fp = e and string.match(e, ',(%d+)$')
+  if fp and redis.call('HINCRBY', seen, fp, -1) <= 0 then redis.call('HDEL', seen, fp) end
+end
+local function window_stale(list, since, request)
+  local n, same = 0, 0
+  while true do
+    local e = redis.call('LINDEX', list, n)
+    if not e then break end
+    local t, fp = string.match(e, '^(%-?%d+),(%d+)$')
+    if not t or tonumber(t) >= since then break end
+    n = n + 1
+    if fp == request then same = same + 1 end
+  end
+  return n, same
+end
+local function window_append(list, seen, at, request, since)
+  local n = window_stale(list, since, request)
+  for _ = 1, n do window_drop(list, seen) end
+  if redis.call('RPUSH', list, at .. ',' .. request) > @CAP@ then window_drop(list, seen) end
+  redis.call('HINCRBY', seen, request, 1)
+end
+local function window_fill(list, seen, entries)
+  redis.call('DEL', list, seen)
+  for at, fp in string.gmatch(entries, '(%-?%d+),(%d+)') do
+    redis.call('RPUSH', list, at .. ',' .. fp)
+    redis.call('HINCRBY', seen, fp, 1)
+  end
+end
+local function window_write(list, seen, stored, op, arg)
+  if op == 'r' then window_fill(list, seen, arg); return end
+  if not beside(stored) then
+    local entries = ''
+    local open = string.find(stored, '"recent":[', 1, true)
+    local close = open and string.find(stored, '],"spend":[', open, true)
+    if close then entries = string.sub(stored, open + 10, close - 1) end
+    window_fill(list, seen, entries)
+  end
+  if op == 'a' then
+    local at, request, since = string.match(arg, '^(%-?%d+),(%d+),(%-?%d+)$')
+    window_append(list, seen, at, request, tonumber(since))
+  end
+end
+local function window_expire(list, seen, ttl)
+  redis.call('PEXPIRE', list, ttl)
+  redis.call('PEXPIRE', seen, ttl)
+end
+local function window_text(list)
+  return table.concat(redis.call('LRANGE', list, 0, -1), ';')
+end
+"#
+    .replace("@CAP@", &cap.to_string())
+}
+
+/// What a whole write of `state` (version 1 text) at `version` sends to Redis: the state
+/// as Redis keeps it, and the window's op and argument as the scripts take them
+/// ([`window_lua`]). A state with no version yet replaces whatever window is there (none,
+/// or one left after its state expired); text of any other shape is kept as it is, with
+/// no window beside it.
+pub fn beside_write(
+    state: String,
+    window: WindowWrite,
+    version: u64,
+) -> (String, &'static str, String) {
+    match to_beside(&state) {
+        Some((beside, entries)) => {
+            let write = if version == 0 {
+                WindowWrite::Replace
+            } else {
+                window
+            };
+            let (op, arg) = window_args(write, entries);
+            (beside, op, arg)
+        }
+        None => (state, "r", String::new()),
+    }
+}
+
+/// [`to_beside`] of a snapshot cut in parts (a fleet trip's, whose counts go between
+/// them): the first part's version made 2, and the window left out of whichever part
+/// holds it.
+pub fn parts_beside(parts: &[String]) -> Vec<String> {
+    parts
+        .iter()
+        .enumerate()
+        .map(|(i, part)| {
+            let mut part = match part.strip_prefix(V1) {
+                Some(rest) if i == 0 => format!("{V2}{rest}"),
+                _ => part.clone(),
+            };
+            if let Some(open) = part.find(RECENT_OPEN).map(|at| at + RECENT_OPEN.len()) {
+                if let Some(len) = part[open..].find(RECENT_CLOSE) {
+                    part.replace_range(open..open + len, "");
+                }
+            }
+            part
+        })
+        .collect()
+}
+
+/// A whole write's window as the scripts take it (see [`window_lua`]): the op and its
+/// argument, `window` being [`to_beside`]'s.
+pub fn window_args(write: WindowWrite, window: &str) -> (&'static str, String) {
+    match write {
+        WindowWrite::Keep => ("", String::new()),
+        WindowWrite::Append {
+            at_ms,
+            request,
+            since_ms,
+        } => ("a", format!("{at_ms},{request},{since_ms}")),
+        WindowWrite::Replace => ("r", window.to_string()),
+    }
 }
 
 /// A guard snapshot as stored: `{"v":1,"phase":..}`, the [`GuardSnapshot`]'s fields
@@ -588,5 +799,84 @@ mod tests {
                 format!("\"{}\"", phase.label())
             );
         }
+    }
+
+    /// Version 2, the form Redis keeps (the window beside the snapshot), byte for byte;
+    /// and back to version 1, which is what every reader decodes.
+    #[test]
+    fn version_2_keeps_the_window_beside_the_snapshot() {
+        let v1 = encode_snapshot(&GuardSnapshot {
+            recent: vec![(1_700_000_000_000, 7), (1_700_000_000_001, 8)],
+            ..snapshot()
+        });
+        let (v2, window) = to_beside(&v1).expect("version 1 text");
+        assert_eq!(
+            v2,
+            r#"{"v":2,"phase":"tripped","until_ms":1700000060000,"code":"loop_detected","rule":"identical_request_limit","evidence":"the same request was sent 4 times within 10m","consecutive_failures":2,"recent":[],"spend":[[1700000000000,0.25]],"transitions":3}"#
+        );
+        assert_eq!(window, "[1700000000000,7],[1700000000001,8]");
+        // Read back from Redis: the list's entries, joined by `;`.
+        assert_eq!(from_beside(&v2, "1700000000000,7;1700000000001,8"), v1);
+        let empty = encode_snapshot(&GuardSnapshot {
+            recent: vec![],
+            ..snapshot()
+        });
+        let (v2_empty, none) = to_beside(&empty).unwrap();
+        assert_eq!(none, "");
+        assert_eq!(from_beside(&v2_empty, ""), empty);
+        // A version 1 state an older build wrote holds its own window; anything else
+        // is left as it is, to be refused by the decoder.
+        assert_eq!(from_beside(&v1, "1,2"), v1);
+        assert_eq!(to_beside(r#"{"v":99,"phase":"hibernating"}"#), None);
+        assert_eq!(
+            decode_snapshot(&v2).map_err(|e| e.version),
+            Err(Some(2)),
+            "version 2 is never read without its window"
+        );
+        // The prefixes the scripts test for, as version 2 has them.
+        assert!(v2_empty.starts_with(&beside_prefix(r#"{"v":1,"phase":"tripped","#)));
+    }
+
+    /// What a whole write sends to the scripts: its window's op and argument.
+    #[test]
+    fn a_whole_write_says_what_it_does_to_the_window() {
+        let v1 = encode_snapshot(&snapshot());
+        let append = WindowWrite::Append {
+            at_ms: 1_700_000_000_500,
+            request: 9,
+            since_ms: 1_699_999_990_500,
+        };
+        let (state, op, arg) = beside_write(v1.clone(), append, 3);
+        assert!(state.starts_with(r#"{"v":2,"#));
+        assert_eq!((op, arg.as_str()), ("a", "1700000000500,9,1699999990500"));
+        assert_eq!(beside_write(v1.clone(), WindowWrite::Keep, 3).1, "");
+        // A state with no version yet replaces whatever is there with its own window.
+        let (_, op, arg) = beside_write(v1.clone(), append, 0);
+        assert_eq!(
+            (op, arg.as_str()),
+            ("r", "[1700000000000,6435012307588291259]")
+        );
+        let (_, op, arg) = beside_write(v1, WindowWrite::Replace, 5);
+        assert_eq!(
+            (op, arg.as_str()),
+            ("r", "[1700000000000,6435012307588291259]")
+        );
+        // Text of another shape is kept as it is, with no window beside it.
+        let odd = beside_write("odd".into(), append, 3);
+        assert_eq!(odd, ("odd".to_string(), "r", String::new()));
+    }
+
+    /// A fleet trip's parts (the counts go between them) in version 2.
+    #[test]
+    fn a_trips_parts_are_cut_from_version_2() {
+        let text = encode_snapshot(&snapshot());
+        let mark = "sent 4 times";
+        let (a, b) = text.split_once(mark).unwrap();
+        let parts = parts_beside(&[a.to_string(), b.to_string()]);
+        assert_eq!(
+            parts.join(mark),
+            to_beside(&text).unwrap().0,
+            "the parts joined are the whole state's version 2"
+        );
     }
 }

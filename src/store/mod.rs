@@ -384,14 +384,17 @@ pub trait GuardStates: Send + Sync {
     ) -> StoreFuture<'a, Option<GuardRecord>>;
     /// Replaces a session guard's state shared by replicas if it is still at
     /// `version` (0: none yet): `Saved(new version)`, or `Moved` with the version and
-    /// state another replica wrote first (load it and redo). A store no other process
-    /// shares has nothing to save: `None`.
+    /// state another replica wrote first (load it and redo). `window` says what the
+    /// write did to the state's window of requests, for a store that keeps the window
+    /// beside the state (Redis). A store no other process shares has nothing to save:
+    /// `None`.
     fn save_guard_window<'a>(
         &'a self,
         _tenant: &'a str,
         _session: &'a str,
         _version: u64,
         _state: String,
+        _window: format::WindowWrite,
         _ttl_ms: u64,
     ) -> StoreFuture<'a, Option<WindowSave>> {
         Box::pin(async { Ok(None) })

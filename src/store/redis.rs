@@ -8,13 +8,13 @@
 use std::sync::Arc;
 
 use super::connection::Redis;
-use super::format::{self, UnknownFormat};
+use super::format::{self, UnknownFormat, WindowWrite};
 use super::{
     Charge, Claim, GuardRecord, GuardStates, Ledger, OwnerRecord, Owners, QueuedSettle, Replays,
     ReportQuery, ReportRow, ReservationRecord, SettleQueue, Store, StoreError, StoreFuture,
     StoredOwner, StoredResponse, WindowSave,
 };
-use crate::policy::budget::Usage;
+use crate::policy::{budget::Usage, guard::RECENT_CAP};
 
 /// A key's value while its first request runs: a bare marker, the same in every format
 /// version (see [`format::encode_response`]).
@@ -24,19 +24,36 @@ pub struct RedisStore {
     inner: Arc<dyn Store>,
     redis: Arc<Redis>,
     save_window: redis::Script,
+    read_window: redis::Script,
 }
 
 /// Compare-and-set of a guard's shared state: `{"saved", version}`, or, when another
-/// replica wrote first, `{"moved", version, state}` (one round trip either way). The
-/// state's brief ([`format::brief_lua`]) is written beside it, its entries not counted.
+/// replica wrote first, `{"moved", version, state, window}` (one round trip either way).
+/// The state (version 2, [`format::to_beside`]) is written with its brief
+/// ([`format::brief_lua`]) and the window beside it as the write says
+/// ([`format::window_lua`]).
+///
+/// KEYS: the guard's hash, its window, the window's counts. ARGV: the version, the state,
+/// its expiry (ms), the window's op and argument.
 const SAVE_WINDOW: &str = r#"
-local v = tonumber(redis.call('HGET', KEYS[1], 'v') or '0')
+local cur = redis.call('HMGET', KEYS[1], 'v', 'state')
+local v = tonumber(cur[1] or '0')
 if v ~= tonumber(ARGV[1]) then
-  return {'moved', tostring(v), redis.call('HGET', KEYS[1], 'state') or ''}
+  return {'moved', tostring(v), cur[2] or '',
+    (cur[2] and beside(cur[2])) and window_text(KEYS[2]) or ''}
 end
-redis.call('HSET', KEYS[1], 'v', v + 1, 'state', ARGV[2], 'brief', brief(v + 1, ARGV[2], nil))
+redis.call('HSET', KEYS[1], 'v', v + 1, 'state', ARGV[2], 'brief', brief(v + 1, ARGV[2]))
+window_write(KEYS[2], KEYS[3], cur[2], ARGV[4], ARGV[5])
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
+window_expire(KEYS[2], KEYS[3], tonumber(ARGV[3]))
 return {'saved', tostring(v + 1)}
+"#;
+
+/// A guard's shared state as it is: `{version, state, window}`, or nothing.
+const READ_WINDOW: &str = r#"
+local cur = redis.call('HMGET', KEYS[1], 'v', 'state')
+if not cur[2] then return {} end
+return {cur[1] or '0', cur[2], beside(cur[2]) and window_text(KEYS[2]) or ''}
 "#;
 
 impl RedisStore {
@@ -44,7 +61,16 @@ impl RedisStore {
         RedisStore {
             inner,
             redis,
-            save_window: redis::Script::new(&format!("{}{SAVE_WINDOW}", format::brief_lua())),
+            save_window: redis::Script::new(&format!(
+                "{}{}{SAVE_WINDOW}",
+                format::brief_lua(),
+                format::window_lua(RECENT_CAP)
+            )),
+            read_window: redis::Script::new(&format!(
+                "{}{}{READ_WINDOW}",
+                format::brief_lua(),
+                format::window_lua(RECENT_CAP)
+            )),
         }
     }
 
@@ -302,14 +328,20 @@ impl GuardStates for RedisStore {
         session: &'a str,
         version: u64,
         state: String,
+        window: WindowWrite,
         ttl_ms: u64,
     ) -> StoreFuture<'a, Option<WindowSave>> {
         Box::pin(async move {
+            let (state, op, arg) = format::beside_write(state, window, version);
             let mut inv = self.save_window.prepare_invoke();
-            inv.key(self.redis.guard_window_key(tenant, session))
-                .arg(version)
+            for key in self.redis.guard_window_keys(tenant, session) {
+                inv.key(key);
+            }
+            inv.arg(version)
                 .arg(state)
-                .arg(ttl_ms.max(1000));
+                .arg(ttl_ms.max(1000))
+                .arg(op)
+                .arg(arg);
             let reply: Vec<String> = self
                 .redis
                 .run("save_guard_window", |mut c| async move {
@@ -317,10 +349,11 @@ impl GuardStates for RedisStore {
                 })
                 .await
                 .map_err(unavailable)?;
-            let version = reply.get(1).and_then(|v| v.parse().ok()).unwrap_or(0);
-            Ok(Some(match reply.first().map(String::as_str) {
-                Some("saved") => WindowSave::Saved(version),
-                _ => WindowSave::Moved(version, reply.get(2).cloned().unwrap_or_default()),
+            let field = |i: usize| reply.get(i).map(String::as_str).unwrap_or_default();
+            let version = field(1).parse().unwrap_or(0);
+            Ok(Some(match field(0) {
+                "saved" => WindowSave::Saved(version),
+                _ => WindowSave::Moved(version, format::from_beside(field(2), field(3))),
             }))
         })
     }
@@ -331,19 +364,24 @@ impl GuardStates for RedisStore {
         session: &'a str,
     ) -> StoreFuture<'a, Option<(u64, String)>> {
         Box::pin(async move {
-            let key = self.redis.guard_window_key(tenant, session);
-            let (version, state): (Option<u64>, Option<String>) = self
+            let mut inv = self.read_window.prepare_invoke();
+            for key in self.redis.guard_window_keys(tenant, session) {
+                inv.key(key);
+            }
+            let reply: Vec<String> = self
                 .redis
                 .run("guard_window", |mut c| async move {
-                    redis::cmd("HMGET")
-                        .arg(&key)
-                        .arg(&["v", "state"])
-                        .query_async(&mut c)
-                        .await
+                    inv.invoke_async(&mut c).await
                 })
                 .await
                 .map_err(unavailable)?;
-            Ok(state.map(|state| (version.unwrap_or(0), state)))
+            Ok(match reply.as_slice() {
+                [version, state, window] => Some((
+                    version.parse().unwrap_or(0),
+                    format::from_beside(state, window),
+                )),
+                _ => None,
+            })
         })
     }
 

@@ -512,27 +512,55 @@ async fn a_guard_window_is_replaced_only_at_the_version_read() {
     let db = Db::new();
     let (a, b) = (db.open().await, db.open().await);
     assert_eq!(
-        a.save_guard_window("t", "s", 0, "one".into(), 60_000)
-            .await
-            .unwrap(),
+        a.save_guard_window(
+            "t",
+            "s",
+            0,
+            "one".into(),
+            backstop::store::format::WindowWrite::Keep,
+            60_000
+        )
+        .await
+        .unwrap(),
         Some(WindowSave::Saved(1))
     );
     assert_eq!(
-        b.save_guard_window("t", "s", 0, "other".into(), 60_000)
-            .await
-            .unwrap(),
+        b.save_guard_window(
+            "t",
+            "s",
+            0,
+            "other".into(),
+            backstop::store::format::WindowWrite::Keep,
+            60_000
+        )
+        .await
+        .unwrap(),
         Some(WindowSave::Moved(1, "one".into()))
     );
     assert_eq!(
-        b.save_guard_window("t", "s", 1, "two".into(), 60_000)
-            .await
-            .unwrap(),
+        b.save_guard_window(
+            "t",
+            "s",
+            1,
+            "two".into(),
+            backstop::store::format::WindowWrite::Keep,
+            60_000
+        )
+        .await
+        .unwrap(),
         Some(WindowSave::Saved(2))
     );
     assert_eq!(
-        a.save_guard_window("t", "s", 1, "late".into(), 60_000)
-            .await
-            .unwrap(),
+        a.save_guard_window(
+            "t",
+            "s",
+            1,
+            "late".into(),
+            backstop::store::format::WindowWrite::Keep,
+            60_000
+        )
+        .await
+        .unwrap(),
         Some(WindowSave::Moved(2, "two".into()))
     );
 }

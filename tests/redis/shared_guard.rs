@@ -1,11 +1,13 @@
 //! The gate script's joining of an admitted request to a session guard's shared state
 //! (`guard_view::Joined`), against the guard itself on a real `redis-server`: random
 //! sequences of requests (few fingerprints, so they repeat; time moving on past the
-//! window now and then), failures and successes written whole between them (some by a
-//! build that writes no brief, so the script counts the window itself). For every
-//! request the script decides as the guard decides on the shared state: joined when the
-//! guard admits it with nothing else changed, handed back untouched when the guard would
-//! trip or refuse; and a joined state's window is the guard's, entry for entry.
+//! window now and then), failures and successes written whole between them (some left
+//! with no brief beside them, as builds before briefs wrote them). For every request the
+//! script decides as the guard decides on the shared state: joined when the guard admits
+//! it with nothing else changed, handed back untouched when the guard would trip or
+//! refuse; a joined state's window is the guard's, entry for entry; and the window Redis
+//! keeps beside the state (`store::format::to_beside`) always counts each request as
+//! often as its list holds it.
 //!
 //! Needs `redis-server` on PATH (`.ci/run` installs it).
 
@@ -19,7 +21,7 @@ use backstop::{
         guard_view::{self, Joined, Write, RECENT_CAP},
         shared::{Gate, GateReply, GuardWrite, Redis, SharedBudgets},
     },
-    store::format::{decode_snapshot, encode_snapshot},
+    store::format::{decode_snapshot, encode_snapshot, from_beside, WindowWrite},
 };
 use proptest::prelude::*;
 use tokio::time::Instant;
@@ -97,6 +99,8 @@ impl Session {
             .expect("redis")
     }
 
+    /// The shared state as replicas read it (its window spliced back in), after checking
+    /// that the counts kept beside the window are the window's.
     async fn stored(&mut self) -> (u64, String) {
         let (v, state): (Option<u64>, Option<String>) = redis::cmd("HMGET")
             .arg(&self.key)
@@ -104,7 +108,29 @@ impl Session {
             .query_async(&mut self.conn)
             .await
             .unwrap();
-        (v.unwrap_or(0), state.unwrap_or_default())
+        let window: Vec<String> = redis::cmd("LRANGE")
+            .arg(format!("{}:recent", self.key))
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut self.conn)
+            .await
+            .unwrap();
+        let seen: std::collections::BTreeMap<String, u64> = redis::cmd("HGETALL")
+            .arg(format!("{}:seen", self.key))
+            .query_async(&mut self.conn)
+            .await
+            .unwrap();
+        let mut counted = std::collections::BTreeMap::new();
+        for entry in &window {
+            let (_, request) = entry.split_once(',').expect("ms,fingerprint");
+            *counted.entry(request.to_string()).or_insert(0u64) += 1;
+        }
+        assert_eq!(seen, counted, "the counts beside the window are its own");
+        assert!(window.len() <= RECENT_CAP);
+        (
+            v.unwrap_or(0),
+            from_beside(&state.unwrap_or_default(), &window.join(";")),
+        )
     }
 }
 
@@ -155,7 +181,7 @@ fn run_sequence(
             .gate(Write::Whole {
                 version: 0,
                 state: first,
-                entries: 0,
+                window: WindowWrite::Keep,
             })
             .await
         else {
@@ -188,7 +214,6 @@ fn run_sequence(
                         Some(current) => Write::WholeOrJoin {
                             version: if current { version } else { version + 7 },
                             state: encode_snapshot(&guard_view::snapshot(&admitted, now, now_ms)),
-                            entries: admitted.counts().recent.len(),
                             join,
                         },
                         None => Write::Join(join),
@@ -231,12 +256,11 @@ fn run_sequence(
                     let (now, now_ms) = clock(elapsed);
                     guard.record(now, failed);
                     let state = encode_snapshot(&guard_view::snapshot(&guard, now, now_ms));
-                    let entries = guard.counts().recent.len();
                     let GateReply::Passed { guard: Some(w), .. } = s
                         .gate(Write::Whole {
                             version,
                             state,
-                            entries,
+                            window: WindowWrite::Keep,
                         })
                         .await
                     else {
@@ -313,4 +337,74 @@ fn a_joined_window_keeps_the_guards_last_requests() {
         .chain((151..500).map(|i| request(i, 1)))
         .collect();
     assert_eq!(run_sequence(&rt, &server, 3, steps).unwrap(), 500);
+}
+
+/// A state an older build wrote (version 1, its window inside it, no brief) is never
+/// joined to: it is handed back as it is, and the next whole write moves its window
+/// beside it, so the requests it counted go on counting.
+#[test]
+fn a_version_1_state_is_handed_back_then_its_window_moved_beside_it() {
+    let (server, rt) = bench();
+    rt.block_on(async {
+        let mut s = session(&server).await;
+        let t0 = Instant::now();
+        let mut guard = SessionGuard::new(policy(3));
+        for ms in [0, 1] {
+            let counted = guard.admit(t0 + Duration::from_millis(ms), &fp(7), 0.0);
+            assert!(counted.0.is_ok());
+        }
+        let (now, now_ms) = (t0 + Duration::from_millis(2), T0_MS + 2);
+        let v1 = encode_snapshot(&guard_view::snapshot(&guard, now, now_ms));
+        let _: () = redis::cmd("HSET")
+            .arg(&s.key)
+            .arg(&["v", "4", "state", &v1])
+            .query_async(&mut s.conn)
+            .await
+            .unwrap();
+        let join = Joined {
+            at_ms: now_ms,
+            request: 7,
+            limit: 3,
+            since_ms: now_ms - WINDOW.as_millis() as i64,
+        };
+        let GateReply::Moved(4, state) = s.gate(Write::Join(join)).await else {
+            panic!("a version 1 state is handed back")
+        };
+        assert_eq!(state, v1);
+        // Decided again on it (the third 7 is admitted) and written whole.
+        let snap = decode_snapshot(&state).unwrap();
+        let mut shared = guard_view::from_snapshot(policy(3), snap, now, now_ms);
+        assert!(shared.admit(now, &fp(7), 0.0).0.is_ok());
+        let whole = Write::Whole {
+            version: 4,
+            state: encode_snapshot(&guard_view::snapshot(&shared, now, now_ms)),
+            window: WindowWrite::Append {
+                at_ms: now_ms,
+                request: 7,
+                since_ms: join.since_ms,
+            },
+        };
+        let GateReply::Passed { guard: Some(w), .. } = s.gate(whole).await else {
+            panic!("a whole write at the version read is taken")
+        };
+        assert_eq!((w.from, w.to), (4, 5));
+        let raw: String = redis::cmd("HGET")
+            .arg(&s.key)
+            .arg("state")
+            .query_async(&mut s.conn)
+            .await
+            .unwrap();
+        assert!(raw.starts_with(r#"{"v":2,"#), "{raw}");
+        let (v, text) = s.stored().await;
+        assert_eq!(v, 5);
+        assert_eq!(decode_snapshot(&text).unwrap().recent.len(), 3);
+        // The fourth 7 is not joined: all three count, two of them from version 1.
+        let fourth = Joined {
+            at_ms: now_ms + 1,
+            ..join
+        };
+        let GateReply::Moved(5, _) = s.gate(Write::Join(fourth)).await else {
+            panic!("the fourth identical request is the guard's to refuse")
+        };
+    });
 }

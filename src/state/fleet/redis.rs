@@ -59,7 +59,7 @@ use crate::{
         sessions::Candidates,
         shared::{Redis, Unavailable},
     },
-    store::WindowSave,
+    store::{format, WindowSave},
 };
 
 /// How stale a replica's copy of a tenant's watched shapes may get before it is read
@@ -285,28 +285,34 @@ return {'counted', tostring(trip), tostring(sessions), tostring(qualified),
 /// A failure counted ([`FAILED`], as a function of the same arguments) and the session
 /// guard's write-back in the same round trip, for replicas: the compare-and-set of
 /// [`crate::store::RedisStore`]'s `save_guard_window` on KEYS[2] (the session's guard
-/// state, under the same hash tag as the fleet's keys), of ARGV[20] (the failure
-/// recorded) or, when the count trips the session and ARGV[21..23] are given, of the
-/// state with the trip imposed: ARGV[21] .. sessions .. ARGV[22] .. qualified ..
-/// ARGV[23], the counts the reply gives. ARGV[18] the guard state's version, ARGV[19]
-/// its expiry (ms). Replies `{"saved", version, ""}` or `{"moved", version, state}`
+/// state, under the same hash tag as the fleet's keys; KEYS[3] and KEYS[4] its window and
+/// the window's counts, see [`crate::store::format::to_beside`]), of ARGV[20] (the
+/// failure recorded) or, when the count trips the session and ARGV[23..25] are given, of
+/// the state with the trip imposed: ARGV[23] .. sessions .. ARGV[24] .. qualified ..
+/// ARGV[25], the counts the reply gives. ARGV[18] the guard state's version, ARGV[19]
+/// its expiry (ms), ARGV[21] and ARGV[22] the window's op and argument (a failure adds no
+/// request). Replies `{"saved", version, "", ""}` or `{"moved", version, state, window}`
 /// (nothing written: another replica wrote first), then [`FAILED`]'s reply, whose count
 /// stands either way.
 const FAILED_AND_SAVE: &str = r#"
 local fleet = count()
-local g, version, gttl = KEYS[2], tonumber(ARGV[18]), tonumber(ARGV[19])
+local g, list, seen = KEYS[2], KEYS[3], KEYS[4]
+local version, gttl = tonumber(ARGV[18]), tonumber(ARGV[19])
 local state = ARGV[20]
-if fleet[1] == 'counted' and fleet[2] == '1' and ARGV[23] then
-  state = ARGV[21] .. fleet[3] .. ARGV[22] .. fleet[4] .. ARGV[23]
+if fleet[1] == 'counted' and fleet[2] == '1' and ARGV[25] then
+  state = ARGV[23] .. fleet[3] .. ARGV[24] .. fleet[4] .. ARGV[25]
 end
-local v = tonumber(redis.call('HGET', g, 'v') or '0')
+local cur = redis.call('HMGET', g, 'v', 'state')
+local v = tonumber(cur[1] or '0')
 local out
 if v ~= version then
-  out = {'moved', tostring(v), redis.call('HGET', g, 'state') or ''}
+  out = {'moved', tostring(v), cur[2] or '', (cur[2] and beside(cur[2])) and window_text(list) or ''}
 else
-  redis.call('HSET', g, 'v', v + 1, 'state', state, 'brief', brief(v + 1, state, nil))
+  redis.call('HSET', g, 'v', v + 1, 'state', state, 'brief', brief(v + 1, state))
+  window_write(list, seen, cur[2], ARGV[21], ARGV[22])
   redis.call('PEXPIRE', g, gttl)
-  out = {'saved', tostring(v + 1), ''}
+  window_expire(list, seen, gttl)
+  out = {'saved', tostring(v + 1), '', ''}
 end
 for _, f in ipairs(fleet) do table.insert(out, f) end
 return out
@@ -573,8 +579,9 @@ impl SharedFleet {
             clock,
             failed: script(FAILED),
             failed_and_save: Script::new(&format!(
-                "{COMMON}{}\nlocal function count()\n{FAILED}\nend\n{FAILED_AND_SAVE}",
-                crate::store::format::brief_lua()
+                "{COMMON}{}{}\nlocal function count()\n{FAILED}\nend\n{FAILED_AND_SAVE}",
+                format::brief_lua(),
+                format::window_lua(crate::policy::guard::RECENT_CAP)
             )),
             check: script(CHECK),
             succeeded: script(SUCCEEDED),
@@ -717,24 +724,33 @@ impl SharedFleet {
         guard: &Candidates,
     ) -> Result<(Failed, WindowSave), Unavailable> {
         let mut inv = self.invoke(&self.failed_and_save, tenant, policy);
-        inv.key(self.redis.guard_window_key(tenant, session));
+        for key in self.redis.guard_window_keys(tenant, session) {
+            inv.key(key);
+        }
         failed_args(&mut inv, policy, sig, session_key(session), calls, usd);
+        let (recorded, op, arg) = format::beside_write(
+            guard.recorded.clone(),
+            format::WindowWrite::Keep,
+            guard.version,
+        );
         inv.arg(guard.version)
             .arg(guard.ttl_ms.max(1000))
-            .arg(&guard.recorded);
+            .arg(recorded)
+            .arg(op)
+            .arg(arg);
         if let Some(parts) = &guard.tripped {
-            for part in parts {
+            for part in format::parts_beside(parts) {
                 inv.arg(part);
             }
         }
         let reply: Vec<String> = self.run_script("fleet_failed_and_save", inv).await?;
-        let field = |i: usize| reply.get(i).cloned().unwrap_or_default();
+        let field = |i: usize| reply.get(i).map(String::as_str).unwrap_or_default();
         let version = field(1).parse().unwrap_or(0);
-        let saved = match field(0).as_str() {
+        let saved = match field(0) {
             "saved" => WindowSave::Saved(version),
-            _ => WindowSave::Moved(version, field(2)),
+            _ => WindowSave::Moved(version, format::from_beside(field(2), field(3))),
         };
-        let mut failed = self.counted(tenant, policy, sig, reply.get(3..).unwrap_or_default());
+        let mut failed = self.counted(tenant, policy, sig, reply.get(4..).unwrap_or_default());
         if let Some(hot) = &mut failed.trip {
             hot.description = sig.description.clone();
         }

@@ -906,13 +906,15 @@ impl GuardStates for PgStore {
         }))
     }
 
-    /// Compare-and-set in one statement: an expired window counts as version 0.
+    /// Compare-and-set in one statement: an expired window counts as version 0. The
+    /// state holds its own window here (`_window` is for Redis).
     fn save_guard_window<'a>(
         &'a self,
         tenant: &'a str,
         session: &'a str,
         version: u64,
         state: String,
+        _window: super::format::WindowWrite,
         ttl_ms: u64,
     ) -> StoreFuture<'a, Option<WindowSave>> {
         let version = i64::try_from(version).unwrap_or(i64::MAX);
