@@ -33,8 +33,10 @@ pub enum Write {
     /// One admitted request, added to whatever the shared state holds now ([`Joined`]).
     Join(Joined),
     /// The whole state if the shared state is still at `version`, else the request
-    /// joined to it: for a replica that wrote the shared state last, which is then
-    /// spared reading and splicing it (Redis's Lua is slow with kilobyte strings).
+    /// joined to it: for a replica that wrote the shared state last. (It spared Redis
+    /// splicing a kilobyte window into the state while the window was inside it; with
+    /// the window kept beside the state, either write costs about the same: measured in
+    /// `docs/performance.md`.)
     WholeOrJoin {
         version: u64,
         state: String,
