@@ -144,6 +144,12 @@ pub struct Candidates {
     pub ttl_ms: u64,
 }
 
+/// When the identical-request window that ends at `now_ms` starts (wall clock, ms).
+fn window_start(config: &GuardPolicy, now_ms: i64) -> i64 {
+    let window = i64::try_from(config.identical_request_window.as_millis()).unwrap_or(i64::MAX);
+    now_ms.saturating_sub(window)
+}
+
 /// `state` cut at each of `marks`, in order, each found exactly once: the parts around
 /// them. `None` when a mark is missing, repeated or out of order.
 fn cut(state: &str, marks: &[&str]) -> Option<Vec<String>> {
@@ -681,13 +687,11 @@ impl SessionGuards {
                     && guard_view::joins(&e.guard, &admitted, now, request);
                 joins.then(|| {
                     e.guard = admitted;
-                    let window = i64::try_from(config.identical_request_window.as_millis())
-                        .unwrap_or(i64::MAX);
                     let join = Joined {
                         at_ms: now_ms,
                         request,
                         limit: config.identical_request_limit,
-                        since_ms: now_ms.saturating_sub(window),
+                        since_ms: window_start(config, now_ms),
                     };
                     let whole = {
                         let s = e.sharing();
@@ -803,10 +807,7 @@ impl SessionGuards {
                     Some(request) if before.counts_request(now) => WindowWrite::Append {
                         at_ms: now_ms,
                         request,
-                        since_ms: now_ms.saturating_sub(
-                            i64::try_from(config.identical_request_window.as_millis())
-                                .unwrap_or(i64::MAX),
-                        ),
+                        since_ms: window_start(config, now_ms),
                     },
                     _ => WindowWrite::Keep,
                 };

@@ -950,7 +950,7 @@ impl SharedBudgets {
                 };
                 let (state, op, arg) = match whole {
                     Some((version, state, window)) => {
-                        let (state, op, arg) = beside_write(state.clone(), window, version);
+                        let (state, op, arg) = beside_write(state, window, version);
                         inv.arg(version);
                         (state, op, arg)
                     }

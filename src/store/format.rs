@@ -387,11 +387,11 @@ end
 /// or one left after its state expired); text of any other shape is kept as it is, with
 /// no window beside it.
 pub fn beside_write(
-    state: String,
+    state: &str,
     window: WindowWrite,
     version: u64,
 ) -> (String, &'static str, String) {
-    match to_beside(&state) {
+    match to_beside(state) {
         Some((beside, entries)) => {
             let write = if version == 0 {
                 WindowWrite::Replace
@@ -401,7 +401,7 @@ pub fn beside_write(
             let (op, arg) = window_args(write, entries);
             (beside, op, arg)
         }
-        None => (state, "r", String::new()),
+        None => (state.to_string(), "r", String::new()),
     }
 }
 
@@ -846,23 +846,23 @@ mod tests {
             request: 9,
             since_ms: 1_699_999_990_500,
         };
-        let (state, op, arg) = beside_write(v1.clone(), append, 3);
+        let (state, op, arg) = beside_write(&v1, append, 3);
         assert!(state.starts_with(r#"{"v":2,"#));
         assert_eq!((op, arg.as_str()), ("a", "1700000000500,9,1699999990500"));
-        assert_eq!(beside_write(v1.clone(), WindowWrite::Keep, 3).1, "");
+        assert_eq!(beside_write(&v1, WindowWrite::Keep, 3).1, "");
         // A state with no version yet replaces whatever is there with its own window.
-        let (_, op, arg) = beside_write(v1.clone(), append, 0);
+        let (_, op, arg) = beside_write(&v1, append, 0);
         assert_eq!(
             (op, arg.as_str()),
             ("r", "[1700000000000,6435012307588291259]")
         );
-        let (_, op, arg) = beside_write(v1, WindowWrite::Replace, 5);
+        let (_, op, arg) = beside_write(&v1, WindowWrite::Replace, 5);
         assert_eq!(
             (op, arg.as_str()),
             ("r", "[1700000000000,6435012307588291259]")
         );
         // Text of another shape is kept as it is, with no window beside it.
-        let odd = beside_write("odd".into(), append, 3);
+        let odd = beside_write("odd", append, 3);
         assert_eq!(odd, ("odd".to_string(), "r", String::new()));
     }
 

@@ -332,7 +332,7 @@ impl GuardStates for RedisStore {
         ttl_ms: u64,
     ) -> StoreFuture<'a, Option<WindowSave>> {
         Box::pin(async move {
-            let (state, op, arg) = format::beside_write(state, window, version);
+            let (state, op, arg) = format::beside_write(&state, window, version);
             let mut inv = self.save_window.prepare_invoke();
             for key in self.redis.guard_window_keys(tenant, session) {
                 inv.key(key);

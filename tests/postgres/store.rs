@@ -10,9 +10,9 @@ use backstop::{
     config::{StoreBackend, StoreConfig},
     policy::budget::Usage,
     store::{
-        Charge, Claim, GuardRecord, GuardStates, Ledger, OwnerRecord, Owners, PgStore,
-        QueuedSettle, Replays, ReportQuery, ReservationRecord, SettleQueue, Store, StoreError,
-        StoredOwner, StoredResponse, WindowSave, SCHEMA_VERSION,
+        format::WindowWrite, Charge, Claim, GuardRecord, GuardStates, Ledger, OwnerRecord, Owners,
+        PgStore, QueuedSettle, Replays, ReportQuery, ReservationRecord, SettleQueue, Store,
+        StoreError, StoredOwner, StoredResponse, WindowSave, SCHEMA_VERSION,
     },
 };
 
@@ -507,60 +507,27 @@ async fn an_idempotency_key_is_claimed_by_one_store_at_a_time() {
     ));
 }
 
+/// A compare-and-set of session `t`/`s`'s guard state at `version` (PostgreSQL keeps the
+/// window inside the state: the write's window op is Redis's alone).
+async fn save_window(store: &impl GuardStates, version: u64, state: &str) -> Option<WindowSave> {
+    store
+        .save_guard_window("t", "s", version, state.into(), WindowWrite::Keep, 60_000)
+        .await
+        .unwrap()
+}
+
 #[tokio::test]
 async fn a_guard_window_is_replaced_only_at_the_version_read() {
     let db = Db::new();
     let (a, b) = (db.open().await, db.open().await);
+    assert_eq!(save_window(&a, 0, "one").await, Some(WindowSave::Saved(1)));
     assert_eq!(
-        a.save_guard_window(
-            "t",
-            "s",
-            0,
-            "one".into(),
-            backstop::store::format::WindowWrite::Keep,
-            60_000
-        )
-        .await
-        .unwrap(),
-        Some(WindowSave::Saved(1))
-    );
-    assert_eq!(
-        b.save_guard_window(
-            "t",
-            "s",
-            0,
-            "other".into(),
-            backstop::store::format::WindowWrite::Keep,
-            60_000
-        )
-        .await
-        .unwrap(),
+        save_window(&b, 0, "other").await,
         Some(WindowSave::Moved(1, "one".into()))
     );
+    assert_eq!(save_window(&b, 1, "two").await, Some(WindowSave::Saved(2)));
     assert_eq!(
-        b.save_guard_window(
-            "t",
-            "s",
-            1,
-            "two".into(),
-            backstop::store::format::WindowWrite::Keep,
-            60_000
-        )
-        .await
-        .unwrap(),
-        Some(WindowSave::Saved(2))
-    );
-    assert_eq!(
-        a.save_guard_window(
-            "t",
-            "s",
-            1,
-            "late".into(),
-            backstop::store::format::WindowWrite::Keep,
-            60_000
-        )
-        .await
-        .unwrap(),
+        save_window(&a, 1, "late").await,
         Some(WindowSave::Moved(2, "two".into()))
     );
 }

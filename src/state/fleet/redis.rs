@@ -728,11 +728,8 @@ impl SharedFleet {
             inv.key(key);
         }
         failed_args(&mut inv, policy, sig, session_key(session), calls, usd);
-        let (recorded, op, arg) = format::beside_write(
-            guard.recorded.clone(),
-            format::WindowWrite::Keep,
-            guard.version,
-        );
+        let (recorded, op, arg) =
+            format::beside_write(&guard.recorded, format::WindowWrite::Keep, guard.version);
         inv.arg(guard.version)
             .arg(guard.ttl_ms.max(1000))
             .arg(recorded)
