@@ -213,6 +213,13 @@ const V2: &str = r#"{"v":2,"#;
 const RECENT_OPEN: &str = r#""recent":["#;
 const RECENT_CLOSE: &str = r#"],"spend":["#;
 
+/// Where the window's entries are in a snapshot's text: from after `"recent":[` to
+/// before `],"spend":[`.
+fn window_span(text: &str) -> Option<(usize, usize)> {
+    let open = text.find(RECENT_OPEN)? + RECENT_OPEN.len();
+    Some((open, open + text[open..].find(RECENT_CLOSE)?))
+}
+
 /// A prefix of version 1 ([`ADMITTING_PREFIXES`], [`QUIET_PREFIX`]) as version 2 has it.
 pub fn beside_prefix(prefix: &str) -> String {
     format!("{V2}{}", prefix.strip_prefix(V1).unwrap_or(prefix))
@@ -248,8 +255,7 @@ pub enum WindowWrite {
 /// as it is.
 pub fn to_beside(text: &str) -> Option<(String, &str)> {
     let rest = text.strip_prefix(V1)?;
-    let open = rest.find(RECENT_OPEN)? + RECENT_OPEN.len();
-    let close = open + rest[open..].find(RECENT_CLOSE)?;
+    let (open, close) = window_span(rest)?;
     let mut state = String::with_capacity(V2.len() + rest.len() - (close - open));
     state.push_str(V2);
     state.push_str(&rest[..open]);
@@ -398,7 +404,15 @@ pub fn beside_write(
             } else {
                 window
             };
-            let (op, arg) = window_args(write, entries);
+            let (op, arg) = match write {
+                WindowWrite::Keep => ("", String::new()),
+                WindowWrite::Append {
+                    at_ms,
+                    request,
+                    since_ms,
+                } => ("a", format!("{at_ms},{request},{since_ms}")),
+                WindowWrite::Replace => ("r", entries.to_string()),
+            };
             (beside, op, arg)
         }
         None => (state.to_string(), "r", String::new()),
@@ -417,28 +431,12 @@ pub fn parts_beside(parts: &[String]) -> Vec<String> {
                 Some(rest) if i == 0 => format!("{V2}{rest}"),
                 _ => part.clone(),
             };
-            if let Some(open) = part.find(RECENT_OPEN).map(|at| at + RECENT_OPEN.len()) {
-                if let Some(len) = part[open..].find(RECENT_CLOSE) {
-                    part.replace_range(open..open + len, "");
-                }
+            if let Some((open, close)) = window_span(&part) {
+                part.replace_range(open..close, "");
             }
             part
         })
         .collect()
-}
-
-/// A whole write's window as the scripts take it (see [`window_lua`]): the op and its
-/// argument, `window` being [`to_beside`]'s.
-pub fn window_args(write: WindowWrite, window: &str) -> (&'static str, String) {
-    match write {
-        WindowWrite::Keep => ("", String::new()),
-        WindowWrite::Append {
-            at_ms,
-            request,
-            since_ms,
-        } => ("a", format!("{at_ms},{request},{since_ms}")),
-        WindowWrite::Replace => ("r", window.to_string()),
-    }
 }
 
 /// A guard snapshot as stored: `{"v":1,"phase":..}`, the [`GuardSnapshot`]'s fields
