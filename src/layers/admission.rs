@@ -10,7 +10,11 @@
 //! naming the rule and its evidence), before any upstream call.
 //!
 //! In replica mode all of that is one round trip to Redis ([`Budgets::gate`]): the
-//! limits and the guard's compare-and-set write-back in one script. After the call the
+//! limits and the guard's compare-and-set write-back in one script, which also makes the
+//! first upstream attempt's budget reservation (what the meter would reserve for the
+//! route's first target; handed to the attempt through [`Call::prepaid`], given back
+//! uncharged if no attempt asks for it), so a request reaches the upstream after one
+//! round trip instead of two. After the call the
 //! settle of its last upstream call (the meter's one round trip) hands back what the
 //! session holds and its guard's version, so the remaining-budget header and the
 //! guard's record of a success need no other read or write; only a failure (which
@@ -47,7 +51,11 @@ use axum::body::Body;
 use http::Response;
 use tower::{Layer, Service};
 
-use super::{context::Call, Holding, Middleware, Stack};
+use super::{
+    context::Call,
+    meter::{self, HeldContext},
+    Holding, Middleware, Stack,
+};
 use crate::{
     api::{fingerprint::fingerprint, signature, ParsedRequest},
     error::{Category, GatewayError},
@@ -64,7 +72,10 @@ use crate::{
         trail,
     },
     state::{
-        budgets::{Budgets, ConcurrencySlot, Gated, Refusal},
+        budgets::{
+            reservation::{Ask, Prepaid},
+            Budgets, ConcurrencySlot, Gated, Refusal,
+        },
         fleet::Fleet,
         guard_view::Write,
         sessions::{lock, GuardedSession, Saving, SessionGuards, TraceEntry, TraceId},
@@ -274,6 +285,23 @@ async fn persist(guards: &SessionGuards, tenant: &str, session: &str, keep: Opti
 }
 
 /// Holds `slot` (if any) until the response body ends.
+/// What the gate let a request through with.
+#[derive(Default)]
+struct Admitted {
+    /// Its place under the session's `max_concurrent`, held until its body ends.
+    slot: Option<ConcurrencySlot>,
+    /// Its first attempt's reservation (replica mode).
+    prepaid: Option<Arc<Prepaid>>,
+}
+
+impl Admitted {
+    /// The reservation goes with the call to its attempts; the slot stays here.
+    fn hand_over(self, call: &mut Call) -> Option<ConcurrencySlot> {
+        call.prepaid = self.prepaid;
+        self.slot
+    }
+}
+
 fn holding(response: Response<Body>, slot: Option<ConcurrencySlot>) -> Response<Body> {
     match slot {
         Some(slot) => response.map(|body| Body::new(Holding { body, _guard: slot })),
@@ -338,17 +366,44 @@ impl AdmissionLayer {
         &self,
         tenant: &str,
         session: Option<&str>,
-    ) -> Result<Option<ConcurrencySlot>, GatewayError> {
+        prepay: Option<&Ask>,
+    ) -> Result<Admitted, GatewayError> {
         match self
             .budgets
-            .gate(tenant, session, None)
+            .gate(tenant, session, None, prepay)
             .await
             .map_err(GatewayError::from)?
         {
-            Gated::Passed { slot, .. } => Ok(slot),
+            Gated::Passed { slot, prepaid, .. } => Ok(Admitted { slot, prepaid }),
             // Only a guard write can be moved.
-            Gated::Moved(..) => Ok(None),
+            Gated::Moved(..) => Ok(Admitted::default()),
         }
+    }
+
+    /// What the request's first attempt will reserve if routing keeps the route's first
+    /// target and its API (so the body goes as it came): asked of the gate in replica
+    /// mode. Not for a chained Responses call, whose previous response's size the owners
+    /// layer looks up.
+    fn first_ask(&self, call: &Call) -> Option<Ask> {
+        self.budgets.shared()?;
+        let request = &call.request;
+        let target = call.route.targets.get(call.start.0)?;
+        if target.upstream.api != request.endpoint.api() || request.refs.previous_response.is_some()
+        {
+            return None;
+        }
+        let model = target.model.as_deref().unwrap_or(&request.model);
+        let held = HeldContext {
+            tokens: 0,
+            unsized_context: request.refs.unsized_context,
+        };
+        Some(meter::ask(
+            &self.budgets,
+            &call.tenant,
+            model,
+            request,
+            held,
+        ))
     }
 
     /// The limits and the guard's admission: in replica mode in one round trip, the
@@ -357,7 +412,8 @@ impl AdmissionLayer {
         &self,
         g: &Guarded<'_>,
         usd_before: f64,
-    ) -> Result<Option<ConcurrencySlot>, GatewayError> {
+        prepay: Option<&Ask>,
+    ) -> Result<Admitted, GatewayError> {
         let admit = |guard: &mut SessionGuard, now| {
             let usd = usd_before.max(guard.last_spend().unwrap_or(0.0));
             guard.admit(now, g.fp, usd)
@@ -376,18 +432,18 @@ impl AdmissionLayer {
                         verdict
                     },
                     g.fp.request,
-                    |write| self.gate(g, write, refuses.load(Ordering::Relaxed)),
+                    |write| self.gate(g, write, refuses.load(Ordering::Relaxed), prepay),
                 )
                 .await
                 .map_err(unreadable)?;
             let slot = match gated {
                 Some(Ok(slot)) => slot,
                 Some(Err(refusal)) => return Err(refusal.into()),
-                None => self.limits(g.tenant, Some(g.session)).await?,
+                None => self.limits(g.tenant, Some(g.session), prepay).await?,
             };
             ((admitted, change), slot)
         } else {
-            let slot = self.limits(g.tenant, Some(g.session)).await?;
+            let slot = self.limits(g.tenant, Some(g.session), prepay).await?;
             let verdict = self
                 .guards
                 .update(g.tenant, g.session, g.entry, admit)
@@ -655,19 +711,27 @@ impl AdmissionLayer {
         g: &Guarded<'_>,
         write: Option<Write>,
         refuses: bool,
-    ) -> Saving<Result<Option<ConcurrencySlot>, Refusal>> {
+        prepay: Option<&Ask>,
+    ) -> Saving<Result<Admitted, Refusal>> {
         let write = write.map(|write| GuardWrite {
             write,
             ttl_ms: self.guards.shared_ttl_ms(),
             refuses,
         });
         let written = write.is_some();
-        match self.budgets.gate(g.tenant, Some(g.session), write).await {
+        match self
+            .budgets
+            .gate(g.tenant, Some(g.session), write, prepay)
+            .await
+        {
             Ok(Gated::Passed {
                 slot,
                 guard: Some(versions),
-            }) if written => Saving::Saved(versions, Ok(slot)),
-            Ok(Gated::Passed { slot, .. }) => Saving::Local(Ok(slot)),
+                prepaid,
+            }) if written => Saving::Saved(versions, Ok(Admitted { slot, prepaid })),
+            Ok(Gated::Passed { slot, prepaid, .. }) => {
+                Saving::Local(Ok(Admitted { slot, prepaid }))
+            }
             Ok(Gated::Moved(version, state)) => Saving::Moved(version, state),
             Err(refusal) => Saving::Undone(Err(refusal)),
         }
@@ -683,7 +747,7 @@ where
     type Response = Response<Body>;
     type Error = GatewayError;
 
-    async fn call(&self, mut inner: S, call: Call) -> Result<Response<Body>, GatewayError> {
+    async fn call(&self, mut inner: S, mut call: Call) -> Result<Response<Body>, GatewayError> {
         let entry = match call.session.as_deref() {
             Some(s) => self
                 .guards
@@ -694,9 +758,13 @@ where
         };
         let log = call.log.clone();
         let tenant = call.tenant.clone();
+        let prepay = self.first_ask(&call);
         let (Some(entry), Some(session)) = (entry, call.session.clone()) else {
             let session = call.session.clone();
-            let slot = self.limits(&tenant, session.as_deref()).await?;
+            let admitted = self
+                .limits(&tenant, session.as_deref(), prepay.as_ref())
+                .await?;
+            let slot = admitted.hand_over(&mut call);
             let result = inner.call(call).await;
             if let Some(session) = session {
                 let seen = log.facts().session_seen;
@@ -736,9 +804,9 @@ where
             log.set_session_state(lock(&entry).guard.state().phase());
             return Err(refused);
         }
-        let slot = self.admit(&g, usd_before).await;
+        let admitted = self.admit(&g, usd_before, prepay.as_ref()).await;
         log.set_session_state(lock(&entry).guard.state().phase());
-        let slot = slot?;
+        let slot = admitted?.hand_over(&mut call);
         let started = Instant::now();
         let result = inner.call(call).await;
         let (status, failed) = match &result {

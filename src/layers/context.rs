@@ -32,7 +32,10 @@ use crate::{
     config::ServerConfig,
     error::GatewayError,
     routing::{Route, RouteTable},
-    state::body_memory::{BodyMemory, Busy, Charge, LARGE_BODY_BYTES},
+    state::{
+        body_memory::{BodyMemory, Busy, Charge, LARGE_BODY_BYTES},
+        budgets::reservation::Prepaid,
+    },
     telemetry::RequestLog,
 };
 
@@ -63,6 +66,9 @@ pub struct Call {
     pub start: TargetIndex,
     /// Keep the parsed answer for validation (set by the validate layer).
     pub keep_answer: bool,
+    /// The first attempt's reservation, made with the request's gate (set by the
+    /// admission layer in replica mode; see [`crate::layers::meter`]).
+    pub prepaid: Option<Arc<Prepaid>>,
 }
 
 impl Call {
@@ -343,6 +349,7 @@ where
             headers: Arc::new(parts.headers),
             start: TargetIndex::default(),
             keep_answer: false,
+            prepaid: None,
         };
         let response = inner.call(call).await?;
         Ok(if charge.is_empty() {

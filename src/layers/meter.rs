@@ -25,9 +25,13 @@ use tower::{Layer, Service};
 
 use super::{Middleware, Stack};
 use crate::{
+    api::ParsedRequest,
     api::{Endpoint, ReportedUsage},
     policy::{budget::estimate_prompt_tokens, classify::TransportFailure},
-    state::budgets::{reservation::Outcome, Budgets},
+    state::budgets::{
+        reservation::{Ask, Outcome, Prepaid},
+        Budgets,
+    },
     telemetry::RequestLog,
     upstream::{Attempt, AttemptError, Reply},
 };
@@ -43,6 +47,33 @@ pub struct Billed {
     pub log: Arc<RequestLog>,
     /// Input the provider adds to the body from what it holds for this call.
     pub held: HeldContext,
+    /// The first attempt's reservation, made with the request's gate (replica mode):
+    /// taken by the attempt that asks what it was made for.
+    pub prepaid: Option<Arc<Prepaid>>,
+}
+
+/// What an attempt of `request` asking `model` reserves: the body's input estimate
+/// plus what the provider holds for it, and the output it may produce.
+pub fn ask(
+    budgets: &Budgets,
+    tenant: &str,
+    model: &str,
+    request: &ParsedRequest,
+    held: HeldContext,
+) -> Ask {
+    Ask {
+        model: model.to_string(),
+        input_tokens: held.input_tokens(
+            estimate_prompt_tokens(request.body.len()),
+            budgets.min_input_tokens(tenant),
+        ),
+        max_output: match request.endpoint {
+            Endpoint::Embeddings => 0,
+            _ => request
+                .max_output_tokens
+                .unwrap_or(budgets.default_max_tokens),
+        },
+    }
 }
 
 /// The input tokens a call costs beyond its body, from objects the provider holds
@@ -115,33 +146,25 @@ where
             session,
             log,
             held,
+            prepaid,
         } = billed;
         let budgets = &self.budgets;
         let request = attempt.request.clone();
-        let model = attempt
-            .model
-            .as_deref()
-            .unwrap_or(&request.model)
-            .to_string();
-        let max_output = match request.endpoint {
-            Endpoint::Embeddings => 0,
-            _ => request
-                .max_output_tokens
-                .unwrap_or(budgets.default_max_tokens),
+        let model = attempt.model.as_deref().unwrap_or(&request.model);
+        let ask = ask(budgets, &tenant, model, &request, held);
+        let reservation = match prepaid.and_then(|p| p.take(&ask)) {
+            Some(reservation) => reservation,
+            None => budgets
+                .reserve(
+                    &tenant,
+                    session.as_deref(),
+                    &ask.model,
+                    ask.input_tokens,
+                    ask.max_output,
+                )
+                .await
+                .map_err(|refusal| AttemptError::Refused(refusal.into()))?,
         };
-        let reservation = budgets
-            .reserve(
-                &tenant,
-                session.as_deref(),
-                &model,
-                held.input_tokens(
-                    estimate_prompt_tokens(request.body.len()),
-                    budgets.min_input_tokens(&tenant),
-                ),
-                max_output,
-            )
-            .await
-            .map_err(|refusal| AttemptError::Refused(refusal.into()))?;
         attempt.stream_usage = request.stream
             && request.endpoint == Endpoint::ChatCompletions
             && !request.client_wants_stream_usage;

@@ -1104,7 +1104,7 @@ mod tests {
         let config = Config::from_toml_with_env(text, |_| None).unwrap();
         let store: Arc<dyn Store> = Arc::new(SqliteStore::open(":memory:").unwrap());
         let idle = Duration::from_secs(600);
-        let budgets = Budgets::new(&config, store.clone(), idle, Clock::system());
+        let budgets = Arc::new(Budgets::new(&config, store.clone(), idle, Clock::system()));
         let guards =
             SessionGuards::new(&config, idle, store, Clock::system()).sharing(budgets.live());
         for tenant in ["guarded", "plain"] {

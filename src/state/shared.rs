@@ -60,6 +60,8 @@ pub struct SharedCharge<'a> {
     pub output_tokens: u64,
     pub usd: f64,
     pub ts_ms: i64,
+    /// 1, or 0 for a release ([`SharedSettle::calls`]).
+    pub calls: u64,
 }
 
 /// Everything one settle needs, so that a settle Redis could not take now can be kept in
@@ -79,10 +81,27 @@ pub struct SharedSettle {
     pub output_tokens: u64,
     pub usd_micro: i64,
     pub ts_ms: i64,
+    /// 1 for a call made; 0 for a release, the reservation given back because no call
+    /// was made under it (format 2 only: version 1 has no such field and is always 1).
+    #[serde(default = "one_call", skip_serializing_if = "is_one_call")]
+    pub calls: u64,
 }
 
-/// The version of [`SharedSettle`]'s encoding this binary writes and reads.
+fn one_call() -> u64 {
+    1
+}
+
+fn is_one_call(calls: &u64) -> bool {
+    *calls == 1
+}
+
+/// The version of [`SharedSettle`]'s encoding this binary writes for a call made; a
+/// release is [`RELEASE_FORMAT`], so that a replica that knows only version 1 keeps it
+/// (refused, counted) instead of replaying it as a call.
 pub const SETTLE_FORMAT: u32 = 1;
+
+/// The version of a kept release's encoding (version 1 with `calls: 0`).
+pub const RELEASE_FORMAT: u32 = 2;
 
 impl SharedSettle {
     pub fn encode(&self) -> String {
@@ -93,7 +112,11 @@ impl SharedSettle {
     pub fn decode(text: &str) -> Option<SharedSettle> {
         serde_json::from_str::<SharedSettle>(text)
             .ok()
-            .filter(|s| s.v == SETTLE_FORMAT)
+            .filter(|s| match s.v {
+                SETTLE_FORMAT => s.calls == 1,
+                RELEASE_FORMAT => s.calls == 0,
+                _ => false,
+            })
     }
 }
 
@@ -190,88 +213,103 @@ local function now_ms()
 end
 "#;
 
-/// The admission: one script over the tenant's generation, reservations, day and
-/// session. First it charges the reservations whose lease has expired (a replica died
-/// holding them) at their reserved amount, as the embedded store does after a crash,
-/// and notes what it charged so a late settle corrects it to the actual usage.
-/// Replies `{"ok", unknown}`, `{"lost"}` or `{"over", scope, which, limit, used}`.
+/// The admission, over the tenant's generation, reservations, day and session: a
+/// function of its keys and arguments (`K`, `A`), run alone ([`admit_script`]) or by
+/// the gate for the first attempt's reservation ([`GATE`]). First it charges the
+/// reservations whose lease has expired (a replica died holding them) at their reserved
+/// amount, as the embedded store does after a crash, and notes what it charged so a late
+/// settle corrects it to the actual usage. Replies `{"ok", unknown}`, `{"lost"}` or
+/// `{"over", scope, which, limit, used}`.
 ///
-/// KEYS: generation, reservations (zset of leases), reservation records, day, session,
-/// lease-expired charges, their times (zset), spend stream.
+/// K: generation, reservations (zset of leases), reservation records, day, session,
+/// lease-expired charges, their times (zset), spend stream. A: the generation, the
+/// reservation's id, its lease (ms), the amounts (calls, tokens, micro-dollars), the
+/// day's caps, the session's caps (-1: none), '1' with a session, the session's expiry
+/// (s), the model and the session as the record names them.
 const ADMIT: &str = r#"
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {'lost'} end
-local now = now_ms()
-local unknown = 0
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 256)) do
-  local rec = redis.call('HGET', KEYS[3], id)
-  local r = rec and record(rec)
-  if rec and not r then
-    -- A newer replica's record: left reserved, looked at again a lease later.
-    unknown = unknown + 1
-    redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), id)
-  else
-    if r then
-      unreserve(r)
-      for _, k in ipairs({r[1], r[2]}) do
-        if k ~= '' then
-          add(k, 'calls', r[3], false); add(k, 'tokens', r[4], false); add(k, 'usd', r[5], false)
+local function admit(K, A)
+  if redis.call('GET', K[1]) ~= A[1] then return {'lost'} end
+  local now = now_ms()
+  local unknown = 0
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', K[2], '-inf', now, 'LIMIT', 0, 256)) do
+    local rec = redis.call('HGET', K[3], id)
+    local r = rec and record(rec)
+    if rec and not r then
+      -- A newer replica's record: left reserved, looked at again a lease later.
+      unknown = unknown + 1
+      redis.call('ZADD', K[2], now + tonumber(A[3]), id)
+    else
+      if r then
+        unreserve(r)
+        for _, k in ipairs({r[1], r[2]}) do
+          if k ~= '' then
+            add(k, 'calls', r[3], false); add(k, 'tokens', r[4], false); add(k, 'usd', r[5], false)
+          end
         end
+        redis.call('HSET', K[6], id, r[3] .. '|' .. r[4] .. '|' .. r[5])
+        redis.call('ZADD', K[7], now, id)
+        redis.call('XADD', K[8], 'MAXLEN', '~', 1000000, '*',
+          'reservation', id, 'session', decode(r[8]), 'model', decode(r[7]), 'calls', r[3],
+          'input_tokens', r[4], 'output_tokens', '0', 'usd_micro', r[5], 'ts_ms', tostring(now),
+          'kind', 'lease_expired')
+        redis.call('HDEL', K[3], id)
       end
-      redis.call('HSET', KEYS[6], id, r[3] .. '|' .. r[4] .. '|' .. r[5])
-      redis.call('ZADD', KEYS[7], now, id)
-      redis.call('XADD', KEYS[8], 'MAXLEN', '~', 1000000, '*',
-        'reservation', id, 'session', decode(r[8]), 'model', decode(r[7]), 'calls', r[3],
-        'input_tokens', r[4], 'output_tokens', '0', 'usd_micro', r[5], 'ts_ms', tostring(now),
-        'kind', 'lease_expired')
-      redis.call('HDEL', KEYS[3], id)
-    end
-    redis.call('ZREM', KEYS[2], id)
-  end
-end
--- What a late settle would correct is kept for a week; after that it is final.
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[7], '-inf', now - 604800000, 'LIMIT', 0, 64)) do
-  redis.call('HDEL', KEYS[6], id)
-  redis.call('ZREM', KEYS[7], id)
-end
-local want = {tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])}
-local function over(key, caps, scope)
-  local v = redis.call('HMGET', key, 'calls', 'tokens', 'usd', 'rcalls', 'rtokens', 'rusd')
-  for i = 1, 3 do
-    local used = (tonumber(v[i]) or 0) + (tonumber(v[i + 3]) or 0)
-    if caps[i] >= 0 and used + want[i] > caps[i] then
-      return {'over', scope, tostring(i), string.format('%.0f', caps[i]), string.format('%.0f', used)}
+      redis.call('ZREM', K[2], id)
     end
   end
-  return nil
-end
-local day_caps = {tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])}
-local refused = over(KEYS[4], day_caps, 'day')
-if refused then return refused end
-local has_session = ARGV[13] == '1'
-if has_session then
-  refused = over(KEYS[5], {tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])}, 'session')
+  -- What a late settle would correct is kept for a week; after that it is final.
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', K[7], '-inf', now - 604800000, 'LIMIT', 0, 64)) do
+    redis.call('HDEL', K[6], id)
+    redis.call('ZREM', K[7], id)
+  end
+  local want = {tonumber(A[4]), tonumber(A[5]), tonumber(A[6])}
+  local function over(key, caps, scope)
+    local v = redis.call('HMGET', key, 'calls', 'tokens', 'usd', 'rcalls', 'rtokens', 'rusd')
+    for i = 1, 3 do
+      local used = (tonumber(v[i]) or 0) + (tonumber(v[i + 3]) or 0)
+      if caps[i] >= 0 and used + want[i] > caps[i] then
+        return {'over', scope, tostring(i), string.format('%.0f', caps[i]), string.format('%.0f', used)}
+      end
+    end
+    return nil
+  end
+  local day_caps = {tonumber(A[7]), tonumber(A[8]), tonumber(A[9])}
+  local refused = over(K[4], day_caps, 'day')
   if refused then return refused end
+  local has_session = A[13] == '1'
+  if has_session then
+    refused = over(K[5], {tonumber(A[10]), tonumber(A[11]), tonumber(A[12])}, 'session')
+    if refused then return refused end
+  end
+  local fields = {'rcalls', 'rtokens', 'rusd'}
+  local amounts = {A[4], A[5], A[6]}
+  local session_key = ''
+  for i = 1, 3 do add(K[4], fields[i], amounts[i], false) end
+  redis.call('EXPIRE', K[4], 259200)
+  if has_session then
+    session_key = K[5]
+    for i = 1, 3 do add(K[5], fields[i], amounts[i], false) end
+    redis.call('EXPIRE', K[5], tonumber(A[14]))
+  end
+  redis.call('HSET', K[3], A[2], encode(K[4]) .. '|' .. encode(session_key) .. '|' .. A[4] .. '|' ..
+    A[5] .. '|' .. A[6] .. '|1|' .. A[15] .. '|' .. A[16])
+  redis.call('ZADD', K[2], now + tonumber(A[3]), A[2])
+  return {'ok', tostring(unknown)}
 end
-local fields = {'rcalls', 'rtokens', 'rusd'}
-local amounts = {ARGV[4], ARGV[5], ARGV[6]}
-local session_key = ''
-for i = 1, 3 do add(KEYS[4], fields[i], amounts[i], false) end
-redis.call('EXPIRE', KEYS[4], 259200)
-if has_session then
-  session_key = KEYS[5]
-  for i = 1, 3 do add(KEYS[5], fields[i], amounts[i], false) end
-  redis.call('EXPIRE', KEYS[5], tonumber(ARGV[14]))
-end
-redis.call('HSET', KEYS[3], ARGV[2], encode(KEYS[4]) .. '|' .. encode(session_key) .. '|' .. ARGV[4] .. '|' ..
-  ARGV[5] .. '|' .. ARGV[6] .. '|1|' .. ARGV[15] .. '|' .. ARGV[16])
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[2])
-return {'ok', tostring(unknown)}
 "#;
+
+/// The admission alone, as its own script.
+fn admit_script() -> String {
+    format!("{COMMON}{ADMIT}return admit(KEYS, ARGV)\n")
+}
 
 /// Settles a reservation once. Still held: unreserves it and charges the actual usage.
 /// Its lease expired first (charged its reserved amount then): charges the difference,
 /// so the total is the actual usage, never more. Neither: it was settled already (a
 /// replay), nothing changes. Appends the charge (or the correction) to the spend stream.
+/// A release (`calls` 0: the call was never made, [`SharedSettle::calls`]) is a settle
+/// to nothing: a held reservation is given back without an entry, one whose lease
+/// expired has that charge corrected away.
 /// Replies `{1}` = settled now, `{2}` = corrected, `{0}` = settled already; with a
 /// session, 1 and 2 are followed by what the session holds now (settled calls, tokens,
 /// micro-dollars, then reserved), its guard state's version and whether that state is
@@ -318,10 +356,13 @@ for _, k in ipairs(keys) do
 end
 redis.call('EXPIRE', KEYS[3], 259200)
 if ARGV[5] == '1' then redis.call('EXPIRE', KEYS[4], tonumber(ARGV[6])) end
-redis.call('XADD', KEYS[7], 'MAXLEN', '~', 1000000, '*',
-  'reservation', id, 'session', ARGV[7], 'model', ARGV[8], 'calls', amounts[1],
-  'input_tokens', input, 'output_tokens', ARGV[10], 'usd_micro', amounts[3],
-  'ts_ms', ARGV[11], 'kind', kind)
+-- A release (no call made) of a reservation still held spends nothing: no entry.
+if not (rec and ARGV[2] == '0') then
+  redis.call('XADD', KEYS[7], 'MAXLEN', '~', 1000000, '*',
+    'reservation', id, 'session', ARGV[7], 'model', ARGV[8], 'calls', amounts[1],
+    'input_tokens', input, 'output_tokens', ARGV[10], 'usd_micro', amounts[3],
+    'ts_ms', ARGV[11], 'kind', kind)
+end
 if ARGV[5] ~= '1' then return {tostring(reply)} end
 local u = redis.call('HMGET', KEYS[4], 'calls', 'tokens', 'usd', 'rcalls', 'rtokens', 'rusd')
 local out = {tostring(reply)}
@@ -335,9 +376,12 @@ return out
 
 /// What a client request asks of the shared state before it runs, in one script: the
 /// tenant's and the session's rate limiters (GCRA, both or neither), a session
-/// concurrency slot, and the session guard's write-back. In that order, as the layers
-/// decided them one by one: a rate refusal writes nothing; a session at its concurrency
-/// limit spends its rate but writes no guard state; a guard that refuses takes no slot.
+/// concurrency slot, the session guard's write-back and, when asked, the first upstream
+/// attempt's reservation ([`ADMIT`]). In that order, as the layers decided them one by
+/// one: a rate refusal writes nothing; a session at its concurrency limit spends its
+/// rate but writes no guard state; a guard that refuses takes no slot and no
+/// reservation; a reservation the budgets refuse leaves the rest done (the meter asks
+/// again and refuses the call, as before the gate made it).
 ///
 /// The guard's write-back is either the whole state, compare-and-set on its version
 /// (another replica's state written meanwhile is handed back before anything is
@@ -354,20 +398,22 @@ return out
 /// ([`crate::store::format::brief_lua`]) is written beside it; settles read whether the
 /// state is quiet from it.
 ///
-/// Replies `{"ok", version, version_before}` (`{"ok", ""}` without a guard write),
-/// `{"moved", version, state, window}`, `{"busy"}` or `{scope, wait_us}` (scope `tenant`
-/// or `session`). Times on the server's clock.
+/// Replies `{"ok", version, version_before}` (both '' without a guard write), followed
+/// by the admission's reply when a reservation was asked for and the guard does not
+/// refuse; `{"moved", version, state, window}`, `{"busy"}` or `{scope, wait_us}` (scope
+/// `tenant` or `session`). Times on the server's clock.
 ///
 /// A replica that wrote the shared state last sends both: the whole state, written if
 /// the shared state is still at its version, else the request joined.
 ///
 /// KEYS: tenant rate, session rate, concurrency slots, the guard's hash, its window, the
-/// window's counts. ARGV: tenant interval and burst, session interval and burst
-/// (interval 0: no limit), concurrency limit (0: none), slot lease (ms), slot id, the
-/// guard write ('' none, 'join' or the version the whole state must be at), the whole
-/// state, its expiry (ms), '1' when the guard refuses, the whole state's window op and
-/// argument; to join (alone, or if the whole state is not taken): when (ms), the
-/// request's fingerprint, the limit, the window's start (ms).
+/// window's counts; then, with a reservation, [`ADMIT`]'s eight. ARGV: tenant interval
+/// and burst, session interval and burst (interval 0: no limit), concurrency limit (0:
+/// none), slot lease (ms), slot id, the guard write ('' none, 'join' or the version the
+/// whole state must be at), the whole state, its expiry (ms), '1' when the guard
+/// refuses, the whole state's window op and argument; to join (alone, or if the whole
+/// state is not taken; else '' each): when (ms), the request's fingerprint, the limit,
+/// the window's start (ms); then, with a reservation, [`ADMIT`]'s sixteen.
 const GATE: &str = r#"
 local function admits(state)
   for _, phase in ipairs({@ADMITTING@}) do
@@ -377,7 +423,7 @@ local function admits(state)
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local now_ms = math.floor(now / 1000)
+local ms = math.floor(now / 1000)
 local guarded = ARGV[8] ~= ''
 local g, list, seen = KEYS[4], KEYS[5], KEYS[6]
 local v, state, op, arg = 0, ARGV[9], ARGV[12], ARGV[13]
@@ -388,8 +434,8 @@ if guarded then
   if ARGV[8] == 'join' or v ~= tonumber(ARGV[8]) then
     -- Joined, if the guard would admit the request on the state there.
     local at, request = ARGV[14], ARGV[15]
-    local limit, since = tonumber(ARGV[16] or '0'), tonumber(ARGV[17] or '0')
-    local joins = at and stored and beside(stored) and limit > 0 and admits(stored)
+    local limit, since = tonumber(ARGV[16]) or 0, tonumber(ARGV[17]) or 0
+    local joins = at ~= '' and stored and beside(stored) and limit > 0 and admits(stored)
     if joins then
       local _, same = window_stale(list, since, request)
       joins = tonumber(redis.call('HGET', seen, request) or '0') - same < limit
@@ -418,19 +464,26 @@ if tn then redis.call('SET', KEYS[1], string.format('%.0f', tn), 'PX', math.ceil
 if sn then redis.call('SET', KEYS[2], string.format('%.0f', sn), 'PX', math.ceil((sn - now) / 1000) + 1000) end
 local limit = tonumber(ARGV[5])
 if limit > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ms)
   if redis.call('ZCARD', KEYS[3]) >= limit then return {'busy'} end
   if ARGV[11] ~= '1' then
-    redis.call('ZADD', KEYS[3], now_ms + tonumber(ARGV[6]), ARGV[7])
+    redis.call('ZADD', KEYS[3], ms + tonumber(ARGV[6]), ARGV[7])
     redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[6]))
   end
 end
-if not guarded then return {'ok', ''} end
-redis.call('HSET', g, 'v', v + 1, 'state', state, 'brief', brief(v + 1, state))
-window_write(list, seen, stored, op, arg)
-redis.call('PEXPIRE', g, tonumber(ARGV[10]))
-window_expire(list, seen, tonumber(ARGV[10]))
-return {'ok', tostring(v + 1), tostring(v)}
+local out = {'ok', '', ''}
+if guarded then
+  redis.call('HSET', g, 'v', v + 1, 'state', state, 'brief', brief(v + 1, state))
+  window_write(list, seen, stored, op, arg)
+  redis.call('PEXPIRE', g, tonumber(ARGV[10]))
+  window_expire(list, seen, tonumber(ARGV[10]))
+  out[2], out[3] = tostring(v + 1), tostring(v)
+end
+if ARGV[18] and ARGV[11] ~= '1' then
+  local paid = admit({unpack(KEYS, 7, 14)}, {unpack(ARGV, 18, 33)})
+  for i = 1, #paid do out[3 + i] = paid[i] end
+end
+return out
 "#;
 
 /// [`GATE`] with what it reads a guard snapshot by filled in.
@@ -440,7 +493,11 @@ fn gate_script() -> String {
         .map(|p| format!("'{}'", beside_prefix(p)))
         .collect();
     let gate = GATE.replace("@ADMITTING@", &admitting.join(", "));
-    format!("{}{}{gate}", brief_lua(), window_lua(RECENT_CAP))
+    format!(
+        "{}{}{COMMON}{ADMIT}{gate}",
+        brief_lua(),
+        window_lua(RECENT_CAP)
+    )
 }
 
 /// Pushes the expiry of held members (reservations, slots) of one sorted set.
@@ -480,6 +537,9 @@ pub struct Gate<'a> {
     pub max_concurrent: Option<u32>,
     /// The session guard's write-back after deciding this request ([`GATE`] says how).
     pub guard: Option<GuardWrite>,
+    /// The first upstream attempt's reservation, made in the same round trip if the
+    /// request passes (and the guard admits it).
+    pub prepay: Option<Admission<'a>>,
 }
 
 /// A session guard's write-back.
@@ -496,6 +556,8 @@ pub enum GateReply {
     Passed {
         slot: Option<SharedSlot>,
         guard: Option<Written>,
+        /// The reservation asked for, when the budgets admitted it.
+        prepaid: Option<SharedReservation>,
     },
     RateLimited {
         scope: &'static str,
@@ -535,7 +597,7 @@ impl SharedBudgets {
     pub fn new(redis: Arc<Redis>, session_retention: Duration) -> Arc<SharedBudgets> {
         Arc::new(SharedBudgets {
             redis,
-            admit: Script::new(&format!("{COMMON}{ADMIT}")),
+            admit: Script::new(&admit_script()),
             settle: Script::new(&format!("{COMMON}{}{SETTLE}", brief_lua())),
             gate: Script::new(&gate_script()),
             renew: Script::new(RENEW),
@@ -600,23 +662,42 @@ impl SharedBudgets {
             .generation(a.tenant)
             .await
             .map_err(AdmitError::Unavailable)?;
+        let mut inv = self.admit.prepare_invoke();
+        let held = self.admission(&mut inv, a, &generation);
+        let reply: Vec<String> = self
+            .redis
+            .run(
+                "admit",
+                |mut c| async move { inv.invoke_async(&mut c).await },
+            )
+            .await
+            .map_err(AdmitError::Unavailable)?;
+        self.admitted(&reply, a, held)
+    }
+
+    /// [`ADMIT`]'s keys and arguments for `a`, added to `inv` under a new reservation
+    /// id: the reservation they make, if the script admits it.
+    fn admission(
+        &self,
+        inv: &mut redis::ScriptInvocation<'_>,
+        a: &Admission<'_>,
+        generation: &str,
+    ) -> SharedReservation {
         let id = uuid::Uuid::new_v4().simple().to_string();
         let day_key = self.day_key(a.tenant, a.day);
         let session_key = match a.session {
             Some(s) => self.session_key(a.tenant, s),
             None => self.redis.key(a.tenant, "no-session"),
         };
-        let set = self.redis.key(a.tenant, "reservations");
-        let mut inv = self.admit.prepare_invoke();
         inv.key(self.redis.key(a.tenant, "generation"))
-            .key(&set)
+            .key(self.redis.key(a.tenant, "reservations"))
             .key(self.redis.key(a.tenant, "reservation-records"))
             .key(&day_key)
             .key(&session_key)
             .key(self.redis.key(a.tenant, "lease-expired"))
             .key(self.redis.key(a.tenant, "lease-expired-at"))
             .key(self.redis.key(a.tenant, "spend"))
-            .arg(&generation)
+            .arg(generation)
             .arg(&id)
             .arg(ms(self.redis.reservation_ttl))
             .arg(amount(a.want.calls))
@@ -632,14 +713,21 @@ impl SharedBudgets {
             .arg(self.session_ttl_s)
             .arg(record_name(a.model))
             .arg(record_name(a.session.unwrap_or_default()));
-        let reply: Vec<String> = self
-            .redis
-            .run(
-                "admit",
-                |mut c| async move { inv.invoke_async(&mut c).await },
-            )
-            .await
-            .map_err(AdmitError::Unavailable)?;
+        SharedReservation {
+            id,
+            session: a.session.map(str::to_string),
+            day_key,
+            session_key,
+        }
+    }
+
+    /// How [`ADMIT`] replied (`reply`) to the admission of `held`.
+    fn admitted(
+        &self,
+        reply: &[String],
+        a: &Admission<'_>,
+        held: SharedReservation,
+    ) -> Result<SharedReservation, AdmitError> {
         match reply.first().map(String::as_str) {
             Some("ok") => {
                 let unknown = reply
@@ -656,13 +744,8 @@ impl SharedBudgets {
                         "expired reservations in a format this replica does not know were left reserved"
                     );
                 }
-                self.hold(&set, &id);
-                Ok(SharedReservation {
-                    id,
-                    session: a.session.map(str::to_string),
-                    day_key,
-                    session_key,
-                })
+                self.hold(&self.redis.key(a.tenant, "reservations"), &held.id);
+                Ok(held)
             }
             Some("over") => {
                 let names = if reply.get(1).map(String::as_str) == Some("day") {
@@ -701,7 +784,11 @@ impl SharedBudgets {
         charge: SharedCharge<'_>,
     ) -> SharedSettle {
         SharedSettle {
-            v: SETTLE_FORMAT,
+            v: match charge.calls {
+                0 => RELEASE_FORMAT,
+                _ => SETTLE_FORMAT,
+            },
+            calls: charge.calls.min(1),
             tenant: charge.tenant.to_string(),
             reservation: reservation.id.clone(),
             day_key: reservation.day_key.clone(),
@@ -738,7 +825,7 @@ impl SharedBudgets {
                     .guard_window_key(tenant, s.session.as_deref().unwrap_or("")),
             )
             .arg(&s.reservation)
-            .arg(1)
+            .arg(s.calls.min(1))
             .arg(tokens)
             .arg(s.usd_micro.clamp(0, MAX_AMOUNT))
             .arg(if s.session.is_some() { "1" } else { "0" })
@@ -908,6 +995,12 @@ impl SharedBudgets {
         let limit = ask.session.and(ask.max_concurrent).unwrap_or(0);
         let set = self.redis.key(tenant, &format!("concurrent:{session}"));
         let id = uuid::Uuid::new_v4().simple().to_string();
+        // A reservation is asked for under the generation this replica knows; without
+        // one (Redis unreachable), the meter asks alone.
+        let generation = match &ask.prepay {
+            Some(_) => self.redis.generation(tenant).await.ok(),
+            None => None,
+        };
         let mut inv = self.gate.prepare_invoke();
         inv.key(self.redis.key(tenant, "rate"))
             .key(self.redis.key(tenant, &format!("rate:{session}")))
@@ -964,13 +1057,19 @@ impl SharedBudgets {
                     .arg(if g.refuses { "1" } else { "0" })
                     .arg(op)
                     .arg(arg);
-                if let Some(j) = join {
-                    inv.arg(j.at_ms).arg(j.request).arg(j.limit).arg(j.since_ms);
-                }
+                match join {
+                    Some(j) => inv.arg(j.at_ms).arg(j.request).arg(j.limit).arg(j.since_ms),
+                    None => inv.arg("").arg("").arg("").arg(""),
+                };
             }
             None => {
                 inv.arg("").arg("").arg(0).arg("0").arg("").arg("");
+                inv.arg("").arg("").arg("").arg("");
             }
+        };
+        let prepaid = match (&ask.prepay, &generation) {
+            (Some(a), Some(generation)) => Some(self.admission(&mut inv, a, generation)),
+            _ => None,
         };
         let reply: Vec<String> = self
             .redis
@@ -992,12 +1091,20 @@ impl SharedBudgets {
                     }
                 });
                 let version = |i: usize| num(i).map(|v| v as u64);
+                // Refused by the budgets or lost: the meter asks again and says why.
+                let prepaid = match (prepaid, &ask.prepay) {
+                    (Some(held), Some(a)) if reply.len() > 3 => {
+                        self.admitted(&reply[3..], a, held).ok()
+                    }
+                    _ => None,
+                };
                 GateReply::Passed {
                     slot,
                     guard: version(1).map(|to| Written {
                         from: version(2).unwrap_or(0),
                         to,
                     }),
+                    prepaid,
                 }
             }
             Some("moved") => GateReply::Moved(
@@ -1019,6 +1126,7 @@ impl SharedBudgets {
             None => GateReply::Passed {
                 slot: None,
                 guard: None,
+                prepaid: None,
             },
         })
     }
@@ -1214,6 +1322,52 @@ impl Drop for SharedSlot {
                     })
                     .await;
             });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kept(calls: u64) -> SharedSettle {
+        SharedSettle {
+            v: match calls {
+                0 => RELEASE_FORMAT,
+                _ => SETTLE_FORMAT,
+            },
+            tenant: "t".into(),
+            reservation: "r1".into(),
+            day_key: "bk:{t}:day:20000".into(),
+            session_key: "bk:{t}:session:s".into(),
+            session: Some("s".into()),
+            model: "m".into(),
+            input_tokens: 10,
+            output_tokens: 20,
+            usd_micro: 30,
+            ts_ms: 40,
+            calls,
+        }
+    }
+
+    /// A kept charge is written as it always was (version 1, no `calls`); a kept
+    /// release is version 2 with `calls: 0`, which a replica that knows only version 1
+    /// refuses instead of replaying as a call.
+    #[test]
+    fn kept_settles_and_releases_have_pinned_bytes() {
+        let charge = r#"{"v":1,"tenant":"t","reservation":"r1","day_key":"bk:{t}:day:20000","session_key":"bk:{t}:session:s","session":"s","model":"m","input_tokens":10,"output_tokens":20,"usd_micro":30,"ts_ms":40}"#;
+        let release = r#"{"v":2,"tenant":"t","reservation":"r1","day_key":"bk:{t}:day:20000","session_key":"bk:{t}:session:s","session":"s","model":"m","input_tokens":10,"output_tokens":20,"usd_micro":30,"ts_ms":40,"calls":0}"#;
+        assert_eq!(kept(1).encode(), charge);
+        assert_eq!(kept(0).encode(), release);
+        assert_eq!(SharedSettle::decode(charge), Some(kept(1)));
+        assert_eq!(SharedSettle::decode(release), Some(kept(0)));
+        // A version and a call count that disagree, or a version not known: refused.
+        for text in [
+            release.replace(r#""v":2"#, r#""v":1"#),
+            charge.replace(r#""v":1"#, r#""v":2"#),
+            charge.replace(r#""v":1"#, r#""v":3"#),
+        ] {
+            assert_eq!(SharedSettle::decode(&text), None, "{text}");
         }
     }
 }

@@ -246,6 +246,7 @@ impl Harness {
             },
             start: TargetIndex(0),
             keep_answer: false,
+            prepaid: None,
         };
         let service =
             RecoveryLayer::new(self.policy.clone(), self.health.clone()).layer(script.clone());

@@ -1744,7 +1744,7 @@ async fn round_trips_once_freed(
 
 /// The round trips of `n` successful requests that hold a concurrency slot.
 fn each_request(n: u64) -> Vec<(String, u64)> {
-    ["admit", "gate", "leave", "settle"]
+    ["gate", "leave", "settle"]
         .into_iter()
         .map(|op| (op.to_string(), n))
         .collect()
@@ -1763,16 +1763,16 @@ fn added(
 }
 
 on_one_server_and_a_cluster!(
-    a_budgeted_guarded_rate_limited_request_is_two_round_trips_before_its_call_and_one_after,
-    a_budgeted_guarded_rate_limited_request_is_two_round_trips_before_its_call_and_one_after_on_a_cluster,
-    a_budgeted_guarded_rate_limited_request_is_two_round_trips_before_its_call_and_one_after_with
+    a_budgeted_guarded_rate_limited_request_is_one_round_trip_before_its_call_and_one_after,
+    a_budgeted_guarded_rate_limited_request_is_one_round_trip_before_its_call_and_one_after_on_a_cluster,
+    a_budgeted_guarded_rate_limited_request_is_one_round_trip_before_its_call_and_one_after_with
 );
 
-/// Rate limits, the concurrency slot and the guard's write-back are one script before the
-/// call, the reservation the other; the settle after it also answers what the session
-/// has left and whether the guard moved, so a success writes nothing more. A failure
-/// changes the guard: one more write, and still exact across replicas.
-async fn a_budgeted_guarded_rate_limited_request_is_two_round_trips_before_its_call_and_one_after_with(
+/// Rate limits, the concurrency slot, the guard's write-back and the first attempt's
+/// reservation are one script before the call; the settle after it also answers what the
+/// session has left and whether the guard moved, so a success writes nothing more. A
+/// failure changes the guard: one more write, and still exact across replicas.
+async fn a_budgeted_guarded_rate_limited_request_is_one_round_trip_before_its_call_and_one_after_with(
     redis: Redis,
 ) {
     let tenants = format!(
@@ -1814,7 +1814,7 @@ max_consecutive_failures = 3
     assert_eq!(
         added(&before, &after),
         each_request(5),
-        "per request: gate + admit before the call, settle after (and, after the body, the slot's release)"
+        "per request: the gate before the call (its reservation included), the settle after (and, after the body, the slot's release)"
     );
     let session = cluster.session(0, GUARDED, "trips").await;
     assert_eq!(session["used"]["calls"], 6, "{session}");
@@ -1873,7 +1873,6 @@ max_consecutive_failures = 3
     assert_eq!(
         added(&before, &after),
         [
-            ("admit".into(), 1),
             ("gate".into(), 1),
             ("leave".into(), 1),
             ("save_guard_window".into(), 2),
@@ -1889,6 +1888,123 @@ max_consecutive_failures = 3
     let tripped = cluster.call(0, GUARDED, &failing, &step(103)).await;
     assert_eq!(tripped.status, 429, "{}", tripped.text);
     assert_eq!(tripped.code(), "session_tripped");
+}
+
+on_one_server_and_a_cluster!(
+    a_reservation_the_gate_made_that_no_attempt_takes_is_given_back_uncharged,
+    a_reservation_the_gate_made_that_no_attempt_takes_is_given_back_uncharged_on_a_cluster,
+    a_reservation_the_gate_made_that_no_attempt_takes_is_given_back_uncharged_with
+);
+
+/// A counter of replica `i`'s `/metrics`, 0 before it is first counted.
+async fn counter(cluster: &Cluster, i: usize, name: &str) -> u64 {
+    let metrics = cluster
+        .http
+        .get(format!("{}/metrics", cluster.replicas[i].url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The gate reserves a request's first attempt before the request is routed. When no
+/// attempt takes that reservation (here the owners layer, below the gate, refuses the
+/// request before any attempt: it names another tenant's conversation), it is given
+/// back: nothing charged, nothing left reserved, no entry in the spend stream. A call
+/// made after is charged exactly once, its reservation made by its gate.
+async fn a_reservation_the_gate_made_that_no_attempt_takes_is_given_back_uncharged_with(
+    redis: Redis,
+) {
+    let cluster = Cluster::start(&redis, &[PATIENT], &responses_tenants()).await;
+    let theirs = cluster
+        .responses(
+            0,
+            OTHER,
+            &[("x-mock-scenario", "given-back-theirs")],
+            &json!({"model": "gpt-4o", "input": "mine", "conversation": "conv_given_back"}),
+        )
+        .await;
+    assert_eq!(theirs.status, 200, "{}", theirs.text);
+    let before = round_trips(&cluster, 0).await;
+    let body = json!({"model": "gpt-4o", "input": "hi", "conversation": "conv_given_back"});
+    for _ in 0..3 {
+        let refused = cluster
+            .responses(0, CHAINER, &[("x-mock-scenario", "given-back")], &body)
+            .await;
+        assert_eq!(refused.status, 400, "{}", refused.text);
+        assert_eq!(refused.code(), "conversation_not_found", "{}", refused.text);
+    }
+    assert_eq!(cluster.mock.attempts("given-back").await, 0);
+    // Each release is a settle to nothing, sent in the background.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while counter(&cluster, 0, "backstop_state_prepaid_returned_total").await < 3
+        || round_trips(&cluster, 0)
+            .await
+            .get("settle")
+            .copied()
+            .unwrap_or(0)
+            < before.get("settle").copied().unwrap_or(0) + 3
+    {
+        assert!(Instant::now() < deadline, "the releases were not sent");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let after = round_trips(&cluster, 0).await;
+    let trips = added(&before, &after);
+    let count = |op: &str| trips.iter().find(|(o, _)| o == op).map_or(0, |(_, n)| *n);
+    assert_eq!(
+        (count("gate"), count("admit"), count("settle")),
+        (3, 0, 3),
+        "a gate each (its reservation made there), no admission, a release each: {trips:?}"
+    );
+    let view = cluster
+        .admin(0, reqwest::Method::GET, "/admin/tenants/chainer")
+        .await
+        .json();
+    assert_eq!(view["used_today"]["calls"], 0, "{view}");
+    assert_eq!(view["used_today"]["usd"], 0.0, "{view}");
+    assert_eq!(
+        (&view["reserved"]["calls"], &view["reserved"]["tokens"]),
+        (&json!(0), &json!(0)),
+        "{view}"
+    );
+    assert_eq!(view["by_model"], json!([]), "no spend entry: {view}");
+
+    let before = round_trips(&cluster, 0).await;
+    let made = cluster
+        .responses(
+            0,
+            CHAINER,
+            &[
+                ("x-mock-scenario", "given-back-own"),
+                ("x-mock-fault", "usage=1000/1000"),
+            ],
+            &json!({"model": "gpt-4o", "input": "hi", "max_output_tokens": 100}),
+        )
+        .await;
+    assert_eq!(made.status, 200, "{}", made.text);
+    let trips = added(&before, &round_trips(&cluster, 0).await);
+    assert!(
+        !trips.iter().any(|(op, _)| op == "admit"),
+        "the first attempt took the gate's reservation: {trips:?}"
+    );
+    let view = cluster
+        .admin(0, reqwest::Method::GET, "/admin/tenants/chainer")
+        .await
+        .json();
+    assert_eq!(view["used_today"]["calls"], 1, "{view}");
+    assert_eq!(view["used_today"]["usd"], 0.0125, "{view}");
+    assert_eq!(view["reserved"]["calls"], 0, "{view}");
+    assert_eq!(view["by_model"][0]["calls"], 1, "{view}");
+    assert_eq!(
+        counter(&cluster, 0, "backstop_state_prepaid_returned_total").await,
+        3
+    );
 }
 
 const FLEET: &str = "bk-replica-fleet-key";

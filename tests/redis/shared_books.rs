@@ -1,8 +1,11 @@
 //! The Redis budget scripts against a simple in-memory model of the books, on a real
-//! `redis-server`: random sequences of admissions, settles, replayed settles, lease
-//! expiries (a replica that died holding its reservations) and late settles after them,
-//! with amounts of 0, 1 and the largest a script takes. After every step each counter in
-//! Redis equals the model's; when nothing is in flight, nothing is reserved.
+//! `redis-server`: random sequences of admissions (alone, or made by the gate for a
+//! request's first attempt), settles, releases (a reservation given back, no call
+//! made), replayed settles, lease expiries (a replica that died holding its
+//! reservations) and late settles after them, with amounts of 0, 1 and the largest a
+//! script takes. After every step each counter in Redis equals the model's, and the
+//! spend stream has one entry per charge or correction (none for a release of a held
+//! reservation); when nothing is in flight, nothing is reserved.
 //!
 //! Needs `redis-server` on PATH (`.ci/run` installs it).
 
@@ -13,8 +16,8 @@ use backstop::{
     config::{StateBackend, StateConfig},
     policy::budget::{Caps, Usage, SESSION, TENANT_DAY},
     state::shared::{
-        Admission, AdmitError, Redis, Settled, SharedBudgets, SharedCharge, SharedReservation,
-        MAX_AMOUNT,
+        Admission, AdmitError, Gate, GateReply, Redis, Settled, SharedBudgets, SharedCharge,
+        SharedReservation, MAX_AMOUNT,
     },
 };
 use proptest::prelude::*;
@@ -30,6 +33,8 @@ enum Step {
         session: Option<usize>,
         tokens: u64,
         usd_micro: i64,
+        /// Made by the gate's script, as for a request's first attempt.
+        by_gate: bool,
     },
     Settle {
         which: usize,
@@ -37,6 +42,8 @@ enum Step {
         output: u64,
         usd_micro: i64,
     },
+    /// Given back uncharged: no call was made under it.
+    Release { which: usize },
     /// The same settle sent again (a replay of a kept settle that had reached Redis).
     Replay { which: usize },
     /// The replica holding it died: its lease runs out (the next admission sweeps it).
@@ -53,11 +60,12 @@ fn usd_micro() -> impl Strategy<Value = i64> {
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        3 => (proptest::option::of(0usize..3), amount(), usd_micro())
-            .prop_map(|(session, tokens, usd_micro)| Step::Admit { session, tokens, usd_micro }),
+        3 => (proptest::option::of(0usize..3), amount(), usd_micro(), any::<bool>())
+            .prop_map(|(session, tokens, usd_micro, by_gate)| Step::Admit { session, tokens, usd_micro, by_gate }),
         3 => (any::<usize>(), amount(), amount(), usd_micro()).prop_map(
             |(which, input, output, usd_micro)| Step::Settle { which, input: input / 2, output: output / 2, usd_micro }
         ),
+        1 => any::<usize>().prop_map(|which| Step::Release { which }),
         1 => any::<usize>().prop_map(|which| Step::Replay { which }),
         2 => any::<usize>().prop_map(|which| Step::Expire { which }),
     ]
@@ -81,13 +89,17 @@ struct Modelled {
     keys: Vec<String>,
     want: [i128; 3],
     state: Held,
-    /// The last settle sent, for replays.
-    last: Option<(u64, u64, i64)>,
+    /// The last settle sent, for replays (calls, input, output, micro-USD).
+    last: Option<(u64, u64, u64, i64)>,
 }
 
 #[derive(Default)]
 struct Model {
     books: BTreeMap<String, Books>,
+    /// Entries the spend stream should hold.
+    entries: usize,
+    /// Calls charged in all.
+    calls: i128,
 }
 
 impl Model {
@@ -101,8 +113,8 @@ impl Model {
     }
 }
 
-/// A settle's charge in the model's tenant and model.
-fn charge(input_tokens: u64, output_tokens: u64, usd: f64) -> SharedCharge<'static> {
+/// A settle's charge in the model's tenant and model (`calls` 0: a release).
+fn charge(calls: u64, input_tokens: u64, output_tokens: u64, usd: f64) -> SharedCharge<'static> {
     SharedCharge {
         tenant: TENANT,
         model: "m|odel%",
@@ -110,6 +122,7 @@ fn charge(input_tokens: u64, output_tokens: u64, usd: f64) -> SharedCharge<'stat
         output_tokens,
         usd,
         ts_ms: 1,
+        calls,
     }
 }
 
@@ -160,12 +173,14 @@ fn run_sequence(bench: &Bench, steps: Vec<Step>) -> Result<(), TestCaseError> {
         let mut model = Model::default();
         let mut made: Vec<Modelled> = Vec::new();
         let unlimited = Caps::default();
+        let spend = key("spend");
         for step in steps {
             match step {
                 Step::Admit {
                     session,
                     tokens,
                     usd_micro,
+                    by_gate,
                 } => {
                     let session = session.map(|i| SESSIONS[i]);
                     let want = Usage {
@@ -173,29 +188,48 @@ fn run_sequence(bench: &Bench, steps: Vec<Step>) -> Result<(), TestCaseError> {
                         tokens,
                         usd: usd_micro as f64 / 1e6,
                     };
-                    let admitted = shared
-                        .admit(Admission {
+                    let admission = Admission {
+                        tenant: TENANT,
+                        session,
+                        model: "m|odel%",
+                        day: DAY,
+                        want,
+                        day_caps: &unlimited,
+                        session_caps: &unlimited,
+                        session_names: SESSION,
+                        day_names: TENANT_DAY,
+                    };
+                    let held = if by_gate {
+                        let gate = Gate {
                             tenant: TENANT,
                             session,
-                            model: "m|odel%",
-                            day: DAY,
-                            want,
-                            day_caps: &unlimited,
-                            session_caps: &unlimited,
-                            session_names: SESSION,
-                            day_names: TENANT_DAY,
-                        })
-                        .await;
-                    let held = match admitted {
-                        Ok(held) => held,
-                        Err(AdmitError::Over(e)) => panic!("unlimited caps refused: {e:?}"),
-                        Err(AdmitError::Unavailable(e)) => panic!("redis: {e}"),
+                            tenant_rpm: None,
+                            session_rpm: None,
+                            max_concurrent: None,
+                            guard: None,
+                            prepay: Some(admission),
+                        };
+                        match shared.gate(gate).await {
+                            Ok(GateReply::Passed {
+                                prepaid: Some(held),
+                                ..
+                            }) => held,
+                            Ok(_) => panic!("the gate made no reservation"),
+                            Err(e) => panic!("redis: {e}"),
+                        }
+                    } else {
+                        match shared.admit(admission).await {
+                            Ok(held) => held,
+                            Err(AdmitError::Over(e)) => panic!("unlimited caps refused: {e:?}"),
+                            Err(AdmitError::Unavailable(e)) => panic!("redis: {e}"),
+                        }
                     };
                     // The sweep first: every lease that ran out is charged its reservation.
                     for m in made.iter_mut().filter(|m| m.state == Held::Expiring) {
                         let (keys, want) = (m.keys.clone(), m.want);
                         model.add(&keys, 3, want.map(|x| -x));
                         model.add(&keys, 0, want);
+                        model.entries += 1;
                         m.state = Held::Expired;
                     }
                     let mut keys = vec![day_key.clone()];
@@ -222,31 +256,20 @@ fn run_sequence(bench: &Bench, steps: Vec<Step>) -> Result<(), TestCaseError> {
                         continue;
                     }
                     let i = which % made.len();
-                    let m = &mut made[i];
-                    let settle =
-                        shared.settle_of(&m.held, charge(input, output, usd_micro as f64 / 1e6));
-                    let (how, _) = shared.settle(&settle).await.expect("settle");
-                    let actual = [1, capped(input + output), micro(usd_micro as f64 / 1e6)];
-                    let expected = match m.state {
-                        Held::Open | Held::Expiring => {
-                            let keys = m.keys.clone();
-                            let want = m.want;
-                            model.add(&keys, 3, want.map(|x| -x));
-                            model.add(&keys, 0, actual);
-                            Settled::Now
-                        }
-                        Held::Expired => {
-                            let keys = m.keys.clone();
-                            let want = m.want;
-                            model.add(&keys, 0, [0, 1, 2].map(|j| actual[j] - want[j]));
-                            Settled::Corrected
-                        }
-                        Held::Settled => Settled::Already,
-                    };
-                    prop_assert_eq!(how, expected, "settle of reservation {}", i);
-                    let m = &mut made[i];
-                    m.state = Held::Settled;
-                    m.last = Some((input, output, usd_micro));
+                    settle_step(
+                        &shared,
+                        &mut model,
+                        &mut made[i],
+                        (1, input, output, usd_micro),
+                    )
+                    .await?;
+                }
+                Step::Release { which } => {
+                    if made.is_empty() {
+                        continue;
+                    }
+                    let i = which % made.len();
+                    settle_step(&shared, &mut model, &mut made[i], (0, 0, 0, 0)).await?;
                 }
                 Step::Replay { which } => {
                     let Some(m) = made
@@ -256,9 +279,11 @@ fn run_sequence(bench: &Bench, steps: Vec<Step>) -> Result<(), TestCaseError> {
                     else {
                         continue;
                     };
-                    let (input, output, usd_micro) = m.last.unwrap();
-                    let settle =
-                        shared.settle_of(&m.held, charge(input, output, usd_micro as f64 / 1e6));
+                    let (calls, input, output, usd_micro) = m.last.unwrap();
+                    let settle = shared.settle_of(
+                        &m.held,
+                        charge(calls, input, output, usd_micro as f64 / 1e6),
+                    );
                     let (how, _) = shared.settle(&settle).await.expect("replay");
                     prop_assert_eq!(how, Settled::Already);
                 }
@@ -285,32 +310,76 @@ fn run_sequence(bench: &Bench, steps: Vec<Step>) -> Result<(), TestCaseError> {
                 let actual = books_of(&mut conn, k).await;
                 prop_assert_eq!(&actual, expected, "books of {}", k);
             }
+            let entries: usize = redis::cmd("XLEN")
+                .arg(&spend)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            prop_assert_eq!(entries, model.entries, "entries in the spend stream");
         }
         // Everything settles (late settles after expiries included): nothing reserved.
         for m in made.iter_mut() {
             if matches!(m.state, Held::Open | Held::Expiring | Held::Expired) {
-                let settle = shared.settle_of(&m.held, charge(0, 0, 0.0));
-                shared.settle(&settle).await.expect("final settle");
-                let want = m.want;
-                if m.state == Held::Expired {
-                    model.add(&m.keys, 0, [1 - want[0], -want[1], -want[2]]);
-                } else {
-                    model.add(&m.keys, 3, want.map(|x| -x));
-                    model.add(&m.keys, 0, [1, 0, 0]);
-                }
-                m.state = Held::Settled;
+                settle_step(&shared, &mut model, m, (1, 0, 0, 0)).await?;
             }
         }
         for (k, expected) in &model.books {
             let actual = books_of(&mut conn, k).await;
             prop_assert_eq!(&actual, expected, "books of {} at the end", k);
             prop_assert_eq!(&actual[3..], &[0i128, 0, 0][..], "reserved left on {}", k);
-            // Every call is charged once, whatever happened to it.
         }
+        // Every call made is charged once, whatever happened to it; a release is none.
         let day = books_of(&mut conn, &day_key).await;
-        prop_assert_eq!(day[0], made.len() as i128, "one call charged per admission");
+        prop_assert_eq!(day[0], model.calls, "one call charged per call made");
         Ok(())
     })
+}
+
+/// A settle (`calls` 1) or a release (`calls` 0) of `m`, checked against the model and
+/// applied to it: a held reservation is unreserved and charged what the call used (a
+/// release: nothing, and no entry in the spend stream); one whose lease expired and
+/// was charged its reservation is corrected to that; a settled one is left as it is.
+async fn settle_step(
+    shared: &SharedBudgets,
+    model: &mut Model,
+    m: &mut Modelled,
+    (calls, input, output, usd_micro): (u64, u64, u64, i64),
+) -> Result<(), TestCaseError> {
+    let settle = shared.settle_of(
+        &m.held,
+        charge(calls, input, output, usd_micro as f64 / 1e6),
+    );
+    let (how, _) = shared.settle(&settle).await.expect("settle");
+    let actual = [
+        i128::from(calls),
+        capped(input + output),
+        micro(usd_micro as f64 / 1e6),
+    ];
+    let keys = m.keys.clone();
+    let want = m.want;
+    let expected = match m.state {
+        Held::Open | Held::Expiring => {
+            model.add(&keys, 3, want.map(|x| -x));
+            model.add(&keys, 0, actual);
+            model.calls += actual[0];
+            model.entries += usize::from(calls > 0);
+            Settled::Now
+        }
+        Held::Expired => {
+            model.add(&keys, 0, [0, 1, 2].map(|j| actual[j] - want[j]));
+            // The sweep's charge of one call, and now the call as it was.
+            model.calls += actual[0];
+            model.entries += 1;
+            Settled::Corrected
+        }
+        Held::Settled => Settled::Already,
+    };
+    prop_assert_eq!(how, expected, "settle of {}", m.held.id);
+    m.state = Held::Settled;
+    if expected != Settled::Already {
+        m.last = Some((calls, input, output, usd_micro));
+    }
+    Ok(())
 }
 
 /// Case count for the property test (kept here so the closing note can quote it).
@@ -352,6 +421,7 @@ fn zero_amounts_settle_and_nothing_is_left_reserved() {
             session: Some(0),
             tokens: 0,
             usd_micro: 0,
+            by_gate: false,
         },
         Step::Settle {
             which: 0,

@@ -94,6 +94,7 @@ impl Session {
                     ttl_ms: 600_000,
                     refuses: false,
                 }),
+                prepay: None,
             })
             .await
             .expect("redis")

@@ -595,6 +595,7 @@ where
             session: call.session.clone(),
             log: call.log.clone(),
             held: HeldContext::default(),
+            prepaid: call.prepaid.clone(),
         };
         let started = std::time::Instant::now();
         let outcome = match self.inner.clone().oneshot(billed).await {

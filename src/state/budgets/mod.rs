@@ -36,7 +36,7 @@ use governor::{
     Quota, RateLimiter,
 };
 
-use self::reservation::Reservation;
+use self::reservation::{Ask, Prepaid, Reservation};
 use crate::{
     clock::Clock,
     config::{Config, OnUnavailable, PriceConfig, Unpriced},
@@ -408,8 +408,12 @@ impl Budgets {
 
     /// Rate limits (tenant, then session) for one client request, alone (the admin
     /// API's self-service reads); [`Budgets::gate`] is the proxy's.
-    pub async fn check_rate(&self, tenant: &str, session: Option<&str>) -> Result<(), Refusal> {
-        match self.gate(tenant, session, None).await? {
+    pub async fn check_rate(
+        self: &Arc<Self>,
+        tenant: &str,
+        session: Option<&str>,
+    ) -> Result<(), Refusal> {
+        match self.gate(tenant, session, None, None).await? {
             Gated::Passed { .. } | Gated::Moved(..) => Ok(()),
         }
     }
@@ -422,39 +426,74 @@ impl Budgets {
     /// guard's state first. Redis unreachable: the rates fall back to this replica's
     /// limiters, the slot follows `on_unavailable`, and the guard decides alone.
     pub async fn gate(
-        &self,
+        self: &Arc<Self>,
         tenant: &str,
         session: Option<&str>,
         guard: Option<GuardWrite>,
+        prepay: Option<&Ask>,
     ) -> Result<Gated, Refusal> {
         let Some(book) = self.tenant(tenant) else {
             return Ok(Gated::Passed {
                 slot: None,
                 guard: None,
+                prepaid: None,
             });
         };
         let (rpm, session_rpm) = book.rpm;
         let max_concurrent = session.and(book.max_concurrent);
+        let prepay = prepay.and_then(|ask| Some((ask, self.prepay(book, session, ask)?)));
         let asks = rpm.is_some()
             || (session.is_some() && session_rpm.is_some())
             || max_concurrent.is_some()
-            || guard.is_some();
+            || guard.is_some()
+            || prepay.is_some();
         let mut shared_err = None;
         if let (Some(shared), true) = (&self.shared, asks) {
-            let ask = Gate {
+            let gate = Gate {
                 tenant,
                 session,
                 tenant_rpm: rpm,
                 session_rpm,
                 max_concurrent,
                 guard,
+                prepay: prepay.map(|(ask, want)| Admission {
+                    tenant,
+                    session,
+                    model: &ask.model,
+                    day: self.clock.today(),
+                    want,
+                    day_caps: &book.day_limits,
+                    session_caps: &book.session_limits,
+                    session_names: SESSION,
+                    day_names: TENANT_DAY,
+                }),
             };
-            match shared.gate(ask).await {
-                Ok(GateReply::Passed { slot, guard }) => {
+            match shared.gate(gate).await {
+                Ok(GateReply::Passed {
+                    slot,
+                    guard,
+                    prepaid,
+                }) => {
+                    let prepaid = prepaid.zip(prepay).map(|(held, (ask, want))| {
+                        Prepaid::shared(
+                            ask.clone(),
+                            Reservation {
+                                budgets: self.clone(),
+                                tenant: book.clone(),
+                                session: None,
+                                model: ask.model.clone(),
+                                amount: want,
+                                durable: None,
+                                shared: Some(held),
+                                settled: false,
+                            },
+                        )
+                    });
                     return Ok(Gated::Passed {
                         slot: slot.map(ConcurrencySlot::Shared),
                         guard,
-                    })
+                        prepaid,
+                    });
                 }
                 Ok(GateReply::Moved(version, state)) => return Ok(Gated::Moved(version, state)),
                 Ok(GateReply::RateLimited { scope, retry_after }) => {
@@ -490,7 +529,30 @@ impl Budgets {
             }
             _ => None,
         };
-        Ok(Gated::Passed { slot, guard: None })
+        Ok(Gated::Passed {
+            slot,
+            guard: None,
+            prepaid: None,
+        })
+    }
+
+    /// What the gate reserves for a request's first attempt (`ask`), priced: only for a
+    /// budgeted call whose reservation Redis alone holds (with PostgreSQL's ledger the
+    /// meter writes it there first), and never for one the meter would refuse unpriced.
+    fn prepay(&self, book: &TenantBook, session: Option<&str>, ask: &Ask) -> Option<Usage> {
+        let budgeted = !book.day_limits.is_unlimited()
+            || (session.is_some() && !book.session_limits.is_unlimited());
+        if self.shared.is_none() || !budgeted || self.fleet_ledger {
+            return None;
+        }
+        self.worst_case(
+            book,
+            session.is_some(),
+            &ask.model,
+            ask.input_tokens,
+            ask.max_output,
+        )
+        .ok()
     }
 
     /// This replica's own rate limiters (embedded mode, or Redis unreachable).
@@ -867,6 +929,9 @@ pub enum Gated {
     Passed {
         slot: Option<ConcurrencySlot>,
         guard: Option<Written>,
+        /// The first attempt's reservation, when it was asked for and made (shared
+        /// with the request's attempts).
+        prepaid: Option<Arc<Prepaid>>,
     },
     /// Another replica wrote the guard's state first (its version and state): nothing
     /// was spent or written; decide the request again on it.
@@ -900,11 +965,11 @@ mod tests {
 
     /// A session concurrency slot alone, as the admission layer takes it.
     async fn enter(
-        b: &Budgets,
+        b: &Arc<Budgets>,
         tenant: &str,
         session: &str,
     ) -> Result<Option<ConcurrencySlot>, Refusal> {
-        match b.gate(tenant, Some(session), None).await? {
+        match b.gate(tenant, Some(session), None, None).await? {
             Gated::Passed { slot, .. } => Ok(slot),
             Gated::Moved(..) => unreachable!("no guard write was asked for"),
         }

@@ -162,6 +162,28 @@ impl Reservation {
         }
     }
 
+    /// Gives the reservation back without a charge because no call was made under it
+    /// (the first attempt's reservation the gate made, when that attempt reserved
+    /// something else or never ran). Held in Redis: released there in the background,
+    /// kept and replayed like a settle if Redis cannot take it now.
+    pub fn give_back(mut self) {
+        let Some(held) = self.shared.take() else {
+            self.release();
+            return;
+        };
+        self.settled = true;
+        let charge = Charge {
+            calls: 0,
+            input_tokens: 0,
+            output_tokens: 0,
+            usd: 0.0,
+            ..self.charge_for(Outcome::Failed).0
+        };
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(settle_shared(self.budgets.clone(), held, charge).map(drop));
+        }
+    }
+
     /// Settles with how the call ended and waits until the ledger has it. If the ledger
     /// write fails, the durable reservation stays and counts in full after a restart.
     /// Returns what was charged and, settled in Redis, what the session holds now (read
@@ -237,6 +259,7 @@ async fn settle_shared(
             output_tokens: charge.output_tokens,
             usd: charge.usd,
             ts_ms: charge.ts_ms,
+            calls: charge.calls,
         },
     );
     match shared.settle(&settle).await {
@@ -256,6 +279,57 @@ impl Drop for Reservation {
             let (charge, actual) = self.charge_for(Outcome::Unreported);
             self.apply(actual);
             self.write_later(charge);
+        }
+    }
+}
+
+/// What one upstream attempt reserves: the model it asks for, its input estimate and
+/// the output it may produce (the meter's arithmetic, [`crate::layers::meter::ask`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ask {
+    pub model: String,
+    pub input_tokens: u64,
+    pub max_output: u64,
+}
+
+/// The first attempt's reservation, made by the gate's round trip before the request
+/// was routed (replica mode). The meter takes it for the attempt that asks exactly the
+/// same ([`Prepaid::take`]); if none does (another target, a translated or corrected
+/// body, a request refused on the way), it is given back uncharged when the request
+/// ends.
+pub struct Prepaid {
+    ask: Ask,
+    held: std::sync::Mutex<Option<Reservation>>,
+}
+
+impl std::fmt::Debug for Prepaid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepaid").field("ask", &self.ask).finish()
+    }
+}
+
+impl Prepaid {
+    pub(super) fn shared(ask: Ask, reservation: Reservation) -> Arc<Prepaid> {
+        Arc::new(Prepaid {
+            ask,
+            held: std::sync::Mutex::new(Some(reservation)),
+        })
+    }
+
+    /// The reservation, once, for an attempt that asks what it was made for.
+    pub fn take(&self, ask: &Ask) -> Option<Reservation> {
+        if *ask != self.ask {
+            return None;
+        }
+        lock(&self.held).take()
+    }
+}
+
+impl Drop for Prepaid {
+    fn drop(&mut self) {
+        if let Some(reservation) = lock(&self.held).take() {
+            metrics::counter!("backstop_state_prepaid_returned_total").increment(1);
+            reservation.give_back();
         }
     }
 }
