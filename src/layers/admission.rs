@@ -284,7 +284,6 @@ async fn persist(guards: &SessionGuards, tenant: &str, session: &str, keep: Opti
     }
 }
 
-/// Holds `slot` (if any) until the response body ends.
 /// What the gate let a request through with.
 #[derive(Default)]
 struct Admitted {
@@ -302,6 +301,7 @@ impl Admitted {
     }
 }
 
+/// Holds `slot` (if any) until the response body ends.
 fn holding(response: Response<Body>, slot: Option<ConcurrencySlot>) -> Response<Body> {
     match slot {
         Some(slot) => response.map(|body| Body::new(Holding { body, _guard: slot })),

@@ -25,8 +25,7 @@ use tower::{Layer, Service};
 
 use super::{Middleware, Stack};
 use crate::{
-    api::ParsedRequest,
-    api::{Endpoint, ReportedUsage},
+    api::{Endpoint, ParsedRequest, ReportedUsage},
     policy::{budget::estimate_prompt_tokens, classify::TransportFailure},
     state::budgets::{
         reservation::{Ask, Outcome, Prepaid},

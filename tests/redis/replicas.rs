@@ -181,19 +181,23 @@ impl Cluster {
         self.replicas.insert(i, Binary::start(&config, port).await);
     }
 
+    /// Replica `i`'s `/metrics`.
+    async fn metrics(&self, i: usize) -> String {
+        self.http
+            .get(format!("{}/metrics", self.replicas[i].url))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
     /// Waits (at most 10 s) until replica `i`'s `/metrics` has `line`.
     async fn wait_for_metric(&self, i: usize, line: &str) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let metrics = self
-                .http
-                .get(format!("{}/metrics", self.replicas[i].url))
-                .send()
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
+            let metrics = self.metrics(i).await;
             if metrics.lines().any(|l| l == line) {
                 return;
             }
@@ -1708,16 +1712,9 @@ async fn owner_write_cost_in_replica_mode() {
 /// Redis calls so far on replica `i`, by op (each `backstop_state_seconds` observation is
 /// one round trip).
 async fn round_trips(cluster: &Cluster, i: usize) -> std::collections::BTreeMap<String, u64> {
-    let metrics = cluster
-        .http
-        .get(format!("{}/metrics", cluster.replicas[i].url))
-        .send()
+    cluster
+        .metrics(i)
         .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    metrics
         .lines()
         .filter_map(|l| l.strip_prefix("backstop_state_seconds_count{op=\""))
         .filter_map(|rest| rest.split_once("\"}"))
@@ -1898,16 +1895,9 @@ on_one_server_and_a_cluster!(
 
 /// A counter of replica `i`'s `/metrics`, 0 before it is first counted.
 async fn counter(cluster: &Cluster, i: usize, name: &str) -> u64 {
-    let metrics = cluster
-        .http
-        .get(format!("{}/metrics", cluster.replicas[i].url))
-        .send()
+    cluster
+        .metrics(i)
         .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    metrics
         .lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
         .unwrap_or(0)

@@ -96,6 +96,13 @@ pub(super) struct TenantBook {
     rpm: (Option<u32>, Option<u32>),
 }
 
+impl TenantBook {
+    /// Whether a call (in a session, or not) has a cap to reserve against.
+    fn budgets(&self, in_session: bool) -> bool {
+        !self.day_limits.is_unlimited() || (in_session && !self.session_limits.is_unlimited())
+    }
+}
+
 /// One session's live state.
 pub struct SessionBook {
     pub(super) account: Mutex<Account>,
@@ -424,7 +431,10 @@ impl Budgets {
     /// ([`SharedBudgets::gate`]): written only if the request passes the limits, and
     /// handed back as [`Gated::Moved`] (nothing spent) when another replica wrote the
     /// guard's state first. Redis unreachable: the rates fall back to this replica's
-    /// limiters, the slot follows `on_unavailable`, and the guard decides alone.
+    /// limiters, the slot follows `on_unavailable`, and the guard decides alone. With
+    /// `prepay` (replica mode, a budgeted call) the same round trip also reserves the
+    /// first attempt's call ([`Prepaid`]); a refusal of that reservation is left for
+    /// the meter to ask again and report.
     pub async fn gate(
         self: &Arc<Self>,
         tenant: &str,
@@ -456,17 +466,7 @@ impl Budgets {
                 session_rpm,
                 max_concurrent,
                 guard,
-                prepay: prepay.map(|(ask, want)| Admission {
-                    tenant,
-                    session,
-                    model: &ask.model,
-                    day: self.clock.today(),
-                    want,
-                    day_caps: &book.day_limits,
-                    session_caps: &book.session_limits,
-                    session_names: SESSION,
-                    day_names: TENANT_DAY,
-                }),
+                prepay: prepay.map(|(ask, want)| self.admission(book, session, &ask.model, want)),
             };
             match shared.gate(gate).await {
                 Ok(GateReply::Passed {
@@ -536,13 +536,32 @@ impl Budgets {
         })
     }
 
+    /// What Redis's admission script is asked for one call of `model`, today.
+    fn admission<'a>(
+        &self,
+        book: &'a TenantBook,
+        session: Option<&'a str>,
+        model: &'a str,
+        want: Usage,
+    ) -> Admission<'a> {
+        Admission {
+            tenant: &book.name,
+            session,
+            model,
+            day: self.clock.today(),
+            want,
+            day_caps: &book.day_limits,
+            session_caps: &book.session_limits,
+            session_names: SESSION,
+            day_names: TENANT_DAY,
+        }
+    }
+
     /// What the gate reserves for a request's first attempt (`ask`), priced: only for a
     /// budgeted call whose reservation Redis alone holds (with PostgreSQL's ledger the
     /// meter writes it there first), and never for one the meter would refuse unpriced.
     fn prepay(&self, book: &TenantBook, session: Option<&str>, ask: &Ask) -> Option<Usage> {
-        let budgeted = !book.day_limits.is_unlimited()
-            || (session.is_some() && !book.session_limits.is_unlimited());
-        if self.shared.is_none() || !budgeted || self.fleet_ledger {
+        if self.shared.is_none() || !book.budgets(session.is_some()) || self.fleet_ledger {
             return None;
         }
         self.worst_case(
@@ -672,8 +691,7 @@ impl Budgets {
                 model: model.into(),
             });
         };
-        let budgeted = !book.day_limits.is_unlimited()
-            || (session.is_some() && !book.session_limits.is_unlimited());
+        let budgeted = book.budgets(session.is_some());
         if let (Some(shared), true) = (&self.shared, budgeted) {
             let want =
                 self.worst_case(&book, session.is_some(), model, prompt_tokens, max_output)?;
@@ -688,17 +706,7 @@ impl Budgets {
                 }
             };
             let admitted = shared
-                .admit(Admission {
-                    tenant,
-                    session,
-                    model,
-                    day: self.clock.today(),
-                    want,
-                    day_caps: &book.day_limits,
-                    session_caps: &book.session_limits,
-                    session_names: SESSION,
-                    day_names: TENANT_DAY,
-                })
+                .admit(self.admission(&book, session, model, want))
                 .await;
             match admitted {
                 Ok(held) => {
@@ -750,8 +758,7 @@ impl Budgets {
         let mut reservation =
             self.reserve_in_memory(book, live, day_unread, model, prompt_tokens, max_output)?;
         let book = &reservation.tenant;
-        let budgeted = !book.day_limits.is_unlimited()
-            || (reservation.session.is_some() && !book.session_limits.is_unlimited());
+        let budgeted = book.budgets(reservation.session.is_some());
         if budgeted {
             let record = self.reservation_record(
                 &book.name,
