@@ -385,7 +385,12 @@ impl AdmissionLayer {
     /// mode. Not for a chained Responses call, whose previous response's size the owners
     /// layer looks up.
     fn first_ask(&self, call: &Call) -> Option<Ask> {
-        self.budgets.shared()?;
+        if !self
+            .budgets
+            .prepays_for(&call.tenant, call.session.is_some())
+        {
+            return None;
+        }
         let request = &call.request;
         let target = call.route.targets.get(call.start.0)?;
         if target.upstream.api != request.endpoint.api() || request.refs.previous_response.is_some()

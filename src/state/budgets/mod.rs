@@ -536,6 +536,18 @@ impl Budgets {
         })
     }
 
+    /// Whether the gate reserves `tenant`'s first attempts (a call in a session, or
+    /// not): replica mode, Redis alone holding the reservation, a cap to reserve against.
+    /// Asked before the request's [`Ask`] is made, so other calls make none.
+    pub fn prepays_for(&self, tenant: &str, in_session: bool) -> bool {
+        self.tenant(tenant)
+            .is_some_and(|book| self.prepays(book, in_session))
+    }
+
+    fn prepays(&self, book: &TenantBook, in_session: bool) -> bool {
+        self.shared.is_some() && !self.fleet_ledger && book.budgets(in_session)
+    }
+
     /// What Redis's admission script is asked for one call of `model`, today.
     fn admission<'a>(
         &self,
@@ -561,7 +573,7 @@ impl Budgets {
     /// budgeted call whose reservation Redis alone holds (with PostgreSQL's ledger the
     /// meter writes it there first), and never for one the meter would refuse unpriced.
     fn prepay(&self, book: &TenantBook, session: Option<&str>, ask: &Ask) -> Option<Usage> {
-        if self.shared.is_none() || !book.budgets(session.is_some()) || self.fleet_ledger {
+        if !self.prepays(book, session.is_some()) {
             return None;
         }
         self.worst_case(
