@@ -160,6 +160,28 @@ fn record_name(name: &str) -> String {
 /// The version of the reservation records this binary writes (see [`COMMON`]).
 pub const RESERVATION_FORMAT: u32 = 1;
 
+/// A reservation's record, version 1 ([`COMMON`] says what it holds; `session_key` is
+/// `""` without a session). Made here rather than in the script, where building it
+/// cost the admission a tenth of its time.
+fn reservation_record(
+    day_key: &str,
+    session_key: &str,
+    want: [i64; 3],
+    model: &str,
+    session: &str,
+) -> String {
+    format!(
+        "{}|{}|{}|{}|{}|1|{}|{}",
+        record_name(day_key),
+        record_name(session_key),
+        want[0],
+        want[1],
+        want[2],
+        record_name(model),
+        record_name(session)
+    )
+}
+
 /// Shared by the admission and settle scripts.
 ///
 /// A reservation record, version 1, is
@@ -169,9 +191,21 @@ pub const RESERVATION_FORMAT: u32 = 1;
 /// version 0 still reads the amounts right during a rolling upgrade. A record of any
 /// other version is left as it is (still reserved) and counted, never guessed at.
 ///
-/// Amounts reach `HINCRBY` as the decimal strings the replica sent, or with a `-` put in
-/// front: a zero is skipped, never sent as Lua's `-0`, which Redis refuses.
+/// A day's or a session's books are a hash of six counters (`BOOKS`: `calls`, `tokens`,
+/// `usd` and, reserved, `rcalls`, `rtokens`, `rusd`); `fresh(v)`: none was there when
+/// read (the hash is new and has no expiry yet). Amounts reach `HINCRBY` as the decimal
+/// strings the replica sent, or with a `-` put in front: a zero is skipped, never sent
+/// as Lua's `-0`, which Redis refuses.
+///
+/// Redis's Lua is slow at some things the scripts do on every request, so they avoid
+/// them (measured: docs/performance.md): a number passed to `redis.call` is formatted
+/// with `%.17g`, so numbers go as `fmt(n)` (`%d`, a third of the time) or as the
+/// argument strings the replica sent; `HINCRBY` a counter is cheaper than reading,
+/// adding and writing a hash back in Lua; records the replica can make are made there.
 const COMMON: &str = r#"
+local function fmt(n)
+  return string.format('%d', n)
+end
 local function split(s)
   local out, start = {}, 1
   while true do
@@ -181,19 +215,17 @@ local function split(s)
   end
 end
 local function decode(s)
-  return (string.gsub(s or '', '%%(%x%x)', function(h) return string.char(tonumber(h, 16)) end))
-end
-local function encode(s)
-  return (string.gsub(s, '[%%|]', function(c) return string.format('%%%02X', string.byte(c)) end))
+  if not s or not string.find(s, '%', 1, true) then return s or '' end
+  return (string.gsub(s, '%%(%x%x)', function(h) return string.char(tonumber(h, 16)) end))
 end
 local function record(rec)
-  local r = split(rec)
-  if #r == 5 then return r end
-  if #r == 8 and r[6] == '1' then
-    r[1] = decode(r[1]); r[2] = decode(r[2])
-    return r
-  end
-  return nil
+  local day, session, calls, tokens, usd, rest =
+    string.match(rec, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)(.*)$')
+  if not day then return nil end
+  if rest == '' then return {day, session, calls, tokens, usd} end
+  local model, name = string.match(rest, '^|1|([^|]*)|([^|]*)$')
+  if not model then return nil end
+  return {decode(day), decode(session), calls, tokens, usd, '1', model, name}
 end
 local function add(key, field, amount, negate)
   if amount == nil or amount == '' or amount == '0' then return end
@@ -207,6 +239,11 @@ local function unreserve(r)
     end
   end
 end
+local BOOKS = {'calls', 'tokens', 'usd', 'rcalls', 'rtokens', 'rusd'}
+local function fresh(v)
+  for i = 1, 6 do if v[i] then return false end end
+  return true
+end
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -214,87 +251,94 @@ end
 "#;
 
 /// The admission, over the tenant's generation, reservations, day and session: a
-/// function of its keys and arguments (`K`, `A`), run alone ([`admit_script`]) or by
-/// the gate for the first attempt's reservation ([`GATE`]). First it charges the
-/// reservations whose lease has expired (a replica died holding them) at their reserved
-/// amount, as the embedded store does after a crash, and notes what it charged so a late
-/// settle corrects it to the actual usage. Replies `{"ok", unknown}`, `{"lost"}` or
-/// `{"over", scope, which, limit, used}`.
+/// function of its keys and arguments (`K`, `A`) and, when its caller read the clock
+/// already, the time (`now`, ms), run alone ([`admit_script`]) or by the gate for the
+/// first attempt's reservation ([`GATE`]). First it charges the reservations whose lease
+/// has expired (a replica died holding them) at their reserved amount, as the embedded
+/// store does after a crash, and notes what it charged so a late settle corrects it to
+/// the actual usage. Replies `{"ok", unknown}`, `{"lost"}` or `{"over", scope, which,
+/// limit, used}`.
 ///
 /// K: generation, reservations (zset of leases), reservation records, day, session,
 /// lease-expired charges, their times (zset), spend stream. A: the generation, the
 /// reservation's id, its lease (ms), the amounts (calls, tokens, micro-dollars), the
 /// day's caps, the session's caps (-1: none), '1' with a session, the session's expiry
-/// (s), the model and the session as the record names them.
+/// (s), the reservation's record (made by the replica, [`reservation_record`]).
 const ADMIT: &str = r#"
-local function admit(K, A)
+local function over(v, A, at, scope)
+  for i = 1, 3 do
+    local cap = tonumber(A[at + i])
+    if cap >= 0 then
+      local used = (tonumber(v[i]) or 0) + (tonumber(v[i + 3]) or 0)
+      if used + tonumber(A[3 + i]) > cap then
+        return {'over', scope, fmt(i), fmt(cap), fmt(used)}
+      end
+    end
+  end
+  return nil
+end
+local function admit(K, A, now)
   if redis.call('GET', K[1]) ~= A[1] then return {'lost'} end
-  local now = now_ms()
-  local unknown = 0
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', K[2], '-inf', now, 'LIMIT', 0, 256)) do
+  now = now or now_ms()
+  local unknown, expired = 0, false
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', K[2], '-inf', fmt(now), 'LIMIT', '0', '256')) do
     local rec = redis.call('HGET', K[3], id)
     local r = rec and record(rec)
     if rec and not r then
       -- A newer replica's record: left reserved, looked at again a lease later.
       unknown = unknown + 1
-      redis.call('ZADD', K[2], now + tonumber(A[3]), id)
+      redis.call('ZADD', K[2], fmt(now + tonumber(A[3])), id)
     else
       if r then
         unreserve(r)
-        for _, k in ipairs({r[1], r[2]}) do
+        for i, k in ipairs({r[1], r[2]}) do
           if k ~= '' then
             add(k, 'calls', r[3], false); add(k, 'tokens', r[4], false); add(k, 'usd', r[5], false)
+            -- Perhaps made just now (a reservation of nothing writes no hash).
+            redis.call('EXPIRE', k, i == 1 and '259200' or A[14])
           end
         end
         redis.call('HSET', K[6], id, r[3] .. '|' .. r[4] .. '|' .. r[5])
-        redis.call('ZADD', K[7], now, id)
-        redis.call('XADD', K[8], 'MAXLEN', '~', 1000000, '*',
+        redis.call('ZADD', K[7], fmt(now), id)
+        redis.call('XADD', K[8], 'MAXLEN', '~', '1000000', '*',
           'reservation', id, 'session', decode(r[8]), 'model', decode(r[7]), 'calls', r[3],
-          'input_tokens', r[4], 'output_tokens', '0', 'usd_micro', r[5], 'ts_ms', tostring(now),
+          'input_tokens', r[4], 'output_tokens', '0', 'usd_micro', r[5], 'ts_ms', fmt(now),
           'kind', 'lease_expired')
         redis.call('HDEL', K[3], id)
+        expired = true
       end
       redis.call('ZREM', K[2], id)
     end
   end
-  -- What a late settle would correct is kept for a week; after that it is final.
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', K[7], '-inf', now - 604800000, 'LIMIT', 0, 64)) do
-    redis.call('HDEL', K[6], id)
-    redis.call('ZREM', K[7], id)
-  end
-  local want = {tonumber(A[4]), tonumber(A[5]), tonumber(A[6])}
-  local function over(key, caps, scope)
-    local v = redis.call('HMGET', key, 'calls', 'tokens', 'usd', 'rcalls', 'rtokens', 'rusd')
-    for i = 1, 3 do
-      local used = (tonumber(v[i]) or 0) + (tonumber(v[i + 3]) or 0)
-      if caps[i] >= 0 and used + want[i] > caps[i] then
-        return {'over', scope, tostring(i), string.format('%.0f', caps[i]), string.format('%.0f', used)}
-      end
+  if expired then
+    -- What a late settle would correct is kept for a week; after that it is final
+    -- (looked at when another lease runs out, the only time there is more to keep).
+    for _, id in ipairs(redis.call('ZRANGEBYSCORE', K[7], '-inf', fmt(now - 604800000), 'LIMIT', '0', '64')) do
+      redis.call('HDEL', K[6], id)
+      redis.call('ZREM', K[7], id)
     end
-    return nil
   end
-  local day_caps = {tonumber(A[7]), tonumber(A[8]), tonumber(A[9])}
-  local refused = over(K[4], day_caps, 'day')
+  local day = redis.call('HMGET', K[4], unpack(BOOKS))
+  local refused = over(day, A, 6, 'day')
   if refused then return refused end
   local has_session = A[13] == '1'
+  local session = nil
   if has_session then
-    refused = over(K[5], {tonumber(A[10]), tonumber(A[11]), tonumber(A[12])}, 'session')
+    session = redis.call('HMGET', K[5], unpack(BOOKS))
+    refused = over(session, A, 9, 'session')
     if refused then return refused end
   end
-  local fields = {'rcalls', 'rtokens', 'rusd'}
-  local amounts = {A[4], A[5], A[6]}
-  local session_key = ''
-  for i = 1, 3 do add(K[4], fields[i], amounts[i], false) end
-  redis.call('EXPIRE', K[4], 259200)
+  -- A day's hash lives three days, a session's its retention after its last settle:
+  -- set when the hash is made, renewed by the settles.
+  add(K[4], 'rcalls', A[4]); add(K[4], 'rtokens', A[5]); add(K[4], 'rusd', A[6])
+  if fresh(day) then redis.call('EXPIRE', K[4], '259200') end
   if has_session then
-    session_key = K[5]
-    for i = 1, 3 do add(K[5], fields[i], amounts[i], false) end
-    redis.call('EXPIRE', K[5], tonumber(A[14]))
+    add(K[5], 'rcalls', A[4]); add(K[5], 'rtokens', A[5]); add(K[5], 'rusd', A[6])
+    if fresh(session) then redis.call('EXPIRE', K[5], A[14]) end
   end
-  redis.call('HSET', K[3], A[2], encode(K[4]) .. '|' .. encode(session_key) .. '|' .. A[4] .. '|' ..
-    A[5] .. '|' .. A[6] .. '|1|' .. A[15] .. '|' .. A[16])
-  redis.call('ZADD', K[2], now + tonumber(A[3]), A[2])
-  return {'ok', tostring(unknown)}
+  redis.call('HSET', K[3], A[2], A[15])
+  redis.call('ZADD', K[2], fmt(now + tonumber(A[3])), A[2])
+  return {'ok', fmt(unknown)}
 end
 "#;
 
@@ -323,14 +367,12 @@ fn admit_script() -> String {
 const SETTLE: &str = r#"
 local id = ARGV[1]
 local rec = redis.call('HGET', KEYS[2], id)
-local expired = redis.call('HGET', KEYS[5], id)
+local expired = not rec and redis.call('HGET', KEYS[5], id)
 if not rec and not expired then return {'0'} end
 redis.call('ZREM', KEYS[1], id)
 local fields = {'calls', 'tokens', 'usd'}
 local amounts = {ARGV[2], ARGV[3], ARGV[4]}
-local keys = {KEYS[3]}
-if ARGV[5] == '1' then table.insert(keys, KEYS[4]) end
-local reply, kind, input = 1, 'settle', ARGV[9]
+local reply, kind, input = '1', 'settle', ARGV[9]
 if rec then
   local r = record(rec)
   if r then unreserve(r) end
@@ -338,34 +380,32 @@ if rec then
 else
   local charged = split(expired)
   for i = 1, 3 do
-    amounts[i] = string.format('%d', tonumber(amounts[i]) - tonumber(charged[i] or '0'))
+    amounts[i] = fmt(tonumber(amounts[i]) - tonumber(charged[i] or '0'))
   end
-  input = string.format('%d', tonumber(ARGV[9]) - tonumber(charged[2] or '0'))
+  input = fmt(tonumber(ARGV[9]) - tonumber(charged[2] or '0'))
   redis.call('HDEL', KEYS[5], id)
   redis.call('ZREM', KEYS[6], id)
-  reply, kind = 2, 'correction'
+  reply, kind = '2', 'correction'
 end
-for _, k in ipairs(keys) do
-  for i = 1, 3 do
-    if string.sub(amounts[i], 1, 1) == '-' then
-      add(k, fields[i], string.sub(amounts[i], 2), true)
-    else
-      add(k, fields[i], amounts[i], false)
-    end
-  end
+local session = ARGV[5] == '1'
+for i = 1, 3 do
+  local amount, negate = amounts[i], false
+  if string.sub(amount, 1, 1) == '-' then amount, negate = string.sub(amount, 2), true end
+  add(KEYS[3], fields[i], amount, negate)
+  if session then add(KEYS[4], fields[i], amount, negate) end
 end
-redis.call('EXPIRE', KEYS[3], 259200)
-if ARGV[5] == '1' then redis.call('EXPIRE', KEYS[4], tonumber(ARGV[6])) end
+redis.call('EXPIRE', KEYS[3], '259200')
+if session then redis.call('EXPIRE', KEYS[4], ARGV[6]) end
 -- A release (no call made) of a reservation still held spends nothing: no entry.
 if not (rec and ARGV[2] == '0') then
-  redis.call('XADD', KEYS[7], 'MAXLEN', '~', 1000000, '*',
+  redis.call('XADD', KEYS[7], 'MAXLEN', '~', '1000000', '*',
     'reservation', id, 'session', ARGV[7], 'model', ARGV[8], 'calls', amounts[1],
     'input_tokens', input, 'output_tokens', ARGV[10], 'usd_micro', amounts[3],
     'ts_ms', ARGV[11], 'kind', kind)
 end
-if ARGV[5] ~= '1' then return {tostring(reply)} end
-local u = redis.call('HMGET', KEYS[4], 'calls', 'tokens', 'usd', 'rcalls', 'rtokens', 'rusd')
-local out = {tostring(reply)}
+if not session then return {reply} end
+local u = redis.call('HMGET', KEYS[4], unpack(BOOKS))
+local out = {reply}
 for i = 1, 6 do out[i + 1] = u[i] or '0' end
 local guard = redis.call('HMGET', KEYS[8], 'v', 'brief')
 out[8] = guard[1] or '0'
@@ -406,6 +446,12 @@ return out
 /// A replica that wrote the shared state last sends both: the whole state, written if
 /// the shared state is still at its version, else the request joined.
 ///
+/// The guard's three keys expire its expiry after the session's last request, or up to
+/// a tenth of it (at most a second) later: their expiry is pushed out, and how far kept
+/// in the hash's `x`, when it is less than the expiry away or a key was made just now,
+/// not on every request (three commands fewer a request on a busy session). A script
+/// that sets their expiry itself resets `x` to 0.
+///
 /// KEYS: tenant rate, session rate, concurrency slots, the guard's hash, its window, the
 /// window's counts; then, with a reservation, [`ADMIT`]'s eight. ARGV: tenant interval
 /// and burst, session interval and burst (interval 0: no limit), concurrency limit (0:
@@ -413,7 +459,7 @@ return out
 /// whole state must be at), the whole state, its expiry (ms), '1' when the guard
 /// refuses, the whole state's window op and argument; to join (alone, or if the whole
 /// state is not taken; else '' each): when (ms), the request's fingerprint, the limit,
-/// the window's start (ms); then, with a reservation, [`ADMIT`]'s sixteen.
+/// the window's start (ms); then, with a reservation, [`ADMIT`]'s fifteen.
 const GATE: &str = r#"
 local function admits(state)
   for _, phase in ipairs({@ADMITTING@}) do
@@ -427,24 +473,25 @@ local ms = math.floor(now / 1000)
 local guarded = ARGV[8] ~= ''
 local g, list, seen = KEYS[4], KEYS[5], KEYS[6]
 local v, state, op, arg = 0, ARGV[9], ARGV[12], ARGV[13]
-local stored = nil
+local stored, renewed, joined = nil, nil, nil
 if guarded then
-  local cur = redis.call('HMGET', g, 'v', 'state')
-  v, stored = tonumber(cur[1] or '0'), cur[2]
+  local cur = redis.call('HMGET', g, 'v', 'state', 'x')
+  v, stored, renewed = tonumber(cur[1] or '0'), cur[2], tonumber(cur[3] or '0')
   if ARGV[8] == 'join' or v ~= tonumber(ARGV[8]) then
     -- Joined, if the guard would admit the request on the state there.
     local at, request = ARGV[14], ARGV[15]
     local limit, since = tonumber(ARGV[16]) or 0, tonumber(ARGV[17]) or 0
     local joins = at ~= '' and stored and beside(stored) and limit > 0 and admits(stored)
+    local stale, same = 0, 0
     if joins then
-      local _, same = window_stale(list, since, request)
+      stale, same = window_stale(list, since, request)
       joins = tonumber(redis.call('HGET', seen, request) or '0') - same < limit
     end
     if not joins then
-      return {'moved', tostring(v), stored or '',
+      return {'moved', fmt(v), stored or '',
         (stored and beside(stored)) and window_text(list) or ''}
     end
-    state, op, arg = stored, 'a', at .. ',' .. request .. ',' .. ARGV[17]
+    state, joined = stored, {at, request, since, stale}
   end
 end
 local function probe(key, interval, burst)
@@ -457,30 +504,49 @@ local function probe(key, interval, burst)
   return new_tat, 0
 end
 local tn, tw = probe(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]))
-if tw > 0 then return {'tenant', tostring(tw)} end
+if tw > 0 then return {'tenant', fmt(tw)} end
 local sn, sw = probe(KEYS[2], tonumber(ARGV[3]), tonumber(ARGV[4]))
-if sw > 0 then return {'session', tostring(sw)} end
-if tn then redis.call('SET', KEYS[1], string.format('%.0f', tn), 'PX', math.ceil((tn - now) / 1000) + 1000) end
-if sn then redis.call('SET', KEYS[2], string.format('%.0f', sn), 'PX', math.ceil((sn - now) / 1000) + 1000) end
+if sw > 0 then return {'session', fmt(sw)} end
+if tn then redis.call('SET', KEYS[1], fmt(tn), 'PX', fmt(math.ceil((tn - now) / 1000) + 1000)) end
+if sn then redis.call('SET', KEYS[2], fmt(sn), 'PX', fmt(math.ceil((sn - now) / 1000) + 1000)) end
 local limit = tonumber(ARGV[5])
 if limit > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ms)
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', fmt(ms))
   if redis.call('ZCARD', KEYS[3]) >= limit then return {'busy'} end
   if ARGV[11] ~= '1' then
-    redis.call('ZADD', KEYS[3], ms + tonumber(ARGV[6]), ARGV[7])
-    redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[6]))
+    redis.call('ZADD', KEYS[3], fmt(ms + tonumber(ARGV[6])), ARGV[7])
+    redis.call('PEXPIRE', KEYS[3], ARGV[6])
   end
 end
 local out = {'ok', '', ''}
 if guarded then
-  redis.call('HSET', g, 'v', v + 1, 'state', state, 'brief', brief(v + 1, state))
-  window_write(list, seen, stored, op, arg)
-  redis.call('PEXPIRE', g, tonumber(ARGV[10]))
-  window_expire(list, seen, tonumber(ARGV[10]))
-  out[2], out[3] = tostring(v + 1), tostring(v)
+  -- The state's keys live `ttl` past its last request, or up to `slack` longer: their
+  -- expiry is pushed out (to `x`) once it is less than `ttl` away, and when a key was
+  -- made just now; not on every request.
+  local ttl = tonumber(ARGV[10])
+  local slack = math.min(1000, math.floor(ttl / 10))
+  local renew = renewed < ms + ttl
+  local next_v = fmt(v + 1)
+  local fields = {'v', next_v, 'state', state, 'brief', brief(next_v, state)}
+  if renew then
+    table.insert(fields, 'x'); table.insert(fields, fmt(ms + ttl + slack))
+  end
+  redis.call('HSET', g, unpack(fields))
+  local made
+  if joined then
+    made = window_append(list, seen, joined[1], joined[2], joined[3], joined[4])
+  else
+    made = window_write(list, seen, stored, op, arg)
+  end
+  if made or renew then
+    local expiry = fmt(ttl + slack)
+    redis.call('PEXPIRE', g, expiry)
+    window_expire(list, seen, expiry)
+  end
+  out[2], out[3] = next_v, fmt(v)
 end
 if ARGV[18] and ARGV[11] ~= '1' then
-  local paid = admit({unpack(KEYS, 7, 14)}, {unpack(ARGV, 18, 33)})
+  local paid = admit({unpack(KEYS, 7, 14)}, {unpack(ARGV, 18, 32)}, ms)
   for i = 1, #paid do out[3 + i] = paid[i] end
 end
 return out
@@ -689,6 +755,18 @@ impl SharedBudgets {
             Some(s) => self.session_key(a.tenant, s),
             None => self.redis.key(a.tenant, "no-session"),
         };
+        let want = [
+            amount(a.want.calls),
+            amount(a.want.tokens),
+            micro(a.want.usd),
+        ];
+        let record = reservation_record(
+            &day_key,
+            if a.session.is_some() { &session_key } else { "" },
+            want,
+            a.model,
+            a.session.unwrap_or_default(),
+        );
         inv.key(self.redis.key(a.tenant, "generation"))
             .key(self.redis.key(a.tenant, "reservations"))
             .key(self.redis.key(a.tenant, "reservation-records"))
@@ -700,9 +778,9 @@ impl SharedBudgets {
             .arg(generation)
             .arg(&id)
             .arg(ms(self.redis.reservation_ttl))
-            .arg(amount(a.want.calls))
-            .arg(amount(a.want.tokens))
-            .arg(micro(a.want.usd))
+            .arg(want[0])
+            .arg(want[1])
+            .arg(want[2])
             .arg(cap(a.day_caps.calls))
             .arg(cap(a.day_caps.tokens))
             .arg(cap_usd(a.day_caps.usd))
@@ -711,8 +789,7 @@ impl SharedBudgets {
             .arg(cap_usd(a.session_caps.usd))
             .arg(if a.session.is_some() { "1" } else { "0" })
             .arg(self.session_ttl_s)
-            .arg(record_name(a.model))
-            .arg(record_name(a.session.unwrap_or_default()));
+            .arg(record);
         SharedReservation {
             id,
             session: a.session.map(str::to_string),

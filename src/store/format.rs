@@ -322,10 +322,13 @@ end
 /// `beside(state)`: whether a stored state keeps its window beside it (version 2; or
 /// there is none), not inside (version 1, written by an older build).
 /// `window_stale(list, since, request)`: how many of the oldest entries are from before
-/// `since`, and how many of those are `request` (read only). `window_write(list, seen,
+/// `since`, and how many of those are `request` (read only). `window_append(list, seen,
+/// at, request, since, stale)`: the request appended (`stale`: what `window_stale` said,
+/// if it was asked already). `window_write(list, seen,
 /// stored, op, arg)`: a whole write's [`WindowWrite`] over the state `stored` before it
 /// (`op` `''` keep, `a` append `ms,fingerprint,since`, `r` replace with `arg`'s entries,
-/// `[ms,fingerprint],...`); a window still inside `stored` is first moved beside it.
+/// `[ms,fingerprint],...`); a window still inside `stored` is first moved beside it;
+/// true when it made the list or the hash anew (they then have no expiry yet).
 /// `window_text(list)`: the entries joined by `;`.
 pub fn window_lua(cap: usize) -> String {
     r#"
@@ -335,7 +338,7 @@ end
 local function window_drop(list, seen)
   local e = redis.call('LPOP', list)
   local fp = e and string.match(e, ',(%d+)$')
-  if fp and redis.call('HINCRBY', seen, fp, -1) <= 0 then redis.call('HDEL', seen, fp) end
+  if fp and redis.call('HINCRBY', seen, fp, '-1') <= 0 then redis.call('HDEL', seen, fp) end
 end
 local function window_stale(list, since, request)
   local n, same = 0, 0
@@ -349,32 +352,37 @@ local function window_stale(list, since, request)
   end
   return n, same
 end
-local function window_append(list, seen, at, request, since)
-  local n = window_stale(list, since, request)
+local function window_append(list, seen, at, request, since, stale)
+  local n = stale or window_stale(list, since, request)
   for _ = 1, n do window_drop(list, seen) end
-  if redis.call('RPUSH', list, at .. ',' .. request) > @CAP@ then window_drop(list, seen) end
-  redis.call('HINCRBY', seen, request, 1)
+  local len = redis.call('RPUSH', list, at .. ',' .. request)
+  if len > @CAP@ then window_drop(list, seen) end
+  redis.call('HINCRBY', seen, request, '1')
+  return len == 1
 end
 local function window_fill(list, seen, entries)
   redis.call('DEL', list, seen)
   for at, fp in string.gmatch(entries, '(%-?%d+),(%d+)') do
     redis.call('RPUSH', list, at .. ',' .. fp)
-    redis.call('HINCRBY', seen, fp, 1)
+    redis.call('HINCRBY', seen, fp, '1')
   end
 end
 local function window_write(list, seen, stored, op, arg)
-  if op == 'r' then window_fill(list, seen, arg); return end
+  if op == 'r' then window_fill(list, seen, arg); return true end
+  local made = false
   if not beside(stored) then
     local entries = ''
     local open = string.find(stored, '"recent":[', 1, true)
     local close = open and string.find(stored, '],"spend":[', open, true)
     if close then entries = string.sub(stored, open + 10, close - 1) end
     window_fill(list, seen, entries)
+    made = true
   end
   if op == 'a' then
     local at, request, since = string.match(arg, '^(%-?%d+),(%d+),(%-?%d+)$')
-    window_append(list, seen, at, request, tonumber(since))
+    made = window_append(list, seen, at, request, tonumber(since)) or made
   end
+  return made
 end
 local function window_expire(list, seen, ttl)
   redis.call('PEXPIRE', list, ttl)

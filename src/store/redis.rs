@@ -31,7 +31,9 @@ pub struct RedisStore {
 /// replica wrote first, `{"moved", version, state, window}` (one round trip either way).
 /// The state (version 2, [`format::to_beside`]) is written with its brief
 /// ([`format::brief_lua`]) and the window beside it as the write says
-/// ([`format::window_lua`]).
+/// ([`format::window_lua`]). All three keys expire `ttl` after it; `x`, how far the
+/// gate last pushed their expiry ([`crate::state::shared`]'s `GATE`), is reset so the
+/// next request through the gate pushes it again.
 ///
 /// KEYS: the guard's hash, its window, the window's counts. ARGV: the version, the state,
 /// its expiry (ms), the window's op and argument.
@@ -42,7 +44,7 @@ if v ~= tonumber(ARGV[1]) then
   return {'moved', tostring(v), cur[2] or '',
     (cur[2] and beside(cur[2])) and window_text(KEYS[2]) or ''}
 end
-redis.call('HSET', KEYS[1], 'v', v + 1, 'state', ARGV[2], 'brief', brief(v + 1, ARGV[2]))
+redis.call('HSET', KEYS[1], 'v', v + 1, 'state', ARGV[2], 'brief', brief(v + 1, ARGV[2]), 'x', '0')
 window_write(KEYS[2], KEYS[3], cur[2], ARGV[4], ARGV[5])
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
 window_expire(KEYS[2], KEYS[3], tonumber(ARGV[3]))

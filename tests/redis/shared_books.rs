@@ -309,6 +309,10 @@ fn run_sequence(bench: &Bench, steps: Vec<Step>) -> Result<(), TestCaseError> {
             for (k, expected) in &model.books {
                 let actual = books_of(&mut conn, k).await;
                 prop_assert_eq!(&actual, expected, "books of {}", k);
+                // Made by whichever script, a day's or a session's books expire (-2: no
+                // hash, nothing counted on it yet; -1: one that would live for ever).
+                let ttl: i64 = redis::cmd("PTTL").arg(k).query_async(&mut conn).await.unwrap();
+                prop_assert!(ttl != -1, "{} has no expiry", k);
             }
             let entries: usize = redis::cmd("XLEN")
                 .arg(&spend)

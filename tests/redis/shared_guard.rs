@@ -128,6 +128,24 @@ impl Session {
         }
         assert_eq!(seen, counted, "the counts beside the window are its own");
         assert!(window.len() <= RECENT_CAP);
+        // Each key there expires its expiry after the last request, or up to a second
+        // later (the gate pushes it out once it is less than that away), never earlier;
+        // a key the window made anew included.
+        for k in [
+            self.key.clone(),
+            format!("{}:recent", self.key),
+            format!("{}:seen", self.key),
+        ] {
+            let ttl: i64 = redis::cmd("PTTL")
+                .arg(&k)
+                .query_async(&mut self.conn)
+                .await
+                .unwrap();
+            assert!(
+                ttl == -2 || (590_000..=601_000).contains(&ttl),
+                "{k} expires in {ttl} ms"
+            );
+        }
         (
             v.unwrap_or(0),
             from_beside(&state.unwrap_or_default(), &window.join(";")),

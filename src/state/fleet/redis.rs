@@ -308,7 +308,7 @@ local out
 if v ~= version then
   out = {'moved', tostring(v), cur[2] or '', (cur[2] and beside(cur[2])) and window_text(list) or ''}
 else
-  redis.call('HSET', g, 'v', v + 1, 'state', state, 'brief', brief(v + 1, state))
+  redis.call('HSET', g, 'v', v + 1, 'state', state, 'brief', brief(v + 1, state), 'x', '0')
   window_write(list, seen, cur[2], ARGV[21], ARGV[22])
   redis.call('PEXPIRE', g, gttl)
   window_expire(list, seen, gttl)
