@@ -527,7 +527,11 @@ if guarded then
   local slack = math.min(1000, math.floor(ttl / 10))
   local renew = renewed < ms + ttl
   local next_v = fmt(v + 1)
-  local fields = {'v', next_v, 'state', state, 'brief', brief(next_v, state)}
+  -- A joined request leaves the state as it is: its version and brief move on.
+  local fields = {'v', next_v, 'brief', brief(next_v, state)}
+  if not joined then
+    table.insert(fields, 'state'); table.insert(fields, state)
+  end
   if renew then
     table.insert(fields, 'x'); table.insert(fields, fmt(ms + ttl + slack))
   end

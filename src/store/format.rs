@@ -352,16 +352,21 @@ local function window_stale(list, since, request)
   end
   return n, same
 end
+local function window_hashed(seen)
+  redis.call('HSET', seen, '@HASHED_FIELD@', '@HASHED_VALUE@')
+end
 local function window_append(list, seen, at, request, since, stale)
   local n = stale or window_stale(list, since, request)
   for _ = 1, n do window_drop(list, seen) end
   local len = redis.call('RPUSH', list, at .. ',' .. request)
   if len > @CAP@ then window_drop(list, seen) end
+  if len == 1 then window_hashed(seen) end
   redis.call('HINCRBY', seen, request, '1')
   return len == 1
 end
 local function window_fill(list, seen, entries)
   redis.call('DEL', list, seen)
+  window_hashed(seen)
   for at, fp in string.gmatch(entries, '(%-?%d+),(%d+)') do
     redis.call('RPUSH', list, at .. ',' .. fp)
     redis.call('HINCRBY', seen, fp, '1')
@@ -393,7 +398,19 @@ local function window_text(list)
 end
 "#
     .replace("@CAP@", &cap.to_string())
+    .replace("@HASHED_FIELD@", HASHED_FIELD)
+    .replace("@HASHED_VALUE@", &"h".repeat(HASHED_VALUE_LEN))
 }
+
+/// The field of a window's counts that is no count: its value, longer than any
+/// `hash-max-listpack-value` (64 by default), makes Redis keep the hash as a hash table
+/// for good. Redis keeps a hash of up to `hash-max-listpack-entries` fields (128, or
+/// 512 on some builds) as a listpack, which it searches and shifts end to end on every
+/// count it reads, adds or drops: with a full window of 256 requests, that cost the gate
+/// and the settle a tenth of their Redis time (docs/performance.md). Readers of the
+/// counts skip it.
+pub const HASHED_FIELD: &str = "_";
+const HASHED_VALUE_LEN: usize = 80;
 
 /// What a whole write of `state` (version 1 text) at `version` sends to Redis: the state
 /// as Redis keeps it, and the window's op and argument as the scripts take them

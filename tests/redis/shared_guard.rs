@@ -21,7 +21,7 @@ use backstop::{
         guard_view::{self, Joined, Write, RECENT_CAP},
         shared::{Gate, GateReply, GuardWrite, Redis, SharedBudgets},
     },
-    store::format::{decode_snapshot, encode_snapshot, from_beside, WindowWrite},
+    store::format::{decode_snapshot, encode_snapshot, from_beside, WindowWrite, HASHED_FIELD},
 };
 use proptest::prelude::*;
 use tokio::time::Instant;
@@ -116,11 +116,27 @@ impl Session {
             .query_async(&mut self.conn)
             .await
             .unwrap();
-        let seen: std::collections::BTreeMap<String, u64> = redis::cmd("HGETALL")
+        let mut seen: std::collections::BTreeMap<String, String> = redis::cmd("HGETALL")
             .arg(format!("{}:seen", self.key))
             .query_async(&mut self.conn)
             .await
             .unwrap();
+        // The field that keeps the counts a hash table, there whenever the window is.
+        let hashed = seen.remove(HASHED_FIELD);
+        assert!(hashed.is_some() || window.is_empty(), "{seen:?}");
+        if !window.is_empty() {
+            let encoding: String = redis::cmd("OBJECT")
+                .arg("ENCODING")
+                .arg(format!("{}:seen", self.key))
+                .query_async(&mut self.conn)
+                .await
+                .unwrap();
+            assert_eq!(encoding, "hashtable");
+        }
+        let seen: std::collections::BTreeMap<String, u64> = seen
+            .into_iter()
+            .map(|(k, v)| (k, v.parse().expect("a count")))
+            .collect();
         let mut counted = std::collections::BTreeMap::new();
         for entry in &window {
             let (_, request) = entry.split_once(',').expect("ms,fingerprint");
