@@ -33,12 +33,22 @@ impl Drop for Proc {
     }
 }
 
+/// A port nothing listens on now, and never one this process handed out before: the
+/// kernel may give a released port again, and two servers told the same port left one
+/// row of `replicas` measuring the other's server.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if GIVEN.lock().unwrap().insert(port) {
+            return port;
+        }
+    }
 }
 
 pub fn backstop_bin() -> String {
