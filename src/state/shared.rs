@@ -766,7 +766,11 @@ impl SharedBudgets {
         ];
         let record = reservation_record(
             &day_key,
-            if a.session.is_some() { &session_key } else { "" },
+            if a.session.is_some() {
+                &session_key
+            } else {
+                ""
+            },
             want,
             a.model,
             a.session.unwrap_or_default(),

@@ -237,7 +237,11 @@ impl Redis {
         key.push_str(&self.prefix);
         key.push_str(":{");
         if tenant.contains(['{', '}']) {
-            key.extend(tenant.chars().map(|c| if matches!(c, '{' | '}') { '_' } else { c }));
+            key.extend(
+                tenant
+                    .chars()
+                    .map(|c| if matches!(c, '{' | '}') { '_' } else { c }),
+            );
         } else {
             key.push_str(tenant);
         }

@@ -311,7 +311,11 @@ fn run_sequence(bench: &Bench, steps: Vec<Step>) -> Result<(), TestCaseError> {
                 prop_assert_eq!(&actual, expected, "books of {}", k);
                 // Made by whichever script, a day's or a session's books expire (-2: no
                 // hash, nothing counted on it yet; -1: one that would live for ever).
-                let ttl: i64 = redis::cmd("PTTL").arg(k).query_async(&mut conn).await.unwrap();
+                let ttl: i64 = redis::cmd("PTTL")
+                    .arg(k)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
                 prop_assert!(ttl != -1, "{} has no expiry", k);
             }
             let entries: usize = redis::cmd("XLEN")
