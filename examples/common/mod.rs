@@ -6,6 +6,11 @@ use std::{
     time::Duration,
 };
 
+#[path = "../../tests/common/ports.rs"]
+mod ports;
+#[allow(unused_imports)]
+pub use ports::free_port;
+
 /// A child process killed on drop.
 pub struct Proc(pub Child);
 
@@ -30,24 +35,6 @@ impl Drop for Proc {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
-    }
-}
-
-/// A port nothing listens on now, and never one this process handed out before: the
-/// kernel may give a released port again, and two servers told the same port left one
-/// row of `replicas` measuring the other's server.
-pub fn free_port() -> u16 {
-    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
-    loop {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        if GIVEN.lock().unwrap().insert(port) {
-            return port;
-        }
     }
 }
 

@@ -4,10 +4,12 @@
 
 mod body;
 mod config;
+mod ports;
 mod wait;
 
 pub use body::{chat, Chat};
 pub use config::{toml_value, TestConfig};
+pub use ports::free_port;
 pub use wait::{until, until_some, PATIENCE};
 
 use std::net::SocketAddr;
@@ -59,9 +61,9 @@ pub struct Gateway {
     pub http: reqwest::Client,
 }
 
-/// Ports handed out to this test process, and the sockets that hold the dead ones.
-static PORTS: std::sync::Mutex<(Vec<u16>, Vec<tokio::net::TcpSocket>)> =
-    std::sync::Mutex::new((Vec::new(), Vec::new()));
+/// The sockets that hold the dead ports (bound for the life of the test process, so the
+/// kernel hands none of them out again).
+static DEAD: std::sync::Mutex<Vec<tokio::net::TcpSocket>> = std::sync::Mutex::new(Vec::new());
 
 /// A port nothing listens on, ever: bound (so nothing else can take it) but never
 /// listening, so a connection to it is refused. Held for the life of the test process.
@@ -69,28 +71,8 @@ pub async fn dead_port() -> u16 {
     let socket = tokio::net::TcpSocket::new_v4().unwrap();
     socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let port = socket.local_addr().unwrap().port();
-    let mut ports = PORTS.lock().unwrap();
-    ports.0.push(port);
-    ports.1.push(socket);
+    DEAD.lock().unwrap().push(socket);
     port
-}
-
-/// A free port for a process the test starts to listen on. The kernel may hand a port
-/// just released straight back, so none is given twice in one test process (tests run
-/// in parallel: two of them must not be given one port).
-pub fn free_port() -> u16 {
-    loop {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let mut ports = PORTS.lock().unwrap();
-        if !ports.0.contains(&port) {
-            ports.0.push(port);
-            return port;
-        }
-    }
 }
 
 /// The test config: a gateway in front of the mock at `mock`, with an upstream `dead`
