@@ -25,7 +25,7 @@ use std::{
     net::SocketAddr,
     pin::Pin,
     sync::{
-        atomic::{AtomicU32, AtomicU64, Ordering},
+        atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering},
         Arc,
     },
     task::{Context, Poll},
@@ -276,10 +276,25 @@ fn is_per_connection(err: &io::Error) -> bool {
 /// [`REFUSAL_LINGER`], since closing on unread bytes sends a reset that can destroy the
 /// 503 before the client reads it. At most `slots` refusals wait at once, so that they
 /// hold few descriptors: one more cuts the longest wait short (503 and close at once).
+/// A refusal cut short keeps its descriptor until its task runs, and an accept loop that
+/// outruns those tasks ran out of descriptors (a burst of idle connections over the cap,
+/// under `ulimit -n 256`): once twice `slots` refusals are open (waiting, or cut short
+/// and not yet closed), one more is answered and closed in the accept loop itself.
 struct Refusals {
     cap: usize,
     slots: usize,
     waiting: VecDeque<oneshot::Sender<()>>,
+    /// Refusal tasks not yet ended, each holding its connection's descriptor.
+    open: Arc<AtomicUsize>,
+}
+
+/// One refusal task's share of [`Refusals::open`], given back when it ends.
+struct OpenRefusal(Arc<AtomicUsize>);
+
+impl Drop for OpenRefusal {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// How long a refused connection may take to send its request head, and then to close.
@@ -294,6 +309,7 @@ impl Refusals {
             cap,
             slots,
             waiting: VecDeque::with_capacity(slots),
+            open: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -305,10 +321,51 @@ impl Refusals {
                 let _ = longest.send(());
             }
         }
+        if self.open.load(Ordering::Acquire) >= 2 * self.slots {
+            answer_now(tcp, self.cap);
+            return;
+        }
         let (cut, cut_short) = oneshot::channel();
         self.waiting.push_back(cut);
-        tokio::spawn(refuse(tcp, self.cap, cut_short));
+        self.open.fetch_add(1, Ordering::AcqRel);
+        let open = OpenRefusal(self.open.clone());
+        let cap = self.cap;
+        tokio::spawn(async move {
+            let _open = open;
+            refuse(tcp, cap, cut_short).await;
+        });
     }
+}
+
+/// A refusal answered here and now, holding no descriptor after: what has arrived is
+/// read (closing on unread bytes sends a reset that can destroy the 503 before the
+/// client reads it), the 503 written to the fresh socket's empty buffer, the socket
+/// closed.
+fn answer_now(tcp: TcpStream, cap: usize) {
+    use std::io::{Read, Write};
+
+    let Ok(mut tcp) = tcp.into_std() else {
+        return;
+    };
+    let (mut sink, mut read) = ([0u8; 4096], 0);
+    while read < REFUSAL_READ_BYTES {
+        match tcp.read(&mut sink) {
+            Ok(n @ 1..) => read += n,
+            _ => break,
+        }
+    }
+    let _ = tcp.write_all(refusal(cap).as_bytes());
+}
+
+/// The 503 a connection over the cap gets.
+fn refusal(cap: usize) -> String {
+    let body = format!(
+        r#"{{"error":{{"message":"too many open connections (at most {cap}); retry shortly","type":"server_error","code":"too_many_connections","param":null}}}}"#
+    );
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nx-should-retry: false\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
 }
 
 /// One refusal: wait for the request head, answer 503, linger until the client closes.
@@ -330,13 +387,7 @@ async fn refuse(mut tcp: TcpStream, cap: usize, mut cut_short: oneshot::Receiver
             }
         }
     }
-    let body = format!(
-        r#"{{"error":{{"message":"too many open connections (at most {cap}); retry shortly","type":"server_error","code":"too_many_connections","param":null}}}}"#
-    );
-    let response = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nx-should-retry: false\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
+    let response = refusal(cap);
     let answered = tokio::time::timeout(REFUSAL_LINGER, async {
         tcp.write_all(response.as_bytes()).await?;
         tcp.shutdown().await
@@ -658,6 +709,37 @@ pub async fn shutdown_signal() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An accept loop that outruns its refusal tasks (here: they never run, the test
+    /// holds the only thread) keeps at most twice the slots open; the rest get their 503
+    /// at once and are closed.
+    #[tokio::test(flavor = "current_thread")]
+    async fn refusals_the_accept_loop_outruns_hold_at_most_twice_the_slots() {
+        use std::io::Read;
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let slots = 4;
+        let mut refusals = Refusals::new(7, slots);
+        let mut clients = Vec::new();
+        for _ in 0..3 * slots {
+            let client = std::net::TcpStream::connect(addr).unwrap();
+            let (tcp, _) = listener.accept().await.unwrap();
+            refusals.refuse(tcp);
+            clients.push(client);
+        }
+        assert_eq!(refusals.open.load(Ordering::Acquire), 2 * slots);
+        // Answered at once, never spawned: the 503 and then the close are there already.
+        for client in &mut clients[2 * slots..] {
+            let mut answer = String::new();
+            client
+                .set_read_timeout(Some(Duration::from_secs(5)))
+                .unwrap();
+            client.read_to_string(&mut answer).unwrap();
+            assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
+            assert!(answer.contains("at most 7"), "{answer}");
+        }
+    }
 
     #[tokio::test]
     async fn a_refusal_reads_up_to_the_blank_line_that_ends_the_head() {

@@ -13,11 +13,12 @@
 
 /// Descriptors kept for all but client connections and their upstream ones: the
 /// listeners, the runtime's epoll and eventfd, the store's SQLite files, log files,
-/// connections to Redis and the OTLP collector, and [`REFUSAL_SLOTS`].
+/// connections to Redis and the OTLP collector, and twice [`REFUSAL_SLOTS`].
 pub const RESERVE: u64 = 64;
 
 /// Connections refused over the cap that may stay open at once while their 503 waits
-/// for the request head.
+/// for the request head (and as many again cut short, not yet closed: at most twice
+/// this many refused connections hold a descriptor).
 pub const REFUSAL_SLOTS: usize = 16;
 
 /// Descriptors one client connection may need at worst: its own and one upstream
