@@ -183,21 +183,24 @@ fn per_call(
 /// `/proc/PID/task/*/schedstat`): on a shared machine, what one call costs whatever else
 /// runs beside it.
 fn cpu_ns(procs: &[Proc]) -> u64 {
-    let mut ns = 0;
-    for p in procs {
-        let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", p.pid())) else {
-            continue;
-        };
-        for task in tasks.flatten() {
-            let stat = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
-            ns += stat
-                .split_whitespace()
-                .next()
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(0);
-        }
-    }
-    ns
+    procs
+        .iter()
+        .map(|p| task_cpu_ns(&p.pid().to_string()))
+        .sum()
+}
+
+/// [`cpu_ns`] of one process (`self` for this one: the load generator).
+fn task_cpu_ns(pid: &str) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|task| {
+            let stat = std::fs::read_to_string(task.path().join("schedstat")).ok()?;
+            stat.split_whitespace().next()?.parse::<u64>().ok()
+        })
+        .sum()
 }
 
 /// The p50 of a bare `PING` sent every millisecond, in ms: what one round trip to Redis
@@ -332,6 +335,8 @@ struct Fleet<'a> {
     ports: &'a [u16],
     replicas: &'a [Proc],
     redis: &'a [Proc],
+    /// The mock upstream (the load generator is this process).
+    mock: &'a Proc,
 }
 
 /// What one closed loop over a [`Fleet`] measured.
@@ -340,6 +345,10 @@ struct Measured {
     /// CPU per call of the gateways, and of redis-server.
     cpu_us: f64,
     redis_cpu_us: f64,
+    /// CPU per call of the mock upstream and of the load generator.
+    rest_cpu_us: f64,
+    /// How busy the machine's cores were, all four kinds of process together (0–1).
+    busy: f64,
     /// Redis round trips per call ([`per_call`]).
     trips: String,
 }
@@ -348,13 +357,22 @@ impl Fleet<'_> {
     /// [`closed_loop`] at concurrency 32 over the gateways in turn, with its cost.
     async fn closed_loop(&self, http: &reqwest::Client, sessions: usize, total: usize) -> Measured {
         let before = round_trips(http, self.ports).await;
-        let (cpu, redis_cpu) = (cpu_ns(self.replicas), cpu_ns(self.redis));
+        let rest_ns = || cpu_ns(std::slice::from_ref(self.mock)) + task_cpu_ns("self");
+        let (cpu, redis_cpu, rest) = (cpu_ns(self.replicas), cpu_ns(self.redis), rest_ns());
         let calls_per_s = closed_loop(http, self.urls, sessions, total, 32).await;
         let us_per_call = |before: u64, after: u64| (after - before) as f64 / 1e3 / total as f64;
+        let (cpu_us, redis_cpu_us, rest_cpu_us) = (
+            us_per_call(cpu, cpu_ns(self.replicas)),
+            us_per_call(redis_cpu, cpu_ns(self.redis)),
+            us_per_call(rest, rest_ns()),
+        );
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
         Measured {
             calls_per_s,
-            cpu_us: us_per_call(cpu, cpu_ns(self.replicas)),
-            redis_cpu_us: us_per_call(redis_cpu, cpu_ns(self.redis)),
+            cpu_us,
+            redis_cpu_us,
+            rest_cpu_us,
+            busy: (cpu_us + redis_cpu_us + rest_cpu_us) * calls_per_s / 1e6 / cores,
             trips: per_call(&before, &round_trips(http, self.ports).await, total as f64),
         }
     }
@@ -444,7 +462,7 @@ async fn main() {
         );
         (vec![redis], port)
     };
-    let _mock = Proc::spawn(
+    let mock_proc = Proc::spawn(
         &bin,
         &["mock-upstream", "--listen", &format!("127.0.0.1:{mock}")],
     );
@@ -547,6 +565,7 @@ async fn main() {
             ports: &redis_ports,
             replicas: &gateways[1..4],
             redis: &redis,
+            mock: &mock_proc,
         };
         let m = fleet.closed_loop(&http, sessions, total).await;
         println!(
@@ -554,8 +573,8 @@ async fn main() {
             m.calls_per_s, m.trips
         );
         println!(
-            "CPU per call: replicas {:.0} µs, redis-server {:.0} µs",
-            m.cpu_us, m.redis_cpu_us
+            "CPU per call: replicas {:.0} µs, redis-server {:.0} µs, the mock and the load generator {:.0} µs; the machine's cores {:.0}% busy",
+            m.cpu_us, m.redis_cpu_us, m.rest_cpu_us, m.busy * 100.0
         );
         if logged {
             println!(
@@ -614,47 +633,55 @@ async fn main() {
     );
 
     let total = 6000;
-    println!("\nReserved calls per second, closed loop at concurrency 32, {total} calls; CPU per call of the gateways (and redis-server), from /proc; Redis round trips per call, all replicas:");
-    println!("| setup | sessions | calls/s | CPU µs per call | round trips per call |\n|---|---|---|---|---|");
+    println!("\nReserved calls per second, closed loop at concurrency 32, {total} calls; CPU per call of the gateways (and redis-server), from /proc; Redis round trips per call, all replicas; how busy the machine's cores were (every process of the row, the mock's and the load generator's included: their CPU per call in brackets):");
+    println!("| setup | sessions | calls/s | CPU µs per call | round trips per call | cores busy |\n|---|---|---|---|---|---|");
     let one_replica = Fleet {
         urls: std::slice::from_ref(&embedded),
         ports: &[],
         replicas: &gateways[..1],
         redis: &[],
+        mock: &mock_proc,
     };
     let fleet = Fleet {
         urls: &shared,
         ports: &redis_ports,
         replicas: &gateways[1..4],
         redis: &redis,
+        mock: &mock_proc,
     };
     let unshared = Fleet {
         urls: &alone,
         ports: &[],
         replicas: &gateways[4..],
         redis: &[],
+        mock: &mock_proc,
     };
     for sessions in [1, 64] {
         let one = one_replica.closed_loop(&http, sessions, total).await;
         let ceiling = unshared.closed_loop(&http, sessions, total).await;
         let three = fleet.closed_loop(&http, sessions, total).await;
+        let busy = |m: &Measured| format!("{:.0}% [{:.0}]", m.busy * 100.0, m.rest_cpu_us);
         println!(
-            "| embedded, 1 replica | {sessions} | {:.0} | {:.0} | |",
-            one.calls_per_s, one.cpu_us
+            "| embedded, 1 replica | {sessions} | {:.0} | {:.0} | | {} |",
+            one.calls_per_s,
+            one.cpu_us,
+            busy(&one)
         );
         println!(
-            "| embedded, 3 replicas sharing nothing (a ceiling, not a fleet) | {sessions} | {:.0} ({:.2}x) | {:.0} | |",
+            "| embedded, 3 replicas sharing nothing (a ceiling, not a fleet) | {sessions} | {:.0} ({:.2}x) | {:.0} | | {} |",
             ceiling.calls_per_s,
             ceiling.calls_per_s / one.calls_per_s,
-            ceiling.cpu_us
+            ceiling.cpu_us,
+            busy(&ceiling)
         );
         println!(
-            "| redis, 3 replicas round-robin | {sessions} | {:.0} ({:.2}x) | {:.0} (+ {:.0}) | {} |",
+            "| redis, 3 replicas round-robin | {sessions} | {:.0} ({:.2}x) | {:.0} (+ {:.0}) | {} | {} |",
             three.calls_per_s,
             three.calls_per_s / one.calls_per_s,
             three.cpu_us,
             three.redis_cpu_us,
-            three.trips
+            three.trips,
+            busy(&three)
         );
     }
 
