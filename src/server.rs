@@ -322,7 +322,7 @@ impl Refusals {
             }
         }
         if self.open.load(Ordering::Acquire) >= 2 * self.slots {
-            answer_now(tcp, self.cap);
+            answer_now(tcp, self.cap, 0);
             return;
         }
         let (cut, cut_short) = oneshot::channel();
@@ -337,17 +337,18 @@ impl Refusals {
     }
 }
 
-/// A refusal answered here and now, holding no descriptor after: what has arrived is
-/// read (closing on unread bytes sends a reset that can destroy the 503 before the
-/// client reads it), the 503 written to the fresh socket's empty buffer, the socket
-/// closed.
-fn answer_now(tcp: TcpStream, cap: usize) {
+/// A refusal answered here and now, holding no descriptor after (one over the bound,
+/// or one whose wait was cut short, `read` bytes of it read already): what has arrived
+/// is read, without waiting for more (closing on unread bytes sends a reset that can
+/// destroy the 503 before the client reads it), the 503 written to the socket's empty
+/// buffer, the socket closed.
+fn answer_now(tcp: TcpStream, cap: usize, mut read: usize) {
     use std::io::{Read, Write};
 
     let Ok(mut tcp) = tcp.into_std() else {
         return;
     };
-    let (mut sink, mut read) = ([0u8; 4096], 0);
+    let mut sink = [0u8; 4096];
     while read < REFUSAL_READ_BYTES {
         match tcp.read(&mut sink) {
             Ok(n @ 1..) => read += n,
@@ -379,13 +380,8 @@ async fn refuse(mut tcp: TcpStream, cap: usize, mut cut_short: oneshot::Receiver
         _ = &mut cut_short => true,
     };
     if cut {
-        // What has already arrived, without waiting for more.
-        while read < REFUSAL_READ_BYTES {
-            match tcp.try_read(&mut sink) {
-                Ok(n @ 1..) => read += n,
-                _ => break,
-            }
-        }
+        answer_now(tcp, cap, read);
+        return;
     }
     let response = refusal(cap);
     let answered = tokio::time::timeout(REFUSAL_LINGER, async {
@@ -393,7 +389,7 @@ async fn refuse(mut tcp: TcpStream, cap: usize, mut cut_short: oneshot::Receiver
         tcp.shutdown().await
     })
     .await;
-    if cut || !matches!(answered, Ok(Ok(()))) {
+    if !matches!(answered, Ok(Ok(()))) {
         return;
     }
     tokio::select! {
