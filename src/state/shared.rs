@@ -570,13 +570,25 @@ fn gate_script() -> String {
     )
 }
 
-/// Pushes the expiry of held members (reservations, slots) of one sorted set.
+/// Pushes the expiry of held members (reservations, slots) of one sorted set; with
+/// ARGV[2] '1', the set's own expiry too (a session's slots: the set of a session gone
+/// quiet goes). A tenant's reservations set never expires: its members carry their
+/// leases, and a dead replica's are found there by the next admission's sweep, however
+/// long the tenant stays quiet (the set once expired with the slots', losing them
+/// uncharged and reserved for good). It empties, and goes, as they settle.
+///
+/// ARGV: the lease (ms), '1' to expire the set, the members.
 const RENEW: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local until_ms = now + tonumber(ARGV[1])
-for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', until_ms, ARGV[i]) end
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1]) * 2) end
+local until_ms = string.format('%d', now + tonumber(ARGV[1]))
+for i = 3, #ARGV do redis.call('ZADD', KEYS[1], 'XX', until_ms, ARGV[i]) end
+if ARGV[2] ~= '1' then
+  -- An expiry an older build gave it goes.
+  redis.call('PERSIST', KEYS[1])
+elseif redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('PEXPIRE', KEYS[1], string.format('%d', tonumber(ARGV[1]) * 2))
+end
 return 1
 "#;
 
@@ -654,10 +666,19 @@ pub struct SharedBudgets {
     gate: Script,
     renew: Script,
     /// Sorted-set key → members held by this replica.
-    held: Mutex<HashMap<String, HashSet<String>>>,
+    held: Mutex<HashMap<String, Holding>>,
     session_ttl_s: u64,
     /// Wakes the replayer when a settle was kept.
     kept: tokio::sync::Notify,
+}
+
+/// What this replica holds in one sorted set.
+#[derive(Default)]
+struct Holding {
+    /// The set expires with its members' leases ([`RENEW`]): a session's slots, not a
+    /// tenant's reservations.
+    set_expires: bool,
+    members: HashSet<String>,
 }
 
 /// Kept settles one replay pass takes on.
@@ -677,20 +698,18 @@ impl SharedBudgets {
         })
     }
 
-    fn hold(&self, set: &str, member: &str) {
-        self.held
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(set.to_string())
-            .or_default()
-            .insert(member.to_string());
+    fn hold(&self, set: &str, member: &str, set_expires: bool) {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let holding = held.entry(set.to_string()).or_default();
+        holding.set_expires = set_expires;
+        holding.members.insert(member.to_string());
     }
 
     fn unhold(&self, set: &str, member: &str) {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(members) = held.get_mut(set) {
-            members.remove(member);
-            if members.is_empty() {
+        if let Some(holding) = held.get_mut(set) {
+            holding.members.remove(member);
+            if holding.members.is_empty() {
                 held.remove(set);
             }
         }
@@ -829,7 +848,7 @@ impl SharedBudgets {
                         "expired reservations in a format this replica does not know were left reserved"
                     );
                 }
-                self.hold(&self.redis.key(a.tenant, "reservations"), &held.id);
+                self.hold(&self.redis.key(a.tenant, "reservations"), &held.id, false);
                 Ok(held)
             }
             Some("over") => {
@@ -1168,7 +1187,7 @@ impl SharedBudgets {
             Some("ok") => {
                 let refuses = ask.guard.as_ref().is_some_and(|g| g.refuses);
                 let slot = (limit > 0 && !refuses).then(|| {
-                    self.hold(&set, &id);
+                    self.hold(&set, &id, true);
                     SharedSlot {
                         budgets: self.clone(),
                         set,
@@ -1352,29 +1371,42 @@ impl SharedBudgets {
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
-                let held: Vec<(String, Vec<String>)> = this
-                    .held
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.iter().cloned().collect()))
-                    .collect();
-                for (set, members) in held {
-                    let mut inv = this.renew.prepare_invoke();
-                    inv.key(&set).arg(ms(this.redis.reservation_ttl));
-                    for m in &members {
-                        inv.arg(m);
-                    }
-                    // A failure is counted by `run`; the next tick tries again.
-                    let _ = this
-                        .redis
-                        .run("renew", |mut c| async move {
-                            inv.invoke_async::<i64>(&mut c).await
-                        })
-                        .await;
-                }
+                this.renew_held().await;
             }
         })
+    }
+
+    /// One renewal of what this replica holds ([`RENEW`], a round trip per set).
+    pub async fn renew_held(&self) {
+        let held: Vec<(String, bool, Vec<String>)> = self
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(k, h)| {
+                (
+                    k.clone(),
+                    h.set_expires,
+                    h.members.iter().cloned().collect(),
+                )
+            })
+            .collect();
+        for (set, set_expires, members) in held {
+            let mut inv = self.renew.prepare_invoke();
+            inv.key(&set)
+                .arg(ms(self.redis.reservation_ttl))
+                .arg(if set_expires { "1" } else { "0" });
+            for m in &members {
+                inv.arg(m);
+            }
+            // A failure is counted by `run`; the next tick tries again.
+            let _ = self
+                .redis
+                .run("renew", |mut c| async move {
+                    inv.invoke_async::<i64>(&mut c).await
+                })
+                .await;
+        }
     }
 }
 

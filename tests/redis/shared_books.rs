@@ -539,3 +539,100 @@ fn an_unknown_reservation_format_stays_reserved() {
         drop(first);
     });
 }
+
+/// A replica renewing what it holds pushes its members' leases and a session's slot set's
+/// own expiry, never the tenant's reservations set's: that set is where the next
+/// admission finds a dead replica's reservations, however long the tenant stays quiet.
+/// (It once expired with the slots' after twice the lease: a replica killed while the
+/// tenant went quiet left its reservations uncharged and reserved for good. An expiry
+/// an older build gave it is taken away.)
+#[test]
+fn renewals_never_give_the_reservations_set_an_expiry() {
+    let server = RedisServer::start();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let prefix = "renew";
+        let config = StateConfig {
+            backend: StateBackend::Redis,
+            url: Some(server.url()),
+            key_prefix: prefix.into(),
+            command_timeout: Duration::from_secs(5),
+            ..StateConfig::default()
+        };
+        let shared: Arc<SharedBudgets> =
+            SharedBudgets::new(Redis::new(&config).unwrap(), Duration::from_secs(3600));
+        let client = redis::Client::open(server.url().as_str()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let key = |rest: &str| format!("{prefix}:{{{TENANT}}}:{rest}");
+        let unlimited = Caps::default();
+        let gate = Gate {
+            tenant: TENANT,
+            session: Some("s"),
+            tenant_rpm: None,
+            session_rpm: None,
+            max_concurrent: Some(4),
+            guard: None,
+            prepay: Some(Admission {
+                tenant: TENANT,
+                session: Some("s"),
+                model: "m",
+                day: DAY,
+                want: Usage {
+                    calls: 1,
+                    tokens: 10,
+                    usd: 0.0,
+                },
+                day_caps: &unlimited,
+                session_caps: &unlimited,
+                session_names: SESSION,
+                day_names: TENANT_DAY,
+            }),
+        };
+        // The generation marker first (the gate reserves only under a known generation).
+        let _first = shared
+            .admit(Admission {
+                tenant: TENANT,
+                session: None,
+                model: "m",
+                day: DAY,
+                want: Usage::default(),
+                day_caps: &unlimited,
+                session_caps: &unlimited,
+                session_names: SESSION,
+                day_names: TENANT_DAY,
+            })
+            .await
+            .ok()
+            .unwrap();
+        let Ok(GateReply::Passed {
+            slot: Some(_slot),
+            prepaid: Some(_held),
+            ..
+        }) = shared.gate(gate).await
+        else {
+            panic!("the gate took a slot and made a reservation");
+        };
+        // As an older build left it: the set given the slots' expiry.
+        let _: i64 = redis::cmd("PEXPIRE")
+            .arg(key("reservations"))
+            .arg(4000)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        shared.renew_held().await;
+        let mut pttl = Vec::new();
+        for k in [key("reservations"), key("concurrent:s")] {
+            let ms: i64 = redis::cmd("PTTL")
+                .arg(k)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            pttl.push(ms);
+        }
+        assert_eq!(pttl[0], -1, "the reservations set never expires");
+        assert!(pttl[1] > 0, "a session's slots expire: {}", pttl[1]);
+    });
+}
