@@ -11,11 +11,14 @@
 //! the pids it prints), with its round trips and CPU time per call and, with
 //! `--slowlog`, redis-server's time per command (logging every command costs time of its
 //! own: compare those figures with each other, not with a run without it).
+//! `--workers N`: every process of the run (the gateways, the mock, this load generator)
+//! runs its async runtime on N threads (`server.workers`); unset, tokio's default, the
+//! machine's cores, for each of them.
 //!
 //! CPU time per call (every thread's, from `/proc`) is the figure to compare on a shared,
 //! noisy machine: calls per second move with whatever else runs.
 //!
-//!     cargo build --release && cargo run --release --example replicas -- [SECONDS] [--cluster] [--load SESSIONS CALLS [--slowlog]]
+//!     cargo build --release && cargo run --release --example replicas -- [SECONDS] [--cluster] [--workers N] [--load SESSIONS CALLS [--slowlog]]
 
 #[path = "common/mod.rs"]
 mod common;
@@ -24,7 +27,7 @@ use std::{
     process::Command,
     sync::{
         atomic::{AtomicUsize, Ordering},
-        Arc,
+        Arc, OnceLock,
     },
     time::{Duration, Instant},
 };
@@ -40,6 +43,13 @@ const KEY: &str = "bk-bench-budgeted-0001";
 /// rate work, and the figures flattered Redis mode.
 const RPM: u32 = 600_000;
 
+/// `--workers N`: the runtime threads of every process of the run.
+static WORKERS: OnceLock<Option<usize>> = OnceLock::new();
+
+fn workers() -> Option<usize> {
+    WORKERS.get().copied().flatten()
+}
+
 fn config(port: u16, mock: u16, dir: &std::path::Path, name: &str, state: &str) -> String {
     let path = dir.join(format!("{name}.toml"));
     let store = dir.join(format!("{name}.db"));
@@ -49,6 +59,7 @@ fn config(port: u16, mock: u16, dir: &std::path::Path, name: &str, state: &str) 
             r#"
 [server]
 listen = "127.0.0.1:{port}"
+{workers}
 [log]
 level = "warn"
 [store]
@@ -80,7 +91,8 @@ usd_per_day = 100000000.0
 [tenants.guard]
 identical_request_limit = 1000000
 "#,
-            store = store.display()
+            store = store.display(),
+            workers = workers().map_or(String::new(), |n| format!("workers = {n}")),
         ),
     )
     .unwrap();
@@ -433,8 +445,23 @@ fn start_cluster(dir: &std::path::Path) -> (Vec<Proc>, u16) {
     (nodes, ports[0])
 }
 
-#[tokio::main]
-async fn main() {
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let workers = args.iter().position(|a| a == "--workers").map(|at| {
+        match args.get(at + 1).and_then(|n| n.parse().ok()) {
+            Some(n) if n > 0 => n,
+            _ => panic!("--workers takes a number of threads, 1 or more"),
+        }
+    });
+    WORKERS.set(workers).unwrap();
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = workers {
+        runtime.worker_threads(n);
+    }
+    runtime.enable_all().build().unwrap().block_on(run());
+}
+
+async fn run() {
     let seconds: u64 = std::env::args()
         .nth(1)
         .and_then(|s| s.parse().ok())
@@ -462,10 +489,16 @@ async fn main() {
         );
         (vec![redis], port)
     };
-    let mock_proc = Proc::spawn(
-        &bin,
-        &["mock-upstream", "--listen", &format!("127.0.0.1:{mock}")],
-    );
+    let mut mock_args = vec![
+        "mock-upstream".to_string(),
+        "--listen".into(),
+        format!("127.0.0.1:{mock}"),
+    ];
+    if let Some(n) = workers() {
+        mock_args.extend(["--workers".into(), n.to_string()]);
+    }
+    let mock_args: Vec<&str> = mock_args.iter().map(String::as_str).collect();
+    let mock_proc = Proc::spawn(&bin, &mock_args);
     let state = format!(
         "[state]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:{redis_port}/0\"\ncluster = {on_cluster}\nreplicas = 3\nreservation_ttl = \"30s\""
     );
@@ -591,7 +624,10 @@ async fn main() {
     } else {
         "one redis-server"
     };
-    println!("Paced 1,000 RPS for {seconds} s per row; budgets + rate limits + guard on, one session; release build, same run; redis rows on {on}\n");
+    let threads = workers().map_or("the machine's cores (tokio's default)".to_string(), |n| {
+        format!("{n} (--workers)")
+    });
+    println!("Paced 1,000 RPS for {seconds} s per row; budgets + rate limits + guard on, one session; release build, same run; redis rows on {on}; runtime threads of every process: {threads}\n");
     println!("| path | p50 ms | p99 ms | added p50 / p99 ms |\n|---|---|---|---|");
     let d = paced(&http, &direct, false, seconds).await;
     let (dp50, dp99) = (pct(&d, 0.5), pct(&d, 0.99));

@@ -67,6 +67,9 @@ enum Command {
         /// tool results, ...), as they would; a request's `x-mock-strict: off` opts out.
         #[arg(long)]
         strict: bool,
+        /// Threads running its async runtime (default: the cores it may use).
+        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+        workers: Option<u16>,
     },
     /// Run a fault storm through Backstop against the mock and print what happened.
     Demo {
@@ -123,7 +126,7 @@ fn main() -> ExitCode {
             telemetry::init_logging(&config.log);
             // Said again: at load, no log was set up yet.
             config.warn_deprecated();
-            let code = runtime().block_on(async move {
+            let code = runtime(config.server.workers).block_on(async move {
                 let handle = match server::spawn(config).await {
                     Ok(h) => h,
                     Err(err) => {
@@ -160,7 +163,7 @@ fn main() -> ExitCode {
                 to,
                 format,
             };
-            match runtime().block_on(report::run(&loaded, &args)) {
+            match runtime(None).block_on(report::run(&loaded, &args)) {
                 Ok(text) => {
                     use std::io::Write;
                     let mut out = std::io::stdout().lock();
@@ -183,13 +186,14 @@ fn main() -> ExitCode {
             requests,
             concurrency,
         } => {
-            runtime().block_on(backstop::demo::run(requests, concurrency));
+            runtime(None).block_on(backstop::demo::run(requests, concurrency));
             ExitCode::SUCCESS
         }
         Command::MockUpstream {
             listen,
             fault_mix,
             strict,
+            workers,
         } => {
             let mix = match backstop::mock::FaultMix::parse(&fault_mix) {
                 Ok(mix) => mix,
@@ -199,7 +203,7 @@ fn main() -> ExitCode {
                 }
             };
             telemetry::init_logging(&Default::default());
-            let code = runtime().block_on(async move {
+            let code = runtime(workers.map(usize::from)).block_on(async move {
                 tokio::select! {
                     result = backstop::mock::run(listen, backstop::mock::MockConfig { mix, seed: None, strict }) => {
                         let Err(err) = result;
@@ -215,9 +219,12 @@ fn main() -> ExitCode {
     }
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("tokio runtime starts")
+/// The multi-threaded runtime, with `workers` threads (`server.workers`) or, unset,
+/// tokio's default: the cores this process may use.
+fn runtime(workers: Option<usize>) -> tokio::runtime::Runtime {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(workers) = workers {
+        builder.worker_threads(workers);
+    }
+    builder.enable_all().build().expect("tokio runtime starts")
 }

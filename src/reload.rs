@@ -10,8 +10,9 @@
 //! file changes nothing.
 //!
 //! Some keys are bound at start-up: the listener, the store, the shared state, the
-//! built-in mock, logging and the connection limits. A reload that changes them keeps
-//! the running values, applies the rest, and names them as needing a restart.
+//! built-in mock, logging, the connection limits and the runtime's workers. A reload that
+//! changes them keeps the running values, applies the rest, and names them as needing a
+//! restart.
 
 use std::{
     sync::{Arc, RwLock, Weak},
@@ -159,6 +160,7 @@ fn keep_start_up_keys(running: &Config, next: &mut Config) -> Vec<&'static str> 
         "server.idle_timeout" => server.idle_timeout,
         "server.drain_delay" => server.drain_delay,
         "server.shutdown_grace" => server.shutdown_grace,
+        "server.workers" => server.workers,
         "store" => store,
         "state" => state,
         "mock" => mock,

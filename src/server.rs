@@ -137,7 +137,9 @@ pub async fn spawn_with_clock(config: Config, clock: Clock) -> io::Result<Server
         serve(listener, served, limits, cap, rx).await;
     });
     ready.store(true, Ordering::Relaxed);
-    tracing::info!(%addr, "backstop listening");
+    let workers = tokio::runtime::Handle::current().metrics().num_workers();
+    metrics::gauge!("backstop_runtime_workers").set(workers as f64);
+    tracing::info!(%addr, workers, "backstop listening");
     Ok(ServerHandle {
         addr,
         live,

@@ -276,6 +276,10 @@ fn describe() {
         "Time spent in Backstop outside upstream calls"
     );
     metrics::describe_gauge!(
+        "backstop_runtime_workers",
+        "Threads running the async runtime (server.workers, or the cores this process may use)"
+    );
+    metrics::describe_gauge!(
         "backstop_in_flight_requests",
         "Client requests being served"
     );

@@ -4,6 +4,9 @@ use serde::Deserialize;
 
 use super::ConfigError;
 
+/// Most `server.workers` accepted: past it a typo, not a machine.
+pub const MAX_WORKERS: usize = 1024;
+
 /// `[server]`: the listener and the limits every request is held to.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -64,6 +67,11 @@ pub struct ServerConfig {
     /// (which always wins): body fields as dotted paths, tried in order, for agent
     /// frameworks that set headers per client, not per run.
     pub session_id_fields: Vec<String>,
+    /// Threads running the async runtime. Unset: the cores this process may use (its CPU
+    /// affinity and cgroup quota honoured). Replicas sharing a host each take their share
+    /// (three replicas on two cores: 1 each): more workers than cores make every wake-up
+    /// a trip through the kernel's scheduler. Bound at start-up.
+    pub workers: Option<usize>,
 }
 
 impl Default for ServerConfig {
@@ -87,6 +95,7 @@ impl Default for ServerConfig {
             max_session_id_bytes: 256,
             max_idempotency_key_bytes: 255,
             session_id_fields: vec!["metadata.session_id".into()],
+            workers: None,
         }
     }
 }
@@ -130,6 +139,14 @@ impl ServerConfig {
         ];
         if let Some((key, _)) = positive.iter().find(|(_, zero)| *zero) {
             return Err(ConfigError::invalid(*key, "must be greater than 0"));
+        }
+        if let Some(workers) = self.workers {
+            if !(1..=MAX_WORKERS).contains(&workers) {
+                return Err(ConfigError::invalid(
+                    "server.workers",
+                    format_args!("must be between 1 and {MAX_WORKERS}"),
+                ));
+            }
         }
         for (i, path) in self.session_id_fields.iter().enumerate() {
             let valid = path.split('.').all(|part| {

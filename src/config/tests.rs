@@ -734,3 +734,18 @@ fn the_fleet_view_is_off_by_default_and_checked_by_key() {
         assert!(err.contains(key), "expected {key} in: {err}");
     }
 }
+
+#[test]
+fn workers_default_to_the_runtimes_choice_and_are_refused_out_of_range() {
+    assert_eq!(load(BASE).unwrap().server.workers, None);
+    let with = |n: &str| BASE.replacen("[server]\n", &format!("[server]\nworkers = {n}\n"), 1);
+    assert_eq!(load(&with("1")).unwrap().server.workers, Some(1));
+    assert_eq!(load(&with("1024")).unwrap().server.workers, Some(1024));
+    for refused in ["0", "1025"] {
+        assert_eq!(
+            error_of(&with(refused)),
+            "server.workers: must be between 1 and 1024"
+        );
+    }
+    assert!(error_of(&with("-1")).contains("server.workers"));
+}

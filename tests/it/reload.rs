@@ -366,6 +366,7 @@ async fn start_up_keys_are_kept_and_named() {
         .base
         .clone()
         .set("server.listen", "127.0.0.1:1")
+        .set("server.workers", 3)
         .set("log.level", "debug")
         .merge(&tenants(7))
         .set("telemetry.otlp_endpoint", "http://127.0.0.1:1");
@@ -375,12 +376,13 @@ async fn start_up_keys_are_kept_and_named() {
     let body = json(resp).await;
     assert_eq!(
         body["restart_required"],
-        json!(["server.listen", "log", "telemetry"]),
+        json!(["server.listen", "server.workers", "log", "telemetry"]),
         "{body}"
     );
     // Still served where it was; the rest applied.
     let current = r.gw.server.current();
     assert_eq!(current.state.config.server.listen.port(), 0);
+    assert_eq!(current.state.config.server.workers, None);
     assert!(current.state.traces.is_none());
     assert_eq!(current.state.config.tenants[2].session.max_calls, Some(7));
     assert_eq!(r.call(CAPPED, "s", "").await.status(), 200);
@@ -563,4 +565,51 @@ async fn a_refused_reload_never_shows_a_value_from_the_environment() {
     }
     assert_eq!(logged(&log), 2, "{log}");
     assert!(!log.contains(TAIL), "{log}");
+}
+
+/// `server.workers` sizes the real binary's runtime (replicas sharing a host take their
+/// share of its cores); a reload cannot change a running runtime, so it says so.
+#[tokio::test]
+async fn the_binary_runs_on_the_workers_it_was_given_and_a_reload_names_a_change() {
+    let dir = TempDir::new("backstop-workers");
+    let port = free_port();
+    let mock_port = free_port();
+    let path = dir.0.join("backstop.toml");
+    let text = |workers: usize| {
+        binary_config(port, mock_port, "", "").replacen(
+            "drain_delay = \"0s\"\n",
+            &format!("drain_delay = \"0s\"\nworkers = {workers}\n"),
+            1,
+        )
+    };
+    // Never what the runtime would choose on its own, whatever the machine.
+    let given = std::thread::available_parallelism().map_or(1, |n| n.get()) + 1;
+    std::fs::write(&path, text(given)).unwrap();
+    let gw = Binary::start(&path, port).await;
+    let http = reqwest::Client::new();
+    let metrics = || async {
+        let resp = http
+            .get(format!("{}/metrics", gw.url))
+            .send()
+            .await
+            .unwrap();
+        resp.text().await.unwrap()
+    };
+    let shown = format!("\nbackstop_runtime_workers {given}\n");
+    assert!(metrics().await.contains(&shown), "{}", metrics().await);
+    std::fs::write(&path, text(1)).unwrap();
+    let resp = http
+        .post(format!("{}/admin/reload", gw.url))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = json(resp).await;
+    assert_eq!(
+        body["restart_required"],
+        json!(["server.workers"]),
+        "{body}"
+    );
+    assert!(metrics().await.contains(&shown));
 }
