@@ -419,6 +419,15 @@ api_keys = ["{CAPPED}"]
     )
 }
 
+/// `POST /admin/reload` to a real binary, as its operator.
+async fn reload_binary(http: &reqwest::Client, url: &str) -> reqwest::Response {
+    http.post(format!("{url}/admin/reload"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap()
+}
+
 #[tokio::test]
 async fn reload_needs_the_admin_token() {
     let r = Reloadable::start(&tenants(5)).await;
@@ -536,12 +545,7 @@ async fn a_refused_reload_never_shows_a_value_from_the_environment() {
     std::fs::write(&path, text("${BACKSTOP_TEST_LEAK}")).unwrap();
 
     let http = reqwest::Client::new();
-    let resp = http
-        .post(format!("{}/admin/reload", gw.url))
-        .bearer_auth(ADMIN)
-        .send()
-        .await
-        .unwrap();
+    let resp = reload_binary(&http, &gw.url).await;
     assert_eq!(resp.status(), 400);
     let body = json(resp).await;
     assert_eq!(body["error"]["code"], "config_invalid", "{body}");
@@ -598,12 +602,7 @@ async fn the_binary_runs_on_the_workers_it_was_given_and_a_reload_names_a_change
     let shown = format!("\nbackstop_runtime_workers {given}\n");
     assert!(metrics().await.contains(&shown), "{}", metrics().await);
     std::fs::write(&path, text(1)).unwrap();
-    let resp = http
-        .post(format!("{}/admin/reload", gw.url))
-        .bearer_auth(ADMIN)
-        .send()
-        .await
-        .unwrap();
+    let resp = reload_binary(&http, &gw.url).await;
     assert_eq!(resp.status(), 200);
     let body = json(resp).await;
     assert_eq!(
