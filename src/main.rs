@@ -4,7 +4,7 @@ use std::{net::SocketAddr, path::PathBuf, process::ExitCode};
 
 use backstop::{
     clock::Date,
-    config::{Config, StoreBackend},
+    config::{Config, StoreBackend, MAX_WORKERS},
     report, server, store, telemetry,
 };
 use clap::{Parser, Subcommand};
@@ -68,7 +68,7 @@ enum Command {
         #[arg(long)]
         strict: bool,
         /// Threads running its async runtime (default: the cores it may use).
-        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=MAX_WORKERS as i64))]
         workers: Option<u16>,
     },
     /// Run a fault storm through Backstop against the mock and print what happened.

@@ -32,7 +32,7 @@ pub use log::{LogConfig, LogFormat};
 pub use recovery::{BreakerConfig, RetryConfig};
 pub use responses::ResponsesConfig;
 pub use route::{HedgeAfter, RouteConfig, TargetConfig};
-pub use server::{MockConfig, ServerConfig};
+pub use server::{MockConfig, ServerConfig, MAX_WORKERS};
 pub use state::{OnUnavailable, StateBackend, StateConfig};
 pub use store::{StoreBackend, StoreConfig};
 pub use telemetry::TelemetryConfig;
