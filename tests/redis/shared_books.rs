@@ -154,20 +154,37 @@ async fn books_of(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> Bo
     out
 }
 
+/// A current-thread runtime, as each test here drives its own.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// The shared budgets of a replica on the Redis at `url`, its keys under `prefix`, and a
+/// plain connection to read what the scripts wrote.
+async fn shared_on(
+    url: &str,
+    prefix: &str,
+) -> (Arc<SharedBudgets>, redis::aio::MultiplexedConnection) {
+    let config = StateConfig {
+        backend: StateBackend::Redis,
+        url: Some(url.to_string()),
+        key_prefix: prefix.into(),
+        command_timeout: Duration::from_secs(5),
+        ..StateConfig::default()
+    };
+    let shared = SharedBudgets::new(Redis::new(&config).unwrap(), Duration::from_secs(3600));
+    let client = redis::Client::open(url).unwrap();
+    let conn = client.get_multiplexed_async_connection().await.unwrap();
+    (shared, conn)
+}
+
 fn run_sequence(bench: &Bench, steps: Vec<Step>) -> Result<(), TestCaseError> {
     bench.rt.block_on(async {
         let prefix = format!("p{}", uuid::Uuid::new_v4().simple());
-        let config = StateConfig {
-            backend: StateBackend::Redis,
-            url: Some(bench.url.clone()),
-            key_prefix: prefix.clone(),
-            command_timeout: Duration::from_secs(5),
-            ..StateConfig::default()
-        };
-        let redis = Redis::new(&config).unwrap();
-        let shared = SharedBudgets::new(redis, Duration::from_secs(3600));
-        let client = redis::Client::open(bench.url.as_str()).unwrap();
-        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let (shared, mut conn) = shared_on(&bench.url, &prefix).await;
         let key = |rest: &str| format!("{prefix}:{{{TENANT}}}:{rest}");
         let day_key = key(&format!("day:{DAY}"));
         let mut model = Model::default();
@@ -397,10 +414,7 @@ const CASES: u32 = 256;
 fn the_scripts_keep_the_books_of_a_simple_model() {
     let server = RedisServer::start();
     let bench = Bench {
-        rt: tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap(),
+        rt: runtime(),
         url: server.url(),
         _server: server,
     };
@@ -420,10 +434,7 @@ fn the_scripts_keep_the_books_of_a_simple_model() {
 #[test]
 fn zero_amounts_settle_and_nothing_is_left_reserved() {
     let server = RedisServer::start();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     let steps = vec![
         Step::Admit {
             session: Some(0),
@@ -452,23 +463,9 @@ fn zero_amounts_settle_and_nothing_is_left_reserved() {
 #[test]
 fn an_unknown_reservation_format_stays_reserved() {
     let server = RedisServer::start();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
+    runtime().block_on(async {
         let prefix = "unknown";
-        let config = StateConfig {
-            backend: StateBackend::Redis,
-            url: Some(server.url()),
-            key_prefix: prefix.into(),
-            command_timeout: Duration::from_secs(5),
-            ..StateConfig::default()
-        };
-        let shared: Arc<SharedBudgets> =
-            SharedBudgets::new(Redis::new(&config).unwrap(), Duration::from_secs(3600));
-        let client = redis::Client::open(server.url().as_str()).unwrap();
-        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let (shared, mut conn) = shared_on(&server.url(), prefix).await;
         let key = |rest: &str| format!("{prefix}:{{{TENANT}}}:{rest}");
         let day_key = key(&format!("day:{DAY}"));
         let admit = || Admission {
@@ -549,23 +546,9 @@ fn an_unknown_reservation_format_stays_reserved() {
 #[test]
 fn renewals_never_give_the_reservations_set_an_expiry() {
     let server = RedisServer::start();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
+    runtime().block_on(async {
         let prefix = "renew";
-        let config = StateConfig {
-            backend: StateBackend::Redis,
-            url: Some(server.url()),
-            key_prefix: prefix.into(),
-            command_timeout: Duration::from_secs(5),
-            ..StateConfig::default()
-        };
-        let shared: Arc<SharedBudgets> =
-            SharedBudgets::new(Redis::new(&config).unwrap(), Duration::from_secs(3600));
-        let client = redis::Client::open(server.url().as_str()).unwrap();
-        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let (shared, mut conn) = shared_on(&server.url(), prefix).await;
         let key = |rest: &str| format!("{prefix}:{{{TENANT}}}:{rest}");
         let unlimited = Caps::default();
         let gate = Gate {
