@@ -4,11 +4,13 @@
 
 mod body;
 mod config;
+mod mock_process;
 mod ports;
 mod wait;
 
 pub use body::{chat, Chat};
 pub use config::{toml_value, TestConfig};
+pub use mock_process::MockUpstream;
 pub use ports::free_port;
 pub use wait::{until, until_some, PATIENCE};
 

@@ -9,9 +9,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use serde_json::Value;
 
-pub use crate::common::free_port;
+pub use crate::common::{free_port, MockUpstream};
 
 /// A port for a cluster node: it and its cluster bus port (10000 above it) both free.
 fn free_cluster_port() -> u16 {
@@ -328,75 +327,4 @@ fn signal(name: &str, pid: u32) {
         .status()
         .unwrap();
     assert!(status.success(), "kill -{name} {pid}");
-}
-
-/// `backstop mock-upstream` as its own process: every replica sends to it, and its
-/// `/mock/stats` counts the attempts of all of them together.
-pub struct MockUpstream {
-    pub port: u16,
-    child: Child,
-}
-
-impl MockUpstream {
-    pub async fn start() -> MockUpstream {
-        let port = free_port();
-        let child = Command::new(env!("CARGO_BIN_EXE_backstop"))
-            .args(["mock-upstream", "--listen", &format!("127.0.0.1:{port}")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mock = MockUpstream { port, child };
-        let http = reqwest::Client::new();
-        for _ in 0..200 {
-            if http.get(mock.stats_url()).send().await.is_ok() {
-                return mock;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-        panic!("the mock upstream did not start");
-    }
-
-    pub fn base_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    fn stats_url(&self) -> String {
-        format!("{}/mock/stats", self.base_url())
-    }
-
-    /// Attempts the mock has seen for `scenario`, from every replica.
-    pub async fn attempts(&self, scenario: &str) -> u64 {
-        let text = reqwest::get(self.stats_url())
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        let stats: Value = serde_json::from_str(&text).unwrap();
-        stats["scenarios"][scenario].as_u64().unwrap_or(0)
-    }
-
-    /// Waits until the mock has seen `n` attempts for `scenario`.
-    pub async fn wait_for(&self, scenario: &str, n: u64) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let seen = self.attempts(scenario).await;
-            if seen >= n {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the mock saw {seen} of {n} attempts for {scenario}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-}
-
-impl Drop for MockUpstream {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }

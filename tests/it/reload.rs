@@ -624,26 +624,6 @@ async fn the_mock_upstream_binary_takes_workers_and_refuses_none() {
     assert_eq!(refused.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--workers"));
 
-    let port = free_port();
-    let mut mock = std::process::Command::new(env!("CARGO_BIN_EXE_backstop"))
-        .args(["mock-upstream", "--listen", &format!("127.0.0.1:{port}")])
-        .args(["--workers", "1"])
-        .spawn()
-        .unwrap();
-    let http = reqwest::Client::new();
-    let mut answered = None;
-    for _ in 0..200 {
-        if let Ok(resp) = http
-            .get(format!("http://127.0.0.1:{port}/mock/stats"))
-            .send()
-            .await
-        {
-            answered = Some(resp.status());
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    let _ = mock.kill();
-    let _ = mock.wait();
-    assert_eq!(answered, Some(reqwest::StatusCode::OK));
+    let mock = MockUpstream::start_with(&["--workers", "1"]).await;
+    assert_eq!(mock.attempts("anything").await, 0);
 }
