@@ -9,7 +9,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-
 pub use crate::common::{free_port, MockUpstream};
 
 /// A port for a cluster node: it and its cluster bus port (10000 above it) both free.
