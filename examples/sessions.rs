@@ -15,9 +15,13 @@ use std::{
 };
 
 use backstop::{
+    billing::Tokens,
     clock::Clock,
     config::Config,
-    state::budgets::{reservation::Outcome, Budgets},
+    state::budgets::{
+        reservation::{Ask, Outcome},
+        Budgets,
+    },
     store::SqliteStore,
 };
 use common::*;
@@ -92,16 +96,12 @@ usd_per_day = 100000.0
                 // 500 calls per session, well under its 1,000-call cap.
                 let session = format!("s{}", i / 500);
                 let Ok(r) = budgets
-                    .reserve("t", Some(&session), "gpt-4o", 100, 100)
+                    .reserve("t", Some(&session), &Ask::plain("gpt-4o", 100, 100))
                     .await
                 else {
                     panic!("refused")
                 };
-                r.settle(Outcome::Reported {
-                    input: 50,
-                    output: 50,
-                })
-                .await;
+                r.settle(Outcome::Reported(Tokens::plain(50, 50))).await;
             }
         }));
     }

@@ -90,7 +90,7 @@ use crate::{
     admin::{AdminState, Reload},
     api::Endpoint,
     clock::Clock,
-    config::{Config, PriceConfig, StoreBackend},
+    config::{Config, StoreBackend},
     error::{respond::error_response, GatewayError},
     layers::{
         admission::AdmissionLayer,
@@ -106,7 +106,6 @@ use crate::{
         trace::TraceLayer,
         validate::ValidateLayer,
     },
-    policy::budget::Prices,
     routing::RouteTable,
     state::{
         activity::Activity,
@@ -281,17 +280,11 @@ impl AppState {
     }
 }
 
-/// Models that routes may call but no `[[prices]]` entry covers: their USD cost is zero
-/// (or they are refused under a USD budget, per `billing.unpriced`).
+/// Models that routes may call but neither `[[prices]]` nor the catalog prices: refused
+/// under a USD cap (or charged zero, per `billing.unpriced`).
 fn warn_unpriced(config: &Config) {
-    let prices = Prices::new(config.prices.iter().map(PriceConfig::rate));
-    for route in &config.routes {
-        for target in route.targets.iter().chain(&route.context_fallback) {
-            let model = target.model.as_deref().unwrap_or(&route.model);
-            if prices.cost(model, 0, 0).is_none() {
-                tracing::warn!(route = %route.model, model, unpriced = ?config.billing.unpriced, "no [[prices]] entry matches this model");
-            }
-        }
+    for (route, model) in crate::prices::unpriced(config) {
+        tracing::warn!(route = %route, model, unpriced = ?config.billing.unpriced, "no price for this model: neither [[prices]] nor the built-in catalog");
     }
 }
 

@@ -7,6 +7,7 @@
 pub mod admin;
 pub mod api;
 pub mod app;
+pub mod billing;
 pub mod clock;
 pub mod config;
 pub mod demo;
@@ -15,6 +16,7 @@ pub mod layers;
 pub mod mock;
 pub mod otel;
 pub mod policy;
+pub mod prices;
 pub mod reload;
 pub mod report;
 pub mod routing;

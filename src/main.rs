@@ -56,6 +56,15 @@ enum Command {
         #[arg(long, default_value = "csv")]
         format: report::Format,
     },
+    /// Print what a model costs per token kind and where each price came from (the
+    /// built-in catalog and its date, or a `[[prices]]` entry); without a model, every
+    /// model the routes may call.
+    Prices {
+        #[arg(long, default_value = "config/backstop.toml")]
+        config: PathBuf,
+        /// The model id as the upstream is asked for it.
+        model: Option<String>,
+    },
     /// Run the fault-injecting mock upstream alone.
     MockUpstream {
         #[arg(long, default_value = "127.0.0.1:9090")]
@@ -97,6 +106,9 @@ fn main() -> ExitCode {
                     c.routes.len(),
                     c.tenants.len()
                 );
+                for note in backstop::prices::notes(&c) {
+                    println!("prices: {note}");
+                }
                 if c.store.backend == StoreBackend::Postgres {
                     // Not connected to: what `serve` would bring the database to.
                     println!(
@@ -179,6 +191,25 @@ fn main() -> ExitCode {
                 Err(err) => {
                     eprintln!("backstop report: {err}");
                     ExitCode::from(err.exit_code())
+                }
+            }
+        }
+        Command::Prices { config, model } => {
+            let loaded = match Config::load(&config) {
+                Ok(c) => c,
+                Err(err) => {
+                    eprintln!("{}: {err}", config.display());
+                    return ExitCode::from(2);
+                }
+            };
+            match backstop::prices::show(&loaded, model.as_deref()) {
+                Ok(text) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(err) => {
+                    eprintln!("backstop prices: {err}");
+                    ExitCode::from(1)
                 }
             }
         }

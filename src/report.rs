@@ -13,13 +13,23 @@ use crate::{
 };
 
 /// The columns, in order: the CSV header and the JSON keys.
-pub const COLUMNS: [&str; 7] = [
+/// Token columns are the ledger's: `input_tokens` is input billed at the input price
+/// (OpenAI's prompt less its cached part), `cache_write_tokens` every cache write and
+/// `cache_write_1h_tokens` the part of them kept an hour, `cache_read_tokens` cache
+/// reads (OpenAI's cached input), `reasoning_tokens` the part of `output_tokens` that
+/// was reasoning, `web_searches` server-side searches.
+pub const COLUMNS: [&str; 12] = [
     "tenant",
     "day",
     "model",
     "calls",
     "input_tokens",
     "output_tokens",
+    "cache_write_tokens",
+    "cache_write_1h_tokens",
+    "cache_read_tokens",
+    "reasoning_tokens",
+    "web_searches",
     "usd",
 ];
 
@@ -133,6 +143,11 @@ struct JsonRow<'a> {
     calls: u64,
     input_tokens: u64,
     output_tokens: u64,
+    cache_write_tokens: u64,
+    cache_write_1h_tokens: u64,
+    cache_read_tokens: u64,
+    reasoning_tokens: u64,
+    web_searches: u64,
     usd: Usd,
 }
 
@@ -143,8 +158,13 @@ impl<'a> From<&'a ReportRow> for JsonRow<'a> {
             day: Date(r.day).to_string(),
             model: &r.model,
             calls: r.calls,
-            input_tokens: r.input_tokens,
-            output_tokens: r.output_tokens,
+            input_tokens: r.tokens.input,
+            output_tokens: r.tokens.output,
+            cache_write_tokens: r.tokens.cache_write(),
+            cache_write_1h_tokens: r.tokens.cache_write_1h,
+            cache_read_tokens: r.tokens.cache_read,
+            reasoning_tokens: r.tokens.reasoning,
+            web_searches: r.tokens.web_searches,
             usd: Usd(r.usd),
         }
     }
@@ -162,8 +182,13 @@ fn csv(rows: &[ReportRow]) -> String {
             Date(r.day).to_string(),
             field(&r.model),
             r.calls.to_string(),
-            r.input_tokens.to_string(),
-            r.output_tokens.to_string(),
+            r.tokens.input.to_string(),
+            r.tokens.output.to_string(),
+            r.tokens.cache_write().to_string(),
+            r.tokens.cache_write_1h.to_string(),
+            r.tokens.cache_read.to_string(),
+            r.tokens.reasoning.to_string(),
+            r.tokens.web_searches.to_string(),
             format!("{:.6}", Usd(r.usd).rounded()),
         ];
         out.push_str(&line.join(","));
@@ -203,8 +228,15 @@ mod tests {
             day,
             model: model.into(),
             calls: 3,
-            input_tokens: 1000,
-            output_tokens: 20,
+            tokens: crate::billing::Tokens {
+                input: 1000,
+                cache_write_5m: 300,
+                cache_write_1h: 100,
+                cache_read: 5000,
+                output: 20,
+                reasoning: 8,
+                web_searches: 1,
+            },
             usd,
         }
     }
@@ -218,14 +250,14 @@ mod tests {
         ];
         assert_eq!(
             render(&rows, Format::Csv),
-            "tenant,day,model,calls,input_tokens,output_tokens,usd\n\
-             team-a,2025-12-02,gpt-4o,3,1000,20,0.300000\n\
-             \"a,b\",2025-12-03,\"say \"\"hi\"\"\",3,1000,20,0.000001\n\
-             t,1970-01-01,\"line\nbreak\",3,1000,20,12.000000\n"
+            "tenant,day,model,calls,input_tokens,output_tokens,cache_write_tokens,cache_write_1h_tokens,cache_read_tokens,reasoning_tokens,web_searches,usd\n\
+             team-a,2025-12-02,gpt-4o,3,1000,20,400,100,5000,8,1,0.300000\n\
+             \"a,b\",2025-12-03,\"say \"\"hi\"\"\",3,1000,20,400,100,5000,8,1,0.000001\n\
+             t,1970-01-01,\"line\nbreak\",3,1000,20,400,100,5000,8,1,12.000000\n"
         );
         assert_eq!(
             render(&[], Format::Csv),
-            "tenant,day,model,calls,input_tokens,output_tokens,usd\n"
+            "tenant,day,model,calls,input_tokens,output_tokens,cache_write_tokens,cache_write_1h_tokens,cache_read_tokens,reasoning_tokens,web_searches,usd\n"
         );
     }
 
@@ -241,10 +273,10 @@ mod tests {
         assert_eq!(
             csv.lines().skip(1).collect::<Vec<_>>(),
             [
-                "'=cmd,1970-01-01,'+1,3,1000,20,1.000000",
-                "'@SUM(A1:A9),1970-01-01,'-2,3,1000,20,1.000000",
-                "'\tx,1970-01-01,\"'=HYPERLINK(\"\"http://x\"\",\"\"y\"\")\",3,1000,20,1.000000",
-                "team-a,1970-01-01,a=b,3,1000,20,1.000000",
+                "'=cmd,1970-01-01,'+1,3,1000,20,400,100,5000,8,1,1.000000",
+                "'@SUM(A1:A9),1970-01-01,'-2,3,1000,20,400,100,5000,8,1,1.000000",
+                "'\tx,1970-01-01,\"'=HYPERLINK(\"\"http://x\"\",\"\"y\"\")\",3,1000,20,400,100,5000,8,1,1.000000",
+                "team-a,1970-01-01,a=b,3,1000,20,400,100,5000,8,1,1.000000",
             ]
         );
         let json = render(&rows[..1], Format::Json);
@@ -264,6 +296,11 @@ mod tests {
     "calls": 3,
     "input_tokens": 1000,
     "output_tokens": 20,
+    "cache_write_tokens": 400,
+    "cache_write_1h_tokens": 100,
+    "cache_read_tokens": 5000,
+    "reasoning_tokens": 8,
+    "web_searches": 1,
     "usd": 0.3
   }
 ]

@@ -179,6 +179,13 @@ pub struct AccessLine<'a> {
     pub input_tokens: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub output_tokens: Option<u64>,
+    /// Prompt-cache writes (every lifetime), reads and reasoning: only when reported.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_write_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_read_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_tokens: Option<u64>,
     pub end: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cut: Option<&'a str>,
@@ -335,9 +342,9 @@ pub struct Facts {
     pub budget_remaining: Option<String>,
     /// The session guard's state after this request (`x-backstop-session-state`).
     pub session_state: Option<Phase>,
-    /// Tokens the upstream reported, (input, output), summed over the request's calls
-    /// (a stream's once it ends).
-    pub usage: Option<(u64, u64)>,
+    /// Tokens the upstream reported, every kind, summed over the request's calls (a
+    /// stream's once it ends).
+    pub usage: Option<crate::billing::Tokens>,
     /// Why Backstop cut a relayed stream short (`broken`, `idle`, `too_long`, ...),
     /// if it did.
     pub stream_cut: Option<&'static str>,
@@ -428,11 +435,8 @@ impl RequestLog {
     }
 
     /// Adds reported token usage (one per upstream call: corrections add up).
-    pub fn add_usage(&self, input: u64, output: u64) {
-        self.write(|f| {
-            let (i, o) = f.usage.unwrap_or_default();
-            f.usage = Some((i + input, o + output));
-        });
+    pub fn add_usage(&self, tokens: &crate::billing::Tokens) {
+        self.write(|f| f.usage = Some(f.usage.unwrap_or_default().plus(*tokens)));
     }
 
     /// One upstream call settled before the response head: what it charged, and the

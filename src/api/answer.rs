@@ -6,15 +6,16 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::Endpoint;
+use super::{usage::RawUsage, Endpoint};
+use crate::billing::Tokens;
 
 /// The usage an answer reports, before any judgement of whether to believe it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReportedUsage {
     /// No `usage` object.
     Absent,
-    /// Every count the endpoint defines, as reported.
-    Counts { input: u64, output: u64 },
+    /// Every count the endpoint defines, as reported, by the kind it is billed as.
+    Counts(Tokens),
     /// A field that is not a non-negative integer.
     Invalid,
     /// A `usage` object without a count the endpoint defines, by that endpoint's names
@@ -43,7 +44,9 @@ impl AnswerView {
             return match serde_json::from_slice::<Value>(body) {
                 Ok(json) => AnswerView {
                     is_json: true,
-                    usage: usage_of(endpoint, json.get("usage")),
+                    usage: json.get("usage").map_or(ReportedUsage::Absent, |u| {
+                        RawUsage::of(u).reported(endpoint)
+                    }),
                     id: response_id(endpoint, json.get("id")),
                     json: Some(json),
                 },
@@ -55,7 +58,7 @@ impl AnswerView {
         #[derive(Deserialize)]
         struct Head<'a> {
             #[serde(default)]
-            usage: UsageCounts,
+            usage: RawUsage,
             #[serde(default, borrow)]
             id: TextOrOther<'a>,
         }
@@ -95,99 +98,6 @@ fn response_id(endpoint: Endpoint, id: Option<&Value>) -> Option<String> {
     (endpoint == Endpoint::Responses)
         .then(|| id.and_then(Value::as_str).map(str::to_owned))
         .flatten()
-}
-
-/// A `usage` value read without building it: the four count fields of either API (the
-/// endpoint picks its two), anything else skipped; `Absent` when it is not an object.
-#[derive(Default)]
-enum UsageCounts {
-    #[default]
-    Absent,
-    Fields([Option<Value>; 4]),
-}
-
-const COUNT_FIELDS: [&str; 4] = [
-    "prompt_tokens",
-    "completion_tokens",
-    "input_tokens",
-    "output_tokens",
-];
-
-impl UsageCounts {
-    fn reported(self, endpoint: Endpoint) -> ReportedUsage {
-        let UsageCounts::Fields(fields) = self else {
-            return ReportedUsage::Absent;
-        };
-        let (input, output) = endpoint.usage_fields();
-        let count = |name: &str| {
-            let at = COUNT_FIELDS.iter().position(|f| *f == name)?;
-            fields[at].as_ref()
-        };
-        counts(endpoint, count(input), count(output))
-    }
-}
-
-impl<'de> Deserialize<'de> for UsageCounts {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visit;
-        impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = UsageCounts;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a usage value")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<UsageCounts, A::Error> {
-                let mut fields: [Option<Value>; 4] = Default::default();
-                while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
-                    match COUNT_FIELDS.iter().position(|f| *f == key) {
-                        Some(at) => fields[at] = map.next_value::<Option<Value>>()?,
-                        None => {
-                            map.next_value::<serde::de::IgnoredAny>()?;
-                        }
-                    }
-                }
-                Ok(UsageCounts::Fields(fields))
-            }
-            fn visit_unit<E>(self) -> Result<UsageCounts, E> {
-                Ok(UsageCounts::Absent)
-            }
-            fn visit_none<E>(self) -> Result<UsageCounts, E> {
-                Ok(UsageCounts::Absent)
-            }
-            fn visit_some<D: serde::Deserializer<'de>>(
-                self,
-                d: D,
-            ) -> Result<UsageCounts, D::Error> {
-                d.deserialize_any(self)
-            }
-            // Any other JSON value is not a usage object: skipped.
-            fn visit_bool<E>(self, _: bool) -> Result<UsageCounts, E> {
-                Ok(UsageCounts::Absent)
-            }
-            fn visit_i64<E>(self, _: i64) -> Result<UsageCounts, E> {
-                Ok(UsageCounts::Absent)
-            }
-            fn visit_u64<E>(self, _: u64) -> Result<UsageCounts, E> {
-                Ok(UsageCounts::Absent)
-            }
-            fn visit_f64<E>(self, _: f64) -> Result<UsageCounts, E> {
-                Ok(UsageCounts::Absent)
-            }
-            fn visit_str<E>(self, _: &str) -> Result<UsageCounts, E> {
-                Ok(UsageCounts::Absent)
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                mut seq: A,
-            ) -> Result<UsageCounts, A::Error> {
-                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
-                Ok(UsageCounts::Absent)
-            }
-        }
-        d.deserialize_any(Visit)
-    }
 }
 
 /// A string field kept borrowed, or any other value skipped.
@@ -249,31 +159,6 @@ impl<'de: 'a, 'a> Deserialize<'de> for TextOrOther<'a> {
     }
 }
 
-fn usage_of(endpoint: Endpoint, usage: Option<&Value>) -> ReportedUsage {
-    let Some(usage) = usage.filter(|u| u.is_object()) else {
-        return ReportedUsage::Absent;
-    };
-    let (input, output) = endpoint.usage_fields();
-    counts(endpoint, usage.get(input), usage.get(output))
-}
-
-/// The endpoint's counts: each must be a non-negative integer (else invalid) and be there
-/// (absent or null is missing, not zero). Embeddings define only the input count.
-fn counts(endpoint: Endpoint, input: Option<&Value>, output: Option<&Value>) -> ReportedUsage {
-    let count = |v: Option<&Value>| match v {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => v.as_u64().map(Some).ok_or(()),
-    };
-    match (count(input), count(output)) {
-        (Ok(Some(input)), Ok(Some(output))) => ReportedUsage::Counts { input, output },
-        (Ok(Some(input)), Ok(None)) if endpoint == Endpoint::Embeddings => {
-            ReportedUsage::Counts { input, output: 0 }
-        }
-        (Ok(_), Ok(_)) => ReportedUsage::Missing,
-        _ => ReportedUsage::Invalid,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -289,7 +174,7 @@ mod tests {
 
     #[test]
     fn usage_is_read_from_both_apis() {
-        let counts = |input, output| ReportedUsage::Counts { input, output };
+        let counts = |input, output| ReportedUsage::Counts(Tokens::plain(input, output));
         assert_eq!(
             usage(
                 Endpoint::ChatCompletions,
@@ -356,7 +241,11 @@ mod tests {
                 Endpoint::Responses,
                 br#"{"id":{"x":[1]},"usage":{"input_tokens_details":{"cached_tokens":1},"input_tokens":8,"output_tokens":0}}"#
             ),
-            counts(8, 0)
+            ReportedUsage::Counts(Tokens {
+                input: 7,
+                cache_read: 1,
+                ..Tokens::default()
+            })
         );
         assert_eq!(
             usage(

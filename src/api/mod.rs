@@ -5,12 +5,14 @@ pub mod answer;
 pub mod fingerprint;
 pub mod headers;
 pub mod json;
+pub mod prompt;
 pub mod refs;
 pub mod request;
 pub mod scan;
 mod shape;
 pub mod signature;
 pub mod sse;
+pub mod usage;
 
 pub use answer::{AnswerView, ReportedUsage};
 pub use refs::StoredRefs;
@@ -106,18 +108,6 @@ impl Endpoint {
         Endpoint::Embeddings,
         Endpoint::Responses,
     ];
-
-    /// The names an answer's `usage` counts are under: (input, output).
-    pub fn usage_fields(self) -> (&'static str, &'static str) {
-        match self {
-            Endpoint::ChatCompletions | Endpoint::Embeddings => {
-                ("prompt_tokens", "completion_tokens")
-            }
-            Endpoint::Messages | Endpoint::CountTokens | Endpoint::Responses => {
-                ("input_tokens", "output_tokens")
-            }
-        }
-    }
 
     /// The request fields that cap the answer's length, in precedence order.
     pub fn output_cap_fields(self) -> &'static [&'static str] {

@@ -75,6 +75,8 @@ pub struct ParsedRequest {
     pub json: Map<String, Value>,
     /// The stored objects a Responses create names (empty for other endpoints).
     pub refs: super::StoredRefs,
+    /// What the prompt may cost beyond its text (media, caching, searches).
+    pub prompt: super::prompt::PromptShape,
 }
 
 impl ParsedRequest {
@@ -119,6 +121,7 @@ impl ParsedRequest {
             .and_then(|o| o.get("include_usage"))
             .and_then(Value::as_bool)
             == Some(true);
+        let prompt = super::prompt::PromptShape::read(endpoint, &body, &json);
         Ok(ParsedRequest {
             endpoint,
             model,
@@ -128,6 +131,7 @@ impl ParsedRequest {
             body,
             json,
             refs,
+            prompt,
         })
     }
 
@@ -137,9 +141,14 @@ impl ParsedRequest {
         let body = Bytes::from(serde_json::to_vec(&json).expect("a JSON map serialises"));
         ParsedRequest {
             stream: matches!(json.get("stream"), Some(Value::Bool(true))),
+            prompt: super::prompt::PromptShape::read(self.endpoint, &body, &json),
             body,
             json,
-            ..self.clone()
+            endpoint: self.endpoint,
+            model: self.model.clone(),
+            max_output_tokens: self.max_output_tokens,
+            client_wants_stream_usage: self.client_wants_stream_usage,
+            refs: self.refs.clone(),
         }
     }
 
@@ -155,13 +164,15 @@ impl ParsedRequest {
             .and_then(|o| o.get("include_usage"))
             .and_then(Value::as_bool)
             == Some(true);
+        let body = Bytes::from(serde_json::to_vec(&json).expect("a JSON map serialises"));
         ParsedRequest {
             endpoint,
             model: self.model.clone(),
             stream: matches!(json.get("stream"), Some(Value::Bool(true))),
             max_output_tokens,
             client_wants_stream_usage,
-            body: Bytes::from(serde_json::to_vec(&json).expect("a JSON map serialises")),
+            prompt: super::prompt::PromptShape::read(endpoint, &body, &json),
+            body,
             json,
             refs: super::StoredRefs::default(),
         }

@@ -1,8 +1,14 @@
 use serde::Deserialize;
 
 use super::ConfigError;
+use crate::billing::{
+    price::{RateSpec, TierSpec},
+    Price, Prices, Source,
+};
 
-/// `[[prices]]`: USD per million tokens for the upstream models matching `model`.
+/// `[[prices]]`: USD per million tokens of each kind for the upstream models matching
+/// `model`, before the built-in catalog. A kind left out is charged at the input price
+/// (a one-hour cache write at the five-minute write's, when that is given).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PriceConfig {
@@ -10,22 +16,102 @@ pub struct PriceConfig {
     pub model: String,
     pub input_per_mtok: f64,
     pub output_per_mtok: f64,
+    /// Anthropic prompt-cache writes kept five minutes.
+    #[serde(default)]
+    pub cache_write_per_mtok: Option<f64>,
+    /// Anthropic prompt-cache writes kept an hour.
+    #[serde(default)]
+    pub cache_write_1h_per_mtok: Option<f64>,
+    /// Anthropic cache reads; OpenAI cached input.
+    #[serde(default)]
+    pub cache_read_per_mtok: Option<f64>,
+    /// USD per thousand server-side web searches (unset: not charged).
+    #[serde(default)]
+    pub web_search_per_thousand: Option<f64>,
+    /// The most the model writes in one answer (reserved for a call that sets no cap
+    /// where the endpoint allows none).
+    #[serde(default)]
+    pub max_output_tokens: Option<u64>,
+    /// Long-context tiers: other rates once the prompt (every input kind) passes
+    /// `above_tokens`.
+    #[serde(default)]
+    pub tiers: Vec<PriceTierConfig>,
+}
+
+/// `[[prices.tiers]]`: the rates that change once a prompt passes `above_tokens`; a
+/// kind left out keeps the entry's own rate.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PriceTierConfig {
+    pub above_tokens: u64,
+    #[serde(default)]
+    pub input_per_mtok: Option<f64>,
+    #[serde(default)]
+    pub output_per_mtok: Option<f64>,
+    #[serde(default)]
+    pub cache_write_per_mtok: Option<f64>,
+    #[serde(default)]
+    pub cache_write_1h_per_mtok: Option<f64>,
+    #[serde(default)]
+    pub cache_read_per_mtok: Option<f64>,
 }
 
 impl PriceConfig {
-    /// The entry as [`Prices::new`](crate::policy::budget::Prices::new) takes it.
-    pub fn rate(&self) -> (&str, f64, f64) {
-        (&self.model, self.input_per_mtok, self.output_per_mtok)
+    /// The entry as a price, `index` naming where it came from.
+    pub fn price(&self, index: usize) -> Price {
+        let tiers: Vec<TierSpec> = self
+            .tiers
+            .iter()
+            .map(|t| TierSpec {
+                above_tokens: t.above_tokens,
+                rates: RateSpec {
+                    input: t.input_per_mtok,
+                    output: t.output_per_mtok,
+                    cache_write: t.cache_write_per_mtok,
+                    cache_write_1h: t.cache_write_1h_per_mtok,
+                    cache_read: t.cache_read_per_mtok,
+                },
+            })
+            .collect();
+        Price::new(
+            RateSpec {
+                input: Some(self.input_per_mtok),
+                output: Some(self.output_per_mtok),
+                cache_write: self.cache_write_per_mtok,
+                cache_write_1h: self.cache_write_1h_per_mtok,
+                cache_read: self.cache_read_per_mtok,
+            },
+            &tiers,
+            self.web_search_per_thousand,
+            self.max_output_tokens,
+            Source::Config(index),
+        )
     }
+}
+
+/// Every price the config knows: its `[[prices]]` in order, over the built-in catalog
+/// unless `billing.catalog = false`.
+pub fn prices(config: &super::Config) -> Prices {
+    Prices::new(
+        config
+            .prices
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.model.clone(), p.price(i))),
+        config.billing.catalog,
+    )
 }
 
 /// `[billing]`: how spend is estimated and what an unpriced model costs.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct BillingConfig {
-    /// A model with no `[[prices]]` entry: `free` (charged zero USD) or `refuse`
-    /// (requests under a USD budget are refused).
+    /// A model that neither `[[prices]]` nor the catalog prices: `refuse` (the default:
+    /// 402 `unpriced_model` for a tenant or session with a USD cap, before any attempt)
+    /// or `free` (charged zero USD).
     pub unpriced: Unpriced,
+    /// Price models from the built-in catalog when no `[[prices]]` entry matches.
+    pub catalog: bool,
     /// Completion tokens reserved when a request names no `max_tokens`.
     pub default_max_tokens: u64,
     /// Input tokens reserved at least for a Responses call that names server-held
@@ -40,7 +126,8 @@ pub struct BillingConfig {
 impl Default for BillingConfig {
     fn default() -> Self {
         BillingConfig {
-            unpriced: Unpriced::Free,
+            unpriced: Unpriced::Refuse,
+            catalog: true,
             default_max_tokens: 4096,
             min_input_tokens: 0,
             max_reported_tokens: 10_000_000,
@@ -105,6 +192,16 @@ pub(super) fn positive_f64(key: &str, value: Option<f64>) -> Result<(), ConfigEr
     }
 }
 
+fn non_negative_f64(key: &str, value: Option<f64>) -> Result<(), ConfigError> {
+    match value {
+        Some(v) if !(v.is_finite() && v >= 0.0) => Err(ConfigError::invalid(
+            key,
+            format_args!("must be a number of at least 0, got {v}"),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// A token count a provider could report: at most `MAX_OUTPUT_TOKENS`'s 32 bits, so a
 /// floor cannot be a typo that refuses every call.
 fn below_reported(key: &str, value: Option<u64>) -> Result<(), ConfigError> {
@@ -157,10 +254,41 @@ impl PriceConfig {
             ));
         }
         positive_f64(&format!("{key}.input_per_mtok"), Some(self.input_per_mtok))?;
-        positive_f64(
-            &format!("{key}.output_per_mtok"),
-            Some(self.output_per_mtok),
-        )
+        // Zero is a price (embeddings write nothing); only a negative one is a typo.
+        let rates = [
+            ("output_per_mtok", Some(self.output_per_mtok)),
+            ("cache_write_per_mtok", self.cache_write_per_mtok),
+            ("cache_write_1h_per_mtok", self.cache_write_1h_per_mtok),
+            ("cache_read_per_mtok", self.cache_read_per_mtok),
+            ("web_search_per_thousand", self.web_search_per_thousand),
+        ];
+        for (name, rate) in rates {
+            non_negative_f64(&format!("{key}.{name}"), rate)?;
+        }
+        positive_int(&format!("{key}.max_output_tokens"), self.max_output_tokens)?;
+        let mut above = Vec::new();
+        for (i, tier) in self.tiers.iter().enumerate() {
+            let key = format!("{key}.tiers[{i}]");
+            positive_int(&format!("{key}.above_tokens"), Some(tier.above_tokens))?;
+            if above.contains(&tier.above_tokens) {
+                return Err(ConfigError::invalid(
+                    format!("{key}.above_tokens"),
+                    format_args!("{} is given twice", tier.above_tokens),
+                ));
+            }
+            above.push(tier.above_tokens);
+            let rates = [
+                ("input_per_mtok", tier.input_per_mtok),
+                ("output_per_mtok", tier.output_per_mtok),
+                ("cache_write_per_mtok", tier.cache_write_per_mtok),
+                ("cache_write_1h_per_mtok", tier.cache_write_1h_per_mtok),
+                ("cache_read_per_mtok", tier.cache_read_per_mtok),
+            ];
+            for (name, rate) in rates {
+                non_negative_f64(&format!("{key}.{name}"), rate)?;
+            }
+        }
+        Ok(())
     }
 }
 

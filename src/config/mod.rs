@@ -27,7 +27,10 @@ use std::{collections::HashSet, fmt, path::Path};
 use serde::Deserialize;
 
 pub use admin::AdminConfig;
-pub use budget::{BillingConfig, PriceConfig, SessionLimitsConfig, TenantBudgetConfig, Unpriced};
+pub use budget::{
+    prices, BillingConfig, PriceConfig, PriceTierConfig, SessionLimitsConfig, TenantBudgetConfig,
+    Unpriced,
+};
 pub use log::{LogConfig, LogFormat};
 pub use recovery::{BreakerConfig, RetryConfig};
 pub use responses::ResponsesConfig;

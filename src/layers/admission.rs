@@ -406,6 +406,7 @@ impl AdmissionLayer {
             &self.budgets,
             &call.tenant,
             model,
+            target.upstream.api,
             request,
             held,
         ))

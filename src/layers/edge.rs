@@ -382,7 +382,8 @@ impl Ending {
         if !tracing::enabled!(tracing::Level::INFO) {
             return;
         }
-        let (input_tokens, output_tokens) = facts.usage.unzip();
+        let usage = facts.usage;
+        let reported = |n: Option<u64>| n.filter(|n| *n > 0);
         let recovery = facts.recovery_header();
         let line = AccessLine {
             timestamp: (),
@@ -398,8 +399,11 @@ impl Ending {
             error: facts.error.map_or("-", |code| code.as_str()),
             attempts: facts.recovery.attempts,
             recovery: recovery.as_deref().unwrap_or(""),
-            input_tokens,
-            output_tokens,
+            input_tokens: usage.map(|t| t.input),
+            output_tokens: usage.map(|t| t.output),
+            cache_write_tokens: reported(usage.map(|t| t.cache_write())),
+            cache_read_tokens: reported(usage.map(|t| t.cache_read)),
+            reasoning_tokens: reported(usage.map(|t| t.reasoning)),
             end: end.label(),
             cut: facts.stream_cut,
             head_ms: self.head.map(|(_, head)| head.as_secs_f64() * 1e3),
@@ -421,6 +425,9 @@ impl Ending {
                 recovery = line.recovery,
                 input_tokens = line.input_tokens,
                 output_tokens = line.output_tokens,
+                cache_write_tokens = line.cache_write_tokens,
+                cache_read_tokens = line.cache_read_tokens,
+                reasoning_tokens = line.reasoning_tokens,
                 end = line.end,
                 cut = line.cut,
                 head_ms = line.head_ms,

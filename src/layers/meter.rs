@@ -25,8 +25,8 @@ use tower::{Layer, Service};
 
 use super::{Middleware, Stack};
 use crate::{
-    api::{Endpoint, ParsedRequest, ReportedUsage},
-    policy::{budget::estimate_prompt_tokens, classify::TransportFailure},
+    api::{prompt::MediaRules, ApiKind, Endpoint, ParsedRequest, ReportedUsage},
+    policy::classify::TransportFailure,
     state::budgets::{
         reservation::{Ask, Outcome, Prepaid},
         Budgets,
@@ -51,19 +51,27 @@ pub struct Billed {
     pub prepaid: Option<Arc<Prepaid>>,
 }
 
-/// What an attempt of `request` asking `model` reserves: the body's input estimate
-/// plus what the provider holds for it, and the output it may produce.
+/// What an attempt of `request` asking `model` of an upstream speaking `api` reserves:
+/// the body's input estimate (its media at that provider's token rules) plus what the
+/// provider holds for it, the output it may produce, whether the prompt may be written
+/// to the cache, and the web searches it may make.
 pub fn ask(
     budgets: &Budgets,
     tenant: &str,
     model: &str,
+    api: ApiKind,
     request: &ParsedRequest,
     held: HeldContext,
 ) -> Ask {
+    let rules = match api {
+        ApiKind::Anthropic => MediaRules::Anthropic { model },
+        ApiKind::OpenAi => MediaRules::OpenAi { model },
+    };
+    let prompt = &request.prompt;
     Ask {
         model: model.to_string(),
         input_tokens: held.input_tokens(
-            estimate_prompt_tokens(request.body.len()),
+            prompt.input_tokens(request.body.len(), rules),
             budgets.min_input_tokens(tenant),
         ),
         max_output: match request.endpoint {
@@ -72,6 +80,8 @@ pub fn ask(
                 .max_output_tokens
                 .unwrap_or(budgets.default_max_tokens),
         },
+        cache: prompt.cache,
+        web_searches: prompt.web_searches,
     }
 }
 
@@ -123,7 +133,7 @@ impl<S> Layer<S> for MeterLayer {
 fn outcome(usage: ReportedUsage) -> Outcome {
     match usage {
         ReportedUsage::Absent => Outcome::Unreported,
-        ReportedUsage::Counts { input, output } => Outcome::Reported { input, output },
+        ReportedUsage::Counts(tokens) => Outcome::Reported(tokens),
         ReportedUsage::Invalid => Outcome::Invalid,
         ReportedUsage::Missing => Outcome::Missing,
     }
@@ -150,17 +160,18 @@ where
         let budgets = &self.budgets;
         let request = attempt.request.clone();
         let model = attempt.model.as_deref().unwrap_or(&request.model);
-        let ask = ask(budgets, &tenant, model, &request, held);
+        let ask = ask(
+            budgets,
+            &tenant,
+            model,
+            attempt.upstream.api,
+            &request,
+            held,
+        );
         let reservation = match prepaid.and_then(|p| p.take(&ask)) {
             Some(reservation) => reservation,
             None => budgets
-                .reserve(
-                    &tenant,
-                    session.as_deref(),
-                    &ask.model,
-                    ask.input_tokens,
-                    ask.max_output,
-                )
+                .reserve(&tenant, session.as_deref(), &ask)
                 .await
                 .map_err(|refusal| AttemptError::Refused(refusal.into()))?,
         };
@@ -182,9 +193,9 @@ where
                                 log.set_stream_cut(reason);
                             }
                             reservation.settle_later(match reported {
-                                Some((input, output)) => {
-                                    log.add_usage(input, output);
-                                    Outcome::Reported { input, output }
+                                Some(tokens) => {
+                                    log.add_usage(&tokens);
+                                    Outcome::Reported(tokens)
                                 }
                                 None => Outcome::Unreported,
                             })
@@ -193,8 +204,8 @@ where
                     return result.map_err(AttemptError::from);
                 }
                 (None, Some(view)) => {
-                    if let ReportedUsage::Counts { input, output } = view.usage {
-                        log.add_usage(input, output);
+                    if let ReportedUsage::Counts(tokens) = view.usage {
+                        log.add_usage(&tokens);
                     }
                     outcome(view.usage)
                 }

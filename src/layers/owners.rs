@@ -197,7 +197,7 @@ impl ResponseOwnersLayer {
                     let Some(id) = id.or_else(|| ended.response_id()) else {
                         return;
                     };
-                    let context = reported.map(|(input, output)| input.saturating_add(output));
+                    let context = reported.map(|tokens| tokens.total());
                     let objects: Vec<_> = std::iter::once((id, context))
                         .chain(ended.output_ids().into_iter().map(|item| (item, None)))
                         .collect();
@@ -237,7 +237,7 @@ fn whole_answer_objects(reply: &Reply, bytes: &[u8]) -> Option<Vec<(String, Opti
     let view = reply.view.as_ref()?;
     let id = view.id.clone()?;
     let context = match view.usage {
-        ReportedUsage::Counts { input, output } => Some(input.saturating_add(output)),
+        ReportedUsage::Counts(tokens) => Some(tokens.total()),
         _ => None,
     };
     #[derive(Deserialize)]

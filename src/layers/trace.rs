@@ -163,9 +163,28 @@ fn request_attributes(
         .into_iter()
         .flatten(),
     );
-    if let Some((input, output)) = fields.usage {
-        out.push(KeyValue::new("gen_ai.usage.input_tokens", input as i64));
-        out.push(KeyValue::new("gen_ai.usage.output_tokens", output as i64));
+    if let Some(tokens) = fields.usage {
+        // Every input kind, as the GenAI conventions count input; the cache apart too.
+        out.push(KeyValue::new(
+            "gen_ai.usage.input_tokens",
+            tokens.prompt() as i64,
+        ));
+        out.push(KeyValue::new(
+            "gen_ai.usage.output_tokens",
+            tokens.output as i64,
+        ));
+        if tokens.cache_write() > 0 {
+            out.push(KeyValue::new(
+                "gen_ai.usage.cache_creation.input_tokens",
+                tokens.cache_write() as i64,
+            ));
+        }
+        if tokens.cache_read > 0 {
+            out.push(KeyValue::new(
+                "gen_ai.usage.cache_read.input_tokens",
+                tokens.cache_read as i64,
+            ));
+        }
     }
     out
 }
@@ -213,7 +232,12 @@ mod tests {
                 ],
                 ..Trail::default()
             },
-            usage: Some((12, 34)),
+            usage: Some(crate::billing::Tokens {
+                input: 2,
+                cache_read: 10,
+                output: 34,
+                ..Default::default()
+            }),
             ..Facts::default()
         };
         let attributes = request_attributes(
@@ -232,6 +256,11 @@ mod tests {
         assert_eq!(get("gen_ai.provider.name").as_deref(), Some("openai"));
         assert_eq!(get("gen_ai.response.model").as_deref(), Some("gpt-4o-2024"));
         assert_eq!(get("gen_ai.usage.output_tokens").as_deref(), Some("34"));
+        assert_eq!(get("gen_ai.usage.input_tokens").as_deref(), Some("12"));
+        assert_eq!(
+            get("gen_ai.usage.cache_read.input_tokens").as_deref(),
+            Some("10")
+        );
         assert_eq!(
             get("backstop.recovery").as_deref(),
             Some("retry:503,correct:schema,ok")

@@ -18,7 +18,7 @@ use std::time::Duration;
 /// | `tool=NAME` / `tool_args_b64=B64` | answer with a call to tool NAME with these arguments |
 /// | `cut=N` | a stream that breaks after N chunks |
 /// | `usage=IN/OUT` | the token usage reported |
-/// | `usage_b64=B64` | a whole answer's `usage` value, exactly this JSON (base64): odd shapes some servers send |
+/// | `usage_b64=B64` | the answer's `usage` value, exactly this JSON (base64): cache and reasoning counts, odd shapes some servers send; a stream reports it where the API does (Anthropic's split between `message_start` and `message_delta`) |
 /// | `chunks=N` / `chunk_delay=50ms` | how a stream is cut up and paced |
 /// | `status=307;location=URL` | a redirect (Backstop must not follow it) |
 /// | `header=NAME:VALUE` | an extra response header (repeatable; forging tests) |

@@ -244,6 +244,38 @@ fn anthropic_usage(input: u64, output: u64) -> Value {
            "cache_read_input_tokens": 0, "output_tokens": output})
 }
 
+/// A stream's usage as Anthropic splits it: `message_start` carries the input and cache
+/// counts with an output of 1, `message_delta` the output (and the server tools' use).
+/// With `usage_b64`, that usage split so.
+fn anthropic_start_usage(a: &Answer<'_>) -> Value {
+    match &a.step.usage_json {
+        Some(Value::Object(usage)) => {
+            let mut start = usage.clone();
+            start.remove("server_tool_use");
+            if start.contains_key("output_tokens") {
+                start.insert("output_tokens".into(), json!(1));
+            }
+            Value::Object(start)
+        }
+        _ => anthropic_usage(a.usage.0, 1),
+    }
+}
+
+fn anthropic_delta_usage(a: &Answer<'_>) -> Value {
+    match &a.step.usage_json {
+        Some(Value::Object(usage)) => {
+            let mut delta = serde_json::Map::new();
+            for key in ["output_tokens", "server_tool_use"] {
+                if let Some(v) = usage.get(key) {
+                    delta.insert(key.into(), v.clone());
+                }
+            }
+            Value::Object(delta)
+        }
+        _ => json!({"output_tokens": a.usage.1}),
+    }
+}
+
 fn anthropic_body(a: &Answer<'_>) -> Value {
     json!({
         "id": format!("msg_mock_{}", a.id),
@@ -316,7 +348,7 @@ fn openai_events(a: &Answer<'_>, request: &Value) -> Vec<Bytes> {
         events.push(json!({
             "id": format!("chatcmpl-mock-{id}"), "object": "chat.completion.chunk",
             "created": created, "model": model, "choices": [],
-            "usage": {"prompt_tokens": usage.0, "completion_tokens": usage.1, "total_tokens": usage.0.saturating_add(usage.1)},
+            "usage": a.step.usage_json.clone().unwrap_or_else(|| json!({"prompt_tokens": usage.0, "completion_tokens": usage.1, "total_tokens": usage.0.saturating_add(usage.1)})),
         }));
     }
     if a.step.future {
@@ -347,7 +379,7 @@ fn anthropic_events(a: &Answer<'_>) -> Vec<Bytes> {
         json!({"type": "message_start", "message": {
         "id": format!("msg_mock_{}", a.id), "type": "message", "role": "assistant", "model": a.model,
         "content": [], "stop_reason": null, "stop_sequence": null,
-        "usage": anthropic_usage(a.usage.0, 1)}}),
+        "usage": anthropic_start_usage(a)}}),
     )];
     for (index, block) in anthropic_blocks(a).into_iter().enumerate() {
         let delta = |delta: Value| {
@@ -414,7 +446,7 @@ fn anthropic_events(a: &Answer<'_>) -> Vec<Bytes> {
     } else {
         "end_turn"
     };
-    events.push(("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": null}, "usage": {"output_tokens": a.usage.1}})));
+    events.push(("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": null}, "usage": anthropic_delta_usage(a)})));
     events.push(("message_stop", json!({"type": "message_stop"})));
     if a.step.future {
         for (_, data) in &mut events {

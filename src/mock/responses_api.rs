@@ -239,7 +239,11 @@ pub fn create(request: &Value, step: &FaultStep) -> Response<Body> {
 /// A response `response_id` to `request`, whole or streamed as the request asks.
 fn answer(response_id: &str, id: u64, request: &Value, step: &FaultStep) -> Response<Body> {
     let text = reply_text(request, step);
-    let usage = usage(request, &text, step);
+    // `usage_b64`: exactly this usage, whole or streamed (in `response.completed`).
+    let usage = step
+        .usage_json
+        .clone()
+        .unwrap_or_else(|| usage(request, &text, step));
     let streaming = !step.plain && request.get("stream").and_then(Value::as_bool) == Some(true);
     let args = step.tool_args.clone().unwrap_or_else(|| "{}".into());
     let mut items = Vec::new();
@@ -258,9 +262,6 @@ fn answer(response_id: &str, id: u64, request: &Value, step: &FaultStep) -> Resp
         let mut done = done;
         if step.future {
             done["x_future"] = future_field();
-        }
-        if let Some(usage) = &step.usage_json {
-            done["usage"] = usage.clone();
         }
         return json_ok(done);
     }

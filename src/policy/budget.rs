@@ -2,8 +2,6 @@
 //! to overshoot a cap. A call reserves its worst case before it is made and settles to
 //! what the upstream reported after; a check counts what is settled *and* reserved.
 
-use wildmatch::WildMatch;
-
 /// What calls consumed (or may consume).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Usage {
@@ -196,33 +194,6 @@ impl Account {
     }
 }
 
-/// USD per million tokens, by model glob, first match wins.
-#[derive(Debug, Default)]
-pub struct Prices {
-    entries: Vec<(WildMatch, f64, f64)>,
-}
-
-impl Prices {
-    /// From `(model glob, USD per million input tokens, per million output tokens)`, in
-    /// the order they are matched.
-    pub fn new<'a>(prices: impl IntoIterator<Item = (&'a str, f64, f64)>) -> Self {
-        Prices {
-            entries: prices
-                .into_iter()
-                .map(|(model, input, output)| (WildMatch::new(model), input, output))
-                .collect(),
-        }
-    }
-
-    /// The cost of a call, or `None` when the model has no price. Always finite.
-    pub fn cost(&self, model: &str, input_tokens: u64, output_tokens: u64) -> Option<f64> {
-        self.entries
-            .iter()
-            .find(|(glob, _, _)| glob.matches(model))
-            .map(|(_, i, o)| sane_usd((input_tokens as f64 * i + output_tokens as f64 * o) / 1e6))
-    }
-}
-
 /// Prompt tokens estimated from the request body: about four bytes a token, rounded up.
 /// An over-estimate for JSON (keys and punctuation count too), which is the safe side
 /// for a reservation.
@@ -327,14 +298,6 @@ mod tests {
                 TENANT_DAY
             )
             .is_ok());
-    }
-
-    #[test]
-    fn prices_match_the_first_glob() {
-        let p = Prices::new([("gpt-4o-mini*", 0.15, 0.6), ("gpt-4o*", 2.5, 10.0)]);
-        assert_eq!(p.cost("gpt-4o-mini", 1_000_000, 0), Some(0.15));
-        assert_eq!(p.cost("gpt-4o-2024", 1000, 1000), Some(0.0125));
-        assert_eq!(p.cost("claude", 1, 1), None);
     }
 
     #[test]

@@ -33,6 +33,7 @@ use redis::Script;
 
 pub use crate::store::connection::{Redis, Unavailable};
 use crate::{
+    billing::Tokens,
     policy::budget::{CapNames, Caps, Exceeded, SessionSeen, Usage},
     state::guard_view::{Write, Written, RECENT_CAP},
     store::format::{
@@ -56,8 +57,7 @@ pub struct SharedReservation {
 pub struct SharedCharge<'a> {
     pub tenant: &'a str,
     pub model: &'a str,
-    pub input_tokens: u64,
-    pub output_tokens: u64,
+    pub tokens: Tokens,
     pub usd: f64,
     pub ts_ms: i64,
     /// 1, or 0 for a release ([`SharedSettle::calls`]).
@@ -79,6 +79,19 @@ pub struct SharedSettle {
     pub model: String,
     pub input_tokens: u64,
     pub output_tokens: u64,
+    /// The kinds beyond input and output (format 3 only: a replica that knows only
+    /// versions 1 and 2 keeps such a settle, refused and counted, for a newer one to
+    /// replay, rather than replay it short of them).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cache_write_tokens: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cache_write_1h_tokens: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub cache_read_tokens: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub reasoning_tokens: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub web_searches: u64,
     pub usd_micro: i64,
     pub ts_ms: i64,
     /// 1 for a call made; 0 for a release, the reservation given back because no call
@@ -95,6 +108,10 @@ fn is_one_call(calls: &u64) -> bool {
     *calls == 1
 }
 
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 /// The version of [`SharedSettle`]'s encoding this binary writes for a call made; a
 /// release is [`RELEASE_FORMAT`], so that a replica that knows only version 1 keeps it
 /// (refused, counted) instead of replaying it as a call.
@@ -102,6 +119,10 @@ pub const SETTLE_FORMAT: u32 = 1;
 
 /// The version of a kept release's encoding (version 1 with `calls: 0`).
 pub const RELEASE_FORMAT: u32 = 2;
+
+/// The version of a kept charge with token kinds beyond input and output (cache writes
+/// and reads, reasoning, searches): version 1 with those fields.
+pub const KINDS_FORMAT: u32 = 3;
 
 impl SharedSettle {
     pub fn encode(&self) -> String {
@@ -113,10 +134,25 @@ impl SharedSettle {
         serde_json::from_str::<SharedSettle>(text)
             .ok()
             .filter(|s| match s.v {
-                SETTLE_FORMAT => s.calls == 1,
+                SETTLE_FORMAT => s.calls == 1 && !s.tokens().has_extra_kinds(),
                 RELEASE_FORMAT => s.calls == 0,
+                KINDS_FORMAT => s.calls == 1 && s.tokens().has_extra_kinds(),
                 _ => false,
             })
+    }
+
+    /// Every kind of token the settle charges.
+    pub fn tokens(&self) -> Tokens {
+        let hour = self.cache_write_1h_tokens.min(self.cache_write_tokens);
+        Tokens {
+            input: self.input_tokens,
+            cache_write_5m: self.cache_write_tokens - hour,
+            cache_write_1h: hour,
+            cache_read: self.cache_read_tokens,
+            output: self.output_tokens,
+            reasoning: self.reasoning_tokens,
+            web_searches: self.web_searches,
+        }
     }
 }
 
@@ -401,7 +437,7 @@ if not (rec and ARGV[2] == '0') then
   redis.call('XADD', KEYS[7], 'MAXLEN', '~', '1000000', '*',
     'reservation', id, 'session', ARGV[7], 'model', ARGV[8], 'calls', amounts[1],
     'input_tokens', input, 'output_tokens', ARGV[10], 'usd_micro', amounts[3],
-    'ts_ms', ARGV[11], 'kind', kind)
+    'ts_ms', ARGV[11], 'kind', kind, 'cache_write_tokens', ARGV[12], 'cache_read_tokens', ARGV[13])
 end
 if not session then return {reply} end
 local u = redis.call('HMGET', KEYS[4], unpack(BOOKS))
@@ -887,9 +923,11 @@ impl SharedBudgets {
         reservation: &SharedReservation,
         charge: SharedCharge<'_>,
     ) -> SharedSettle {
+        let t = charge.tokens;
         SharedSettle {
             v: match charge.calls {
                 0 => RELEASE_FORMAT,
+                _ if t.has_extra_kinds() => KINDS_FORMAT,
                 _ => SETTLE_FORMAT,
             },
             calls: charge.calls.min(1),
@@ -899,8 +937,13 @@ impl SharedBudgets {
             session_key: reservation.session_key.clone(),
             session: reservation.session.clone(),
             model: charge.model.to_string(),
-            input_tokens: charge.input_tokens,
-            output_tokens: charge.output_tokens,
+            input_tokens: t.input,
+            output_tokens: t.output,
+            cache_write_tokens: t.cache_write(),
+            cache_write_1h_tokens: t.cache_write_1h,
+            cache_read_tokens: t.cache_read,
+            reasoning_tokens: t.reasoning,
+            web_searches: t.web_searches,
             usd_micro: micro(charge.usd),
             ts_ms: charge.ts_ms,
         }
@@ -915,7 +958,7 @@ impl SharedBudgets {
         let tenant = s.tenant.as_str();
         let set = self.redis.key(tenant, "reservations");
         self.unhold(&set, &s.reservation);
-        let tokens = amount(s.input_tokens.saturating_add(s.output_tokens));
+        let tokens = amount(s.tokens().total());
         let mut inv = self.settle.prepare_invoke();
         inv.key(&set)
             .key(self.redis.key(tenant, "reservation-records"))
@@ -938,7 +981,9 @@ impl SharedBudgets {
             .arg(&s.model)
             .arg(amount(s.input_tokens))
             .arg(amount(s.output_tokens))
-            .arg(s.ts_ms);
+            .arg(s.ts_ms)
+            .arg(amount(s.cache_write_tokens))
+            .arg(amount(s.cache_read_tokens));
         let reply: Vec<String> = self
             .redis
             .run(
@@ -1314,7 +1359,15 @@ impl SharedBudgets {
                 .entry(field("model").unwrap_or_default().to_string())
                 .or_insert((0i64, 0i64, 0i64));
             sum.0 += n("calls").unwrap_or(1);
-            sum.1 += n("input_tokens").unwrap_or(0) + n("output_tokens").unwrap_or(0);
+            sum.1 += [
+                "input_tokens",
+                "output_tokens",
+                "cache_write_tokens",
+                "cache_read_tokens",
+            ]
+            .into_iter()
+            .map(|name| n(name).unwrap_or(0))
+            .sum::<i64>();
             sum.2 += n("usd_micro").unwrap_or(0);
         }
         let by_model: Vec<(String, Usage)> = by_model
@@ -1461,6 +1514,11 @@ mod tests {
             model: "m".into(),
             input_tokens: 10,
             output_tokens: 20,
+            cache_write_tokens: 0,
+            cache_write_1h_tokens: 0,
+            cache_read_tokens: 0,
+            reasoning_tokens: 0,
+            web_searches: 0,
             usd_micro: 30,
             ts_ms: 40,
             calls,
@@ -1483,8 +1541,29 @@ mod tests {
             release.replace(r#""v":2"#, r#""v":1"#),
             charge.replace(r#""v":1"#, r#""v":2"#),
             charge.replace(r#""v":1"#, r#""v":3"#),
+            charge.replace(r#""v":1"#, r#""v":4"#),
         ] {
             assert_eq!(SharedSettle::decode(&text), None, "{text}");
         }
+        // A charge with cache tokens is version 3, which versions 1 and 2 refuse.
+        let cached = SharedSettle {
+            v: KINDS_FORMAT,
+            cache_write_tokens: 7,
+            cache_write_1h_tokens: 2,
+            cache_read_tokens: 5,
+            ..kept(1)
+        };
+        let text = cached.encode();
+        assert_eq!(
+            text,
+            r#"{"v":3,"tenant":"t","reservation":"r1","day_key":"bk:{t}:day:20000","session_key":"bk:{t}:session:s","session":"s","model":"m","input_tokens":10,"output_tokens":20,"cache_write_tokens":7,"cache_write_1h_tokens":2,"cache_read_tokens":5,"usd_micro":30,"ts_ms":40}"#
+        );
+        assert_eq!(SharedSettle::decode(&text), Some(cached.clone()));
+        assert_eq!(cached.tokens().total(), 42);
+        assert_eq!(
+            SharedSettle::decode(&text.replace(r#""v":3"#, r#""v":1"#)),
+            None,
+            "a version 1 reader's own check"
+        );
     }
 }

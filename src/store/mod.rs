@@ -40,10 +40,11 @@ pub use postgres::{read_report as read_postgres_report, PgStore, MIGRATION_LOCK,
 pub use redis::RedisStore;
 pub use sqlite::SqliteStore;
 
-use crate::{clock::Clock, config::StoreConfig, policy::budget::Usage};
+use crate::{billing::Tokens, clock::Clock, config::StoreConfig, policy::budget::Usage};
 
 /// One charged upstream call.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(from = "ChargeRecord", into = "ChargeRecord")]
 pub struct Charge {
     pub ts_ms: i64,
     /// Days since the Unix epoch (UTC), the tenant budget window.
@@ -52,9 +53,85 @@ pub struct Charge {
     pub session: Option<String>,
     pub model: String,
     pub calls: u64,
-    pub input_tokens: u64,
-    pub output_tokens: u64,
+    /// Every billed kind, as the target reported it (a reservation charged whole: its
+    /// tokens as input).
+    pub tokens: Tokens,
     pub usd: f64,
+}
+
+/// A charge as it is kept in a spool or a queue: flat, its token kinds under the ledger's
+/// column names, the ones beyond input and output written only when set. A reader of an
+/// older build reads such a record as input and output (its dollars intact).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ChargeRecord {
+    ts_ms: i64,
+    day: i64,
+    tenant: String,
+    session: Option<String>,
+    model: String,
+    calls: u64,
+    input_tokens: u64,
+    output_tokens: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    cache_write_tokens: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    cache_write_1h_tokens: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    cache_read_tokens: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    reasoning_tokens: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    web_searches: u64,
+    usd: f64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl From<ChargeRecord> for Charge {
+    fn from(r: ChargeRecord) -> Charge {
+        let hour = r.cache_write_1h_tokens.min(r.cache_write_tokens);
+        Charge {
+            ts_ms: r.ts_ms,
+            day: r.day,
+            tenant: r.tenant,
+            session: r.session,
+            model: r.model,
+            calls: r.calls,
+            tokens: Tokens {
+                input: r.input_tokens,
+                cache_write_5m: r.cache_write_tokens - hour,
+                cache_write_1h: hour,
+                cache_read: r.cache_read_tokens,
+                output: r.output_tokens,
+                reasoning: r.reasoning_tokens,
+                web_searches: r.web_searches,
+            },
+            usd: r.usd,
+        }
+    }
+}
+
+impl From<Charge> for ChargeRecord {
+    fn from(c: Charge) -> ChargeRecord {
+        ChargeRecord {
+            ts_ms: c.ts_ms,
+            day: c.day,
+            tenant: c.tenant,
+            session: c.session,
+            model: c.model,
+            calls: c.calls,
+            input_tokens: c.tokens.input,
+            output_tokens: c.tokens.output,
+            cache_write_tokens: c.tokens.cache_write(),
+            cache_write_1h_tokens: c.tokens.cache_write_1h,
+            cache_read_tokens: c.tokens.cache_read,
+            reasoning_tokens: c.tokens.reasoning,
+            web_searches: c.tokens.web_searches,
+            usd: c.usd,
+        }
+    }
 }
 
 /// Which ledger rows [`Ledger::spend_report`] sums: one tenant or all, and a range of
@@ -74,17 +151,17 @@ pub struct ReportRow {
     pub day: i64,
     pub model: String,
     pub calls: u64,
-    pub input_tokens: u64,
-    pub output_tokens: u64,
+    /// Each kind summed.
+    pub tokens: Tokens,
     pub usd: f64,
 }
 
 impl ReportRow {
-    /// The row as the budgets count it (input and output tokens together).
+    /// The row as the budgets count it (every kind of token together).
     pub fn usage(&self) -> Usage {
         Usage {
             calls: self.calls,
-            tokens: self.input_tokens.saturating_add(self.output_tokens),
+            tokens: self.tokens.total(),
             usd: self.usd,
         }
     }

@@ -11,8 +11,7 @@ fn charge(session: Option<&str>, day: i64, ts_ms: i64, usd: f64) -> Charge {
         session: session.map(str::to_owned),
         model: "gpt-4o".into(),
         calls: 1,
-        input_tokens: 10,
-        output_tokens: 5,
+        tokens: crate::billing::Tokens::plain(10, 5),
         usd,
     }
 }
@@ -236,8 +235,10 @@ async fn a_failed_settle_leaves_the_reservation_to_be_charged_on_restart() {
 async fn absurd_counts_saturate_instead_of_wrapping_negative() {
     let store = SqliteStore::open(":memory:").unwrap();
     let mut huge = charge(Some("s"), 1, 1, 0.0);
-    huge.input_tokens = u64::MAX;
-    huge.output_tokens = u64::MAX;
+    huge.tokens = crate::billing::Tokens {
+        cache_read: u64::MAX,
+        ..crate::billing::Tokens::plain(u64::MAX, u64::MAX)
+    };
     store.charge(huge.clone()).await.unwrap();
     store.charge(huge).await.unwrap();
     let used = store.session_usage("t", "s").await.unwrap();
@@ -664,8 +665,21 @@ async fn expired_idempotency_rows_are_purged_every_interval_of_tokio_time() {
     purger.abort();
 }
 
-/// A charge of `tenant` on `day` with `model`: `n` calls, `n * 100` input and `n * 10`
-/// output tokens, `n * usd`.
+/// `n` calls' tokens: `n * 100` input, `n * 10` output (3 of it reasoning), 20 written
+/// to the cache for five minutes and 5 for an hour, 50 read from it, one web search.
+fn spend_tokens(n: u64) -> crate::billing::Tokens {
+    crate::billing::Tokens {
+        input: n * 100,
+        cache_write_5m: n * 20,
+        cache_write_1h: n * 5,
+        cache_read: n * 50,
+        output: n * 10,
+        reasoning: n * 3,
+        web_searches: n,
+    }
+}
+
+/// A charge of `tenant` on `day` with `model`: `n` calls of [`spend_tokens`], `n * usd`.
 fn spend(tenant: &str, day: i64, model: &str, n: u64, usd: f64) -> Charge {
     Charge {
         ts_ms: day * 86_400_000,
@@ -674,8 +688,7 @@ fn spend(tenant: &str, day: i64, model: &str, n: u64, usd: f64) -> Charge {
         session: None,
         model: model.into(),
         calls: n,
-        input_tokens: n * 100,
-        output_tokens: n * 10,
+        tokens: spend_tokens(n),
         usd: n as f64 * usd,
     }
 }
@@ -686,8 +699,7 @@ fn report_row(tenant: &str, day: i64, model: &str, n: u64, usd: f64) -> ReportRo
         day,
         model: model.into(),
         calls: n,
-        input_tokens: n * 100,
-        output_tokens: n * 10,
+        tokens: spend_tokens(n),
         usd,
     }
 }
@@ -746,7 +758,7 @@ async fn spend_reports_sum_the_ledger_per_tenant_day_and_model_in_that_order() {
                 "claude".to_string(),
                 Usage {
                     calls: 1,
-                    tokens: 110,
+                    tokens: 185,
                     usd: 0.125
                 }
             ),
@@ -754,7 +766,7 @@ async fn spend_reports_sum_the_ledger_per_tenant_day_and_model_in_that_order() {
                 "gpt-4o-mini".to_string(),
                 Usage {
                     calls: 2,
-                    tokens: 220,
+                    tokens: 370,
                     usd: 1.0
                 }
             ),
@@ -766,7 +778,8 @@ async fn spend_reports_sum_the_ledger_per_tenant_day_and_model_in_that_order() {
 async fn spend_reports_walk_the_ledger_index_in_order_without_sorting() {
     let store = SqliteStore::open(":memory:").unwrap();
     let conn = rusqlite::Connection::open(&store.path).unwrap();
-    for (sql, params) in [(sqlite::REPORT_ALL, 2), (sqlite::REPORT_TENANT, 3)] {
+    for (by_tenant, params) in [(false, 2), (true, 3)] {
+        let sql = sqlite::report_query(sqlite::REPORT_SUMS, by_tenant);
         let plan: Vec<String> = conn
             .prepare(&format!("EXPLAIN QUERY PLAN {sql}"))
             .unwrap()

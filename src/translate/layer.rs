@@ -70,7 +70,10 @@ where
     }
 }
 
-/// The target's reply in the caller's API.
+/// The target's reply in the caller's API. Its usage stays the target's own, as the
+/// target reported it: the meter prices what the target billed, every kind on its own
+/// line, never the caller's translation of it (a stream's usage is read from the
+/// target's events already, before they are translated).
 fn back(cx: &AnswerContext, reply: Reply, keep_answer: bool) -> Reply {
     let endpoint = cx.direction.caller_endpoint();
     let Reply {
@@ -78,8 +81,9 @@ fn back(cx: &AnswerContext, reply: Reply, keep_answer: bool) -> Reply {
         headers,
         body,
         stream_usage,
-        view: _,
+        view,
     } = reply;
+    let target_usage = view.map(|v| v.usage);
     match body {
         ReplyBody::Stream(body) => Reply {
             status,
@@ -103,7 +107,11 @@ fn back(cx: &AnswerContext, reply: Reply, keep_answer: bool) -> Reply {
                 (529, crate::api::ApiKind::OpenAi) => http::StatusCode::SERVICE_UNAVAILABLE,
                 _ => status,
             };
-            Reply::whole(endpoint, status, headers, body, keep_answer)
+            let mut reply = Reply::whole(endpoint, status, headers, body, keep_answer);
+            if let (Some(view), Some(usage)) = (reply.view.as_mut(), target_usage) {
+                view.usage = usage;
+            }
+            reply
         }
     }
 }

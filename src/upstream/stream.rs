@@ -24,14 +24,19 @@ use bytes::{Bytes, BytesMut};
 use futures_util::{stream, StreamExt};
 use serde_json::Value;
 
-use crate::api::{sse::first_boundary, stream_error_event, Endpoint};
+use crate::{
+    api::{sse::first_boundary, stream_error_event, usage::RawUsage, Endpoint, ReportedUsage},
+    billing::Tokens,
+};
 
-type OnEnd = Box<dyn FnOnce(Option<(u64, u64)>) + Send>;
+type OnEnd = Box<dyn FnOnce(Option<Tokens>) + Send>;
 
 #[derive(Default)]
 struct UsageState {
-    input: Option<u64>,
-    output: Option<u64>,
+    /// Every count the stream's events reported so far, the later over the earlier,
+    /// and the endpoint whose names they are under.
+    raw: RawUsage,
+    endpoint: Option<Endpoint>,
     ended: bool,
     /// Called in order when the stream ends (the meter's settle, the owners' size).
     on_end: Vec<OnEnd>,
@@ -55,28 +60,26 @@ impl StreamUsage {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Both counts, or none: a stream that reported only one of them did not report
-    /// its usage (`None`, charged the reservation), and is logged and counted as such.
-    fn reported(state: &UsageState) -> Option<(u64, u64)> {
-        match (state.input, state.output) {
-            (Some(i), Some(o)) => Some((i, o)),
-            (None, None) => None,
-            (input, output) => {
-                tracing::warn!(
-                    reported_input = input,
-                    reported_output = output,
-                    reason = "missing_count",
-                    "a stream reported only part of its usage; charging the reservation instead"
-                );
-                metrics::counter!("backstop_usage_rejected_total", "reason" => "missing_count")
-                    .increment(1);
-                None
-            }
-        }
+    /// Every count the endpoint defines, or none: a stream that reported only part of
+    /// them, or one that is not a count, did not report its usage (`None`, charged the
+    /// reservation), and is logged and counted as such.
+    fn reported(state: &UsageState) -> Option<Tokens> {
+        let endpoint = state.endpoint?;
+        let reason = match state.raw.reported(endpoint) {
+            ReportedUsage::Counts(tokens) => return Some(tokens),
+            ReportedUsage::Absent => return None,
+            ReportedUsage::Missing => "missing_count",
+            ReportedUsage::Invalid => "not_a_count",
+        };
+        tracing::warn!(
+            endpoint = endpoint.label(),
+            reason,
+            "a stream reported only part of its usage, or not a count; charging the reservation instead"
+        );
+        metrics::counter!("backstop_usage_rejected_total", "reason" => reason).increment(1);
+        None
     }
 
-    /// Calls `f` with (input, output) tokens when the stream ends; `None` if the stream
-    /// reported none.
     /// Calls `f` with a Responses stream's response id as soon as an event names it (at
     /// once if one already has).
     pub fn on_response_id(&self, f: impl FnOnce(String) + Send + 'static) {
@@ -90,7 +93,9 @@ impl StreamUsage {
         }
     }
 
-    pub fn on_end(&self, f: impl FnOnce(Option<(u64, u64)>) + Send + 'static) {
+    /// Calls `f` with the stream's usage when it ends; `None` if the stream reported
+    /// none (or not all of it).
+    pub fn on_end(&self, f: impl FnOnce(Option<Tokens>) + Send + 'static) {
         let mut state = self.lock();
         if state.ended {
             let usage = Self::reported(&state);
@@ -134,6 +139,7 @@ impl StreamUsage {
     /// Reads usage from one event's JSON, in the endpoint's event format.
     fn observe(&self, endpoint: Endpoint, event: &Value) {
         let mut state = self.lock();
+        state.endpoint = Some(endpoint);
         let usage = match endpoint {
             Endpoint::ChatCompletions | Endpoint::Embeddings => event.get("usage"),
             // Only the final event carries usage: `response.completed` (or
@@ -162,10 +168,8 @@ impl StreamUsage {
                 .pointer("/message/usage")
                 .or_else(|| event.get("usage")),
         };
-        if let Some(usage) = usage.filter(|u| u.is_object()) {
-            let (input, output) = endpoint.usage_fields();
-            state.input = usage.get(input).and_then(Value::as_u64).or(state.input);
-            state.output = usage.get(output).and_then(Value::as_u64).or(state.output);
+        if let Some(usage) = usage {
+            state.raw.merge(&RawUsage::of(usage));
         }
     }
 }
@@ -490,7 +494,7 @@ mod tests {
         let s = seen.clone();
         r.usage.on_end(move |u| *s.lock().unwrap() = u);
         r.usage.finish();
-        assert_eq!(*seen.lock().unwrap(), Some((7, 3)));
+        assert_eq!(*seen.lock().unwrap(), Some(Tokens::plain(7, 3)));
     }
 
     #[test]
@@ -505,13 +509,24 @@ mod tests {
     #[test]
     fn anthropic_usage_comes_from_start_and_delta() {
         let r = relay(false, Endpoint::Messages);
-        r.pass(Bytes::from_static(b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":11,\"output_tokens\":1}}}\n\n"));
-        r.pass(Bytes::from_static(b"event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":42}}\n\n"));
+        // As Anthropic streams a cached prompt: the cache counts in message_start only.
+        r.pass(Bytes::from_static(b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":11,\"cache_creation_input_tokens\":20000,\"cache_read_input_tokens\":80000,\"cache_creation\":{\"ephemeral_5m_input_tokens\":0,\"ephemeral_1h_input_tokens\":20000},\"output_tokens\":1}}}\n\n"));
+        r.pass(Bytes::from_static(b"event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":42,\"server_tool_use\":{\"web_search_requests\":1}}}\n\n"));
         let seen = Arc::new(Mutex::new(None));
         let s = seen.clone();
         r.usage.finish();
         r.usage.on_end(move |u| *s.lock().unwrap() = u);
-        assert_eq!(*seen.lock().unwrap(), Some((11, 42)));
+        assert_eq!(
+            *seen.lock().unwrap(),
+            Some(Tokens {
+                input: 11,
+                cache_write_1h: 20_000,
+                cache_read: 80_000,
+                output: 42,
+                web_searches: 1,
+                ..Tokens::default()
+            })
+        );
     }
 
     #[test]
@@ -524,7 +539,7 @@ mod tests {
         let s = seen.clone();
         r.usage.finish();
         r.usage.on_end(move |u| *s.lock().unwrap() = u);
-        assert_eq!(*seen.lock().unwrap(), Some((12, 5)));
+        assert_eq!(*seen.lock().unwrap(), Some(Tokens::plain(12, 5)));
     }
 
     #[test]
@@ -613,7 +628,7 @@ mod tests {
             proptest::prop_assert_eq!(String::from_utf8_lossy(&out), expected);
             let last = events.iter().rev().find(|(_, u)| *u).map(|(e, _)| {
                 let v: Value = serde_json::from_str(e.trim().strip_prefix("data: ").unwrap()).unwrap();
-                (v["usage"]["prompt_tokens"].as_u64().unwrap(), v["usage"]["completion_tokens"].as_u64().unwrap())
+                Tokens::plain(v["usage"]["prompt_tokens"].as_u64().unwrap(), v["usage"]["completion_tokens"].as_u64().unwrap())
             });
             let seen = Arc::new(Mutex::new(None));
             let s = seen.clone();

@@ -822,7 +822,7 @@ async fn client_chosen_model_names_never_become_metric_labels() {
     );
     assert!(!page.contains('\u{0}'), "a raw NUL byte in /metrics");
     assert!(
-        page.contains("backstop_tokens_total{tenant=\"team-a\",model=\"gpt-*\"}"),
+        page.contains("backstop_tokens_total{tenant=\"team-a\",model=\"gpt-*\",kind=\"input\"}"),
         "{}",
         page.lines()
             .filter(|l| l.contains("tokens_total"))

@@ -12,6 +12,7 @@
 mod common;
 
 mod azure;
+mod billing;
 mod budgets;
 mod dashboard;
 mod discovery;

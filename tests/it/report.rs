@@ -12,6 +12,13 @@ use crate::common::{
     admin_and_prices, chat, start_with_clock, until, with_store, TempDir, ADMIN, KEY_A, KEY_B,
 };
 
+/// Tenant B's calls report `{"prompt_tokens":3000,"completion_tokens":2000,"total_tokens":5000,
+/// "prompt_tokens_details":{"cached_tokens":1000},"completion_tokens_details":{"reasoning_tokens":500}}`:
+/// 2,000 plain input, 1,000 read from the cache (priced at the input price: the test's
+/// `gpt-4o*` price gives cached input no price of its own), 2,000 output of which 500
+/// reasoning.
+const CACHED: &str = "usage_b64=eyJwcm9tcHRfdG9rZW5zIjozMDAwLCJjb21wbGV0aW9uX3Rva2VucyI6MjAwMCwidG90YWxfdG9rZW5zIjo1MDAwLCJwcm9tcHRfdG9rZW5zX2RldGFpbHMiOnsiY2FjaGVkX3Rva2VucyI6MTAwMH0sImNvbXBsZXRpb25fdG9rZW5zX2RldGFpbHMiOnsicmVhc29uaW5nX3Rva2VucyI6NTAwfX0=";
+
 /// 2025-12-01T12:00:00Z.
 const DAY_ONE_NOON_MS: i64 = 20_423 * 86_400_000 + 12 * 3_600_000;
 
@@ -78,7 +85,7 @@ async fn ledger_written_by_a_gateway() -> (TempDir, std::path::PathBuf, String) 
     settled(&gw, "team-a", 2).await;
     clock.skip(Duration::from_secs(86_400));
     call(KEY_A, "gpt-4o-mini", "usage=400/100").await; // $0.002
-    call(KEY_B, "gpt-4o", "usage=3000/2000").await; // $0.0275
+    call(KEY_B, "gpt-4o", CACHED).await; // $0.0275
     settled(&gw, "team-a", 1).await;
     settled(&gw, "team-b", 1).await;
     // The admin view reads the same rows: two days of tenant A by model.
@@ -90,9 +97,13 @@ async fn ledger_written_by_a_gateway() -> (TempDir, std::path::PathBuf, String) 
         view["by_day"],
         json!([
             {"day": 20_423, "date": "2025-12-01", "model": "gpt-4o", "calls": 2,
-             "input_tokens": 2000, "output_tokens": 1000, "tokens": 3000, "usd": 0.015},
+             "input_tokens": 2000, "output_tokens": 1000, "cache_write_tokens": 0,
+             "cache_write_1h_tokens": 0, "cache_read_tokens": 0, "reasoning_tokens": 0,
+             "web_searches": 0, "tokens": 3000, "usd": 0.015},
             {"day": 20_424, "date": "2025-12-02", "model": "gpt-4o-mini", "calls": 1,
-             "input_tokens": 400, "output_tokens": 100, "tokens": 500, "usd": 0.002},
+             "input_tokens": 400, "output_tokens": 100, "cache_write_tokens": 0,
+             "cache_write_1h_tokens": 0, "cache_read_tokens": 0, "reasoning_tokens": 0,
+             "web_searches": 0, "tokens": 500, "usd": 0.002},
         ])
     );
     // Without `days` the view is as it was; a window that is not 1 to 366 days is refused.
@@ -111,7 +122,7 @@ async fn ledger_written_by_a_gateway() -> (TempDir, std::path::PathBuf, String) 
     std::fs::write(&config, text).unwrap();
     let while_serving = stdout(&report(&config, &[]));
     // The reader took nothing from the gateway: it still writes to its ledger.
-    call(KEY_B, "gpt-4o", "usage=3000/2000").await;
+    call(KEY_B, "gpt-4o", CACHED).await;
     settled(&gw, "team-b", 2).await;
     gw.server.shutdown().await;
     (dir, config, while_serving)
@@ -141,12 +152,12 @@ async fn settled(gw: &crate::common::Gateway, tenant: &str, calls: u64) {
 #[tokio::test]
 async fn report_prints_the_ledger_a_gateway_wrote_as_csv_and_json() {
     let (_dir, config, while_serving) = ledger_written_by_a_gateway().await;
-    let header = "tenant,day,model,calls,input_tokens,output_tokens,usd\n";
-    let a1 = "team-a,2025-12-01,gpt-4o,2,2000,1000,0.015000\n";
-    let a2 = "team-a,2025-12-02,gpt-4o-mini,1,400,100,0.002000\n";
-    let b2 = "team-b,2025-12-02,gpt-4o,1,3000,2000,0.027500\n";
+    let header = "tenant,day,model,calls,input_tokens,output_tokens,cache_write_tokens,cache_write_1h_tokens,cache_read_tokens,reasoning_tokens,web_searches,usd\n";
+    let a1 = "team-a,2025-12-01,gpt-4o,2,2000,1000,0,0,0,0,0,0.015000\n";
+    let a2 = "team-a,2025-12-02,gpt-4o-mini,1,400,100,0,0,0,0,0,0.002000\n";
+    let b2 = "team-b,2025-12-02,gpt-4o,1,2000,2000,0,0,1000,500,0,0.027500\n";
     assert_eq!(while_serving, format!("{header}{a1}{a2}{b2}"));
-    let b2 = "team-b,2025-12-02,gpt-4o,2,6000,4000,0.055000\n";
+    let b2 = "team-b,2025-12-02,gpt-4o,2,4000,4000,0,0,2000,1000,0,0.055000\n";
     assert_eq!(
         stdout(&report(&config, &[])),
         format!("{header}{a1}{a2}{b2}")
@@ -185,11 +196,17 @@ async fn report_prints_the_ledger_a_gateway_wrote_as_csv_and_json() {
         json,
         json!([
             {"tenant": "team-a", "day": "2025-12-01", "model": "gpt-4o", "calls": 2,
-             "input_tokens": 2000, "output_tokens": 1000, "usd": 0.015},
+             "input_tokens": 2000, "output_tokens": 1000, "cache_write_tokens": 0,
+             "cache_write_1h_tokens": 0, "cache_read_tokens": 0, "reasoning_tokens": 0,
+             "web_searches": 0, "usd": 0.015},
             {"tenant": "team-a", "day": "2025-12-02", "model": "gpt-4o-mini", "calls": 1,
-             "input_tokens": 400, "output_tokens": 100, "usd": 0.002},
+             "input_tokens": 400, "output_tokens": 100, "cache_write_tokens": 0,
+             "cache_write_1h_tokens": 0, "cache_read_tokens": 0, "reasoning_tokens": 0,
+             "web_searches": 0, "usd": 0.002},
             {"tenant": "team-b", "day": "2025-12-02", "model": "gpt-4o", "calls": 2,
-             "input_tokens": 6000, "output_tokens": 4000, "usd": 0.055},
+             "input_tokens": 4000, "output_tokens": 4000, "cache_write_tokens": 0,
+             "cache_write_1h_tokens": 0, "cache_read_tokens": 2000, "reasoning_tokens": 1000,
+             "web_searches": 0, "usd": 0.055},
         ])
     );
     let usd: f64 = json
@@ -328,9 +345,9 @@ api_keys = ["bk-formula-key-0001"]
     std::fs::write(&config, text).unwrap();
     assert_eq!(
         stdout(&report(&config, &["--tenant", "@finance"])),
-        "tenant,day,model,calls,input_tokens,output_tokens,usd\n\
-         '@finance,2025-12-01,'-1+2,1,1000,500,0.000000\n\
-         '@finance,2025-12-01,\"'=HYPERLINK(\"\"http://evil.example\"\",\"\"refund\"\")\",1,1000,500,0.000000\n"
+        "tenant,day,model,calls,input_tokens,output_tokens,cache_write_tokens,cache_write_1h_tokens,cache_read_tokens,reasoning_tokens,web_searches,usd\n\
+         '@finance,2025-12-01,'-1+2,1,1000,500,0,0,0,0,0,0.000000\n\
+         '@finance,2025-12-01,\"'=HYPERLINK(\"\"http://evil.example\"\",\"\"refund\"\")\",1,1000,500,0,0,0,0,0,0.000000\n"
     );
     let json: Value = serde_json::from_str(&stdout(&report(
         &config,

@@ -7,6 +7,7 @@
 use std::{sync::Arc, time::Duration};
 
 use backstop::{
+    billing::Tokens,
     config::{StoreBackend, StoreConfig},
     policy::budget::Usage,
     store::{
@@ -81,8 +82,7 @@ fn charge(session: Option<&str>, day: i64, ts_ms: i64, usd: f64) -> Charge {
         session: session.map(str::to_owned),
         model: "gpt-4o".into(),
         calls: 1,
-        input_tokens: 10,
-        output_tokens: 5,
+        tokens: Tokens::plain(10, 5),
         usd,
     }
 }
@@ -327,8 +327,11 @@ async fn two_stores_opened_at_once_on_an_empty_database_migrate_once() {
     assert_eq!(froms[0], 0, "one applied the migrations");
     assert!(froms[1..].iter().all(|v| *v == SCHEMA_VERSION), "{froms:?}");
     assert_eq!(
-        db.sql("SELECT string_agg(version::text, ',') FROM schema_migrations"),
-        SCHEMA_VERSION.to_string()
+        db.sql("SELECT string_agg(version::text, ',' ORDER BY version) FROM schema_migrations"),
+        (1..=SCHEMA_VERSION)
+            .map(|v| v.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
     );
 }
 
@@ -337,8 +340,10 @@ async fn absurd_counts_saturate_instead_of_wrapping_negative() {
     let db = Db::new();
     let store = db.open().await;
     let mut huge = charge(Some("s"), 1, 1, 0.0);
-    huge.input_tokens = u64::MAX;
-    huge.output_tokens = u64::MAX;
+    huge.tokens = Tokens {
+        cache_read: u64::MAX,
+        ..Tokens::plain(u64::MAX, u64::MAX)
+    };
     store.charge(huge.clone()).await.unwrap();
     store.charge(huge).await.unwrap();
     let used = store.session_usage("t", "s").await.unwrap();
@@ -838,6 +843,19 @@ api_keys = ["bk-check-config-key-1"]
     );
 }
 
+/// `n` calls' worth of every kind of token.
+fn kinds(n: u64) -> Tokens {
+    Tokens {
+        input: 10 * n,
+        cache_write_5m: 3 * n,
+        cache_write_1h: 2 * n,
+        cache_read: 7 * n,
+        output: 5 * n,
+        reasoning: n,
+        web_searches: n,
+    }
+}
+
 #[tokio::test]
 async fn the_spend_report_is_summed_per_tenant_day_and_model_and_printed_by_the_command() {
     let db = Db::new();
@@ -853,6 +871,7 @@ async fn the_spend_report_is_summed_per_tenant_day_and_model_and_printed_by_the_
             tenant: tenant.into(),
             day,
             model: model.into(),
+            tokens: kinds(1),
             ..charge(None, day, day * 86_400_000, usd)
         };
         store.charge(charge).await.unwrap();
@@ -871,8 +890,7 @@ async fn the_spend_report_is_summed_per_tenant_day_and_model_and_printed_by_the_
                 r.day,
                 r.model.as_str(),
                 r.calls,
-                r.input_tokens,
-                r.output_tokens,
+                r.tokens,
                 r.usd,
             )
         })
@@ -880,9 +898,14 @@ async fn the_spend_report_is_summed_per_tenant_day_and_model_and_printed_by_the_
     assert_eq!(
         got,
         [
-            ("a", 100, "claude", 1, 10, 5, 1.0),
-            ("a", 100, "gpt-4o", 2, 20, 10, 0.375)
+            ("a", 100, "claude", 1, kinds(1), 1.0),
+            ("a", 100, "gpt-4o", 2, kinds(2), 0.375)
         ]
+    );
+    // Every kind is in the ledger's columns, and the token caps count them all.
+    assert_eq!(
+        store.tenant_day_usage("a", 100).await.unwrap().tokens,
+        3 * kinds(1).total()
     );
     // The command reads the same rows on a connection of its own, writing nothing.
     let all = backstop::store::read_postgres_report(&db.config(), &ReportQuery::default())
@@ -922,9 +945,9 @@ async fn the_spend_report_is_summed_per_tenant_day_and_model_and_printed_by_the_
     );
     assert_eq!(
         String::from_utf8(out.stdout).unwrap(),
-        "tenant,day,model,calls,input_tokens,output_tokens,usd\n\
-         a,1970-04-11,claude,1,10,5,1.000000\n\
-         a,1970-04-11,gpt-4o,2,20,10,0.375000\n"
+        "tenant,day,model,calls,input_tokens,output_tokens,cache_write_tokens,cache_write_1h_tokens,cache_read_tokens,reasoning_tokens,web_searches,usd\n\
+         a,1970-04-11,claude,1,10,5,5,2,7,1,1,1.000000\n\
+         a,1970-04-11,gpt-4o,2,20,10,10,4,14,2,2,0.375000\n"
     );
 }
 
@@ -932,4 +955,42 @@ fn tempfile_dir() -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("backstop-pg-report-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir
+}
+
+/// A database at schema version 1 (what the last build made): the report reads its rows
+/// with the new kinds at 0 before any replica of this build has migrated it, and opening
+/// the store migrates it to version 2 with the old rows intact and readable.
+#[tokio::test]
+async fn a_ledger_of_schema_one_is_read_as_it_is_then_migrated_with_its_rows_kept() {
+    let db = Db::new();
+    db.sql(&format!(
+        "CREATE TABLE schema_migrations (version INTEGER PRIMARY KEY, name TEXT NOT NULL,
+             applied_at TIMESTAMPTZ NOT NULL DEFAULT now());
+         {}
+         INSERT INTO schema_migrations (version, name) VALUES (1, 'ledger');
+         INSERT INTO ledger (id, ts_ms, day, tenant, session, model, calls, input_tokens, output_tokens, usd)
+             VALUES (1, 0, 100, 't', 's', 'gpt-4o', 1, 30, 20, 0.5);",
+        include_str!("../../src/store/postgres/migrations/0001_ledger.sql")
+    ));
+    let old = Tokens::plain(30, 20);
+    let query = ReportQuery::default();
+    let before = backstop::store::read_postgres_report(&db.config(), &query)
+        .await
+        .unwrap();
+    assert_eq!(before.len(), 1);
+    assert_eq!((before[0].tokens, before[0].usd), (old, 0.5));
+    let store = db.open().await;
+    assert_eq!(store.migrated().from, 1);
+    assert_eq!(store.migrated().to, SCHEMA_VERSION);
+    let mut cached = charge(Some("s"), 100, 1, 0.25);
+    cached.tokens = kinds(1);
+    store.charge(cached).await.unwrap();
+    let after = store.spend_report(&query).await.unwrap();
+    assert_eq!(after.len(), 1);
+    assert_eq!((after[0].tokens, after[0].usd), (old.plus(kinds(1)), 0.75));
+    assert_eq!(
+        store.session_usage("t", "s").await.unwrap().tokens,
+        old.total() + kinds(1).total(),
+        "the token caps count the old row and every kind of the new"
+    );
 }

@@ -43,6 +43,7 @@ CAPPED_KEY = "bk-test-capped"
 THROTTLED_KEY = "bk-test-throttled"
 GUARDED_KEY = "bk-test-guarded"
 FLEET_KEY = "bk-test-fleet"
+BILLED_KEY = "bk-test-billed"
 ADMIN_TOKEN = "admin-test-token-0123456789"
 PROVIDER_OPENAI_KEY = "sk-provider-openai"
 PROVIDER_ANTHROPIC_KEY = "sk-provider-anthropic"
@@ -275,6 +276,13 @@ name = "guarded"
 api_keys = ["{GUARDED_KEY}"]
 [tenants.guard]
 max_consecutive_failures = 3
+
+# A USD cap priced from the built-in catalog (tests/python/test_billing_sdk.py).
+[[tenants]]
+name = "billed"
+api_keys = ["{BILLED_KEY}"]
+[tenants.session]
+max_usd = 1.0
 
 [[tenants]]
 name = "throttled"

@@ -2204,3 +2204,66 @@ cool_down = "30s"
         "{report}"
     );
 }
+
+on_one_server_and_a_cluster!(
+    cached_input_is_priced_as_billed_and_the_cap_holds_across_replicas,
+    cached_input_is_priced_as_billed_and_the_cap_holds_across_replicas_on_a_cluster,
+    cached_input_is_priced_as_billed_and_the_cap_holds_across_replicas_with
+);
+
+/// A caching agent on three replicas, priced from the built-in catalog (gpt-4.1: input
+/// $2, cached input $0.50, output $8 per million): each turn's prompt of 10,000 tokens is
+/// 8,000 read from the provider's cache, so it bills 2,000 × 2 + 8,000 × 0.5 + 100 × 8 =
+/// $0.0088, where pricing the cached part as input would say $0.0208. Each turn reserves
+/// its worst case (its ~10k-token prompt at $2, 100 output tokens at $8: about $0.0208),
+/// so under a $0.05 session cap four turns are served (3 × 0.0088 + 0.0208 fits, 4 ×
+/// 0.0088 + 0.0208 does not), and every replica's books say $0.0352 and 40,400 tokens.
+async fn cached_input_is_priced_as_billed_and_the_cap_holds_across_replicas_with(redis: Redis) {
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "usd"
+api_keys = ["{USD}"]
+[tenants.session]
+max_usd = 0.05
+"#
+    );
+    let cluster = Cluster::start(&redis, &[PATIENT, PATIENT, PATIENT], &tenants).await;
+    let usage = json!({"prompt_tokens": 10_000, "completion_tokens": 100, "total_tokens": 10_100,
+        "prompt_tokens_details": {"cached_tokens": 8_000}});
+    let fault = format!(
+        "usage_b64={}",
+        base64::Engine::encode(
+            &base64::engine::general_purpose::STANDARD,
+            usage.to_string()
+        )
+    );
+    let headers = [
+        ("x-session-id", "agent"),
+        ("x-mock-scenario", "cached"),
+        ("x-mock-fault", fault.as_str()),
+    ];
+    let prompt = "a long and stable system prompt ".repeat(1_240);
+    let turn = json!({"model": "gpt-4.1", "max_tokens": 100, "messages": [
+        {"role": "system", "content": prompt}, {"role": "user", "content": "next step"}]});
+    let mut served = 0;
+    for _ in 0..8 {
+        let answer = cluster.call(cluster.rr(), USD, &headers, &turn).await;
+        match answer.status {
+            200 => served += 1,
+            _ => assert_budget_refusal(&answer),
+        }
+    }
+    assert_eq!(served, 4);
+    assert_eq!(cluster.mock.attempts("cached").await, 4);
+    for i in 0..3 {
+        let report = cluster.session(i, USD, "agent").await;
+        assert_eq!(report["used"]["calls"], 4, "replica {i}: {report}");
+        assert_eq!(report["used"]["tokens"], 40_400, "replica {i}: {report}");
+        assert_eq!(
+            report["used"]["usd"],
+            json!(0.0352),
+            "replica {i}: {report}"
+        );
+    }
+}

@@ -118,8 +118,7 @@ fn charge(calls: u64, input_tokens: u64, output_tokens: u64, usd: f64) -> Shared
     SharedCharge {
         tenant: TENANT,
         model: "m|odel%",
-        input_tokens,
-        output_tokens,
+        tokens: backstop::billing::Tokens::plain(input_tokens, output_tokens),
         usd,
         ts_ms: 1,
         calls,

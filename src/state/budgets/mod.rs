@@ -38,9 +38,10 @@ use governor::{
 
 use self::reservation::{Ask, Prepaid, Reservation};
 use crate::{
+    billing::Prices,
     clock::Clock,
-    config::{Config, OnUnavailable, PriceConfig, Unpriced},
-    policy::budget::{worst_case, Account, Caps, Prices, Usage, SESSION, TENANT_DAY},
+    config::{Config, OnUnavailable, Unpriced},
+    policy::budget::{worst_case, Account, Caps, Usage, SESSION, TENANT_DAY},
     state::{
         guard_view::Written,
         live::{LiveSessions, Session, SessionKey},
@@ -276,7 +277,7 @@ impl Budgets {
             tenants,
             sessions: self.sessions.clone(),
             store: self.store.clone(),
-            prices: Prices::new(config.prices.iter().map(PriceConfig::rate)),
+            prices: crate::config::prices(config),
             model_labels: crate::telemetry::ModelLabels::new(config),
             unpriced: config.billing.unpriced,
             default_max_tokens: config.billing.default_max_tokens,
@@ -576,14 +577,7 @@ impl Budgets {
         if !self.prepays(book, session.is_some()) {
             return None;
         }
-        self.worst_case(
-            book,
-            session.is_some(),
-            &ask.model,
-            ask.input_tokens,
-            ask.max_output,
-        )
-        .ok()
+        self.worst_case(book, session.is_some(), ask).ok()
     }
 
     /// This replica's own rate limiters (embedded mode, or Redis unreachable).
@@ -694,10 +688,9 @@ impl Budgets {
         self: &Arc<Self>,
         tenant: &str,
         session: Option<&str>,
-        model: &str,
-        prompt_tokens: u64,
-        max_output: u64,
+        ask: &Ask,
     ) -> Result<Reservation, Refusal> {
+        let model = ask.model.as_str();
         let Some(book) = self.tenant(tenant).cloned() else {
             return Err(Refusal::Unpriced {
                 model: model.into(),
@@ -705,8 +698,7 @@ impl Budgets {
         };
         let budgeted = book.budgets(session.is_some());
         if let (Some(shared), true) = (&self.shared, budgeted) {
-            let want =
-                self.worst_case(&book, session.is_some(), model, prompt_tokens, max_output)?;
+            let want = self.worst_case(&book, session.is_some(), ask)?;
             // In the fleet's ledger first: a refusal by Redis then only withdraws it.
             let durable = match self.fleet_ledger {
                 true => Some(self.reserve_in_ledger(&book, session, model, want).await?),
@@ -767,8 +759,7 @@ impl Budgets {
             self.catch_up_with_the_fleet(&book, live.as_ref(), session)
                 .await?;
         }
-        let mut reservation =
-            self.reserve_in_memory(book, live, day_unread, model, prompt_tokens, max_output)?;
+        let mut reservation = self.reserve_in_memory(book, live, day_unread, ask)?;
         let book = &reservation.tenant;
         let budgeted = book.budgets(reservation.session.is_some());
         if budgeted {
@@ -798,23 +789,21 @@ impl Budgets {
     }
 
     /// A call's worst case, priced; refused when a USD cap applies and the model has no
-    /// price (`billing.unpriced = "refuse"`).
-    fn worst_case(
-        &self,
-        book: &TenantBook,
-        in_session: bool,
-        model: &str,
-        prompt_tokens: u64,
-        max_output: u64,
-    ) -> Result<Usage, Refusal> {
+    /// price (`billing.unpriced = "refuse"`, the default).
+    fn worst_case(&self, book: &TenantBook, in_session: bool, ask: &Ask) -> Result<Usage, Refusal> {
         let usd_capped =
             book.day_limits.usd.is_some() || (in_session && book.session_limits.usd.is_some());
-        let want = worst_case(prompt_tokens, max_output, 0.0);
-        let usd = match self.prices.cost(model, prompt_tokens, max_output) {
-            Some(usd) => usd,
+        let want = worst_case(ask.input_tokens, ask.max_output, 0.0);
+        let usd = match self.prices.lookup(&ask.model) {
+            Some(price) => price.worst_case(
+                ask.input_tokens,
+                ask.max_output,
+                ask.cache,
+                ask.web_searches,
+            ),
             None if usd_capped && self.unpriced == Unpriced::Refuse => {
                 return Err(Refusal::Unpriced {
-                    model: model.into(),
+                    model: ask.model.as_str().into(),
                 })
             }
             None => 0.0,
@@ -828,11 +817,9 @@ impl Budgets {
         book: Arc<TenantBook>,
         live: Option<(String, BookRef)>,
         day_unread: Option<StoreError>,
-        model: &str,
-        prompt_tokens: u64,
-        max_output: u64,
+        ask: &Ask,
     ) -> Result<Reservation, Refusal> {
-        let want = self.worst_case(&book, live.is_some(), model, prompt_tokens, max_output)?;
+        let want = self.worst_case(&book, live.is_some(), ask)?;
         let mut day = lock(&book.day);
         let today = self.clock.today();
         if day.0 < today {
@@ -865,7 +852,7 @@ impl Budgets {
             budgets: self.clone(),
             tenant: book,
             session: live,
-            model: model.to_string(),
+            model: ask.model.clone(),
             amount: want,
             durable: None,
             shared: None,
@@ -1036,7 +1023,7 @@ mod tests {
     }
 
     fn reported(input: u64, output: u64) -> Outcome {
-        Outcome::Reported { input, output }
+        Outcome::Reported(crate::billing::Tokens::plain(input, output))
     }
 
     #[tokio::test(start_paused = true)]
@@ -1083,8 +1070,14 @@ mod tests {
     async fn a_refused_reservation_touches_neither_account() {
         let b =
             budgets("[tenants.session]\nmax_calls = 1\n[tenants.budget]\ntokens_per_day = 1000");
-        let r = b.reserve("t", Some("s"), "gpt-4o", 100, 100).await.unwrap();
-        let Err(e) = b.reserve("t", Some("s"), "gpt-4o", 100, 100).await else {
+        let r = b
+            .reserve("t", Some("s"), &Ask::plain("gpt-4o", 100, 100))
+            .await
+            .unwrap();
+        let Err(e) = b
+            .reserve("t", Some("s"), &Ask::plain("gpt-4o", 100, 100))
+            .await
+        else {
             panic!("over the cap")
         };
         assert!(matches!(
@@ -1110,14 +1103,23 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn unpriced_models_are_refused_under_a_usd_cap_when_configured() {
-        let b = budgets("[tenants.session]\nmax_usd = 1.0");
+    async fn unpriced_models_are_refused_under_a_usd_cap_unless_free_is_chosen() {
+        let free = budgets("[tenants.session]\nmax_usd = 1.0").reconfigured(
+            &Config::from_toml_with_env(
+                "[billing]\nunpriced = \"free\"\n[[upstreams]]\nname = \"u\"\napi = \"openai\"\nbase_url = \"http://x\"\n[[routes]]\nmodel = \"*\"\ntargets = [{ upstream = \"u\" }]\n[[tenants]]\nname = \"t\"\napi_keys = [\"bk-test-key\"]\n[tenants.session]\nmax_usd = 1.0",
+                |_| None,
+            )
+            .unwrap(),
+        );
         assert!(
-            b.reserve("t", Some("s"), "mystery", 1, 1).await.is_ok(),
-            "free by default"
+            Arc::new(free)
+                .reserve("t", Some("s"), &Ask::plain("mystery", 1, 1))
+                .await
+                .is_ok(),
+            "free when chosen"
         );
         let config = Config::from_toml_with_env(
-            "[billing]\nunpriced = \"refuse\"\n[[upstreams]]\nname = \"u\"\napi = \"openai\"\nbase_url = \"http://x\"\n[[routes]]\nmodel = \"*\"\ntargets = [{ upstream = \"u\" }]\n[[tenants]]\nname = \"t\"\napi_keys = [\"bk-test-key\"]\n[tenants.session]\nmax_usd = 1.0",
+            "[[upstreams]]\nname = \"u\"\napi = \"openai\"\nbase_url = \"http://x\"\n[[routes]]\nmodel = \"*\"\ntargets = [{ upstream = \"u\" }]\n[[tenants]]\nname = \"t\"\napi_keys = [\"bk-test-key\"]\n[tenants.session]\nmax_usd = 1.0",
             |_| None,
         )
         .unwrap();
@@ -1128,11 +1130,14 @@ mod tests {
             Clock::system(),
         ));
         assert!(matches!(
-            b.reserve("t", Some("s"), "mystery", 1, 1).await,
+            b.reserve("t", Some("s"), &Ask::plain("mystery", 1, 1))
+                .await,
             Err(Refusal::Unpriced { .. })
         ));
         assert!(
-            b.reserve("t", None, "mystery", 1, 1).await.is_ok(),
+            b.reserve("t", None, &Ask::plain("mystery", 1, 1))
+                .await
+                .is_ok(),
             "no USD cap applies without a session"
         );
     }
@@ -1145,7 +1150,10 @@ mod tests {
             Duration::from_nanos(1),
         );
         let slot = enter(&b, "t", "s").await.unwrap();
-        let first = b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap();
+        let first = b
+            .reserve("t", Some("s"), &Ask::plain("gpt-4o", 10, 10))
+            .await
+            .unwrap();
         // The live map's idle clock is the real one, not tokio's: evict as `session_idle` would.
         b.sessions.evict_all();
         b.forget_idle_limiters();
@@ -1156,8 +1164,14 @@ mod tests {
             ),
             "the in-flight slot survived the eviction"
         );
-        let second = b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap();
-        let Err(Refusal::Exceeded(e)) = b.reserve("t", Some("s"), "gpt-4o", 10, 10).await else {
+        let second = b
+            .reserve("t", Some("s"), &Ask::plain("gpt-4o", 10, 10))
+            .await
+            .unwrap();
+        let Err(Refusal::Exceeded(e)) = b
+            .reserve("t", Some("s"), &Ask::plain("gpt-4o", 10, 10))
+            .await
+        else {
             panic!("a third call under max_calls = 2")
         };
         assert_eq!((e.budget, e.used), ("session.max_calls", 2.0));
@@ -1176,13 +1190,20 @@ mod tests {
     #[tokio::test]
     async fn budgeted_reservations_are_durable_until_settled() {
         let b = budgets("[tenants.session]\nmax_calls = 5");
-        let r = b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap();
+        let r = b
+            .reserve("t", Some("s"), &Ask::plain("gpt-4o", 10, 10))
+            .await
+            .unwrap();
         assert_eq!(b.store().open_reservations().await.unwrap(), 1);
         r.settle(reported(3, 4)).await;
         assert_eq!(b.store().open_reservations().await.unwrap(), 0);
         assert_eq!(b.store().session_usage("t", "s").await.unwrap().tokens, 7);
         // Dropped unsettled (a cancelled call): charged in full, durably.
-        drop(b.reserve("t", Some("s"), "gpt-4o", 10, 10).await.unwrap());
+        drop(
+            b.reserve("t", Some("s"), &Ask::plain("gpt-4o", 10, 10))
+                .await
+                .unwrap(),
+        );
         b.store()
             .charge(Charge {
                 ts_ms: 0,
@@ -1191,8 +1212,7 @@ mod tests {
                 session: None,
                 model: "m".into(),
                 calls: 1,
-                input_tokens: 0,
-                output_tokens: 0,
+                tokens: crate::billing::Tokens::plain(0, 0),
                 usd: 0.0,
             })
             .await
@@ -1200,7 +1220,10 @@ mod tests {
         assert_eq!(b.store().open_reservations().await.unwrap(), 0);
         assert_eq!(b.store().session_usage("t", "s").await.unwrap().tokens, 27);
         // No session, no day cap: nothing to make durable.
-        let r = b.reserve("t", None, "gpt-4o", 10, 10).await.unwrap();
+        let r = b
+            .reserve("t", None, &Ask::plain("gpt-4o", 10, 10))
+            .await
+            .unwrap();
         assert_eq!(b.store().open_reservations().await.unwrap(), 0);
         r.settle(reported(1, 1)).await;
     }
@@ -1226,7 +1249,7 @@ mod tests {
         );
         let other = rusqlite::Connection::open(&path).unwrap();
         other.execute_batch("BEGIN EXCLUSIVE").unwrap();
-        let refused = b.reserve("t", None, "gpt-4o", 10, 10).await;
+        let refused = b.reserve("t", None, &Ask::plain("gpt-4o", 10, 10)).await;
         assert!(
             matches!(refused, Err(Refusal::StoreUnavailable { .. })),
             "{:?}",
@@ -1238,7 +1261,10 @@ mod tests {
             "the refused call holds nothing"
         );
         other.execute_batch("COMMIT").unwrap();
-        let r = b.reserve("t", None, "gpt-4o", 10, 10).await.unwrap();
+        let r = b
+            .reserve("t", None, &Ask::plain("gpt-4o", 10, 10))
+            .await
+            .unwrap();
         r.settle(reported(1, 1)).await;
         assert_eq!(
             b.tenant_report("t").await.unwrap().unwrap()["used_today"]["tokens"],
@@ -1268,7 +1294,7 @@ mod tests {
             Duration::from_secs(60),
         );
         assert!(matches!(
-            b.reserve("t", None, "gpt-4o", 10, 10).await,
+            b.reserve("t", None, &Ask::plain("gpt-4o", 10, 10)).await,
             Err(Refusal::StoreUnavailable { .. })
         ));
         assert!(
@@ -1278,7 +1304,10 @@ mod tests {
         other
             .execute_batch("ALTER TABLE ledger_away RENAME TO ledger")
             .unwrap();
-        let r = b.reserve("t", None, "gpt-4o", 10, 10).await.unwrap();
+        let r = b
+            .reserve("t", None, &Ask::plain("gpt-4o", 10, 10))
+            .await
+            .unwrap();
         r.settle(reported(1, 1)).await;
         assert_eq!(
             b.tenant_report("t").await.unwrap().unwrap()["used_today"]["tokens"],
@@ -1301,20 +1330,29 @@ mod tests {
             Duration::from_secs(600),
             clock.clone(),
         );
-        let r = b.reserve("t", None, "gpt-4o", 100, 100).await.unwrap();
+        let r = b
+            .reserve("t", None, &Ask::plain("gpt-4o", 100, 100))
+            .await
+            .unwrap();
         r.settle(reported(100, 150)).await;
-        let Err(Refusal::Exceeded(e)) = b.reserve("t", None, "gpt-4o", 10, 100).await else {
+        let Err(Refusal::Exceeded(e)) = b.reserve("t", None, &Ask::plain("gpt-4o", 10, 100)).await
+        else {
             panic!("110 tokens fitted in the 50 left today")
         };
         assert_eq!((e.budget, e.used), ("tenant.tokens_per_day", 250.0));
         tokio::time::advance(Duration::from_millis(999)).await;
         assert!(
-            b.reserve("t", None, "gpt-4o", 10, 100).await.is_err(),
+            b.reserve("t", None, &Ask::plain("gpt-4o", 10, 100))
+                .await
+                .is_err(),
             "still the same day"
         );
         tokio::time::advance(Duration::from_millis(1)).await;
         assert_eq!(clock.today(), day + 1);
-        let r = b.reserve("t", None, "gpt-4o", 10, 100).await.unwrap();
+        let r = b
+            .reserve("t", None, &Ask::plain("gpt-4o", 10, 100))
+            .await
+            .unwrap();
         r.settle(reported(10, 20)).await;
         let report = b.tenant_report("t").await.unwrap().unwrap();
         assert_eq!(report["day"], day + 1);
@@ -1343,7 +1381,11 @@ mod tests {
             Outcome::Invalid,
         ] {
             let r = b
-                .reserve("t", Some(&format!("{outcome:?}")), "gpt-4o", 100, 100)
+                .reserve(
+                    "t",
+                    Some(&format!("{outcome:?}")),
+                    &Ask::plain("gpt-4o", 100, 100),
+                )
                 .await
                 .unwrap();
             r.settle(outcome).await;
@@ -1357,7 +1399,7 @@ mod tests {
         }
         // Above the reservation but plausible: believed.
         let r = b
-            .reserve("t", Some("more"), "gpt-4o", 100, 100)
+            .reserve("t", Some("more"), &Ask::plain("gpt-4o", 100, 100))
             .await
             .unwrap();
         r.settle(reported(5000, 300)).await;
@@ -1370,7 +1412,9 @@ mod tests {
     #[tokio::test]
     async fn a_huge_max_tokens_cannot_wrap_past_a_token_cap() {
         let b = budgets("[tenants.session]\nmax_tokens = 1000");
-        let Err(Refusal::Exceeded(e)) = b.reserve("t", Some("s"), "gpt-4o", 10, u64::MAX).await
+        let Err(Refusal::Exceeded(e)) = b
+            .reserve("t", Some("s"), &Ask::plain("gpt-4o", 10, u64::MAX))
+            .await
         else {
             panic!("2^64 - 1 output tokens fitted under a 1000-token cap")
         };

@@ -176,11 +176,13 @@ impl Budgets {
         let rows: Vec<_> = rows
             .into_iter()
             .map(|r| {
-                let tokens = r.input_tokens.saturating_add(r.output_tokens);
+                let t = &r.tokens;
                 serde_json::json!({
                     "day": r.day, "date": Date(r.day).to_string(), "model": r.model,
-                    "calls": r.calls, "input_tokens": r.input_tokens,
-                    "output_tokens": r.output_tokens, "tokens": tokens, "usd": Usd(r.usd),
+                    "calls": r.calls, "input_tokens": t.input, "output_tokens": t.output,
+                    "cache_write_tokens": t.cache_write(), "cache_write_1h_tokens": t.cache_write_1h,
+                    "cache_read_tokens": t.cache_read, "reasoning_tokens": t.reasoning,
+                    "web_searches": t.web_searches, "tokens": t.total(), "usd": Usd(r.usd),
                 })
             })
             .collect();

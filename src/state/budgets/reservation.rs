@@ -9,6 +9,7 @@ use futures_util::FutureExt;
 use super::{lock, BookRef, Budgets, TenantBook};
 use crate::state::shared::{SharedCharge, SharedReservation};
 use crate::{
+    billing::{CacheTtl, Tokens},
     policy::budget::{sane_usd, SessionSeen, Usage},
     store::Charge,
 };
@@ -18,9 +19,9 @@ use crate::{
 pub enum Outcome {
     /// No usable answer (a transport failure or an error status): one call, no tokens.
     Failed,
-    /// The upstream reported (input, output) tokens; believed up to
-    /// `billing.max_reported_tokens`.
-    Reported { input: u64, output: u64 },
+    /// The upstream reported its usage, every billed kind; believed up to
+    /// `billing.max_reported_tokens` (all kinds together).
+    Reported(Tokens),
     /// The upstream reported usage that is not a count (negative, fractional, too big
     /// for 64 bits): charged the reservation, logged and counted.
     Invalid,
@@ -58,22 +59,27 @@ pub struct Reservation {
 impl Reservation {
     /// Reported usage believed as is, or `None` (with a log line and a count) when it is
     /// not believable: then the reservation is charged instead.
-    fn believe(&self, outcome: Outcome) -> Option<(u64, u64)> {
+    fn believe(&self, outcome: Outcome) -> Option<Tokens> {
         let limit = self.budgets.max_reported_tokens;
         let reason = match outcome {
-            Outcome::Failed => return Some((0, 0)),
+            Outcome::Failed => return Some(Tokens::default()),
             Outcome::Unreported => return None,
             Outcome::Invalid => "not_a_count",
             Outcome::Missing => "missing_count",
-            Outcome::Reported { input, output }
-                if input.checked_add(output).is_none_or(|total| total > limit) =>
+            // Summed without saturating: counts that overflow 64 bits together are not
+            // believed either.
+            Outcome::Reported(t)
+                if [t.cache_write_5m, t.cache_write_1h, t.cache_read, t.output]
+                    .into_iter()
+                    .try_fold(t.input, u64::checked_add)
+                    .is_none_or(|total| total > limit) =>
             {
                 "over_max_reported_tokens"
             }
-            Outcome::Reported { input, output } => return Some((input, output)),
+            Outcome::Reported(tokens) => return Some(tokens),
         };
         let (reported_input, reported_output) = match outcome {
-            Outcome::Reported { input, output } => (Some(input), Some(output)),
+            Outcome::Reported(t) => (Some(t.prompt()), Some(t.output)),
             _ => (None, None),
         };
         tracing::warn!(
@@ -100,17 +106,20 @@ impl Reservation {
 
     /// The ledger row and the usage to settle for how the call ended.
     fn charge_for(&self, outcome: Outcome) -> (Charge, Usage) {
-        let (input, output, usd) = match self.believe(outcome) {
-            Some((i, o)) => (
-                i,
-                o,
-                self.budgets.prices.cost(&self.model, i, o).unwrap_or(0.0),
+        let (tokens, usd) = match self.believe(outcome) {
+            Some(tokens) => (
+                tokens,
+                self.budgets
+                    .prices
+                    .cost(&self.model, &tokens)
+                    .unwrap_or(0.0),
             ),
-            None => (self.amount.tokens, 0, self.amount.usd),
+            // The whole reservation, its tokens counted as input.
+            None => (Tokens::plain(self.amount.tokens, 0), self.amount.usd),
         };
         let actual = Usage {
             calls: 1,
-            tokens: input.saturating_add(output),
+            tokens: tokens.total(),
             usd: sane_usd(usd),
         };
         let charge = Charge {
@@ -120,14 +129,13 @@ impl Reservation {
             session: self.session_name().map(str::to_string),
             model: self.model.clone(),
             calls: 1,
-            input_tokens: input,
-            output_tokens: output,
+            tokens,
             usd: actual.usd,
         };
         (charge, actual)
     }
 
-    fn apply(&mut self, actual: Usage) {
+    fn apply(&mut self, actual: Usage, tokens: &Tokens) {
         self.settled = true;
         if self.shared.is_none() {
             let mut day = lock(&self.tenant.day);
@@ -139,7 +147,11 @@ impl Reservation {
         let tenant = self.tenant.name.to_string();
         let model = self.budgets.model_labels.label(&self.model);
         metrics::counter!("backstop_spend_usd_total", "tenant" => tenant.clone(), "model" => model.to_string()).increment((actual.usd * 1e6) as u64);
-        metrics::counter!("backstop_tokens_total", "tenant" => tenant.clone(), "model" => model.to_string()).increment(actual.tokens);
+        for (kind, n) in tokens.by_kind() {
+            if n > 0 {
+                metrics::counter!("backstop_tokens_total", "tenant" => tenant.clone(), "model" => model.to_string(), "kind" => kind).increment(n);
+            }
+        }
         if let (Some(limit), None) = (self.tenant.day_limits.usd, &self.shared) {
             let used = lock(&self.tenant.day).1.committed().usd;
             metrics::gauge!("backstop_tenant_budget_remaining_usd", "tenant" => tenant)
@@ -174,8 +186,7 @@ impl Reservation {
         self.settled = true;
         let charge = Charge {
             calls: 0,
-            input_tokens: 0,
-            output_tokens: 0,
+            tokens: Tokens::default(),
             usd: 0.0,
             ..self.charge_for(Outcome::Failed).0
         };
@@ -190,7 +201,7 @@ impl Reservation {
     /// by the same round trip).
     pub async fn settle(mut self, outcome: Outcome) -> Settlement {
         let (charge, actual) = self.charge_for(outcome);
-        self.apply(actual);
+        self.apply(actual, &charge.tokens);
         if let Some(held) = self.shared.take() {
             if let Some(id) = self.durable {
                 // The fleet's ledger (Redis counts): written beside Redis's settle.
@@ -221,7 +232,7 @@ impl Reservation {
     /// Settles now in memory and writes the ledger in the background (end of a stream).
     pub fn settle_later(mut self, outcome: Outcome) {
         let (charge, actual) = self.charge_for(outcome);
-        self.apply(actual);
+        self.apply(actual, &charge.tokens);
         self.write_later(charge);
     }
 
@@ -255,8 +266,7 @@ async fn settle_shared(
         SharedCharge {
             tenant: &charge.tenant,
             model: &charge.model,
-            input_tokens: charge.input_tokens,
-            output_tokens: charge.output_tokens,
+            tokens: charge.tokens,
             usd: charge.usd,
             ts_ms: charge.ts_ms,
             calls: charge.calls,
@@ -277,19 +287,36 @@ impl Drop for Reservation {
     fn drop(&mut self) {
         if !self.settled {
             let (charge, actual) = self.charge_for(Outcome::Unreported);
-            self.apply(actual);
+            self.apply(actual, &charge.tokens);
             self.write_later(charge);
         }
     }
 }
 
-/// What one upstream attempt reserves: the model it asks for, its input estimate and
-/// the output it may produce (the meter's arithmetic, [`crate::layers::meter::ask`]).
+/// What one upstream attempt reserves: the model it asks for, its input estimate, the
+/// output it may produce, whether the prompt may be written to the cache (and for how
+/// long), and the web searches it may make (the meter's arithmetic,
+/// [`crate::layers::meter::ask`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ask {
     pub model: String,
     pub input_tokens: u64,
     pub max_output: u64,
+    pub cache: Option<CacheTtl>,
+    pub web_searches: u64,
+}
+
+impl Ask {
+    /// Input and output alone: no cache write, no searches.
+    pub fn plain(model: &str, input_tokens: u64, max_output: u64) -> Ask {
+        Ask {
+            model: model.to_string(),
+            input_tokens,
+            max_output,
+            cache: None,
+            web_searches: 0,
+        }
+    }
 }
 
 /// The first attempt's reservation, made by the gate's round trip before the request

@@ -25,11 +25,18 @@ pub struct Migration {
     pub sql: &'static str,
 }
 
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "ledger",
-    sql: include_str!("migrations/0001_ledger.sql"),
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "ledger",
+        sql: include_str!("migrations/0001_ledger.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "token_kinds",
+        sql: include_str!("migrations/0002_token_kinds.sql"),
+    },
+];
 
 /// The schema version this build applies (its newest migration).
 pub const SCHEMA_VERSION: i32 = MIGRATIONS[MIGRATIONS.len() - 1].version;

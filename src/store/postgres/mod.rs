@@ -56,7 +56,7 @@ use super::{
     OwnerRecord, Owners, QueuedSettle, Replays, ReportQuery, ReportRow, ReservationRecord,
     SettleQueue, Store, StoreError, StoreFuture, StoredOwner, StoredResponse, WindowSave,
 };
-use crate::{config::StoreConfig, policy::budget::Usage};
+use crate::{billing::Tokens, config::StoreConfig, policy::budget::Usage};
 
 /// Bits of an id under its epoch.
 const EPOCH_SHIFT: u32 = 43;
@@ -376,8 +376,24 @@ async fn report_rows(
 ) -> Result<Vec<ReportRow>, tokio_postgres::Error> {
     let from = query.from_day.unwrap_or(i64::MIN);
     let to = query.to_day.unwrap_or(i64::MAX);
-    let sums = "SUM(calls)::float8, SUM(input_tokens)::float8, SUM(output_tokens)::float8, \
-                SUM(usd)::float8";
+    // A database no replica of this build has migrated yet (a report run first) has
+    // no kind columns: zeros in their place.
+    let kinds = c
+        .query_opt(
+            "SELECT 1 FROM information_schema.columns
+             WHERE table_schema = current_schema() AND table_name = 'ledger'
+               AND column_name = 'web_searches'",
+            &[],
+        )
+        .await?
+        .is_some();
+    let sums = match kinds {
+        true => "SUM(calls)::float8, SUM(input_tokens)::float8, SUM(output_tokens)::float8, \
+                 SUM(usd)::float8, SUM(cache_write_tokens)::float8, SUM(cache_write_1h_tokens)::float8, \
+                 SUM(cache_read_tokens)::float8, SUM(reasoning_tokens)::float8, SUM(web_searches)::float8",
+        false => "SUM(calls)::float8, SUM(input_tokens)::float8, SUM(output_tokens)::float8, \
+                  SUM(usd)::float8, 0::float8, 0::float8, 0::float8, 0::float8, 0::float8",
+    };
     let rows = match &query.tenant {
         Some(tenant) => {
             let sql = format!(
@@ -404,14 +420,25 @@ async fn report_rows(
     };
     Ok(rows
         .iter()
-        .map(|r| ReportRow {
-            tenant: r.get(0),
-            day: r.get(1),
-            model: r.get(2),
-            calls: count(r.get(3)),
-            input_tokens: count(r.get(4)),
-            output_tokens: count(r.get(5)),
-            usd: r.get::<_, f64>(6).max(0.0),
+        .map(|r| {
+            let written = count(r.get(7));
+            let hour = count(r.get(8)).min(written);
+            ReportRow {
+                tenant: r.get(0),
+                day: r.get(1),
+                model: r.get(2),
+                calls: count(r.get(3)),
+                tokens: Tokens {
+                    input: count(r.get(4)),
+                    output: count(r.get(5)),
+                    cache_write_5m: written - hour,
+                    cache_write_1h: hour,
+                    cache_read: count(r.get(9)),
+                    reasoning: count(r.get(10)),
+                    web_searches: count(r.get(11)),
+                },
+                usd: r.get::<_, f64>(6).max(0.0),
+            }
         })
         .collect())
 }
@@ -540,8 +567,10 @@ fn usage_at(row: &Row, first: usize) -> Usage {
     }
 }
 
+/// Every kind of token together, as the token caps count them.
 const SUMS: &str = "COALESCE(SUM(calls), 0)::float8,
-     (COALESCE(SUM(input_tokens), 0) + COALESCE(SUM(output_tokens), 0))::float8,
+     (COALESCE(SUM(input_tokens), 0) + COALESCE(SUM(output_tokens), 0)
+      + COALESCE(SUM(cache_write_tokens), 0) + COALESCE(SUM(cache_read_tokens), 0))::float8,
      COALESCE(SUM(usd), 0)::float8";
 
 /// A reservation's worst case as [`SUMS`] reads a charge: its tokens are all "input".

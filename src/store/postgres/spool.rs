@@ -321,8 +321,7 @@ mod tests {
                 session: Some("s".into()),
                 model: "gpt-4o".into(),
                 calls: 1,
-                input_tokens: 10,
-                output_tokens: 3,
+                tokens: crate::billing::Tokens::plain(10, 3),
                 usd,
             },
         }

@@ -315,8 +315,9 @@ const RESERVE: &str =
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (id) DO NOTHING";
 /// Deletes the reservation and appends its charge in one statement: once per id.
 const SETTLE: &str = "WITH gone AS (DELETE FROM reservations WHERE id = $1)
-     INSERT INTO ledger (id, ts_ms, day, tenant, session, model, calls, input_tokens, output_tokens, usd)
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (id) DO NOTHING";
+     INSERT INTO ledger (id, ts_ms, day, tenant, session, model, calls, input_tokens, output_tokens, usd,
+         cache_write_tokens, cache_write_1h_tokens, cache_read_tokens, reasoning_tokens, web_searches)
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) ON CONFLICT (id) DO NOTHING";
 const UNRESERVE: &str = "DELETE FROM reservations WHERE id = $1";
 const RESET_SESSION: &str =
     "INSERT INTO session_resets (tenant, session, at_ms) VALUES ($1, $2, $3)
@@ -378,9 +379,14 @@ fn statements(op: &Op) -> Vec<(&'static str, Vec<Param>)> {
                     Box::new(c.session.clone()),
                     Box::new(c.model.clone()),
                     Box::new(to_sql(c.calls)),
-                    Box::new(to_sql(c.input_tokens)),
-                    Box::new(to_sql(c.output_tokens)),
+                    Box::new(to_sql(c.tokens.input)),
+                    Box::new(to_sql(c.tokens.output)),
                     Box::new(c.usd),
+                    Box::new(to_sql(c.tokens.cache_write())),
+                    Box::new(to_sql(c.tokens.cache_write_1h)),
+                    Box::new(to_sql(c.tokens.cache_read)),
+                    Box::new(to_sql(c.tokens.reasoning)),
+                    Box::new(to_sql(c.tokens.web_searches)),
                 ],
             )]
         }

@@ -36,7 +36,7 @@ use super::{
     Replays, ReportQuery, ReportRow, ReservationRecord, SettleQueue, Store, StoreError,
     StoreFuture, StoredOwner, StoredResponse,
 };
-use crate::{config::StoreConfig, policy::budget::Usage};
+use crate::{billing::Tokens, config::StoreConfig, policy::budget::Usage};
 
 /// Read connections, used from tokio's blocking pool.
 ///
@@ -89,14 +89,48 @@ pub struct SqliteStore {
 
 /// A store made before owners had a context size gains the column (NULL: unknown).
 fn add_owner_context_column(conn: &Connection) -> rusqlite::Result<()> {
-    match conn.execute(
-        "ALTER TABLE response_owners ADD COLUMN context_tokens INTEGER",
-        [],
-    ) {
+    add_column(conn, "response_owners", "context_tokens INTEGER")
+}
+
+/// The ledger's columns for the token kinds beyond input and output (a charge's cache
+/// writes, every lifetime, and the one-hour part of them; cache reads; reasoning, a
+/// part of output; web searches). A ledger made before them gains them, its rows at 0:
+/// those rows were charged on input and output alone.
+const KIND_COLUMNS: [&str; 5] = [
+    "cache_write_tokens",
+    "cache_write_1h_tokens",
+    "cache_read_tokens",
+    "reasoning_tokens",
+    "web_searches",
+];
+
+fn add_kind_columns(conn: &Connection) -> rusqlite::Result<()> {
+    for column in KIND_COLUMNS {
+        add_column(
+            conn,
+            "ledger",
+            &format!("{column} INTEGER NOT NULL DEFAULT 0"),
+        )?;
+    }
+    Ok(())
+}
+
+fn add_column(conn: &Connection, table: &str, column: &str) -> rusqlite::Result<()> {
+    match conn.execute(&format!("ALTER TABLE {table} ADD COLUMN {column}"), []) {
         Ok(_) => Ok(()),
         Err(err) if err.to_string().contains("duplicate column") => Ok(()),
         Err(err) => Err(err),
     }
+}
+
+/// Whether a ledger has the kind columns (a read-only reader of a file no new gateway
+/// has opened yet reads zeros in their place).
+fn has_kind_columns(conn: &Connection) -> rusqlite::Result<bool> {
+    let mut columns = conn.prepare("SELECT name FROM pragma_table_info('ledger')")?;
+    let names: Vec<String> = columns
+        .query_map([], |r| r.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    Ok(KIND_COLUMNS.iter().all(|c| names.iter().any(|n| n == c)))
 }
 
 const SCHEMA: &str = "
@@ -110,7 +144,12 @@ CREATE TABLE IF NOT EXISTS ledger (
     calls INTEGER NOT NULL,
     input_tokens INTEGER NOT NULL,
     output_tokens INTEGER NOT NULL,
-    usd REAL NOT NULL
+    usd REAL NOT NULL,
+    cache_write_tokens INTEGER NOT NULL DEFAULT 0,
+    cache_write_1h_tokens INTEGER NOT NULL DEFAULT 0,
+    cache_read_tokens INTEGER NOT NULL DEFAULT 0,
+    reasoning_tokens INTEGER NOT NULL DEFAULT 0,
+    web_searches INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS ledger_by_session ON ledger (tenant, session, ts_ms);
 -- A tenant's day (budget windows) and spend reports by tenant, day and model: with the
@@ -260,6 +299,7 @@ impl SqliteStore {
         let mut writer_conn = open_conn(&path, busy)?;
         writer_conn.execute_batch(SCHEMA)?;
         add_owner_context_column(&writer_conn)?;
+        add_kind_columns(&writer_conn)?;
         let recovered = recover_reservations(&mut writer_conn)?;
         if recovered > 0 {
             tracing::warn!(
@@ -439,7 +479,9 @@ impl Ledger for SqliteStore {
                 .optional()?
                 .unwrap_or(i64::MIN);
             c.prepare_cached(
-                "SELECT TOTAL(calls), TOTAL(input_tokens) + TOTAL(output_tokens), TOTAL(usd)
+                "SELECT TOTAL(calls),
+                        TOTAL(input_tokens) + TOTAL(output_tokens) + TOTAL(cache_write_tokens) + TOTAL(cache_read_tokens),
+                        TOTAL(usd)
                  FROM ledger WHERE tenant = ?1 AND session = ?2 AND ts_ms >= ?3",
             )?
             .query_row(params![tenant, session, since], usage_row)
@@ -450,7 +492,9 @@ impl Ledger for SqliteStore {
         let tenant = tenant.to_string();
         Box::pin(self.read(move |c| {
             c.prepare_cached(
-                "SELECT TOTAL(calls), TOTAL(input_tokens) + TOTAL(output_tokens), TOTAL(usd)
+                "SELECT TOTAL(calls),
+                        TOTAL(input_tokens) + TOTAL(output_tokens) + TOTAL(cache_write_tokens) + TOTAL(cache_read_tokens),
+                        TOTAL(usd)
                  FROM ledger WHERE tenant = ?1 AND day = ?2",
             )?
             .query_row(params![tenant, day], usage_row)
@@ -621,40 +665,63 @@ fn usage_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Usage> {
 /// [`Ledger::spend_report`]'s query, without a tenant and with one: two statements rather
 /// than `(?1 IS NULL OR tenant = ?1)`, which would keep SQLite from searching the index
 /// by tenant. Both walk `ledger_by_day_model` in the GROUP BY's order (no sort).
-pub(super) const REPORT_ALL: &str =
-    "SELECT tenant, day, model, TOTAL(calls), TOTAL(input_tokens), TOTAL(output_tokens), TOTAL(usd)
-     FROM ledger WHERE day BETWEEN ?1 AND ?2
-     GROUP BY tenant, day, model ORDER BY tenant, day, model";
-pub(super) const REPORT_TENANT: &str =
-    "SELECT tenant, day, model, TOTAL(calls), TOTAL(input_tokens), TOTAL(output_tokens), TOTAL(usd)
-     FROM ledger WHERE day BETWEEN ?1 AND ?2 AND tenant = ?3
-     GROUP BY tenant, day, model ORDER BY tenant, day, model";
+/// Its sums, in [`report_row`]'s order.
+pub(super) const REPORT_SUMS: &str = "TOTAL(calls), TOTAL(input_tokens), TOTAL(output_tokens), \
+    TOTAL(cache_write_tokens), TOTAL(cache_write_1h_tokens), TOTAL(cache_read_tokens), \
+    TOTAL(reasoning_tokens), TOTAL(web_searches), TOTAL(usd)";
+/// The same for a ledger without the kind columns: zeros in their place.
+const REPORT_SUMS_OLD: &str = "TOTAL(calls), TOTAL(input_tokens), TOTAL(output_tokens), \
+    0.0, 0.0, 0.0, 0.0, 0.0, TOTAL(usd)";
+
+/// [`Ledger::spend_report`]'s query over the sums `sums`, with a tenant or without.
+pub(super) fn report_query(sums: &str, by_tenant: bool) -> String {
+    format!(
+        "SELECT tenant, day, model, {sums} FROM ledger WHERE day BETWEEN ?1 AND ?2{} \
+         GROUP BY tenant, day, model ORDER BY tenant, day, model",
+        if by_tenant { " AND tenant = ?3" } else { "" }
+    )
+}
+
+/// One row of the report's query.
+fn report_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ReportRow> {
+    // TOTAL, as in `usage_at`: a float sum that cannot fail the report on overflow.
+    let count = |i| r.get::<_, f64>(i).map(|n| n.max(0.0) as u64);
+    let usd: f64 = r.get(11)?;
+    let cache_write = count(6)?;
+    let hour = count(7)?.min(cache_write);
+    Ok(ReportRow {
+        tenant: r.get(0)?,
+        day: r.get(1)?,
+        model: r.get(2)?,
+        calls: count(3)?,
+        tokens: Tokens {
+            input: count(4)?,
+            output: count(5)?,
+            cache_write_5m: cache_write - hour,
+            cache_write_1h: hour,
+            cache_read: count(8)?,
+            reasoning: count(9)?,
+            web_searches: count(10)?,
+        },
+        usd: if usd.is_nan() { 0.0 } else { usd.max(0.0) },
+    })
+}
 
 fn spend_report(c: &Connection, query: &ReportQuery) -> rusqlite::Result<Vec<ReportRow>> {
     let from = query.from_day.unwrap_or(i64::MIN);
     let to = query.to_day.unwrap_or(i64::MAX);
-    let row = |r: &rusqlite::Row<'_>| {
-        // TOTAL, as in `usage_at`: a float sum that cannot fail the report on overflow.
-        let count = |i| r.get::<_, f64>(i).map(|n| n.max(0.0) as u64);
-        let usd: f64 = r.get(6)?;
-        Ok(ReportRow {
-            tenant: r.get(0)?,
-            day: r.get(1)?,
-            model: r.get(2)?,
-            calls: count(3)?,
-            input_tokens: count(4)?,
-            output_tokens: count(5)?,
-            usd: if usd.is_nan() { 0.0 } else { usd.max(0.0) },
-        })
+    let sums = match has_kind_columns(c)? {
+        true => REPORT_SUMS,
+        false => REPORT_SUMS_OLD,
     };
     match &query.tenant {
         Some(tenant) => c
-            .prepare_cached(REPORT_TENANT)?
-            .query_map(params![from, to, tenant], row)?
+            .prepare_cached(&report_query(sums, true))?
+            .query_map(params![from, to, tenant], report_row)?
             .collect(),
         None => c
-            .prepare_cached(REPORT_ALL)?
-            .query_map(params![from, to], row)?
+            .prepare_cached(&report_query(sums, false))?
+            .query_map(params![from, to], report_row)?
             .collect(),
     }
 }

@@ -237,8 +237,9 @@ fn commit(conn: &mut Connection, batch: &[Write]) -> rusqlite::Result<()> {
                         .execute(params![id])?;
                 }
                 tx.prepare_cached(
-                    "INSERT INTO ledger (ts_ms, day, tenant, session, model, calls, input_tokens, output_tokens, usd)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                    "INSERT INTO ledger (ts_ms, day, tenant, session, model, calls, input_tokens, output_tokens,
+                         cache_write_tokens, cache_write_1h_tokens, cache_read_tokens, reasoning_tokens, web_searches, usd)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
                 )?
                 .execute(params![
                     c.ts_ms,
@@ -247,8 +248,13 @@ fn commit(conn: &mut Connection, batch: &[Write]) -> rusqlite::Result<()> {
                     c.session,
                     c.model,
                     to_sql(c.calls),
-                    to_sql(c.input_tokens),
-                    to_sql(c.output_tokens),
+                    to_sql(c.tokens.input),
+                    to_sql(c.tokens.output),
+                    to_sql(c.tokens.cache_write()),
+                    to_sql(c.tokens.cache_write_1h),
+                    to_sql(c.tokens.cache_read),
+                    to_sql(c.tokens.reasoning),
+                    to_sql(c.tokens.web_searches),
                     c.usd
                 ])?;
             }
