@@ -22,6 +22,9 @@ pub enum ReportedUsage {
     /// (`usage: {}`, `total_tokens` alone, chat's names on `/v1/responses`): not a count
     /// of zero tokens. Charged the reservation, as [`ReportedUsage::Invalid`] is.
     Missing,
+    /// The output counts without the input's (a server that reports completion tokens
+    /// alone): the output as reported, the input at its reservation.
+    OutputOnly(Tokens),
 }
 
 /// What the layers need from a whole 2xx body.
@@ -198,7 +201,6 @@ mod tests {
             (Endpoint::ChatCompletions, r#"{}"#),
             (Endpoint::ChatCompletions, r#"{"total_tokens":5000}"#),
             (Endpoint::Embeddings, r#"{"total_tokens":5000}"#),
-            (Endpoint::Messages, r#"{"output_tokens":3}"#),
             (Endpoint::Responses, r#"{}"#),
             (Endpoint::Responses, r#"{"total_tokens":5000}"#),
             (
@@ -210,6 +212,19 @@ mod tests {
             assert_eq!(
                 usage(endpoint, body.as_bytes()),
                 ReportedUsage::Missing,
+                "{endpoint:?} {odd}"
+            );
+        }
+        // The output without the input: the output as reported, the input reserved.
+        for (endpoint, odd) in [
+            (Endpoint::Messages, r#"{"output_tokens":3}"#),
+            (Endpoint::ChatCompletions, r#"{"completion_tokens":3}"#),
+            (Endpoint::Responses, r#"{"output_tokens":3}"#),
+        ] {
+            let body = format!(r#"{{"usage":{odd}}}"#);
+            assert_eq!(
+                usage(endpoint, body.as_bytes()),
+                ReportedUsage::OutputOnly(Tokens::plain(0, 3)),
                 "{endpoint:?} {odd}"
             );
         }

@@ -43,18 +43,96 @@ fn check_responses_input(input: Option<&Value>) -> Result<(), RequestError> {
                         "input[{i}] must be an object with a string `type` or `role`"
                     )));
                 }
+                if let Some(content) = item.get("content").filter(|c| !is_content(c)) {
+                    return Err(invalid(format!(
+                        "input[{i}].content must be a string or a list of content parts, got {}",
+                        kind_of(content)
+                    )));
+                }
             }
             Ok(())
         }
         Some(other) => Err(invalid(format!(
             "must be a string or a list of input items, got {}",
-            match other {
-                Value::Null => "null",
-                Value::Bool(_) => "a boolean",
-                Value::Number(_) => "a number",
-                _ => "an object",
-            }
+            kind_of(other)
         ))),
+    }
+}
+
+/// A message's `content` as every API takes it: text, or a list of parts.
+fn is_content(content: &Value) -> bool {
+    matches!(content, Value::String(_) | Value::Array(_))
+}
+
+/// What a JSON value is, for an error that names it.
+fn kind_of(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Chat and Messages `messages`: each message's `content`, when it has one, is text or
+/// a list of parts (`null` too in chat, for an assistant turn that only calls tools).
+/// Anything else is refused here: an upstream would refuse it too, after the call was
+/// reserved and counted.
+fn check_messages(endpoint: Endpoint, messages: Option<&Value>) -> Result<(), RequestError> {
+    let Some(Value::Array(messages)) = messages else {
+        return Ok(());
+    };
+    for (i, message) in messages.iter().enumerate() {
+        let Some(content) = message.get("content") else {
+            continue;
+        };
+        let null_ok = endpoint == Endpoint::ChatCompletions;
+        if !(is_content(content) || (null_ok && content.is_null())) {
+            return Err(RequestError::InvalidParameter {
+                param: "messages",
+                detail: format!(
+                    "messages[{i}].content must be a string or a list of content parts, got {}",
+                    kind_of(content)
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A boolean field, absent or `null` meaning false; `"true"` is refused, not read as
+/// false (a stream the caller asked for and would not get).
+fn flag(json: &Map<String, Value>, param: &'static str) -> Result<bool, RequestError> {
+    match json.get(param) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(other) => Err(RequestError::InvalidParameter {
+            param,
+            detail: format!("must be a boolean, got {}", kind_of(other)),
+        }),
+    }
+}
+
+/// The largest `n` OpenAI accepts.
+pub const MAX_CHOICES: u64 = 128;
+
+/// How many answers one call generates (chat's `n`): each may be as long as the
+/// completion cap, so the worst case is that many times it.
+fn choices(endpoint: Endpoint, json: &Map<String, Value>) -> Result<u64, RequestError> {
+    if endpoint != Endpoint::ChatCompletions {
+        return Ok(1);
+    }
+    match json.get("n") {
+        None | Some(Value::Null) => Ok(1),
+        Some(v) => v
+            .as_u64()
+            .filter(|n| (1..=MAX_CHOICES).contains(n))
+            .ok_or_else(|| RequestError::InvalidParameter {
+                param: "n",
+                detail: format!("must be an integer from 1 to {MAX_CHOICES}, got {v}"),
+            }),
     }
 }
 
@@ -67,6 +145,8 @@ pub struct ParsedRequest {
     /// The completion cap the caller set (`max_tokens` / `max_completion_tokens`, or
     /// the Responses API's `max_output_tokens`).
     pub max_output_tokens: Option<u64>,
+    /// How many answers the call generates (chat's `n`; 1 elsewhere).
+    pub choices: u64,
     /// An OpenAI stream for which the caller itself asked usage to be reported.
     pub client_wants_stream_usage: bool,
     /// The body exactly as the client sent it.
@@ -91,7 +171,17 @@ impl ParsedRequest {
             Some(Value::String(m)) if !m.trim().is_empty() => m.clone(),
             _ => return Err(RequestError::MissingModel),
         };
-        let stream = matches!(json.get("stream"), Some(Value::Bool(true)));
+        if model.chars().any(char::is_control) {
+            return Err(RequestError::InvalidParameter {
+                param: "model",
+                detail: "must not contain control characters".into(),
+            });
+        }
+        let stream = flag(&json, "stream")?;
+        let choices = choices(endpoint, &json)?;
+        if matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Messages) {
+            check_messages(endpoint, json.get("messages"))?;
+        }
         let mut max_output_tokens = None;
         for &param in endpoint.output_cap_fields() {
             match json.get(param) {
@@ -127,6 +217,7 @@ impl ParsedRequest {
             model,
             stream,
             max_output_tokens,
+            choices,
             client_wants_stream_usage,
             body,
             json,
@@ -147,6 +238,7 @@ impl ParsedRequest {
             endpoint: self.endpoint,
             model: self.model.clone(),
             max_output_tokens: self.max_output_tokens,
+            choices: self.choices,
             client_wants_stream_usage: self.client_wants_stream_usage,
             refs: self.refs.clone(),
         }
@@ -170,6 +262,7 @@ impl ParsedRequest {
             model: self.model.clone(),
             stream: matches!(json.get("stream"), Some(Value::Bool(true))),
             max_output_tokens,
+            choices: choices(endpoint, &json).unwrap_or(1),
             client_wants_stream_usage,
             prompt: super::prompt::PromptShape::read(endpoint, &body, &json),
             body,

@@ -351,7 +351,8 @@ impl RawUsage {
             Count::Is(n) => Ok(Some(n)),
             Count::Invalid => Err(()),
         };
-        let read = || -> Result<Option<Tokens>, ()> {
+        // The counts, and whether the input was among them.
+        let read = || -> Result<Option<(Tokens, bool)>, ()> {
             match endpoint {
                 Endpoint::ChatCompletions | Endpoint::Embeddings | Endpoint::Responses => {
                     let (prompt, completion) = match endpoint {
@@ -364,25 +365,47 @@ impl RawUsage {
                     let (prompt, output) = match (prompt, completion, endpoint) {
                         (Some(p), Some(c), _) => (p, c),
                         (Some(p), None, Endpoint::Embeddings) => (p, 0),
+                        (None, Some(c), Endpoint::ChatCompletions | Endpoint::Responses) => {
+                            return Ok(Some((
+                                Tokens {
+                                    output: c,
+                                    reasoning: reasoning.min(c),
+                                    ..Tokens::default()
+                                },
+                                false,
+                            )))
+                        }
                         _ => return Ok(None),
                     };
                     // The cached part is inside the prompt: more cached than the prompt
                     // is not a count.
                     let input = prompt.checked_sub(cached).ok_or(())?;
-                    Ok(Some(Tokens {
-                        input,
-                        cache_read: cached,
-                        output,
-                        reasoning: reasoning.min(output),
-                        ..Tokens::default()
-                    }))
+                    Ok(Some((
+                        Tokens {
+                            input,
+                            cache_read: cached,
+                            output,
+                            reasoning: reasoning.min(output),
+                            ..Tokens::default()
+                        },
+                        true,
+                    )))
                 }
                 Endpoint::Messages | Endpoint::CountTokens => {
-                    let (Some(input), Some(output)) =
-                        (main(self.input_tokens)?, main(self.output_tokens)?)
-                    else {
-                        return Ok(None);
-                    };
+                    let (input, output) =
+                        match (main(self.input_tokens)?, main(self.output_tokens)?) {
+                            (Some(input), Some(output)) => (input, output),
+                            (None, Some(output)) => {
+                                return Ok(Some((
+                                    Tokens {
+                                        output,
+                                        ..Tokens::default()
+                                    },
+                                    false,
+                                )))
+                            }
+                            _ => return Ok(None),
+                        };
                     let hour = detail(self.ephemeral_1h_input_tokens)?;
                     let five = detail(self.ephemeral_5m_input_tokens)?;
                     // The total, else the split's sum; the split says how much of it
@@ -392,20 +415,24 @@ impl RawUsage {
                         None => five.saturating_add(hour),
                     };
                     let hour = hour.min(written);
-                    Ok(Some(Tokens {
-                        input,
-                        cache_write_5m: written - hour,
-                        cache_write_1h: hour,
-                        cache_read: detail(self.cache_read_input_tokens)?,
-                        output,
-                        web_searches: detail(self.web_search_requests)?,
-                        ..Tokens::default()
-                    }))
+                    Ok(Some((
+                        Tokens {
+                            input,
+                            cache_write_5m: written - hour,
+                            cache_write_1h: hour,
+                            cache_read: detail(self.cache_read_input_tokens)?,
+                            output,
+                            web_searches: detail(self.web_search_requests)?,
+                            ..Tokens::default()
+                        },
+                        true,
+                    )))
                 }
             }
         };
         match read() {
-            Ok(Some(tokens)) => ReportedUsage::Counts(tokens),
+            Ok(Some((tokens, true))) => ReportedUsage::Counts(tokens),
+            Ok(Some((tokens, false))) => ReportedUsage::OutputOnly(tokens),
             Ok(None) => ReportedUsage::Missing,
             Err(()) => ReportedUsage::Invalid,
         }

@@ -10,14 +10,18 @@
 //!
 //! The worst case is the prompt estimated from the body size plus the request's
 //! `max_tokens` (`max_output_tokens` for `/v1/responses`; else
-//! `billing.default_max_tokens`), plus the input the provider adds from what it holds
+//! `billing.default_max_tokens`) for each answer it asks for (chat's `n`), plus the input the provider adds from what it holds
 //! for the call ([`HeldContext`], set by the owners layer): a chained Responses call
 //! reserves its previous response's recorded context on top of its body, and one that
 //! names context Backstop cannot size reserves at least the tenant's
 //! `min_input_tokens`. Settling is still to the reported usage. OpenAI chat streams are asked for
 //! `stream_options.include_usage` when the client did not ask, and that extra chunk is
 //! removed from what the client receives (a Responses stream always reports usage in
-//! `response.completed`, so it is asked for nothing); a stream settles when it ends.
+//! `response.completed`, so it is asked for nothing); a stream settles when it ends. A
+//! stream that ends before its final usage event (a client that left, a cut upstream)
+//! settles at the larger of the counts it reported so far, with the reserved output,
+//! and the reservation ([`Outcome::Partial`]): the provider bills the output it
+//! generated whether or not anyone read it.
 
 use std::sync::Arc;
 
@@ -26,13 +30,14 @@ use tower::{Layer, Service};
 use super::{Middleware, Stack};
 use crate::{
     api::{prompt::MediaRules, ApiKind, Endpoint, ParsedRequest, ReportedUsage},
+    billing::Tokens,
     policy::classify::TransportFailure,
     state::budgets::{
         reservation::{Ask, Outcome, Prepaid},
         Budgets,
     },
     telemetry::RequestLog,
-    upstream::{Attempt, AttemptError, Reply},
+    upstream::{stream::StreamEnd, Attempt, AttemptError, Reply},
 };
 
 /// An attempt and who pays for it: what recovery hands the meter, which hands the leaf
@@ -78,7 +83,8 @@ pub fn ask(
             Endpoint::Embeddings => 0,
             _ => request
                 .max_output_tokens
-                .unwrap_or(budgets.default_max_tokens),
+                .unwrap_or(budgets.default_max_tokens)
+                .saturating_mul(request.choices),
         },
         cache: prompt.cache,
         web_searches: prompt.web_searches,
@@ -136,6 +142,7 @@ fn outcome(usage: ReportedUsage) -> Outcome {
         ReportedUsage::Counts(tokens) => Outcome::Reported(tokens),
         ReportedUsage::Invalid => Outcome::Invalid,
         ReportedUsage::Missing => Outcome::Missing,
+        ReportedUsage::OutputOnly(tokens) => Outcome::OutputOnly(tokens),
     }
 }
 
@@ -180,6 +187,12 @@ where
             && !request.client_wants_stream_usage;
         let result = inner.call(attempt).await;
         let outcome = match &result {
+            // Nothing was sent: not a call (a failover attempt that found its upstream
+            // down is not one of the session's `max_calls`), and nothing to charge.
+            Err(TransportFailure::Connect) => {
+                reservation.give_back();
+                return result.map_err(AttemptError::from);
+            }
             Err(_) => Outcome::Failed,
             Ok(reply) => match (&reply.stream_usage, &reply.view) {
                 (Some(usage), _) => {
@@ -188,23 +201,36 @@ where
                         // ends.
                         let stream = Arc::downgrade(usage);
                         let log = log.clone();
-                        move |reported| {
+                        move |end: StreamEnd| {
                             if let Some(reason) = stream.upgrade().and_then(|s| s.cut()) {
                                 log.set_stream_cut(reason);
                             }
-                            reservation.settle_later(match reported {
-                                Some(tokens) => {
+                            reservation.settle_later(match end {
+                                StreamEnd {
+                                    usage: Some(tokens),
+                                    complete: true,
+                                    ..
+                                } => {
                                     log.add_usage(&tokens);
                                     Outcome::Reported(tokens)
                                 }
-                                None => Outcome::Unreported,
+                                StreamEnd { complete: true, .. } => Outcome::Unreported,
+                                StreamEnd { usage, deltas, .. } => {
+                                    let so_far = usage.unwrap_or_default();
+                                    Outcome::Partial(Tokens {
+                                        output: so_far.output.max(deltas),
+                                        ..so_far
+                                    })
+                                }
                             })
                         }
                     });
                     return result.map_err(AttemptError::from);
                 }
                 (None, Some(view)) => {
-                    if let ReportedUsage::Counts(tokens) = view.usage {
+                    if let ReportedUsage::Counts(tokens) | ReportedUsage::OutputOnly(tokens) =
+                        view.usage
+                    {
                         log.add_usage(&tokens);
                     }
                     outcome(view.usage)

@@ -193,11 +193,11 @@ impl ResponseOwnersLayer {
                 // The size and the output items, when the stream ends.
                 let owners = self.owners.clone();
                 let ended = usage.clone();
-                usage.on_end(move |reported| {
+                usage.on_end(move |end| {
                     let Some(id) = id.or_else(|| ended.response_id()) else {
                         return;
                     };
-                    let context = reported.map(|tokens| tokens.total());
+                    let context = end.usage.filter(|_| end.complete).map(|tokens| tokens.total());
                     let objects: Vec<_> = std::iter::once((id, context))
                         .chain(ended.output_ids().into_iter().map(|item| (item, None)))
                         .collect();

@@ -90,8 +90,18 @@ pub(super) struct Message {
     #[serde(default)]
     pub content: Vec<ContentBlock>,
     pub stop_reason: Option<String>,
-    #[serde(default)]
+    /// `null` or absent: no count reported (then none is written to the caller).
+    #[serde(default, deserialize_with = "null_as_default")]
     pub usage: MessagesUsage,
+}
+
+/// `null` read as the type's default, as an absent field is.
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Option::unwrap_or_default)
 }
 
 /// A content block of an answer. Thinking and anything else (server tool blocks) are
@@ -163,24 +173,30 @@ impl MessagesUsage {
     }
 
     /// As OpenAI counts it: every input token is a prompt token, cache writes included
-    /// (OpenAI has no field for them); `cached_tokens` are the cache reads.
+    /// (OpenAI has no field for them); `cached_tokens` are the cache reads. A count the
+    /// target did not give stays absent: never a zero it did not say.
     pub(super) fn to_openai(self) -> ChatUsage {
         let read = self.cache_read_input_tokens.unwrap_or(0);
         // Saturating: the counts are the upstream's, and an absurd one must not panic.
-        let prompt = self
-            .input_tokens
-            .unwrap_or(0)
-            .saturating_add(read)
-            .saturating_add(self.cache_creation_input_tokens.unwrap_or(0));
-        let completion = self.output_tokens.unwrap_or(0);
+        let prompt = self.input_tokens.map(|input| {
+            input
+                .saturating_add(read)
+                .saturating_add(self.cache_creation_input_tokens.unwrap_or(0))
+        });
+        let completion = self.output_tokens;
         ChatUsage {
             prompt_tokens: prompt,
             completion_tokens: completion,
-            total_tokens: prompt.saturating_add(completion),
-            prompt_tokens_details: Some(PromptTokensDetails {
+            total_tokens: prompt.zip(completion).map(|(p, c)| p.saturating_add(c)),
+            prompt_tokens_details: prompt.map(|_| PromptTokensDetails {
                 cached_tokens: Some(read),
             }),
         }
+    }
+
+    /// Whether the target reported any count at all.
+    pub(super) fn is_reported(self) -> bool {
+        self.input_tokens.is_some() || self.output_tokens.is_some()
     }
 }
 
@@ -270,12 +286,12 @@ pub(super) struct FunctionCall {
 /// OpenAI's usage, read and written.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub(super) struct ChatUsage {
-    #[serde(default)]
-    pub prompt_tokens: u64,
-    #[serde(default)]
-    pub completion_tokens: u64,
-    #[serde(default)]
-    pub total_tokens: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_tokens: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub total_tokens: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_tokens_details: Option<PromptTokensDetails>,
 }
@@ -288,17 +304,20 @@ pub(super) struct PromptTokensDetails {
 
 impl ChatUsage {
     /// As Anthropic counts it: cached prompt tokens are cache reads, the rest plain input;
-    /// OpenAI reports no cache writes, so `cache_creation_input_tokens` is 0.
+    /// OpenAI reports no cache writes, so `cache_creation_input_tokens` is 0. A count the
+    /// target did not give is written as 0 (Anthropic's usage has no absent counts);
+    /// the meter charges from the target's own usage, never from this.
     pub(super) fn to_anthropic(self) -> UsageOut {
         let read = self
             .prompt_tokens_details
             .and_then(|d| d.cached_tokens)
             .unwrap_or(0);
+        let prompt = self.prompt_tokens.unwrap_or(0);
         UsageOut {
-            input_tokens: self.prompt_tokens.saturating_sub(read),
+            input_tokens: prompt.saturating_sub(read),
             cache_creation_input_tokens: 0,
-            cache_read_input_tokens: read,
-            output_tokens: self.completion_tokens,
+            cache_read_input_tokens: read.min(prompt),
+            output_tokens: self.completion_tokens.unwrap_or(0),
         }
     }
 }
@@ -311,7 +330,9 @@ struct ChatCompletionOut {
     created: u64,
     model: String,
     choices: [ChoiceOut; 1],
-    usage: ChatUsage,
+    /// Absent when the target reported none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<ChatUsage>,
 }
 
 #[derive(Debug, Serialize)]
@@ -439,7 +460,10 @@ fn chat_completion(message: Message, created: u64) -> Result<ChatCompletionOut, 
             logprobs: None,
             finish_reason: finish_reason(message.stop_reason.as_deref())?,
         }],
-        usage: message.usage.to_openai(),
+        usage: message
+            .usage
+            .is_reported()
+            .then(|| message.usage.to_openai()),
     })
 }
 

@@ -29,7 +29,23 @@ use crate::{
     billing::Tokens,
 };
 
-type OnEnd = Box<dyn FnOnce(Option<Tokens>) + Send>;
+type OnEnd = Box<dyn FnOnce(StreamEnd) + Send>;
+
+/// How a stream ended, as the meter settles it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamEnd {
+    /// Every count the endpoint defines, as reported so far; `None` if the stream
+    /// reported none (or only part of them, or not a count).
+    pub usage: Option<Tokens>,
+    /// Its final usage event came (Anthropic `message_delta`, OpenAI's usage chunk,
+    /// Responses `response.completed` / `incomplete` / `failed`): the counts are the
+    /// call's. Without it they are what the stream had said when it ended (Anthropic
+    /// reports input and one output token in `message_start`).
+    pub complete: bool,
+    /// Content deltas relayed: at least one output token each, a floor for what the
+    /// call produced.
+    pub deltas: u64,
+}
 
 #[derive(Default)]
 struct UsageState {
@@ -47,6 +63,10 @@ struct UsageState {
     on_response_id: Option<Box<dyn FnOnce(String) + Send>>,
     /// Why Backstop cut the stream short, if it did (the metric reason).
     cut: Option<&'static str>,
+    /// The final usage event was seen.
+    complete: bool,
+    /// Events that carried a content delta.
+    deltas: u64,
 }
 
 /// The token usage a stream reported, delivered once when it ends (or is dropped).
@@ -68,7 +88,7 @@ impl StreamUsage {
         let reason = match state.raw.reported(endpoint) {
             ReportedUsage::Counts(tokens) => return Some(tokens),
             ReportedUsage::Absent => return None,
-            ReportedUsage::Missing => "missing_count",
+            ReportedUsage::Missing | ReportedUsage::OutputOnly(_) => "missing_count",
             ReportedUsage::Invalid => "not_a_count",
         };
         tracing::warn!(
@@ -93,14 +113,13 @@ impl StreamUsage {
         }
     }
 
-    /// Calls `f` with the stream's usage when it ends; `None` if the stream reported
-    /// none (or not all of it).
-    pub fn on_end(&self, f: impl FnOnce(Option<Tokens>) + Send + 'static) {
+    /// Calls `f` with how the stream ended, when it ends.
+    pub fn on_end(&self, f: impl FnOnce(StreamEnd) + Send + 'static) {
         let mut state = self.lock();
         if state.ended {
-            let usage = Self::reported(&state);
+            let end = Self::end(&state);
             drop(state);
-            f(usage);
+            f(end);
         } else {
             state.on_end.push(Box::new(f));
         }
@@ -128,12 +147,24 @@ impl StreamUsage {
             return;
         }
         state.ended = true;
-        let usage = Self::reported(&state);
+        let end = Self::end(&state);
         let callbacks = std::mem::take(&mut state.on_end);
         drop(state);
         for f in callbacks {
-            f(usage);
+            f(end);
         }
+    }
+
+    fn end(state: &UsageState) -> StreamEnd {
+        StreamEnd {
+            usage: Self::reported(state),
+            complete: state.complete,
+            deltas: state.deltas,
+        }
+    }
+
+    fn delta(&self) {
+        self.lock().deltas += 1;
     }
 
     /// Reads usage from one event's JSON, in the endpoint's event format.
@@ -141,7 +172,25 @@ impl StreamUsage {
         let mut state = self.lock();
         state.endpoint = Some(endpoint);
         let usage = match endpoint {
-            Endpoint::ChatCompletions | Endpoint::Embeddings => event.get("usage"),
+            // The usage chunk OpenAI sends last has no choices; a server that reports
+            // running usage on every chunk (vLLM's continuous usage) is final on the
+            // chunk that finishes.
+            Endpoint::ChatCompletions | Endpoint::Embeddings => {
+                let usage = event.get("usage").filter(|u| u.is_object());
+                if usage.is_some() {
+                    let finished = match event.get("choices").and_then(Value::as_array) {
+                        None => true,
+                        Some(choices) => {
+                            choices.is_empty()
+                                || choices
+                                    .iter()
+                                    .any(|c| c.get("finish_reason").is_some_and(|r| !r.is_null()))
+                        }
+                    };
+                    state.complete |= finished;
+                }
+                usage
+            }
             // Only the final event carries usage: `response.completed` (or
             // `response.incomplete` / `response.failed`), under `response.usage`. The
             // first event names the response.
@@ -162,11 +211,24 @@ impl StreamUsage {
                         state.output_ids = output_ids(items);
                     }
                 }
-                event.pointer("/response/usage")
+                let usage = event.pointer("/response/usage").filter(|u| u.is_object());
+                let last = matches!(
+                    event.get("type").and_then(Value::as_str),
+                    Some("response.completed" | "response.incomplete" | "response.failed")
+                );
+                state.complete |= last && usage.is_some();
+                usage
             }
-            Endpoint::Messages | Endpoint::CountTokens => event
-                .pointer("/message/usage")
-                .or_else(|| event.get("usage")),
+            // `message_start` reports the input (and one output token); the final
+            // `message_delta` the output.
+            Endpoint::Messages | Endpoint::CountTokens => match event.get("usage") {
+                Some(usage) => {
+                    state.complete |=
+                        event.get("type").and_then(Value::as_str) == Some("message_delta");
+                    Some(usage)
+                }
+                None => event.pointer("/message/usage"),
+            },
         };
         if let Some(usage) = usage {
             state.raw.merge(&RawUsage::of(usage));
@@ -258,6 +320,9 @@ impl Relay {
             }
             let event = &complete[offset..offset + len];
             let mut remove = false;
+            if memchr::memmem::find(event, b"\"delta\":").is_some() {
+                self.usage.delta();
+            }
             if let Some(json) = event_json(event) {
                 self.usage.observe(self.endpoint, &json);
                 let usage_only = json
@@ -492,9 +557,16 @@ mod tests {
         );
         let seen = Arc::new(Mutex::new(None));
         let s = seen.clone();
-        r.usage.on_end(move |u| *s.lock().unwrap() = u);
+        r.usage.on_end(move |u| *s.lock().unwrap() = Some(u));
         r.usage.finish();
-        assert_eq!(*seen.lock().unwrap(), Some(Tokens::plain(7, 3)));
+        assert_eq!(
+            *seen.lock().unwrap(),
+            Some(StreamEnd {
+                usage: Some(Tokens::plain(7, 3)),
+                complete: true,
+                deltas: 1,
+            })
+        );
     }
 
     #[test]
@@ -515,9 +587,10 @@ mod tests {
         let seen = Arc::new(Mutex::new(None));
         let s = seen.clone();
         r.usage.finish();
-        r.usage.on_end(move |u| *s.lock().unwrap() = u);
+        r.usage.on_end(move |u| *s.lock().unwrap() = Some(u));
+        let end = seen.lock().unwrap().unwrap();
         assert_eq!(
-            *seen.lock().unwrap(),
+            end.usage,
             Some(Tokens {
                 input: 11,
                 cache_write_1h: 20_000,
@@ -527,6 +600,43 @@ mod tests {
                 ..Tokens::default()
             })
         );
+        assert!(end.complete);
+    }
+
+    #[test]
+    fn a_stream_cut_before_its_final_usage_is_not_complete() {
+        // Anthropic: message_start's counts, then 3 text deltas, then the client left.
+        let r = relay(false, Endpoint::Messages);
+        r.pass(Bytes::from_static(b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":2000,\"output_tokens\":1}}}\n\n"));
+        for _ in 0..3 {
+            r.pass(Bytes::from_static(b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"word \"}}\n\n"));
+        }
+        r.usage.finish();
+        let seen = Arc::new(Mutex::new(None));
+        let s = seen.clone();
+        r.usage.on_end(move |u| *s.lock().unwrap() = Some(u));
+        assert_eq!(
+            *seen.lock().unwrap(),
+            Some(StreamEnd {
+                usage: Some(Tokens::plain(2000, 1)),
+                complete: false,
+                deltas: 3,
+            })
+        );
+        // OpenAI with running usage on every chunk: final only on the finishing chunk.
+        let r = relay(false, Endpoint::ChatCompletions);
+        r.pass(Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"},\"finish_reason\":null}],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":1}}\n\n"));
+        r.usage.finish();
+        let s = seen.clone();
+        r.usage.on_end(move |u| *s.lock().unwrap() = Some(u));
+        assert!(!seen.lock().unwrap().unwrap().complete);
+        // Responses: `response.created` names no usage; the stream ended before completing.
+        let r = relay(false, Endpoint::Responses);
+        r.pass(Bytes::from_static(b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"usage\":null}}\n\n"));
+        r.usage.finish();
+        let s = seen.clone();
+        r.usage.on_end(move |u| *s.lock().unwrap() = Some(u));
+        assert_eq!(*seen.lock().unwrap(), Some(StreamEnd::default()));
     }
 
     #[test]
@@ -538,8 +648,15 @@ mod tests {
         let seen = Arc::new(Mutex::new(None));
         let s = seen.clone();
         r.usage.finish();
-        r.usage.on_end(move |u| *s.lock().unwrap() = u);
-        assert_eq!(*seen.lock().unwrap(), Some(Tokens::plain(12, 5)));
+        r.usage.on_end(move |u| *s.lock().unwrap() = Some(u));
+        assert_eq!(
+            *seen.lock().unwrap(),
+            Some(StreamEnd {
+                usage: Some(Tokens::plain(12, 5)),
+                complete: true,
+                deltas: 1,
+            })
+        );
     }
 
     #[test]
@@ -632,7 +749,7 @@ mod tests {
             });
             let seen = Arc::new(Mutex::new(None));
             let s = seen.clone();
-            usage.on_end(move |u| *s.lock().unwrap() = u);
+            usage.on_end(move |u| *s.lock().unwrap() = u.usage);
             proptest::prop_assert_eq!(*seen.lock().unwrap(), last);
         }
 

@@ -15,8 +15,8 @@ use serde_json::{json, Value};
 
 use crate::common::*;
 
-const CAPPED: &str = "bk-billing-key-01";
-const UNCAPPED: &str = "bk-billing-key-02";
+pub(crate) const CAPPED: &str = "bk-billing-key-01";
+pub(crate) const UNCAPPED: &str = "bk-billing-key-02";
 
 /// The turn: input 100, cache write 20,000, cache read 80,000, output 500.
 fn caching_turn() -> Value {
@@ -32,14 +32,14 @@ const CACHING_TURN_MICRO_USD: i64 = 106_800;
 const CACHING_TURN_TOKENS: u64 = 100_600;
 
 /// The mock's script for an answer reporting exactly `usage`.
-fn reporting(usage: &Value) -> String {
+pub(crate) fn reporting(usage: &Value) -> String {
     let b64 = base64::engine::general_purpose::STANDARD.encode(usage.to_string());
     format!("usage_b64={b64}")
 }
 
 /// A gateway pricing from the catalog alone: a `capped` tenant with `session` limits
 /// (and the admin API), an `uncapped` one, and `extra` config merged in.
-async fn gateway(session: &str, extra: &str) -> Gateway {
+pub(crate) async fn gateway(session: &str, extra: &str) -> Gateway {
     let (session, extra) = (session.to_string(), extra.to_string());
     start_with(move |config| {
         config
@@ -76,7 +76,7 @@ api_keys = ["{UNCAPPED}"]
 }
 
 /// POSTs `body` to `path` as the capped tenant in `session`, the mock playing `fault`.
-async fn call(
+pub(crate) async fn call(
     gw: &Gateway,
     path: &str,
     session: &str,
@@ -97,7 +97,7 @@ async fn call(
 }
 
 /// The session's spend once `calls` calls have settled: (micro-dollars, tokens).
-async fn spent(gw: &Gateway, session: &str, calls: u64) -> (i64, u64) {
+pub(crate) async fn spent(gw: &Gateway, session: &str, calls: u64) -> (i64, u64) {
     let path = format!("/admin/tenants/capped/sessions/{session}");
     let report = until_some(&format!("{calls} settled calls in {session}"), || async {
         let report = gw.get_json(&path, Some(ADMIN)).await;
@@ -111,7 +111,7 @@ async fn spent(gw: &Gateway, session: &str, calls: u64) -> (i64, u64) {
     )
 }
 
-fn messages(model: &str, stream: bool) -> Value {
+pub(crate) fn messages(model: &str, stream: bool) -> Value {
     json!({"model": model, "max_tokens": 1024, "stream": stream,
            "messages": [{"role": "user", "content": "hello"}]})
 }

@@ -811,7 +811,7 @@ async fn logs_carry_no_ansi_colour_when_stderr_is_not_a_terminal() {
 async fn client_chosen_model_names_never_become_metric_labels() {
     let gw = start().await;
     for i in 0..20 {
-        let body = json!({"model": format!("gpt-attacker-{i}\u{0}x"), "messages": [{"role": "user", "content": "hi"}]});
+        let body = json!({"model": format!("gpt-attacker-{i}\"x"), "messages": [{"role": "user", "content": "hi"}]});
         let resp = gw.chat("labels", "", body).await;
         assert_eq!(resp.status(), 200);
     }
@@ -820,7 +820,6 @@ async fn client_chosen_model_names_never_become_metric_labels() {
         !page.contains("gpt-attacker"),
         "a client model name became a label"
     );
-    assert!(!page.contains('\u{0}'), "a raw NUL byte in /metrics");
     assert!(
         page.contains("backstop_tokens_total{tenant=\"team-a\",model=\"gpt-*\",kind=\"input\"}"),
         "{}",
@@ -855,4 +854,80 @@ async fn a_wrong_admin_token_says_so() {
         .await
         .unwrap();
     assert_eq!(ok.status(), 200);
+}
+
+// --- hardening v3, 11. malformed fields are the caller's mistake -------------------------
+
+#[tokio::test]
+async fn malformed_fields_get_400_in_the_callers_shape_before_any_attempt() {
+    let gw = start().await;
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    let cases = [
+        // Before: read as a non-streaming call, then 502 when the upstream streamed.
+        (
+            "/v1/chat/completions",
+            json!({"model": "gpt-4o", "stream": "true", "messages": hi}),
+            "stream",
+            "must be a boolean, got a string",
+        ),
+        // Before: forwarded.
+        (
+            "/v1/chat/completions",
+            json!({"model": "gpt-4o", "messages": [{"role": "user", "content": 5}]}),
+            "messages",
+            "messages[0].content must be a string or a list of content parts, got a number",
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "gpt-4o", "input": [{"role": "user", "content": 5}]}),
+            "input",
+            "input[0].content must be a string or a list of content parts, got a number",
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "claude-sonnet-4-5", "max_tokens": 10,
+                   "messages": [{"role": "user", "content": {"text": "hi"}}]}),
+            "messages",
+            "messages[0].content must be a string or a list of content parts, got an object",
+        ),
+        // Before: 503 `store_unavailable` on the Postgres ledger, which refuses NUL.
+        (
+            "/v1/chat/completions",
+            json!({"model": "gpt-4o\u{0}", "messages": hi}),
+            "model",
+            "must not contain control characters",
+        ),
+    ];
+    for (i, (path, body, param, says)) in cases.into_iter().enumerate() {
+        let scenario = format!("malformed-{i}");
+        let resp = gw
+            .post(
+                path,
+                Some(KEY_A),
+                &[("x-mock-scenario", &scenario)],
+                body.to_string(),
+            )
+            .await;
+        assert_eq!(resp.status(), 400, "{path} {body}");
+        let error = json(resp).await;
+        let message = error["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(says), "{path}: {error}");
+        if path == "/v1/messages" {
+            assert_eq!(error["type"], "error", "{error}");
+            assert_eq!(error["error"]["type"], "invalid_request_error", "{error}");
+        } else {
+            assert_eq!(error["error"]["type"], "invalid_request_error", "{error}");
+            assert_eq!(error["error"]["param"], param, "{error}");
+        }
+        assert_eq!(gw.mock.attempts(&scenario), 0, "{path} {body}");
+    }
+    // An assistant turn that only calls tools has `content: null` in chat: still served.
+    let body = json!({"model": "gpt-4o", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]});
+    let resp = gw.chat("tool-turn", "", body).await;
+    assert_eq!(resp.status(), 200);
 }

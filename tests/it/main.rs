@@ -32,6 +32,7 @@ mod report;
 mod responses;
 mod schema_fuzz;
 mod schema_limits;
+mod settle;
 mod stream_lossless;
 mod streaming;
 mod strict_mock;

@@ -31,6 +31,14 @@ pub enum Outcome {
     /// Usage without a count the endpoint defines (`usage: {}`, `total_tokens` alone,
     /// another API's names): charged the reservation, logged and counted.
     Missing,
+    /// A stream that ended before its final usage: what it had reported so far (an
+    /// Anthropic stream reports its input in `message_start`), its output at least the
+    /// deltas relayed. Charged the larger of those counts with the reserved output and
+    /// the reservation: the output the client never saw may still have been billed.
+    Partial(Tokens),
+    /// An answer whose usage counts its output but not its input: the output as
+    /// reported, the input at the reservation's estimate (and price).
+    OutputOnly(Tokens),
 }
 
 /// What a settle charged, and the session as the shared state holds it after.
@@ -49,6 +57,8 @@ pub struct Reservation {
     pub(super) session: Option<(String, BookRef)>,
     pub(super) model: String,
     pub(super) amount: Usage,
+    /// The output tokens reserved (the call's `max_tokens`, times its choices).
+    pub(super) output: u64,
     /// The durable reservation's id, for budgeted calls.
     pub(super) durable: Option<i64>,
     /// Held in Redis instead (replicas share the state): settled there, not here.
@@ -64,6 +74,9 @@ impl Reservation {
         let reason = match outcome {
             Outcome::Failed => return Some(Tokens::default()),
             Outcome::Unreported => return None,
+            Outcome::Partial(t) | Outcome::OutputOnly(t) => {
+                return self.believe(Outcome::Reported(t))
+            }
             Outcome::Invalid => "not_a_count",
             Outcome::Missing => "missing_count",
             // Summed without saturating: counts that overflow 64 bits together are not
@@ -107,6 +120,31 @@ impl Reservation {
     /// The ledger row and the usage to settle for how the call ended.
     fn charge_for(&self, outcome: Outcome) -> (Charge, Usage) {
         let (tokens, usd) = match self.believe(outcome) {
+            Some(so_far) if matches!(outcome, Outcome::Partial(_)) => {
+                let mut tokens = Tokens {
+                    output: so_far.output.max(self.output),
+                    ..so_far
+                };
+                let counted = self
+                    .budgets
+                    .prices
+                    .cost(&self.model, &tokens)
+                    .unwrap_or(0.0);
+                // The reservation's larger input estimate counted as input, so that the
+                // books' tokens agree with what was charged.
+                tokens.input += self.amount.tokens.saturating_sub(tokens.total());
+                (tokens, counted.max(self.amount.usd))
+            }
+            Some(output) if matches!(outcome, Outcome::OutputOnly(_)) => {
+                let cost =
+                    |tokens: &Tokens| self.budgets.prices.cost(&self.model, tokens).unwrap_or(0.0);
+                let reserved_output = cost(&Tokens::plain(0, self.output));
+                let input = self.amount.tokens.saturating_sub(self.output);
+                (
+                    Tokens { input, ..output },
+                    (self.amount.usd - reserved_output).max(0.0) + cost(&output),
+                )
+            }
             Some(tokens) => (
                 tokens,
                 self.budgets
@@ -172,11 +210,14 @@ impl Reservation {
         if let Some((_, s)) = &self.session {
             lock(&s.account).settle(self.amount, Usage::default());
         }
+        if let Some(id) = self.durable.take() {
+            self.budgets.store.unreserve(id);
+        }
     }
 
     /// Gives the reservation back without a charge because no call was made under it
     /// (the first attempt's reservation the gate made, when that attempt reserved
-    /// something else or never ran). Held in Redis: released there in the background,
+    /// something else or never ran; an attempt whose connection was never made). Held in Redis: released there in the background,
     /// kept and replayed like a settle if Redis cannot take it now.
     pub fn give_back(mut self) {
         let Some(held) = self.shared.take() else {
@@ -184,6 +225,9 @@ impl Reservation {
             return;
         };
         self.settled = true;
+        if let Some(id) = self.durable.take() {
+            self.budgets.store.unreserve(id);
+        }
         let charge = Charge {
             calls: 0,
             tokens: Tokens::default(),
