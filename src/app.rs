@@ -21,8 +21,8 @@
 //! 9. [`ValidateLayer`]: structured output checked; corrective retries with the
 //!    validator's errors; strategy switch to the next target; 502 `output_invalid`.
 //!    It writes what recovery did into the request's record. (`count_tokens`, which
-//!    nothing validates, limits or guards, has [`UnvalidatedLayer`] here and nothing
-//!    from 7 to 8.)
+//!    nothing validates, charges or guards, has [`RatesLayer`] (the request rates
+//!    alone) and [`UnvalidatedLayer`] here and nothing from 7 to 8.)
 //! 10. [`RecoveryLayer`]: target selection, classification, retry with backoff and
 //!     Retry-After, retry budget, per-upstream circuit breakers, failover; answers
 //!     which target answered and what it did
@@ -101,6 +101,7 @@ use crate::{
         idempotency::{IdempotencyLayer, InFlight},
         meter::{Billed, MeterLayer, Unmetered},
         owners::ResponseOwnersLayer,
+        rates::RatesLayer,
         recovery::{RecoveryLayer, RetryPolicy, UnvalidatedLayer},
         respond::RespondLayer,
         trace::TraceLayer,
@@ -374,8 +375,9 @@ where
 }
 
 /// `POST /v1/messages/count_tokens`: routed by `model` to the route's Anthropic targets
-/// and recovered like any call (retries, breakers, failover), but never charged, limited
-/// or guarded: counting tokens spends nothing, and agents do it before each call.
+/// and recovered like any call (retries, breakers, failover), held to the tenant's and
+/// session's request rates, but never charged or guarded: counting tokens spends
+/// nothing, and agents do it before each call.
 fn count_tokens_stack(state: &AppState) -> HttpService {
     let leaf = check::<Billed, _>(Unmetered::new(Forward::new(
         upstream::Clients::new(),
@@ -385,6 +387,7 @@ fn count_tokens_stack(state: &AppState) -> HttpService {
         RecoveryLayer::new(RetryPolicy::default(), state.health.clone()).layer(leaf),
     );
     let calls = ServiceBuilder::new()
+        .layer(RatesLayer::new(state.budgets.clone()))
         .layer(UnvalidatedLayer)
         .service(recovered);
     http_front(state, calls)

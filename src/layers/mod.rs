@@ -40,6 +40,7 @@ pub mod edge;
 pub mod idempotency;
 pub mod meter;
 pub mod owners;
+pub mod rates;
 pub mod recovery;
 pub mod respond;
 pub mod trace;

@@ -241,3 +241,41 @@ async fn a_session_id_comes_from_the_body_when_no_header_names_one() {
     assert_eq!(body["error"]["param"], "metadata.session_id");
     assert_eq!(gw.mock.attempts("body-bad"), 0);
 }
+
+/// Hardening v3, 8: counting tokens is uncharged but not unlimited. Before, 60 of 60
+/// were forwarded from a 5-a-minute tenant.
+#[tokio::test]
+async fn count_tokens_is_held_to_the_tenants_request_rate() {
+    const LIMITED: &str = "bk-count-limited-01";
+    let gw = start_with(|c| {
+        c.merge(&format!(
+            "[[tenants]]\nname = \"counting\"\napi_keys = [\"{LIMITED}\"]\nrequests_per_minute = 5\n"
+        ))
+    })
+    .await;
+    let count = serde_json::json!({"model": "claude-3", "messages": [{"role": "user", "content": "hello"}]});
+    let mut statuses = Vec::new();
+    let mut refused = None;
+    for _ in 0..8 {
+        let resp = gw
+            .http
+            .post(format!("{}/v1/messages/count_tokens", gw.url))
+            .header("x-api-key", LIMITED)
+            .header("x-mock-scenario", "counting")
+            .body(count.to_string())
+            .send()
+            .await
+            .unwrap();
+        statuses.push(resp.status().as_u16());
+        if resp.status() == 429 && refused.is_none() {
+            let retry_after = resp.headers()["retry-after"].to_str().unwrap().to_string();
+            refused = Some((retry_after, json(resp).await));
+        }
+    }
+    assert_eq!(statuses, [200, 200, 200, 200, 200, 429, 429, 429]);
+    assert_eq!(gw.mock.attempts("counting"), 5);
+    let (retry_after, body) = refused.unwrap();
+    assert!(retry_after.parse::<u64>().unwrap() >= 1, "{retry_after}");
+    assert_eq!(body["type"], "error", "Anthropic's shape: {body}");
+    assert_eq!(body["error"]["type"], "rate_limited", "{body}");
+}
