@@ -1003,6 +1003,26 @@ impl SharedBudgets {
             Some("2") => Settled::Corrected,
             _ => Settled::Already,
         };
+        match how {
+            Settled::Now => {}
+            Settled::Corrected => {
+                metrics::counter!("backstop_ledger_corrections_total", "outcome" => "corrected", "books" => "redis").increment(1);
+                tracing::error!(
+                    tenant,
+                    reservation = %s.reservation,
+                    usd = s.usd_micro as f64 / 1e6,
+                    "this replica's reservation outlived its lease in redis (the replica was taken for dead) and was charged at its reserved amount; corrected to the call's true charge"
+                );
+            }
+            Settled::Already => {
+                metrics::counter!("backstop_ledger_corrections_total", "outcome" => "discarded", "books" => "redis").increment(1);
+                tracing::info!(
+                    tenant,
+                    reservation = %s.reservation,
+                    "a settle found its reservation settled already in redis (a replay); discarded"
+                );
+            }
+        }
         let seen = (reply.len() >= 9).then(|| SessionSeen {
             settled: Usage {
                 calls: n(1),

@@ -302,10 +302,36 @@ async fn a_settle_racing_the_recovery_of_its_reservation_is_one_row() {
     ));
     let other = db.open().await;
     assert_eq!(other.recovered_reservations(), 1);
+    let row = || {
+        db.sql(&format!(
+            "SELECT usd, calls, recovered FROM ledger WHERE id = {id}"
+        ))
+    };
+    let reserved = row();
+    assert!(
+        reserved.ends_with("|1|t"),
+        "charged at its reservation: {reserved}"
+    );
     slow.settle(Some(id), charge(Some("s"), 1, 2, 0.01))
         .await
         .unwrap();
     assert_eq!(db.ledger_rows(), 1);
+    // Before: the recovery's row stayed and the true charge was discarded, silently.
+    assert_eq!(
+        row(),
+        "0.01|1|f",
+        "the true charge replaced the reservation's"
+    );
+    assert_eq!(slow.ledger_corrections(), (1, 0));
+    // The same settle again (a replay after a lost acknowledgement): once, counted.
+    slow.settle(Some(id), charge(Some("s"), 1, 2, 0.01))
+        .await
+        .unwrap();
+    assert_eq!(row(), "0.01|1|f");
+    assert_eq!(slow.ledger_corrections(), (1, 1));
+    let used = other.session_usage("t", "s").await.unwrap();
+    assert_eq!(used.calls, 1);
+    assert!((used.usd - 0.01).abs() < 1e-9, "{used:?}");
 }
 
 #[tokio::test]

@@ -36,6 +36,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "token_kinds",
         sql: include_str!("migrations/0002_token_kinds.sql"),
     },
+    Migration {
+        version: 3,
+        name: "recovered_mark",
+        sql: include_str!("migrations/0003_recovered_mark.sql"),
+    },
 ];
 
 /// The schema version this build applies (its newest migration).

@@ -8,7 +8,12 @@
 //!   round trip per call ([`PgStore::next_reservation_id`] is synchronous).
 //! - **Exactly once.** A ledger row's key is its reservation's id, and every insert is
 //!   `ON CONFLICT (id) DO NOTHING`: a settle retried after a lost acknowledgement, or one
-//!   racing the recovery of its reservation, is one row.
+//!   racing the recovery of its reservation, is one row. A row the recovery wrote is
+//!   marked `recovered`, and the replica's own settle (it was only cut off, and settles
+//!   later or from its spool) replaces it with the true charge, once
+//!   (`backstop_ledger_corrections_total{outcome="corrected"}`, logged as an error: the
+//!   replica was declared dead); a settle that finds its own earlier row is
+//!   `discarded`, counted and logged too.
 //! - **Group commit.** Writes queue to one writer task ([`writer`]) that commits each
 //!   batch in one transaction, its statements pipelined; a reservation resolves once it
 //!   is committed, before the upstream call.
@@ -149,6 +154,8 @@ pub struct PgStore {
     writer: mpsc::UnboundedSender<PgWrite>,
     next: AtomicI64,
     recovered_at_open: u64,
+    /// What this store's settles found of rows already written.
+    tally: Arc<writer::Tally>,
     migrated: Migrated,
     /// Ledger rows, session resets and guard states older than this are purged.
     retention: Duration,
@@ -294,6 +301,7 @@ impl PgStore {
         });
         let (tx, rx) = mpsc::unbounded_channel();
         let spool = backlog.spool.clone();
+        let tally = backlog.tally.clone();
         tokio::spawn(writer::write_loop(pool, backlog, rx));
         tokio::spawn(keep_alive(Arc::downgrade(&shared)));
         tracing::info!(epoch, schema = migrated.to, "ledger on postgres");
@@ -302,6 +310,7 @@ impl PgStore {
             writer: tx,
             next: AtomicI64::new(1),
             recovered_at_open: recovered,
+            tally,
             migrated,
             retention: store.retention,
             spool,
@@ -327,6 +336,16 @@ impl PgStore {
     /// included).
     pub fn recovered_total(&self) -> u64 {
         self.shared.recovered.load(Ordering::Relaxed)
+    }
+
+    /// Settles of this store that found their row written since it opened: corrected
+    /// (the recovery of this replica, taken for dead, had charged the reservation) and
+    /// discarded (its own earlier write).
+    pub fn ledger_corrections(&self) -> (u64, u64) {
+        (
+            self.tally.corrected.load(Ordering::Relaxed),
+            self.tally.discarded.load(Ordering::Relaxed),
+        )
     }
 
     async fn write(&self, op: Op) -> Result<(), StoreError> {
@@ -505,8 +524,8 @@ async fn recover(
                      DELETE FROM reservations WHERE epoch <> $1
                          AND epoch NOT IN (SELECT epoch FROM replicas WHERE seen_ms >= {NOW_MS} - $2)
                      RETURNING id, ts_ms, day, tenant, session, model, calls, tokens, usd)
-                 INSERT INTO ledger (id, ts_ms, day, tenant, session, model, calls, input_tokens, output_tokens, usd)
-                 SELECT id, ts_ms, day, tenant, session, model, calls, tokens, 0, usd FROM moved ORDER BY id
+                 INSERT INTO ledger (id, ts_ms, day, tenant, session, model, calls, input_tokens, output_tokens, usd, recovered)
+                 SELECT id, ts_ms, day, tenant, session, model, calls, tokens, 0, usd, true FROM moved ORDER BY id
                  ON CONFLICT (id) DO NOTHING"
             ),
             &[&epoch, &ms(lease)],
@@ -522,6 +541,7 @@ async fn keep_alive(shared: Weak<Shared>) {
         (s.lease / 4).max(Duration::from_millis(100))
     };
     let mut healthy_since: Option<tokio::time::Instant> = Some(tokio::time::Instant::now());
+    let mut last_beat = tokio::time::Instant::now();
     loop {
         tokio::time::sleep(every).await;
         let Some(s) = shared.upgrade() else { return };
@@ -534,6 +554,18 @@ async fn keep_alive(shared: Weak<Shared>) {
             healthy_since = None;
             continue;
         };
+        let now = tokio::time::Instant::now();
+        let cut_off = now.duration_since(last_beat);
+        last_beat = now;
+        if cut_off > s.lease {
+            tracing::error!(
+                epoch = s.epoch,
+                cut_off_ms = cut_off.as_millis() as u64,
+                lease_ms = s.lease.as_millis() as u64,
+                "this replica was cut off from postgres for longer than store.replica_lease: its peers may have declared it dead and charged its open reservations at their reserved amount; its own settles correct those rows"
+            );
+            metrics::counter!("backstop_replica_declared_dead_total").increment(1);
+        }
         let since = *healthy_since.get_or_insert_with(tokio::time::Instant::now);
         if since.elapsed() < s.lease {
             continue;

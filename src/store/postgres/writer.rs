@@ -16,7 +16,14 @@
 //! A batch refused by Postgres itself (an SQL error) is retried one write at a time, so
 //! one bad write fails alone.
 
-use std::{collections::VecDeque, sync::Arc, time::Duration};
+use std::{
+    collections::VecDeque,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 use deadpool_postgres::Pool;
 use futures_util::future::{try_join_all, BoxFuture};
@@ -46,11 +53,23 @@ pub(super) struct PgWrite {
 pub(super) struct Backlog {
     pub(super) spool: Spool,
     memory: VecDeque<Kept>,
+    /// What the settles found of their rows.
+    pub(super) tally: Arc<Tally>,
+}
+
+/// Settles that found their ledger row already written: by the recovery of a replica
+/// taken for dead (`corrected` to the settle's true charge, once), or by an earlier
+/// write of the same settle (`discarded`: a replay after a lost acknowledgement).
+#[derive(Debug, Default)]
+pub struct Tally {
+    pub corrected: AtomicU64,
+    pub discarded: AtomicU64,
 }
 
 impl Backlog {
     pub(super) fn new(spool: Spool) -> Backlog {
         Backlog {
+            tally: Arc::default(),
             spool,
             memory: VecDeque::new(),
         }
@@ -142,7 +161,7 @@ pub(super) async fn write_loop(
             None if batch.is_empty() => {}
             None => {
                 let ops: Vec<&Op> = batch.iter().map(|w| &w.op).collect();
-                let results = commit_each(&pool, &ops).await;
+                let results = commit_each(&pool, &ops, &backlog.tally).await;
                 answer(batch, results, &mut backlog).await;
             }
             Some(failure) => {
@@ -180,7 +199,8 @@ pub(super) async fn replay(pool: &Pool, backlog: &mut Backlog) -> Result<u64, Fa
         }
         let ops: Vec<Op> = kept.iter().map(|k| k.to_op()).collect();
         let refs: Vec<&Op> = ops.iter().collect();
-        for (op, result) in ops.iter().zip(commit_each(pool, &refs).await) {
+        let tally = backlog.tally.clone();
+        for (op, result) in ops.iter().zip(commit_each(pool, &refs, &tally).await) {
             match result {
                 Ok(()) => {}
                 Err(failure) if failure.transient => return Err(failure),
@@ -219,8 +239,8 @@ fn spool_failure(err: StoreError) -> Failure {
 
 /// Commits `ops` in one transaction; if Postgres refuses it (an SQL error, not an
 /// outage), one at a time, so that one bad write fails alone. Each write's result.
-async fn commit_each(pool: &Pool, ops: &[&Op]) -> Vec<Result<(), Failure>> {
-    let result = commit(pool, ops).await;
+async fn commit_each(pool: &Pool, ops: &[&Op], tally: &Tally) -> Vec<Result<(), Failure>> {
+    let result = commit(pool, ops, tally).await;
     metrics::counter!("backstop_store_commits_total").increment(1);
     match result {
         Ok(()) => vec![Ok(()); ops.len()],
@@ -229,7 +249,7 @@ async fn commit_each(pool: &Pool, ops: &[&Op]) -> Vec<Result<(), Failure>> {
             tracing::warn!(error = %failure.message, writes = ops.len(), "store batch refused; writing it one by one");
             let mut results = Vec::with_capacity(ops.len());
             for op in ops {
-                results.push(commit(pool, &[op]).await);
+                results.push(commit(pool, &[op], tally).await);
             }
             results
         }
@@ -313,6 +333,14 @@ type Param = Box<dyn ToSql + Sync + Send>;
 const RESERVE: &str =
     "INSERT INTO reservations (id, epoch, ts_ms, day, tenant, session, model, calls, tokens, usd)
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT (id) DO NOTHING";
+/// A settle whose row the recovery of its replica wrote first (at the reservation, the
+/// replica taken for dead): the true charge replaces it, once (the mark goes with it).
+const CORRECT: &str =
+    "UPDATE ledger SET ts_ms = $2, day = $3, tenant = $4, session = $5, model = $6,
+         calls = $7, input_tokens = $8, output_tokens = $9, usd = $10, cache_write_tokens = $11,
+         cache_write_1h_tokens = $12, cache_read_tokens = $13, reasoning_tokens = $14,
+         web_searches = $15, recovered = false
+     WHERE id = $1 AND recovered";
 /// Deletes the reservation and appends its charge in one statement: once per id.
 const SETTLE: &str = "WITH gone AS (DELETE FROM reservations WHERE id = $1)
      INSERT INTO ledger (id, ts_ms, day, tenant, session, model, calls, input_tokens, output_tokens, usd,
@@ -369,8 +397,7 @@ fn statements(op: &Op) -> Vec<(&'static str, Vec<Param>)> {
                 metrics::counter!("backstop_store_errors_total", "op" => "settle").increment(1);
                 return Vec::new();
             };
-            vec![(
-                SETTLE,
+            let params = || -> Vec<Param> {
                 vec![
                     Box::new(*id),
                     Box::new(c.ts_ms),
@@ -387,8 +414,10 @@ fn statements(op: &Op) -> Vec<(&'static str, Vec<Param>)> {
                     Box::new(to_sql(c.tokens.cache_read)),
                     Box::new(to_sql(c.tokens.reasoning)),
                     Box::new(to_sql(c.tokens.web_searches)),
-                ],
-            )]
+                ]
+            };
+            // The correction first: a row it corrects is then not inserted again.
+            vec![(CORRECT, params()), (SETTLE, params())]
         }
         Op::ResetSession {
             tenant,
@@ -461,7 +490,7 @@ fn statements(op: &Op) -> Vec<(&'static str, Vec<Param>)> {
 }
 
 /// One transaction for `ops`, every statement sent at once (pipelined) and in order.
-async fn commit(pool: &Pool, ops: &[&Op]) -> Result<(), Failure> {
+async fn commit(pool: &Pool, ops: &[&Op], tally: &Tally) -> Result<(), Failure> {
     let mut client = pool.get().await.map_err(Failure::pool)?;
     let tx = client.transaction().await.map_err(Failure::from)?;
     let work: Vec<(&'static str, Vec<Param>)> = ops.iter().flat_map(|op| statements(op)).collect();
@@ -488,8 +517,57 @@ async fn commit(pool: &Pool, ops: &[&Op]) -> Result<(), Failure> {
             Box::pin(tx.execute(statement, params)) as BoxFuture<'_, _>
         })
         .collect();
-    try_join_all(runs).await.map_err(Failure::from)?;
-    tx.commit().await.map_err(Failure::from)
+    let counts = try_join_all(runs).await.map_err(Failure::from)?;
+    tx.commit().await.map_err(Failure::from)?;
+    let settled = work.iter().zip(&counts).map(|((sql, _), n)| (*sql, *n));
+    let mut corrected = false;
+    let mut settles = ops.iter().filter(|op| matches!(op, Op::Settle { .. }));
+    for (sql, n) in settled {
+        match sql {
+            CORRECT => corrected = n > 0,
+            SETTLE => {
+                let op = settles.next();
+                let outcome = match (corrected, n) {
+                    (true, _) => "corrected",
+                    (false, 0) => "discarded",
+                    (false, _) => continue,
+                };
+                reckon(tally, outcome, op.copied());
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Counts and logs a settle that found its row written.
+fn reckon(tally: &Tally, outcome: &'static str, op: Option<&Op>) {
+    let (id, charge) = match op {
+        Some(Op::Settle {
+            reservation,
+            charge,
+        }) => (*reservation, Some(charge)),
+        _ => (None, None),
+    };
+    metrics::counter!("backstop_ledger_corrections_total", "outcome" => outcome, "books" => "postgres").increment(1);
+    let (tenant, usd) = (charge.map(|c| c.tenant.as_str()), charge.map(|c| c.usd));
+    if outcome == "corrected" {
+        tally.corrected.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(
+            reservation = id,
+            tenant,
+            usd,
+            "this replica was declared dead by a peer (cut off from postgres for longer than store.replica_lease): its reservation had been charged at its reserved amount; corrected to the call's true charge"
+        );
+    } else {
+        tally.discarded.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            reservation = id,
+            tenant,
+            usd,
+            "a settle found its ledger row already written by itself (a replay after a lost acknowledgement); discarded"
+        );
+    }
 }
 
 impl Failure {
