@@ -77,6 +77,9 @@ pub enum GatewayError {
     UpstreamAuth { upstream: String, status: u16 },
     #[error("the upstream `{upstream}` answered with a body that is not valid JSON")]
     UpstreamMalformed { upstream: String },
+    /// A valid answer of the target's API that the caller's API cannot say.
+    #[error("the upstream `{upstream}` gave an answer that cannot be translated back: {reason}")]
+    UpstreamUntranslatable { upstream: String, reason: String },
     #[error("the upstream `{upstream}` {problem}")]
     UpstreamProtocol { upstream: String, problem: Protocol },
     #[error("every upstream for this model is failing and its circuit breaker is open; retry after {retry_after:?}")]
@@ -197,7 +200,9 @@ impl GatewayError {
             UpstreamUnavailable { .. } => ErrorCode::UpstreamUnavailable,
             UpstreamTimeout { .. } => ErrorCode::UpstreamTimeout,
             UpstreamAuth { .. } => ErrorCode::UpstreamAuthFailed,
-            UpstreamMalformed { .. } => ErrorCode::UpstreamMalformed,
+            UpstreamMalformed { .. } | UpstreamUntranslatable { .. } => {
+                ErrorCode::UpstreamMalformed
+            }
             UpstreamProtocol { problem, .. } => problem.code(),
             CircuitOpen { .. } => ErrorCode::CircuitOpen,
             RequestTimeout(_) => ErrorCode::RequestTimeout,

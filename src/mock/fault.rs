@@ -23,6 +23,7 @@ use std::time::Duration;
 /// | `status=307;location=URL` | a redirect (Backstop must not follow it) |
 /// | `header=NAME:VALUE` | an extra response header (repeatable; forging tests) |
 /// | `pad=N` | N more bytes of answer text (oversized bodies) |
+/// | `stop=REASON` | the answer's `stop_reason` / `finish_reason`, whole and streamed (`pause_turn`; `stop` beside a tool call, as vLLM and Ollama send) |
 /// | `plain` | answer a streaming request with plain JSON |
 /// | `endless` | a stream that never ends (an event every `chunk_delay`, default 10ms) |
 /// | `drip=1s` | after the first event, one byte per interval, never a whole event |
@@ -67,6 +68,8 @@ pub struct FaultStep {
     pub headers: Vec<(String, String)>,
     pub pad: Option<usize>,
     pub plain: bool,
+    /// `stop`: the stop reason or finish reason, instead of the one the answer implies.
+    pub stop: Option<String>,
     pub endless: bool,
     pub drip: Option<Duration>,
     pub huge_event: Option<usize>,
@@ -124,6 +127,7 @@ impl FaultStep {
                 }
                 "pad" => out.pad = value.parse().ok(),
                 "plain" => out.plain = true,
+                "stop" => out.stop = Some(value.to_string()),
                 "endless" => out.endless = true,
                 "drip" => out.drip = humantime::parse_duration(value).ok(),
                 "huge_event" => out.huge_event = value.parse().ok(),

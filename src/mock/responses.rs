@@ -212,7 +212,7 @@ fn chat_body(a: &Answer<'_>) -> Value {
         "object": "chat.completion",
         "created": now_secs(),
         "model": a.model,
-        "choices": [{"index": 0, "message": message, "finish_reason": if a.tool.is_some() { "tool_calls" } else { "stop" }}],
+        "choices": [{"index": 0, "message": message, "finish_reason": a.step.stop.as_deref().unwrap_or(if a.tool.is_some() { "tool_calls" } else { "stop" })}],
         "usage": a.step.usage_json.clone().unwrap_or_else(|| json!({"prompt_tokens": input, "completion_tokens": output, "total_tokens": input.saturating_add(output)})),
     })
 }
@@ -283,7 +283,7 @@ fn anthropic_body(a: &Answer<'_>) -> Value {
         "role": "assistant",
         "model": a.model,
         "content": anthropic_blocks(a),
-        "stop_reason": if a.tool.is_some() { "tool_use" } else { "end_turn" },
+        "stop_reason": a.step.stop.as_deref().unwrap_or(if a.tool.is_some() { "tool_use" } else { "end_turn" }),
         "stop_sequence": null,
         "usage": a.step.usage_json.clone().unwrap_or_else(|| anthropic_usage(a.usage.0, a.usage.1)),
     })
@@ -333,11 +333,11 @@ fn openai_events(a: &Answer<'_>, request: &Value) -> Vec<Bytes> {
             )
         }));
     }
-    let finish = if a.tool.is_some() {
+    let finish = a.step.stop.as_deref().unwrap_or(if a.tool.is_some() {
         "tool_calls"
     } else {
         "stop"
-    };
+    });
     events.push(chunk(json!({}), json!(finish)));
     let include_usage = request
         .pointer("/stream_options/include_usage")
@@ -441,11 +441,11 @@ fn anthropic_events(a: &Answer<'_>) -> Vec<Bytes> {
             json!({"type": "content_block_stop", "index": index}),
         ));
     }
-    let stop_reason = if a.tool.is_some() {
+    let stop_reason = a.step.stop.as_deref().unwrap_or(if a.tool.is_some() {
         "tool_use"
     } else {
         "end_turn"
-    };
+    });
     events.push(("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": null}, "usage": anthropic_delta_usage(a)})));
     events.push(("message_stop", json!({"type": "message_stop"})));
     if a.step.future {

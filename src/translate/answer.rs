@@ -258,6 +258,10 @@ pub(super) struct ChatCompletion {
 pub(super) struct Choice {
     pub message: ChatMessage,
     pub finish_reason: Option<String>,
+    /// vLLM's extension: the stop string that ended the answer (a token id, or `null`,
+    /// when none did).
+    #[serde(default)]
+    pub stop_reason: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -389,15 +393,21 @@ pub(super) fn finish_reason(stop_reason: Option<&str>) -> Result<&'static str, A
         .ok_or_else(|| AnswerError(format!("stop_reason `{stop_reason}` has no finish_reason")))
 }
 
-/// Anthropic's `stop_reason` for a `finish_reason`; a refusal that ended normally is
-/// Anthropic's `refusal`.
+/// Anthropic's `stop_reason` for a `finish_reason`, from what the answer holds: an
+/// answer with tool calls stopped to use them, whatever its `finish_reason` says (vLLM
+/// and Ollama answer calls with `stop`, and an Anthropic agent loop runs tools only on
+/// `tool_use`); `tool_calls` or `function_call` without a call is not `tool_use`; a
+/// refusal that ended normally is Anthropic's `refusal`.
 pub(super) fn stop_reason(
     finish_reason: Option<&str>,
     refused: bool,
+    called: bool,
 ) -> Result<&'static str, AnswerError> {
     let finish_reason =
         finish_reason.ok_or_else(|| AnswerError::new("the answer has no finish_reason"))?;
     match finish::to_stop_reason(finish_reason) {
+        Some("end_turn") if called => Ok("tool_use"),
+        Some("tool_use") if !called => Ok(if refused { "refusal" } else { "end_turn" }),
         Some("end_turn") if refused => Ok("refusal"),
         Some(stop) => Ok(stop),
         None => Err(AnswerError(format!(
@@ -429,6 +439,13 @@ fn chat_completion(message: Message, created: u64) -> Result<ChatCompletionOut, 
             return Err(AnswerError(format!("the answer has {why}")));
         }
         match block {
+            // Chat has one text beside its calls: text after a call would be moved
+            // before it, a change of meaning no one could see.
+            ContentBlock::Text { .. } if !tool_calls.is_empty() => {
+                return Err(AnswerError::new(
+                    "text after a tool_use block, which chat completions cannot order",
+                ));
+            }
             ContentBlock::Text { text: t, .. } => text.push_str(&t),
             ContentBlock::ToolUse { input, .. } if !input.is_object() => {
                 return Err(AnswerError("a tool_use input that is not an object".into()));
@@ -472,6 +489,18 @@ fn anthropic_message(completion: ChatCompletion) -> Result<MessageOut, AnswerErr
         AnswerError(format!("the answer has {} choices, not one", c.len()))
     })?;
     let message = choice.message;
+    let called = message.tool_calls.as_ref().is_some_and(|c| !c.is_empty());
+    let stop = stop_reason(
+        choice.finish_reason.as_deref(),
+        message.refusal.as_deref().is_some_and(|r| !r.is_empty()),
+        called,
+    )?;
+    // Which stop sequence fired, where the target says (vLLM); OpenAI does not, and
+    // its `stop` stays `end_turn` with `stop_sequence: null`.
+    let (stop, stop_sequence) = match (stop, choice.stop_reason) {
+        ("end_turn", Some(Value::String(sequence))) => ("stop_sequence", Some(sequence)),
+        (stop, _) => (stop, None),
+    };
     let refusal = message.refusal.unwrap_or_default();
     let text = message.content.unwrap_or_default() + &refusal;
     let mut content = Vec::new();
@@ -491,11 +520,8 @@ fn anthropic_message(completion: ChatCompletion) -> Result<MessageOut, AnswerErr
         role: "assistant",
         model: completion.model,
         content,
-        stop_reason: Some(stop_reason(
-            choice.finish_reason.as_deref(),
-            !refusal.is_empty(),
-        )?),
-        stop_sequence: None,
+        stop_reason: Some(stop),
+        stop_sequence,
         usage: completion.usage.unwrap_or_default().to_anthropic(),
     })
 }
@@ -1045,6 +1071,62 @@ mod tests {
             json!({"input_tokens": 0, "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": 0, "output_tokens": 0})
         );
+    }
+
+    #[test]
+    fn the_stop_reason_follows_what_the_answer_holds() {
+        let cx = context(Direction::MessagesToChat);
+        let answer = |message: Value, extra: Value| -> Value {
+            let mut choice = json!({"message": message});
+            choice
+                .as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            let body = json!({"id": "c", "model": "m", "choices": [choice]});
+            serde_json::from_slice(&whole(&cx, body.to_string().as_bytes()).unwrap()).unwrap()
+        };
+        let call = json!({"content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": "{}"}}]});
+        // vLLM and Ollama answer a call with `stop`: an Anthropic loop must run the tool.
+        let vllm = answer(call.clone(), json!({"finish_reason": "stop"}));
+        assert_eq!(vllm["stop_reason"], "tool_use");
+        // `function_call` (or `tool_calls`) without a call is not `tool_use`.
+        let text = json!({"content": "done"});
+        for finish in ["function_call", "tool_calls"] {
+            let out = answer(text.clone(), json!({"finish_reason": finish}));
+            assert_eq!(out["stop_reason"], "end_turn", "{finish}");
+        }
+        // Which stop sequence fired, where the target says (vLLM's `stop_reason`).
+        let fired = answer(
+            text.clone(),
+            json!({"finish_reason": "stop", "stop_reason": "###"}),
+        );
+        assert_eq!(fired["stop_reason"], "stop_sequence");
+        assert_eq!(fired["stop_sequence"], "###");
+        let eos = answer(text, json!({"finish_reason": "stop", "stop_reason": 2}));
+        assert_eq!(eos["stop_reason"], "end_turn");
+        assert_eq!(eos["stop_sequence"], Value::Null);
+        // No usage reported: the caller is told none (Anthropic's zeros are written, the
+        // meter charges the target's own, absent, usage).
+        assert_eq!(vllm["usage"]["input_tokens"], 0);
+    }
+
+    #[test]
+    fn text_after_a_tool_call_is_refused_not_moved_before_it() {
+        let cx = context(Direction::ChatToMessages);
+        let body = json!({"id": "msg_1", "model": "m", "stop_reason": "tool_use",
+            "usage": {"input_tokens": 1, "output_tokens": 1}, "content": [
+                {"type": "text", "text": "first"},
+                {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}},
+                {"type": "text", "text": "after"}]});
+        let err = whole(&cx, body.to_string().as_bytes()).unwrap_err();
+        assert!(err.0.contains("text after a tool_use block"), "{}", err.0);
+        // Without the usage the chat answer carries none, rather than zeros.
+        let body = json!({"id": "msg_1", "model": "m", "stop_reason": "end_turn",
+            "content": [{"type": "text", "text": "hi"}]});
+        let out: Value =
+            serde_json::from_slice(&whole(&cx, body.to_string().as_bytes()).unwrap()).unwrap();
+        assert!(out.get("usage").is_none(), "{out}");
     }
 
     #[test]

@@ -7,7 +7,9 @@
 //!
 //! A 2xx answer that cannot be brought back exactly (an unknown stop reason, arguments
 //! that are not an object) is answered as a body no API reads, so the recovery layer
-//! classifies it malformed and tries the next target, as for any malformed answer.
+//! classifies it malformed and tries the next target, as for any malformed answer; the
+//! body names the reason, which the caller is told if no target answers. It is charged
+//! the target's own reported usage.
 
 use std::task::{Context, Poll};
 
@@ -96,7 +98,7 @@ fn back(cx: &AnswerContext, reply: Reply, keep_answer: bool) -> Reply {
             let body = if status.is_success() {
                 answer::whole(cx, &bytes).unwrap_or_else(|problem| {
                     tracing::warn!(direction = cx.direction.label(), problem = %problem.0, "an answer cannot be translated exactly");
-                    Bytes::from_static(b"untranslatable answer")
+                    untranslatable(&problem.0)
                 })
             } else {
                 answer::error(cx, status, &bytes)
@@ -114,6 +116,23 @@ fn back(cx: &AnswerContext, reply: Reply, keep_answer: bool) -> Reply {
             reply
         }
     }
+}
+
+/// What an untranslatable answer is replaced with: a body no API reads (so recovery
+/// classifies it malformed and tries the next target) that names why, for the error
+/// the caller gets if no target answers ([`untranslatable_reason`]).
+const UNTRANSLATABLE: &[u8] = b"untranslatable answer: ";
+
+fn untranslatable(reason: &str) -> Bytes {
+    let mut body = BytesMut::from(UNTRANSLATABLE);
+    body.extend_from_slice(reason.as_bytes());
+    body.freeze()
+}
+
+/// Why a translated answer could not be brought back, if `body` is one that could not.
+pub fn untranslatable_reason(body: &[u8]) -> Option<String> {
+    body.strip_prefix(UNTRANSLATABLE)
+        .map(|reason| String::from_utf8_lossy(reason).into_owned())
 }
 
 /// A relayed target stream, cut into events and translated as it comes.

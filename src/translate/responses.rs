@@ -886,6 +886,12 @@ impl ResponseObject {
             Status::Incomplete
         };
         self.incomplete_details = incomplete.map(|reason| IncompleteDetails { reason });
+        // A message cut short is itself incomplete, as OpenAI marks it.
+        if self.status == Status::Incomplete {
+            if let Some(OutputItem::Message { status, .. }) = self.output.last_mut() {
+                *status = Status::Incomplete;
+            }
+        }
         self.usage = Some(usage.responses());
         Ok(())
     }

@@ -210,6 +210,11 @@ impl MessagesToChunks {
                     return Err(AnswerError(format!("the stream has {why}")));
                 }
                 let block = match content_block {
+                    ContentBlock::Text { .. } if open.calls > 0 => {
+                        return Err(AnswerError::new(
+                            "text after a tool_use block, which chat completions cannot order",
+                        ));
+                    }
                     ContentBlock::Text { text, .. } => {
                         if !text.is_empty() {
                             out.push(text_chunk(&open.head, &text));
@@ -553,6 +558,8 @@ struct OpenMessage {
     last_call: Option<u32>,
     /// A refusal was streamed (as text): a normal stop is Anthropic's `refusal`.
     refused: bool,
+    /// A tool call was relayed: the answer stopped to use it.
+    called: bool,
     usage: Option<ChatUsage>,
     stage: Stage,
 }
@@ -709,6 +716,7 @@ impl OpenMessage {
             next: 0,
             last_call: None,
             refused: false,
+            called: false,
             usage: None,
             stage: Stage::Content,
         }
@@ -735,7 +743,7 @@ impl OpenMessage {
                 if self.stage != Stage::Content {
                     return Err(AnswerError::new("a second finish_reason"));
                 }
-                let stop = answer::stop_reason(Some(&finish), self.refused)?;
+                let stop = answer::stop_reason(Some(&finish), self.refused, self.called)?;
                 self.close(stop == "max_tokens", out)?;
                 self.stage = Stage::Stopped(stop);
             }
@@ -779,6 +787,7 @@ impl OpenMessage {
 
     fn tool_call(&mut self, call: ToolCallIn, out: &mut Vec<Bytes>) -> Result<(), AnswerError> {
         self.content_allowed()?;
+        self.called = true;
         let function = call.function.unwrap_or_default();
         // A delta continues the open call unless it names another index or another id
         // (some OpenAI-compatible servers send each call whole, without an index).

@@ -36,5 +36,6 @@ mod settle;
 mod stream_lossless;
 mod streaming;
 mod strict_mock;
+mod switch_answers;
 mod translate;
 mod validation;

@@ -6,7 +6,7 @@ use super::{answered, Answered};
 use crate::{
     error::{GatewayError, Protocol},
     policy::classify::{Class, TransportFailure},
-    upstream::Reply,
+    upstream::{Reply, ReplyBody},
 };
 
 // The large variants hold a whole reply, moved a few times per attempt: boxing it would
@@ -43,11 +43,23 @@ impl Failure {
                 status: reply.status.as_u16(),
             }),
             Failure::Reply {
+                reply,
                 class: Class::Malformed,
                 upstream,
-                ..
-            } => Err(GatewayError::UpstreamMalformed {
-                upstream: upstream.to_string(),
+            } => Err(match &reply.body {
+                ReplyBody::Full(body) => match crate::translate::layer::untranslatable_reason(body)
+                {
+                    Some(reason) => GatewayError::UpstreamUntranslatable {
+                        upstream: upstream.to_string(),
+                        reason,
+                    },
+                    None => GatewayError::UpstreamMalformed {
+                        upstream: upstream.to_string(),
+                    },
+                },
+                ReplyBody::Stream(_) => GatewayError::UpstreamMalformed {
+                    upstream: upstream.to_string(),
+                },
             }),
             Failure::Reply {
                 reply,
