@@ -84,6 +84,13 @@ pub enum GatewayError {
     UpstreamProtocol { upstream: String, problem: Protocol },
     #[error("every upstream for this model is failing and its circuit breaker is open; retry after {retry_after:?}")]
     CircuitOpen { retry_after: Duration },
+    /// No target answered, and some were never tried because the request cannot be
+    /// translated for them: the error says which, and the JSON paths that kept it away.
+    #[error("{error}; not tried, the request cannot be translated for them: {skipped}")]
+    Skipped {
+        error: Box<GatewayError>,
+        skipped: String,
+    },
     #[error("the request did not complete within {0:?}")]
     RequestTimeout(Duration),
     #[error("no such endpoint: {method} {path}")]
@@ -205,6 +212,7 @@ impl GatewayError {
             }
             UpstreamProtocol { problem, .. } => problem.code(),
             CircuitOpen { .. } => ErrorCode::CircuitOpen,
+            Skipped { error, .. } => error.code(),
             RequestTimeout(_) => ErrorCode::RequestTimeout,
             NotFound { .. } => ErrorCode::UnknownEndpoint,
             MethodNotAllowed { .. } => ErrorCode::MethodNotAllowed,
@@ -231,6 +239,7 @@ impl GatewayError {
             | GatewayError::SessionRefused { retry_after, .. }
             | GatewayError::StateUnavailable { retry_after, .. }
             | GatewayError::Overloaded { retry_after } => Some(*retry_after),
+            GatewayError::Skipped { error, .. } => error.retry_after(),
             _ => None,
         }
     }
@@ -253,6 +262,7 @@ impl GatewayError {
             GatewayError::InvalidHeader { header, .. } => Some(header),
             GatewayError::InvalidParameter { param, .. } => Some(param),
             GatewayError::TooManyItems { param, .. } => *param,
+            GatewayError::Skipped { error, .. } => error.param(),
             _ => self.budget(),
         }
     }

@@ -37,7 +37,13 @@ pub fn convert(
             super::responses::request(&caller.json, &mut judge, options.max_tokens)
         }
         Direction::ChatToMessages => chat_to_messages(&caller.json, &mut judge, options.max_tokens),
-        Direction::MessagesToChat => messages_to_chat(&caller.json, &mut judge),
+        Direction::MessagesToChat => {
+            let (plain, cache_marked) = anthropic_plain(&caller.json);
+            if cache_marked {
+                judge.dropped.push("cache_control".into());
+            }
+            messages_to_chat(&plain, &mut judge)
+        }
     };
     if judge.losses.is_empty() {
         Ok(Converted {
@@ -49,6 +55,54 @@ pub fn convert(
             paths: judge.losses,
         })
     }
+}
+
+/// An Anthropic request without what carries nothing across: `null` fields (the SDK's
+/// `model_dump()` round trip writes `"citations": null` on text blocks and `"caller":
+/// null` on `tool_use` blocks), fields at their documented default (`"is_error": false`
+/// on a `tool_result`, as langchain-anthropic and pydantic-ai send it), and
+/// `cache_control` marks (top level, system blocks, tools, message blocks), which change
+/// the price and never the answer. Read from the blocks of `system`, `tools` and
+/// `messages` (tool results' own blocks too), never from inside a tool's input or
+/// schema. Also whether a cache mark was dropped (named in
+/// `x-backstop-translation-dropped`).
+fn anthropic_plain(json: &Map<String, Value>) -> (Map<String, Value>, bool) {
+    fn clean(block: &mut Value, marked: &mut bool) {
+        let Some(object) = block.as_object_mut() else {
+            return;
+        };
+        object.retain(|_, v| !v.is_null());
+        *marked |= object.remove("cache_control").is_some();
+        if object.get("type").and_then(Value::as_str) == Some("tool_result")
+            && object.get("is_error") == Some(&Value::Bool(false))
+        {
+            object.remove("is_error");
+        }
+        if let Some(Value::Array(inner)) = object.get_mut("content") {
+            for block in inner {
+                clean(block, marked);
+            }
+        }
+    }
+    let mut out = json.clone();
+    let mut marked = out.remove("cache_control").is_some();
+    for key in ["system", "tools"] {
+        if let Some(Value::Array(blocks)) = out.get_mut(key) {
+            for block in blocks {
+                clean(block, &mut marked);
+            }
+        }
+    }
+    if let Some(Value::Array(messages)) = out.get_mut("messages") {
+        for message in messages {
+            if let Some(Value::Array(blocks)) = message.get_mut("content") {
+                for block in blocks {
+                    clean(block, &mut marked);
+                }
+            }
+        }
+    }
+    (out, marked)
 }
 
 /// Anthropic's sampling temperature range is 0–1 (OpenAI's is 0–2).
@@ -1143,7 +1197,7 @@ mod tests {
     fn what_openai_cannot_carry_is_named_by_path() {
         let anthropic = json!({
             "model": "claude", "max_tokens": 10, "top_k": 5, "thinking": {"type": "enabled", "budget_tokens": 1024},
-            "system": [{"type": "text", "text": "A", "cache_control": {"type": "ephemeral"}}],
+            "system": [{"type": "text", "text": "A", "x_future": {"n": 1}}],
             "messages": [
                 {"role": "user", "content": "hi"},
                 {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": "sig"}, {"type": "text", "text": "ok"}]},
@@ -1165,6 +1219,58 @@ mod tests {
         ] {
             assert!(lost.contains(&path.to_string()), "{path} in {lost:?}");
         }
+    }
+
+    #[test]
+    fn nulls_defaults_and_cache_marks_carry_nothing_across() {
+        // As the Anthropic SDK's model_dump() round trip, langchain-anthropic and a
+        // prompt-caching agent send them.
+        let anthropic = json!({
+            "model": "claude", "max_tokens": 10,
+            "system": [{"type": "text", "text": "A", "cache_control": {"type": "ephemeral"}}],
+            "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"x": {"default": null}}},
+                       "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "hi", "citations": null,
+                    "cache_control": {"type": "ephemeral"}}]},
+                {"role": "assistant", "content": [
+                    {"type": "text", "text": "Let me look.", "citations": null},
+                    {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"x": null},
+                     "caller": null}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": false,
+                     "content": [{"type": "text", "text": "ok", "citations": null}]}]}
+            ]
+        });
+        let body = parsed(Endpoint::Messages, anthropic);
+        let converted = convert(Direction::MessagesToChat, &body, Options::default()).unwrap();
+        assert_eq!(converted.dropped, ["cache_control"]);
+        let messages = &converted.json["messages"];
+        assert_eq!(
+            messages[0],
+            json!({"role": "system", "content": [{"type": "text", "text": "A"}]})
+        );
+        assert_eq!(messages[1], json!({"role": "user", "content": "hi"}));
+        // A null inside a tool's input or schema is the caller's data: kept.
+        assert_eq!(
+            messages[2]["tool_calls"][0]["function"]["arguments"],
+            "{\"x\":null}"
+        );
+        assert_eq!(
+            converted.json["tools"][0]["function"]["parameters"]["properties"]["x"],
+            json!({"default": null})
+        );
+        assert_eq!(
+            messages[3],
+            json!({"role": "tool", "tool_call_id": "toolu_1", "content": [{"type": "text", "text": "ok"}]})
+        );
+        // An error result has no OpenAI equivalent: a named loss.
+        let failed = json!({"model": "claude", "max_tokens": 10, "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "is_error": true, "content": "boom"}]}]});
+        let lost = convert_json(Direction::MessagesToChat, failed, Options::default()).unwrap_err();
+        assert_eq!(lost, ["/messages/2/content/0"]);
     }
 
     #[test]

@@ -285,3 +285,73 @@ def test_an_untranslatable_request_is_refused_out_loud(backstop, oai, scenario):
     else:
         raise AssertionError("n=2 has no Anthropic equivalent")
     assert backstop.attempts(scenario) == 0
+
+
+# --- what real Anthropic clients send, across the switch (hardening v3, 15-17) -----------
+
+
+def test_a_model_dump_round_trip_keeps_the_openai_target(backstop, anth, scenario):
+    """The SDK's own `model_dump()` of its answer (`citations: None` on text, `caller:
+    None` on tool_use where the SDK has it), then a tool result as langchain-anthropic and
+    pydantic-ai send it (`is_error: False`). Before: the OpenAI target was skipped as
+    untranslatable from the first tool call on."""
+    messages = [{"role": "user", "content": "Weather in Rome?"}]
+    first = anth.messages.create(
+        model="switch-claude", max_tokens=128, tools=[ANTHROPIC_WEATHER_TOOL], messages=messages,
+        extra_headers=_headers(scenario, "content=Let me look.;" + _tool_call("Rome")),
+    )
+    assert first.stop_reason == "tool_use"
+    dumped = [b.model_dump() for b in first.content]
+    assert any(v is None for block in dumped for v in block.values()), dumped
+    use = next(b for b in first.content if b.type == "tool_use")
+    messages.append({"role": "assistant", "content": dumped})
+    messages.append({"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": use.id, "content": "25C", "is_error": False}]})
+    raw = anth.messages.with_raw_response.create(
+        model="switch-claude", max_tokens=128, tools=[ANTHROPIC_WEATHER_TOOL], messages=messages,
+        extra_headers=_headers(scenario, "content=It is 25C in Rome."),
+    )
+    assert raw.headers["x-backstop-upstream"] == "mock-openai"
+    assert raw.parse().content[0].text == "It is 25C in Rome."
+    sent = backstop.last_upstream_request(scenario)["body"]
+    assert sent["messages"][1]["content"] == "Let me look."
+    assert sent["messages"][2] == {"role": "tool", "tool_call_id": sent["messages"][1]["tool_calls"][0]["id"], "content": "25C"}
+
+
+def test_a_prompt_caching_agent_fails_over_with_its_cache_marks_dropped(backstop, anth, scenario):
+    """`cache_control` on system blocks, tools and message blocks changes the price, never
+    the answer: dropped in translation and named. Before: the OpenAI target was
+    untranslatable, and `translate.drop` could not reach a block-level field."""
+    cached = {"type": "ephemeral"}
+    raw = anth.messages.with_raw_response.create(
+        model="switch-claude", max_tokens=64,
+        system=[{"type": "text", "text": "You are a careful agent.", "cache_control": cached}],
+        tools=[{**ANTHROPIC_WEATHER_TOOL, "cache_control": cached}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "hello", "cache_control": cached}]}],
+        extra_headers=_headers(scenario),
+    )
+    assert raw.headers["x-backstop-upstream"] == "mock-openai"
+    assert raw.headers["x-backstop-translation-dropped"] == "cache_control"
+    assert raw.parse().content[0].text == "mock: hello"
+    sent = backstop.last_upstream_request(scenario)["body"]
+    assert "cache_control" not in json.dumps(sent)
+
+
+def test_a_refusal_names_the_targets_it_skipped_and_why(backstop, anth, scenario):
+    """The live OpenAI target cannot take `top_k`; the Claude target is down. Before: the
+    dead provider's error (or `circuit_open`) alone, the healthy target never mentioned."""
+    import anthropic
+
+    try:
+        anth.messages.create(
+            model="switch-claude", max_tokens=64, extra_body={"top_k": 5},
+            messages=[{"role": "user", "content": "hello"}],
+            extra_headers=_headers(scenario),
+        )
+    except anthropic.APIStatusError as err:
+        assert err.status_code in (502, 503), err
+        message = err.body["error"]["message"]
+        assert "not tried, the request cannot be translated for them: mock-openai: /top_k" in message, message
+    else:
+        raise AssertionError("the only live target cannot take top_k")
+    assert backstop.attempts(scenario) == 0

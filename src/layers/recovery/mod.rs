@@ -196,6 +196,42 @@ struct Run<S> {
     trail: Trail,
 }
 
+/// No target answered: the failure, naming the targets skipped as untranslatable and
+/// the paths that kept the request from them, so a caller whose live target was skipped
+/// is not told only that the dead one failed. An upstream's own error passed through
+/// keeps its status and headers; its message says the same.
+fn skipped(
+    result: Result<Answered, GatewayError>,
+    untranslatable: Vec<String>,
+) -> Result<Answered, GatewayError> {
+    if untranslatable.is_empty() {
+        return result;
+    }
+    let skipped = untranslatable.join("; ");
+    match result {
+        Ok(mut answered) if !answered.reply.status.is_success() => {
+            let mut body: serde_json::Value = match serde_json::from_slice(answered.reply.bytes()) {
+                Ok(body) => body,
+                Err(_) => return Ok(answered),
+            };
+            if let Some(serde_json::Value::String(message)) = body.pointer_mut("/error/message") {
+                message.push_str(&format!(
+                    "; not tried, the request cannot be translated for them: {skipped}"
+                ));
+                let bytes = bytes::Bytes::from(body.to_string());
+                answered.reply.headers.remove(http::header::CONTENT_LENGTH);
+                answered.reply.body = crate::upstream::ReplyBody::Full(bytes);
+            }
+            Ok(answered)
+        }
+        Ok(answered) => Ok(answered),
+        Err(error) => Err(GatewayError::Skipped {
+            error: Box::new(error),
+            skipped,
+        }),
+    }
+}
+
 /// Frees a half-open probe slot if the request is dropped before its verdict.
 struct Admitted<'a> {
     health: &'a UpstreamHealth,
@@ -403,7 +439,7 @@ where
                 None => Err(GatewayError::RequestTimeout(request_timeout)),
             },
         };
-        self.finish(result)
+        self.finish(skipped(result, untranslatable))
     }
 
     /// Whether a target can take this request: `Some(None)` when it speaks the caller's
