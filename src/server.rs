@@ -36,9 +36,10 @@ use axum::body::Body;
 use futures_util::future::BoxFuture;
 use http::{Request, Response};
 use http_body_util::BodyExt;
-use hyper::{body::Incoming, server::conn::http1};
+use hyper::body::Incoming;
 use hyper_util::{
-    rt::{TokioIo, TokioTimer},
+    rt::{TokioExecutor, TokioIo, TokioTimer},
+    server::conn::auto,
     service::TowerToHyperService,
 };
 use tokio::{
@@ -452,9 +453,12 @@ impl Connection {
             live: self.live,
             activity: activity.clone(),
         });
-        let conn = http1::Builder::new()
-            .timer(TokioTimer::new())
-            .serve_connection(io, service);
+        // HTTP/1.1, or HTTP/2 with prior knowledge (h2c: gRPC-style clients and
+        // proxies that speak it to a plain port), told apart by the connection preface.
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder.http1().timer(TokioTimer::new());
+        builder.http2().timer(TokioTimer::new());
+        let conn = builder.serve_connection(io, service);
         tokio::pin!(conn);
         tokio::select! {
             _ = conn.as_mut() => return,

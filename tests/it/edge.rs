@@ -427,3 +427,54 @@ async fn log_lines_inside_the_stack_carry_the_requests_span() {
     assert_eq!(line["error"], "upstream_auth_failed", "{line}");
     assert_eq!(line["end"], "complete", "{line}");
 }
+
+/// Hardening v3, 13: HTTP/2 with prior knowledge on the plain port is served (before:
+/// the connection was dropped with no response), streams included, and HTTP/1.1 still is.
+#[tokio::test]
+async fn http2_with_prior_knowledge_is_served_on_the_plain_port() {
+    let gw = start().await;
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let body = json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hello"}]});
+    let resp = h2
+        .post(format!("{}/v1/chat/completions", gw.url))
+        .bearer_auth(KEY_A)
+        .header("x-mock-scenario", "h2")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.version(), reqwest::Version::HTTP_2);
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers().contains_key("x-request-id"));
+    let answer = json(resp).await;
+    assert_eq!(answer["choices"][0]["message"]["content"], "mock: hello");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let resp = h2
+        .post(format!("{}/v1/chat/completions", gw.url))
+        .bearer_auth(KEY_A)
+        .header("x-mock-scenario", "h2")
+        .body(streamed.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let text = resp.text().await.unwrap();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    // A caller's mistake is the same 4xx over HTTP/2.
+    let resp = h2
+        .post(format!("{}/v1/chat/completions", gw.url))
+        .bearer_auth(KEY_A)
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    assert_eq!(gw.mock.attempts("h2"), 2);
+    let resp = gw.chat("h1", "", body).await;
+    assert_eq!(resp.version(), reqwest::Version::HTTP_11);
+    assert_eq!(resp.status(), 200);
+}
