@@ -409,6 +409,7 @@ fn response_objects_stack(state: &AppState) -> HttpService {
         state.owners.clone(),
         server.max_body_bytes,
         state.stream_cut.clone(),
+        state.budgets.background.clone(),
     ));
     let stack = ServiceBuilder::new()
         .layer(EdgeLayer::default())

@@ -121,6 +121,10 @@ pub struct BillingConfig {
     /// is not believed: the call is charged its reservation instead, logged and counted
     /// (`backstop_usage_rejected_total`).
     pub max_reported_tokens: u64,
+    /// Background Responses (`background: true`): `hold` (the default: the create's
+    /// reservation is held until the response's usage appears on a later GET, stream
+    /// resume or cancel) or `refuse` (400 for a tenant or session with a USD cap).
+    pub background: Background,
 }
 
 impl Default for BillingConfig {
@@ -131,8 +135,16 @@ impl Default for BillingConfig {
             default_max_tokens: 4096,
             min_input_tokens: 0,
             max_reported_tokens: 10_000_000,
+            background: Background::Hold,
         }
     }
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Background {
+    Hold,
+    Refuse,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]

@@ -28,8 +28,8 @@ use serde::Deserialize;
 
 pub use admin::AdminConfig;
 pub use budget::{
-    prices, BillingConfig, PriceConfig, PriceTierConfig, SessionLimitsConfig, TenantBudgetConfig,
-    Unpriced,
+    prices, Background, BillingConfig, PriceConfig, PriceTierConfig, SessionLimitsConfig,
+    TenantBudgetConfig, Unpriced,
 };
 pub use log::{LogConfig, LogFormat};
 pub use recovery::{BreakerConfig, RetryConfig};

@@ -31,6 +31,7 @@ use super::{Middleware, Stack};
 use crate::{
     api::{prompt::MediaRules, ApiKind, Endpoint, ParsedRequest, ReportedUsage},
     billing::Tokens,
+    error::GatewayError,
     policy::classify::TransportFailure,
     state::budgets::{
         reservation::{Ask, Outcome, Prepaid},
@@ -83,12 +84,25 @@ pub fn ask(
             Endpoint::Embeddings => 0,
             _ => request
                 .max_output_tokens
+                // A background response runs unwatched: it may write all the model can.
+                .or_else(|| {
+                    is_background(request)
+                        .then(|| budgets.max_output_of(model))
+                        .flatten()
+                })
                 .unwrap_or(budgets.default_max_tokens)
                 .saturating_mul(request.choices),
         },
         cache: prompt.cache,
         web_searches: prompt.web_searches,
     }
+}
+
+/// A Responses create that runs in the background (`background: true`): answered at
+/// once, its usage known only later (see [`crate::state::budgets::background`]).
+pub fn is_background(request: &ParsedRequest) -> bool {
+    request.endpoint == Endpoint::Responses
+        && request.json.get("background") == Some(&serde_json::Value::Bool(true))
 }
 
 /// The input tokens a call costs beyond its body, from objects the provider holds
@@ -136,7 +150,7 @@ impl<S> Layer<S> for MeterLayer {
 }
 
 /// What the leaf read of a body's usage, as the ledger settles it.
-fn outcome(usage: ReportedUsage) -> Outcome {
+pub fn outcome(usage: ReportedUsage) -> Outcome {
     match usage {
         ReportedUsage::Absent => Outcome::Unreported,
         ReportedUsage::Counts(tokens) => Outcome::Reported(tokens),
@@ -175,6 +189,13 @@ where
             &request,
             held,
         );
+        let background = is_background(&request);
+        if background && budgets.refuses_background(&tenant, session.is_some()) {
+            return Err(AttemptError::Refused(GatewayError::InvalidParameter {
+                param: "background",
+                detail: "background responses are refused for a USD-capped tenant or session (billing.background = \"refuse\"): their cost is known only after the call".into(),
+            }));
+        }
         let reservation = match prepaid.and_then(|p| p.take(&ask)) {
             Some(reservation) => reservation,
             None => budgets
@@ -225,6 +246,18 @@ where
                             })
                         }
                     });
+                    return result.map_err(AttemptError::from);
+                }
+                // Queued in the background: its usage comes later, on the response.
+                (None, Some(view))
+                    if background
+                        && reply.status.is_success()
+                        && view.usage == ReportedUsage::Absent
+                        && view.id.is_some() =>
+                {
+                    let id = view.id.clone().unwrap_or_default();
+                    tracing::debug!(response = %id, "a background response's reservation is held until its usage appears");
+                    budgets.background.hold(id, reservation);
                     return result.map_err(AttemptError::from);
                 }
                 (None, Some(view)) => {

@@ -257,6 +257,17 @@ fn answer(response_id: &str, id: u64, request: &Value, step: &FaultStep) -> Resp
         items.push(Item::Call(tool, &args));
     }
     let output: Vec<Value> = items.iter().map(|item| item.done(id)).collect();
+    // `background: true` answers at once, queued, with no output or usage yet: they
+    // come with a later `GET /v1/responses/{id}`.
+    if !streaming && request.get("background") == Some(&Value::Bool(true)) {
+        return json_ok(response(
+            response_id,
+            request,
+            "queued",
+            json!([]),
+            Value::Null,
+        ));
+    }
     let done = response(response_id, request, "completed", json!(output), usage);
     if !streaming {
         let mut done = done;
@@ -322,7 +333,11 @@ pub fn stored(
     let stored = |status: &str| {
         let request = json!({"model": "mock-model"});
         let output = json!([message_item(0, "mock: stored response", "completed")]);
-        let usage = json!({"input_tokens": 1, "output_tokens": 3, "total_tokens": 4});
+        // The step's usage where it names one (`usage=IN/OUT`, `usage_b64`).
+        let usage = step.usage_json.clone().unwrap_or_else(|| {
+            let (input, output) = step.usage.unwrap_or((1, 3));
+            json!({"input_tokens": input, "output_tokens": output, "total_tokens": input + output})
+        });
         response(id, &request, status, output, usage)
     };
     match (method, tail) {

@@ -30,7 +30,7 @@ use super::{
 use crate::{
     error::{GatewayError, Protocol},
     policy::classify::TransportFailure,
-    state::owners::ResponseOwners,
+    state::{budgets::background::BackgroundHolds, owners::ResponseOwners},
     telemetry::RequestLog,
 };
 
@@ -78,6 +78,8 @@ pub struct ForwardObject {
     max_body_bytes: usize,
     /// Ends a relayed event stream at the shutdown grace.
     cut: StreamCut,
+    /// Background responses' reservations, settled when their usage first appears here.
+    background: Arc<BackgroundHolds>,
 }
 
 impl ForwardObject {
@@ -87,6 +89,7 @@ impl ForwardObject {
         owners: Arc<ResponseOwners>,
         max_body_bytes: usize,
         cut: StreamCut,
+        background: Arc<BackgroundHolds>,
     ) -> Self {
         ForwardObject {
             client,
@@ -94,8 +97,38 @@ impl ForwardObject {
             owners,
             max_body_bytes,
             cut,
+            background,
         }
     }
+}
+
+/// A response status after which its usage is final.
+fn finished(status: Option<&str>) -> bool {
+    matches!(
+        status,
+        Some("completed" | "incomplete" | "failed" | "cancelled")
+    )
+}
+
+/// Settles background response `id`'s held reservation, if one is held, from a whole
+/// answer that shows it finished: at its reported usage (the reservation when it
+/// reports none).
+fn settle_whole(holds: &BackgroundHolds, id: &str, body: &[u8]) {
+    let Ok(json) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return;
+    };
+    if !finished(json.get("status").and_then(serde_json::Value::as_str)) {
+        return;
+    }
+    let Some(reservation) = holds.take(id) else {
+        return;
+    };
+    let usage = crate::api::AnswerView::read(Endpoint::Responses, body, false).usage;
+    tracing::info!(
+        response = id,
+        "a background response finished: its held reservation settles to its usage"
+    );
+    reservation.settle_later(crate::layers::meter::outcome(usage));
 }
 
 impl tower::Service<Request<Body>> for ForwardObject {
@@ -127,12 +160,13 @@ impl ForwardObject {
             .trim_start_matches("/v1/responses/")
             .split('/')
             .next()
-            .unwrap_or_default();
+            .unwrap_or_default()
+            .to_string();
         let tenant = parts
             .extensions
             .get::<Arc<crate::api::Tenant>>()
             .ok_or(GatewayError::Internal)?;
-        let owned = self.owners.owns(&tenant.name, id).await.map_err(|err| {
+        let owned = self.owners.owns(&tenant.name, &id).await.map_err(|err| {
             GatewayError::StoreUnavailable {
                 detail: err.to_string(),
             }
@@ -181,6 +215,9 @@ impl ForwardObject {
             let headers = headers::client_response_headers(&response.headers);
             if !(status.is_success() && is_sse) {
                 let bytes = read_capped(response, upstream.limits.max_response_bytes).await?;
+                if status.is_success() && parts.method != Method::DELETE {
+                    settle_whole(&self.background, &id, &bytes);
+                }
                 return Ok::<_, TransportFailure>((status, headers, Body::from(bytes)));
             }
             // `GET /v1/responses/{id}?stream=true`: relayed as it comes, with the bounds
@@ -192,13 +229,26 @@ impl ForwardObject {
                     return Err(TransportFailure::Reset)
                 }
             };
+            let usage: Arc<stream::StreamUsage> = Arc::default();
+            // A resumed stream's final event carries the usage: it settles a held
+            // background reservation (the same once-only take as a GET).
+            let (holds, resumed) = (self.background.clone(), id.clone());
+            usage.on_end(move |end| {
+                if let (Some(tokens), true) = (end.usage, end.complete) {
+                    if let Some(reservation) = holds.take(&resumed) {
+                        reservation.settle_later(
+                            crate::state::budgets::reservation::Outcome::Reported(tokens),
+                        );
+                    }
+                }
+            });
             let relay = stream::Relay {
                 endpoint: Endpoint::Responses,
                 idle: upstream.attempt_timeout,
                 max_event_bytes: upstream.limits.max_event_bytes,
                 max_duration: upstream.limits.max_duration,
                 cut: self.cut.0.clone(),
-                usage: Arc::default(),
+                usage,
                 strip_usage_chunk: false,
             };
             Ok((status, headers, relay.body(first, chunks)))

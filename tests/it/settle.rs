@@ -6,7 +6,7 @@
 
 use serde_json::{json, Value};
 
-use crate::billing::{call, gateway, reporting, spent};
+use crate::billing::{call, gateway, reporting, spent, CAPPED};
 use crate::common::*;
 
 /// Input 2,000, output 5,000 at Claude's prices: 6,000 + 75,000 per million.
@@ -262,4 +262,53 @@ targets = [{ upstream = "never-up", model = "gpt-4o" }, { upstream = "mock-opena
         .get_json("/admin/tenants/capped/sessions/failover", Some(ADMIN))
         .await;
     assert_eq!(calls["used"]["calls"], 2, "{calls}");
+}
+
+#[tokio::test]
+async fn a_background_response_settles_once_when_its_usage_appears() {
+    let gw = gateway("max_usd = 5.0", "").await;
+    let create = json!({"model": "gpt-4o", "input": "write a report", "background": true});
+    let resp = call(&gw, "/v1/responses", "bg", "", &create).await;
+    assert_eq!(resp.status(), 200);
+    let queued = json(resp).await;
+    assert_eq!(queued["status"], "queued", "{queued}");
+    let id = queued["id"].as_str().unwrap().to_string();
+    // Held, not settled: the session has no settled call yet, and holds the reservation
+    // (before: charged its reservation at once, the real usage never).
+    let path = "/admin/tenants/capped/sessions/bg";
+    let held = gw.get_json(path, Some(ADMIN)).await;
+    assert_eq!(held["used"]["calls"], 0, "{held}");
+    // The GET that shows it finished settles it: 1,000 × 2.50 + 200 × 10.
+    for _ in 0..2 {
+        let resp = gw
+            .http
+            .get(format!("{}/v1/responses/{id}", gw.url))
+            .bearer_auth(CAPPED)
+            .header("x-mock-scenario", "bg")
+            .header("x-mock-fault", "usage=1000/200")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(json(resp).await["status"], "completed");
+    }
+    assert_eq!(spent(&gw, "bg", 1).await, (4_500, 1_200));
+    // Once: the second GET changed nothing.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    assert_eq!(spent(&gw, "bg", 1).await, (4_500, 1_200));
+
+    // Until then it holds the model's whole output (gpt-4o: 16,384 tokens at $10, about
+    // $0.164) when `max_output_tokens` is unset: more than a $0.10 cap.
+    let tight = gateway("max_usd = 0.1", "").await;
+    let resp = call(&tight, "/v1/responses", "bg-tight", "", &create).await;
+    assert_eq!(resp.status(), 402);
+    assert_eq!(tight.mock.attempts("bg-tight"), 0);
+
+    // `billing.background = "refuse"`: a USD-capped session cannot start one.
+    let refusing = gateway("max_usd = 5.0", "[billing]\nbackground = \"refuse\"").await;
+    let resp = call(&refusing, "/v1/responses", "bg-refused", "", &create).await;
+    assert_eq!(resp.status(), 400);
+    let body = json(resp).await;
+    assert_eq!(body["error"]["param"], "background", "{body}");
+    assert_eq!(refusing.mock.attempts("bg-refused"), 0);
 }

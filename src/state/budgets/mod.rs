@@ -25,6 +25,7 @@ use std::{
     time::Duration,
 };
 
+pub mod background;
 mod report;
 
 pub use report::MAX_REPORT_DAYS;
@@ -169,6 +170,12 @@ pub struct Budgets {
     /// Redis counts and PostgreSQL keeps the fleet's ledger: a budgeted call held in
     /// Redis also has a durable reservation in the ledger, settled there too.
     fleet_ledger: bool,
+    /// Background Responses' reservations, held until their usage appears (kept
+    /// across reloads).
+    pub background: Arc<background::BackgroundHolds>,
+    /// `billing.background = "refuse"`: no background create for a USD-capped tenant
+    /// or session.
+    refuse_background: bool,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -200,6 +207,8 @@ impl Budgets {
             shared: None,
             on_unavailable: config.state.on_unavailable,
             fleet_ledger: false,
+            background: Arc::default(),
+            refuse_background: false,
         }
         .reconfigured(config)
     }
@@ -287,7 +296,23 @@ impl Budgets {
             on_unavailable: config.state.on_unavailable,
             fleet_ledger: config.state.backend == crate::config::StateBackend::Redis
                 && config.store.backend == crate::config::StoreBackend::Postgres,
+            background: self.background.clone(),
+            refuse_background: config.billing.background == crate::config::Background::Refuse,
         }
+    }
+
+    /// Whether a background create by `tenant` is refused (`billing.background =
+    /// "refuse"` and a USD cap on the tenant's day or, in a session, on the session).
+    pub fn refuses_background(&self, tenant: &str, in_session: bool) -> bool {
+        self.refuse_background
+            && self.tenant(tenant).is_some_and(|book| {
+                book.day_limits.usd.is_some() || (in_session && book.session_limits.usd.is_some())
+            })
+    }
+
+    /// The most `model` may write in one answer, where its price says.
+    pub fn max_output_of(&self, model: &str) -> Option<u64> {
+        self.prices.lookup(model)?.max_output_tokens
     }
 
     /// Shares the budgets, rate limits and concurrency through Redis.
