@@ -96,3 +96,27 @@ async fn tool_calls_an_openai_compatible_target_finishes_with_stop_are_tool_use(
     assert_eq!(resp.status(), 200);
     assert_eq!(json(resp).await["stop_reason"], "end_turn");
 }
+
+#[tokio::test]
+async fn cached_input_an_openai_target_reports_to_an_anthropic_caller_is_priced_as_billed() {
+    let gw = gateway("max_usd = 5.0", ROUTES).await;
+    // Prompt 1,000 of which 800 cached, completion 10, on gpt-4o: 200 × 2.50 + 800 × 1.25
+    // + 10 × 10 = 1,600 per million (the item 7: before, the 800 cached were lost).
+    let usage = json!({"prompt_tokens": 1000, "completion_tokens": 10, "total_tokens": 1010,
+        "prompt_tokens_details": {"cached_tokens": 800}});
+    let body = json!({"model": "to-openai", "max_tokens": 100,
+        "messages": [{"role": "user", "content": "hello"}]});
+    let resp = call(
+        &gw,
+        "/v1/messages",
+        "cached",
+        &crate::billing::reporting(&usage),
+        &body,
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let answer = json(resp).await;
+    assert_eq!(answer["usage"]["cache_read_input_tokens"], 800, "{answer}");
+    assert_eq!(answer["usage"]["input_tokens"], 200, "{answer}");
+    assert_eq!(spent(&gw, "cached", 1).await, (1_600, 1_010));
+}
