@@ -162,6 +162,7 @@ async fn serve(
     let state = live.current().state.clone();
     let limits = Arc::new(limits);
     let permits = Arc::new(Semaphore::new(cap));
+    let idle = Arc::new(IdleConnections::default());
     let mut refusals = Refusals::new(cap, descriptors::REFUSAL_SLOTS);
     let (close_tx, close_rx) = watch::channel(false);
     let mut connections = JoinSet::new();
@@ -187,8 +188,19 @@ async fn serve(
                     backoff = ACCEPT_BACKOFF_MIN;
                     match permits.clone().try_acquire_owned() {
                         Ok(permit) => {
-                            let conn = Connection { live: live.clone(), limits: limits.clone(), _permit: permit };
+                            let conn = Connection { live: live.clone(), limits: limits.clone(), idle: idle.clone(), _permit: permit };
                             connections.spawn(conn.run(tcp, close_rx.clone()));
+                        }
+                        // Full: an idle keep-alive connection makes room before a new
+                        // client is refused (the oldest idle first).
+                        Err(_) if idle.shed_oldest() => {
+                            let conn = (live.clone(), limits.clone(), idle.clone(), permits.clone(), close_rx.clone());
+                            connections.spawn(async move {
+                                let (live, limits, idle, permits, close) = conn;
+                                if let Ok(Ok(permit)) = tokio::time::timeout(SHED_WAIT, permits.acquire_owned()).await {
+                                    Connection { live, limits, idle, _permit: permit }.run(tcp, close).await;
+                                }
+                            });
                         }
                         Err(_) => refusals.refuse(tcp),
                     }
@@ -434,10 +446,60 @@ async fn drain(io: &mut (impl AsyncRead + Unpin), sink: &mut [u8], read: &mut us
     }
 }
 
+/// How long a new client waits for the room an idle connection it displaced makes.
+const SHED_WAIT: Duration = Duration::from_millis(250);
+
+type Registry = std::collections::HashMap<u64, (Arc<Activity>, Arc<tokio::sync::Notify>)>;
+
+/// Every open connection's activity, so that a full server closes an idle keep-alive
+/// connection (nothing in flight, a request served) before it refuses a new client.
+#[derive(Default)]
+struct IdleConnections {
+    open: std::sync::Mutex<Registry>,
+    next: AtomicU64,
+}
+
+impl IdleConnections {
+    fn register(&self, activity: Arc<Activity>) -> (u64, Arc<tokio::sync::Notify>) {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let shed = Arc::new(tokio::sync::Notify::new());
+        self.lock().insert(id, (activity, shed.clone()));
+        (id, shed)
+    }
+
+    fn forget(&self, id: u64) {
+        self.lock().remove(&id);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Registry> {
+        self.open.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Tells the connection idle the longest to close; whether there was one.
+    fn shed_oldest(&self) -> bool {
+        let mut open = self.lock();
+        let oldest = open
+            .iter()
+            .filter_map(|(id, (activity, _))| Some((activity.idle_at()?, *id)))
+            .min();
+        let Some((_, id)) = oldest else {
+            return false;
+        };
+        // Off the registry at once: the next new client displaces another.
+        if let Some((_, shed)) = open.remove(&id) {
+            shed.notify_one();
+        }
+        metrics::counter!("backstop_connections_closed_total", "reason" => "shed_idle")
+            .increment(1);
+        true
+    }
+}
+
 /// One accepted connection and what it holds.
 struct Connection {
     live: Arc<Live>,
     limits: Arc<ServerConfig>,
+    idle: Arc<IdleConnections>,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -453,6 +515,8 @@ impl Connection {
             live: self.live,
             activity: activity.clone(),
         });
+        let (id, shed) = self.idle.register(activity.clone());
+        let _registered = Forget(&self.idle, id);
         // HTTP/1.1, or HTTP/2 with prior knowledge (h2c: gRPC-style clients and
         // proxies that speak it to a plain port), told apart by the connection preface.
         let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -466,6 +530,8 @@ impl Connection {
                 metrics::counter!("backstop_connections_closed_total", "reason" => reason).increment(1);
                 return;
             }
+            // Displaced by a new client while idle (counted by the shedder).
+            () = shed.notified() => return,
             () = signalled(&mut close) => conn.as_mut().graceful_shutdown(),
         }
         tokio::select! {
@@ -504,6 +570,15 @@ impl Activity {
 
     fn now_ms(&self) -> u64 {
         self.opened.elapsed().as_millis() as u64
+    }
+
+    /// Since when a keep-alive connection has had nothing to do (`None` while a request
+    /// is in flight or arriving, or before its first).
+    fn idle_at(&self) -> Option<Instant> {
+        let idle = self.in_flight.load(Ordering::Relaxed) == 0
+            && self.served.load(Ordering::Relaxed) > 0
+            && self.head_since.load(Ordering::Relaxed) == NONE;
+        idle.then(|| self.opened + Duration::from_millis(self.idle_since.load(Ordering::Relaxed)))
     }
 
     fn read_some(&self) {
@@ -555,6 +630,15 @@ impl Activity {
             }
             tokio::time::sleep(tick).await;
         }
+    }
+}
+
+/// Takes a connection off the idle registry when its task ends, however it ends.
+struct Forget<'a>(&'a IdleConnections, u64);
+
+impl Drop for Forget<'_> {
+    fn drop(&mut self) {
+        self.0.forget(self.1);
     }
 }
 

@@ -931,3 +931,51 @@ async fn malformed_fields_get_400_in_the_callers_shape_before_any_attempt() {
     let resp = gw.chat("tool-turn", "", body).await;
     assert_eq!(resp.status(), 200);
 }
+
+/// Hardening v3, 14: a full server closes its longest-idle keep-alive connection to make
+/// room, before it refuses a new client. Before: a fast 503 while idle sockets held
+/// every slot.
+#[tokio::test]
+async fn a_full_server_sheds_its_oldest_idle_keep_alive_before_refusing() {
+    let gw = start_with(server_keys(
+        "idle_timeout = \"60s\"\nheader_read_timeout = \"60s\"\nmax_connections = 4",
+    ))
+    .await;
+    let addr = gw.server.addr;
+    let mut kept = Vec::new();
+    for _ in 0..4 {
+        let mut socket = TcpStream::connect(addr).await.unwrap();
+        socket
+            .write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 512];
+        let n = socket.read(&mut buf).await.unwrap();
+        assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+        kept.push(socket);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Every slot holds an idle keep-alive; a new client is served all the same.
+    let resp = reqwest::Client::new()
+        .get(format!("{}/healthz", gw.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    // The oldest idle one made the room; the others are still open.
+    assert!(
+        closed_within(&mut kept[0], Duration::from_secs(2)).await,
+        "the oldest idle connection was not shed"
+    );
+    for socket in &mut kept[1..] {
+        assert!(!closed_within(socket, Duration::from_millis(100)).await);
+    }
+    let metrics = gw.metrics().await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("backstop_connections_closed_total{")
+                && l.contains("reason=\"shed_idle\"")),
+        "{metrics}"
+    );
+}
