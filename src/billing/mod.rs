@@ -7,7 +7,9 @@
 pub mod catalog;
 pub mod media;
 pub mod price;
+mod prices;
 mod usage;
 
-pub use price::{Price, Prices, Source};
+pub use price::{Price, Source};
+pub use prices::Prices;
 pub use usage::{CacheTtl, Tokens};

@@ -149,17 +149,6 @@ impl<S> Layer<S> for MeterLayer {
     }
 }
 
-/// What the leaf read of a body's usage, as the ledger settles it.
-pub fn outcome(usage: ReportedUsage) -> Outcome {
-    match usage {
-        ReportedUsage::Absent => Outcome::Unreported,
-        ReportedUsage::Counts(tokens) => Outcome::Reported(tokens),
-        ReportedUsage::Invalid => Outcome::Invalid,
-        ReportedUsage::Missing => Outcome::Missing,
-        ReportedUsage::OutputOnly(tokens) => Outcome::OutputOnly(tokens),
-    }
-}
-
 impl<S> Middleware<S, Billed> for MeterLayer
 where
     S: Service<Attempt, Response = Reply, Error = TransportFailure> + Send + 'static,
@@ -266,7 +255,7 @@ where
                     {
                         log.add_usage(&tokens);
                     }
-                    outcome(view.usage)
+                    Outcome::from(view.usage)
                 }
                 (None, None) => Outcome::Failed,
             },

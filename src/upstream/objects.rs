@@ -128,7 +128,7 @@ fn settle_whole(holds: &BackgroundHolds, id: &str, body: &[u8]) {
         response = id,
         "a background response finished: its held reservation settles to its usage"
     );
-    reservation.settle_later(crate::layers::meter::outcome(usage));
+    reservation.settle_later(usage.into());
 }
 
 impl tower::Service<Request<Body>> for ForwardObject {

@@ -41,6 +41,20 @@ pub enum Outcome {
     OutputOnly(Tokens),
 }
 
+/// What a body's usage, as the leaf read it, settles as.
+impl From<crate::api::ReportedUsage> for Outcome {
+    fn from(usage: crate::api::ReportedUsage) -> Outcome {
+        use crate::api::ReportedUsage;
+        match usage {
+            ReportedUsage::Absent => Outcome::Unreported,
+            ReportedUsage::Counts(tokens) => Outcome::Reported(tokens),
+            ReportedUsage::Invalid => Outcome::Invalid,
+            ReportedUsage::Missing => Outcome::Missing,
+            ReportedUsage::OutputOnly(tokens) => Outcome::OutputOnly(tokens),
+        }
+    }
+}
+
 /// What a settle charged, and the session as the shared state holds it after.
 #[derive(Debug, Clone, Copy)]
 pub struct Settlement {
