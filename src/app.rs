@@ -92,6 +92,7 @@ use crate::{
     clock::Clock,
     config::{Config, StoreBackend},
     error::{respond::error_response, GatewayError},
+    layers::translate::TranslateLayer,
     layers::{
         admission::AdmissionLayer,
         auth::{AuthLayer, TenantKeys},
@@ -120,7 +121,6 @@ use crate::{
     },
     store::{PgStore, RedisStore, SqliteStore, Store, StoreError},
     telemetry,
-    translate::layer::TranslateLayer,
     upstream::{self, objects::ForwardObject, Attempt, Forward, StreamCut, Upstream},
     validation::Schemas,
 };

@@ -11,10 +11,7 @@
 //! memory of the last hour ([`crate::state::activity`]): it survives no restart, and the
 //! answer says so.
 
-use std::{
-    collections::HashMap,
-    time::{Duration, UNIX_EPOCH},
-};
+use std::collections::HashMap;
 
 use axum::{
     extract::{RawQuery, State},
@@ -24,7 +21,7 @@ use axum::{
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
-use super::AdminState;
+use super::{rfc3339, AdminState};
 use crate::{
     policy::budget::Usage,
     state::{
@@ -43,11 +40,6 @@ const MAX_LIMIT: usize = 1000;
 
 /// Models listed per tenant, by spend.
 const TOP_MODELS: usize = 5;
-
-pub(super) fn rfc3339(ms: i64) -> String {
-    let at = UNIX_EPOCH + Duration::from_millis(u64::try_from(ms).unwrap_or(0));
-    humantime::format_rfc3339_seconds(at).to_string()
-}
 
 /// The page and its assets: no data in them, so no token; headers that keep them from
 /// being framed, cached, or made to load anything from elsewhere.

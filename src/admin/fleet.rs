@@ -13,7 +13,7 @@ use axum::{
 };
 use serde_json::{json, Value};
 
-use super::{answer, dashboard::rfc3339, AdminError, AdminState};
+use super::{answer, rfc3339, AdminError, AdminState};
 use crate::{
     error::GatewayError,
     policy::{

@@ -286,6 +286,14 @@ async fn tenant_view(
 
 /// The tenant view's `days`: absent, or a whole number of days from 1 to
 /// [`MAX_REPORT_DAYS`]; anything else is refused by name.
+/// Milliseconds since the Unix epoch as an RFC 3339 time, to the second (the admin
+/// views' timestamps).
+fn rfc3339(ms: i64) -> String {
+    let at =
+        std::time::UNIX_EPOCH + std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0));
+    humantime::format_rfc3339_seconds(at).to_string()
+}
+
 fn days_param(query: Option<&str>) -> Result<Option<u32>, AdminError> {
     let Some(value) = query
         .unwrap_or_default()

@@ -146,3 +146,14 @@ impl Endpoint {
             .is_some_and(|rest| !rest.is_empty())
     }
 }
+
+/// An answer's retry hints (`retry-after-ms`, `Retry-After`) as text, for the classifier
+/// ([`crate::policy::classify`]), which takes no HTTP types. A value that is not visible
+/// ASCII is no hint.
+pub fn retry_hints(headers: &http::HeaderMap) -> crate::policy::classify::RetryHints<'_> {
+    let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    crate::policy::classify::RetryHints {
+        retry_after_ms: text("retry-after-ms"),
+        retry_after: text("retry-after"),
+    }
+}

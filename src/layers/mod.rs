@@ -44,6 +44,7 @@ pub mod rates;
 pub mod recovery;
 pub mod respond;
 pub mod trace;
+pub mod translate;
 pub mod validate;
 mod validate_stream;
 

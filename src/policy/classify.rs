@@ -3,7 +3,6 @@
 
 use std::time::{Duration, SystemTime};
 
-use http::HeaderMap;
 use serde::Deserialize;
 
 /// How an attempt failed before any response head arrived.
@@ -35,12 +34,21 @@ impl TransportFailure {
     }
 }
 
+/// A provider's retry hints as it sent them: `retry-after-ms` (OpenAI) and `Retry-After`
+/// (seconds or an HTTP date). The caller reads them out of the answer's headers (see
+/// [`crate::api::retry_hints`]), so the policy judges text and knows no HTTP types.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RetryHints<'a> {
+    pub retry_after_ms: Option<&'a str>,
+    pub retry_after: Option<&'a str>,
+}
+
 /// What the classifier looks at.
 #[derive(Debug, Clone, Copy)]
 pub enum Observed<'a> {
     Response {
         status: u16,
-        headers: &'a HeaderMap,
+        hints: RetryHints<'a>,
         /// The whole body for non-streaming answers and for error statuses; empty for a
         /// successful stream (its head is all there is to judge).
         body: &'a [u8],
@@ -143,7 +151,7 @@ pub fn error_code(body: &[u8]) -> Option<String> {
 
 /// Classifies one attempt. `now` resolves an HTTP-date `Retry-After`.
 pub fn classify(observed: Observed<'_>, now: SystemTime) -> Class {
-    let (status, headers, body, readable) = match observed {
+    let (status, hints, body, readable) = match observed {
         Observed::Transport(TransportFailure::TooLarge | TransportFailure::NotAStream) => {
             return Class::Malformed
         }
@@ -155,10 +163,10 @@ pub fn classify(observed: Observed<'_>, now: SystemTime) -> Class {
         }
         Observed::Response {
             status,
-            headers,
+            hints,
             body,
             readable,
-        } => (status, headers, body, readable),
+        } => (status, hints, body, readable),
     };
     if (300..400).contains(&status) {
         return Class::Redirect;
@@ -173,7 +181,7 @@ pub fn classify(observed: Observed<'_>, now: SystemTime) -> Class {
     let (code, kind, message) = error_fields(body);
     let says = |needle: &str| code == needle || kind == needle;
     let transient = |rate_limited| Class::Transient {
-        retry_after: retry_after(headers, now),
+        retry_after: retry_after(hints, now),
         rate_limited,
     };
     // Anthropic names a quota problem `billing_error` (and so does a translated
@@ -205,20 +213,17 @@ pub fn classify(observed: Observed<'_>, now: SystemTime) -> Class {
 /// `retry-after-ms` (OpenAI), else `Retry-After` as seconds or an HTTP date. A value too
 /// large for a `Duration` (`1e20`) is "forever": longer than any `max_retry_after`, so
 /// recovery moves on instead of waiting (or panicking on the conversion).
-pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+pub fn retry_after(hints: RetryHints<'_>, now: SystemTime) -> Option<Duration> {
     let secs = |s: f64| Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX);
-    let header = |name: &str| {
-        headers
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-    };
-    if let Some(ms) = header("retry-after-ms").and_then(|v| v.parse::<f64>().ok()) {
+    if let Some(ms) = hints
+        .retry_after_ms
+        .and_then(|v| v.trim().parse::<f64>().ok())
+    {
         if ms.is_finite() && ms >= 0.0 {
             return Some(secs(ms / 1000.0));
         }
     }
-    let text = header("retry-after")?;
+    let text = hints.retry_after?.trim();
     if let Ok(value) = text.parse::<f64>() {
         return (value.is_finite() && value >= 0.0).then(|| secs(value));
     }
@@ -229,23 +234,26 @@ pub fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::HeaderValue;
     use serde_json::json;
 
-    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
-        let mut h = HeaderMap::new();
+    fn headers<'a>(pairs: &[(&'static str, &'a str)]) -> RetryHints<'a> {
+        let mut h = RetryHints::default();
         for (k, v) in pairs {
-            h.insert(*k, HeaderValue::from_str(v).unwrap());
+            match *k {
+                "retry-after" => h.retry_after = Some(v),
+                "retry-after-ms" => h.retry_after_ms = Some(v),
+                other => panic!("not a retry hint: {other}"),
+            }
         }
         h
     }
 
     fn response(status: u16, body: &str) -> Class {
-        let h = HeaderMap::new();
+        let h = RetryHints::default();
         classify(
             Observed::Response {
                 status,
-                headers: &h,
+                hints: h,
                 body: body.as_bytes(),
                 readable: serde_json::from_str::<serde::de::IgnoredAny>(body).is_ok(),
             },
@@ -383,11 +391,11 @@ mod tests {
 
     #[test]
     fn a_successful_stream_is_not_parsed() {
-        let h = HeaderMap::new();
+        let h = RetryHints::default();
         let class = classify(
             Observed::Response {
                 status: 200,
-                headers: &h,
+                hints: h,
                 body: b"",
                 readable: true,
             },
@@ -400,33 +408,33 @@ mod tests {
     fn retry_after_in_all_its_forms() {
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000_000);
         assert_eq!(
-            retry_after(&headers(&[("retry-after", "7")]), now),
+            retry_after(headers(&[("retry-after", "7")]), now),
             Some(Duration::from_secs(7))
         );
         assert_eq!(
-            retry_after(&headers(&[("retry-after", "1.5")]), now),
+            retry_after(headers(&[("retry-after", "1.5")]), now),
             Some(Duration::from_millis(1500))
         );
         assert_eq!(
             retry_after(
-                &headers(&[("retry-after-ms", "250"), ("retry-after", "9")]),
+                headers(&[("retry-after-ms", "250"), ("retry-after", "9")]),
                 now
             ),
             Some(Duration::from_millis(250))
         );
         let date = httpdate::fmt_http_date(now + Duration::from_secs(30));
         assert_eq!(
-            retry_after(&headers(&[("retry-after", &date)]), now),
+            retry_after(headers(&[("retry-after", &date)]), now),
             Some(Duration::from_secs(30))
         );
         let past = httpdate::fmt_http_date(now - Duration::from_secs(30));
         assert_eq!(
-            retry_after(&headers(&[("retry-after", &past)]), now),
+            retry_after(headers(&[("retry-after", &past)]), now),
             Some(Duration::ZERO)
         );
-        assert_eq!(retry_after(&headers(&[("retry-after", "soon")]), now), None);
-        assert_eq!(retry_after(&headers(&[("retry-after", "-3")]), now), None);
-        assert_eq!(retry_after(&HeaderMap::new(), now), None);
+        assert_eq!(retry_after(headers(&[("retry-after", "soon")]), now), None);
+        assert_eq!(retry_after(headers(&[("retry-after", "-3")]), now), None);
+        assert_eq!(retry_after(RetryHints::default(), now), None);
         // Absurd values are "forever", never a panic.
         for (name, value) in [
             ("retry-after", "1e20"),
@@ -434,7 +442,7 @@ mod tests {
             ("retry-after", "1e308"),
         ] {
             assert_eq!(
-                retry_after(&headers(&[(name, value)]), now),
+                retry_after(headers(&[(name, value)]), now),
                 Some(Duration::MAX),
                 "{name}: {value}"
             );
@@ -444,7 +452,7 @@ mod tests {
         let class = classify(
             Observed::Response {
                 status: 503,
-                headers: &h,
+                hints: h,
                 body: b"",
                 readable: false,
             },
@@ -469,17 +477,14 @@ mod tests {
             status in 100u16..1000,
             body in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
         ) {
-            let mut h = HeaderMap::new();
-            if let Ok(v) = HeaderValue::from_str(&ra) {
-                h.insert("retry-after", v);
-            }
-            if let Ok(v) = HeaderValue::from_str(&ms) {
-                h.insert("retry-after-ms", v);
-            }
+            let h = RetryHints {
+                retry_after: Some(&ra),
+                retry_after_ms: Some(&ms),
+            };
             let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
-            let _ = retry_after(&h, now);
+            let _ = retry_after(h, now);
             let _ = classify(
-                Observed::Response { status, headers: &h, body: &body, readable: false },
+                Observed::Response { status, hints: h, body: &body, readable: false },
                 now,
             );
         }

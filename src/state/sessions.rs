@@ -11,7 +11,7 @@
 //! it, and nothing of it is overwritten, except by an operator's close or reset.
 
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::HashMap,
     sync::{Arc, Mutex, MutexGuard},
     time::Duration,
 };
@@ -24,7 +24,7 @@ use crate::{
     config::Config,
     policy::{
         budget::SessionSeen,
-        guard::{restore_trip, GuardPolicy, Kept, Phase, SessionGuard, Trip},
+        guard::{restore_trip, GuardPolicy, Kept, SessionGuard, Trip},
     },
     state::{
         guard_view::{self, Joined, Write, Written},
@@ -36,84 +36,7 @@ use crate::{
     },
 };
 
-/// Trace entries kept per session.
-const TRACE_LEN: usize = 100;
-
-/// One line of a session's recovery trace. Kept as a small struct (not JSON) because
-/// every live session holds up to [`TRACE_LEN`] of them: 96 bytes, plus the bytes of a
-/// trail, a refusal's detail, or a client's own request id.
-#[derive(Debug, Clone)]
-pub struct TraceEntry {
-    pub request_id: TraceId,
-    /// 0 for a request the guard refused.
-    pub status: u16,
-    pub failed: bool,
-    /// Recovery's trail (`retry:503,ok`), or `refused:<code>`.
-    pub action: Box<str>,
-    /// The rule and evidence, for refusals.
-    pub detail: Option<Box<str>>,
-    pub attempts: u32,
-    pub upstream: Option<Arc<str>>,
-    pub latency_ms: f32,
-    pub cost_usd: f64,
-    pub tool_loop: u32,
-    pub state: Phase,
-}
-
-impl TraceEntry {
-    fn to_json(&self) -> Value {
-        json!({
-            "request_id": self.request_id.to_string(), "status": self.status,
-            "class": if self.status == 0 { "refused" } else if self.failed { "failed" } else { "ok" },
-            "action": self.action, "detail": self.detail, "attempts": self.attempts, "upstream": self.upstream.as_deref(),
-            "latency_ms": self.latency_ms, "cost_usd": crate::policy::budget::Usd(self.cost_usd), "tool_loop": self.tool_loop, "state": self.state.label(),
-        })
-    }
-}
-
-/// A request id as a trace keeps it: one Backstop made (32 lowercase hex digits, see
-/// [`crate::layers::edge::new_request_id`]) as its 16 bytes, a client's as it came.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum TraceId {
-    Hex([u8; 16]),
-    Given(Box<str>),
-}
-
-impl TraceId {
-    pub fn new(id: &str) -> TraceId {
-        let b = id.as_bytes();
-        let digit = |c: u8| match c {
-            b'0'..=b'9' => Some(c - b'0'),
-            b'a'..=b'f' => Some(c - b'a' + 10),
-            _ => None,
-        };
-        if b.len() == 32 {
-            let mut out = [0u8; 16];
-            let all = out.iter_mut().zip(b.chunks_exact(2)).all(|(o, pair)| {
-                match (digit(pair[0]), digit(pair[1])) {
-                    (Some(hi), Some(lo)) => {
-                        *o = hi << 4 | lo;
-                        true
-                    }
-                    _ => false,
-                }
-            });
-            if all {
-                return TraceId::Hex(out);
-            }
-        }
-        TraceId::Given(id.into())
-    }
-}
-
-impl std::fmt::Display for TraceId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            TraceId::Hex(bytes) => bytes.iter().try_for_each(|b| write!(f, "{b:02x}")),
-            TraceId::Given(id) => f.write_str(id),
-        }
-    }
-}
+pub use super::live::{GuardedSession, TraceEntry, TraceId};
 
 /// How a guard's write-back went ([`SessionGuards::update_with`]), with what the saver
 /// decided besides (`T`).
@@ -165,88 +88,6 @@ fn cut(state: &str, marks: &[&str]) -> Option<Vec<String>> {
     }
     parts.push(rest.to_string());
     Some(parts)
-}
-
-pub struct GuardedSession {
-    pub guard: SessionGuard,
-    trace: VecDeque<TraceEntry>,
-    /// The session's settled spend as this replica last saw it (the settle of its last
-    /// call here), for the guard's spend samples without a read of its own.
-    pub seen_usd: f64,
-    /// The config generation `guard`'s policy is from (see [`SessionGuards::reconfigured`]).
-    generation: u64,
-    /// How this replica's guard stands to the session's shared state (replica mode).
-    /// Made on first use and boxed: most sessions (every one in embedded mode) never
-    /// share theirs, and every live session pays for what is inline here (these 32 bytes
-    /// inline put a session's record in jemalloc's 320-byte class, not the 256).
-    shared: Option<Box<Sharing>>,
-}
-
-/// A session's guard against its shared state, on this replica.
-#[derive(Default)]
-struct Sharing {
-    /// The shared state's version the guard is at (0: none known).
-    version: u64,
-    /// Whole writes of this session's shared state one at a time from this replica, and
-    /// none while requests are being joined to it (those go together), so races (and
-    /// their retries) are only ever between replicas, and a whole write never holds a
-    /// request that is still being joined.
-    updating: Arc<tokio::sync::RwLock<()>>,
-    /// The session's requests on their way to the shared state from this replica (joined,
-    /// or offered whole beside a join): while any is, no whole state is offered.
-    joining: usize,
-    /// The shared state was this replica's guard before its last write (nobody wrote
-    /// between): it likely still is at the next.
-    last_writer: bool,
-}
-
-impl GuardedSession {
-    fn new(guard: SessionGuard, generation: u64) -> Self {
-        GuardedSession {
-            guard,
-            trace: VecDeque::with_capacity(1),
-            seen_usd: 0.0,
-            generation,
-            shared: None,
-        }
-    }
-
-    /// The shared state's version this replica's guard is at.
-    pub fn version(&self) -> u64 {
-        self.shared.as_ref().map_or(0, |s| s.version)
-    }
-
-    fn sharing(&mut self) -> &mut Sharing {
-        self.shared.get_or_insert_with(Box::default)
-    }
-
-    /// This replica wrote the shared state whole, at `version`.
-    fn wrote(&mut self, version: u64) {
-        let s = self.sharing();
-        s.version = version;
-        s.last_writer = true;
-    }
-
-    pub fn trace(&mut self, item: TraceEntry) {
-        if self.trace.len() == TRACE_LEN {
-            self.trace.pop_front();
-        }
-        self.trace.push_back(item);
-    }
-
-    /// The guard's signals (state, risk, the trip and its evidence), as of `now`.
-    pub fn signals(&self, now: Instant, session_usd: f64) -> Value {
-        guard_view::signals(&self.guard, now, session_usd, self.tool_loop())
-    }
-
-    /// The signals' risk score alone.
-    pub fn risk(&self, now: Instant, session_usd: f64) -> f64 {
-        self.guard.risk(now, session_usd, self.tool_loop())
-    }
-
-    fn tool_loop(&self) -> u32 {
-        self.trace.back().map_or(0, |t| t.tool_loop)
-    }
 }
 
 pub struct SessionGuards {

@@ -23,17 +23,7 @@ use http::StatusCode;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::{finish, ids, AnswerContext, Direction};
-
-/// Why a target's 2xx answer cannot be brought back (it is then a malformed answer).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AnswerError(pub String);
-
-impl AnswerError {
-    pub(super) fn new(message: impl Into<String>) -> Self {
-        AnswerError(message.into())
-    }
-}
+use super::{finish, ids, AnswerContext, AnswerError, Direction};
 
 /// A target's whole 2xx answer, in the caller's API.
 pub fn whole(cx: &AnswerContext, body: &[u8]) -> Result<Bytes, AnswerError> {
@@ -818,7 +808,7 @@ mod tests {
         classify(
             Observed::Response {
                 status,
-                headers: &http::HeaderMap::new(),
+                hints: Default::default(),
                 body: body.to_string().as_bytes(),
                 readable: true,
             },

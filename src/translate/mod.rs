@@ -17,7 +17,6 @@
 pub mod answer;
 pub mod finish;
 pub mod ids;
-pub mod layer;
 pub mod request;
 pub mod responses;
 pub mod stream;
@@ -86,6 +85,16 @@ impl Direction {
             Direction::MessagesToChat => ("messages", "chat"),
             Direction::ResponsesToMessages => ("responses", "messages"),
         }
+    }
+}
+
+/// Why a target's 2xx answer cannot be brought back (it is then a malformed answer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnswerError(pub String);
+
+impl AnswerError {
+    fn new(message: impl Into<String>) -> Self {
+        AnswerError(message.into())
     }
 }
 

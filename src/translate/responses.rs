@@ -18,7 +18,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
-use super::{answer::AnswerError, finish, ids, AnswerContext, Judge, StreamTranslator};
+use super::{finish, ids, AnswerContext, AnswerError, Judge, StreamTranslator};
 use crate::api::sse::SseEvent;
 
 // ---------------------------------------------------------------------------------------

@@ -13,10 +13,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::answer::{
-    self, AnswerError, BlockOut, ChatUsage, ContentBlock, ErrorFields, MessageOut, MessagesUsage,
-    UpstreamError, UsageOut,
+    self, BlockOut, ChatUsage, ContentBlock, ErrorFields, MessageOut, MessagesUsage, UpstreamError,
+    UsageOut,
 };
-use super::{ids, AnswerContext, Direction, StreamTranslator};
+use super::{ids, AnswerContext, AnswerError, Direction, StreamTranslator};
 use crate::api::{sse::SseEvent, stream_error_event, Endpoint};
 
 /// The state machine for a context's direction.

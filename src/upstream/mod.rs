@@ -289,7 +289,7 @@ pub struct Attempt {
     /// The attempt's trace context, sent as `traceparent` (tracing on only).
     pub trace: Option<opentelemetry::Context>,
     /// The target speaks the other API: `request` is already translated, and the answer
-    /// is brought back into the caller's (see [`crate::translate::layer`]).
+    /// is brought back into the caller's (see [`crate::layers::translate`]).
     pub translation: Option<crate::translate::AnswerContext>,
 }
 

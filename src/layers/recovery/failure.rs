@@ -47,16 +47,17 @@ impl Failure {
                 class: Class::Malformed,
                 upstream,
             } => Err(match &reply.body {
-                ReplyBody::Full(body) => match crate::translate::layer::untranslatable_reason(body)
-                {
-                    Some(reason) => GatewayError::UpstreamUntranslatable {
-                        upstream: upstream.to_string(),
-                        reason,
-                    },
-                    None => GatewayError::UpstreamMalformed {
-                        upstream: upstream.to_string(),
-                    },
-                },
+                ReplyBody::Full(body) => {
+                    match crate::layers::translate::untranslatable_reason(body) {
+                        Some(reason) => GatewayError::UpstreamUntranslatable {
+                            upstream: upstream.to_string(),
+                            reason,
+                        },
+                        None => GatewayError::UpstreamMalformed {
+                            upstream: upstream.to_string(),
+                        },
+                    }
+                }
                 ReplyBody::Stream(_) => GatewayError::UpstreamMalformed {
                     upstream: upstream.to_string(),
                 },

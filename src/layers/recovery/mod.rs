@@ -274,7 +274,7 @@ fn classified(outcome: &Result<Reply, TransportFailure>) -> (Class, Reason) {
             let class = classify(
                 Observed::Response {
                     status: reply.status.as_u16(),
-                    headers: &reply.headers,
+                    hints: crate::api::retry_hints(&reply.headers),
                     body: reply.bytes(),
                     readable: reply.is_stream() || reply.view.as_ref().is_some_and(|v| v.is_json),
                 },

@@ -45,7 +45,7 @@ use crate::{
     policy::budget::{worst_case, Account, Caps, Usage, SESSION, TENANT_DAY},
     state::{
         guard_view::Written,
-        live::{LiveSessions, Session, SessionKey},
+        live::{LiveSessions, Session, SessionBook, SessionKey},
         shared::{
             Admission, AdmitError, Gate, GateReply, GuardWrite, SharedBudgets, SharedSlot,
             Unavailable,
@@ -102,23 +102,6 @@ impl TenantBook {
     /// Whether a call (in a session, or not) has a cap to reserve against.
     fn budgets(&self, in_session: bool) -> bool {
         !self.day_limits.is_unlimited() || (in_session && !self.session_limits.is_unlimited())
-    }
-}
-
-/// One session's live state.
-pub struct SessionBook {
-    pub(super) account: Mutex<Account>,
-    pub(super) in_flight: AtomicU32,
-}
-
-impl SessionBook {
-    /// A session whose ledger could not be read: nothing settled that this replica
-    /// knows of.
-    fn unread() -> SessionBook {
-        SessionBook {
-            account: Mutex::new(Account::default()),
-            in_flight: AtomicU32::new(0),
-        }
     }
 }
 

@@ -18,7 +18,7 @@ use bytes::{Bytes, BytesMut};
 use futures_util::{future::BoxFuture, StreamExt};
 use tower::{Layer, Service};
 
-use super::{answer, stream, AnswerContext, StreamTranslator};
+use crate::translate::{answer, stream, AnswerContext, StreamTranslator};
 use crate::{
     api::sse::Splitter,
     policy::classify::TransportFailure,

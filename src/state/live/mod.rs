@@ -1,6 +1,10 @@
 //! Per-session live values that idle out of memory but are never rebuilt while held.
-//! One map holds each session's budget book ([`super::budgets`]) and guard
-//! ([`super::sessions`]) together, in one [`Session`].
+//! One map holds each session's budget book ([`SessionBook`], kept by [`super::budgets`])
+//! and guard ([`GuardedSession`], kept by [`super::sessions`]) together, in one
+//! [`Session`]: the records are here, below the logic that keeps them.
+
+mod book;
+mod guard;
 
 use std::{
     collections::HashMap,
@@ -13,7 +17,8 @@ use std::{
     time::Duration,
 };
 
-use super::{budgets::SessionBook, sessions::GuardedSession};
+pub use book::SessionBook;
+pub use guard::{GuardedSession, TraceEntry, TraceId};
 
 /// (tenant, session).
 pub type SessionKey = (Arc<str>, String);
