@@ -136,6 +136,9 @@ pub struct AppState {
     pub tenants: Arc<TenantKeys>,
     pub health: Arc<HealthRegistry>,
     pub budgets: Arc<Budgets>,
+    /// The store, whole: its roles are handed out from here (each consumer takes the one
+    /// it uses) and its purger runs on it.
+    pub store: Arc<dyn Store>,
     pub schemas: Arc<Schemas>,
     pub guards: Arc<SessionGuards>,
     /// Each fleet tenant's failure signatures, shared by replicas in Redis.
@@ -220,6 +223,7 @@ impl AppState {
             stream_cut,
             cut_streams: Arc::new(cut_streams),
             budgets: Arc::new(budgets),
+            store: store.clone(),
             schemas: Arc::new(Schemas::new(config.validation.schema_settings())),
             owners: Arc::new(ResponseOwners::new(store.clone(), clock.clone())),
             guards: Arc::new(guards),
@@ -259,6 +263,7 @@ impl AppState {
             tenants: Arc::new(TenantKeys::new(&config)),
             health: Arc::new(self.health.reconfigured(&config)),
             budgets: Arc::new(self.budgets.reconfigured(&config)),
+            store: self.store.clone(),
             guards: Arc::new(self.guards.reconfigured(&config)),
             fleet: Arc::new(self.fleet.reconfigured(&config)),
             schemas,
@@ -314,7 +319,7 @@ fn proxy_stack(state: &AppState) -> HttpService {
         ServiceBuilder::new()
             .layer(
                 IdempotencyLayer::new(
-                    state.budgets.store().clone(),
+                    state.store.clone(),
                     state.config.store.idempotency_ttl,
                     server.max_idempotency_key_bytes,
                     state.clock.clone(),
@@ -322,7 +327,7 @@ fn proxy_stack(state: &AppState) -> HttpService {
                 .in_flight(state.idempotent_in_flight.clone())
                 .shared(
                     server.request_timeout,
-                    state.budgets.store().is_shared()
+                    state.store.is_shared()
                         && state.config.state.on_unavailable
                             == crate::config::OnUnavailable::Closed,
                 ),

@@ -116,11 +116,7 @@ pub async fn spawn_with_clock(config: Config, clock: Clock) -> io::Result<Server
     let state = AppState::with_clock(config, clock)
         .await
         .map_err(io::Error::other)?;
-    let purger = store::spawn_purger(
-        state.budgets.store().clone(),
-        state.clock.clone(),
-        store::PURGE_EVERY,
-    );
+    let purger = store::spawn_purger(state.store.clone(), state.clock.clone(), store::PURGE_EVERY);
     let ready = state.ready.clone();
     let live = Live::new(state);
     let idle = live.clone();

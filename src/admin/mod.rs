@@ -179,7 +179,7 @@ async fn state_view(State(state): State<AdminState>) -> Response {
     };
     let kept = state
         .budgets
-        .store()
+        .books()
         .queued_settles(10_000)
         .await
         .map(|q| q.len());

@@ -33,7 +33,7 @@ use crate::{
         context::{identifier, Call},
         Middleware, Stack,
     },
-    store::{Claim, Store, StoreError, StoredResponse},
+    store::{Claim, Replays, StoreError, StoredResponse},
 };
 
 /// How often a duplicate polls while another replica makes the call.
@@ -51,7 +51,7 @@ pub type InFlight = Arc<Mutex<HashMap<Key, watch::Receiver<()>>>>;
 
 #[derive(Clone)]
 pub struct IdempotencyLayer {
-    store: Arc<dyn Store>,
+    store: Arc<dyn Replays>,
     ttl: Duration,
     max_key_bytes: usize,
     clock: Clock,
@@ -65,7 +65,7 @@ pub struct IdempotencyLayer {
 }
 
 impl IdempotencyLayer {
-    pub fn new(store: Arc<dyn Store>, ttl: Duration, max_key_bytes: usize, clock: Clock) -> Self {
+    pub fn new(store: Arc<dyn Replays>, ttl: Duration, max_key_bytes: usize, clock: Clock) -> Self {
         IdempotencyLayer {
             store,
             ttl,
@@ -133,7 +133,7 @@ struct Leader {
     in_flight: InFlight,
     _done: watch::Sender<()>,
     /// The key claimed on a shared store, given back unless its response was kept.
-    claim: Option<(Arc<dyn Store>, String)>,
+    claim: Option<(Arc<dyn Replays>, String)>,
 }
 
 impl Drop for Leader {
@@ -166,7 +166,7 @@ struct Keeping {
     body: Body,
     kept: Option<BytesMut>,
     record: Option<StoredResponse>,
-    store: Arc<dyn Store>,
+    store: Arc<dyn Replays>,
     leader: Option<Leader>,
 }
 

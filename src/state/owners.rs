@@ -24,7 +24,7 @@ use std::{
 
 use crate::{
     clock::Clock,
-    store::{OwnerRecord, Store, StoreError},
+    store::{OwnerRecord, Owners, StoreError},
 };
 
 /// How long an owner is kept: OpenAI keeps a stored response for 30 days.
@@ -39,7 +39,7 @@ pub struct Known {
 }
 
 pub struct ResponseOwners {
-    store: Arc<dyn Store>,
+    store: Arc<dyn Owners>,
     clock: Clock,
     recent: Mutex<Recent>,
 }
@@ -90,7 +90,7 @@ impl Recent {
 }
 
 impl ResponseOwners {
-    pub fn new(store: Arc<dyn Store>, clock: Clock) -> Self {
+    pub fn new(store: Arc<dyn Owners>, clock: Clock) -> Self {
         ResponseOwners {
             store,
             clock,
@@ -188,7 +188,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_owner_is_known_at_once_and_after_a_restart_and_to_no_one_else() {
-        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(":memory:").unwrap());
+        let store: Arc<dyn Owners> = Arc::new(SqliteStore::open(":memory:").unwrap());
         let owners = Arc::new(ResponseOwners::new(store.clone(), Clock::system()));
         let a: Arc<str> = "tenant-a".into();
         owners

@@ -32,7 +32,7 @@ use crate::{
     },
     store::{
         format::{self, UnknownFormat, WindowWrite},
-        GuardRecord, Store, StoreError, WindowSave,
+        GuardRecord, GuardStates, StoreError, WindowSave,
     },
 };
 
@@ -96,7 +96,7 @@ pub struct SessionGuards {
     /// when next used here (never an older one, from a request still in flight).
     generation: u64,
     sessions: LiveSessions<Session>,
-    store: Arc<dyn Store>,
+    store: Arc<dyn GuardStates>,
     clock: Clock,
     /// A session's shared state is forgotten after this long unused, as its memory is.
     idle: Duration,
@@ -172,11 +172,11 @@ pub fn lock(entry: &Mutex<GuardedSession>) -> MutexGuard<'_, GuardedSession> {
 }
 
 impl SessionGuards {
-    pub fn new(config: &Config, idle: Duration, store: Arc<dyn Store>, clock: Clock) -> Self {
+    pub fn new(config: &Config, idle: Duration, store: Arc<dyn GuardStates>, clock: Clock) -> Self {
         SessionGuards {
             configs: policies(config),
             generation: 0,
-            sessions: LiveSessions::new(idle),
+            sessions: LiveSessions::new(idle, &clock),
             store,
             clock,
             idle,
@@ -943,7 +943,7 @@ mod tests {
             api_keys = ["bk-test-key-2"]
         "#;
         let config = Config::from_toml_with_env(text, |_| None).unwrap();
-        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(":memory:").unwrap());
+        let store = Arc::new(SqliteStore::open(":memory:").unwrap());
         let idle = Duration::from_secs(600);
         let budgets = Arc::new(Budgets::new(&config, store.clone(), idle, Clock::system()));
         let guards =

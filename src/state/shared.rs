@@ -40,7 +40,7 @@ use crate::{
         beside_prefix, beside_write, brief_lua, from_beside, window_lua, WindowWrite,
         ADMITTING_PREFIXES,
     },
-    store::{connection::ms, QueuedSettle, Store},
+    store::{connection::ms, Books, QueuedSettle},
 };
 
 /// A reservation held in Redis.
@@ -1045,7 +1045,7 @@ impl SharedBudgets {
     /// expires within `reservation_ttl` and charges the reserved amount: never nothing.
     pub async fn keep(
         &self,
-        store: &Arc<dyn Store>,
+        store: &Arc<dyn Books>,
         settle: SharedSettle,
         err: Unavailable,
         now_ms: i64,
@@ -1088,7 +1088,7 @@ impl SharedBudgets {
     /// Replays the settles kept in `store` until Redis takes them: at once (what a
     /// predecessor on the same store left), whenever one is kept, and every
     /// `retry_interval` while any are left.
-    pub fn spawn_replayer(self: &Arc<Self>, store: Arc<dyn Store>) -> tokio::task::JoinHandle<()> {
+    pub fn spawn_replayer(self: &Arc<Self>, store: Arc<dyn Books>) -> tokio::task::JoinHandle<()> {
         let this = self.clone();
         tokio::spawn(async move {
             let every = this.redis.retry_interval().max(Duration::from_millis(100));
@@ -1105,7 +1105,7 @@ impl SharedBudgets {
 
     /// One replay pass; how many kept settles are left (at least those it could not
     /// replay).
-    pub async fn replay(&self, store: &Arc<dyn Store>) -> usize {
+    pub async fn replay(&self, store: &Arc<dyn Books>) -> usize {
         let queued = match store.queued_settles(REPLAY_BATCH).await {
             Ok(queued) => queued,
             Err(err) => {

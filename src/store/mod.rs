@@ -407,7 +407,7 @@ pub trait SettleQueue: Send + Sync {
 }
 
 /// Responses kept for idempotent replays, and the claims on their keys.
-pub trait Replays: Send + Sync {
+pub trait Replays: Tier {
     /// Keeps a response for replay; resolves once it is durable.
     fn remember(&self, response: StoredResponse) -> StoreFuture<'_, ()>;
 
@@ -446,7 +446,7 @@ pub trait Owners: Send + Sync {
 }
 
 /// The session guard's closes and trips, and its state shared by replicas.
-pub trait GuardStates: Send + Sync {
+pub trait GuardStates: Tier {
     /// Persists a session's close or trip (replacing what was kept).
     fn save_guard(&self, record: GuardRecord) -> StoreFuture<'_, ()>;
 
@@ -488,14 +488,24 @@ pub trait GuardStates: Send + Sync {
     }
 }
 
-/// The persistence seam: every role, object-safe (the state tier holds an
-/// `Arc<dyn Store>`).
-pub trait Store: Ledger + SettleQueue + Replays + Owners + GuardStates {
-    /// Whether other processes share this store (guard states are then read per request).
+/// The books: the ledger and the queue of settles waiting for Redis, which the budgets
+/// keep together (one object, so a charge and its queued settle reach the same place).
+pub trait Books: Ledger + SettleQueue {}
+
+impl<T: Ledger + SettleQueue + ?Sized> Books for T {}
+
+/// Whether what a role keeps is this process's own or shared by other replicas (then a
+/// guard's state is read per request, and an idempotent claim is waited on).
+pub trait Tier: Send + Sync {
     fn is_shared(&self) -> bool {
         false
     }
+}
 
+/// The persistence seam: every role, object-safe. Built once (`app.rs`) and held whole
+/// only there and by the purger; every consumer takes the role it uses (`Arc<dyn Books>`,
+/// `Arc<dyn Replays>`, `Arc<dyn Owners>`, `Arc<dyn GuardStates>`).
+pub trait Store: Books + Replays + Owners + GuardStates {
     /// Deletes idempotency rows and owners expired at `now_ms` and everything older than
     /// `store.retention`.
     fn purge(&self, now_ms: i64) -> StoreFuture<'_, ()>;

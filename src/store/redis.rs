@@ -12,7 +12,7 @@ use super::format::{self, UnknownFormat, WindowWrite};
 use super::{
     Charge, Claim, GuardRecord, GuardStates, Ledger, OwnerRecord, Owners, QueuedSettle, Replays,
     ReportQuery, ReportRow, ReservationRecord, SettleQueue, Store, StoreError, StoreFuture,
-    StoredOwner, StoredResponse, WindowSave,
+    StoredOwner, StoredResponse, Tier, WindowSave,
 };
 use crate::policy::{budget::Usage, guard::RECENT_CAP};
 
@@ -441,11 +441,13 @@ impl GuardStates for RedisStore {
     }
 }
 
-impl Store for RedisStore {
+impl Tier for RedisStore {
     fn is_shared(&self) -> bool {
         true
     }
+}
 
+impl Store for RedisStore {
     fn purge(&self, now_ms: i64) -> StoreFuture<'_, ()> {
         self.inner.purge(now_ms)
     }

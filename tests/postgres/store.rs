@@ -13,7 +13,7 @@ use backstop::{
     store::{
         format::WindowWrite, Charge, Claim, GuardRecord, GuardStates, Ledger, OwnerRecord, Owners,
         PgStore, QueuedSettle, Replays, ReportQuery, ReservationRecord, SettleQueue, Store,
-        StoreError, StoredOwner, StoredResponse, WindowSave, SCHEMA_VERSION,
+        StoreError, StoredOwner, StoredResponse, Tier, WindowSave, SCHEMA_VERSION,
     },
 };
 

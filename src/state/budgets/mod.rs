@@ -51,7 +51,7 @@ use crate::{
             Unavailable,
         },
     },
-    store::{ReservationRecord, Store, StoreError},
+    store::{Books, ReservationRecord, StoreError},
 };
 
 type Direct = RateLimiter<NotKeyed, InMemoryState, Clock, NoOpMiddleware<Duration>>;
@@ -133,7 +133,7 @@ impl std::ops::Deref for BookRef {
 pub struct Budgets {
     tenants: HashMap<Arc<str>, Arc<TenantBook>>,
     sessions: LiveSessions<Session>,
-    pub(super) store: Arc<dyn Store>,
+    pub(super) store: Arc<dyn Books>,
     pub(super) prices: Prices,
     /// Model names as metric labels: configured names only.
     pub(super) model_labels: crate::telemetry::ModelLabels,
@@ -173,13 +173,13 @@ impl Budgets {
     /// Builds the books; nothing is read from the store until it is needed.
     pub fn new(
         config: &Config,
-        store: Arc<dyn Store>,
+        store: Arc<dyn Books>,
         session_idle: Duration,
         clock: Clock,
     ) -> Self {
         Budgets {
             tenants: HashMap::new(),
-            sessions: LiveSessions::new(session_idle),
+            sessions: LiveSessions::new(session_idle, &clock),
             store,
             prices: Prices::default(),
             model_labels: crate::telemetry::ModelLabels::new(config),
@@ -347,7 +347,7 @@ impl Budgets {
         true
     }
 
-    pub fn store(&self) -> &Arc<dyn Store> {
+    pub fn books(&self) -> &Arc<dyn Books> {
         &self.store
     }
 
@@ -1205,17 +1205,17 @@ mod tests {
             .reserve("t", Some("s"), &Ask::plain("gpt-4o", 10, 10))
             .await
             .unwrap();
-        assert_eq!(b.store().open_reservations().await.unwrap(), 1);
+        assert_eq!(b.books().open_reservations().await.unwrap(), 1);
         r.settle(reported(3, 4)).await;
-        assert_eq!(b.store().open_reservations().await.unwrap(), 0);
-        assert_eq!(b.store().session_usage("t", "s").await.unwrap().tokens, 7);
+        assert_eq!(b.books().open_reservations().await.unwrap(), 0);
+        assert_eq!(b.books().session_usage("t", "s").await.unwrap().tokens, 7);
         // Dropped unsettled (a cancelled call): charged in full, durably.
         drop(
             b.reserve("t", Some("s"), &Ask::plain("gpt-4o", 10, 10))
                 .await
                 .unwrap(),
         );
-        b.store()
+        b.books()
             .charge(Charge {
                 ts_ms: 0,
                 day: 0,
@@ -1228,14 +1228,14 @@ mod tests {
             })
             .await
             .unwrap();
-        assert_eq!(b.store().open_reservations().await.unwrap(), 0);
-        assert_eq!(b.store().session_usage("t", "s").await.unwrap().tokens, 27);
+        assert_eq!(b.books().open_reservations().await.unwrap(), 0);
+        assert_eq!(b.books().session_usage("t", "s").await.unwrap().tokens, 27);
         // No session, no day cap: nothing to make durable.
         let r = b
             .reserve("t", None, &Ask::plain("gpt-4o", 10, 10))
             .await
             .unwrap();
-        assert_eq!(b.store().open_reservations().await.unwrap(), 0);
+        assert_eq!(b.books().open_reservations().await.unwrap(), 0);
         r.settle(reported(1, 1)).await;
     }
 
@@ -1369,11 +1369,11 @@ mod tests {
         assert_eq!(report["day"], day + 1);
         assert_eq!(report["used_today"]["tokens"], 30);
         assert_eq!(
-            b.store().tenant_day_usage("t", day).await.unwrap().tokens,
+            b.books().tenant_day_usage("t", day).await.unwrap().tokens,
             250
         );
         assert_eq!(
-            b.store()
+            b.books()
                 .tenant_day_usage("t", day + 1)
                 .await
                 .unwrap()
@@ -1401,7 +1401,7 @@ mod tests {
                 .unwrap();
             r.settle(outcome).await;
             let used = b
-                .store()
+                .books()
                 .session_usage("t", &format!("{outcome:?}"))
                 .await
                 .unwrap();
@@ -1415,7 +1415,7 @@ mod tests {
             .unwrap();
         r.settle(reported(5000, 300)).await;
         assert_eq!(
-            b.store().session_usage("t", "more").await.unwrap().tokens,
+            b.books().session_usage("t", "more").await.unwrap().tokens,
             5300
         );
     }

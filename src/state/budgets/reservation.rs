@@ -334,7 +334,7 @@ async fn settle_shared(
         Ok((_, seen)) => seen,
         Err(err) => {
             shared
-                .keep(budgets.store(), settle, err, budgets.clock.now_ms())
+                .keep(budgets.books(), settle, err, budgets.clock.now_ms())
                 .await;
             None
         }

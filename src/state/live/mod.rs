@@ -17,6 +17,10 @@ use std::{
     time::Duration,
 };
 
+use tokio::time::Instant;
+
+use crate::clock::Clock;
+
 pub use book::SessionBook;
 pub use guard::{GuardedSession, TraceEntry, TraceId};
 
@@ -66,8 +70,10 @@ struct Inner<V> {
     shards: Box<[Shard<V>]>,
     hasher: RandomState,
     idle: Duration,
-    /// What `used` and `swept` count from (the real clock, as the idle time always has).
-    epoch: std::time::Instant,
+    /// The process's clock (tokio time: a paused test clock moves the idle time too).
+    clock: Clock,
+    /// What `used` and `swept` count from.
+    epoch: Instant,
     /// Milliseconds since `epoch` at the last sweep.
     swept: AtomicU64,
 }
@@ -79,20 +85,26 @@ struct Slot<V> {
 }
 
 impl<V: Send + Sync + 'static> LiveSessions<V> {
-    pub fn new(idle: Duration) -> Self {
+    pub fn new(idle: Duration, clock: &Clock) -> Self {
         LiveSessions {
             inner: Arc::new(Inner {
                 shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
                 hasher: RandomState::new(),
                 idle,
-                epoch: std::time::Instant::now(),
+                clock: clock.clone(),
+                epoch: clock.now(),
                 swept: AtomicU64::new(0),
             }),
         }
     }
 
     fn now_ms(&self) -> u64 {
-        u64::try_from(self.inner.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+        let since = self
+            .inner
+            .clock
+            .now()
+            .saturating_duration_since(self.inner.epoch);
+        u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
     }
 
     fn shard(&self, key: &SessionKey) -> MutexGuard<'_, HashMap<SessionKey, Slot<V>>> {
@@ -142,8 +154,8 @@ impl<V: Send + Sync + 'static> LiveSessions<V> {
         all
     }
 
-    /// Drops every session nobody holds, as `session_idle` would once it passed (the
-    /// idle time runs on the real clock, not tokio's); held sessions stay.
+    /// Drops every session nobody holds, as `session_idle` would once it passed; held
+    /// sessions stay.
     #[cfg(test)]
     pub(crate) fn evict_all(&self) {
         self.evict(|_| true);
@@ -217,7 +229,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_session_in_memory_is_not_loaded_again() {
-        let live = LiveSessions::new(Duration::from_secs(3600));
+        let live = LiveSessions::new(Duration::from_secs(3600), &Clock::system());
         assert_eq!(*get(&live, "s", 1).await, 1);
         assert_eq!(*get(&live, "s", 2).await, 1, "the first value is kept");
         live.sweep();
@@ -225,10 +237,33 @@ mod tests {
         assert_eq!(live.list().len(), 1);
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn the_idle_time_runs_on_the_injected_clock() {
+        let live = LiveSessions::new(Duration::from_secs(60), &Clock::system());
+        drop(get(&live, "s", 1).await);
+        tokio::time::advance(Duration::from_secs(59)).await;
+        live.sweep();
+        assert_eq!(
+            *get(&live, "s", 2).await,
+            1,
+            "not idle yet (and used again now)"
+        );
+        tokio::time::advance(Duration::from_secs(59)).await;
+        live.sweep();
+        assert_eq!(
+            *get(&live, "s", 3).await,
+            1,
+            "its use restarted the idle time"
+        );
+        tokio::time::advance(Duration::from_secs(60)).await;
+        live.sweep();
+        assert_eq!(*get(&live, "s", 4).await, 4, "idled out, so loaded again");
+    }
+
     #[tokio::test]
     async fn an_idle_session_nobody_holds_is_dropped_and_a_held_one_kept() {
         // Idle at once: every session is past its idle time at the next sweep.
-        let live = LiveSessions::new(Duration::ZERO);
+        let live = LiveSessions::new(Duration::ZERO, &Clock::system());
         let held = get(&live, "held", 1).await;
         drop(get(&live, "free", 1).await);
         live.sweep();
@@ -243,13 +278,13 @@ mod tests {
 
     #[tokio::test]
     async fn a_miss_sweeps_when_it_is_due_without_being_asked() {
-        let live = LiveSessions::new(Duration::ZERO);
+        let live = LiveSessions::new(Duration::ZERO, &Clock::system());
         for i in 0..100 {
             drop(get(&live, &format!("s{i}"), 1).await);
         }
         // Each miss swept the sessions before it: only the last is left.
         assert_eq!(live.len(), 1);
-        let live = LiveSessions::new(Duration::from_secs(3600));
+        let live = LiveSessions::new(Duration::from_secs(3600), &Clock::system());
         for i in 0..100 {
             drop(get(&live, &format!("s{i}"), 1).await);
         }
@@ -258,7 +293,7 @@ mod tests {
 
     #[tokio::test]
     async fn evict_all_keeps_what_is_held() {
-        let live = LiveSessions::new(Duration::from_secs(3600));
+        let live = LiveSessions::new(Duration::from_secs(3600), &Clock::system());
         let held = get(&live, "held", 1).await;
         drop(get(&live, "free", 1).await);
         live.evict_all();
@@ -268,7 +303,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_failed_load_leaves_nothing_behind() {
-        let live: LiveSessions<u32> = LiveSessions::new(Duration::from_secs(3600));
+        let live: LiveSessions<u32> =
+            LiveSessions::new(Duration::from_secs(3600), &Clock::system());
         let failed = live
             .get_or_load(key("s"), || async { Err::<u32, _>("unreadable") })
             .await;

@@ -59,7 +59,7 @@ use self::{
 use super::{
     count_error, write::Op, Charge, Claim, FleetUsage, GuardRecord, GuardStates, Ledger,
     OwnerRecord, Owners, QueuedSettle, Replays, ReportQuery, ReportRow, ReservationRecord,
-    SettleQueue, Store, StoreError, StoreFuture, StoredOwner, StoredResponse, WindowSave,
+    SettleQueue, Store, StoreError, StoreFuture, StoredOwner, StoredResponse, Tier, WindowSave,
 };
 use crate::{billing::Tokens, config::StoreConfig, policy::budget::Usage};
 
@@ -1020,11 +1020,13 @@ impl GuardStates for PgStore {
 const PURGE_STEP: i64 = 10_000;
 const PURGE_STEPS: usize = 10;
 
-impl Store for PgStore {
+impl Tier for PgStore {
     fn is_shared(&self) -> bool {
         true
     }
+}
 
+impl Store for PgStore {
     /// Beside the writer, on a connection of its own: every replica purges, and
     /// deletes of rows already gone cost nothing.
     fn purge(&self, now_ms: i64) -> StoreFuture<'_, ()> {

@@ -34,7 +34,7 @@ use super::write::{Op, Write};
 use super::{
     count_error, Charge, GuardRecord, GuardStates, Ledger, OwnerRecord, Owners, QueuedSettle,
     Replays, ReportQuery, ReportRow, ReservationRecord, SettleQueue, Store, StoreError,
-    StoreFuture, StoredOwner, StoredResponse,
+    StoreFuture, StoredOwner, StoredResponse, Tier,
 };
 use crate::{billing::Tokens, config::StoreConfig, policy::budget::Usage};
 
@@ -634,6 +634,8 @@ impl GuardStates for SqliteStore {
         }))
     }
 }
+
+impl Tier for SqliteStore {}
 
 impl Store for SqliteStore {
     fn purge(&self, now_ms: i64) -> StoreFuture<'_, ()> {
