@@ -454,19 +454,27 @@ async fn closes_and_trips_survive_a_restart() {
 /// comes back tripped or closed, not fresh.
 #[tokio::test]
 async fn a_trip_and_a_close_outlive_idle_eviction() {
-    let gw = guarded_on("path = \":memory:\"\nsession_idle = \"50ms\"", "60s", "").await;
+    let clock = Clock::system();
+    let gw = guarded_with(
+        "path = \":memory:\"\nsession_idle = \"50ms\"",
+        "60s",
+        "",
+        clock.clone(),
+    )
+    .await;
     trip(&gw, "tripped").await;
     close(&gw, "guarded", "closed").await;
-    // A real wait: `session_idle` is moka's time-to-idle, on moka's own clock, which
-    // neither tokio's paused clock nor the injected one moves (moka 0.12 has no public
-    // clock to inject).
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Past the idle time on the gateway's clock, then a new session's miss sweeps the
+    // idle ones out of memory.
+    clock.skip(Duration::from_millis(300));
+    let resp = gw.in_session(GUARDED, "newcomer", "idle", "", &step(1)).await;
+    assert_eq!(resp.status(), 200);
     for session in ["tripped", "closed"] {
         let resp = gw.in_session(GUARDED, session, "idle", "", &step(1)).await;
         assert_eq!(resp.status(), 429, "{session}");
         assert_eq!(json(resp).await["error"]["code"], "session_tripped");
     }
-    assert_eq!(gw.mock.attempts("idle"), 0);
+    assert_eq!(gw.mock.attempts("idle"), 1, "only the newcomer's");
 }
 
 /// A slow request in flight when its session is tripped (by a loop) or closed (by an
