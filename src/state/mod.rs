@@ -14,5 +14,6 @@ pub mod guard_view;
 pub mod health;
 pub mod live;
 pub mod owners;
+pub mod redis;
 pub mod sessions;
 pub mod shared;

@@ -195,7 +195,10 @@ fn parse<'a, T: Deserialize<'a>>(record: Record, text: &'a str) -> Result<T, Unk
 /// recovering) begins. The Redis scripts that add a request to a snapshot or tell
 /// whether it is quiet read it by these prefixes (and `"recent":[`, which follows
 /// `"consecutive_failures"`), so they hold only for the version this build writes: a
-/// snapshot of another version never matches, and is left to be decoded here.
+/// snapshot of another version never matches, and is left to be decoded here. The
+/// scripts hold them (and [`QUIET_PREFIX`]) as version 2 begins them
+/// ([`beside_prefix`]), as literals: `src/state/redis/gate.lua` and `prelude_brief.lua`,
+/// pinned to these by a test there.
 pub const ADMITTING_PREFIXES: [&str; 2] = [
     r#"{"v":1,"phase":"active","#,
     r#"{"v":1,"phase":"recovering","#,
@@ -288,120 +291,6 @@ pub fn from_beside(state: &str, window: &str) -> String {
     text
 }
 
-/// Lua for the scripts that write or read a guard snapshot in Redis: its *brief*, a
-/// field beside it (`brief`) that says what the settle needs to know of the snapshot
-/// without reading it: `version|entries|quiet`, the version of the snapshot it
-/// describes, the number of requests in its window (empty: not counted; builds before
-/// the window was kept beside the state counted it) and whether it is quiet (`1`; see
-/// [`QUIET_PREFIX`]). A brief of another version than the snapshot's (a build that
-/// writes none, or wrote the snapshot since) says nothing.
-///
-/// `brief(version, state)` makes one for a version 2 state ([`to_beside`]);
-/// `read_brief(brief, version)` gives the entries (nil: not known) and whether the
-/// snapshot is quiet (false: not known).
-pub fn brief_lua() -> String {
-    r#"
-local QUIET = '@QUIET@'
-local function brief(v, state)
-  local quiet = string.sub(state, 1, #QUIET) == QUIET
-  return v .. '||' .. (quiet and '1' or '0')
-end
-local function read_brief(b, v)
-  local bv, n, q = string.match(b or '', '^(%d+)|(%d*)|([01])$')
-  if not bv or tonumber(bv) ~= v then return nil, false end
-  return tonumber(n), q == '1'
-end
-"#
-    .replace("@QUIET@", &beside_prefix(QUIET_PREFIX))
-}
-
-/// Lua for the scripts that write a guard's window where Redis keeps it beside the
-/// state ([`to_beside`]): a list of `ms,fingerprint`, oldest first, and a hash of each
-/// fingerprint's count in it, kept equal by every change. `cap` is the guard's 256.
-///
-/// `beside(state)`: whether a stored state keeps its window beside it (version 2; or
-/// there is none), not inside (version 1, written by an older build).
-/// `window_stale(list, since, request)`: how many of the oldest entries are from before
-/// `since`, and how many of those are `request` (read only). `window_append(list, seen,
-/// at, request, since, stale)`: the request appended (`stale`: what `window_stale` said,
-/// if it was asked already). `window_write(list, seen,
-/// stored, op, arg)`: a whole write's [`WindowWrite`] over the state `stored` before it
-/// (`op` `''` keep, `a` append `ms,fingerprint,since`, `r` replace with `arg`'s entries,
-/// `[ms,fingerprint],...`); a window still inside `stored` is first moved beside it;
-/// true when it made the list or the hash anew (they then have no expiry yet).
-/// `window_text(list)`: the entries joined by `;`.
-pub fn window_lua(cap: usize) -> String {
-    r#"
-local function beside(state)
-  return not state or string.sub(state, 1, 7) == '{"v":2,'
-end
-local function window_drop(list, seen)
-  local e = redis.call('LPOP', list)
-  local fp = e and string.match(e, ',(%d+)$')
-  if fp and redis.call('HINCRBY', seen, fp, '-1') <= 0 then redis.call('HDEL', seen, fp) end
-end
-local function window_stale(list, since, request)
-  local n, same = 0, 0
-  while true do
-    local e = redis.call('LINDEX', list, n)
-    if not e then break end
-    local t, fp = string.match(e, '^(%-?%d+),(%d+)$')
-    if not t or tonumber(t) >= since then break end
-    n = n + 1
-    if fp == request then same = same + 1 end
-  end
-  return n, same
-end
-local function window_hashed(seen)
-  redis.call('HSET', seen, '@HASHED_FIELD@', '@HASHED_VALUE@')
-end
-local function window_append(list, seen, at, request, since, stale)
-  local n = stale or window_stale(list, since, request)
-  for _ = 1, n do window_drop(list, seen) end
-  local len = redis.call('RPUSH', list, at .. ',' .. request)
-  if len > @CAP@ then window_drop(list, seen) end
-  if len == 1 then window_hashed(seen) end
-  redis.call('HINCRBY', seen, request, '1')
-  return len == 1
-end
-local function window_fill(list, seen, entries)
-  redis.call('DEL', list, seen)
-  window_hashed(seen)
-  for at, fp in string.gmatch(entries, '(%-?%d+),(%d+)') do
-    redis.call('RPUSH', list, at .. ',' .. fp)
-    redis.call('HINCRBY', seen, fp, '1')
-  end
-end
-local function window_write(list, seen, stored, op, arg)
-  if op == 'r' then window_fill(list, seen, arg); return true end
-  local made = false
-  if not beside(stored) then
-    local entries = ''
-    local open = string.find(stored, '"recent":[', 1, true)
-    local close = open and string.find(stored, '],"spend":[', open, true)
-    if close then entries = string.sub(stored, open + 10, close - 1) end
-    window_fill(list, seen, entries)
-    made = true
-  end
-  if op == 'a' then
-    local at, request, since = string.match(arg, '^(%-?%d+),(%d+),(%-?%d+)$')
-    made = window_append(list, seen, at, request, tonumber(since)) or made
-  end
-  return made
-end
-local function window_expire(list, seen, ttl)
-  redis.call('PEXPIRE', list, ttl)
-  redis.call('PEXPIRE', seen, ttl)
-end
-local function window_text(list)
-  return table.concat(redis.call('LRANGE', list, 0, -1), ';')
-end
-"#
-    .replace("@CAP@", &cap.to_string())
-    .replace("@HASHED_FIELD@", HASHED_FIELD)
-    .replace("@HASHED_VALUE@", &"h".repeat(HASHED_VALUE_LEN))
-}
-
 /// The field of a window's counts that is no count: its value, longer than any
 /// `hash-max-listpack-value` (64 by default), makes Redis keep the hash as a hash table
 /// for good. Redis keeps a hash of up to `hash-max-listpack-entries` fields (128, or
@@ -410,13 +299,15 @@ end
 /// and the settle a tenth of their Redis time (docs/performance.md). Readers of the
 /// counts skip it.
 pub const HASHED_FIELD: &str = "_";
-const HASHED_VALUE_LEN: usize = 80;
+/// The length of [`HASHED_FIELD`]'s value, all `h` (written as a literal in
+/// `src/state/redis/prelude_window.lua`).
+pub const HASHED_VALUE_LEN: usize = 80;
 
 /// What a whole write of `state` (version 1 text) at `version` sends to Redis: the state
 /// as Redis keeps it, and the window's op and argument as the scripts take them
-/// ([`window_lua`]). A state with no version yet replaces whatever window is there (none,
-/// or one left after its state expired); text of any other shape is kept as it is, with
-/// no window beside it.
+/// (`window_write` in `src/state/redis/prelude_window.lua`). A state with no version yet
+/// replaces whatever window is there (none, or one left after its state expired); text
+/// of any other shape is kept as it is, with no window beside it.
 pub fn beside_write(
     state: &str,
     window: WindowWrite,

@@ -38,6 +38,10 @@ use futures_util::future::BoxFuture;
 
 pub use postgres::{read_report as read_postgres_report, PgStore, MIGRATION_LOCK, SCHEMA_VERSION};
 pub use redis::RedisStore;
+/// The store's Redis scripts, for the list of every script ([`crate::state::redis`]).
+pub mod redis_scripts {
+    pub use super::redis::{READ_WINDOW, RELEASE_CLAIM, SAVE_WINDOW};
+}
 pub use sqlite::SqliteStore;
 
 use crate::{billing::Tokens, clock::Clock, config::StoreConfig, policy::budget::Usage};

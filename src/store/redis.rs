@@ -14,7 +14,25 @@ use super::{
     ReportQuery, ReportRow, ReservationRecord, SettleQueue, Store, StoreError, StoreFuture,
     StoredOwner, StoredResponse, Tier, WindowSave,
 };
-use crate::policy::{budget::Usage, guard::RECENT_CAP};
+use crate::policy::budget::Usage;
+
+/// `save_window.lua`: compare-and-set of a guard's shared state. The store's scripts are
+/// files in `src/state/redis/` with the others, listed in [`crate::state::redis::SCRIPTS`].
+pub const SAVE_WINDOW: &str = concat!(
+    include_str!("../state/redis/prelude_brief.lua"),
+    include_str!("../state/redis/prelude_window.lua"),
+    include_str!("../state/redis/save_window.lua"),
+);
+
+/// `read_window.lua`: a guard's shared state as it is.
+pub const READ_WINDOW: &str = concat!(
+    include_str!("../state/redis/prelude_brief.lua"),
+    include_str!("../state/redis/prelude_window.lua"),
+    include_str!("../state/redis/read_window.lua"),
+);
+
+/// `release_claim.lua`: an idempotency key's pending claim given back.
+pub const RELEASE_CLAIM: &str = include_str!("../state/redis/release_claim.lua");
 
 /// A key's value while its first request runs: a bare marker, the same in every format
 /// version (see [`format::encode_response`]).
@@ -23,56 +41,19 @@ const PENDING: &str = "pending";
 pub struct RedisStore {
     inner: Arc<dyn Store>,
     redis: Arc<Redis>,
+    /// [`SAVE_WINDOW`]: compare-and-set of a guard's shared state.
     save_window: redis::Script,
+    /// [`READ_WINDOW`]: a guard's shared state as it is.
     read_window: redis::Script,
 }
-
-/// Compare-and-set of a guard's shared state: `{"saved", version}`, or, when another
-/// replica wrote first, `{"moved", version, state, window}` (one round trip either way).
-/// The state (version 2, [`format::to_beside`]) is written with its brief
-/// ([`format::brief_lua`]) and the window beside it as the write says
-/// ([`format::window_lua`]). All three keys expire `ttl` after it; `x`, how far the
-/// gate last pushed their expiry ([`crate::state::shared`]'s `GATE`), is reset so the
-/// next request through the gate pushes it again.
-///
-/// KEYS: the guard's hash, its window, the window's counts. ARGV: the version, the state,
-/// its expiry (ms), the window's op and argument.
-const SAVE_WINDOW: &str = r#"
-local cur = redis.call('HMGET', KEYS[1], 'v', 'state')
-local v = tonumber(cur[1] or '0')
-if v ~= tonumber(ARGV[1]) then
-  return {'moved', tostring(v), cur[2] or '',
-    (cur[2] and beside(cur[2])) and window_text(KEYS[2]) or ''}
-end
-redis.call('HSET', KEYS[1], 'v', v + 1, 'state', ARGV[2], 'brief', brief(v + 1, ARGV[2]), 'x', '0')
-window_write(KEYS[2], KEYS[3], cur[2], ARGV[4], ARGV[5])
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
-window_expire(KEYS[2], KEYS[3], tonumber(ARGV[3]))
-return {'saved', tostring(v + 1)}
-"#;
-
-/// A guard's shared state as it is: `{version, state, window}`, or nothing.
-const READ_WINDOW: &str = r#"
-local cur = redis.call('HMGET', KEYS[1], 'v', 'state')
-if not cur[2] then return {} end
-return {cur[1] or '0', cur[2], beside(cur[2]) and window_text(KEYS[2]) or ''}
-"#;
 
 impl RedisStore {
     pub fn new(inner: Arc<dyn Store>, redis: Arc<Redis>) -> RedisStore {
         RedisStore {
             inner,
             redis,
-            save_window: redis::Script::new(&format!(
-                "{}{}{SAVE_WINDOW}",
-                format::brief_lua(),
-                format::window_lua(RECENT_CAP)
-            )),
-            read_window: redis::Script::new(&format!(
-                "{}{}{READ_WINDOW}",
-                format::brief_lua(),
-                format::window_lua(RECENT_CAP)
-            )),
+            save_window: redis::Script::new(SAVE_WINDOW),
+            read_window: redis::Script::new(READ_WINDOW),
         }
     }
 
@@ -233,9 +214,7 @@ impl Replays for RedisStore {
             rt.spawn(async move {
                 // Only our own pending claim; a kept response stays. A failure leaves
                 // the claim to expire with its lease.
-                let script = redis::Script::new(
-                    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
-                );
+                let script = redis::Script::new(RELEASE_CLAIM);
                 let mut inv = script.prepare_invoke();
                 inv.key(&k).arg(PENDING);
                 let _ = redis

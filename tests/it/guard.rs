@@ -467,7 +467,9 @@ async fn a_trip_and_a_close_outlive_idle_eviction() {
     // Past the idle time on the gateway's clock, then a new session's miss sweeps the
     // idle ones out of memory.
     clock.skip(Duration::from_millis(300));
-    let resp = gw.in_session(GUARDED, "newcomer", "idle", "", &step(1)).await;
+    let resp = gw
+        .in_session(GUARDED, "newcomer", "idle", "", &step(1))
+        .await;
     assert_eq!(resp.status(), 200);
     for session in ["tripped", "closed"] {
         let resp = gw.in_session(GUARDED, session, "idle", "", &step(1)).await;

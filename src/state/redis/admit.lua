@@ -1,0 +1,38 @@
+-- admit: checks and reserves one call's worst case on the tenant's day and the
+-- session, all-or-nothing (the function is prelude_admit.lua's, after
+-- prelude_budget.lua). Expired leases (up to 256 a run) are charged at their reserved
+-- amount on the way (each appended to the spend stream as `lease_expired` and noted in
+-- KEYS[6]/KEYS[7] for a late settle to correct; notes older than a week dropped, 64 a
+-- run).
+--
+-- KEYS
+--   1  the tenant's generation marker (string)
+--   2  the tenant's reservations: zset, reservation id -> lease end (ms, server clock)
+--   3  the reservation records: hash, id -> record (prelude_budget.lua)
+--   4  the day's books: hash of BOOKS
+--   5  the session's books: hash of BOOKS (a placeholder key without a session)
+--   6  lease-expired charges: hash, id -> `calls|tokens|micro_usd` charged
+--   7  their times: zset, id -> when charged (ms)
+--   8  the tenant's spend stream
+-- ARGV
+--   1  the generation this replica works under (must equal KEYS[1]'s value)
+--   2  the reservation's id
+--   3  its lease (ms)
+--   4  calls, 5 tokens, 6 micro-dollars reserved (decimal strings)
+--   7  the day's cap on calls, 8 on tokens, 9 on micro-dollars (-1: none)
+--  10  the session's cap on calls, 11 on tokens, 12 on micro-dollars (-1: none)
+--  13  '1' with a session, else '0'
+--  14  the session's expiry (s), set on its books when they are made
+--  15  the reservation's record, version 1 (made by the replica)
+-- Replies
+--   {'ok', unknown}                     reserved; unknown: expired reservations in a
+--                                       record format this script cannot read, left
+--                                       reserved (decimal string)
+--   {'lost'}                            the generation marker is gone or another (Redis
+--                                       came back empty): nothing done
+--   {'over', scope, which, limit, used} refused, nothing reserved: scope 'day' or
+--                                       'session'; which '1' calls, '2' tokens, '3'
+--                                       micro-dollars; the cap and what was settled
+--                                       plus reserved (decimal strings)
+
+return admit(KEYS, ARGV)

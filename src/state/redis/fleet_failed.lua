@@ -1,0 +1,27 @@
+-- fleet_failed: a failure counted into the tenant's fleet view (prelude_fleet.lua,
+-- then prelude_fleet_failed.lua's count()): the signature's first failure is kept as a
+-- single; the second makes it tracked (warm), pushing out the least shared of 16 least
+-- recently active signatures when the table is full; it turns hot once `min_sessions`
+-- sessions failed it `min_failures` times within the window, and every failure of a hot
+-- signature trips the session and predicts it.
+--
+-- KEYS
+--   1  P .. 'index' (prelude_fleet.lua)
+-- ARGV
+--   1..4  prelude_fleet.lua's
+--   5  the signature (hex), 6 its shape (hex), 7 its description
+--   8  the session (hex of its hash)
+--   9  the failed request's calls, 10 its cost (micro-dollars)
+--  11  min_failures, 12 min_sessions, 13 cool_down (ms)
+--  14  the singles' cap, 15 the table's cap (signatures), 16 the sessions' cap per
+--      signature, 17 the predictions' cap per signature
+-- Replies
+--   {'single'}     first failure of the signature in the window: kept as a single
+--   {'untracked'}  the table is full of hot signatures: not tracked
+--   {'counted', trip, sessions, qualified, confirmed, probe_at, description}
+--                  trip '1' if the signature is hot (the session trips); sessions:
+--                  that failed it (with a trip, else '0'); qualified: that failed it
+--                  min_failures times in the window; confirmed '1' if it confirmed a
+--                  prediction; probe_at (ms, '0' if never hot); the description
+
+return count()
