@@ -3,7 +3,7 @@
 //! outages in a row, calls fail at once for `retry_interval`, then one call probes; an
 //! error Redis answers with, such as a script error, is that call's alone and never
 //! opens it), and the per-tenant generation markers that notice a Redis that came back
-//! empty, with the fleet-wide adoption marker that lets one operator call clear it on
+//! empty, with the replica-wide adoption marker that lets one operator call clear it on
 //! every replica. Used by the shared budgets
 //! ([`crate::state::shared`]) and the shared store ([`super::RedisStore`]); it lives
 //! here, below both, so neither depends on the other for it.
@@ -185,7 +185,7 @@ pub struct Redis {
     pub reservation_ttl: Duration,
     /// Per tenant, the generation this replica works under.
     generations: Mutex<HashMap<String, String>>,
-    /// The fleet's adoption marker as this replica last read it: an operator's adopt on
+    /// The replicas' adoption marker as this replica last read it: an operator's adopt on
     /// any replica changes it, and every replica then adopts too.
     adoption: Mutex<Option<String>>,
     /// Tenants whose admissions found the state lost, until it is adopted.
@@ -523,7 +523,7 @@ impl Redis {
     }
 
     /// Takes whatever Redis holds now as the state to work under (after an operator
-    /// restored it, or accepted that it starts over), here and, through the fleet's
+    /// restored it, or accepted that it starts over), here and, through the replicas'
     /// adoption marker, on every replica at its next admission.
     pub async fn adopt(&self) -> Result<(), Unavailable> {
         let adoption_key = self.global(ADOPTION);
@@ -545,7 +545,7 @@ impl Redis {
     }
 }
 
-/// The fleet's adoption marker (a key of no tenant): rewritten by every adopt.
+/// The replicas' adoption marker (a key of no tenant): rewritten by every adopt.
 const ADOPTION: &str = "adoption";
 
 #[cfg(test)]

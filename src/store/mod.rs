@@ -8,7 +8,7 @@
 //! ([`Ledger::spend_report`], read by `backstop report` through [`open_ledger_reader`]
 //! and by the admin tenant view). The live state
 //! ([`crate::state`]) and the layers hold an `Arc<dyn Store>`; [`SqliteStore`] is the
-//! embedded implementation, [`PgStore`] one PostgreSQL database for the whole fleet, and
+//! embedded implementation, [`PgStore`] one PostgreSQL database for every replica, and
 //! `RedisStore` shares the replays, owners and guard state between replicas over either.
 //!
 //! The contract every implementation keeps:
@@ -374,25 +374,25 @@ pub trait Ledger: Send + Sync {
     /// Durable reservations not yet settled (for tests and the admin view).
     fn open_reservations(&self) -> StoreFuture<'_, u64>;
 
-    /// What the fleet has committed on a tenant's `day` and, with `session`, in that
+    /// What every replica has committed on a tenant's `day` and, with `session`, in that
     /// session since its reset: settled, plus what other processes hold reserved. Read
     /// for every budgeted call when other processes share this store and nothing else
     /// counts for them (no Redis). `None`: this process's own books are the whole
     /// story (a store no other process shares, or Redis counting).
-    fn fleet_usage<'a>(
+    fn committed_usage<'a>(
         &'a self,
         _tenant: &'a str,
         _day: i64,
         _session: Option<&'a str>,
-    ) -> StoreFuture<'a, Option<FleetUsage>> {
+    ) -> StoreFuture<'a, Option<CommittedUsage>> {
         Box::pin(async { Ok(None) })
     }
 }
 
-/// A tenant's day and a session as the whole fleet has committed them
-/// ([`Ledger::fleet_usage`]).
+/// A tenant's day and a session as every replica has committed them
+/// ([`Ledger::committed_usage`]).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct FleetUsage {
+pub struct CommittedUsage {
     pub day: Usage,
     pub session: Option<Usage>,
 }

@@ -243,11 +243,11 @@ fn chat_to_messages(
             },
             "tool_choice" | "parallel_tool_calls" => {}
             "response_format" => match response_format(value) {
-                Some(Some(format)) => {
+                OutputFormat::Schema(format) => {
                     out.insert("output_config".into(), json!({ "format": format }));
                 }
-                Some(None) => {}
-                None => judge.lose(path, key),
+                OutputFormat::Text => {}
+                OutputFormat::Untranslatable => judge.lose(path, key),
             },
             "user" | "safety_identifier" => match value.as_str() {
                 Some(user) => {
@@ -554,20 +554,30 @@ fn chat_tools(tools: &Value) -> Option<Vec<Value>> {
     Some(out)
 }
 
-/// `response_format` as Anthropic's `output_config.format`: `Some(None)` for plain text,
-/// `None` when it has no equivalent.
-fn response_format(format: &Value) -> Option<Option<Value>> {
-    match format.get("type")?.as_str()? {
-        "text" => Some(None),
+/// What a chat `response_format` becomes in an Anthropic request.
+enum OutputFormat {
+    /// Plain text: Anthropic's default, nothing to send.
+    Text,
+    /// `output_config.format`.
+    Schema(Value),
+    /// No equivalent: the judge names it.
+    Untranslatable,
+}
+
+/// `response_format` as Anthropic's `output_config.format`.
+fn response_format(format: &Value) -> OutputFormat {
+    let schema = |format: &Value| format.get("json_schema")?.get("schema").cloned();
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => OutputFormat::Text,
         // JSON mode is a schema that says "an object".
-        "json_object" => Some(Some(
-            json!({"type": "json_schema", "schema": {"type": "object"}}),
-        )),
-        "json_schema" => {
-            let schema = format.get("json_schema")?.get("schema")?;
-            Some(Some(json!({"type": "json_schema", "schema": schema})))
+        Some("json_object") => {
+            OutputFormat::Schema(json!({"type": "json_schema", "schema": {"type": "object"}}))
         }
-        _ => None,
+        Some("json_schema") => match schema(format) {
+            Some(schema) => OutputFormat::Schema(json!({"type": "json_schema", "schema": schema})),
+            None => OutputFormat::Untranslatable,
+        },
+        _ => OutputFormat::Untranslatable,
     }
 }
 

@@ -19,7 +19,7 @@
 //! redirects off: about 27,000 instructions a call (9% of the every-policy path) that a
 //! plain-HTTP exchange does not need.
 
-mod dialect;
+mod url_style;
 mod headers;
 pub mod objects;
 pub mod stream;
@@ -42,7 +42,7 @@ use crate::{
     policy::{backoff::Backoff, classify::TransportFailure},
 };
 
-pub use dialect::{Dialect, Unserved};
+pub use url_style::{Unserved, UrlStyle};
 
 /// A configured upstream, ready to call.
 #[derive(Debug)]
@@ -53,7 +53,7 @@ pub struct Upstream {
     pub api: ApiKind,
     /// Where its calls go (URLs parsed once: parsing, IDNA included, showed up in
     /// profiles when done per request).
-    dialect: Dialect,
+    url_style: UrlStyle,
     /// `base_url` without a trailing `/`: the stored-response routes append their path.
     origin: String,
     /// The provider key, in the header this kind of upstream reads it from.
@@ -72,7 +72,7 @@ impl Upstream {
         Upstream {
             name: config.name.as_str().into(),
             api: config.api.wire(),
-            dialect: Dialect::new(config),
+            url_style: UrlStyle::new(config),
             origin: config.base_url.origin(),
             credential: config.api_key.header(config.api),
             attempt_timeout: config.attempt_timeout,
@@ -492,7 +492,7 @@ async fn send(
     let (request, upstream) = (&attempt.request, &attempt.upstream);
     let limits = upstream.limits;
     let asked = attempt.model.as_deref().unwrap_or(&request.model);
-    let url = match upstream.dialect.url(request.endpoint, asked) {
+    let url = match upstream.url_style.url(request.endpoint, asked) {
         Ok(url) => url,
         Err(unserved) => return Ok(unserved_reply(upstream, request.endpoint, unserved)),
     };

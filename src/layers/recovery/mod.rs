@@ -174,12 +174,30 @@ struct Translated {
 enum Judged {
     /// Where the target loop goes next: an answer, or the context fallback.
     Go(Next),
-    /// A failure; `retry_after` is `Some` when it may be retried on this target.
+    /// A failure, and whether it may be retried on this target.
     Failed {
         failure: Failure,
-        retry_after: Option<Option<Duration>>,
+        retry: Retry,
         reason: Reason,
     },
+}
+
+/// Whether a failure may be retried on the same target.
+enum Retry {
+    /// Not a transient failure: the target is left.
+    Never,
+    /// Transient: again after the backoff, or after what the upstream asked for.
+    Allowed { after: Option<Duration> },
+}
+
+/// Whether a target can take this request.
+enum Fit {
+    /// It can: as it is (it speaks the caller's API), or translated exactly for it.
+    Usable {
+        translation: Option<Arc<Translated>>,
+    },
+    /// It cannot (the paths it would lose are in the trail and in `untranslatable`).
+    Unfit,
 }
 
 /// One attempt's outcome, classified.
@@ -306,7 +324,9 @@ where
         let mut untranslatable: Vec<String> = Vec::new();
         let mut queue: VecDeque<Visit<'_>> = VecDeque::with_capacity(route.targets.len());
         for (i, target) in route.targets.iter().enumerate().skip(call.start.0) {
-            if let Some(translation) = self.judge_target(&call, target, &mut untranslatable) {
+            if let Fit::Usable { translation } =
+                self.judge_target(&call, target, &mut untranslatable)
+            {
                 queue.push_back(Visit {
                     by: AnsweredBy::Target(TargetIndex(i)),
                     target,
@@ -404,9 +424,10 @@ where
                 }),
                 Next::ContextFallback(overflow) => {
                     let judged = route.context_fallback.as_ref().and_then(|fallback| {
-                        let translation =
-                            self.judge_target(&call, fallback, &mut untranslatable)?;
-                        Some((fallback, translation))
+                        match self.judge_target(&call, fallback, &mut untranslatable) {
+                            Fit::Usable { translation } => Some((fallback, translation)),
+                            Fit::Unfit => None,
+                        }
                     });
                     match judged {
                         Some((fallback, translation)) => {
@@ -442,35 +463,35 @@ where
         self.finish(skipped(result, untranslatable))
     }
 
-    /// Whether a target can take this request: `Some(None)` when it speaks the caller's
-    /// API, `Some(Some(..))` with the request translated exactly for it, `None` when it
-    /// cannot (the paths it would lose go to the trail and to `untranslatable`).
+    /// Whether a target can take this request, and translated how.
     fn judge_target(
         &mut self,
         call: &Call,
         target: &Target,
         untranslatable: &mut Vec<String>,
-    ) -> Option<Option<Arc<Translated>>> {
+    ) -> Fit {
         let upstream = &target.upstream;
         let direction = match Direction::between(call.endpoint(), upstream.api) {
-            Ok(None) => return Some(None),
+            Ok(None) => return Fit::Usable { translation: None },
             Ok(Some(direction)) => direction,
-            Err(()) => return None,
+            Err(()) => return Fit::Unfit,
         };
         let options = translate::request::Options {
             drop: &call.route.translate_drop,
             max_tokens: target.max_tokens,
         };
         match translate::request::convert(direction, &call.request, options) {
-            Ok(converted) => Some(Some(Arc::new(Translated {
+            Ok(converted) => Fit::Usable {
+                translation: Some(Arc::new(Translated {
                 direction,
                 request: Arc::new(
                     call.request
                         .translated(direction.target_endpoint(), converted.json),
                 ),
-                dropped: (!converted.dropped.is_empty())
-                    .then(|| Arc::from(converted.dropped.join(","))),
-            }))),
+                    dropped: (!converted.dropped.is_empty())
+                        .then(|| Arc::from(converted.dropped.join(","))),
+                })),
+            },
             Err(lost) => {
                 let paths = lost.paths.join(" ");
                 untranslatable.push(format!("{}: {paths}", upstream.name));
@@ -478,7 +499,7 @@ where
                     upstream: upstream.name.clone(),
                     paths: paths.into(),
                 });
-                None
+                Fit::Unfit
             }
         }
     }
@@ -553,22 +574,25 @@ where
                 // What the retry budget learns: did the retry it granted work?
                 health.record_retry(Instant::now(), matches!(judged, Judged::Go(_)));
             }
-            let (failure, retry_after, reason) = match judged {
+            let (failure, retry, reason) = match judged {
                 Judged::Go(next) => return next,
                 Judged::Failed {
                     failure,
-                    retry_after,
+                    retry,
                     reason,
-                } => (failure, retry_after, reason),
+                } => (failure, retry, reason),
             };
             *last = Some(failure);
             // Only transient failures are retried on the same target, and not once
             // this failure has opened its breaker.
-            let Some(retry_after) =
-                retry_after.filter(|_| !opened && attempt_no + 1 < rules.max_attempts)
-            else {
-                self.trail.steps.push(Step::GiveUp(reason));
-                return Next::Failover;
+            let retry_after = match retry {
+                Retry::Allowed { after } if !opened && attempt_no + 1 < rules.max_attempts => {
+                    after
+                }
+                _ => {
+                    self.trail.steps.push(Step::GiveUp(reason));
+                    return Next::Failover;
+                }
             };
             // Waiting here (the upstream's Retry-After, or after a hang) is slower than
             // an attempt on a healthy target now.
@@ -715,13 +739,13 @@ where
                 cut_by_deadline: timeout < upstream.attempt_timeout,
             },
         };
-        let retry_after = match class {
-            Class::Transient { retry_after, .. } => Some(retry_after),
-            _ => None,
+        let retry = match class {
+            Class::Transient { retry_after, .. } => Retry::Allowed { after: retry_after },
+            _ => Retry::Never,
         };
         Judged::Failed {
             failure,
-            retry_after,
+            retry,
             reason,
         }
     }

@@ -150,9 +150,9 @@ pub struct Budgets {
     /// on this replica's books, counted as blind. A store error that is not
     /// [`StoreError::Unavailable`] (SQLite's) always refuses.
     on_unavailable: OnUnavailable,
-    /// Redis counts and PostgreSQL keeps the fleet's ledger: a budgeted call held in
+    /// Redis counts and PostgreSQL keeps the replicas' ledger: a budgeted call held in
     /// Redis also has a durable reservation in the ledger, settled there too.
-    fleet_ledger: bool,
+    shared_ledger: bool,
     /// Background Responses' reservations, held until their usage appears (kept
     /// across reloads).
     pub background: Arc<background::BackgroundHolds>,
@@ -189,7 +189,7 @@ impl Budgets {
             clock,
             shared: None,
             on_unavailable: config.state.on_unavailable,
-            fleet_ledger: false,
+            shared_ledger: false,
             background: Arc::default(),
             refuse_background: false,
         }
@@ -277,7 +277,7 @@ impl Budgets {
             clock: self.clock.clone(),
             shared: self.shared.clone(),
             on_unavailable: config.state.on_unavailable,
-            fleet_ledger: config.state.backend == crate::config::StateBackend::Redis
+            shared_ledger: config.state.backend == crate::config::StateBackend::Redis
                 && config.store.backend == crate::config::StoreBackend::Postgres,
             background: self.background.clone(),
             refuse_background: config.billing.background == crate::config::Background::Refuse,
@@ -555,7 +555,7 @@ impl Budgets {
     }
 
     fn prepays(&self, book: &TenantBook, in_session: bool) -> bool {
-        self.shared.is_some() && !self.fleet_ledger && book.budgets(in_session)
+        self.shared.is_some() && !self.shared_ledger && book.budgets(in_session)
     }
 
     /// What Redis's admission script is asked for one call of `model`, today.
@@ -609,7 +609,7 @@ impl Budgets {
         Ok(())
     }
 
-    /// A budgeted call's durable reservation in the fleet's ledger, when Redis holds
+    /// A budgeted call's durable reservation in the replicas' ledger, when Redis holds
     /// its reservation: its id, or the refusal (`[state] on_unavailable` decides when
     /// the ledger cannot be reached).
     async fn reserve_in_ledger(
@@ -654,19 +654,19 @@ impl Budgets {
     }
 
     /// With a store other replicas share and no Redis counting for them: the day's and
-    /// the session's accounts take what the fleet has committed (settled, and reserved
+    /// the session's accounts take what every replica has committed (settled, and reserved
     /// by the other replicas) before this call is checked against them. Replicas that
     /// reserve at the same moment can each pass on what the other has not written yet:
     /// caps hold to within one call per replica (Redis makes them exact).
-    async fn catch_up_with_the_fleet(
+    async fn catch_up_with_the_replicas(
         &self,
         book: &TenantBook,
         live: Option<&(String, BookRef)>,
         session: Option<&str>,
     ) -> Result<(), Refusal> {
         let today = self.clock.today();
-        let fleet = match self.store.fleet_usage(&book.name, today, session).await {
-            Ok(Some(fleet)) => fleet,
+        let committed = match self.store.committed_usage(&book.name, today, session).await {
+            Ok(Some(committed)) => committed,
             Ok(None) => return Ok(()),
             Err(err) if self.blind_past(&err, "fleet") => return Ok(()),
             Err(err) => return Err(err.into()),
@@ -674,17 +674,17 @@ impl Budgets {
         {
             let mut day = lock(&book.day);
             if day.0 <= today {
-                // A new day starts from what the fleet has spent on it already.
+                // A new day starts from what every replica has spent on it already.
                 *day = (
                     today,
                     Account {
-                        settled: fleet.day,
+                        settled: committed.day,
                         reserved: day.1.reserved,
                     },
                 );
             }
         }
-        if let (Some((_, s)), Some(used)) = (live, fleet.session) {
+        if let (Some((_, s)), Some(used)) = (live, committed.session) {
             lock(&s.account).settled = used;
         }
         Ok(())
@@ -708,8 +708,8 @@ impl Budgets {
         let budgeted = book.budgets(session.is_some());
         if let (Some(shared), true) = (&self.shared, budgeted) {
             let want = self.worst_case(&book, session.is_some(), ask)?;
-            // In the fleet's ledger first: a refusal by Redis then only withdraws it.
-            let durable = match self.fleet_ledger {
+            // In the replicas' ledger first: a refusal by Redis then only withdraws it.
+            let durable = match self.shared_ledger {
                 true => Some(self.reserve_in_ledger(&book, session, model, want).await?),
                 false => None,
             };
@@ -766,7 +766,7 @@ impl Budgets {
             .err()
             .filter(|err| !self.blind_past(err, "day"));
         if budgeted && self.shared.is_none() {
-            self.catch_up_with_the_fleet(&book, live.as_ref(), session)
+            self.catch_up_with_the_replicas(&book, live.as_ref(), session)
                 .await?;
         }
         let mut reservation = self.reserve_in_memory(book, live, day_unread, ask)?;

@@ -262,7 +262,7 @@ impl Reservation {
         self.apply(actual, &charge.tokens);
         if let Some(held) = self.shared.take() {
             if let Some(id) = self.durable {
-                // The fleet's ledger (Redis counts): written beside Redis's settle.
+                // The replicas' ledger (Redis counts): written beside Redis's settle.
                 if let Err(err) = self.budgets.store.settle(Some(id), charge.clone()).await {
                     tracing::error!(tenant = %self.tenant.name, error = %err, "cannot record a charge in the ledger");
                 }

@@ -1,4 +1,4 @@
-//! [`PgStore`]: one PostgreSQL database for the fleet (`[store] backend = "postgres"`):
+//! [`PgStore`]: one PostgreSQL database for every replica (`[store] backend = "postgres"`):
 //! the spend ledger, durable reservations, idempotency records and their claims,
 //! Responses owners, and the session guard's closes, trips and shared windows, for every
 //! replica at once.
@@ -57,7 +57,7 @@ use self::{
     writer::{Backlog, PgWrite},
 };
 use super::{
-    count_error, write::Op, Charge, Claim, FleetUsage, GuardRecord, GuardStates, Ledger,
+    count_error, write::Op, Charge, Claim, CommittedUsage, GuardRecord, GuardStates, Ledger,
     OwnerRecord, Owners, QueuedSettle, Replays, ReportQuery, ReportRow, ReservationRecord,
     SettleQueue, Store, StoreError, StoreFuture, StoredOwner, StoredResponse, Tier, WindowSave,
 };
@@ -721,12 +721,12 @@ impl Ledger for PgStore {
 
     /// Two reads, pipelined: the day's and the session's ledger sums, each plus the
     /// reservations other replicas hold (this one's are in its own books).
-    fn fleet_usage<'a>(
+    fn committed_usage<'a>(
         &'a self,
         tenant: &'a str,
         day: i64,
         session: Option<&'a str>,
-    ) -> StoreFuture<'a, Option<FleetUsage>> {
+    ) -> StoreFuture<'a, Option<CommittedUsage>> {
         let epoch = self.shared.epoch;
         Box::pin(self.read(async move {
             let c = self.client().await?;
@@ -765,7 +765,7 @@ impl Ledger for PgStore {
                 }
             };
             let (day_row, session_row) = futures_util::future::try_join(day_row, session_row).await?;
-            Ok(Some(FleetUsage {
+            Ok(Some(CommittedUsage {
                 day: both(&day_row),
                 session: session_row.as_ref().map(both),
             }))

@@ -15,8 +15,9 @@ use crate::{
     config::{UpstreamApi, UpstreamConfig},
 };
 
+/// How an upstream's URLs are made (not its wire format, which is its `api`).
 #[derive(Debug)]
-pub enum Dialect {
+pub enum UrlStyle {
     /// `base_url` + the client's path, parsed once per endpoint.
     Standard { urls: HashMap<Endpoint, Url> },
     /// Azure OpenAI: `{base_url}/openai/deployments/{deployment}/...?api-version=...`,
@@ -38,7 +39,7 @@ pub enum Unserved {
     Deployment,
 }
 
-impl Dialect {
+impl UrlStyle {
     pub fn new(config: &UpstreamConfig) -> Self {
         match (config.api, config.api_version.as_deref()) {
             (UpstreamApi::Azure, Some(version)) => {
@@ -46,9 +47,9 @@ impl Dialect {
                 deployments
                     .query_pairs_mut()
                     .append_pair("api-version", version);
-                Dialect::Azure { deployments }
+                UrlStyle::Azure { deployments }
             }
-            _ => Dialect::Standard {
+            _ => UrlStyle::Standard {
                 urls: Endpoint::ALL
                     .into_iter()
                     .map(|e| (e, config.base_url.join(e.path())))
@@ -60,8 +61,8 @@ impl Dialect {
     /// The URL of a call to `endpoint` asking for `model`.
     pub fn url(&self, endpoint: Endpoint, model: &str) -> Result<Url, Unserved> {
         match self {
-            Dialect::Standard { urls } => urls.get(&endpoint).cloned().ok_or(Unserved::Endpoint),
-            Dialect::Azure { deployments } => {
+            UrlStyle::Standard { urls } => urls.get(&endpoint).cloned().ok_or(Unserved::Endpoint),
+            UrlStyle::Azure { deployments } => {
                 let tail: &[&str] = match endpoint {
                     Endpoint::ChatCompletions => &["chat", "completions"],
                     Endpoint::Embeddings => &["embeddings"],
@@ -87,19 +88,19 @@ impl Dialect {
 mod tests {
     use super::*;
 
-    fn dialect(api: &str, base_url: &str) -> Dialect {
+    fn url_style(api: &str, base_url: &str) -> UrlStyle {
         let version = if api == "azure" {
             "api_version = \"2024-10-21\"\n"
         } else {
             ""
         };
         let config = format!("name = \"u\"\napi = \"{api}\"\nbase_url = \"{base_url}\"\n{version}");
-        Dialect::new(&toml::from_str(&config).unwrap())
+        UrlStyle::new(&toml::from_str(&config).unwrap())
     }
 
     #[test]
     fn azure_calls_go_to_the_deployment_with_the_api_version() {
-        let azure = dialect("azure", "https://example.openai.azure.com");
+        let azure = url_style("azure", "https://example.openai.azure.com");
         assert_eq!(
             azure.url(Endpoint::ChatCompletions, "gpt-4o-prod").unwrap().as_str(),
             "https://example.openai.azure.com/openai/deployments/gpt-4o-prod/chat/completions?api-version=2024-10-21"
@@ -111,7 +112,7 @@ mod tests {
         // A path prefix is kept, with or without its trailing slash.
         for base in ["https://gw.example/azure", "https://gw.example/azure/"] {
             assert_eq!(
-                dialect("azure", base)
+                url_style("azure", base)
                     .url(Endpoint::ChatCompletions, "d")
                     .unwrap()
                     .as_str(),
@@ -122,7 +123,7 @@ mod tests {
 
     #[test]
     fn a_deployment_name_stays_one_path_segment() {
-        let azure = dialect("azure", "https://example.openai.azure.com");
+        let azure = url_style("azure", "https://example.openai.azure.com");
         let url = azure.url(Endpoint::ChatCompletions, "a/b?c#d %e").unwrap();
         assert_eq!(
             url.as_str(),
@@ -139,7 +140,7 @@ mod tests {
 
     #[test]
     fn azure_serves_chat_and_embeddings_only() {
-        let azure = dialect("azure", "https://example.openai.azure.com");
+        let azure = url_style("azure", "https://example.openai.azure.com");
         for endpoint in [
             Endpoint::Responses,
             Endpoint::Messages,
@@ -155,7 +156,7 @@ mod tests {
 
     #[test]
     fn the_others_take_the_clients_path_and_ignore_the_model() {
-        let openai = dialect("openai", "https://api.openai.com");
+        let openai = url_style("openai", "https://api.openai.com");
         assert_eq!(
             openai
                 .url(Endpoint::ChatCompletions, "gpt-4o")
@@ -163,7 +164,7 @@ mod tests {
                 .as_str(),
             "https://api.openai.com/v1/chat/completions"
         );
-        let gemini = dialect(
+        let gemini = url_style(
             "openai",
             "https://generativelanguage.googleapis.com/v1beta/openai",
         );
