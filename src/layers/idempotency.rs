@@ -259,28 +259,16 @@ where
             let id: Key = (tenant.clone(), key.clone());
             let waiting_since = tokio::time::Instant::now();
             let leader = 'claimed: loop {
+                // This request's place as the key's leader here first, the store read
+                // after: a request that has just finished leaves the in-flight map only
+                // once its response is kept, so a read made after taking its place sees
+                // that response. (Read first, it could miss a response kept between the
+                // read and the look at the map, and call again.)
                 let mut leader = loop {
-                    match layer
-                        .store
-                        .recall(&tenant, &key, layer.clock.now_ms())
-                        .await
-                    {
-                        Ok(Some(stored)) if stored.body_hash != hash => {
-                            return Err(GatewayError::IdempotencyKeyReused)
-                        }
-                        Ok(Some(stored)) => return Ok(replay(stored)),
-                        Ok(None) => {}
-                        Err(err) => {
-                            if let Some(refused) = layer.unavailable(err) {
-                                return Err(refused);
-                            }
-                            return inner.call(req).await;
-                        }
-                    }
-                    let waiting = {
+                    let mut waiting = {
                         let mut map = layer.in_flight.lock().unwrap_or_else(|e| e.into_inner());
                         match map.get(&id) {
-                            Some(rx) => Some(rx.clone()),
+                            Some(rx) => rx.clone(),
                             None => {
                                 let (tx, rx) = watch::channel(());
                                 map.insert(id.clone(), rx);
@@ -293,11 +281,28 @@ where
                             }
                         }
                     };
-                    if let Some(mut rx) = waiting {
-                        // Resolves when the leader is done (its sender dropped); then look again.
-                        let _ = rx.changed().await;
-                    }
+                    // Resolves when the leader is done (its sender dropped); then look again.
+                    let _ = waiting.changed().await;
                 };
+                match layer
+                    .store
+                    .recall(&tenant, &key, layer.clock.now_ms())
+                    .await
+                {
+                    Ok(Some(stored)) if stored.body_hash != hash => {
+                        return Err(GatewayError::IdempotencyKeyReused)
+                    }
+                    Ok(Some(stored)) => return Ok(replay(stored)),
+                    Ok(None) => {}
+                    Err(err) => {
+                        if let Some(refused) = layer.unavailable(err) {
+                            return Err(refused);
+                        }
+                        // Served without replay: nothing to wait for.
+                        drop(leader);
+                        return inner.call(req).await;
+                    }
+                }
                 // The leader here; with a shared store, also across replicas.
                 match layer
                     .store

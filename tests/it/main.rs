@@ -7,6 +7,9 @@
 //!
 //! The other test binaries: `redis` (needs `redis-server`) and `alone` (tests that need
 //! the process and the machine to themselves).
+//!
+//! `layers::` is the exception to the real gateway: each layer in process, over a
+//! scripted inner service (tests/common/layer.rs), with no socket.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -24,6 +27,7 @@ mod gateway;
 mod guard;
 mod hardening;
 mod idempotency;
+mod layers;
 mod otel;
 mod recovery;
 mod recovery_policy;

@@ -12,8 +12,6 @@ use backstop::{
     api::Endpoint,
     error::GatewayError,
     layers::{
-        context::{parse, Call, TargetIndex},
-        deadline::Deadline,
         meter::Billed,
         recovery::{follow_trail, RecoveryLayer, RetryPolicy},
     },
@@ -23,7 +21,7 @@ use backstop::{
     },
     routing::RouteTable,
     state::health::HealthRegistry,
-    telemetry::{RequestLog, Trail},
+    telemetry::Trail,
     upstream::{build_all, AttemptError, Reply},
 };
 use bytes::Bytes;
@@ -31,7 +29,7 @@ use http::{HeaderMap, HeaderValue, StatusCode};
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
 
-use crate::common::TestConfig;
+use crate::common::{layer::CallBuilder, TestConfig};
 
 const CONFIG: &str = r#"
 [retry]
@@ -198,7 +196,7 @@ impl Service<Billed> for Script {
 }
 
 struct Harness {
-    routes: RouteTable,
+    routes: Arc<RouteTable>,
     health: Arc<HealthRegistry>,
     policy: RetryPolicy,
 }
@@ -207,7 +205,7 @@ fn harness(edit: impl FnOnce(TestConfig) -> TestConfig) -> Harness {
     let config = edit(TestConfig::parse(CONFIG)).config();
     let upstreams = build_all(&config);
     Harness {
-        routes: RouteTable::new(&config, &upstreams),
+        routes: Arc::new(RouteTable::new(&config, &upstreams)),
         health: Arc::new(HealthRegistry::new(&config)),
         // Jitter pinned to the top of its range, so backoff waits are exact.
         policy: RetryPolicy {
@@ -229,25 +227,10 @@ struct Outcome {
 
 impl Harness {
     async fn send(&self, model: &str, script: &Script, deadline: Duration) -> Outcome {
-        let body = Bytes::from(format!(r#"{{"model":"{model}","messages":[]}}"#));
-        let (request, route) = parse(Endpoint::ChatCompletions, body, &self.routes).unwrap();
-        let log = Arc::new(RequestLog::default());
-        let call = Call {
-            request: Arc::new(request),
-            route,
-            tenant: "t".into(),
-            session: None,
-            headers: Arc::new(HeaderMap::new()),
-            request_id: HeaderValue::from_static("test"),
-            log: log.clone(),
-            deadline: Deadline {
-                at: Instant::now() + deadline,
-                timeout: deadline,
-            },
-            start: TargetIndex(0),
-            keep_answer: false,
-            prepaid: None,
-        };
+        let call = CallBuilder::new(self.routes.clone())
+            .body(serde_json::json!({"model": model, "messages": []}))
+            .deadline(deadline)
+            .build();
         let service =
             RecoveryLayer::new(self.policy.clone(), self.health.clone()).layer(script.clone());
         let started = Instant::now();
