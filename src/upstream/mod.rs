@@ -19,10 +19,10 @@
 //! redirects off: about 27,000 instructions a call (9% of the every-policy path) that a
 //! plain-HTTP exchange does not need.
 
-mod url_style;
 mod headers;
 pub mod objects;
 pub mod stream;
+mod url_style;
 
 use std::{
     collections::HashMap,

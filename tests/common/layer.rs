@@ -161,7 +161,7 @@ impl Kit {
 
     /// The store the state writes to (idempotent responses, owners, ledgers).
     pub fn store(&self) -> Arc<dyn Store> {
-        self.state.budgets.store().clone()
+        self.state.store.clone()
     }
 
     /// The idempotency layer as `app.rs` builds it (a store that is not shared).

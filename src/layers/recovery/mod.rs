@@ -483,11 +483,11 @@ where
         match translate::request::convert(direction, &call.request, options) {
             Ok(converted) => Fit::Usable {
                 translation: Some(Arc::new(Translated {
-                direction,
-                request: Arc::new(
-                    call.request
-                        .translated(direction.target_endpoint(), converted.json),
-                ),
+                    direction,
+                    request: Arc::new(
+                        call.request
+                            .translated(direction.target_endpoint(), converted.json),
+                    ),
                     dropped: (!converted.dropped.is_empty())
                         .then(|| Arc::from(converted.dropped.join(","))),
                 })),
@@ -586,9 +586,7 @@ where
             // Only transient failures are retried on the same target, and not once
             // this failure has opened its breaker.
             let retry_after = match retry {
-                Retry::Allowed { after } if !opened && attempt_no + 1 < rules.max_attempts => {
-                    after
-                }
+                Retry::Allowed { after } if !opened && attempt_no + 1 < rules.max_attempts => after,
                 _ => {
                     self.trail.steps.push(Step::GiveUp(reason));
                     return Next::Failover;

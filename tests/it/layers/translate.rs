@@ -6,9 +6,13 @@ use std::sync::Arc;
 
 use backstop::{
     api::Endpoint,
-    layers::{meter::Unmetered, recovery::UnvalidatedLayer},
+    layers::{
+        meter::Unmetered,
+        recovery::UnvalidatedLayer,
+        translate::{untranslatable_reason, TranslateLayer},
+    },
     telemetry::RequestLog,
-    translate::{layer::untranslatable_reason, layer::TranslateLayer, AnswerContext, Direction},
+    translate::{AnswerContext, Direction},
     upstream::Attempt,
 };
 use serde_json::json;
