@@ -34,6 +34,15 @@ use crate::{
     telemetry::{Facts, RequestLog},
 };
 
+/// How a failure counted in the guard's write-back went (replica mode).
+enum WriteBack {
+    /// Counted in the fleet, with the guard's transition (if any).
+    Counted(Option<Transition>),
+    /// It cannot be (the tripped state would not hold the evidence's marks once each):
+    /// nothing done, so it is counted the usual way.
+    NotFolded,
+}
+
 /// How a request ended, as its session learns it: read at once (a response is not
 /// `Sync`, so none is held while the session learns).
 pub(super) struct Ended {
@@ -163,8 +172,8 @@ impl AdmissionLayer {
                     .fleet_failed_in_write_back(g, policy, &sig, facts)
                     .await
                 {
-                    Some(change) => return change,
-                    None => self.fleet_failed(g, policy, &sig, facts).await,
+                    WriteBack::Counted(change) => return change,
+                    WriteBack::NotFolded => self.fleet_failed(g, policy, &sig, facts).await,
                 }
             }
             (_, failure) => self.fleet_outcome(g, shape, failure, failed, facts).await,
@@ -228,16 +237,14 @@ impl AdmissionLayer {
         fleet_verdict(g, policy, &verdict)
     }
 
-    /// A failure counted under its signature in the guard's write-back (replica mode):
-    /// the guard's transition, or `None` when it cannot be (the tripped state would not
-    /// hold the evidence's marks once each): nothing done, count it the usual way.
+    /// A failure counted under its signature in the guard's write-back (replica mode).
     async fn fleet_failed_in_write_back(
         &self,
         g: &Guarded,
         policy: &FleetPolicy,
         sig: &Signature,
         facts: &Facts,
-    ) -> Option<Option<Transition>> {
+    ) -> WriteBack {
         let marked = Trip {
             signature: Some(sig.id.0),
             ..Trip::new(
@@ -266,11 +273,11 @@ impl AdmissionLayer {
         match recorded {
             Ok(Some((verdict, change))) => {
                 fleet_verdict(g, policy, &verdict);
-                Some(change)
+                WriteBack::Counted(change)
             }
-            Ok(None) => None,
+            Ok(None) => WriteBack::NotFolded,
             // Unreadable (already logged): counted in the fleet, not in the guard.
-            Err(_) => Some(None),
+            Err(_) => WriteBack::Counted(None),
         }
     }
 

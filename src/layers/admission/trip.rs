@@ -87,34 +87,43 @@ pub(super) fn tripped(
     }
 }
 
-/// What a state change means for the store: `Some(kept)` to write (a trip, a probe, a
-/// close), `Some(None)` to forget (active again), `None` for nothing to do.
+/// What a state change means for the store.
+#[derive(Debug, PartialEq)]
+pub(super) enum Keep {
+    /// Nothing to do.
+    Nothing,
+    /// Write it (a trip, a probe, a close; `None` when the guard has nothing to keep).
+    Write(Option<Kept>),
+    /// Forget what is kept: active again.
+    Forget,
+}
+
 pub(super) fn to_keep(
     change: Option<Transition>,
     guard: &SessionGuard,
     now: tokio::time::Instant,
-) -> Option<Option<Kept>> {
-    let (from, to): (Phase, Phase) = change?;
+) -> Keep {
+    let Some((from, to)) = change else {
+        return Keep::Nothing;
+    };
     if to.is_kept() {
-        Some(guard.kept(now))
+        Keep::Write(guard.kept(now))
     } else if from.is_kept() {
-        Some(None)
+        Keep::Forget
     } else {
-        None
+        Keep::Nothing
     }
 }
 
-pub(super) async fn persist(
-    guards: &SessionGuards,
-    tenant: &str,
-    session: &str,
-    keep: Option<Option<Kept>>,
-) {
-    if let Some(kept) = keep {
-        if let Err(err) = guards.persist(tenant, session, kept).await {
-            // The state in memory still holds; only its survival of a restart is lost.
-            tracing::error!(tenant, session, error = %err, "cannot keep the session's guard state");
-        }
+pub(super) async fn persist(guards: &SessionGuards, tenant: &str, session: &str, keep: Keep) {
+    let kept = match keep {
+        Keep::Nothing => return,
+        Keep::Write(kept) => kept,
+        Keep::Forget => None,
+    };
+    if let Err(err) = guards.persist(tenant, session, kept).await {
+        // The state in memory still holds; only its survival of a restart is lost.
+        tracing::error!(tenant, session, error = %err, "cannot keep the session's guard state");
     }
 }
 
@@ -202,7 +211,7 @@ mod tests {
         let mut guard = SessionGuard::new(policy);
         assert_eq!(
             to_keep(None, &guard, now),
-            None,
+            Keep::Nothing,
             "no change, nothing to write"
         );
         let trip = Trip::new(TripRule::FleetPattern, "hot".into());
@@ -211,7 +220,7 @@ mod tests {
         let later = now + Duration::from_secs(20);
         assert_eq!(
             to_keep(change, &guard, later),
-            Some(Some(Kept::Tripped {
+            Keep::Write(Some(Kept::Tripped {
                 remaining: Duration::from_secs(40),
                 trip
             })),
@@ -223,12 +232,12 @@ mod tests {
                 &SessionGuard::new(guard_policy()),
                 now
             ),
-            Some(None),
+            Keep::Forget,
             "active again: forgotten"
         );
         assert_eq!(
             to_keep(Some((Phase::Active, Phase::Recovering)), &guard, now),
-            None
+            Keep::Nothing
         );
     }
 
