@@ -84,3 +84,79 @@ fn every_script_has_its_line_in_scripts_readme() {
         "scripts/README.md has no line for: {missing:?}"
     );
 }
+
+/// The modules `src/` holds, as docs/architecture.md names them: every top-level module
+/// (`src/state/`, `src/app.rs`) and every module one level down (`state/live/`,
+/// `layers/meter.rs`; a folder's `mod.rs` is the folder).
+fn modules() -> Vec<(String, bool)> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let entries = |dir: &Path| {
+        let mut names: Vec<(String, bool)> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.is_dir() || p.extension().is_some_and(|x| x == "rs"))
+            .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), p.is_dir()))
+            .filter(|(name, _)| name != "mod.rs")
+            .collect();
+        names.sort();
+        names
+    };
+    let mut out = Vec::new();
+    for (top, is_dir) in entries(&src) {
+        out.push((format!("src/{top}{}", if is_dir { "/" } else { "" }), true));
+        if is_dir {
+            for (name, sub_dir) in entries(&src.join(&top)) {
+                out.push((format!("{top}/{name}{}", if sub_dir { "/" } else { "" }), false));
+            }
+        }
+    }
+    out
+}
+
+/// A backticked token of the page that names a file or folder of the repository:
+/// relative to the root, to `src/` or to `docs/` (a glob's folder must exist).
+fn named_paths(page: &str) -> Vec<&str> {
+    page.split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|t| !t.contains(char::is_whitespace) && !t.starts_with(['/', '.']))
+        .filter(|t| !t.contains("::") && !t.contains('{') && !t.contains('='))
+        .filter(|t| {
+            t.contains('/')
+                || [".rs", ".lua", ".md", ".toml", ".sql", ".json"]
+                    .iter()
+                    .any(|ext| t.ends_with(ext))
+        })
+        .collect()
+}
+
+#[test]
+fn the_architecture_page_names_every_module_and_only_paths_that_exist() {
+    let page = read("docs/architecture.md");
+    let missing: Vec<String> = modules()
+        .into_iter()
+        .filter(|(name, _)| !page.contains(name.as_str()))
+        .map(|(name, _)| name)
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "docs/architecture.md does not name these modules of src/: {missing:?}"
+    );
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let exists = |path: &str| {
+        let path = path.trim_end_matches('/');
+        // A glob (`state/redis/*.lua`): its folder.
+        let path = path.split('*').next().unwrap().trim_end_matches('/');
+        ["", "src", "docs"]
+            .iter()
+            .any(|base| root.join(base).join(path).exists())
+    };
+    let gone: Vec<&str> = named_paths(&page)
+        .into_iter()
+        .filter(|p| !exists(p))
+        .collect();
+    assert!(
+        gone.is_empty(),
+        "docs/architecture.md names paths that do not exist: {gone:?}"
+    );
+}
