@@ -113,7 +113,7 @@ use crate::{
         activity::Activity,
         body_memory::BodyMemory,
         budgets::Budgets,
-        fleet::Fleet,
+        fleet::{Fleet, FleetBackend, LocalFleet, ReplicaFleet},
         health::HealthRegistry,
         owners::ResponseOwners,
         sessions::SessionGuards,
@@ -213,7 +213,13 @@ impl AppState {
             clock.clone(),
         )
         .sharing(budgets.live());
-        let fleet = Arc::new(Fleet::new(&config, redis.clone(), clock.clone()));
+        // The fleet views: this process's, or the replicas' in Redis (this replica's
+        // own as the fallback).
+        let fleet_backend: Arc<dyn FleetBackend> = match &redis {
+            Some(redis) => Arc::new(ReplicaFleet::new(redis.clone(), clock.clone())),
+            None => Arc::new(LocalFleet::new(clock.clone())),
+        };
+        let fleet = Arc::new(Fleet::new(&config, fleet_backend));
         warn_unpriced(&config);
         let (stream_cut, cut_streams) = StreamCut::channel();
         let body_memory = Arc::new(BodyMemory::from_config(&config.server));

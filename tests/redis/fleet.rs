@@ -16,11 +16,12 @@ use backstop::{
     clock::Clock,
     config::StateConfig,
     mock,
-    policy::fleet::{
-        Failed, FailureKind, FleetPolicy, Signature, TenantView, SESSIONS_PER_SIGNATURE,
-    },
+    policy::fleet::{Failed, FailureKind, FleetPolicy, Signature, SESSIONS_PER_SIGNATURE},
     server,
-    state::{fleet::SharedFleet, shared},
+    state::{
+        fleet::{FleetBackend, LocalFleet, ReplicaFleet},
+        shared,
+    },
 };
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
@@ -277,17 +278,9 @@ async fn when_redis_cannot_answer_a_replica_predicts_from_its_own_view() {
     redis.resume();
 }
 
-/// The scripts against the embedded view whose rules they carry: random failures of three
-/// signatures by eight sessions, the clock moving by up to a third of the window between
-/// them (so sessions' counts start again and signatures go stale and are forgotten), on
-/// one Redis and one [`TenantView`]. Every failure gets the same verdict from both: a
-/// trip or not, the qualified sessions it names, whether it confirmed a prediction. The
-/// sessions a trip names are at least the embedded view's: the scripts drop a session
-/// whose last failure left the window once per refresh (an eighth of the window), not at
-/// once.
-/// The fleet's scripts on `redis` alone (no gateway), on a clock of their own, with a
-/// minute's window: 3 sessions failing twice make a signature hot.
-fn scripts(redis: &Redis) -> (SharedFleet, Clock, Arc<FleetPolicy>) {
+/// The replica backend on `redis` alone (no gateway) and the embedded one, on one clock
+/// of their own, with a minute's window: 3 sessions failing twice make a signature hot.
+fn backends(redis: &Redis) -> (ReplicaFleet, LocalFleet, Clock, Arc<FleetPolicy>) {
     let state = shared::Redis::new(&StateConfig {
         url: Some(redis.url()),
         ..StateConfig::default()
@@ -301,24 +294,33 @@ fn scripts(redis: &Redis) -> (SharedFleet, Clock, Arc<FleetPolicy>) {
         preempt: false,
         cool_down: Duration::from_secs(10),
     });
-    (SharedFleet::new(state, clock.clone()), clock, policy)
+    let replica = ReplicaFleet::new(state, clock.clone());
+    (replica, LocalFleet::new(clock.clone()), clock, policy)
 }
 
-/// One failure of `session` with `sig` now, counted by the scripts and by the embedded
-/// view: their verdicts, in that order.
+/// One failure of `session` with `sig` now, counted through [`FleetBackend`] by the
+/// replica backend (the scripts) and by the embedded one: their verdicts, in that order.
+/// The embedded one counts first, reading the clock before the scripts do.
 async fn fail_both(
-    fleet: &SharedFleet,
-    view: &mut TenantView,
-    now: i64,
+    replica: &dyn FleetBackend,
+    embedded: &dyn FleetBackend,
+    policy: &Arc<FleetPolicy>,
     sig: &Signature,
     session: u64,
 ) -> (Failed, Failed) {
-    let policy = view.policy().clone();
-    let scripts = fleet
-        .failed("t", &policy, sig, session, 1, 0.0)
-        .await
-        .unwrap();
-    (scripts, view.failed(now, sig, session, 1, 0.0))
+    let local = embedded.failed("t", policy, sig, session, 1, 0.0).await;
+    let scripts = replica.failed("t", policy, sig, session, 1, 0.0).await;
+    (scripts, local)
+}
+
+/// Redis answered every call: the replica's own view, its fallback, counted nothing.
+async fn all_in_redis(replica: &ReplicaFleet, policy: &Arc<FleetPolicy>) {
+    let fallback = replica.fallback().report("t", policy).await;
+    assert!(
+        fallback.signatures.is_empty(),
+        "the fallback counted: {:?}",
+        fallback.signatures
+    );
 }
 
 /// `n` signatures of distinct shapes, the same failure.
@@ -343,11 +345,18 @@ fn signatures(n: usize) -> Vec<Signature> {
         .collect()
 }
 
+/// The scripts against the embedded view whose rules they carry, each behind
+/// [`FleetBackend`]: random failures of three signatures by eight sessions, the clock
+/// moving by up to a third of the window between them (so sessions' counts start again
+/// and signatures go stale and are forgotten), on one Redis and in one process. Every
+/// failure gets the same verdict from both: a trip or not, the qualified sessions it
+/// names, whether it confirmed a prediction. The sessions a trip names are at least the
+/// embedded view's: the scripts drop a session whose last failure left the window once
+/// per refresh (an eighth of the window), not at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_scripts_decide_as_the_embedded_view_does() {
     let redis = Redis::start();
-    let (fleet, clock, policy) = scripts(&redis);
-    let mut view = TenantView::new(policy.clone());
+    let (replica, embedded, clock, policy) = backends(&redis);
     let sigs = signatures(3);
     // xorshift64: the same sequence every run.
     let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
@@ -370,7 +379,7 @@ async fn the_scripts_decide_as_the_embedded_view_does() {
         let sig = &sigs[next(3) as usize];
         let session = next(8);
         let now = clock.now_ms();
-        let (scripts, embedded) = fail_both(&fleet, &mut view, now, sig, session).await;
+        let (scripts, embedded) = fail_both(&replica, &embedded, &policy, sig, session).await;
         let at = format!("step {step} (t+{} ms)", now - 1_800_000_000_000);
         assert_eq!(scripts.trip.is_some(), embedded.trip.is_some(), "{at}");
         assert_eq!(scripts.confirmed, embedded.confirmed, "{at}");
@@ -390,6 +399,7 @@ async fn the_scripts_decide_as_the_embedded_view_does() {
         }
         confirmed += usize::from(embedded.confirmed);
     }
+    all_in_redis(&replica, &policy).await;
     // The sequence went through every case the comparison is for.
     assert!(
         trips > 50 && confirmed > 20 && restarts > 50,
@@ -405,22 +415,22 @@ async fn the_scripts_decide_as_the_embedded_view_does() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_signature_past_its_sessions_cap_drops_the_least_recent() {
     let redis = Redis::start();
-    let (fleet, clock, policy) = scripts(&redis);
-    let mut view = TenantView::new(policy.clone());
+    let (replica, embedded, clock, policy) = backends(&redis);
     let sig = &signatures(1)[0];
     let cap = SESSIONS_PER_SIGNATURE as u64;
     let (mut low, mut high) = (u32::MAX, 0);
     for session in 0..cap + 300 {
         clock.skip(Duration::from_millis(1));
-        let (scripts, embedded) = fail_both(&fleet, &mut view, clock.now_ms(), sig, session).await;
+        let (scripts, embedded) = fail_both(&replica, &embedded, &policy, sig, session).await;
         assert!(
             scripts.trip.is_none() && embedded.trip.is_none(),
             "{session}"
         );
         if session >= cap {
-            let (_, reports) = fleet.report("t", &policy).await.unwrap();
-            low = low.min(reports[0].sessions);
-            high = high.max(reports[0].sessions);
+            let report = replica.report("t", &policy).await;
+            assert_eq!(report.error, None, "{session}");
+            low = low.min(report.signatures[0].sessions);
+            high = high.max(report.signatures[0].sessions);
         }
     }
     let cap = cap as u32;
@@ -429,8 +439,9 @@ async fn a_signature_past_its_sessions_cap_drops_the_least_recent() {
     // The three most recent sessions fail again: qualified, hot, the third one tripped.
     for (n, session) in (cap as u64 + 297..cap as u64 + 300).enumerate() {
         clock.skip(Duration::from_millis(1));
-        let (scripts, embedded) = fail_both(&fleet, &mut view, clock.now_ms(), sig, session).await;
+        let (scripts, embedded) = fail_both(&replica, &embedded, &policy, sig, session).await;
         assert_eq!(scripts.trip.is_some(), n == 2, "{session}");
         assert_eq!(embedded.trip.is_some(), n == 2, "{session}");
     }
+    all_in_redis(&replica, &policy).await;
 }
