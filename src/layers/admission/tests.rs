@@ -26,7 +26,11 @@ use crate::{
     },
     policy::guard::Phase,
     routing::RouteTable,
-    state::{budgets::Budgets, fleet::Fleet, sessions::SessionGuards},
+    state::{
+        budgets::Budgets,
+        fleet::{Fleet, LocalFleet},
+        sessions::SessionGuards,
+    },
     store::{GuardStates, SqliteStore},
     telemetry::{RequestLog, Trail},
 };
@@ -67,7 +71,7 @@ pub(super) fn setup(routes: &str, tenant_extra: &str) -> Setup {
     let budgets = Arc::new(Budgets::new(&config, store.clone(), idle, clock.clone()));
     let guards =
         SessionGuards::new(&config, idle, store.clone(), clock.clone()).sharing(budgets.live());
-    let fleet = Arc::new(Fleet::new(&config, None, clock));
+    let fleet = Arc::new(Fleet::new(&config, Arc::new(LocalFleet::new(clock))));
     let upstreams = crate::upstream::build_all(&config);
     Setup {
         layer: AdmissionLayer::new(budgets, Arc::new(guards), fleet),
