@@ -310,9 +310,9 @@ where
                     .await
                 {
                     Ok(Claim::Claimed) => {
-                        if layer.store.is_shared() {
-                            leader.claim = Some((layer.store.clone(), key.clone()));
-                        }
+                        // Given back when the leader is done (a no-op for a store no
+                        // other replica shares, whose claims are always granted).
+                        leader.claim = Some((layer.store.clone(), key.clone()));
                         break 'claimed leader;
                     }
                     Ok(Claim::Done(stored)) if stored.body_hash != hash => {
