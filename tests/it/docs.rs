@@ -95,7 +95,12 @@ fn modules() -> Vec<(String, bool)> {
             .unwrap()
             .map(|e| e.unwrap().path())
             .filter(|p| p.is_dir() || p.extension().is_some_and(|x| x == "rs"))
-            .map(|p| (p.file_name().unwrap().to_string_lossy().into_owned(), p.is_dir()))
+            .map(|p| {
+                (
+                    p.file_name().unwrap().to_string_lossy().into_owned(),
+                    p.is_dir(),
+                )
+            })
             .filter(|(name, _)| name != "mod.rs")
             .collect();
         names.sort();
@@ -106,7 +111,10 @@ fn modules() -> Vec<(String, bool)> {
         out.push((format!("src/{top}{}", if is_dir { "/" } else { "" }), true));
         if is_dir {
             for (name, sub_dir) in entries(&src.join(&top)) {
-                out.push((format!("{top}/{name}{}", if sub_dir { "/" } else { "" }), false));
+                out.push((
+                    format!("{top}/{name}{}", if sub_dir { "/" } else { "" }),
+                    false,
+                ));
             }
         }
     }
