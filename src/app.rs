@@ -112,7 +112,7 @@ use crate::{
     state::{
         activity::Activity,
         body_memory::BodyMemory,
-        budgets::Budgets,
+        budgets::{local::LocalBudgets, redis::RedisBudgets, BudgetBackend, Budgets},
         fleet::{Fleet, FleetBackend, LocalFleet, ReplicaFleet},
         health::HealthRegistry,
         owners::ResponseOwners,
@@ -191,20 +191,28 @@ impl AppState {
             Some(redis) => Arc::new(RedisStore::new(embedded, redis.clone())),
             None => embedded,
         };
-        let mut budgets = Budgets::new(
+        // Where the budgets count, chosen once: Redis shared by the replicas, or this
+        // process's books.
+        let budget_backend: Arc<dyn BudgetBackend> = match &redis {
+            Some(redis) => {
+                let shared = SharedBudgets::new(redis.clone(), config.store.retention);
+                if tokio::runtime::Handle::try_current().is_ok() {
+                    shared.spawn_renewer();
+                    shared.spawn_replayer(store.clone());
+                }
+                // With PostgreSQL's ledger, Redis's reservations are durable there too.
+                let shared_ledger = config.store.backend == StoreBackend::Postgres;
+                Arc::new(RedisBudgets::new(shared, shared_ledger))
+            }
+            None => Arc::new(LocalBudgets::new()),
+        };
+        let budgets = Budgets::new(
             &config,
             store.clone(),
             config.store.session_idle,
             clock.clone(),
-        );
-        if let Some(redis) = &redis {
-            let shared = SharedBudgets::new(redis.clone(), config.store.retention);
-            if tokio::runtime::Handle::try_current().is_ok() {
-                shared.spawn_renewer();
-                shared.spawn_replayer(store.clone());
-            }
-            budgets = budgets.with_shared(shared);
-        }
+        )
+        .with_backend(budget_backend);
         // One live entry a session for its budget book and its guard.
         let guards = SessionGuards::new(
             &config,

@@ -25,9 +25,13 @@ use std::{
     time::Duration,
 };
 
+pub mod backend;
 pub mod background;
+pub mod local;
+pub mod redis;
 mod report;
 
+pub use backend::BudgetBackend;
 pub use report::MAX_REPORT_DAYS;
 pub mod reservation;
 
@@ -42,14 +46,11 @@ use crate::{
     billing::Prices,
     clock::Clock,
     config::{Config, OnUnavailable, Unpriced},
-    policy::budget::{worst_case, Account, Caps, Usage, SESSION, TENANT_DAY},
+    policy::budget::{worst_case, Account, Caps, Usage},
     state::{
         guard_view::Written,
         live::{LiveSessions, Session, SessionBook, SessionKey},
-        shared::{
-            Admission, AdmitError, Gate, GateReply, GuardWrite, SharedBudgets, SharedSlot,
-            Unavailable,
-        },
+        shared::{GuardWrite, SharedBudgets, SharedSlot},
     },
     store::{Books, ReservationRecord, StoreError},
 };
@@ -77,7 +78,8 @@ impl From<StoreError> for Refusal {
     }
 }
 
-pub(super) struct TenantBook {
+/// A tenant's limits and live books under one config.
+pub struct TenantBook {
     pub(super) name: Arc<str>,
     pub(super) day_limits: Caps,
     pub(super) session_limits: Caps,
@@ -142,17 +144,14 @@ pub struct Budgets {
     /// Reported usage above this is not believed (`billing.max_reported_tokens`).
     pub(super) max_reported_tokens: u64,
     pub(super) clock: Clock,
-    /// Redis, when replicas share the state (`[state] backend = "redis"`): then the
-    /// books here are only the fallback while it is unavailable.
-    pub(super) shared: Option<Arc<SharedBudgets>>,
+    /// Where the budgets count: this process's books, or Redis (`[state] backend =
+    /// "redis"`; then the books here stand in while it is unavailable). Chosen once.
+    backend: Arc<dyn BudgetBackend>,
     /// `[state] on_unavailable`, for a shared store (PostgreSQL) that cannot be
     /// reached: closed refuses budgeted calls (`store_unavailable`); open admits them
     /// on this replica's books, counted as blind. A store error that is not
     /// [`StoreError::Unavailable`] (SQLite's) always refuses.
     on_unavailable: OnUnavailable,
-    /// Redis counts and PostgreSQL keeps the replicas' ledger: a budgeted call held in
-    /// Redis also has a durable reservation in the ledger, settled there too.
-    shared_ledger: bool,
     /// Background Responses' reservations, held until their usage appears (kept
     /// across reloads).
     pub background: Arc<background::BackgroundHolds>,
@@ -187,9 +186,8 @@ impl Budgets {
             default_max_tokens: 0,
             max_reported_tokens: 0,
             clock,
-            shared: None,
+            backend: Arc::new(local::LocalBudgets::new()),
             on_unavailable: config.state.on_unavailable,
-            shared_ledger: false,
             background: Arc::default(),
             refuse_background: false,
         }
@@ -275,10 +273,8 @@ impl Budgets {
             default_max_tokens: config.billing.default_max_tokens,
             max_reported_tokens: config.billing.max_reported_tokens,
             clock: self.clock.clone(),
-            shared: self.shared.clone(),
+            backend: self.backend.clone(),
             on_unavailable: config.state.on_unavailable,
-            shared_ledger: config.state.backend == crate::config::StateBackend::Redis
-                && config.store.backend == crate::config::StoreBackend::Postgres,
             background: self.background.clone(),
             refuse_background: config.billing.background == crate::config::Background::Refuse,
         }
@@ -298,9 +294,10 @@ impl Budgets {
         self.prices.lookup(model)?.max_output_tokens
     }
 
-    /// Shares the budgets, rate limits and concurrency through Redis.
-    pub fn with_shared(mut self, shared: Arc<SharedBudgets>) -> Self {
-        self.shared = Some(shared);
+    /// Counts on `backend` instead of this process's books alone (chosen once, when
+    /// the state is built; kept across reloads).
+    pub fn with_backend(mut self, backend: Arc<dyn BudgetBackend>) -> Self {
+        self.backend = backend;
         self
     }
 
@@ -310,30 +307,15 @@ impl Budgets {
         self.tenants.get(tenant).map_or(0, |t| t.min_input_tokens)
     }
 
+    /// The state replicas share, when the backend is Redis.
     pub fn shared(&self) -> Option<&Arc<SharedBudgets>> {
-        self.shared.as_ref()
-    }
-
-    /// What a Redis failure means for a decision: refused (`closed`, or lost state), or
-    /// `None` to decide on this replica's own state (`open`), counted as blind.
-    fn unavailable(&self, err: Unavailable, what: &'static str) -> Option<Refusal> {
-        let shared = self.shared.as_ref()?;
-        if err != Unavailable::Lost
-            && shared.redis.on_unavailable == crate::config::OnUnavailable::Open
-        {
-            shared.redis.count_blind(what);
-            return None;
-        }
-        Some(Refusal::StateUnavailable {
-            detail: err.to_string(),
-            retry_after: Duration::from_secs(1),
-        })
+        self.backend.shared()
     }
 
     /// Whether a budgeted call goes ahead although the store failed with `err`: only
     /// when the store is unreachable and `on_unavailable = "open"` (logged and counted
     /// as blind, as a Redis outage is).
-    fn blind_past(&self, err: &StoreError, what: &'static str) -> bool {
+    pub(super) fn blind_past(&self, err: &StoreError, what: &'static str) -> bool {
         if !matches!(err, StoreError::Unavailable(_)) || self.on_unavailable != OnUnavailable::Open
         {
             return false;
@@ -458,92 +440,7 @@ impl Budgets {
                 prepaid: None,
             });
         };
-        let (rpm, session_rpm) = book.rpm;
-        let max_concurrent = session.and(book.max_concurrent);
-        let prepay = prepay.and_then(|ask| Some((ask, self.prepay(book, session, ask)?)));
-        let asks = rpm.is_some()
-            || (session.is_some() && session_rpm.is_some())
-            || max_concurrent.is_some()
-            || guard.is_some()
-            || prepay.is_some();
-        let mut shared_err = None;
-        if let (Some(shared), true) = (&self.shared, asks) {
-            let gate = Gate {
-                tenant,
-                session,
-                tenant_rpm: rpm,
-                session_rpm,
-                max_concurrent,
-                guard,
-                prepay: prepay.map(|(ask, want)| self.admission(book, session, &ask.model, want)),
-            };
-            match shared.gate(gate).await {
-                Ok(GateReply::Passed {
-                    slot,
-                    guard,
-                    prepaid,
-                }) => {
-                    let prepaid = prepaid.zip(prepay).map(|(held, (ask, want))| {
-                        Prepaid::shared(
-                            ask.clone(),
-                            Reservation {
-                                budgets: self.clone(),
-                                tenant: book.clone(),
-                                session: None,
-                                model: ask.model.clone(),
-                                amount: want,
-                                output: ask.max_output,
-                                durable: None,
-                                shared: Some(held),
-                                settled: false,
-                            },
-                        )
-                    });
-                    return Ok(Gated::Passed {
-                        slot: slot.map(ConcurrencySlot::Shared),
-                        guard,
-                        prepaid,
-                    });
-                }
-                Ok(GateReply::Moved(version, state)) => return Ok(Gated::Moved(version, state)),
-                Ok(GateReply::RateLimited { scope, retry_after }) => {
-                    return Err(Refusal::RateLimited { scope, retry_after })
-                }
-                Ok(GateReply::Busy { limit }) => return Err(Refusal::TooManyConcurrent { limit }),
-                Err(err) => {
-                    metrics::counter!("backstop_state_fallbacks_total", "op" => "rate_local")
-                        .increment(1);
-                    shared_err = Some(err);
-                }
-            }
-        }
-        self.check_rate_here(book, session)?;
-        let slot = match (session, max_concurrent) {
-            (Some(session), Some(limit)) => {
-                if let Some(refusal) =
-                    shared_err.and_then(|err| self.unavailable(err, "concurrency"))
-                {
-                    return Err(refusal);
-                }
-                let live = self.session(&book.name, session).await?;
-                let admitted = live
-                    .in_flight
-                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                        (n < limit).then_some(n + 1)
-                    })
-                    .is_ok();
-                if !admitted {
-                    return Err(Refusal::TooManyConcurrent { limit });
-                }
-                Some(ConcurrencySlot::Local(live))
-            }
-            _ => None,
-        };
-        Ok(Gated::Passed {
-            slot,
-            guard: None,
-            prepaid: None,
-        })
+        self.backend.gate(self, book, session, guard, prepay).await
     }
 
     /// Whether the gate reserves `tenant`'s first attempts (a call in a session, or
@@ -551,89 +448,11 @@ impl Budgets {
     /// Asked before the request's [`Ask`] is made, so other calls make none.
     pub fn prepays_for(&self, tenant: &str, in_session: bool) -> bool {
         self.tenant(tenant)
-            .is_some_and(|book| self.prepays(book, in_session))
-    }
-
-    fn prepays(&self, book: &TenantBook, in_session: bool) -> bool {
-        self.shared.is_some() && !self.shared_ledger && book.budgets(in_session)
-    }
-
-    /// What Redis's admission script is asked for one call of `model`, today.
-    fn admission<'a>(
-        &self,
-        book: &'a TenantBook,
-        session: Option<&'a str>,
-        model: &'a str,
-        want: Usage,
-    ) -> Admission<'a> {
-        Admission {
-            tenant: &book.name,
-            session,
-            model,
-            day: self.clock.today(),
-            want,
-            day_caps: &book.day_limits,
-            session_caps: &book.session_limits,
-            session_names: SESSION,
-            day_names: TENANT_DAY,
-        }
-    }
-
-    /// What the gate reserves for a request's first attempt (`ask`), priced: only for a
-    /// budgeted call whose reservation Redis alone holds (with PostgreSQL's ledger the
-    /// meter writes it there first), and never for one the meter would refuse unpriced.
-    fn prepay(&self, book: &TenantBook, session: Option<&str>, ask: &Ask) -> Option<Usage> {
-        if !self.prepays(book, session.is_some()) {
-            return None;
-        }
-        self.worst_case(book, session.is_some(), ask).ok()
-    }
-
-    /// This replica's own rate limiters (embedded mode, or Redis unreachable).
-    fn check_rate_here(&self, book: &TenantBook, session: Option<&str>) -> Result<(), Refusal> {
-        let now = governor::clock::Clock::now(&self.clock);
-        if let Some(limiter) = &book.rate {
-            limiter.check().map_err(|not_until| Refusal::RateLimited {
-                scope: "tenant.requests_per_minute",
-                retry_after: not_until.wait_time_from(now),
-            })?;
-        }
-        if let (Some(limiter), Some(session)) = (&book.session_rate, session) {
-            limiter
-                .check_key(&session_rate_key(session))
-                .map_err(|not_until| Refusal::RateLimited {
-                    scope: "session.requests_per_minute",
-                    retry_after: not_until.wait_time_from(now),
-                })?;
-        }
-        Ok(())
-    }
-
-    /// A budgeted call's durable reservation in the replicas' ledger, when Redis holds
-    /// its reservation: its id, or the refusal (`[state] on_unavailable` decides when
-    /// the ledger cannot be reached).
-    async fn reserve_in_ledger(
-        &self,
-        book: &TenantBook,
-        session: Option<&str>,
-        model: &str,
-        want: Usage,
-    ) -> Result<i64, Refusal> {
-        let record = self.reservation_record(&book.name, session, model, want);
-        let id = record.id;
-        match self.store.reserve(record).await {
-            Ok(()) => Ok(id),
-            Err(err) if self.blind_past(&err, "reservation") => Ok(id),
-            Err(err) => {
-                tracing::error!(tenant = %book.name, session, error = %err, "cannot record a reservation in the ledger; refusing the call");
-                self.store.unreserve(id);
-                Err(err.into())
-            }
-        }
+            .is_some_and(|book| self.backend.prepays(book, in_session))
     }
 
     /// A call's durable reservation, under a new id, as the store records it.
-    fn reservation_record(
+    pub(super) fn reservation_record(
         &self,
         tenant: &str,
         session: Option<&str>,
@@ -653,43 +472,6 @@ impl Budgets {
         }
     }
 
-    /// With a store other replicas share and no Redis counting for them: the day's and
-    /// the session's accounts take what every replica has committed (settled, and reserved
-    /// by the other replicas) before this call is checked against them. Replicas that
-    /// reserve at the same moment can each pass on what the other has not written yet:
-    /// caps hold to within one call per replica (Redis makes them exact).
-    async fn catch_up_with_the_replicas(
-        &self,
-        book: &TenantBook,
-        live: Option<&(String, BookRef)>,
-        session: Option<&str>,
-    ) -> Result<(), Refusal> {
-        let today = self.clock.today();
-        let committed = match self.store.committed_usage(&book.name, today, session).await {
-            Ok(Some(committed)) => committed,
-            Ok(None) => return Ok(()),
-            Err(err) if self.blind_past(&err, "fleet") => return Ok(()),
-            Err(err) => return Err(err.into()),
-        };
-        {
-            let mut day = lock(&book.day);
-            if day.0 <= today {
-                // A new day starts from what every replica has spent on it already.
-                *day = (
-                    today,
-                    Account {
-                        settled: committed.day,
-                        reserved: day.1.reserved,
-                    },
-                );
-            }
-        }
-        if let (Some((_, s)), Some(used)) = (live, committed.session) {
-            lock(&s.account).settled = used;
-        }
-        Ok(())
-    }
-
     /// Reserves one upstream call's worst case against the session and the tenant's
     /// day, atomically: both fit, or neither is touched. A budgeted call's reservation is
     /// committed to the store before this returns; if it cannot be, the call is refused.
@@ -705,102 +487,17 @@ impl Budgets {
                 model: model.into(),
             });
         };
-        let budgeted = book.budgets(session.is_some());
-        if let (Some(shared), true) = (&self.shared, budgeted) {
-            let want = self.worst_case(&book, session.is_some(), ask)?;
-            // In the replicas' ledger first: a refusal by Redis then only withdraws it.
-            let durable = match self.shared_ledger {
-                true => Some(self.reserve_in_ledger(&book, session, model, want).await?),
-                false => None,
-            };
-            let withdraw = || {
-                if let Some(id) = durable {
-                    self.store.unreserve(id);
-                }
-            };
-            let admitted = shared
-                .admit(self.admission(&book, session, model, want))
-                .await;
-            match admitted {
-                Ok(held) => {
-                    return Ok(Reservation {
-                        budgets: self.clone(),
-                        tenant: book,
-                        session: None,
-                        model: model.to_string(),
-                        amount: want,
-                        output: ask.max_output,
-                        durable,
-                        shared: Some(held),
-                        settled: false,
-                    })
-                }
-                Err(AdmitError::Over(e)) => {
-                    withdraw();
-                    return Err(Refusal::Exceeded(e));
-                }
-                Err(AdmitError::Unavailable(err)) => {
-                    // Either refused, or reserved again below on this replica's books.
-                    withdraw();
-                    if let Some(refusal) = self.unavailable(err, "budget") {
-                        return Err(refusal);
-                    }
-                }
-            }
-        }
-        let live = match session {
-            Some(s) => match self.session(&book.name, s).await {
-                Ok(live) => Some((s.to_string(), live)),
-                // Its spend so far unknown: counted from this call on, and not kept, so
-                // the next call reads the ledger again.
-                Err(err) if self.blind_past(&err, "session") => {
-                    Some((s.to_string(), BookRef::detached(SessionBook::unread())))
-                }
-                Err(err) => return Err(err.into()),
-            },
-            None => None,
-        };
-        let day_unread = self
-            .know_day(&book)
-            .await
-            .err()
-            .filter(|err| !self.blind_past(err, "day"));
-        if budgeted && self.shared.is_none() {
-            self.catch_up_with_the_replicas(&book, live.as_ref(), session)
-                .await?;
-        }
-        let mut reservation = self.reserve_in_memory(book, live, day_unread, ask)?;
-        let book = &reservation.tenant;
-        let budgeted = book.budgets(reservation.session.is_some());
-        if budgeted {
-            let record = self.reservation_record(
-                &book.name,
-                reservation.session.as_ref().map(|(s, _)| s.as_str()),
-                &reservation.model,
-                reservation.amount,
-            );
-            let id = record.id;
-            // Named before the write is awaited: if this future is dropped meanwhile,
-            // the reservation's drop settles it (the writer keeps the order).
-            reservation.durable = Some(id);
-            match self.store.reserve(record).await {
-                Ok(()) => {}
-                // Settled all the same: the charge is written once the store answers.
-                Err(err) if self.blind_past(&err, "reservation") => {}
-                Err(err) => {
-                    tracing::error!(tenant, session, error = %err, "cannot record a reservation; refusing the call");
-                    self.store.unreserve(id);
-                    reservation.release();
-                    return Err(err.into());
-                }
-            }
-        }
-        Ok(reservation)
+        self.backend.reserve(self, book, session, ask).await
     }
 
     /// A call's worst case, priced; refused when a USD cap applies and the model has no
     /// price (`billing.unpriced = "refuse"`, the default).
-    fn worst_case(&self, book: &TenantBook, in_session: bool, ask: &Ask) -> Result<Usage, Refusal> {
+    pub(super) fn worst_case(
+        &self,
+        book: &TenantBook,
+        in_session: bool,
+        ask: &Ask,
+    ) -> Result<Usage, Refusal> {
         let usd_capped =
             book.day_limits.usd.is_some() || (in_session && book.session_limits.usd.is_some());
         let want = worst_case(ask.input_tokens, ask.max_output, 0.0);
@@ -821,72 +518,16 @@ impl Budgets {
         Ok(Usage { usd, ..want })
     }
 
-    /// The reservation's arithmetic, under the day's lock: no await in here.
-    fn reserve_in_memory(
-        self: &Arc<Self>,
-        book: Arc<TenantBook>,
-        live: Option<(String, BookRef)>,
-        day_unread: Option<StoreError>,
-        ask: &Ask,
-    ) -> Result<Reservation, Refusal> {
-        let want = self.worst_case(&book, live.is_some(), ask)?;
-        let mut day = lock(&book.day);
-        let today = self.clock.today();
-        if day.0 < today {
-            *day = (
-                today,
-                Account {
-                    settled: Usage::default(),
-                    reserved: day.1.reserved,
-                },
-            );
-        }
-        if let Some(err) = day_unread {
-            if !book.day_limits.is_unlimited() {
-                return Err(err.into());
-            }
-        }
-        day.1
-            .check(want, &book.day_limits, TENANT_DAY)
-            .map_err(Refusal::Exceeded)?;
-        if let Some((_, s)) = &live {
-            let mut account = lock(&s.account);
-            account
-                .check(want, &book.session_limits, SESSION)
-                .map_err(Refusal::Exceeded)?;
-            account.reserve(want);
-        }
-        day.1.reserve(want);
-        drop(day);
-        Ok(Reservation {
-            budgets: self.clone(),
-            tenant: book,
-            session: live,
-            model: ask.model.clone(),
-            amount: want,
-            output: ask.max_output,
-            durable: None,
-            shared: None,
-            settled: false,
-        })
-    }
-
     /// A session's settled spend in USD (0 for unknown tenants, or when the session
     /// cannot be read: the guard's spend velocity fails open, budgets do not).
     pub async fn session_usd(&self, tenant: &str, session: &str) -> f64 {
         let Some(book) = self.tenant(tenant) else {
             return 0.0;
         };
-        if let Some(shared) = &self.shared {
-            return match shared.session_usage(tenant, session).await {
-                Ok((settled, _)) => settled.usd,
-                Err(_) => 0.0,
-            };
-        }
-        match self.session(&book.name, session).await {
-            Ok(live) => lock(&live.account).settled.usd,
-            Err(_) => 0.0,
-        }
+        self.backend
+            .session_usage(self, book, session)
+            .await
+            .map_or(0.0, |account| account.settled.usd)
     }
 
     /// Every tenant's name, sorted.
@@ -912,12 +553,7 @@ impl Budgets {
         let Some(book) = self.tenant(tenant) else {
             return Ok(false);
         };
-        if let Some(shared) = &self.shared {
-            shared
-                .reset_session(tenant, session)
-                .await
-                .map_err(|e| StoreError::Unavailable(e.to_string().into()))?;
-        }
+        self.backend.reset_session(tenant, session).await?;
         self.store
             .reset_session(tenant, session, self.clock.now_ms())
             .await?;

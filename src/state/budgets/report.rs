@@ -1,9 +1,7 @@
 //! What the budgets show: the admin and tenant JSON views of a session and a tenant's
 //! day, and the `x-backstop-budget-remaining` header.
 
-use std::sync::atomic::Ordering;
-
-use super::{lock, Budgets, TenantBook};
+use super::{backend::Day, Budgets};
 use crate::{
     clock::Date,
     policy::budget::{Account, SessionSeen, Usd},
@@ -14,35 +12,6 @@ use crate::{
 pub const MAX_REPORT_DAYS: u32 = 366;
 
 impl Budgets {
-    /// A session's account and requests in flight: from Redis when replicas share the
-    /// state, else this process's.
-    async fn session_account(
-        &self,
-        book: &TenantBook,
-        session: &str,
-    ) -> Result<(Account, u32), StoreError> {
-        if let Some(shared) = &self.shared {
-            let unavailable = |e: crate::state::shared::Unavailable| {
-                StoreError::Unavailable(e.to_string().into())
-            };
-            let (settled, reserved) = shared
-                .session_usage(&book.name, session)
-                .await
-                .map_err(unavailable)?;
-            let in_flight = match book.max_concurrent {
-                Some(_) => shared
-                    .in_flight(&book.name, session)
-                    .await
-                    .map_err(unavailable)?,
-                None => 0,
-            };
-            return Ok((Account { settled, reserved }, in_flight));
-        }
-        let live = self.session(&book.name, session).await?;
-        let account = lock(&live.account).clone();
-        Ok((account, live.in_flight.load(Ordering::Relaxed)))
-    }
-
     /// What a session has left, formatted for `x-backstop-budget-remaining`; `None` when
     /// the session is not budgeted.
     pub async fn remaining_header(
@@ -55,17 +24,14 @@ impl Budgets {
         if book.session_limits.is_unlimited() {
             return None;
         }
-        let account = match (seen, &self.shared) {
-            // What the settle of the request's last call saw: no read of its own.
-            (Some(seen), Some(_)) => Account {
+        let account = match seen {
+            // What the settle of the request's last call saw (only a backend whose
+            // settle reads the session sees it): no read of its own.
+            Some(seen) => Account {
                 settled: seen.settled,
                 reserved: seen.reserved,
             },
-            (_, Some(shared)) => {
-                let (settled, reserved) = shared.session_usage(&book.name, session).await.ok()?;
-                Account { settled, reserved }
-            }
-            (_, None) => lock(&self.session(&book.name, session).await.ok()?.account).clone(),
+            None => self.backend.session_usage(self, book, session).await.ok()?,
         };
         let (calls, tokens, usd) = account.remaining(&book.session_limits);
         let mut parts = Vec::new();
@@ -91,7 +57,7 @@ impl Budgets {
         let Some(book) = self.tenant(tenant) else {
             return Ok(None);
         };
-        let (account, in_flight) = self.session_account(book, session).await?;
+        let (account, in_flight) = self.backend.session_account(self, book, session).await?;
         let (calls, tokens, usd) = account.remaining(&book.session_limits);
         Ok(Some(serde_json::json!({
             "tenant": tenant,
@@ -113,31 +79,12 @@ impl Budgets {
         let Some(book) = self.tenant(tenant) else {
             return Ok(None);
         };
-        let (day, account) = match &self.shared {
-            Some(shared) => {
-                let day = self.clock.today();
-                let (settled, reserved) = shared
-                    .day_usage(tenant, day)
-                    .await
-                    .map_err(|e| StoreError::Unavailable(e.to_string().into()))?;
-                (day, Account { settled, reserved })
-            }
-            None => {
-                self.know_day(book).await?;
-                lock(&book.day).clone()
-            }
-        };
+        let Day {
+            day,
+            account,
+            by_model,
+        } = self.backend.tenant_day(self, book).await?;
         let (_, tokens, usd) = account.remaining(&book.day_limits);
-        let by_model = match &self.shared {
-            Some(shared) => shared
-                .day_by_model(tenant, day)
-                .await
-                .map_err(|e| StoreError::Unavailable(e.to_string().into()))?,
-            // Nothing settled today: nothing in the ledger to break down (the dashboard
-            // asks this of every tenant on each poll; idle ones cost no store read).
-            None if account.settled.calls == 0 => Vec::new(),
-            None => self.store.tenant_day_by_model(tenant, day).await?,
-        };
         let by_model: Vec<_> = by_model
             .into_iter()
             .map(|(model, u)| serde_json::json!({"model": model, "calls": u.calls, "tokens": u.tokens, "usd": Usd(u.usd)}))

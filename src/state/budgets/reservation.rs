@@ -4,10 +4,9 @@
 
 use std::sync::Arc;
 
-use futures_util::FutureExt;
+use futures_util::future::BoxFuture;
 
-use super::{lock, BookRef, Budgets, TenantBook};
-use crate::state::shared::{SharedCharge, SharedReservation};
+use super::{lock, Budgets, TenantBook};
 use crate::{
     billing::{CacheTtl, Tokens},
     policy::budget::{sane_usd, SessionSeen, Usage},
@@ -68,16 +67,37 @@ pub struct Settlement {
 pub struct Reservation {
     pub(super) budgets: Arc<Budgets>,
     pub(super) tenant: Arc<TenantBook>,
-    pub(super) session: Option<(String, BookRef)>,
+    pub(super) session: Option<String>,
     pub(super) model: String,
     pub(super) amount: Usage,
     /// The output tokens reserved (the call's `max_tokens`, times its choices).
     pub(super) output: u64,
-    /// The durable reservation's id, for budgeted calls.
+    /// The durable reservation's id in the ledger, for budgeted calls.
     pub(super) durable: Option<i64>,
-    /// Held in Redis instead (replicas share the state): settled there, not here.
-    pub(super) shared: Option<SharedReservation>,
+    /// Where the reservation is held, and so where it settles: this process's books
+    /// ([`super::local`]) or Redis ([`super::redis`]), as the backend that made it.
+    pub(super) hold: Box<dyn Hold>,
     pub(super) settled: bool,
+}
+
+/// Where a reservation is held: what settling it, or giving it back, writes beyond the
+/// ledger row and the metrics every reservation has. Made by the backend that reserved
+/// it ([`super::BudgetBackend::reserve`]).
+pub(super) trait Hold: Send + Sync {
+    /// The settled usage (`actual`) in the accounts this process keeps for the call.
+    fn count(&self, r: &Reservation, actual: Usage);
+    /// Writes `charge` where the reservation is held and waits for it; what the session
+    /// holds after, where the same write reads it.
+    fn settle<'a>(
+        &'a self,
+        r: &'a Reservation,
+        charge: Charge,
+    ) -> BoxFuture<'a, Option<SessionSeen>>;
+    /// Writes `charge` in the background.
+    fn settle_later(&self, r: &Reservation, charge: Charge);
+    /// Gives the reservation back uncharged; `durable` is its ledger reservation, to
+    /// withdraw.
+    fn give_back(&self, r: &Reservation, durable: Option<i64>);
 }
 
 impl Reservation {
@@ -124,11 +144,8 @@ impl Reservation {
         None
     }
 
-    fn session_name(&self) -> Option<&str> {
-        match &self.shared {
-            Some(held) => held.session.as_deref(),
-            None => self.session.as_ref().map(|(s, _)| s.as_str()),
-        }
+    pub(super) fn session_name(&self) -> Option<&str> {
+        self.session.as_deref()
     }
 
     /// The ledger row and the usage to settle for how the call ended.
@@ -189,13 +206,7 @@ impl Reservation {
 
     fn apply(&mut self, actual: Usage, tokens: &Tokens) {
         self.settled = true;
-        if self.shared.is_none() {
-            let mut day = lock(&self.tenant.day);
-            day.1.settle(self.amount, actual);
-        }
-        if let Some((_, s)) = &self.session {
-            lock(&s.account).settle(self.amount, actual);
-        }
+        self.hold.count(self, actual);
         let tenant = self.tenant.name.to_string();
         let model = self.budgets.model_labels.label(&self.model);
         metrics::counter!("backstop_spend_usd_total", "tenant" => tenant.clone(), "model" => model.to_string()).increment((actual.usd * 1e6) as u64);
@@ -204,28 +215,15 @@ impl Reservation {
                 metrics::counter!("backstop_tokens_total", "tenant" => tenant.clone(), "model" => model.to_string(), "kind" => kind).increment(n);
             }
         }
-        if let (Some(limit), None) = (self.tenant.day_limits.usd, &self.shared) {
-            let used = lock(&self.tenant.day).1.committed().usd;
-            metrics::gauge!("backstop_tenant_budget_remaining_usd", "tenant" => tenant)
-                .set((limit - used).max(0.0));
-        }
     }
 
-    /// Gives the reservation back without a charge: the call was never made.
-    pub(super) fn release(&mut self) {
-        self.settled = true;
-        debug_assert!(
-            self.shared.is_none(),
-            "shared reservations are never released"
-        );
-        lock(&self.tenant.day)
-            .1
-            .settle(self.amount, Usage::default());
-        if let Some((_, s)) = &self.session {
-            lock(&s.account).settle(self.amount, Usage::default());
-        }
-        if let Some(id) = self.durable.take() {
-            self.budgets.store.unreserve(id);
+    /// The charge of a reservation given back: no call, no tokens, nothing spent.
+    pub(super) fn nothing(&self) -> Charge {
+        Charge {
+            calls: 0,
+            tokens: Tokens::default(),
+            usd: 0.0,
+            ..self.charge_for(Outcome::Failed).0
         }
     }
 
@@ -234,23 +232,9 @@ impl Reservation {
     /// something else or never ran; an attempt whose connection was never made). Held in Redis: released there in the background,
     /// kept and replayed like a settle if Redis cannot take it now.
     pub fn give_back(mut self) {
-        let Some(held) = self.shared.take() else {
-            self.release();
-            return;
-        };
         self.settled = true;
-        if let Some(id) = self.durable.take() {
-            self.budgets.store.unreserve(id);
-        }
-        let charge = Charge {
-            calls: 0,
-            tokens: Tokens::default(),
-            usd: 0.0,
-            ..self.charge_for(Outcome::Failed).0
-        };
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(settle_shared(self.budgets.clone(), held, charge).map(drop));
-        }
+        let durable = self.durable.take();
+        self.hold.give_back(&self, durable);
     }
 
     /// Settles with how the call ended and waits until the ledger has it. If the ledger
@@ -260,30 +244,9 @@ impl Reservation {
     pub async fn settle(mut self, outcome: Outcome) -> Settlement {
         let (charge, actual) = self.charge_for(outcome);
         self.apply(actual, &charge.tokens);
-        if let Some(held) = self.shared.take() {
-            if let Some(id) = self.durable {
-                // The replicas' ledger (Redis counts): written beside Redis's settle.
-                if let Err(err) = self.budgets.store.settle(Some(id), charge.clone()).await {
-                    tracing::error!(tenant = %self.tenant.name, error = %err, "cannot record a charge in the ledger");
-                }
-            }
-            return Settlement {
-                usd: actual.usd,
-                seen: settle_shared(self.budgets.clone(), held, charge).await,
-            };
-        }
-        if let Err(err) = self.budgets.store.settle(self.durable, charge).await {
-            tracing::error!(
-                tenant = %self.tenant.name,
-                session = self.session.as_ref().map(|(s, _)| s.as_str()),
-                durable = self.durable.is_some(),
-                error = %err,
-                "cannot record a charge in the ledger"
-            );
-        }
         Settlement {
             usd: actual.usd,
-            seen: None,
+            seen: self.hold.settle(&self, charge).await,
         }
     }
 
@@ -291,53 +254,7 @@ impl Reservation {
     pub fn settle_later(mut self, outcome: Outcome) {
         let (charge, actual) = self.charge_for(outcome);
         self.apply(actual, &charge.tokens);
-        self.write_later(charge);
-    }
-
-    fn write_later(&mut self, charge: Charge) {
-        match self.shared.take() {
-            Some(held) => {
-                if let Some(id) = self.durable {
-                    self.budgets.store.settle_later(Some(id), charge.clone());
-                }
-                if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                    rt.spawn(settle_shared(self.budgets.clone(), held, charge).map(drop));
-                }
-            }
-            None => self.budgets.store.settle_later(self.durable, charge),
-        }
-    }
-}
-
-/// Settles a reservation held in Redis. If Redis cannot take it now (down, slow, or a
-/// script error), the settle is kept in the replica's store and replayed until Redis
-/// takes it ([`crate::state::shared::SharedBudgets::spawn_replayer`]); settling is idempotent per reservation,
-/// so a replay never charges twice.
-async fn settle_shared(
-    budgets: Arc<Budgets>,
-    held: SharedReservation,
-    charge: Charge,
-) -> Option<SessionSeen> {
-    let shared = budgets.shared.as_ref()?;
-    let settle = shared.settle_of(
-        &held,
-        SharedCharge {
-            tenant: &charge.tenant,
-            model: &charge.model,
-            tokens: charge.tokens,
-            usd: charge.usd,
-            ts_ms: charge.ts_ms,
-            calls: charge.calls,
-        },
-    );
-    match shared.settle(&settle).await {
-        Ok((_, seen)) => seen,
-        Err(err) => {
-            shared
-                .keep(budgets.books(), settle, err, budgets.clock.now_ms())
-                .await;
-            None
-        }
+        self.hold.settle_later(&self, charge);
     }
 }
 
@@ -346,7 +263,7 @@ impl Drop for Reservation {
         if !self.settled {
             let (charge, actual) = self.charge_for(Outcome::Unreported);
             self.apply(actual, &charge.tokens);
-            self.write_later(charge);
+            self.hold.settle_later(self, charge);
         }
     }
 }
