@@ -143,6 +143,11 @@ impl MockState {
             .or_insert_with(|| watch::channel(false).0))
     }
 
+    /// Lets every attempt held on `hold` go on, and those that come later at once.
+    fn release(&self, hold: &str) {
+        self.with_hold(hold, |h| h.send_replace(true));
+    }
+
     fn reset(&self) {
         self.total.store(0, Ordering::Relaxed);
         // Dropped: whatever they held goes on.
@@ -164,6 +169,12 @@ pub struct MockHandle {
 impl MockHandle {
     pub fn shutdown(self) {
         self.task.abort();
+    }
+
+    /// Lets the attempts scripted `hold=NAME` go on (and later ones at once), as
+    /// `POST /mock/release?hold=NAME` does.
+    pub fn release(&self, hold: &str) {
+        self.state.release(hold);
     }
 
     /// Attempts received in all, every scenario included.
@@ -289,8 +300,7 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
         }
         (&Method::POST, "/mock/release") => {
             let hold = query_param(parts.uri.query(), "hold").unwrap_or_default();
-            // Lets every attempt held on it go on, and those that come later at once.
-            state.with_hold(&hold, |h| h.send_replace(true));
+            state.release(&hold);
             return Ok(json_response(StatusCode::OK, &json!({"ok": true})));
         }
         (&Method::GET, "/mock/last") => {
