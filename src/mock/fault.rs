@@ -11,6 +11,7 @@ use std::time::Duration;
 /// | `retry_after=1` / `retry_after_ms=500` | `Retry-After` / `retry-after-ms` headers |
 /// | `delay=200ms` | wait before answering |
 /// | `hang` | never answer |
+/// | `hold=NAME` | wait until `POST /mock/release?hold=NAME` (at once if it came already), then play the rest: a call kept in flight exactly as long as a test needs |
 /// | `reset` | drop the connection before any response |
 /// | `invalid_json` | 200 with a body that is not JSON |
 /// | `content=TEXT` | the answer's text instead of the echo (no `,` or `;` inside) |
@@ -53,6 +54,8 @@ pub struct FaultStep {
     pub retry_after_ms: Option<u64>,
     pub delay: Option<Duration>,
     pub hang: bool,
+    /// `hold`: the name of the hold this attempt waits on.
+    pub hold: Option<String>,
     pub reset: bool,
     pub invalid_json: bool,
     pub content: Option<String>,
@@ -102,6 +105,7 @@ impl FaultStep {
                 "retry_after_ms" => out.retry_after_ms = value.parse().ok(),
                 "delay" => out.delay = humantime::parse_duration(value).ok(),
                 "hang" => out.hang = true,
+                "hold" => out.hold = Some(value.to_string()),
                 "reset" => out.reset = true,
                 "invalid_json" => out.invalid_json = true,
                 "content" => out.content = Some(value.to_string()),
@@ -274,9 +278,10 @@ mod tests {
     #[test]
     fn tokens_parse() {
         let s = FaultStep::parse(
-            "delay=150ms; usage=10/20; cut=2; chunks=7; code=insufficient_quota; hang",
+            "delay=150ms; usage=10/20; cut=2; chunks=7; code=insufficient_quota; hang; hold=h",
         );
         assert_eq!(s.delay, Some(Duration::from_millis(150)));
+        assert_eq!(s.hold.as_deref(), Some("h"));
         assert_eq!(s.usage, Some((10, 20)));
         assert_eq!(s.cut, Some(2));
         assert_eq!(s.chunks, Some(7));

@@ -19,7 +19,8 @@
 //!   `backstop mock-upstream --strict`; it is off by default. Scripted redirects and
 //!   errors still come first, so fault scripts play the same in both modes.
 //!
-//! Introspection: `GET /mock/stats`, `GET /mock/last?scenario=NAME`, `POST /mock/reset`.
+//! Introspection: `GET /mock/stats`, `GET /mock/last?scenario=NAME`, `POST /mock/reset`;
+//! `POST /mock/release?hold=NAME` lets the attempts scripted `hold=NAME` go on.
 //! It logs nothing per request, so it is never the bottleneck of a load test.
 
 mod fault;
@@ -44,7 +45,7 @@ use http_body_util::BodyExt;
 use hyper::{body::Incoming, server::conn::http1, service::service_fn};
 use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
-use tokio::{net::TcpListener, task::JoinHandle};
+use tokio::{net::TcpListener, sync::watch, task::JoinHandle};
 
 pub use fault::{FaultMix, FaultStep};
 
@@ -72,6 +73,8 @@ pub struct MockState {
     /// Refuse what the real APIs refuse ([`strict`]), unless a request says
     /// `x-mock-strict: off`.
     strict: bool,
+    /// The holds of `hold=NAME` steps: `true` once released.
+    holds: Mutex<HashMap<String, watch::Sender<bool>>>,
 }
 
 /// How a mock instance is started: see [`spawn_config`].
@@ -132,8 +135,23 @@ impl MockState {
         map.get(scenario).and_then(|s| s.last.clone())
     }
 
+    /// Runs `f` on the hold `name` (of `hold=NAME` steps), made closed if it is new.
+    fn with_hold<R>(&self, name: &str, f: impl FnOnce(&watch::Sender<bool>) -> R) -> R {
+        let mut holds = self.holds.lock().unwrap_or_else(|e| e.into_inner());
+        f(holds
+            .entry(name.to_string())
+            .or_insert_with(|| watch::channel(false).0))
+    }
+
+    /// Lets every attempt held on `hold` go on, and those that come later at once.
+    fn release(&self, hold: &str) {
+        self.with_hold(hold, |h| h.send_replace(true));
+    }
+
     fn reset(&self) {
         self.total.store(0, Ordering::Relaxed);
+        // Dropped: whatever they held goes on.
+        self.holds.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.scenarios
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -151,6 +169,12 @@ pub struct MockHandle {
 impl MockHandle {
     pub fn shutdown(self) {
         self.task.abort();
+    }
+
+    /// Lets the attempts scripted `hold=NAME` go on (and later ones at once), as
+    /// `POST /mock/release?hold=NAME` does.
+    pub fn release(&self, hold: &str) {
+        self.state.release(hold);
     }
 
     /// Attempts received in all, every scenario included.
@@ -274,6 +298,11 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
             state.reset();
             return Ok(json_response(StatusCode::OK, &json!({"ok": true})));
         }
+        (&Method::POST, "/mock/release") => {
+            let hold = query_param(parts.uri.query(), "hold").unwrap_or_default();
+            state.release(&hold);
+            return Ok(json_response(StatusCode::OK, &json!({"ok": true})));
+        }
         (&Method::GET, "/mock/last") => {
             let scenario = query_param(parts.uri.query(), "scenario").unwrap_or_default();
             return Ok(match state.last(&scenario) {
@@ -330,6 +359,11 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
         },
     };
 
+    if let Some(name) = &step.hold {
+        // A hold dropped by a reset lets it go on too.
+        let mut hold = state.with_hold(name, watch::Sender::subscribe);
+        let _ = hold.wait_for(|released| *released).await;
+    }
     if let Some(delay) = step.delay {
         tokio::time::sleep(delay).await;
     }
@@ -523,5 +557,34 @@ mod tests {
             .unwrap();
         assert_eq!(resp.status().as_u16(), 529);
         strict.shutdown();
+    }
+
+    /// `hold=NAME` keeps an attempt (counted) until `POST /mock/release?hold=NAME`;
+    /// an attempt on a hold already released goes on at once.
+    #[tokio::test]
+    async fn a_held_attempt_answers_once_released_and_later_ones_at_once() {
+        let mock = spawn(TcpListener::bind("127.0.0.1:0").await.unwrap());
+        let base = format!("http://{}", mock.addr);
+        let http = reqwest::Client::new();
+        let send = |scenario: &'static str| {
+            http.post(format!("{base}/v1/chat/completions"))
+                .header("x-mock-scenario", scenario)
+                .header("x-mock-fault", "hold=h")
+                .body(r#"{"model":"m","messages":[]}"#)
+                .send()
+        };
+        let held = tokio::spawn(send("held"));
+        while mock.state.stats()["scenarios"]["held"] != 1 {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        assert!(!held.is_finished(), "answered before its release");
+        let released = http
+            .post(format!("{base}/mock/release?hold=h"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(released.status(), 200);
+        assert_eq!(held.await.unwrap().unwrap().status(), 200);
+        assert_eq!(send("later").await.unwrap().status(), 200);
     }
 }

@@ -62,6 +62,20 @@ impl MockUpstream {
         stats["scenarios"][scenario].as_u64().unwrap_or(0)
     }
 
+    /// Lets the attempts scripted `hold=NAME` go on (and later ones at once).
+    pub async fn release(&self, hold: &str) {
+        let resp = reqwest::Client::new()
+            .post(format!("{}/mock/release?hold={hold}", self.base_url()))
+            .send()
+            .await
+            .unwrap();
+        assert!(
+            resp.status().is_success(),
+            "release {hold}: {}",
+            resp.status()
+        );
+    }
+
     /// Waits until the mock has seen `n` attempts for `scenario`.
     pub async fn wait_for(&self, scenario: &str, n: u64) {
         let deadline = Instant::now() + Duration::from_secs(10);

@@ -284,6 +284,34 @@ impl Redis {
         String::from_utf8_lossy(&body).to_string()
     }
 
+    /// A tenant's reservations under key prefix `prefix`: how many are held, and how
+    /// many of them are still leased on the server's clock (the others, a dead
+    /// replica's, are charged by the tenant's next admission).
+    pub fn reservations(&self, prefix: &str, tenant: &str) -> (u64, u64) {
+        const HELD_AND_LEASED: &str = "local t = redis.call('TIME')
+            local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+            return redis.call('ZCARD', KEYS[1]) .. ' '
+                .. redis.call('ZCOUNT', KEYS[1], string.format('(%d', now), '+inf')";
+        let key = format!("{prefix}:{{{tenant}}}:reservations");
+        let reply = self.command(&["EVAL", HELD_AND_LEASED, "1", &key]);
+        let counts = reply
+            .split_once(' ')
+            .and_then(|(held, leased)| Some((held.parse().ok()?, leased.parse().ok()?)));
+        counts.unwrap_or_else(|| panic!("reservations of {key}: {reply}"))
+    }
+
+    /// Waits until no reservation of `tenant` (under `prefix`) is leased any more on
+    /// the server's clock, and returns how many are held: a poll, so a test waits for a
+    /// lease no longer than it runs (a live call's reservation is settled or renewed,
+    /// so this waits for it to end).
+    pub async fn until_leases_run_out(&self, prefix: &str, tenant: &str) -> u64 {
+        crate::common::until_some("the reservations' leases to run out", || async {
+            let (held, leased) = self.reservations(prefix, tenant);
+            (leased == 0).then_some(held)
+        })
+        .await
+    }
+
     /// SIGSTOP: the server keeps its sockets open and answers nothing.
     pub fn pause(&self) {
         signal("STOP", self.pid());

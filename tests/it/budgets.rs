@@ -245,7 +245,7 @@ async fn max_concurrent_refuses_the_extra_request_while_others_run() {
                 .bearer_auth(CAPPED)
                 .header("x-session-id", "c")
                 .header("x-mock-scenario", scenario)
-                .header("x-mock-fault", "delay=1500ms")
+                .header("x-mock-fault", "hold=conc")
                 .body(chat("gpt-4o").max_tokens(16).to_string())
                 .send()
                 .await
@@ -255,8 +255,8 @@ async fn max_concurrent_refuses_the_extra_request_while_others_run() {
         })
     };
     let (a, b) = (slow("conc"), slow("conc"));
-    // Both are in flight (each holds its slot once it reaches the upstream) well before
-    // their 1.5 s upstream delay ends: wait for that, not for a guessed time.
+    // Both are in flight (each holds its slot once it reaches the upstream) until the
+    // mock releases them: wait for that, not for a guessed time.
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while gw.mock.attempts("conc") < 2 {
         assert!(std::time::Instant::now() < deadline, "never in flight");
@@ -267,6 +267,7 @@ async fn max_concurrent_refuses_the_extra_request_while_others_run() {
         .await;
     assert_eq!(resp.status(), 429);
     assert_eq!(json(resp).await["error"]["code"], "too_many_concurrent");
+    gw.mock.release("conc");
     assert_eq!((a.await.unwrap(), b.await.unwrap()), (200, 200));
     assert_eq!(
         gw.in_session(CAPPED, "c", "conc", "", &chat("gpt-4o").max_tokens(16))

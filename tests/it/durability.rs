@@ -312,7 +312,7 @@ async fn a_session_is_not_forgotten_while_a_call_is_in_flight() {
                 .bearer_auth(key)
                 .header("x-session-id", session)
                 .header("x-mock-scenario", "idle")
-                .header("x-mock-fault", "delay=1s")
+                .header("x-mock-fault", "hold=idle")
                 .body(chat("gpt-4o").max_tokens(16).to_string())
                 .send()
                 .await
@@ -323,7 +323,11 @@ async fn a_session_is_not_forgotten_while_a_call_is_in_flight() {
     };
     let first = slow(CAPPED, "c");
     let (a, b) = (slow(OTHER, "m"), slow(OTHER, "m"));
-    // Far longer than session_idle, well before the upstream answers.
+    // Far longer than session_idle, the calls held at the upstream meanwhile.
+    until("the three calls at the upstream", || async {
+        gw.mock.attempts("idle") == 3
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(400)).await;
     let resp = gw
         .in_session(CAPPED, "c", "idle", "", &chat("gpt-4o").max_tokens(16))
@@ -338,6 +342,7 @@ async fn a_session_is_not_forgotten_while_a_call_is_in_flight() {
         .in_session(OTHER, "m", "idle", "", &chat("gpt-4o").max_tokens(16))
         .await;
     assert_eq!(resp.status(), 402, "max_calls = 2 with two calls in flight");
+    gw.mock.release("idle");
     assert_eq!(
         (first.await.unwrap(), a.await.unwrap(), b.await.unwrap()),
         (200, 200, 200)

@@ -486,7 +486,8 @@ async fn a_request_in_flight_does_not_reopen_a_tripped_or_closed_session() {
     let gw = guarded("60s", "").await;
     for (session, by_operator) in [("slow-tripped", false), ("slow-closed", true)] {
         let first = step(0);
-        let slow = gw.in_session(GUARDED, session, "slow", "delay=1500ms", &first);
+        let hold = format!("hold={session}");
+        let slow = gw.in_session(GUARDED, session, "slow", &hold, &first);
         // The slow request is admitted (it reached the upstream) before the session is
         // tripped or closed.
         let admitted_before = gw.mock.attempts("slow");
@@ -504,6 +505,7 @@ async fn a_request_in_flight_does_not_reopen_a_tripped_or_closed_session() {
                 let resp = gw.in_session(GUARDED, session, "loop", "", &step(1)).await;
                 assert_eq!(json(resp).await["error"]["code"], "loop_detected");
             }
+            gw.mock.release(session);
         };
         let (slow, ()) = tokio::join!(slow, meanwhile);
         assert_eq!(slow.status(), 200, "{session}");

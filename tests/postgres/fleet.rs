@@ -161,8 +161,13 @@ async fn a_kill_9_mid_run_leaves_one_ledger_row_per_upstream_call_matching_redis
 
     // Past the leases (Redis's reservation_ttl, the ledger's replica_lease), the dead
     // replica's calls are charged at their reserved amount on both sides; Redis does it
-    // at the tenant's next admission.
-    tokio::time::sleep(Duration::from_millis(3000)).await;
+    // at the tenant's next admission, so that waits until its leases have run out on
+    // Redis's clock (the ledger's recovery is waited for below).
+    assert_eq!(
+        redis.until_leases_run_out(&prefix, "fleet").await,
+        3,
+        "the dead replica's three reservations are held"
+    );
     let last = call(replicas[0].url.clone(), vec![("x-mock-scenario", "fleet")])
         .await
         .unwrap();

@@ -58,7 +58,7 @@ async fn charges_spooled_by_a_replica_killed_while_postgres_was_down_are_replaye
     let straddling: Vec<_> = (0..3)
         .map(|_| {
             let (http, url) = (http.clone(), url.clone());
-            tokio::spawn(async move { call(&http, &url, "straddle", "delay=2s").await })
+            tokio::spawn(async move { call(&http, &url, "straddle", "hold=straddle").await })
         })
         .collect();
     mock.wait_for("straddle", 3).await;
@@ -72,6 +72,7 @@ async fn charges_spooled_by_a_replica_killed_while_postgres_was_down_are_replaye
         let resp = call(&http, &url, "during", "").await.unwrap();
         assert_eq!(resp.status(), 200, "open admits while postgres is down");
     }
+    mock.release("straddle").await;
     for s in straddling {
         assert_eq!(s.await.unwrap().unwrap().status(), 200);
     }

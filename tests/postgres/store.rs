@@ -241,7 +241,14 @@ async fn reservations_left_by_a_dead_replica_are_charged_once_by_another() {
         .await
         .unwrap();
     {
-        let dead = db.open().await;
+        // A long lease of its own: it heartbeats only at open, so none can land after
+        // its last heartbeat is made a lease old below.
+        let dead = PgStore::open(&StoreConfig {
+            replica_lease: Duration::from_secs(60),
+            ..db.config()
+        })
+        .await
+        .unwrap();
         let settled = reservation(&dead, "s", 10, 100);
         let id = settled.id;
         dead.reserve(settled).await.unwrap();
@@ -254,9 +261,13 @@ async fn reservations_left_by_a_dead_replica_are_charged_once_by_another() {
         dead.reserve(reservation(&dead, "s", 13, 700))
             .await
             .unwrap();
-        // Dropped: its heartbeats stop, as a kill's would.
+        // Its last heartbeat made older than the others' 1 s lease (on the database's
+        // clock, what waiting 1.5 s would do), and dropped: as a kill would leave it.
+        db.sql(&format!(
+            "UPDATE replicas SET seen_ms = seen_ms - 1500 WHERE epoch = {}",
+            dead.epoch()
+        ));
     }
-    tokio::time::sleep(Duration::from_millis(1500)).await;
     let next = db.open().await;
     // Whichever found it dead first: the live replica's heartbeat loop, or the store
     // opening now.
@@ -528,12 +539,18 @@ async fn an_idempotency_key_is_claimed_by_one_store_at_a_time() {
     }
     // A lease that ran out (its holder died): taken over.
     assert!(matches!(
-        a.claim("t", "k3", 1_000).await.unwrap(),
+        a.claim("t", "k3", 60_000).await.unwrap(),
         Claim::Claimed
     ));
-    tokio::time::sleep(Duration::from_millis(1100)).await;
     assert!(matches!(
-        b.claim("t", "k3", 1_000).await.unwrap(),
+        b.claim("t", "k3", 60_000).await.unwrap(),
+        Claim::Pending
+    ));
+    // The claim made a lease old (on the database's clock, what waiting out the lease
+    // would do).
+    db.sql("UPDATE idempotency_claims SET until_ms = until_ms - 60000 WHERE key = 'k3'");
+    assert!(matches!(
+        b.claim("t", "k3", 60_000).await.unwrap(),
         Claim::Claimed
     ));
 }
@@ -643,16 +660,17 @@ async fn a_charge_made_while_postgres_is_down_is_written_when_it_returns() {
 #[tokio::test]
 async fn a_write_made_as_postgres_returns_goes_in_behind_what_the_spool_holds() {
     let db = Db::new();
-    let store = db.open().await;
+    // The spool's first replay an hour away (not 100 ms): the settle below, not the
+    // retry timer, is what finds Postgres back.
+    let store = PgStore::open_retrying_after(&db.config(), Duration::from_secs(3600))
+        .await
+        .unwrap();
     db.pg.stop_now();
     let r = reservation(&store, "s", 1, 300);
     let id = r.id;
     let err = store.reserve(r).await.unwrap_err();
     assert!(err.to_string().contains("kept in the spool"), "{err}");
     assert_eq!(store.spooled(), 1);
-    // Failed replays back off (100 ms, doubling): after 2 s the next is over a second
-    // away, so the settle below, not the timer, is what finds Postgres back.
-    tokio::time::sleep(Duration::from_secs(2)).await;
     db.pg.start_again();
     store
         .settle(Some(id), charge(Some("s"), 1, 2, 0.5))

@@ -502,7 +502,7 @@ max_concurrent = 2
     let slow = [
         ("x-session-id", "together"),
         ("x-mock-scenario", "slow"),
-        ("x-mock-fault", "delay=1500ms"),
+        ("x-mock-fault", "hold=slow"),
     ];
     let held: Vec<_> = [0, 1]
         .into_iter()
@@ -523,6 +523,7 @@ max_concurrent = 2
         .await;
     assert_eq!(third.status, 429, "{}", third.text);
     assert_eq!(third.code(), "too_many_concurrent");
+    cluster.mock.release("slow").await;
     for h in held {
         assert_eq!(h.await.unwrap().status, 200);
     }
@@ -1020,7 +1021,6 @@ max_calls = 5
         .collect();
     cluster.mock.wait_for("held", 3).await;
     cluster.replicas.remove(0).kill();
-    let killed = Instant::now();
     for call in held {
         assert!(
             call.await.unwrap().is_err(),
@@ -1045,10 +1045,15 @@ max_calls = 5
             .await,
     );
 
-    // Past reservation_ttl the dead replica's three calls are charged, one call each:
-    // the session stays at its cap of 5 on every replica.
-    let expired = killed + Duration::from_millis(3500);
-    tokio::time::sleep_until(expired.into()).await;
+    // Past reservation_ttl (on Redis's clock) the dead replica's three calls are
+    // charged, one call each: the session stays at its cap of 5 on every replica.
+    assert_eq!(
+        redis
+            .until_leases_run_out(&cluster.prefix, "budgeted")
+            .await,
+        3,
+        "the dead replica's three reservations are held"
+    );
     for replica in [b, c] {
         assert_budget_refusal(
             &cluster
@@ -1142,11 +1147,12 @@ max_usd = 10.0
     let headers = [
         ("x-session-id", "kept"),
         ("x-mock-scenario", "kept"),
-        ("x-mock-fault", "delay=1s;usage=1000/1000"),
+        ("x-mock-fault", "hold=kept;usage=1000/1000"),
     ];
     let call = tokio::spawn(cluster.call(0, USD, &headers, &chat("gpt-4o").max_tokens(1000)));
     cluster.mock.wait_for("kept", 1).await;
     redis.pause();
+    cluster.mock.release("kept").await;
     let answer = call.await.unwrap();
     assert_eq!(
         answer.status, 200,
@@ -2137,11 +2143,6 @@ cool_down = "30s"
     // compare-and-set, and counted once.
     let racing =
         json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "Race the replicas."}]});
-    let slow = [
-        ("x-session-id", "m-1"),
-        ("x-mock-scenario", "fleet-race"),
-        ("x-mock-fault", "status=400;code=invalid_value;delay=1s"),
-    ];
     let quick = [
         ("x-session-id", "m-1"),
         ("x-mock-scenario", "fleet-race-ok"),
@@ -2150,10 +2151,18 @@ cool_down = "30s"
     assert_eq!(ok.status, 200, "{}", ok.text);
     for n in 1..=2u64 {
         let before = round_trips(&cluster, 1).await;
+        let hold = format!("race-{n}");
+        let fault = format!("status=400;code=invalid_value;hold={hold}");
+        let slow = [
+            ("x-session-id", "m-1"),
+            ("x-mock-scenario", "fleet-race"),
+            ("x-mock-fault", fault.as_str()),
+        ];
         let failure = tokio::spawn(cluster.call(1, FLEET, &slow, &racing));
         cluster.mock.wait_for("fleet-race", n).await;
         let ok = cluster.call(0, FLEET, &quick, &step(10 + n as usize)).await;
         assert_eq!(ok.status, 200, "{}", ok.text);
+        cluster.mock.release(&hold).await;
         let failure = failure.await.unwrap();
         assert_eq!(failure.status, 400, "{}", failure.text);
         let after = round_trips(&cluster, 1).await;

@@ -212,6 +212,18 @@ impl PgStore {
     /// an epoch, and charges the reservations of replicas found dead. Fails if Postgres
     /// cannot be reached: a replica does not start without its ledger.
     pub async fn open(store: &StoreConfig) -> Result<PgStore, StoreError> {
+        PgStore::open_retrying_after(store, writer::RETRY_FIRST).await
+    }
+
+    /// As [`PgStore::open`], the writes kept while Postgres is away first retried
+    /// `first_retry` after they were kept (not 100 ms): for a test that must be the one
+    /// to find Postgres back, without waiting for the backoff to grow long. No
+    /// configuration reaches it.
+    #[doc(hidden)]
+    pub async fn open_retrying_after(
+        store: &StoreConfig,
+        first_retry: Duration,
+    ) -> Result<PgStore, StoreError> {
         let config = pg_config(store)?;
         // Taken first: a replica pointed at another's spool stops here, before Postgres.
         let mut backlog = Backlog::new(Spool::open(&store.spool_path())?);
@@ -302,7 +314,7 @@ impl PgStore {
         let (tx, rx) = mpsc::unbounded_channel();
         let spool = backlog.spool.clone();
         let tally = backlog.tally.clone();
-        tokio::spawn(writer::write_loop(pool, backlog, rx));
+        tokio::spawn(writer::write_loop(pool, backlog, rx, first_retry));
         tokio::spawn(keep_alive(Arc::downgrade(&shared)));
         tracing::info!(epoch, schema = migrated.to, "ledger on postgres");
         Ok(PgStore {

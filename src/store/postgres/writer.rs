@@ -40,7 +40,7 @@ use crate::store::{sqlite::to_sql, write::Op, StoreError};
 /// Writes committed in one transaction at most.
 const MAX_BATCH: usize = 4096;
 /// How soon kept writes are retried first, and at most.
-const RETRY_FIRST: Duration = Duration::from_millis(100);
+pub(super) const RETRY_FIRST: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(5);
 
 pub(super) struct PgWrite {
@@ -118,12 +118,16 @@ enum Wake {
     Retry,
 }
 
+/// Commits the writes of `rx` until every sender is gone and nothing is kept; kept
+/// writes are retried `first_retry` after they were kept, then backing off (doubling,
+/// up to [`RETRY_MAX`]) while Postgres stays away.
 pub(super) async fn write_loop(
     pool: Pool,
     mut backlog: Backlog,
     mut rx: mpsc::UnboundedReceiver<PgWrite>,
+    first_retry: Duration,
 ) {
-    let mut retry = RETRY_FIRST;
+    let mut retry = first_retry;
     let mut open = true;
     loop {
         let waiting = !backlog.is_empty();
@@ -170,7 +174,7 @@ pub(super) async fn write_loop(
             }
         }
         retry = match (outage, backlog.is_empty()) {
-            (_, true) => RETRY_FIRST,
+            (_, true) => first_retry,
             (Some(_), false) => (retry * 2).min(RETRY_MAX),
             (None, false) => retry,
         };
