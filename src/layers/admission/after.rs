@@ -30,7 +30,10 @@ use crate::{
         guard::{Transition, Trip, TripRule},
         trail,
     },
-    state::sessions::{lock, TraceEntry, TraceId},
+    state::{
+        live::{TraceEntry, TraceId},
+        sessions::lock,
+    },
     telemetry::{Facts, RequestLog},
 };
 

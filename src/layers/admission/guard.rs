@@ -27,7 +27,8 @@ use crate::{
     state::{
         budgets::{reservation::Ask, Refusal},
         guard_view::Write,
-        sessions::{lock, GuardRef, GuardedSession, Saving},
+        live::GuardedSession,
+        sessions::{lock, GuardRef, Saving},
     },
 };
 

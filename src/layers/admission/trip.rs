@@ -8,7 +8,8 @@ use crate::{
     policy::guard::{GuardState, Kept, Phase, Refused, SessionGuard, Transition, Trip},
     state::{
         fleet::Fleet,
-        sessions::{SessionGuards, TraceEntry, TraceId},
+        live::{TraceEntry, TraceId},
+        sessions::SessionGuards,
     },
 };
 

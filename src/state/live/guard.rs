@@ -172,3 +172,39 @@ impl GuardedSession {
         self.trace.back().map_or(0, |t| t.tool_loop)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_trace_keeps_request_ids_as_they_came() {
+        let made = crate::layers::edge::new_request_id();
+        let made = made.to_str().unwrap();
+        assert!(matches!(TraceId::new(made), TraceId::Hex(_)));
+        for id in [
+            made,
+            "00000000000000000000000000000000",
+            "0123456789abcdef0123456789abcdef",
+            // Not Backstop's shape: kept as given, case and all.
+            "0123456789ABCDEF0123456789ABCDEF",
+            "0123456789abcdef0123456789abcde",
+            "0123456789abcdef0123456789abcdef0",
+            "0123456789abcdeg0123456789abcdef",
+            "client-id-42",
+            "-",
+        ] {
+            assert_eq!(TraceId::new(id).to_string(), id);
+        }
+        assert!(matches!(
+            TraceId::new("0123456789ABCDEF0123456789ABCDEF"),
+            TraceId::Given(_)
+        ));
+    }
+
+    #[test]
+    fn a_trace_entry_stays_small() {
+        // Every live session holds at least one.
+        assert!(std::mem::size_of::<TraceEntry>() <= 96);
+    }
+}
