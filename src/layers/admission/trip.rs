@@ -93,8 +93,8 @@ pub(super) fn tripped(
 pub(super) enum Keep {
     /// Nothing to do.
     Nothing,
-    /// Write it (a trip, a probe, a close; `None` when the guard has nothing to keep).
-    Write(Option<Kept>),
+    /// Write it: a trip, a probe, a close.
+    Write(Kept),
     /// Forget what is kept: active again.
     Forget,
 }
@@ -108,7 +108,8 @@ pub(super) fn to_keep(
         return Keep::Nothing;
     };
     if to.is_kept() {
-        Keep::Write(guard.kept(now))
+        // A kept phase with nothing to keep is forgotten, as before it was written empty.
+        guard.kept(now).map_or(Keep::Forget, Keep::Write)
     } else if from.is_kept() {
         Keep::Forget
     } else {
@@ -119,7 +120,7 @@ pub(super) fn to_keep(
 pub(super) async fn persist(guards: &SessionGuards, tenant: &str, session: &str, keep: Keep) {
     let kept = match keep {
         Keep::Nothing => return,
-        Keep::Write(kept) => kept,
+        Keep::Write(kept) => Some(kept),
         Keep::Forget => None,
     };
     if let Err(err) = guards.persist(tenant, session, kept).await {
@@ -221,10 +222,10 @@ mod tests {
         let later = now + Duration::from_secs(20);
         assert_eq!(
             to_keep(change, &guard, later),
-            Keep::Write(Some(Kept::Tripped {
+            Keep::Write(Kept::Tripped {
                 remaining: Duration::from_secs(40),
                 trip
-            })),
+            }),
             "a trip is kept with what is left of its cool-down at `now`"
         );
         assert_eq!(
