@@ -116,7 +116,7 @@ use crate::{
         fleet::{Fleet, FleetBackend, LocalFleet, ReplicaFleet},
         health::HealthRegistry,
         owners::ResponseOwners,
-        sessions::SessionGuards,
+        sessions::{GuardBackend, LocalGuards, ReplicaGuards, SessionGuards},
         shared::{Redis, SharedBudgets},
     },
     store::{PgStore, RedisStore, SqliteStore, Store, StoreError},
@@ -213,6 +213,17 @@ impl AppState {
             clock.clone(),
         )
         .with_backend(budget_backend);
+        // Where the guards' state lives, chosen once: a store the replicas share (Redis,
+        // or PostgreSQL) holds each session's, or this process's memory does.
+        let guard_backend: Arc<dyn GuardBackend> = if store.is_shared() {
+            Arc::new(ReplicaGuards::new(
+                store.clone(),
+                clock.clone(),
+                config.store.session_idle,
+            ))
+        } else {
+            Arc::new(LocalGuards::new(clock.clone()))
+        };
         // One live entry a session for its budget book and its guard.
         let guards = SessionGuards::new(
             &config,
@@ -220,6 +231,7 @@ impl AppState {
             store.clone(),
             clock.clone(),
         )
+        .with_backend(guard_backend)
         .sharing(budgets.live());
         // The fleet views: this process's, or the replicas' in Redis (this replica's
         // own as the fallback).

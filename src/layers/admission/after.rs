@@ -155,9 +155,10 @@ impl AdmissionLayer {
     }
 
     /// How the request ended, for the fleet and the session's guard: the guard's
-    /// transition. In replica mode a failure the fleet counts is counted in the guard's
-    /// write-back, one round trip that also imposes the trip it decides; otherwise the
-    /// fleet's count comes first and the guard's write-back after, imposing its trip.
+    /// transition. A failure the fleet counts is offered to the guard's write-back, to be
+    /// counted in the same round trip that imposes the trip it decides (replica mode);
+    /// where the guard's backend folds nothing, the fleet's count comes first and the
+    /// guard's record after, imposing its trip.
     async fn outcome(
         &self,
         g: &Guarded,
@@ -167,9 +168,8 @@ impl AdmissionLayer {
         facts: &Facts,
         seen: Option<SessionSeen>,
     ) -> Option<Transition> {
-        let folded = failed && self.fleet.shares(&g.tenant) && self.guards.shares(&g.tenant);
         let imposed = match (&g.fleet, failure) {
-            (Some(policy), Some(failure)) if folded => {
+            (Some(policy), Some(failure)) if failed => {
                 let sig = Signature::new(&shape.unwrap_or_else(|| g.shape()), &failure);
                 match self
                     .fleet_failed_in_write_back(g, policy, &sig, facts)

@@ -104,10 +104,10 @@ impl AdmissionLayer {
         else {
             return Ok(None);
         };
-        // The session's spend so far, for the guard's spend samples: in replica mode what
-        // this replica last saw of it (the settle of its last call here, or another
-        // replica's newer sample), read afresh only for a guard watching spend velocity.
-        let usd_before = if !self.guards.shares(&tenant) || self.guards.watches_spend(&tenant) {
+        // The session's spend so far, for the guard's spend samples: read when the
+        // guard's backend says it is worth it, else what this replica last saw of it
+        // (the settle of its last call here, or another replica's newer sample).
+        let usd_before = if self.guards.reads_spend(&tenant) {
             self.budgets.session_usd(&tenant, &session).await
         } else {
             lock(&entry).seen_usd
@@ -125,8 +125,9 @@ impl AdmissionLayer {
         }))
     }
 
-    /// The limits and the guard's admission: in replica mode in one round trip, the
-    /// guard's write-back going only if the limits let the request through.
+    /// The limits and the guard's admission, the limits deciding first: the guard's
+    /// write-back (replica mode) goes in the limits' round trip, written only if they let
+    /// the request through.
     pub(super) async fn admit(
         &self,
         g: &Guarded,
@@ -136,40 +137,30 @@ impl AdmissionLayer {
             let usd = g.usd_before.max(guard.last_spend().unwrap_or(0.0));
             guard.admit(now, &g.fp, usd)
         };
-        let (verdict, slot) = if self.guards.shares(&g.tenant) {
-            let refuses = AtomicBool::new(false);
-            let ((admitted, change), gated) = self
-                .guards
-                .update_with(
-                    &g.tenant,
-                    &g.session,
-                    &g.entry,
-                    |guard, now| {
-                        let verdict = admit(guard, now);
-                        refuses.store(verdict.0.is_err(), Ordering::Relaxed);
-                        verdict
-                    },
-                    g.fp.request,
-                    |write| self.gate(g, write, refuses.load(Ordering::Relaxed), prepay),
-                )
-                .await
-                .map_err(unreadable)?;
-            let slot = match gated {
-                Some(Ok(slot)) => slot,
-                Some(Err(refusal)) => return Err(refusal.into()),
-                None => self.limits(&g.tenant, Some(&g.session), prepay).await?,
-            };
-            ((admitted, change), slot)
-        } else {
-            let slot = self.limits(&g.tenant, Some(&g.session), prepay).await?;
-            let verdict = self
-                .guards
-                .update(&g.tenant, &g.session, &g.entry, admit)
-                .await
-                .map_err(unreadable)?;
-            (verdict, slot)
+        let refuses = AtomicBool::new(false);
+        let ((admitted, change), gated) = self
+            .guards
+            .update_with(
+                &g.tenant,
+                &g.session,
+                &g.entry,
+                |guard, now| {
+                    let verdict = admit(guard, now);
+                    refuses.store(verdict.0.is_err(), Ordering::Relaxed);
+                    verdict
+                },
+                g.fp.request,
+                |write| self.gate(g, write, refuses.load(Ordering::Relaxed), prepay),
+            )
+            .await
+            .map_err(unreadable)?;
+        let slot = match gated {
+            Some(Ok(slot)) => slot,
+            Some(Err(refusal)) => return Err(refusal.into()),
+            // The gate was not asked (a reload removed the tenant's guard meanwhile): the
+            // limits alone.
+            None => self.limits(&g.tenant, Some(&g.session), prepay).await?,
         };
-        let (admitted, change) = verdict;
         let keep = {
             let mut e = lock(&g.entry);
             transition(&g.tenant, &g.session, change, &g.request_id);

@@ -20,7 +20,6 @@ use crate::{
         TenantView,
     },
     state::sessions::{Candidates, Saving},
-    store::Tier,
 };
 
 use super::{FleetBackend, FleetReport};
@@ -111,9 +110,6 @@ impl LocalFleet {
         }
     }
 }
-
-/// This process's own: nothing is shared with other replicas.
-impl Tier for LocalFleet {}
 
 impl FleetBackend for LocalFleet {
     fn reconfigure(&self, policies: &HashMap<String, Arc<FleetPolicy>>) {

@@ -31,7 +31,6 @@ use crate::{
         Succeeded, Totals,
     },
     state::sessions::{Candidates, Saving},
-    store::Tier,
 };
 
 pub use self::{
@@ -60,7 +59,7 @@ pub struct FleetReport {
 /// ([`session_key`]). Async methods are boxed, so the trait is object-safe. The two
 /// implementations are held to the same decisions by the differential tests in
 /// `tests/redis/fleet.rs`, which run each scenario through this trait.
-pub trait FleetBackend: Tier {
+pub trait FleetBackend: Send + Sync {
     /// Under a reloaded config: the views made under an older rule take the new one.
     fn reconfigure(&self, policies: &HashMap<String, Arc<FleetPolicy>>);
 
@@ -203,11 +202,6 @@ impl Fleet {
         self.backend
             .failed(tenant, policy, sig, session_key(session), calls, usd)
             .await
-    }
-
-    /// Whether the tenant's view is in Redis (replica mode).
-    pub fn shares(&self, tenant: &str) -> bool {
-        self.backend.is_shared() && self.policies.contains_key(tenant)
     }
 
     /// [`Fleet::failed`] in replica mode, and the session guard's write-back in the same
@@ -357,7 +351,6 @@ cool_down = "{cool_down}"
         assert_eq!(fleet.failed("t", &sig, "s-3", 1, 0.0).await.trip, None);
         let hot = fleet.failed("t", &sig, "s-3", 1, 0.0).await.trip;
         assert_eq!(hot.map(|h| h.retry_after), Some(Duration::from_secs(90)));
-        assert!(!fleet.shares("t"));
         let report = fleet.report("t").await.unwrap();
         assert_eq!((report.backend, report.error), ("embedded", None));
         assert_eq!(report.policy.cool_down, Duration::from_secs(90));
@@ -381,7 +374,6 @@ cool_down = "{cool_down}"
         let clock = Clock::starting_at(1_800_000_000_000);
         let config = config("30s");
         let fleet = Fleet::new(&config, Arc::new(ReplicaFleet::new(redis, clock.clone())));
-        assert!(fleet.shares("t"));
         let sig = compaction();
         assert!(!fleet.watching("t").await);
         two_sessions_fail_twice(&fleet, &sig).await;

@@ -19,7 +19,7 @@ use crate::{
         sessions::{Candidates, Saving},
         shared::{Redis, Unavailable},
     },
-    store::{Tier, WindowSave},
+    store::WindowSave,
 };
 
 use super::{FleetBackend, FleetReport, LocalFleet, SharedFleet};
@@ -43,13 +43,6 @@ impl ReplicaFleet {
     /// This replica's own views: what counted and decided while Redis could not answer.
     pub fn fallback(&self) -> &LocalFleet {
         &self.local
-    }
-}
-
-/// Shared by the replicas (the fallback is not, but it only decides while Redis is out).
-impl Tier for ReplicaFleet {
-    fn is_shared(&self) -> bool {
-        true
     }
 }
 

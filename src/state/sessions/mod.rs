@@ -5,34 +5,45 @@
 //! kept in the store ([`SessionGuards::persist`]) and read back when the session returns, after
 //! idle eviction or a restart.
 //!
+//! Where a guard's state lives is its backend's ([`GuardBackend`], chosen once in
+//! `app.rs`): this process's memory ([`LocalGuards`]), or a store the replicas share,
+//! written back compare-and-set ([`ReplicaGuards`]).
+//!
 //! Kept or shared state in a format this build does not read (written by a newer
 //! release during a rolling upgrade, see [`crate::store::format`]) is never taken for an
 //! active session: the session's requests are refused on this replica until it can read
 //! it, and nothing of it is overwritten, except by an operator's close or reset.
 
+mod local;
+mod replica;
+
 use std::{
     collections::HashMap,
+    future::Future,
+    marker::PhantomData,
     sync::{Arc, Mutex, MutexGuard},
     time::Duration,
 };
 
+use futures_util::future::BoxFuture;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
+pub use self::{local::LocalGuards, replica::ReplicaGuards};
 use crate::{
     clock::Clock,
     config::Config,
     policy::{
         budget::SessionSeen,
-        guard::{restore_trip, GuardPolicy, Kept, SessionGuard, Trip},
+        guard::{restore_trip, GuardPolicy, Kept, SessionGuard, Transition, Trip},
     },
     state::{
-        guard_view::{self, Joined, Write, Written},
+        guard_view::{self, Write, Written},
         live::{GuardedSession, LiveSessions, Session, SessionKey, TraceEntry},
     },
     store::{
-        format::{self, UnknownFormat, WindowWrite},
-        GuardRecord, GuardStates, StoreError, WindowSave,
+        format::{self, UnknownFormat},
+        GuardRecord, GuardStates, StoreError,
     },
 };
 
@@ -51,6 +62,18 @@ pub enum Saving<T> {
     Local(T),
 }
 
+impl<T> Saving<T> {
+    /// How the write went, apart from what the saver decided besides (none when moved).
+    fn split(self) -> (Saving<()>, Option<T>) {
+        match self {
+            Saving::Saved(written, t) => (Saving::Saved(written, ()), Some(t)),
+            Saving::Moved(version, state) => (Saving::Moved(version, state), None),
+            Saving::Undone(t) => (Saving::Undone(()), Some(t)),
+            Saving::Local(t) => (Saving::Local(()), Some(t)),
+        }
+    }
+}
+
 /// A failure's write-back offered two ways ([`SessionGuards::record_failure`]), for
 /// the round trip that writes it to pick: compare-and-set at `version`, of `recorded`
 /// (the failure recorded) or, when that round trip trips the session, of the failure
@@ -65,27 +88,198 @@ pub struct Candidates {
     pub ttl_ms: u64,
 }
 
-/// When the identical-request window that ends at `now_ms` starts (wall clock, ms).
-fn window_start(config: &GuardPolicy, now_ms: i64) -> i64 {
-    let window = i64::try_from(config.identical_request_window.as_millis()).unwrap_or(i64::MAX);
-    now_ms.saturating_sub(window)
+/// The session an update runs on: its tenant's policy and its live entry.
+#[derive(Clone, Copy)]
+pub struct At<'a> {
+    pub tenant: &'a Arc<str>,
+    pub session: &'a str,
+    pub entry: &'a Mutex<GuardedSession>,
+    pub config: &'a Arc<GuardPolicy>,
 }
 
-/// `state` cut at each of `marks`, in order, each found exactly once: the parts around
-/// them. `None` when a mark is missing, repeated or out of order.
-fn cut(state: &str, marks: &[&str]) -> Option<Vec<String>> {
-    let mut parts = Vec::with_capacity(marks.len() + 1);
-    let mut rest = state;
-    for mark in marks {
-        if state.matches(mark).count() != 1 {
-            return None;
-        }
-        let (part, after) = rest.split_once(mark)?;
-        parts.push(part.to_string());
-        rest = after;
+/// An update of a session's guard as a backend runs it: on the guard (again, on a
+/// newer state, when a write-back lost a race), then written back.
+pub trait GuardUpdate: Send {
+    /// Runs the update on `guard`; what the last run decided is the update's answer.
+    fn run(&mut self, guard: &mut SessionGuard, now: Instant);
+
+    /// Whether the update writes itself back ([`GuardUpdate::save`]: an admission,
+    /// whose write goes with its limits); else a backend's own store takes the write.
+    fn writes(&self) -> bool;
+
+    /// Writes `write` back (`None`: nothing to write, the rest, if any, decided alone).
+    fn save(&mut self, write: Option<Write>) -> BoxFuture<'_, Saving<()>>;
+}
+
+/// A failure's write-back in the round trip that counts it ([`SessionGuards::record_failure`]).
+pub trait FailureWrite: Send {
+    /// The round trip, given both states: how the write went.
+    fn write(&mut self, candidates: Candidates) -> BoxFuture<'_, Saving<()>>;
+
+    /// The trip that round trip decided to impose, once it ran.
+    fn imposed(&self) -> Option<(Trip, Duration)>;
+}
+
+/// What became of a failure offered to the round trip that counts it.
+pub enum Folded {
+    /// Recorded, in that round trip or (when another replica wrote first) by the usual
+    /// write: the guard's transition.
+    Recorded(Option<Transition>),
+    /// Not offered (no such round trip, or the tripped state could not be cut at its
+    /// marks): record it the usual way.
+    Apart,
+}
+
+/// Where the guards' state lives: one implementation of the guard's write-back, chosen
+/// once in `app.rs`. The rules are [`SessionGuard`]'s, the same under each.
+pub trait GuardBackend: Send + Sync {
+    /// Runs `update` on the session's guard and writes back what it changed; `request`:
+    /// the update admits that request (fingerprint), `replace`: it replaces the state
+    /// (an operator's close or reset), over a shared state this build cannot read too.
+    /// Shared state this build cannot read is otherwise an error, `update` not run.
+    fn apply<'a>(
+        &'a self,
+        at: At<'a>,
+        update: &'a mut dyn GuardUpdate,
+        request: Option<u64>,
+        replace: bool,
+    ) -> BoxFuture<'a, Result<(), UnknownFormat>>;
+
+    /// A failure recorded in the write-back of the round trip that decides whether
+    /// `trip` is imposed (its evidence holding `marks`): see
+    /// [`SessionGuards::record_failure`].
+    fn record_failure<'a>(
+        &'a self,
+        at: At<'a>,
+        trip: &'a (Trip, Duration),
+        marks: &'a [&'a str],
+        write: &'a mut dyn FailureWrite,
+    ) -> BoxFuture<'a, Result<Folded, UnknownFormat>>;
+
+    /// Records how a request ended without a write-back, when none is needed (`seen`:
+    /// the shared state as the settle of the request's last call saw it); `false`:
+    /// nothing recorded, the outcome is to be written by [`GuardBackend::apply`].
+    fn records_quietly(
+        &self,
+        entry: &mut GuardedSession,
+        failed: bool,
+        seen: Option<SessionSeen>,
+    ) -> bool;
+
+    /// The session's shared state as it is now: its version and state (`None`: none, or
+    /// none to be read).
+    fn shared_state<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+    ) -> BoxFuture<'a, Option<(u64, String)>>;
+
+    /// Whether a request reads the session's spend before its admission, for the
+    /// guard's spend samples (else what the session's last settle saw of it).
+    fn reads_spend(&self, policy: &GuardPolicy) -> bool;
+}
+
+/// An update's closures behind [`GuardUpdate`]: `f` on the guard, written back by
+/// `save` (none: by the backend's store), with what they decided.
+struct Typed<F, S, Fut, R, T> {
+    f: F,
+    save: Option<S>,
+    result: Option<R>,
+    kept: Option<T>,
+    /// `save`'s future, named so that it lives as long as the update.
+    saving: PhantomData<fn() -> Fut>,
+}
+
+/// The writer of an update that has none.
+type NoWriter = fn(Option<Write>) -> std::future::Ready<Saving<()>>;
+
+impl<F, R> Typed<F, NoWriter, std::future::Ready<Saving<()>>, R, ()> {
+    /// An update written back by the backend's store.
+    fn alone(f: F) -> Self {
+        Typed::new(f, None)
     }
-    parts.push(rest.to_string());
-    Some(parts)
+}
+
+impl<F, S, Fut, R, T> Typed<F, S, Fut, R, T> {
+    fn new(f: F, save: Option<S>) -> Self {
+        Typed {
+            f,
+            save,
+            result: None,
+            kept: None,
+            saving: PhantomData,
+        }
+    }
+
+    /// What the update's last run decided.
+    fn ran(&mut self) -> R {
+        self.result
+            .take()
+            .expect("every backend runs an update it answers Ok for")
+    }
+}
+
+impl<F, S, Fut, R, T> GuardUpdate for Typed<F, S, Fut, R, T>
+where
+    F: Fn(&mut SessionGuard, Instant) -> R + Send,
+    S: Fn(Option<Write>) -> Fut + Send,
+    Fut: Future<Output = Saving<T>> + Send,
+    R: Send,
+    T: Send,
+{
+    fn run(&mut self, guard: &mut SessionGuard, now: Instant) {
+        self.result = Some((self.f)(guard, now));
+    }
+
+    fn writes(&self) -> bool {
+        self.save.is_some()
+    }
+
+    fn save(&mut self, write: Option<Write>) -> BoxFuture<'_, Saving<()>> {
+        let Typed { save, kept, .. } = self;
+        let Some(save) = save else {
+            return Box::pin(std::future::ready(Saving::Local(())));
+        };
+        let saving = save(write);
+        Box::pin(async move {
+            let (saving, t) = saving.await.split();
+            if t.is_some() {
+                *kept = t;
+            }
+            saving
+        })
+    }
+}
+
+/// A failure's round trip behind [`FailureWrite`], with what it decided.
+struct FailureTyped<W, I, V, Fut> {
+    write: Option<W>,
+    imposed: I,
+    verdict: Option<V>,
+    /// `write`'s future, named so that it lives as long as the write.
+    writing: PhantomData<fn() -> Fut>,
+}
+
+impl<W, I, V, Fut> FailureWrite for FailureTyped<W, I, V, Fut>
+where
+    W: FnOnce(Candidates) -> Fut + Send,
+    I: Fn(&V) -> Option<(Trip, Duration)> + Send,
+    Fut: Future<Output = (V, Saving<()>)> + Send,
+    V: Send,
+{
+    fn write(&mut self, candidates: Candidates) -> BoxFuture<'_, Saving<()>> {
+        let write = self.write.take().expect("a failure's round trip runs once");
+        let verdict = &mut self.verdict;
+        Box::pin(async move {
+            let (decided, saving) = write(candidates).await;
+            *verdict = Some(decided);
+            saving
+        })
+    }
+
+    fn imposed(&self) -> Option<(Trip, Duration)> {
+        self.verdict.as_ref().and_then(&self.imposed)
+    }
 }
 
 pub struct SessionGuards {
@@ -94,29 +288,12 @@ pub struct SessionGuards {
     /// when next used here (never an older one, from a request still in flight).
     generation: u64,
     sessions: LiveSessions<Session>,
+    /// Where closes and trips are kept.
     store: Arc<dyn GuardStates>,
+    backend: Arc<dyn GuardBackend>,
     clock: Clock,
     /// A session's shared state is forgotten after this long unused, as its memory is.
     idle: Duration,
-}
-
-/// How many times a guard update is redone because another replica changed the same
-/// session meanwhile, before this replica decides on its own state.
-const MAX_RACES: usize = 8;
-
-/// The version of a replica's guard that is not the shared state at any version (a
-/// request it holds was refused by the limits after joins beside it): a whole write from
-/// it is handed the shared state back.
-const UNKNOWN_VERSION: u64 = u64::MAX;
-
-/// A request of a session on its way to the shared state ([`GuardedSession::joining`]),
-/// until it is dropped: when the write is answered, or abandoned.
-struct OnItsWay<'a>(&'a Mutex<GuardedSession>);
-
-impl Drop for OnItsWay<'_> {
-    fn drop(&mut self) {
-        lock(self.0).sharing().joining -= 1;
-    }
 }
 
 /// Each guarded tenant's policy.
@@ -154,7 +331,7 @@ fn record_imposing(
     now: Instant,
     failed: bool,
     imposed: Option<&(Trip, Duration)>,
-) -> Option<crate::policy::guard::Transition> {
+) -> Option<Transition> {
     let Some((trip, cool_down)) = imposed else {
         return guard.record(now, failed);
     };
@@ -170,15 +347,24 @@ pub fn lock(entry: &Mutex<GuardedSession>) -> MutexGuard<'_, GuardedSession> {
 }
 
 impl SessionGuards {
+    /// Guards whose state is this process's own ([`LocalGuards`]); see
+    /// [`SessionGuards::with_backend`].
     pub fn new(config: &Config, idle: Duration, store: Arc<dyn GuardStates>, clock: Clock) -> Self {
         SessionGuards {
             configs: policies(config),
             generation: 0,
             sessions: LiveSessions::new(idle, &clock),
             store,
+            backend: Arc::new(LocalGuards::new(clock.clone())),
             clock,
             idle,
         }
+    }
+
+    /// The guards with their state where `backend` keeps it.
+    pub fn with_backend(mut self, backend: Arc<dyn GuardBackend>) -> Self {
+        self.backend = backend;
+        self
     }
 
     /// The guards under a new config (a reload): the new tenants' policies over the same
@@ -190,6 +376,7 @@ impl SessionGuards {
             generation: self.generation + 1,
             sessions: self.sessions.clone(),
             store: self.store.clone(),
+            backend: self.backend.clone(),
             clock: self.clock.clone(),
             idle: self.idle,
         }
@@ -235,57 +422,84 @@ impl SessionGuards {
         }))
     }
 
+    /// `update` on the session's guard, by its backend ([`GuardBackend::apply`]); a
+    /// session whose tenant's guard a reload removed runs it alone.
+    async fn apply(
+        &self,
+        tenant: &Arc<str>,
+        session: &str,
+        entry: &Mutex<GuardedSession>,
+        update: &mut dyn GuardUpdate,
+        request: Option<u64>,
+        replace: bool,
+    ) -> Result<(), UnknownFormat> {
+        let Some(config) = self.configs.get(&**tenant) else {
+            update.run(&mut lock(entry).guard, self.clock.now());
+            return Ok(());
+        };
+        let at = At {
+            tenant,
+            session,
+            entry,
+            config,
+        };
+        self.backend.apply(at, update, request, replace).await
+    }
+
     /// Runs `f` on a session's guard. With a store shared by replicas, what `f` changed
     /// is written back only if no other replica changed the shared state meanwhile (else
     /// the guard is brought up to the shared state and `f` runs again), so every rule
     /// counts every replica's requests. When the store cannot be reached, or races go on,
     /// this replica's own guard decides. Shared state this build cannot read is an error:
     /// `f` is not run and nothing is written.
-    pub async fn update<R>(
+    pub async fn update<R: Send>(
         &self,
         tenant: &Arc<str>,
         session: &str,
         entry: &Mutex<GuardedSession>,
-        f: impl Fn(&mut SessionGuard, Instant) -> R,
+        f: impl Fn(&mut SessionGuard, Instant) -> R + Send,
     ) -> Result<R, UnknownFormat> {
-        let save = |write: Option<Write>| self.save_window(tenant, session, write);
-        Ok(self
-            .apply(tenant, session, entry, f, None, save, false)
-            .await?
-            .0)
+        let mut update = Typed::alone(f);
+        self.apply(tenant, session, entry, &mut update, None, false)
+            .await?;
+        Ok(update.ran())
     }
 
     /// [`SessionGuards::update`] of an admission: `f` admits (or refuses) the request
     /// whose fingerprint is `request`, and the write-back is done by `save` (given what
-    /// to write; `None` when races went on: write nothing), which may decide more in the
-    /// same round trip (the request's limits) and may undo what `f` did
-    /// ([`Saving::Undone`]). A request admitted with nothing else changed is joined to the
-    /// shared state as it is ([`Joined`]), whichever replica wrote it last: only when
-    /// the shared state would not admit it is it handed back and the request decided
-    /// again on it. Without shared state, `f` runs alone and `save` is not called.
+    /// to write; `None`: nothing to write), which may decide more in the same round trip
+    /// (the request's limits) and may undo what `f` did ([`Saving::Undone`]). In replica
+    /// mode a request admitted with nothing else changed is joined to the shared state
+    /// as it is, whichever replica wrote it last: only when the shared state would not
+    /// admit it is it handed back and the request decided again on it. With this
+    /// process's own guards, `save` is asked first, with nothing to write, and `f` runs
+    /// after it unless it refused. What `save` decided is `None` only when it could not
+    /// be asked (races went on) or the tenant's guard is gone.
     pub async fn update_with<R, T, Fut>(
         &self,
         tenant: &Arc<str>,
         session: &str,
         entry: &Mutex<GuardedSession>,
-        f: impl Fn(&mut SessionGuard, Instant) -> R,
+        f: impl Fn(&mut SessionGuard, Instant) -> R + Send,
         request: u64,
-        save: impl Fn(Option<Write>) -> Fut,
+        save: impl Fn(Option<Write>) -> Fut + Send,
     ) -> Result<(R, Option<T>), UnknownFormat>
     where
-        Fut: std::future::Future<Output = Saving<T>>,
+        Fut: Future<Output = Saving<T>> + Send,
+        R: Send,
+        T: Send,
     {
-        self.apply(tenant, session, entry, f, Some(request), save, false)
-            .await
+        let mut update = Typed::new(f, Some(save));
+        self.apply(tenant, session, entry, &mut update, Some(request), false)
+            .await?;
+        Ok((update.ran(), update.kept))
     }
 
     /// Records how an admitted request ended ([`SessionGuard::record`]), and imposes a
     /// trip decided outside the session (`imposed`: the fleet's, with its cool-down;
-    /// [`SessionGuard::impose`]) in the same write. In replica mode the write-back is
-    /// skipped when it would change nothing, as the settle of the request's last call saw
-    /// the shared state (`seen`): a success of a quiet session (active, no failures in a
-    /// row; the common case), whichever replica wrote it last, or an outcome that leaves
-    /// the guard as it was when the shared state was still at this replica's version.
+    /// [`SessionGuard::impose`]) in the same write. The write-back is skipped when the
+    /// backend needs none ([`GuardBackend::records_quietly`], as the settle of the
+    /// request's last call saw the shared state: `seen`).
     pub async fn record(
         &self,
         tenant: &Arc<str>,
@@ -294,7 +508,7 @@ impl SessionGuards {
         failed: bool,
         seen: Option<SessionSeen>,
         imposed: Option<(Trip, Duration)>,
-    ) -> Result<Option<crate::policy::guard::Transition>, UnknownFormat> {
+    ) -> Result<Option<Transition>, UnknownFormat> {
         if let Some(imposed) = imposed {
             return self
                 .update(tenant, session, entry, |guard, now| {
@@ -302,24 +516,10 @@ impl SessionGuards {
                 })
                 .await;
         }
-        if self.shares(tenant) {
-            let mut e = lock(entry);
-            if !failed && seen.is_some_and(|s| s.guard_quiet) {
-                // Nothing to write. This replica's guard, behind the shared state if
-                // another replica wrote since, takes the success too; the change, if any,
-                // was the other replica's.
-                e.guard.record(self.clock.now(), false);
-                return Ok(None);
-            }
-            if seen.map(|s| s.guard_version) == Some(e.version()) {
-                let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
-                let before = guard_view::snapshot(&e.guard, now, now_ms);
-                let mut after = e.guard.clone();
-                let change = after.record(now, failed);
-                if change.is_none() && guard_view::snapshot(&after, now, now_ms) == before {
-                    return Ok(None);
-                }
-            }
+        let quiet =
+            self.is_guarded(tenant) && self.backend.records_quietly(&mut lock(entry), failed, seen);
+        if quiet {
+            return Ok(None);
         }
         self.update(tenant, session, entry, |guard, now| {
             guard.record(now, failed)
@@ -346,347 +546,54 @@ impl SessionGuards {
         entry: &Mutex<GuardedSession>,
         trip: &(Trip, Duration),
         marks: &[&str],
-        write: impl FnOnce(Candidates) -> Fut,
-        imposed: impl Fn(&V) -> Option<(Trip, Duration)>,
-    ) -> Result<Option<(V, Option<crate::policy::guard::Transition>)>, UnknownFormat>
+        write: impl FnOnce(Candidates) -> Fut + Send,
+        imposed: impl Fn(&V) -> Option<(Trip, Duration)> + Send,
+    ) -> Result<Option<(V, Option<Transition>)>, UnknownFormat>
     where
-        Fut: std::future::Future<Output = (V, Saving<()>)>,
+        Fut: Future<Output = (V, Saving<()>)> + Send,
+        V: Send,
     {
-        let Some(config) = self
-            .configs
-            .get(&**tenant)
-            .filter(|_| self.store.is_shared())
-        else {
+        let Some(config) = self.configs.get(&**tenant) else {
             return Ok(None);
         };
-        let turn = lock(entry).sharing().updating.clone();
-        let _turn = turn.write_owned().await;
-        let (now, before, recorded, candidates) = {
-            let mut e = lock(entry);
-            let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
-            let mut recorded = e.guard.clone();
-            let change = recorded.record(now, true);
-            let mut tripped = recorded.clone();
-            tripped.impose(now, trip.0.clone(), trip.1);
-            let state =
-                |g: &SessionGuard| format::encode_snapshot(&guard_view::snapshot(g, now, now_ms));
-            let recorded_state = state(&recorded);
-            let tripped_state = state(&tripped);
-            let tripped = if tripped_state == recorded_state {
-                // Tripped already, or by this failure: nothing to impose.
-                None
-            } else {
-                match cut(&tripped_state, marks) {
-                    Some(parts) => Some(parts),
-                    None => return Ok(None),
-                }
-            };
-            let candidates = Candidates {
-                version: e.version(),
-                recorded: recorded_state,
-                tripped,
-                ttl_ms: self.shared_ttl_ms(),
-            };
-            // As a whole write: done here, undone if the write is handed another state.
-            let before = std::mem::replace(&mut e.guard, recorded);
-            (now, before, change, candidates)
+        let at = At {
+            tenant,
+            session,
+            entry,
+            config,
         };
-        let (verdict, saving) = write(candidates).await;
-        let imposed = imposed(&verdict);
-        let f = |guard: &mut SessionGuard, now| record_imposing(guard, now, true, imposed.as_ref());
-        let newer = match saving {
-            Saving::Saved(written, ()) => {
-                let mut e = lock(entry);
-                let change = match &imposed {
-                    Some((trip, cool_down)) => {
-                        e.guard.impose(now, trip.clone(), *cool_down);
-                        let (from, to) = (before.state().phase(), e.guard.state().phase());
-                        (from != to).then_some((from, to))
-                    }
-                    None => recorded,
-                };
-                e.wrote(written.to);
-                return Ok(Some((verdict, change)));
-            }
-            // Another replica wrote first: done again on its state, by the usual write.
-            Saving::Moved(version, state) => Some((version, state)),
-            // Unreachable: as a write that could not be made, by the usual write (which
-            // lets this replica's guard decide while Redis cannot answer).
-            Saving::Undone(()) | Saving::Local(()) => None,
-        };
-        lock(entry).guard = before;
-        let save = |write: Option<Write>| self.save_window(tenant, session, write);
-        let (change, _) = self
-            .write_whole(tenant, session, entry, config, f, save, false, None, newer)
-            .await?;
-        Ok(Some((verdict, change)))
-    }
-
-    /// Whether the tenant's guard watches the session's spend (`max_usd_per_minute`),
-    /// for which a request needs the session's spend read before it is admitted.
-    pub fn watches_spend(&self, tenant: &str) -> bool {
-        self.configs
-            .get(tenant)
-            .is_some_and(|c| c.max_usd_per_minute.is_some())
-    }
-
-    /// Whether this tenant's guards share their state with other replicas.
-    pub fn shares(&self, tenant: &str) -> bool {
-        self.store.is_shared() && self.configs.contains_key(tenant)
-    }
-
-    /// The store's compare-and-set of the guard's shared state (only [`Write::Whole`]:
-    /// the store joins no request, see [`SessionGuards::update_with`]).
-    async fn save_window(&self, tenant: &str, session: &str, write: Option<Write>) -> Saving<()> {
-        let Some(Write::Whole {
-            version,
-            state,
-            window,
-        }) = write
-        else {
-            return Saving::Local(());
+        let mut write = FailureTyped {
+            write: Some(write),
+            imposed,
+            verdict: None,
+            writing: PhantomData,
         };
         match self
-            .store
-            .save_guard_window(
-                tenant,
-                session,
-                version,
-                state,
-                window,
-                self.shared_ttl_ms(),
-            )
-            .await
+            .backend
+            .record_failure(at, trip, marks, &mut write)
+            .await?
         {
-            Ok(Some(WindowSave::Saved(saved))) => Saving::Saved(
-                Written {
-                    from: version,
-                    to: saved,
-                },
-                (),
-            ),
-            Ok(Some(WindowSave::Moved(version, state))) => Saving::Moved(version, state),
-            // Unreachable, or not shared after all: this replica's guard decided.
-            Ok(None) | Err(_) => Saving::Local(()),
+            Folded::Recorded(change) => {
+                let verdict = write
+                    .verdict
+                    .expect("a failure recorded in its round trip ran it");
+                Ok(Some((verdict, change)))
+            }
+            Folded::Apart => Ok(None),
         }
+    }
+
+    /// Whether a request reads the session's spend before its admission, for the
+    /// guard's spend samples ([`GuardBackend::reads_spend`]).
+    pub fn reads_spend(&self, tenant: &str) -> bool {
+        self.configs
+            .get(tenant)
+            .is_some_and(|policy| self.backend.reads_spend(policy))
     }
 
     /// How long a guard's shared state outlives its last use.
     pub fn shared_ttl_ms(&self) -> u64 {
         u64::try_from(self.idle.as_millis()).unwrap_or(u64::MAX)
-    }
-
-    /// [`SessionGuards::update_with`] (with `request`: `f` admits it) or
-    /// [`SessionGuards::update`], or, with `replace` (an operator's close or reset, which
-    /// replaces the state), over shared state this build cannot read as well.
-    #[allow(clippy::too_many_arguments)]
-    async fn apply<R, T, Fut>(
-        &self,
-        tenant: &Arc<str>,
-        session: &str,
-        entry: &Mutex<GuardedSession>,
-        f: impl Fn(&mut SessionGuard, Instant) -> R,
-        request: Option<u64>,
-        save: impl Fn(Option<Write>) -> Fut,
-        replace: bool,
-    ) -> Result<(R, Option<T>), UnknownFormat>
-    where
-        Fut: std::future::Future<Output = Saving<T>>,
-    {
-        let Some(config) = self
-            .configs
-            .get(&**tenant)
-            .filter(|_| self.store.is_shared())
-        else {
-            let mut e = lock(entry);
-            return Ok((f(&mut e.guard, self.clock.now()), None));
-        };
-        let turn = lock(entry).sharing().updating.clone();
-        let mut newer: Option<(u64, String)> = None;
-        if let Some(request) = request {
-            // Joins go together: each is decided on the shared state by the script, so
-            // one session's requests on this replica do not wait for each other's round
-            // trips. A request that cannot be joined waits for them, and they for it.
-            // The replica that wrote the shared state last offers its whole state too
-            // (see [`Write::WholeOrJoin`]) when none of the session's requests here is
-            // on its way to the shared state: the whole state holds those requests,
-            // which would be counted twice if one of them were joined after it. The
-            // requests that come while it is on its way are joined beside it, in
-            // either order: the script takes the whole state only at its version.
-            let _joining = turn.read().await;
-            let joined = {
-                let mut e = lock(entry);
-                let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
-                let mut admitted = e.guard.clone();
-                let result = f(&mut admitted, now);
-                // A new session here writes whole (there may be no shared state yet), and
-                // spend samples are only written whole.
-                let joins = e.version() > 0
-                    && config.max_usd_per_minute.is_none()
-                    && guard_view::joins(&e.guard, &admitted, now, request);
-                joins.then(|| {
-                    e.guard = admitted;
-                    let join = Joined {
-                        at_ms: now_ms,
-                        request,
-                        limit: config.identical_request_limit,
-                        since_ms: window_start(config, now_ms),
-                    };
-                    let whole = {
-                        let s = e.sharing();
-                        s.last_writer && s.joining == 0
-                    };
-                    let write = if whole {
-                        Write::WholeOrJoin {
-                            version: e.version(),
-                            state: format::encode_snapshot(&guard_view::snapshot(
-                                &e.guard, now, now_ms,
-                            )),
-                            join,
-                        }
-                    } else {
-                        Write::Join(join)
-                    };
-                    e.sharing().joining += 1;
-                    (result, write)
-                })
-            };
-            if let Some((result, write)) = joined {
-                let _on_its_way = OnItsWay(entry);
-                match save(Some(write)).await {
-                    Saving::Saved(written, t) => {
-                        // Joined to a state another replica (or another join) wrote
-                        // since: this replica's guard is not that state, so it stays
-                        // at its version (a whole write is then handed the state back).
-                        let mut e = lock(entry);
-                        let s = e.sharing();
-                        s.last_writer = s.version == written.from;
-                        if s.last_writer {
-                            s.version = written.to;
-                        }
-                        return Ok((result, Some(t)));
-                    }
-                    Saving::Undone(t) => {
-                        // The request stays in this replica's guard (joins beside it
-                        // may have added theirs since), which is therefore no longer
-                        // the shared state at any version.
-                        let mut e = lock(entry);
-                        let s = e.sharing();
-                        s.version = UNKNOWN_VERSION;
-                        s.last_writer = false;
-                        return Ok((result, Some(t)));
-                    }
-                    Saving::Local(t) => return Ok((result, Some(t))),
-                    // The shared state would not admit it: decided again on that state,
-                    // alone.
-                    Saving::Moved(version, state) => newer = Some((version, state)),
-                }
-            }
-        }
-        let _turn = turn.write_owned().await;
-        self.write_whole(
-            tenant, session, entry, config, f, save, replace, request, newer,
-        )
-        .await
-    }
-
-    /// The whole writes of [`SessionGuards::apply`], this replica's turn held: `f` on
-    /// the guard (on `newer` first, the shared state a write was handed back), written
-    /// back compare-and-set, redone on the state that won a race.
-    #[allow(clippy::too_many_arguments)]
-    async fn write_whole<R, T, Fut>(
-        &self,
-        tenant: &Arc<str>,
-        session: &str,
-        entry: &Mutex<GuardedSession>,
-        config: &Arc<GuardPolicy>,
-        f: impl Fn(&mut SessionGuard, Instant) -> R,
-        save: impl Fn(Option<Write>) -> Fut,
-        replace: bool,
-        request: Option<u64>,
-        mut newer: Option<(u64, String)>,
-    ) -> Result<(R, Option<T>), UnknownFormat>
-    where
-        Fut: std::future::Future<Output = Saving<T>>,
-    {
-        // Optimistic: this replica's guard is assumed current; if it is not, the save
-        // hands back the shared state, which is loaded and redone.
-        for _ in 0..MAX_RACES {
-            let (result, before, write) = {
-                let mut e = lock(entry);
-                let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
-                if let Some((version, state)) = newer.take() {
-                    let shared = if state.is_empty() {
-                        // Nothing shared (expired, or Redis emptied): a fresh guard.
-                        Ok(SessionGuard::new(config.clone()))
-                    } else {
-                        format::decode_snapshot(&state).map(|snap| {
-                            guard_view::from_snapshot(config.clone(), snap, now, now_ms)
-                        })
-                    };
-                    match shared {
-                        Ok(guard) => e.guard = guard,
-                        // Not read as anything: refused, or replaced whole.
-                        Err(unknown) => {
-                            unknown.report(&format!("{tenant}/{session}"));
-                            if !replace {
-                                return Err(unknown);
-                            }
-                        }
-                    }
-                    e.sharing().version = version;
-                }
-                let before = e.guard.clone();
-                let result = f(&mut e.guard, now);
-                let window = match request {
-                    _ if replace => WindowWrite::Replace,
-                    // The guard counted the request: the window's one change. (Not told
-                    // by the window's last entry: one read from another replica's write
-                    // in the same millisecond is the same entry.)
-                    Some(request) if before.counts_request(now) => WindowWrite::Append {
-                        at_ms: now_ms,
-                        request,
-                        since_ms: window_start(config, now_ms),
-                    },
-                    _ => WindowWrite::Keep,
-                };
-                let write = Write::Whole {
-                    version: e.version(),
-                    state: format::encode_snapshot(&guard_view::snapshot(&e.guard, now, now_ms)),
-                    window,
-                };
-                (result, before, write)
-            };
-            match save(Some(write)).await {
-                Saving::Saved(written, t) => {
-                    lock(entry).wrote(written.to);
-                    return Ok((result, Some(t)));
-                }
-                Saving::Moved(version, state) => {
-                    // Undone here; done again on the state that won.
-                    lock(entry).guard = before;
-                    newer = Some((version, state));
-                }
-                Saving::Undone(t) => {
-                    lock(entry).guard = before;
-                    return Ok((result, Some(t)));
-                }
-                Saving::Local(t) => return Ok((result, Some(t))),
-            }
-        }
-        // Races went on: this replica's guard decides, and nothing is written.
-        let t = save(None).await;
-        let mut e = lock(entry);
-        let before = e.guard.clone();
-        let result = f(&mut e.guard, self.clock.now());
-        match t {
-            Saving::Undone(t) => {
-                e.guard = before;
-                Ok((result, Some(t)))
-            }
-            Saving::Saved(_, t) | Saving::Local(t) => Ok((result, Some(t))),
-            Saving::Moved(..) => Ok((result, None)),
-        }
     }
 
     /// The session's guard, created on first use (with what the store kept of it);
@@ -784,21 +691,22 @@ impl SessionGuards {
             .await
     }
 
-    /// Signals (counters, risk) and the trace, for the admin API. In replica mode the
-    /// signals are the shared state's (this replica's guard may be behind it: requests
-    /// joined through other replicas are not loaded into it until it writes whole).
+    /// Signals (counters, risk) and the trace, for the admin API. With a shared state
+    /// ([`GuardBackend::shared_state`]) the signals are its (this replica's guard may be
+    /// behind it: requests joined through other replicas are not loaded into it until it
+    /// writes whole).
     pub async fn report(&self, tenant: &str, session: &str, session_usd: f64) -> Option<Value> {
         let tenant: Arc<str> = tenant.into();
         let entry = match self.entry(&tenant, session).await {
             Ok(entry) => entry?,
             Err(unknown) => return Some(json!({"unreadable": unknown.to_string()})),
         };
-        let shared = match self.configs.get(&*tenant).filter(|_| self.shares(&tenant)) {
-            Some(config) => match self.store.guard_window(&tenant, session).await {
-                Ok(Some((version, state))) => Some((config.clone(), version, state)),
-                // None shared yet, or unreachable: this replica's own.
-                Ok(None) | Err(_) => None,
-            },
+        let shared = match self.configs.get(&*tenant) {
+            Some(config) => self
+                .backend
+                .shared_state(&tenant, session)
+                .await
+                .map(|(version, state)| (config.clone(), version, state)),
             None => None,
         };
         let entry = lock(&entry);
@@ -846,19 +754,14 @@ impl SessionGuards {
             return Ok(false);
         };
         self.persist(&tenant, session, Some(Kept::Closed)).await?;
-        let change = self
-            .apply(
-                &tenant,
-                session,
-                &entry,
-                |guard, _| guard.close(),
-                None,
-                |write| self.save_window(&tenant, session, write),
-                true,
-            )
+        let mut update = Typed::alone(|guard: &mut SessionGuard, _| guard.close());
+        let change = match self
+            .apply(&tenant, session, &entry, &mut update, None, true)
             .await
-            .ok()
-            .and_then(|(change, _)| change);
+        {
+            Ok(()) => update.ran(),
+            Err(_) => None,
+        };
         if let Some((from, to)) = change {
             tracing::warn!(%tenant, session, from = from.label(), to = to.label(), "session closed by an operator");
         }
@@ -871,16 +774,9 @@ impl SessionGuards {
         if let Ok(Some(entry)) = self.load(&tenant, session, true).await {
             self.persist(&tenant, session, None).await?;
             // With `replace`, never refused.
+            let mut update = Typed::alone(|guard: &mut SessionGuard, _| guard.reset());
             let _ = self
-                .apply(
-                    &tenant,
-                    session,
-                    &entry,
-                    |guard, _| guard.reset(),
-                    None,
-                    |write| self.save_window(&tenant, session, write),
-                    true,
-                )
+                .apply(&tenant, session, &entry, &mut update, None, true)
                 .await;
         }
         Ok(())
@@ -890,10 +786,6 @@ impl SessionGuards {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{
-        policy::guard::tests::fp,
-        store::{connection::Redis, RedisStore, SqliteStore},
-    };
 
     #[tokio::test]
     async fn a_sessions_book_and_guard_share_one_live_entry() {
@@ -945,181 +837,5 @@ mod tests {
         budgets.session_usd(&tenant, "g").await;
         assert_eq!(budgets.live().len(), 3);
         assert_eq!((budgets.live_sessions().len(), guards.live().len()), (3, 2));
-    }
-
-    /// Guards of tenant `t` over a store replicas share (its Redis is never called: the
-    /// tests give the write-backs' answers themselves).
-    fn guards() -> SessionGuards {
-        let config = Config::from_toml_with_env(
-            "[[upstreams]]\nname = \"u\"\napi = \"openai\"\nbase_url = \"http://x\"\n[[routes]]\nmodel = \"*\"\ntargets = [{ upstream = \"u\" }]\n[[tenants]]\nname = \"t\"\napi_keys = [\"bk-test-key\"]\n[tenants.guard]\nidentical_request_limit = 100",
-            |_| None,
-        )
-        .unwrap();
-        let mut state = config.state.clone();
-        state.url = Some("redis://127.0.0.1:1/0".into());
-        let store = RedisStore::new(
-            Arc::new(SqliteStore::open(":memory:").unwrap()),
-            Redis::new(&state).unwrap(),
-        );
-        SessionGuards::new(
-            &config,
-            Duration::from_secs(600),
-            Arc::new(store),
-            Clock::system(),
-        )
-    }
-
-    /// A session whose guard is the shared state at `version`, which this replica wrote.
-    fn session(guards: &SessionGuards, version: u64) -> Mutex<GuardedSession> {
-        let mut session = GuardedSession::new(SessionGuard::new(guards.configs["t"].clone()), 0);
-        session.wrote(version);
-        Mutex::new(session)
-    }
-
-    fn admit(n: u64) -> impl Fn(&mut SessionGuard, Instant) -> bool {
-        move |guard, now| guard.admit(now, &fp(n), 0.0).0.is_ok()
-    }
-
-    fn kind(write: &Write) -> (&'static str, Option<u64>) {
-        match write {
-            Write::Whole { version, .. } => ("whole", Some(*version)),
-            Write::Join(_) => ("join", None),
-            Write::WholeOrJoin { version, .. } => ("whole_or_join", Some(*version)),
-        }
-    }
-
-    /// The replica that wrote a session's shared state last offers its whole state with
-    /// a request; the session's other requests meanwhile are joined beside it, without
-    /// waiting for its round trip, and none of them offers the whole state (it holds the
-    /// first request, which would then be counted twice). Once every write is answered,
-    /// the whole state is offered again.
-    #[tokio::test(start_paused = true)]
-    async fn a_whole_state_offered_beside_a_join_holds_no_request_back() {
-        let guards = guards();
-        let tenant: Arc<str> = "t".into();
-        let entry = session(&guards, 5);
-        let writes = Mutex::new(Vec::new());
-        let (release, held) = tokio::sync::oneshot::channel::<()>();
-        let held = Mutex::new(Some(held));
-        let first = guards.update_with(&tenant, "s", &entry, admit(1), 1, |write| {
-            writes.lock().unwrap().push(kind(write.as_ref().unwrap()));
-            let held = held.lock().unwrap().take().unwrap();
-            async move {
-                let _ = held.await;
-                Saving::Saved(Written { from: 5, to: 6 }, ())
-            }
-        });
-        tokio::pin!(first);
-        // On its way to Redis, not answered.
-        assert!(futures_util::poll!(&mut first).is_pending());
-        for (n, from) in [(2, 6), (3, 7)] {
-            let beside = guards.update_with(&tenant, "s", &entry, admit(n), n, |write| {
-                writes.lock().unwrap().push(kind(write.as_ref().unwrap()));
-                async move { Saving::Saved(Written { from, to: from + 1 }, ()) }
-            });
-            let (admitted, saved) = tokio::time::timeout(Duration::from_secs(1), beside)
-                .await
-                .expect("held back by the whole state's round trip")
-                .unwrap();
-            assert!(admitted && saved.is_some());
-        }
-        release.send(()).unwrap();
-        let (admitted, _) = first.await.unwrap();
-        assert!(admitted);
-        assert_eq!(
-            *writes.lock().unwrap(),
-            [("whole_or_join", Some(5)), ("join", None), ("join", None)]
-        );
-        {
-            // The whole state was taken at 5; the joins landed after it.
-            let mut e = lock(&entry);
-            let s = e.sharing();
-            assert_eq!((s.version, s.last_writer, s.joining), (6, true, 0));
-            assert_eq!(e.guard.counts().recent.len(), 3);
-        }
-        let next = guards.update_with(&tenant, "s", &entry, admit(4), 4, |write| {
-            writes.lock().unwrap().push(kind(write.as_ref().unwrap()));
-            async move { Saving::Saved(Written { from: 8, to: 9 }, ()) }
-        });
-        assert!(next.await.unwrap().0);
-        assert_eq!(writes.lock().unwrap()[3], ("whole_or_join", Some(6)));
-    }
-
-    /// A request the guard counts is added to the window Redis keeps beside the shared
-    /// state even when the window already ends with the same request at the same
-    /// instant (one read from another replica's write in the same millisecond is): taken
-    /// for "not counted", it let a burst over three replicas through once too often.
-    #[tokio::test(start_paused = true)]
-    async fn a_counted_request_is_appended_even_when_the_window_ends_with_it() {
-        let guards = guards();
-        let tenant: Arc<str> = "t".into();
-        let entry = session(&guards, 0);
-        let now = guards.clock.now();
-        assert!(lock(&entry).guard.admit(now, &fp(1), 0.0).0.is_ok());
-        let windows = Mutex::new(Vec::new());
-        let (admitted, _) = guards
-            .update_with(&tenant, "s", &entry, admit(1), 1, |write| {
-                if let Some(Write::Whole { window, .. }) = &write {
-                    windows.lock().unwrap().push(*window);
-                }
-                async move { Saving::Saved(Written { from: 0, to: 1 }, ()) }
-            })
-            .await
-            .unwrap();
-        assert!(admitted);
-        let windows = windows.into_inner().unwrap();
-        assert!(
-            matches!(windows[..], [WindowWrite::Append { request: 1, .. }]),
-            "{windows:?}"
-        );
-        assert_eq!(lock(&entry).guard.counts().recent.len(), 2);
-    }
-
-    /// A request abandoned on its way (its client left) no longer keeps the whole state
-    /// from being offered.
-    #[tokio::test(start_paused = true)]
-    async fn an_abandoned_write_does_not_stop_whole_offers() {
-        let guards = guards();
-        let tenant: Arc<str> = "t".into();
-        let entry = session(&guards, 5);
-        let writes = Mutex::new(Vec::new());
-        let save = |write: Option<Write>| {
-            writes.lock().unwrap().push(kind(write.as_ref().unwrap()));
-            std::future::pending::<Saving<()>>()
-        };
-        let abandoned = tokio::time::timeout(
-            Duration::from_secs(1),
-            guards.update_with(&tenant, "s", &entry, admit(1), 1, save),
-        )
-        .await;
-        assert!(abandoned.is_err());
-        assert_eq!(lock(&entry).sharing().joining, 0);
-        let next = tokio::time::timeout(
-            Duration::from_secs(1),
-            guards.update_with(&tenant, "s", &entry, admit(2), 2, save),
-        )
-        .await;
-        assert!(next.is_err());
-        assert_eq!(
-            *writes.lock().unwrap(),
-            [("whole_or_join", Some(5)), ("whole_or_join", Some(5))]
-        );
-    }
-
-    #[test]
-    fn a_state_is_cut_at_each_mark_found_once_in_order() {
-        let marks = ["@s@", "@q@"];
-        assert_eq!(
-            cut(r#"{"evidence":"@s@ sessions (@q@ of them)"}"#, &marks),
-            Some(vec![
-                r#"{"evidence":""#.to_string(),
-                " sessions (".to_string(),
-                r#" of them)"}"#.to_string()
-            ])
-        );
-        // A description quoting a mark, a mark missing, or out of order: not cut.
-        assert_eq!(cut("@s@ (@q@) said @s@", &marks), None);
-        assert_eq!(cut("@s@ only", &marks), None);
-        assert_eq!(cut("@q@ before @s@", &marks), None);
     }
 }
