@@ -23,19 +23,23 @@
 //!    It writes what recovery did into the request's record. (`count_tokens`, which
 //!    nothing validates, charges or guards, has [`RatesLayer`] (the request rates
 //!    alone) and [`UnvalidatedLayer`] here and nothing from 7 to 8.)
-//! 10. [`RecoveryLayer`]: target selection, classification, retry with backoff and
+//! 10. [`SideEffectsLayer`]: `[tenants.side_effects]`: the results a session's request
+//!     feeds back for listed tools journaled before it goes on; an answer that proposes
+//!     a committed call again corrected once, refused (409 `duplicate_side_effect`) or
+//!     annotated.
+//! 11. [`RecoveryLayer`]: target selection, classification, retry with backoff and
 //!     Retry-After, retry budget, per-upstream circuit breakers, failover; answers
 //!     which target answered and what it did
 //!     ([`Answered`](crate::layers::recovery::Answered)).
-//! 11. [`ResponseOwnersLayer`]: Responses creates only: every stored object named is
+//! 12. [`ResponseOwnersLayer`]: Responses creates only: every stored object named is
 //!     checked against its owner, what the provider holds for the call handed to the
 //!     meter, and a stored answer's owners made durable before it is released.
-//! 12. [`MeterLayer`]: per upstream call (retries and corrections included), reserve
+//! 13. [`MeterLayer`]: per upstream call (retries and corrections included), reserve
 //!     against the session's and tenant's caps, settle to reported usage.
-//! 13. [`TranslateLayer`]: an attempt on a target of the other API gets its translated
+//! 14. [`TranslateLayer`]: an attempt on a target of the other API gets its translated
 //!     request sent and its answer (whole, streamed, error) brought back in the caller's
 //!     API; every other attempt passes through.
-//! 14. [`Forward`]: one upstream attempt (leaf).
+//! 15. [`Forward`]: one upstream attempt (leaf).
 //!
 //! Around the whole router (every route: proxy, models, admin, health, metrics, 404,
 //! 405), outer → inner, tower-http's layers ([`App`]):
@@ -105,6 +109,7 @@ use crate::{
         rates::RatesLayer,
         recovery::{RecoveryLayer, RetryPolicy, UnvalidatedLayer},
         respond::RespondLayer,
+        side_effects::SideEffectsLayer,
         trace::TraceLayer,
         validate::ValidateLayer,
     },
@@ -115,6 +120,7 @@ use crate::{
         budgets::{local::LocalBudgets, redis::RedisBudgets, BudgetBackend, Budgets},
         fleet::{Fleet, FleetBackend, LocalFleet, ReplicaFleet},
         health::HealthRegistry,
+        journal::Journal,
         owners::ResponseOwners,
         sessions::{GuardBackend, LocalGuards, ReplicaGuards, SessionGuards},
         shared::{Redis, SharedBudgets},
@@ -145,6 +151,8 @@ pub struct AppState {
     pub fleet: Arc<Fleet>,
     /// Which tenant created each stored response (the Responses API).
     pub owners: Arc<ResponseOwners>,
+    /// Sessions' side-effect journals (`[tenants.side_effects]`).
+    pub journal: Arc<Journal>,
     /// The one clock of the live state (tokio time, and the calendar derived from it).
     pub clock: Clock,
     /// The last hour of requests and recovery, for the dashboard (memory only).
@@ -252,6 +260,11 @@ impl AppState {
             store: store.clone(),
             schemas: Arc::new(Schemas::new(config.validation.schema_settings())),
             owners: Arc::new(ResponseOwners::new(store.clone(), clock.clone())),
+            journal: Arc::new(Journal::new(
+                store.clone(),
+                clock.clone(),
+                u64::try_from(config.store.session_idle.as_millis()).unwrap_or(u64::MAX),
+            )),
             guards: Arc::new(guards),
             fleet,
             clock,
@@ -294,6 +307,7 @@ impl AppState {
             fleet: Arc::new(self.fleet.reconfigured(&config)),
             schemas,
             owners: self.owners.clone(),
+            journal: self.journal.clone(),
             activity: self.activity.clone(),
             traces: self.traces.clone(),
             clock: self.clock.clone(),
@@ -367,6 +381,7 @@ fn proxy_stack(state: &AppState) -> HttpService {
                 state.schemas.clone(),
                 state.config.validation.clone(),
             ))
+            .layer(SideEffectsLayer::new(&state.config, state.journal.clone()))
             .service(recovered),
     );
     http_front(state, calls)
@@ -600,6 +615,7 @@ fn admin_state(state: &AppState, reload: Weak<dyn Reload>) -> AdminState {
         ),
         budgets: state.budgets.clone(),
         guards: state.guards.clone(),
+        journal: state.journal.clone(),
         fleet: state.fleet.clone(),
         tenants: state.tenants.clone(),
         activity: state.activity.clone(),

@@ -52,6 +52,7 @@ use crate::{
         budgets::{Budgets, MAX_REPORT_DAYS},
         fleet::Fleet,
         health::HealthRegistry,
+        journal::Journal,
         sessions::SessionGuards,
     },
     telemetry::RequestLog,
@@ -68,6 +69,8 @@ pub struct AdminState {
     pub upstream_apis: Arc<HashMap<String, ApiKind>>,
     pub budgets: Arc<Budgets>,
     pub guards: Arc<SessionGuards>,
+    /// Sessions' side-effect journals.
+    pub journal: Arc<Journal>,
     /// The fleet views: hot signatures and how well they predict.
     pub fleet: Arc<Fleet>,
     /// Tenant keys, for `GET /v1/sessions/{id}`.
@@ -102,6 +105,10 @@ pub fn routes<S: Clone + Send + Sync + 'static>(state: AdminState) -> Router<S> 
         .route("/admin/tenants/{tenant}/fleet", get(fleet::fleet_view))
         .route("/admin/tenants/{tenant}/sessions/{session}", get(session))
         .route(
+            "/admin/tenants/{tenant}/sessions/{session}/journal",
+            get(operator_journal),
+        )
+        .route(
             "/admin/tenants/{tenant}/sessions/{session}/reset",
             post(reset_session),
         )
@@ -117,6 +124,7 @@ pub fn routes<S: Clone + Send + Sync + 'static>(state: AdminState) -> Router<S> 
         .route_layer(operator);
     let own = Router::new()
         .route("/v1/sessions/{session}", get(own_session))
+        .route("/v1/sessions/{session}/journal", get(own_journal))
         .route_layer(tenant);
     let data = admin
         .merge(own)
@@ -338,7 +346,58 @@ async fn session_view(
     if let Some(guard) = state.guards.report(tenant, session, session_usd).await {
         report["guard"] = guard;
     }
+    // The journal is the report's extra: a store that cannot read it leaves it out.
+    let journal = state
+        .journal
+        .session(tenant, session)
+        .await
+        .unwrap_or_default();
+    let committed: Vec<Value> = journal
+        .entries
+        .iter()
+        .filter(|e| e.is_committed())
+        .map(|e| e.to_json())
+        .collect();
+    if !committed.is_empty() {
+        report["side_effects"] = json!({"committed": committed});
+    }
     Ok(Some(report))
+}
+
+/// A session's side-effect journal, oldest first: `{"session": ..., "entries": [...]}`;
+/// none (a session with no journaled call, or another tenant's) is 404.
+async fn journal_view(
+    state: &AdminState,
+    tenant: &str,
+    session: &str,
+) -> Result<Value, AdminError> {
+    let journal = state.journal.session(tenant, session).await?;
+    if journal.entries.is_empty() {
+        return Err(AdminError::NotFound {
+            what: "session journal",
+        });
+    }
+    let entries: Vec<Value> = journal.entries.iter().map(|e| e.to_json()).collect();
+    Ok(json!({"session": session, "entries": entries}))
+}
+
+/// `GET /v1/sessions/{session}/journal`, with the tenant's own key.
+async fn own_journal(
+    State(state): State<AdminState>,
+    Extension(log): Extension<Arc<RequestLog>>,
+    Extension(tenant): Extension<Arc<Tenant>>,
+    Path(session): Path<String>,
+) -> Response {
+    answer(&log, journal_view(&state, &tenant.name, &session).await)
+}
+
+/// `GET /admin/tenants/{tenant}/sessions/{session}/journal`.
+async fn operator_journal(
+    State(state): State<AdminState>,
+    Extension(log): Extension<Arc<RequestLog>>,
+    Path((tenant, session)): Path<(String, String)>,
+) -> Response {
+    answer(&log, journal_view(&state, &tenant, &session).await)
 }
 
 /// The session's view after an operator's action.

@@ -12,6 +12,7 @@ pub mod scan;
 mod shape;
 pub mod signature;
 pub mod sse;
+pub mod tool_calls;
 pub mod usage;
 
 pub use answer::{AnswerView, ReportedUsage};

@@ -23,6 +23,104 @@ pub struct TenantConfig {
     /// The session guard; off unless this table is present.
     #[serde(default)]
     pub guard: Option<GuardConfig>,
+    /// Tools whose calls are side effects, journaled per session and not repeated; off
+    /// unless this table is present.
+    #[serde(default)]
+    pub side_effects: Option<SideEffectsConfig>,
+}
+
+/// `[tenants.side_effects]`: see `docs/side-effects.md`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SideEffectsConfig {
+    /// Tool names or globs (`*`, `?`).
+    pub tools: Vec<String>,
+    #[serde(default)]
+    pub on_repeat: OnRepeatConfig,
+    #[serde(default)]
+    pub restore: RestoreConfig,
+    #[serde(default)]
+    pub record: RecordConfig,
+    /// Entries kept per session, oldest dropped first.
+    #[serde(default = "default_max_entries")]
+    pub max_entries: u32,
+}
+
+fn default_max_entries() -> u32 {
+    1_000
+}
+
+/// The most `max_entries` accepted.
+pub const MAX_JOURNAL_ENTRIES: u32 = 100_000;
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnRepeatConfig {
+    #[default]
+    Correct,
+    Refuse,
+    Annotate,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RestoreConfig {
+    #[default]
+    Off,
+    Note,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecordConfig {
+    #[default]
+    Full,
+    Hash,
+}
+
+impl SideEffectsConfig {
+    fn validate(&self, key: &str) -> Result<(), ConfigError> {
+        if self.tools.is_empty() || self.tools.iter().any(|t| t.trim().is_empty()) {
+            return Err(ConfigError::invalid(
+                format!("{key}.tools"),
+                "list at least one tool name or glob, none empty",
+            ));
+        }
+        if self.max_entries == 0 || self.max_entries > MAX_JOURNAL_ENTRIES {
+            return Err(ConfigError::invalid(
+                format!("{key}.max_entries"),
+                format_args!(
+                    "must be from 1 to {MAX_JOURNAL_ENTRIES}, got {}",
+                    self.max_entries
+                ),
+            ));
+        }
+        if self.restore == RestoreConfig::Note {
+            return Err(ConfigError::invalid(
+                format!("{key}.restore"),
+                "\"note\" is not built yet in this release; only \"off\" is accepted",
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn policy(&self) -> crate::policy::side_effects::SideEffectPolicy {
+        use crate::policy::side_effects::{OnRepeat, Record};
+        crate::policy::side_effects::SideEffectPolicy {
+            tools: self.tools.clone(),
+            only: None,
+            on_repeat: match self.on_repeat {
+                OnRepeatConfig::Correct => OnRepeat::Correct,
+                OnRepeatConfig::Refuse => OnRepeat::Refuse,
+                OnRepeatConfig::Annotate => OnRepeat::Annotate,
+            },
+            record: match self.record {
+                RecordConfig::Full => Record::Full,
+                RecordConfig::Hash => Record::Hash,
+            },
+            max_entries: self.max_entries as usize,
+        }
+    }
 }
 
 /// `[tenants.guard]`: what trips one of the tenant's sessions.
@@ -205,6 +303,9 @@ impl TenantConfig {
         self.budget.validate(&format!("{key}.budget"))?;
         if let Some(guard) = &self.guard {
             guard.validate(&format!("{key}.guard"))?;
+        }
+        if let Some(side_effects) = &self.side_effects {
+            side_effects.validate(&format!("{key}.side_effects"))?;
         }
         for (i, api_key) in self.api_keys.iter().enumerate() {
             if api_key.expose().len() < 8 {

@@ -81,6 +81,7 @@ error_codes! {
     MethodNotAllowed = "method_not_allowed",
     InvalidSchema = "invalid_schema",
     IdempotencyKeyReused = "idempotency_key_reused",
+    DuplicateSideEffect = "duplicate_side_effect",
     NotFound = "not_found",
     InvalidAdminToken = "invalid_admin_token",
     AdminDisabled = "admin_disabled",
@@ -207,6 +208,9 @@ impl ErrorCode {
             }
             MethodNotAllowed => Spec::invalid_request(405),
             ReloadUnavailable => Spec::invalid_request(409),
+            DuplicateSideEffect => {
+                Spec::new(409, Refusal, "invalid_request_error").anthropic("invalid_request_error")
+            }
             IdempotencyKeyReused => Spec::invalid_request(422),
             RequestTooLarge => Spec::invalid_request(413).anthropic("request_too_large"),
             RequestBodyTimeout => Spec::new(408, CallerFault, "timeout_error"),
@@ -296,6 +300,7 @@ mod tests {
         assert_eq!(
             refusals,
             [
+                "duplicate_side_effect",
                 "rate_limited",
                 "too_many_concurrent",
                 "budget_exceeded",

@@ -103,6 +103,14 @@ pub enum GatewayError {
     OutputInvalid { errors: Vec<String>, attempts: u32 },
     #[error("this Idempotency-Key was already used with a different request body")]
     IdempotencyKeyReused,
+    /// An answer proposed a side effect the session already committed
+    /// (`[tenants.side_effects]`): not passed on.
+    #[error("the model proposed `{tool}` again with the same arguments, but this session already made that call ({call_id}, which {}); the repeat was not passed on. Send `x-backstop-allow-repeat: {tool}` to repeat it on purpose", match result { Some(r) => format!("returned: {r}"), None => "succeeded".to_string() })]
+    DuplicateSideEffect {
+        tool: String,
+        call_id: String,
+        result: Option<String>,
+    },
     /// A Responses request chains onto another tenant's stored response: answered as
     /// OpenAI answers an id it does not have, so it says nothing of whose it is.
     #[error("Previous response with id '{0}' not found.")]
@@ -219,6 +227,7 @@ impl GatewayError {
             InvalidSchema(_) => ErrorCode::InvalidSchema,
             OutputInvalid { .. } => ErrorCode::OutputInvalid,
             IdempotencyKeyReused => ErrorCode::IdempotencyKeyReused,
+            DuplicateSideEffect { .. } => ErrorCode::DuplicateSideEffect,
             SessionRefused { code, .. } => (*code).into(),
             RateLimited { .. } => ErrorCode::RateLimited,
             BudgetExceeded { .. } => ErrorCode::BudgetExceeded,

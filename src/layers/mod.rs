@@ -43,6 +43,7 @@ pub mod owners;
 pub mod rates;
 pub mod recovery;
 pub mod respond;
+pub mod side_effects;
 pub mod trace;
 pub mod translate;
 pub mod validate;

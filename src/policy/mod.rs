@@ -10,5 +10,6 @@ pub mod fleet;
 pub mod guard;
 pub mod outlier;
 pub mod retry_budget;
+pub mod side_effects;
 pub mod trail;
 pub mod window;

@@ -58,6 +58,9 @@ pub enum Step {
     Refused(&'static str),
     /// The answer broke its schema: asked again with the errors (the problem's label).
     Correct(&'static str),
+    /// The answer proposed a side effect the session already committed (`tool`, first
+    /// made as `call`): asked again, told it was made.
+    Repeat { tool: Arc<str>, call: Arc<str> },
     /// Corrections exhausted on one target: the next target is asked.
     Switch(Arc<str>),
     /// A target of the other API that cannot carry this request exactly: skipped
@@ -83,6 +86,7 @@ impl fmt::Display for Step {
             Step::Fallback(to) => write!(f, "fallback:{to}"),
             Step::Refused(code) => write!(f, "refused:{code}"),
             Step::Correct(kind) => write!(f, "correct:{kind}"),
+            Step::Repeat { tool, call } => write!(f, "repeat:{tool}@{call}"),
             Step::Switch(to) => write!(f, "switch:{to}"),
             Step::Untranslatable { upstream, paths } => {
                 write!(f, "skip:{upstream}(untranslatable: {paths})")

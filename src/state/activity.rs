@@ -135,7 +135,7 @@ impl Activity {
         for step in &fields.recovery.steps {
             match step {
                 Step::Retry(_) => retries += 1,
-                Step::Correct(_) => corrections += 1,
+                Step::Correct(_) | Step::Repeat { .. } => corrections += 1,
                 Step::Failover(_) | Step::Switch(_) => failovers += 1,
                 _ => {}
             }

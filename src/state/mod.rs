@@ -12,6 +12,7 @@ pub mod budgets;
 pub mod fleet;
 pub mod guard_view;
 pub mod health;
+pub mod journal;
 pub mod live;
 pub mod owners;
 pub mod redis;

@@ -439,6 +439,38 @@ pub trait Replays: Tier {
     ) -> StoreFuture<'a, Option<StoredResponse>>;
 }
 
+/// One entry of a session's side-effect journal as it is kept: its call's id, when it
+/// was written, and the entry itself (versioned JSON, read and written by
+/// `state::journal`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JournalRecord {
+    pub call_id: String,
+    pub at_ms: i64,
+    pub entry: String,
+}
+
+/// Sessions' side-effect journals (`[tenants.side_effects]`).
+pub trait Journals: Send + Sync {
+    /// A session's entries, oldest first.
+    fn journal<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+    ) -> StoreFuture<'a, Vec<JournalRecord>>;
+
+    /// Writes `records` (each replacing the entry of its call id, if any) and keeps the
+    /// session's newest `max_entries`; committed when it answers. A store that expires
+    /// what it keeps (Redis) keeps the journal `ttl_ms` after its last write.
+    fn write_journal<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+        records: Vec<JournalRecord>,
+        max_entries: usize,
+        ttl_ms: u64,
+    ) -> StoreFuture<'a, ()>;
+}
+
 /// Which tenant created each stored response of the Responses API.
 pub trait Owners: Send + Sync {
     /// Records who created these stored responses, in one write (one commit for the
@@ -508,8 +540,8 @@ pub trait Tier: Send + Sync {
 
 /// The persistence seam: every role, object-safe. Built once (`app.rs`) and held whole
 /// only there and by the purger; every consumer takes the role it uses (`Arc<dyn Books>`,
-/// `Arc<dyn Replays>`, `Arc<dyn Owners>`, `Arc<dyn GuardStates>`).
-pub trait Store: Books + Replays + Owners + GuardStates {
+/// `Arc<dyn Replays>`, `Arc<dyn Owners>`, `Arc<dyn GuardStates>`, `Arc<dyn Journals>`).
+pub trait Store: Books + Replays + Owners + GuardStates + Journals {
     /// Deletes idempotency rows and owners expired at `now_ms` and everything older than
     /// `store.retention`.
     fn purge(&self, now_ms: i64) -> StoreFuture<'_, ()>;

@@ -10,9 +10,9 @@ use std::sync::Arc;
 use super::connection::Redis;
 use super::format::{self, UnknownFormat, WindowWrite};
 use super::{
-    Charge, Claim, GuardRecord, GuardStates, Ledger, OwnerRecord, Owners, QueuedSettle, Replays,
-    ReportQuery, ReportRow, ReservationRecord, SettleQueue, Store, StoreError, StoreFuture,
-    StoredOwner, StoredResponse, Tier, WindowSave,
+    Charge, Claim, GuardRecord, GuardStates, JournalRecord, Journals, Ledger, OwnerRecord, Owners,
+    QueuedSettle, Replays, ReportQuery, ReportRow, ReservationRecord, SettleQueue, Store,
+    StoreError, StoreFuture, StoredOwner, StoredResponse, Tier, WindowSave,
 };
 use crate::policy::budget::Usage;
 
@@ -63,6 +63,10 @@ impl RedisStore {
 
     fn guard_key(&self, tenant: &str, session: &str) -> String {
         self.redis.key(tenant, &format!("guard:{session}"))
+    }
+
+    fn journal_key(&self, tenant: &str, session: &str) -> String {
+        self.redis.key(tenant, &format!("journal:{session}"))
     }
 
     fn owner_key(&self, id: &str) -> String {
@@ -418,6 +422,104 @@ impl GuardStates for RedisStore {
                 .transpose()
         })
     }
+}
+
+/// A session's journal is one hash (call id → `at_ms` and the entry, a line apart),
+/// shared by the replicas and expiring with the session.
+impl Journals for RedisStore {
+    fn journal<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+    ) -> StoreFuture<'a, Vec<JournalRecord>> {
+        Box::pin(async move {
+            let key = self.journal_key(tenant, session);
+            let fields: Vec<(String, String)> = self
+                .redis
+                .run("journal", |mut c| async move {
+                    redis::cmd("HGETALL").arg(&key).query_async(&mut c).await
+                })
+                .await
+                .map_err(unavailable)?;
+            Ok(journal_records(fields))
+        })
+    }
+
+    fn write_journal<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+        records: Vec<JournalRecord>,
+        max_entries: usize,
+        ttl_ms: u64,
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(async move {
+            let key = self.journal_key(tenant, session);
+            let mut write = redis::pipe();
+            for r in &records {
+                write
+                    .cmd("HSET")
+                    .arg(&key)
+                    .arg(&r.call_id)
+                    .arg(format!("{}\n{}", r.at_ms, r.entry))
+                    .ignore();
+            }
+            write
+                .cmd("PEXPIRE")
+                .arg(&key)
+                .arg(ttl_ms.max(1000))
+                .ignore()
+                .cmd("HLEN")
+                .arg(&key);
+            let (len,): (usize,) = self
+                .redis
+                .run("write_journal", |mut c| async move {
+                    write.query_async(&mut c).await
+                })
+                .await
+                .map_err(unavailable)?;
+            if len <= max_entries {
+                return Ok(());
+            }
+            // Over the bound: the oldest go (rare; every replica trims alike).
+            let journal = self.journal(tenant, session).await?;
+            let old: Vec<String> = journal[..journal.len().saturating_sub(max_entries)]
+                .iter()
+                .map(|r| r.call_id.clone())
+                .collect();
+            if old.is_empty() {
+                return Ok(());
+            }
+            self.redis
+                .run("write_journal", |mut c| async move {
+                    redis::cmd("HDEL")
+                        .arg(&key)
+                        .arg(&old)
+                        .query_async::<()>(&mut c)
+                        .await
+                })
+                .await
+                .map_err(unavailable)
+        })
+    }
+}
+
+/// A journal hash's fields as records, oldest first (a field not in the format is left
+/// out).
+fn journal_records(fields: Vec<(String, String)>) -> Vec<JournalRecord> {
+    let mut records: Vec<JournalRecord> = fields
+        .into_iter()
+        .filter_map(|(call_id, value)| {
+            let (at_ms, entry) = value.split_once('\n')?;
+            Some(JournalRecord {
+                call_id,
+                at_ms: at_ms.parse().ok()?,
+                entry: entry.to_string(),
+            })
+        })
+        .collect();
+    records.sort_by(|a, b| (a.at_ms, &a.call_id).cmp(&(b.at_ms, &b.call_id)));
+    records
 }
 
 impl Tier for RedisStore {

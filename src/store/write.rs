@@ -6,7 +6,10 @@ use std::sync::Arc;
 
 use tokio::sync::oneshot;
 
-use super::{Charge, GuardRecord, OwnerRecord, QueuedSettle, ReservationRecord, StoredResponse};
+use super::{
+    Charge, GuardRecord, JournalRecord, OwnerRecord, QueuedSettle, ReservationRecord,
+    StoredResponse,
+};
 
 pub(crate) enum Op {
     Reserve(ReservationRecord),
@@ -29,6 +32,13 @@ pub(crate) enum Op {
         tenant: String,
         session: String,
     },
+    /// Journal entries of one session, then its newest `max_entries` kept.
+    Journal {
+        tenant: String,
+        session: String,
+        records: Vec<JournalRecord>,
+        max_entries: usize,
+    },
     Purge {
         now_ms: i64,
     },
@@ -48,6 +58,7 @@ impl Op {
             Op::QueueSettle(_) | Op::UnqueueSettle(_) => "queued_settle",
             Op::RecordOwners(_) => "owners",
             Op::SaveGuard(_) | Op::ClearGuard { .. } => "guard",
+            Op::Journal { .. } => "journal",
             Op::Purge { .. } => "purge",
         }
     }

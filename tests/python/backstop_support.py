@@ -44,6 +44,11 @@ THROTTLED_KEY = "bk-test-throttled"
 GUARDED_KEY = "bk-test-guarded"
 FLEET_KEY = "bk-test-fleet"
 BILLED_KEY = "bk-test-billed"
+# Side effects committed once (tests/python/test_side_effects_sdk.py): one tenant per
+# `on_repeat`.
+EFFECTS_KEY = "bk-test-effects"
+EFFECTS_REFUSE_KEY = "bk-test-effects-refuse"
+EFFECTS_ANNOTATE_KEY = "bk-test-effects-annotate"
 ADMIN_TOKEN = "admin-test-token-0123456789"
 PROVIDER_OPENAI_KEY = "sk-provider-openai"
 PROVIDER_ANTHROPIC_KEY = "sk-provider-anthropic"
@@ -276,6 +281,28 @@ name = "guarded"
 api_keys = ["{GUARDED_KEY}"]
 [tenants.guard]
 max_consecutive_failures = 3
+
+# Side effects committed once (tests/python/test_side_effects_sdk.py).
+[[tenants]]
+name = "effects"
+api_keys = ["{EFFECTS_KEY}"]
+[tenants.side_effects]
+tools = ["send_email", "transfer_*"]
+
+[[tenants]]
+name = "effects-refuse"
+api_keys = ["{EFFECTS_REFUSE_KEY}"]
+[tenants.side_effects]
+tools = ["send_email"]
+on_repeat = "refuse"
+record = "hash"
+
+[[tenants]]
+name = "effects-annotate"
+api_keys = ["{EFFECTS_ANNOTATE_KEY}"]
+[tenants.side_effects]
+tools = ["send_email"]
+on_repeat = "annotate"
 
 # A USD cap priced from the built-in catalog (tests/python/test_billing_sdk.py).
 [[tenants]]

@@ -41,6 +41,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "recovered_mark",
         sql: include_str!("migrations/0003_recovered_mark.sql"),
     },
+    Migration {
+        version: 4,
+        name: "side_effects",
+        sql: include_str!("migrations/0004_side_effects.sql"),
+    },
 ];
 
 /// The schema version this build applies (its newest migration).

@@ -57,9 +57,10 @@ use self::{
     writer::{Backlog, PgWrite},
 };
 use super::{
-    count_error, write::Op, Charge, Claim, CommittedUsage, GuardRecord, GuardStates, Ledger,
-    OwnerRecord, Owners, QueuedSettle, Replays, ReportQuery, ReportRow, ReservationRecord,
-    SettleQueue, Store, StoreError, StoreFuture, StoredOwner, StoredResponse, Tier, WindowSave,
+    count_error, write::Op, Charge, Claim, CommittedUsage, GuardRecord, GuardStates, JournalRecord,
+    Journals, Ledger, OwnerRecord, Owners, QueuedSettle, Replays, ReportQuery, ReportRow,
+    ReservationRecord, SettleQueue, Store, StoreError, StoreFuture, StoredOwner, StoredResponse,
+    Tier, WindowSave,
 };
 use crate::{billing::Tokens, config::StoreConfig, policy::budget::Usage};
 
@@ -940,6 +941,49 @@ impl Owners for PgStore {
     }
 }
 
+impl Journals for PgStore {
+    fn journal<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+    ) -> StoreFuture<'a, Vec<JournalRecord>> {
+        Box::pin(self.read(async move {
+            let c = self.client().await?;
+            let rows = c
+                .query(
+                    "SELECT call_id, at_ms, entry FROM side_effects WHERE tenant = $1 AND session = $2
+                         ORDER BY at_ms, call_id",
+                    &[&tenant, &session],
+                )
+                .await?;
+            Ok(rows
+                .iter()
+                .map(|r| JournalRecord {
+                    call_id: r.get(0),
+                    at_ms: r.get(1),
+                    entry: r.get(2),
+                })
+                .collect())
+        }))
+    }
+
+    fn write_journal<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+        records: Vec<JournalRecord>,
+        max_entries: usize,
+        _ttl_ms: u64,
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(self.write(Op::Journal {
+            tenant: tenant.into(),
+            session: session.into(),
+            records,
+            max_entries,
+        }))
+    }
+}
+
 impl GuardStates for PgStore {
     fn save_guard(&self, record: GuardRecord) -> StoreFuture<'_, ()> {
         Box::pin(self.write(Op::SaveGuard(record)))
@@ -1066,6 +1110,9 @@ impl Store for PgStore {
                     .await?;
                 client
                     .execute("DELETE FROM guard_states WHERE updated_ms < $1", &[&cutoff])
+                    .await?;
+                client
+                    .execute("DELETE FROM side_effects WHERE at_ms < $1", &[&cutoff])
                     .await?;
                 client
                     .execute(

@@ -371,6 +371,12 @@ const SAVE_GUARD: &str = "INSERT INTO guard_states (tenant, session, closed, unt
      ON CONFLICT (tenant, session) DO UPDATE SET closed = EXCLUDED.closed, until_ms = EXCLUDED.until_ms,
          code = EXCLUDED.code, rule = EXCLUDED.rule, evidence = EXCLUDED.evidence, updated_ms = EXCLUDED.updated_ms";
 const CLEAR_GUARD: &str = "DELETE FROM guard_states WHERE tenant = $1 AND session = $2";
+const JOURNAL: &str = "INSERT INTO side_effects (tenant, session, call_id, at_ms, entry) VALUES ($1, $2, $3, $4, $5)
+     ON CONFLICT (tenant, session, call_id) DO UPDATE SET at_ms = EXCLUDED.at_ms, entry = EXCLUDED.entry";
+const TRIM_JOURNAL: &str =
+    "DELETE FROM side_effects WHERE tenant = $1 AND session = $2 AND call_id NOT IN
+     (SELECT call_id FROM side_effects WHERE tenant = $1 AND session = $2
+      ORDER BY at_ms DESC, call_id DESC LIMIT $3)";
 
 /// The statements and parameters of one write (owners: one per owner).
 fn statements(op: &Op) -> Vec<(&'static str, Vec<Param>)> {
@@ -488,6 +494,35 @@ fn statements(op: &Op) -> Vec<(&'static str, Vec<Param>)> {
             vec![Box::new(tenant.clone()), Box::new(session.clone())],
         )],
         Op::Unreserve(id) => vec![(UNRESERVE, vec![Box::new(*id)])],
+        Op::Journal {
+            tenant,
+            session,
+            records,
+            max_entries,
+        } => {
+            let mut work: Vec<(&'static str, Vec<Param>)> = records
+                .iter()
+                .map(|r| {
+                    let params: Vec<Param> = vec![
+                        Box::new(tenant.clone()),
+                        Box::new(session.clone()),
+                        Box::new(r.call_id.clone()),
+                        Box::new(r.at_ms),
+                        Box::new(r.entry.clone()),
+                    ];
+                    (JOURNAL, params)
+                })
+                .collect();
+            work.push((
+                TRIM_JOURNAL,
+                vec![
+                    Box::new(tenant.clone()),
+                    Box::new(session.clone()),
+                    Box::new(to_sql(*max_entries as u64)),
+                ],
+            ));
+            work
+        }
         // Purges run beside the writer (`PgStore::purge`).
         Op::Purge { .. } => Vec::new(),
     }

@@ -32,9 +32,9 @@ use tokio::sync::{oneshot, Semaphore};
 use self::scratch::Scratch;
 use super::write::{Op, Write};
 use super::{
-    count_error, Charge, GuardRecord, GuardStates, Ledger, OwnerRecord, Owners, QueuedSettle,
-    Replays, ReportQuery, ReportRow, ReservationRecord, SettleQueue, Store, StoreError,
-    StoreFuture, StoredOwner, StoredResponse, Tier,
+    count_error, Charge, GuardRecord, GuardStates, JournalRecord, Journals, Ledger, OwnerRecord,
+    Owners, QueuedSettle, Replays, ReportQuery, ReportRow, ReservationRecord, SettleQueue, Store,
+    StoreError, StoreFuture, StoredOwner, StoredResponse, Tier,
 };
 use crate::{billing::Tokens, config::StoreConfig, policy::budget::Usage};
 
@@ -200,6 +200,14 @@ CREATE TABLE IF NOT EXISTS session_resets (
     session TEXT NOT NULL,
     at_ms INTEGER NOT NULL,
     PRIMARY KEY (tenant, session)
+);
+CREATE TABLE IF NOT EXISTS side_effects (
+    tenant TEXT NOT NULL,
+    session TEXT NOT NULL,
+    call_id TEXT NOT NULL,
+    at_ms INTEGER NOT NULL,
+    entry TEXT NOT NULL,
+    PRIMARY KEY (tenant, session, call_id)
 );
 CREATE TABLE IF NOT EXISTS guard_states (
     tenant TEXT NOT NULL,
@@ -631,6 +639,46 @@ impl GuardStates for SqliteStore {
                 })
             })
             .optional()
+        }))
+    }
+}
+
+impl Journals for SqliteStore {
+    fn journal<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+    ) -> StoreFuture<'a, Vec<JournalRecord>> {
+        let (tenant, session) = (tenant.to_string(), session.to_string());
+        Box::pin(self.read(move |c| {
+            c.prepare_cached(
+                "SELECT call_id, at_ms, entry FROM side_effects WHERE tenant = ?1 AND session = ?2
+                 ORDER BY at_ms, call_id",
+            )?
+            .query_map(params![tenant, session], |r| {
+                Ok(JournalRecord {
+                    call_id: r.get(0)?,
+                    at_ms: r.get(1)?,
+                    entry: r.get(2)?,
+                })
+            })?
+            .collect()
+        }))
+    }
+
+    fn write_journal<'a>(
+        &'a self,
+        tenant: &'a str,
+        session: &'a str,
+        records: Vec<JournalRecord>,
+        max_entries: usize,
+        _ttl_ms: u64,
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(self.write(Op::Journal {
+            tenant: tenant.into(),
+            session: session.into(),
+            records,
+            max_entries,
         }))
     }
 }

@@ -334,6 +334,26 @@ fn commit(conn: &mut Connection, batch: &[Write]) -> rusqlite::Result<()> {
                 tx.prepare_cached("DELETE FROM reservations WHERE id = ?1")?
                     .execute(params![id])?;
             }
+            Op::Journal {
+                tenant,
+                session,
+                records,
+                max_entries,
+            } => {
+                let mut insert = tx.prepare_cached(
+                    "INSERT INTO side_effects (tenant, session, call_id, at_ms, entry) VALUES (?1, ?2, ?3, ?4, ?5)
+                     ON CONFLICT (tenant, session, call_id) DO UPDATE SET at_ms = excluded.at_ms, entry = excluded.entry",
+                )?;
+                for r in records {
+                    insert.execute(params![tenant, session, r.call_id, r.at_ms, r.entry])?;
+                }
+                tx.prepare_cached(
+                    "DELETE FROM side_effects WHERE tenant = ?1 AND session = ?2 AND call_id NOT IN
+                     (SELECT call_id FROM side_effects WHERE tenant = ?1 AND session = ?2
+                      ORDER BY at_ms DESC, call_id DESC LIMIT ?3)",
+                )?
+                .execute(params![tenant, session, to_sql(*max_entries as u64)])?;
+            }
             Op::Purge { .. } => {}
         }
     }
@@ -362,6 +382,7 @@ fn purge(conn: &mut Connection, now_ms: i64, retention: Duration) -> rusqlite::R
         "DELETE FROM guard_states WHERE updated_ms < ?1",
         params![cutoff],
     )?;
+    tx.execute("DELETE FROM side_effects WHERE at_ms < ?1", params![cutoff])?;
     tx.commit()?;
     let boundary: Option<i64> = conn
         .query_row(

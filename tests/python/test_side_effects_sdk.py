@@ -1,0 +1,246 @@
+"""Side effects committed once, through the official SDKs: a session's results for its
+tenant's side-effecting tools are journaled, and a replanned agent whose model proposes
+the same call again (same tool, same arguments in any key order) is corrected once
+(`effects`), refused with 409 `duplicate_side_effect` in its API's error shape
+(`effects-refuse`), or passed through marked (`effects-annotate`). A failed side effect,
+other arguments, an unlisted tool and a declared repeat are passed through.
+
+Every test names what the mock received: how many attempts, and what the corrective one
+said to the model.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import anthropic
+import openai
+import pytest
+
+from backstop_support import (
+    EFFECTS_ANNOTATE_KEY,
+    EFFECTS_KEY,
+    EFFECTS_REFUSE_KEY,
+    TENANT_B_KEY,
+)
+
+BOB = {"to": "bob@example.com", "subject": "invoice", "body": "attached"}
+# The same arguments in another key order: the same side effect.
+BOB_REORDERED = {"body": "attached", "subject": "invoice", "to": "bob@example.com"}
+
+
+def _b64(value) -> str:
+    return base64.b64encode(json.dumps(value).encode()).decode()
+
+
+def _proposes(tool: str, args: dict) -> str:
+    return f"tool={tool};tool_args_b64={_b64(args)}"
+
+
+def _chat_client(backstop, key: str) -> openai.OpenAI:
+    return openai.OpenAI(api_key=key, base_url=backstop.openai_base_url, max_retries=0, timeout=20)
+
+
+def _headers(scenario: str, session: str, fault: str, **extra) -> dict:
+    return {"x-mock-scenario": scenario, "x-session-id": session, "x-mock-fault": fault, **extra}
+
+
+def _chat_turn_that_sent(call_id: str, args: dict, result: str) -> list[dict]:
+    """A chat conversation whose agent already ran `send_email(args)` and fed back `result`."""
+    return [
+        {"role": "user", "content": "Email Bob the invoice."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function",
+             "function": {"name": "send_email", "arguments": json.dumps(args)}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": result},
+    ]
+
+
+TOOLS = [{"type": "function", "function": {"name": "send_email", "parameters": {"type": "object"}}},
+         {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def _journal(backstop, session: str, key: str):
+    return backstop.get(f"/v1/sessions/{session}/journal", headers={"authorization": f"Bearer {key}"})
+
+
+def _commit_in_chat(backstop, client, scenario, session, result="sent: message 42"):
+    """The turn that feeds back the first send: journaled, answered with text."""
+    client.chat.completions.create(
+        model="gpt-4o-mini", messages=_chat_turn_that_sent("call_first", BOB, result), tools=TOOLS,
+        extra_headers=_headers(scenario + "-commit", session, "content=done"))
+
+
+def test_a_replanned_chat_agent_is_corrected_once_and_never_sees_the_repeat(backstop, scenario):
+    client = _chat_client(backstop, EFFECTS_KEY)
+    session = scenario
+    _commit_in_chat(backstop, client, scenario, session)
+    journal = _journal(backstop, session, EFFECTS_KEY)
+    assert journal.status_code == 200, journal.text
+    entries = journal.json()["entries"]
+    assert [(e["call_id"], e["tool"], e["outcome"]) for e in entries] == [("call_first", "send_email", "ok")]
+    assert entries[0]["arguments"] == json.dumps(BOB, sort_keys=True, separators=(",", ":"))
+    assert entries[0]["result"] == "sent: message 42"
+
+    # The agent lost its state and starts over: the model proposes the same email.
+    raw = client.chat.completions.with_raw_response.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "Email Bob the invoice."}], tools=TOOLS,
+        extra_headers=_headers(scenario, session, f"{_proposes('send_email', BOB_REORDERED)},content=Bob already has it."))
+    answer = raw.parse()
+    assert answer.choices[0].message.tool_calls is None, "the repeat never reaches the agent"
+    assert answer.choices[0].message.content == "Bob already has it."
+    assert raw.headers["x-backstop-side-effect"] == "corrected; tool=send_email"
+    assert "repeat:send_email@call_first" in raw.headers["x-backstop-recovery"]
+    assert backstop.attempts(scenario) == 2, "the answer, then one corrective attempt"
+    sent = backstop.last_upstream_request(scenario)["body"]["messages"]
+    assert sent[-2]["role"] == "assistant" and "send_email" in sent[-2]["content"]
+    note = sent[-1]["content"]
+    assert sent[-1]["role"] == "user"
+    assert "call_first" in note and "sent: message 42" in note and "Do not call `send_email`" in note
+    again = _journal(backstop, session, EFFECTS_KEY).json()["entries"]
+    assert [e["repeats"] for e in again if e["call_id"] == "call_first"] == [1]
+
+
+def test_a_model_that_proposes_the_repeat_again_after_the_correction_is_refused(backstop, scenario):
+    client = _chat_client(backstop, EFFECTS_KEY)
+    session = scenario
+    _commit_in_chat(backstop, client, scenario, session)
+    twice = f"{_proposes('send_email', BOB)},{_proposes('send_email', BOB)}"
+    with pytest.raises(openai.ConflictError) as caught:
+        client.chat.completions.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": "Email Bob the invoice."}],
+            tools=TOOLS, extra_headers=_headers(scenario, session, twice))
+    err = caught.value
+    assert err.status_code == 409
+    assert err.body["code"] == "duplicate_side_effect" and err.body["type"] == "invalid_request_error"
+    assert "send_email" in err.body["message"] and "call_first" in err.body["message"]
+    assert backstop.attempts(scenario) == 2
+
+
+@pytest.mark.parametrize("case", ["other_arguments", "unlisted_tool", "declared_repeat", "failed_before"])
+def test_what_is_not_a_committed_repeat_is_passed_on(backstop, scenario, case):
+    client = _chat_client(backstop, EFFECTS_KEY)
+    session = scenario
+    result = '{"error": "smtp unavailable"}' if case == "failed_before" else "sent"
+    _commit_in_chat(backstop, client, scenario, session, result=result)
+    tool, args, extra = "send_email", BOB, {}
+    if case == "other_arguments":
+        args = {**BOB, "to": "carol@example.com"}
+    elif case == "unlisted_tool":
+        tool = "get_weather"
+    elif case == "declared_repeat":
+        extra = {"x-backstop-allow-repeat": "send_email"}
+    raw = client.chat.completions.with_raw_response.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "Email Bob the invoice."}], tools=TOOLS,
+        extra_headers=_headers(scenario, session, _proposes(tool, args), **extra))
+    call = raw.parse().choices[0].message.tool_calls[0]
+    assert (call.function.name, json.loads(call.function.arguments)) == (tool, args)
+    assert "x-backstop-side-effect" not in raw.headers
+    assert backstop.attempts(scenario) == 1
+    entries = _journal(backstop, session, EFFECTS_KEY).json()["entries"]
+    first = [e for e in entries if e["call_id"] == "call_first"][0]
+    assert first["outcome"] == ("error" if case == "failed_before" else "ok")
+    assert first["deliberate_repeats"] == (1 if case == "declared_repeat" else 0)
+
+
+def test_an_anthropic_repeat_is_refused_in_anthropics_error_shape(backstop, scenario):
+    client = anthropic.Anthropic(api_key=EFFECTS_REFUSE_KEY, base_url=backstop.anthropic_base_url,
+                                 max_retries=0, timeout=20)
+    session = scenario
+    tools = [{"name": "send_email", "input_schema": {"type": "object"}}]
+    sent_turn = [
+        {"role": "user", "content": "Email Bob the invoice."},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_first", "name": "send_email", "input": BOB}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_first", "content": "sent"}]},
+    ]
+    client.messages.create(model="claude-sonnet-4-5", max_tokens=100, messages=sent_turn, tools=tools,
+                           extra_headers=_headers(scenario + "-commit", session, "content=done"))
+    with pytest.raises(anthropic.ConflictError) as caught:
+        client.messages.create(
+            model="claude-sonnet-4-5", max_tokens=100, tools=tools,
+            messages=[{"role": "user", "content": "Email Bob the invoice."}],
+            extra_headers=_headers(scenario, session, _proposes("send_email", BOB_REORDERED)))
+    err = caught.value
+    assert err.status_code == 409
+    assert err.body["type"] == "error" and err.body["error"]["type"] == "invalid_request_error"
+    assert "toolu_first" in err.body["error"]["message"]
+    assert "which succeeded" in err.body["error"]["message"], "record = hash quotes no result"
+    assert backstop.attempts(scenario) == 1, "refused: no corrective attempt"
+    entry = _journal(backstop, session, EFFECTS_REFUSE_KEY).json()["entries"][0]
+    assert entry["arguments"] is None and entry["result"] is None and len(entry["arguments_hash"]) == 64
+
+
+def test_an_anthropic_failed_result_is_not_committed(backstop, scenario):
+    client = anthropic.Anthropic(api_key=EFFECTS_REFUSE_KEY, base_url=backstop.anthropic_base_url,
+                                 max_retries=0, timeout=20)
+    session = scenario
+    tools = [{"name": "send_email", "input_schema": {"type": "object"}}]
+    failed_turn = [
+        {"role": "user", "content": "Email Bob."},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_failed", "name": "send_email", "input": BOB}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_failed", "content": "mailbox full", "is_error": True}]},
+    ]
+    answer = client.messages.create(
+        model="claude-sonnet-4-5", max_tokens=100, messages=failed_turn, tools=tools,
+        extra_headers=_headers(scenario, session, _proposes("send_email", BOB)))
+    assert answer.content[-1].type == "tool_use", "a failed side effect may be retried"
+    entry = _journal(backstop, session, EFFECTS_REFUSE_KEY).json()["entries"]
+    assert [(e["call_id"], e["outcome"]) for e in entry if e["call_id"] == "toolu_failed"] == [("toolu_failed", "error")]
+
+
+def test_a_responses_repeat_is_annotated_and_passed_on(backstop, scenario):
+    client = openai.OpenAI(api_key=EFFECTS_ANNOTATE_KEY, base_url=backstop.openai_base_url, max_retries=0, timeout=20)
+    session = scenario
+    tools = [{"type": "function", "name": "send_email", "parameters": {"type": "object"}}]
+    client.responses.create(
+        model="gpt-4o-mini", tools=tools,
+        input=[{"role": "user", "content": "Email Bob."},
+               {"type": "function_call", "call_id": "call_first", "name": "send_email", "arguments": json.dumps(BOB)},
+               {"type": "function_call_output", "call_id": "call_first", "output": "sent"}],
+        extra_headers=_headers(scenario + "-commit", session, "content=done"))
+    raw = client.responses.with_raw_response.create(
+        model="gpt-4o-mini", tools=tools, input="Email Bob.",
+        extra_headers=_headers(scenario, session, _proposes("send_email", BOB_REORDERED)))
+    out = raw.parse()
+    assert [i.type for i in out.output if i.type == "function_call"] == ["function_call"]
+    assert raw.headers["x-backstop-side-effect"] == "duplicate; tool=send_email"
+    assert backstop.attempts(scenario) == 1
+    entry = _journal(backstop, session, EFFECTS_ANNOTATE_KEY).json()["entries"][0]
+    assert (entry["call_id"], entry["outcome"], entry["repeats"]) == ("call_first", "ok", 1)
+
+
+def test_a_responses_call_proposed_then_answered_by_id_alone_is_committed(backstop, scenario):
+    """A chained Responses agent feeds back only `function_call_output` (the call is in
+    the stored response it chains onto): the proposal journaled with the answer is what
+    the result commits."""
+    client = openai.OpenAI(api_key=EFFECTS_KEY, base_url=backstop.openai_base_url, max_retries=0, timeout=20)
+    session = scenario
+    tools = [{"type": "function", "name": "send_email", "parameters": {"type": "object"}}]
+    first = client.responses.create(model="gpt-4o-mini", tools=tools, input="Email Bob.",
+                                    extra_headers=_headers(scenario + "-1", session, _proposes("send_email", BOB)))
+    call_id = [i for i in first.output if i.type == "function_call"][0].call_id
+    entries = _journal(backstop, session, EFFECTS_KEY).json()["entries"]
+    assert [(e["call_id"], e["outcome"]) for e in entries] == [(call_id, "proposed")]
+    client.responses.create(
+        model="gpt-4o-mini", tools=tools,
+        input=[{"type": "function_call_output", "call_id": call_id, "output": "sent"}],
+        extra_headers=_headers(scenario + "-2", session, "content=done"))
+    entries = _journal(backstop, session, EFFECTS_KEY).json()["entries"]
+    assert [(e["call_id"], e["outcome"], e["result"]) for e in entries] == [(call_id, "ok", "sent")]
+
+
+def test_a_journal_is_its_tenants_alone(backstop, scenario):
+    client = _chat_client(backstop, EFFECTS_KEY)
+    _commit_in_chat(backstop, client, scenario, scenario)
+    assert _journal(backstop, scenario, EFFECTS_KEY).status_code == 200
+    other = _journal(backstop, scenario, TENANT_B_KEY)
+    assert other.status_code == 404, other.text
+    assert other.json()["error"]["code"] == "not_found"
+    assert _journal(backstop, scenario + "-none", EFFECTS_KEY).status_code == 404
+    metrics = backstop.get("/metrics").text
+    assert 'backstop_side_effects_total{outcome="committed"}' in metrics
