@@ -18,7 +18,7 @@
 use std::{collections::HashMap, sync::Arc};
 
 use http::HeaderValue;
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 use tower::{Layer, Service, ServiceExt};
 
 use super::{
@@ -38,6 +38,7 @@ use crate::{
         trail::Step,
     },
     state::journal::{Entry, Journal, Session},
+    validation::{append_exchange, Format},
 };
 
 /// The caller's list of tools it means to call again.
@@ -162,24 +163,7 @@ fn correction(
         tool = call.tool,
         id = entry.call_id,
     );
-    let turns = match endpoint {
-        Endpoint::Responses => {
-            let input = next
-                .entry("input")
-                .or_insert_with(|| Value::Array(Vec::new()));
-            if let Value::String(text) = input {
-                *input = json!([{"role": "user", "content": text}]);
-            }
-            input
-        }
-        _ => next
-            .entry("messages")
-            .or_insert_with(|| Value::Array(Vec::new())),
-    };
-    if let Value::Array(turns) = turns {
-        turns.push(json!({"role": "assistant", "content": said}));
-        turns.push(json!({"role": "user", "content": note}));
-    }
+    append_exchange(Format::of(endpoint), &mut next, said, note);
     next
 }
 
@@ -282,6 +266,21 @@ where
             else {
                 return Ok(answered);
             };
+            if !tool_calls::proposed(endpoint, answer)
+                .iter()
+                .any(|c| policy.lists(&c.tool))
+            {
+                if let Some(tool) = &corrected {
+                    mark(&mut answered, "corrected", tool);
+                }
+                return Ok(answered);
+            }
+            // Read again: a result committed (on any replica) while this call was on its
+            // way upstream is a side effect done before this answer is judged.
+            match self.journal.session(&tenant, &session_id).await {
+                Ok(fresh) => session = fresh,
+                Err(err) => Self::unjournaled(&err, &tenant, &session_id),
+            }
             let read = read(endpoint, answer, &session, &policy, &allowed);
             for entry in &read.deliberate {
                 count("allowed");

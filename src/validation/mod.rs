@@ -568,9 +568,22 @@ pub fn corrective_request(
             .collect::<Vec<_>>()
             .join("\n")
     );
+    append_exchange(format, &mut next, invalid.output.clone(), feedback);
+    next
+}
+
+/// Appends an exchange to a request's conversation, in `format`'s own place for it (the
+/// messages, or a Responses request's `input`, made a list if it was text): the model's
+/// turn (`said`), then the user's (`asked`). What a corrective attempt sends.
+pub fn append_exchange(
+    format: Format,
+    request: &mut Map<String, Value>,
+    said: String,
+    asked: String,
+) {
     let turns = match format {
         Format::Responses => {
-            let input = next
+            let input = request
                 .entry("input")
                 .or_insert_with(|| Value::Array(Vec::new()));
             if let Value::String(text) = input {
@@ -578,15 +591,14 @@ pub fn corrective_request(
             }
             input
         }
-        Format::Chat | Format::Messages => next
+        Format::Chat | Format::Messages => request
             .entry("messages")
             .or_insert_with(|| Value::Array(Vec::new())),
     };
     if let Value::Array(messages) = turns {
-        messages.push(json!({"role": "assistant", "content": invalid.output}));
-        messages.push(json!({"role": "user", "content": feedback}));
+        messages.push(json!({"role": "assistant", "content": said}));
+        messages.push(json!({"role": "user", "content": asked}));
     }
-    next
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 
 mod body;
 mod config;
+pub mod journal;
 pub mod layer;
 mod mock_process;
 mod ports;

@@ -459,3 +459,109 @@ async fn a_killed_gateways_scratch_store_is_removed_by_the_next_never_a_live_one
     third.terminate();
     assert_eq!(files(), Vec::<String>::new());
 }
+
+/// A side effect committed before a kill -9 is still committed after the restart (the
+/// journal is in the SQLite file, written before the request that carried the result
+/// went on): the replanned agent's repeat is refused by the new process, before the
+/// agent can act on it, and the store's journal contract holds on the same kind of file.
+#[tokio::test]
+async fn a_committed_side_effect_outlives_sigkill() {
+    const EFFECTS: &str = "bk-effects-kill";
+    let upstream = mock::spawn(TcpListener::bind("127.0.0.1:0").await.unwrap());
+    let dir = TempDir::new("backstop-journal-kill");
+    let port = free_port();
+    let config = dir.0.join("backstop.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[server]
+listen = "127.0.0.1:{port}"
+[log]
+level = "warn"
+[store]
+path = "{store}"
+[[upstreams]]
+name = "mock"
+api = "openai"
+forward_headers = ["x-mock-*"]
+base_url = "http://{mock}"
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "mock" }}]
+[[tenants]]
+name = "effects"
+api_keys = ["{EFFECTS}"]
+[tenants.side_effects]
+tools = ["send_email"]
+on_repeat = "refuse"
+"#,
+            store = dir.0.join("ledger.db").display(),
+            mock = upstream.addr,
+        ),
+    )
+    .unwrap();
+    let http = reqwest::Client::new();
+    let send = |url: &str, scenario: &str, fault: &str, messages: serde_json::Value| {
+        http.post(format!("{url}/v1/chat/completions"))
+            .bearer_auth(EFFECTS)
+            .header("x-session-id", "replan")
+            .header("x-mock-scenario", scenario)
+            .header("x-mock-fault", fault)
+            .body(json!({"model": "gpt-4o", "messages": messages}).to_string())
+            .send()
+    };
+    let args = r#"{"to":"bob"}"#;
+    let gw = Binary::start(&config, port).await;
+    let committed = send(
+        &gw.url,
+        "commit",
+        "ok",
+        json!([
+            {"role": "user", "content": "mail bob"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "send_email", "arguments": args}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sent"}
+        ]),
+    )
+    .await
+    .unwrap();
+    assert_eq!(committed.status(), 200);
+    gw.kill();
+
+    let gw = Binary::start(&config, port).await;
+    let fault = format!("tool=send_email;tool_args_b64={}", b64(args));
+    let repeat = send(
+        &gw.url,
+        "repeat",
+        &fault,
+        json!([{"role": "user", "content": "mail bob"}]),
+    )
+    .await
+    .unwrap();
+    assert_eq!(repeat.status(), 409);
+    let body: serde_json::Value = serde_json::from_str(&repeat.text().await.unwrap()).unwrap();
+    assert_eq!(body["error"]["code"], "duplicate_side_effect", "{body}");
+    assert_eq!(upstream.attempts("repeat"), 1);
+    let journal = http
+        .get(format!("{}/v1/sessions/replan/journal", gw.url))
+        .bearer_auth(EFFECTS)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let journal: serde_json::Value = serde_json::from_str(&journal).unwrap();
+    assert_eq!(journal["entries"][0]["repeats"], 1, "{journal}");
+    drop(gw);
+
+    let store =
+        backstop::store::SqliteStore::open(dir.0.join("contract.db").to_str().unwrap()).unwrap();
+    crate::common::journal::journal_contract(&store, "t").await;
+}
+
+fn b64(text: &str) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(text)
+}

@@ -1038,3 +1038,19 @@ async fn a_ledger_of_schema_one_is_read_as_it_is_then_migrated_with_its_rows_kep
         "the token caps count the old row and every kind of the new"
     );
 }
+
+/// The journal contract on PostgreSQL, and one journal per database: what one replica's
+/// store wrote, another's reads.
+#[tokio::test]
+async fn journals_are_kept_once_per_call_and_shared_by_the_stores_of_one_database() {
+    let db = Db::new();
+    let (a, b) = (db.open().await, db.open().await);
+    crate::common::journal::journal_contract(&a, "t").await;
+    let seen: Vec<String> = backstop::store::Journals::journal(&b, "t", "s")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.call_id)
+        .collect();
+    assert_eq!(seen, ["a", "c", "d"]);
+}

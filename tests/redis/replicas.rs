@@ -2276,3 +2276,99 @@ max_usd = 0.05
         );
     }
 }
+
+on_one_server_and_a_cluster!(
+    a_side_effect_committed_on_one_replica_is_not_repeated_on_another,
+    a_side_effect_committed_on_one_replica_is_not_repeated_on_another_on_a_cluster,
+    a_side_effect_committed_on_one_replica_is_not_repeated_on_another_with
+);
+
+/// The journal is the session's, not a replica's: a result fed back through replica A
+/// commits the call, and the replanned agent's repeat answered through replica B is
+/// corrected there (one corrective attempt, the note naming A's call); replica C shows
+/// the journal. The store's journal contract holds on the same Redis.
+async fn a_side_effect_committed_on_one_replica_is_not_repeated_on_another_with(redis: Redis) {
+    const EFFECTS: &str = "bk-replica-effects-key";
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "effects"
+api_keys = ["{EFFECTS}"]
+[tenants.side_effects]
+tools = ["send_email"]
+"#
+    );
+    let cluster = Cluster::start(&redis, &[PATIENT, PATIENT, PATIENT], &tenants).await;
+    let args = r#"{"to":"bob"}"#;
+    let sent = json!({"model": "gpt-4o", "messages": [
+        {"role": "user", "content": "mail bob"},
+        {"role": "assistant", "content": null, "tool_calls": [
+            {"id": "call_on_a", "type": "function", "function": {"name": "send_email", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "call_on_a", "content": "sent"}
+    ]});
+    let commit = cluster
+        .call(
+            0,
+            EFFECTS,
+            &[("x-session-id", "replan"), ("x-mock-scenario", "commit")],
+            &sent,
+        )
+        .await;
+    assert_eq!(commit.status, 200, "{}", commit.text);
+    let fault = format!(
+        "tool=send_email;tool_args_b64={},content=done already",
+        base64::Engine::encode(&base64::engine::general_purpose::STANDARD, args)
+    );
+    let replanned =
+        json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "mail bob"}]});
+    let repeat = cluster
+        .call(
+            1,
+            EFFECTS,
+            &[
+                ("x-session-id", "replan"),
+                ("x-mock-scenario", "repeat"),
+                ("x-mock-fault", &fault),
+            ],
+            &replanned,
+        )
+        .await;
+    assert_eq!(repeat.status, 200, "{}", repeat.text);
+    assert_eq!(
+        repeat.header("x-backstop-side-effect"),
+        Some("corrected; tool=send_email")
+    );
+    assert_eq!(
+        repeat.json()["choices"][0]["message"]["content"],
+        "done already"
+    );
+    assert_eq!(cluster.mock.attempts("repeat").await, 2);
+    let journal = cluster
+        .http
+        .get(format!(
+            "{}/v1/sessions/replan/journal",
+            cluster.replicas[2].url
+        ))
+        .bearer_auth(EFFECTS)
+        .send()
+        .await
+        .unwrap();
+    let journal = Answer::read(journal).await;
+    assert_eq!(journal.status, 200, "{}", journal.text);
+    let entries = &journal.json()["entries"];
+    assert_eq!(entries[0]["call_id"], "call_on_a");
+    assert_eq!(entries[0]["repeats"], 1);
+
+    let config = backstop::config::StateConfig {
+        backend: backstop::config::StateBackend::Redis,
+        url: Some(redis.url()),
+        cluster: redis.is_cluster(),
+        key_prefix: format!("journal-{}", uuid::Uuid::new_v4().simple()),
+        ..backstop::config::StateConfig::default()
+    };
+    let store = backstop::store::RedisStore::new(
+        std::sync::Arc::new(backstop::store::SqliteStore::open(":memory:").unwrap()),
+        backstop::state::shared::Redis::new(&config).unwrap(),
+    );
+    crate::common::journal::journal_contract(&store, "t").await;
+}
