@@ -25,6 +25,8 @@ use serde_json::json;
 const KEY: &str = "bk-bench-full-stack";
 /// A tenant with the core configuration only: auth and routing, no policy.
 const CORE_KEY: &str = "bk-bench-core-only";
+/// The full stack's tenant again, with `[tenants.side_effects]` declared.
+const EFFECTS_KEY: &str = "bk-bench-side-effects";
 
 #[derive(Clone)]
 struct Call {
@@ -192,6 +194,24 @@ tokens_per_day = 1000000000000
 max_consecutive_failures = 5
 identical_request_limit = 1000000000
 [[tenants]]
+name = "effects"
+api_keys = ["{EFFECTS_KEY}"]
+requests_per_minute = 100000000
+[tenants.session]
+requests_per_minute = 100000000
+max_calls = 1000000000
+max_tokens = 1000000000000
+max_usd = 1000000000.0
+max_concurrent = 100000
+[tenants.budget]
+usd_per_day = 1000000000.0
+tokens_per_day = 1000000000000
+[tenants.guard]
+max_consecutive_failures = 5
+identical_request_limit = 1000000000
+[tenants.side_effects]
+tools = ["send_email", "transfer_*"]
+[[tenants]]
 name = "core"
 api_keys = ["{CORE_KEY}"]
 "#
@@ -306,6 +326,17 @@ async fn main() {
         key: Some(CORE_KEY),
         ..through.clone()
     };
+    // The same stack in one session, without and with side effects declared: the
+    // journal is read for every request of a session (and the answer parsed).
+    let in_session = Call {
+        headers: vec![("x-session-id", "bench-session".to_string())],
+        ..through.clone()
+    };
+    let journaled = Call {
+        key: Some(EFFECTS_KEY),
+        headers: vec![("x-session-id", "bench-effects".to_string())],
+        ..through.clone()
+    };
     let floor = Call {
         url: format!("http://127.0.0.1:{floor_port}/v1/chat/completions"),
         ..direct.clone()
@@ -360,6 +391,8 @@ async fn main() {
     let b = open(&http, &through, 1000, secs).await;
     let dv = open(&http, &direct_json, 1000, secs).await;
     let bv = open(&http, &validated, 1000, secs).await;
+    let bsn = open(&http, &in_session, 1000, secs).await;
+    let bse = open(&http, &journaled, 1000, secs).await;
     let _ = writeln!(out, "\n## Fixed 1,000 RPS (open loop)\n\n| path | p50 | p90 | p99 | req/s | errors |\n|---|---|---|---|---|---|");
     row(&mut out, "direct", &d);
     row(&mut out, "bare forwarder (the floor)", &f);
@@ -367,6 +400,12 @@ async fn main() {
     row(&mut out, "Backstop, validation off", &b);
     row(&mut out, "direct (JSON answer)", &dv);
     row(&mut out, "Backstop, validation on", &bv);
+    row(&mut out, "Backstop, every policy, in a session", &bsn);
+    row(
+        &mut out,
+        "Backstop, every policy, in a session, side effects declared",
+        &bse,
+    );
     let _ = writeln!(
         out,
         "\nAdded by the floor at p50 / p99: {:+.3} / {:+.3} ms.",
@@ -380,6 +419,7 @@ async fn main() {
         c.p99 - d.p99
     );
     let _ = writeln!(out, "\nAdded by Backstop with every policy at p50 / p99: validation off {:+.3} / {:+.3} ms; validation on {:+.3} / {:+.3} ms.", b.p50 - d.p50, b.p99 - d.p99, bv.p50 - dv.p50, bv.p99 - dv.p99);
+    let _ = writeln!(out, "\nAdded by declaring side effects (`[tenants.side_effects]`, a request of a session with no tool results) at p50 / p99: {:+.3} / {:+.3} ms.", bse.p50 - bsn.p50, bse.p99 - bsn.p99);
 
     eprintln!("saturation");
     let ds = closed(&http, &direct, 32, secs).await;

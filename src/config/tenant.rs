@@ -95,12 +95,6 @@ impl SideEffectsConfig {
                 ),
             ));
         }
-        if self.restore == RestoreConfig::Note {
-            return Err(ConfigError::invalid(
-                format!("{key}.restore"),
-                "\"note\" is not built yet in this release; only \"off\" is accepted",
-            ));
-        }
         Ok(())
     }
 
@@ -118,6 +112,7 @@ impl SideEffectsConfig {
                 RecordConfig::Full => Record::Full,
                 RecordConfig::Hash => Record::Hash,
             },
+            restore: self.restore == RestoreConfig::Note,
             max_entries: self.max_entries as usize,
         }
     }

@@ -5,8 +5,9 @@
 //! arguments) is met as the tenant says (`on_repeat`):
 //!
 //! - `correct`: not passed on; one corrective attempt tells the model the call was made
-//!   (with its result) and asks it to go on without repeating it; a second proposal is
-//!   refused;
+//!   (with its result) and asks it to go on without repeating it (one per committed call
+//!   the answers repeat, at most [`MAX_CORRECTIONS`]); the same call proposed again
+//!   after its correction is refused;
 //! - `refuse`: 409 `duplicate_side_effect`, in the caller's API shape;
 //! - `annotate`: passed on, marked `x-backstop-side-effect: duplicate; tool=NAME`.
 //!
@@ -175,8 +176,113 @@ fn duplicate(call: &ToolCall, entry: &Entry) -> GatewayError {
     }
 }
 
-fn mark(answered: &mut Answered, what: &str, tool: &str) {
-    if let Ok(value) = HeaderValue::from_str(&format!("{what}; tool={tool}")) {
+/// The most committed calls a restoring note lists (the newest).
+const RESTORED_ENTRIES: usize = 20;
+
+/// `restore = "note"`: a conversation that shows none of the session's committed calls
+/// (a replanned one; a Responses chain on `previous_response_id` is not) is told of them,
+/// so the model need not propose them at all: a note in the request's own place for
+/// instructions (a chat system message after the leading ones, Anthropic's `system`,
+/// the Responses `instructions`). How many it lists; 0: the request is as it came.
+fn restore(endpoint: Endpoint, call: &mut Call, session: &Session, calls: &[ToolCall]) -> usize {
+    let committed: Vec<&Entry> = session
+        .entries
+        .iter()
+        .filter(|e| e.is_committed())
+        .collect();
+    let replanned = !committed.is_empty()
+        && !call.request.json.contains_key("previous_response_id")
+        && !calls
+            .iter()
+            .any(|c| committed.iter().any(|e| e.call_id == c.id));
+    if !replanned {
+        return 0;
+    }
+    let listed = &committed[committed.len().saturating_sub(RESTORED_ENTRIES)..];
+    let lines: Vec<String> = listed
+        .iter()
+        .map(|e| match (&e.args, &e.result) {
+            (Some(args), Some(result)) => {
+                format!(
+                    "- `{}` with {args} (call {}): it returned {result}",
+                    e.tool, e.call_id
+                )
+            }
+            _ => format!("- `{}` (call {}): it succeeded", e.tool, e.call_id),
+        })
+        .collect();
+    let note = format!(
+        "Earlier in this session these actions were already carried out; their side effects are done and must not be repeated:\n{}",
+        lines.join("\n")
+    );
+    let mut json = call.request.json.clone();
+    match endpoint {
+        Endpoint::Messages => {
+            let system = json.remove("system");
+            json.insert(
+                "system".into(),
+                match system {
+                    Some(Value::String(text)) => Value::String(format!("{text}\n\n{note}")),
+                    Some(Value::Array(mut blocks)) => {
+                        blocks.push(serde_json::json!({"type": "text", "text": note}));
+                        Value::Array(blocks)
+                    }
+                    _ => Value::String(note),
+                },
+            );
+        }
+        Endpoint::Responses => {
+            let instructions = match json.get("instructions").and_then(Value::as_str) {
+                Some(text) => format!("{text}\n\n{note}"),
+                None => note,
+            };
+            json.insert("instructions".into(), Value::String(instructions));
+        }
+        _ => {
+            if let Some(Value::Array(messages)) = json.get_mut("messages") {
+                let at = messages
+                    .iter()
+                    .take_while(|m| {
+                        matches!(
+                            m.get("role").and_then(Value::as_str),
+                            Some("system" | "developer")
+                        )
+                    })
+                    .count();
+                messages.insert(at, serde_json::json!({"role": "system", "content": note}));
+            }
+        }
+    }
+    *call = call.with_json(json);
+    count("restored");
+    listed.len()
+}
+
+/// The answer's mark: the tools corrective attempts were made for, else how many
+/// committed calls a restoring note listed.
+fn finish(answered: &mut Answered, corrected: &[(String, String)], restored: usize) {
+    if corrected.is_empty() && restored > 0 {
+        mark(answered, &format!("restored; entries={restored}"));
+    }
+    mark_corrected(answered, corrected);
+}
+
+/// Corrective attempts one request may make: one per committed call its answers repeat.
+const MAX_CORRECTIONS: usize = 8;
+
+/// Marks an answer that corrective attempts led to with the tools they were made for.
+fn mark_corrected(answered: &mut Answered, corrected: &[(String, String)]) {
+    if corrected.is_empty() {
+        return;
+    }
+    let mut tools: Vec<&str> = corrected.iter().map(|(_, tool)| tool.as_str()).collect();
+    tools.sort_unstable();
+    tools.dedup();
+    mark(answered, &format!("corrected; tool={}", tools.join(",")));
+}
+
+fn mark(answered: &mut Answered, value: &str) {
+    if let Ok(value) = HeaderValue::from_str(value) {
         answered.reply.headers.insert(SIDE_EFFECT, value);
     }
 }
@@ -249,13 +355,20 @@ where
             }
             Err(err) => Self::unjournaled(&err, &tenant, &session_id),
         }
+        let restored = if policy.restore {
+            restore(endpoint, &mut call, &session, &calls)
+        } else {
+            0
+        };
         if call.request.stream {
             return inner.oneshot(call).await;
         }
         call.keep_answer = true;
         let mut answered = inner.clone().oneshot(call.clone()).await?;
-        // The tool of the repeat a corrective attempt was made for.
-        let mut corrected: Option<String> = None;
+        // The committed calls a corrective attempt was made for (their tools), and the
+        // request the last one sent: each correction adds to it.
+        let mut corrected: Vec<(String, String)> = Vec::new();
+        let mut sent: Option<Map<String, Value>> = None;
         loop {
             let Some(answer) = answered
                 .reply
@@ -270,9 +383,7 @@ where
                 .iter()
                 .any(|c| policy.lists(&c.tool))
             {
-                if let Some(tool) = &corrected {
-                    mark(&mut answered, "corrected", tool);
-                }
+                finish(&mut answered, &corrected, restored);
                 return Ok(answered);
             }
             // Read again: a result committed (on any replica) while this call was on its
@@ -303,9 +414,7 @@ where
                 }
             }
             let Some((repeat, entry)) = read.repeat else {
-                if let Some(tool) = &corrected {
-                    mark(&mut answered, "corrected", tool);
-                }
+                finish(&mut answered, &corrected, restored);
                 return Ok(answered);
             };
             if let Err(err) = self
@@ -321,25 +430,29 @@ where
                 tool = repeat.tool,
                 earlier = entry.call_id,
                 on_repeat = policy.on_repeat.as_str(),
-                corrected = corrected.is_some(),
+                corrections = corrected.len(),
                 "an answer proposed a committed side effect again"
             );
             match policy.on_repeat {
                 OnRepeat::Annotate => {
                     count("annotated");
-                    mark(&mut answered, "duplicate", &repeat.tool);
+                    mark(&mut answered, &format!("duplicate; tool={}", repeat.tool));
                     return Ok(answered);
                 }
-                OnRepeat::Correct if corrected.is_none() => {
+                OnRepeat::Correct
+                    if corrected.len() < MAX_CORRECTIONS
+                        && !corrected.iter().any(|(id, _)| *id == entry.call_id) =>
+                {
                     count("corrected");
-                    corrected = Some(repeat.tool.clone());
+                    corrected.push((entry.call_id.clone(), repeat.tool.clone()));
                     let mut trail = std::mem::take(&mut answered.trail);
                     trail.steps.push(Step::Repeat {
                         tool: repeat.tool.as_str().into(),
                         call: entry.call_id.as_str().into(),
                     });
-                    let json =
-                        correction(endpoint, &call.request.json, &repeat, entry, policy.record);
+                    let base = sent.as_ref().unwrap_or(&call.request.json);
+                    let json = correction(endpoint, base, &repeat, entry, policy.record);
+                    sent = Some(json.clone());
                     match inner.clone().oneshot(call.with_json(json)).await {
                         Ok(mut again) => {
                             trail.then(std::mem::take(&mut again.trail));

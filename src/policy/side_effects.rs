@@ -66,6 +66,9 @@ pub struct SideEffectPolicy {
     pub only: Option<Vec<String>>,
     pub on_repeat: OnRepeat,
     pub record: Record,
+    /// `restore = "note"`: a replanned conversation (none of the session's committed
+    /// calls in it) is reminded of them.
+    pub restore: bool,
     /// Entries kept per session, oldest dropped first.
     pub max_entries: usize,
 }
@@ -174,6 +177,7 @@ mod tests {
             only: None,
             on_repeat: OnRepeat::Correct,
             record: Record::Full,
+            restore: false,
             max_entries: 1_000,
         }
     }

@@ -288,6 +288,7 @@ mod tests {
             only: None,
             on_repeat: OnRepeat::Correct,
             record,
+            restore: false,
             max_entries,
         }
     }

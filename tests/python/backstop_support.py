@@ -49,6 +49,7 @@ BILLED_KEY = "bk-test-billed"
 EFFECTS_KEY = "bk-test-effects"
 EFFECTS_REFUSE_KEY = "bk-test-effects-refuse"
 EFFECTS_ANNOTATE_KEY = "bk-test-effects-annotate"
+EFFECTS_RESTORE_KEY = "bk-test-effects-restore"
 ADMIN_TOKEN = "admin-test-token-0123456789"
 PROVIDER_OPENAI_KEY = "sk-provider-openai"
 PROVIDER_ANTHROPIC_KEY = "sk-provider-anthropic"
@@ -303,6 +304,13 @@ api_keys = ["{EFFECTS_ANNOTATE_KEY}"]
 [tenants.side_effects]
 tools = ["send_email"]
 on_repeat = "annotate"
+
+[[tenants]]
+name = "effects-restore"
+api_keys = ["{EFFECTS_RESTORE_KEY}"]
+[tenants.side_effects]
+tools = ["send_email"]
+restore = "note"
 
 # A USD cap priced from the built-in catalog (tests/python/test_billing_sdk.py).
 [[tenants]]

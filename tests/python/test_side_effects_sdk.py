@@ -22,6 +22,7 @@ from backstop_support import (
     EFFECTS_ANNOTATE_KEY,
     EFFECTS_KEY,
     EFFECTS_REFUSE_KEY,
+    EFFECTS_RESTORE_KEY,
     TENANT_B_KEY,
 )
 
@@ -244,3 +245,58 @@ def test_a_journal_is_its_tenants_alone(backstop, scenario):
     assert _journal(backstop, scenario + "-none", EFFECTS_KEY).status_code == 404
     metrics = backstop.get("/metrics").text
     assert 'backstop_side_effects_total{outcome="committed"}' in metrics
+
+
+def test_a_replan_repeating_two_committed_calls_is_corrected_once_for_each(backstop, scenario):
+    """The agent sent two emails, lost its state, and the model proposes both again in
+    turn: each is corrected once (the second correction's request holds the first's
+    note too), and the model's answer after both goes to the agent."""
+    client = _chat_client(backstop, EFFECTS_KEY)
+    session = scenario
+    carol = {**BOB, "to": "carol@example.com"}
+    conversation = _chat_turn_that_sent("call_bob", BOB, "sent to bob") + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_carol", "type": "function",
+             "function": {"name": "send_email", "arguments": json.dumps(carol)}}]},
+        {"role": "tool", "tool_call_id": "call_carol", "content": "sent to carol"},
+    ]
+    client.chat.completions.create(model="gpt-4o-mini", messages=conversation, tools=TOOLS,
+                                   extra_headers=_headers(scenario + "-commit", session, "content=done"))
+    fault = f"{_proposes('send_email', BOB)},{_proposes('send_email', carol)},content=Both were sent already."
+    raw = client.chat.completions.with_raw_response.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "Email Bob and Carol the invoice."}],
+        tools=TOOLS, extra_headers=_headers(scenario, session, fault))
+    assert raw.parse().choices[0].message.content == "Both were sent already."
+    assert raw.headers["x-backstop-side-effect"] == "corrected; tool=send_email"
+    assert backstop.attempts(scenario) == 3, "the answer and one correction for each repeat"
+    notes = [m["content"] for m in backstop.last_upstream_request(scenario)["body"]["messages"] if m["role"] == "user"]
+    assert any("call_bob" in n for n in notes) and any("call_carol" in n for n in notes), notes
+
+
+def test_a_replanned_conversation_is_reminded_of_its_committed_calls(backstop, scenario):
+    """`restore = "note"`: a request that shows none of the session's committed calls
+    carries a note naming them (chat: a system message after the caller's own; Anthropic:
+    `system`); one that still holds them is sent as it came."""
+    client = _chat_client(backstop, EFFECTS_RESTORE_KEY)
+    session = scenario
+    _commit_in_chat(backstop, client, scenario, session)
+    assert backstop.last_upstream_request(scenario + "-commit")["body"]["messages"][0]["role"] == "user", \
+        "the conversation that holds the call gets no note"
+    raw = client.chat.completions.with_raw_response.create(
+        model="gpt-4o-mini", tools=TOOLS,
+        messages=[{"role": "system", "content": "You are a mail agent."},
+                  {"role": "user", "content": "Email Bob the invoice."}],
+        extra_headers=_headers(scenario, session, "content=Bob already has it."))
+    assert raw.headers["x-backstop-side-effect"] == "restored; entries=1"
+    sent = backstop.last_upstream_request(scenario)["body"]["messages"]
+    assert [m["role"] for m in sent] == ["system", "system", "user"]
+    assert "call_first" in sent[1]["content"] and "sent: message 42" in sent[1]["content"]
+    assert "must not be repeated" in sent[1]["content"]
+
+    claude = anthropic.Anthropic(api_key=EFFECTS_RESTORE_KEY, base_url=backstop.anthropic_base_url,
+                                 max_retries=0, timeout=20)
+    claude.messages.create(model="claude-sonnet-4-5", max_tokens=100, system="Be brief.",
+                           messages=[{"role": "user", "content": "Email Bob the invoice."}],
+                           extra_headers=_headers(scenario + "-claude", session, "content=ok"))
+    system = backstop.last_upstream_request(scenario + "-claude")["body"]["system"]
+    assert system.startswith("Be brief.") and "call_first" in system, system
