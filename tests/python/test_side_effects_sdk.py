@@ -300,3 +300,86 @@ def test_a_replanned_conversation_is_reminded_of_its_committed_calls(backstop, s
                            extra_headers=_headers(scenario + "-claude", session, "content=ok"))
     system = backstop.last_upstream_request(scenario + "-claude")["body"]["system"]
     assert system.startswith("Be brief.") and "call_first" in system, system
+
+
+def test_a_streamed_repeat_as_the_first_move_is_corrected_and_the_client_streams_the_correction(backstop, scenario):
+    client = _chat_client(backstop, EFFECTS_KEY)
+    session = scenario
+    _commit_in_chat(backstop, client, scenario, session)
+    stream = client.chat.completions.create(
+        model="gpt-4o-mini", stream=True, tools=TOOLS,
+        messages=[{"role": "user", "content": "Email Bob the invoice."}],
+        extra_headers=_headers(scenario, session, f"{_proposes('send_email', BOB_REORDERED)};chunks=4,content=Bob already has it."))
+    text, calls = "", 0
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            calls += len(choice.delta.tool_calls or [])
+    assert calls == 0, "not one delta of the repeat reaches the client"
+    assert text == "Bob already has it."
+    assert backstop.attempts(scenario) == 2
+    assert "call_first" in backstop.last_upstream_request(scenario)["body"]["messages"][-1]["content"]
+
+
+def test_a_streamed_anthropic_repeat_is_refused_before_the_stream_begins(backstop, scenario):
+    client = anthropic.Anthropic(api_key=EFFECTS_REFUSE_KEY, base_url=backstop.anthropic_base_url,
+                                 max_retries=0, timeout=20)
+    session = scenario
+    tools = [{"name": "send_email", "input_schema": {"type": "object"}}]
+    sent_turn = [
+        {"role": "user", "content": "Email Bob the invoice."},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_first", "name": "send_email", "input": BOB}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_first", "content": "sent"}]},
+    ]
+    client.messages.create(model="claude-sonnet-4-5", max_tokens=100, messages=sent_turn, tools=tools,
+                           extra_headers=_headers(scenario + "-commit", session, "content=done"))
+    with pytest.raises(anthropic.ConflictError) as caught:
+        with client.messages.stream(
+                model="claude-sonnet-4-5", max_tokens=100, tools=tools,
+                messages=[{"role": "user", "content": "Email Bob the invoice."}],
+                extra_headers=_headers(scenario, session, f"{_proposes('send_email', BOB)};chunks=3")) as stream:
+            for _ in stream:
+                pass
+    assert caught.value.body["error"]["type"] == "invalid_request_error"
+    assert "toolu_first" in caught.value.body["error"]["message"]
+    assert backstop.attempts(scenario) == 1
+
+
+def test_a_streamed_repeat_after_text_ends_the_stream_with_an_error_event_and_no_call_delta(backstop, scenario):
+    client = _chat_client(backstop, EFFECTS_KEY)
+    session = scenario
+    _commit_in_chat(backstop, client, scenario, session)
+    stream = client.chat.completions.create(
+        model="gpt-4o-mini", stream=True, tools=TOOLS,
+        messages=[{"role": "user", "content": "Email Bob the invoice."}],
+        extra_headers=_headers(scenario, session, f"content=Sending now.;{_proposes('send_email', BOB)};chunks=4"))
+    text, calls = "", 0
+    with pytest.raises(openai.APIError) as caught:
+        for chunk in stream:
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                calls += len(choice.delta.tool_calls or [])
+    assert text == "Sending now." and calls == 0
+    assert "call_first" in str(caught.value)
+    assert backstop.attempts(scenario) == 1
+
+
+@pytest.mark.parametrize("tool", ["get_weather", "send_email"])
+def test_a_streamed_call_that_repeats_nothing_streams_whole(backstop, scenario, tool):
+    client = _chat_client(backstop, EFFECTS_KEY)
+    session = scenario
+    args = {"city": "Paris"} if tool == "get_weather" else {**BOB, "to": "dave@example.com"}
+    _commit_in_chat(backstop, client, scenario, session)
+    stream = client.chat.completions.create(
+        model="gpt-4o-mini", stream=True, tools=TOOLS,
+        messages=[{"role": "user", "content": "go"}],
+        extra_headers=_headers(scenario, session, f"{_proposes(tool, args)};chunks=4"))
+    name, arguments = "", ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                name += delta.function.name or ""
+                arguments += delta.function.arguments or ""
+    assert (name, json.loads(arguments)) == (tool, args)
+    assert backstop.attempts(scenario) == 1

@@ -39,6 +39,7 @@ use crate::{
         trail::Step,
     },
     state::journal::{Entry, Journal, Session},
+    upstream::ReplyBody,
     validation::{append_exchange, Format},
 };
 
@@ -96,6 +97,78 @@ fn names(call: &Call, header: &str) -> Option<Vec<String>> {
             .map(str::to_owned)
             .collect(),
     )
+}
+
+mod stream;
+
+/// What judging a streamed answer's calls needs: the session's rule and journal, and
+/// what the caller allowed. Owned, so that it goes with the stream's body.
+pub(super) struct Watch {
+    policy: Arc<SideEffectPolicy>,
+    allowed: Vec<String>,
+    session: Session,
+    journal: Arc<Journal>,
+    tenant: Arc<str>,
+    session_id: Arc<str>,
+    /// The journal was read again since the call went upstream.
+    fresh: bool,
+}
+
+/// How one listed call of a streamed answer was judged.
+pub(super) enum Judged {
+    /// Not committed before: journaled as proposed.
+    New,
+    /// A repeat the caller declared.
+    Deliberate,
+    /// A repeat of this committed entry.
+    Repeat(Entry),
+}
+
+/// Judges one listed call, journaling what it finds (the journal read again for the
+/// first: a commit made anywhere while the call was upstream counts).
+async fn judge(watch: &mut Watch, call: &ToolCall) -> Judged {
+    let Watch {
+        policy,
+        allowed,
+        session,
+        journal,
+        tenant,
+        session_id,
+        fresh,
+    } = watch;
+    if !*fresh {
+        *fresh = true;
+        match journal.session(tenant, session_id).await {
+            Ok(read) => *session = read,
+            Err(err) => SideEffectsLayer::unjournaled(&err, tenant, session_id),
+        }
+    }
+    match session.committed(call).cloned() {
+        Some(entry) => {
+            let deliberate = allowed.contains(&call.tool);
+            if let Err(err) = journal
+                .repeated(tenant, session_id, &entry, deliberate, policy.max_entries)
+                .await
+            {
+                SideEffectsLayer::unjournaled(&err, tenant, session_id);
+            }
+            if deliberate {
+                count("allowed");
+                Judged::Deliberate
+            } else {
+                Judged::Repeat(entry)
+            }
+        }
+        None => {
+            if let Err(err) = journal
+                .propose(tenant, session_id, session, policy, &[call])
+                .await
+            {
+                SideEffectsLayer::unjournaled(&err, tenant, session_id);
+            }
+            Judged::New
+        }
+    }
 }
 
 /// The first committed call an answer's listed calls repeat, and the listed calls that
@@ -361,7 +434,16 @@ where
             0
         };
         if call.request.stream {
-            return inner.oneshot(call).await;
+            let watch = Watch {
+                policy,
+                allowed,
+                session,
+                journal: self.journal.clone(),
+                tenant,
+                session_id,
+                fresh: false,
+            };
+            return streamed(inner, call, watch, restored).await;
         }
         call.keep_answer = true;
         let mut answered = inner.clone().oneshot(call.clone()).await?;
@@ -475,5 +557,89 @@ where
                 }
             }
         }
+    }
+}
+
+/// A streamed call: its answer watched ([`stream`]); a repeat before the answer begins
+/// is corrected (streaming the corrective attempt's answer instead) or refused with a
+/// plain 409, one after it ends the stream with an error event.
+async fn streamed<S>(
+    inner: S,
+    call: Call,
+    mut watch: Watch,
+    restored: usize,
+) -> Result<Answered, Unanswered>
+where
+    S: Service<Call, Response = Answered, Error = Unanswered> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    let endpoint = call.endpoint();
+    let mut answered = inner.clone().oneshot(call.clone()).await?;
+    let mut corrected: Vec<(String, String)> = Vec::new();
+    let mut sent: Option<Map<String, Value>> = None;
+    loop {
+        if !answered.reply.status.is_success() {
+            return Ok(answered);
+        }
+        let body = match std::mem::replace(
+            &mut answered.reply.body,
+            ReplyBody::Full(bytes::Bytes::new()),
+        ) {
+            ReplyBody::Stream(body) => body,
+            whole => {
+                answered.reply.body = whole;
+                return Ok(answered);
+            }
+        };
+        let mut reader = stream::Reader::new(endpoint, body);
+        let repeat = match reader.until_found(&mut watch).await {
+            stream::Found::Begun => {
+                answered.reply.body = ReplyBody::Stream(stream::body(reader, watch));
+                finish(&mut answered, &corrected, restored);
+                return Ok(answered);
+            }
+            stream::Found::Repeat(repeat) => repeat,
+        };
+        tracing::warn!(
+            tenant = &*watch.tenant,
+            session = &*watch.session_id,
+            tool = repeat.call.tool,
+            earlier = repeat.entry.call_id,
+            on_repeat = watch.policy.on_repeat.as_str(),
+            "a streamed answer proposed a committed side effect again, before it began"
+        );
+        let entry = &repeat.entry;
+        let mut trail = std::mem::take(&mut answered.trail);
+        if watch.policy.on_repeat != OnRepeat::Correct
+            || corrected.len() >= MAX_CORRECTIONS
+            || corrected.iter().any(|(id, _)| *id == entry.call_id)
+        {
+            count("refused");
+            return Err(Unanswered {
+                error: duplicate(&repeat.call, entry),
+                trail,
+            });
+        }
+        count("corrected");
+        corrected.push((entry.call_id.clone(), repeat.call.tool.clone()));
+        trail.steps.push(Step::Repeat {
+            tool: repeat.call.tool.as_str().into(),
+            call: entry.call_id.as_str().into(),
+        });
+        let base = sent.as_ref().unwrap_or(&call.request.json);
+        let json = correction(endpoint, base, &repeat.call, entry, watch.policy.record);
+        sent = Some(json.clone());
+        answered = match inner.clone().oneshot(call.with_json(json)).await {
+            Ok(mut again) => {
+                trail.then(std::mem::take(&mut again.trail));
+                again.trail = trail;
+                again
+            }
+            Err(mut failed) => {
+                trail.then(std::mem::take(&mut failed.trail));
+                failed.trail = trail;
+                return Err(failed);
+            }
+        };
     }
 }

@@ -1,0 +1,218 @@
+//! A streamed answer watched for repeats: its events flow as they come, except that a
+//! listed tool's call is held from its first event until its arguments are complete,
+//! then released, or, when it repeats a committed call, never sent:
+//!
+//! - while nothing but the answer's opening events has come (a call as the answer's
+//!   first content, as a replanned agent's first move is), the response has not begun:
+//!   `correct` makes the corrective attempt and streams its answer instead, `refuse` is a
+//!   plain 409;
+//! - once the answer has begun (text went out first), the stream ends with a
+//!   `duplicate_side_effect` error event in place of the call, whatever `on_repeat` says
+//!   but `annotate`, which releases it.
+//!
+//! Text and unlisted tools are not held: the opening events wait only for the first
+//! content event after them.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use axum::body::Body;
+use bytes::Bytes;
+use futures_util::{stream::BoxStream, StreamExt};
+
+use super::{count, judge, Judged, Watch};
+use crate::{
+    api::{
+        sse::{Splitter, SseEvent},
+        stream_error_event,
+        tool_calls::{self, ToolCall},
+        Endpoint,
+    },
+    policy::side_effects::OnRepeat,
+    state::journal::Entry,
+    validation::{stream::Assembler, Format},
+};
+
+type Source = BoxStream<'static, Result<Bytes, axum::Error>>;
+
+/// A repeat found in the stream: the call, and the entry it repeats.
+pub(super) struct Repeat {
+    pub(super) call: ToolCall,
+    pub(super) entry: Entry,
+}
+
+/// One attempt's stream, read event by event.
+pub(super) struct Reader {
+    source: Option<Source>,
+    splitter: Splitter,
+    assembler: Assembler,
+    endpoint: Endpoint,
+    /// Events read and not yet sent, in order.
+    queue: VecDeque<Bytes>,
+    /// Where each held call's first event is in `queue`.
+    first: HashMap<u64, usize>,
+    /// Listed calls whose arguments are not complete yet.
+    held: HashSet<u64>,
+    /// Calls seen (listed or not).
+    known: HashSet<u64>,
+    /// Something past the opening events was released: the answer has begun.
+    pub(super) begun: bool,
+    /// Ready to send.
+    out: VecDeque<Bytes>,
+    ended: bool,
+}
+
+/// What reading on found.
+pub(super) enum Found {
+    /// The answer began (or ended): what is in `out` may go to the client.
+    Begun,
+    /// A repeat, before or after the answer began.
+    Repeat(Repeat),
+}
+
+impl Reader {
+    pub(super) fn new(endpoint: Endpoint, body: Body) -> Reader {
+        Reader {
+            source: Some(body.into_data_stream().boxed()),
+            splitter: Splitter::default(),
+            assembler: Assembler::new(Format::of(endpoint)),
+            endpoint,
+            queue: VecDeque::new(),
+            first: HashMap::new(),
+            held: HashSet::new(),
+            known: HashSet::new(),
+            begun: false,
+            out: VecDeque::new(),
+            ended: false,
+        }
+    }
+
+    /// The call `key` as a whole answer would carry it.
+    fn call(&self, key: u64) -> Option<ToolCall> {
+        tool_calls::proposed(self.endpoint, &self.assembler.call_answer(key))
+            .into_iter()
+            .next()
+    }
+
+    /// Reads until the answer has begun, a repeat is found, or the stream ends.
+    pub(super) async fn until_found(&mut self, watch: &mut Watch) -> Found {
+        loop {
+            if self.ended || (self.begun && !self.out.is_empty()) {
+                return Found::Begun;
+            }
+            let events = match self.source.as_mut() {
+                Some(source) => match source.next().await {
+                    Some(Ok(chunk)) => self.splitter.push(&chunk),
+                    // The upstream's stream broke: what was read goes out, then the end
+                    // (the meter and the client see the cut as they would without us).
+                    Some(Err(_)) | None => {
+                        self.source = None;
+                        self.splitter.finish().into_iter().collect()
+                    }
+                },
+                None => {
+                    // Ended: calls still open are complete as they are.
+                    for key in self.assembler.finish() {
+                        if let Some(repeat) = self.completed(key, watch).await {
+                            return Found::Repeat(repeat);
+                        }
+                    }
+                    self.release(true);
+                    self.ended = true;
+                    return Found::Begun;
+                }
+            };
+            for event in events {
+                if let Some(repeat) = self.take(event, watch).await {
+                    return Found::Repeat(repeat);
+                }
+            }
+        }
+    }
+
+    /// One event: queued, its call held if it is listed, and judged once complete.
+    async fn take(&mut self, event: SseEvent, watch: &mut Watch) -> Option<Repeat> {
+        let read = self.assembler.read(&event);
+        if let Some(key) = read.call {
+            if self.known.insert(key) && self.call(key).is_some_and(|c| watch.policy.lists(&c.tool))
+            {
+                self.held.insert(key);
+                self.first.insert(key, self.queue.len());
+            }
+        }
+        self.queue.push_back(event.raw);
+        for key in read.completed {
+            if let Some(repeat) = self.completed(key, watch).await {
+                return Some(repeat);
+            }
+        }
+        self.release(!read.opening);
+        None
+    }
+
+    /// A listed call complete: judged; a repeat is cut from the queue with what came
+    /// after it.
+    async fn completed(&mut self, key: u64, watch: &mut Watch) -> Option<Repeat> {
+        if !self.held.remove(&key) {
+            return None;
+        }
+        let call = self.call(key)?;
+        match judge(watch, &call).await {
+            Judged::Repeat(_) if watch.policy.on_repeat == OnRepeat::Annotate => {
+                count("annotated");
+                None
+            }
+            Judged::Repeat(entry) => {
+                let at = self.first.get(&key).copied().unwrap_or(0);
+                self.queue.truncate(at);
+                self.held.clear();
+                Some(Repeat { call, entry })
+            }
+            Judged::New | Judged::Deliberate => None,
+        }
+    }
+
+    /// Sends what is queued when no listed call is held, and the answer has begun or
+    /// `content` (this event is more than an opening) begins it.
+    fn release(&mut self, content: bool) {
+        if self.held.is_empty() && (self.begun || content) {
+            self.begun = true;
+            self.first.clear();
+            self.out.extend(self.queue.drain(..));
+        }
+    }
+
+    /// After a repeat once the answer began: what came before the call, then the error
+    /// event, then the end.
+    fn refuse_in_stream(&mut self, repeat: &Repeat) {
+        let err = super::duplicate(&repeat.call, &repeat.entry);
+        self.out.extend(self.queue.drain(..));
+        self.out.push_back(stream_error_event(
+            self.endpoint,
+            "duplicate_side_effect",
+            &err.to_string(),
+        ));
+        self.source = None;
+        self.ended = true;
+    }
+}
+
+/// The body of an answer that has begun: `reader`'s events, read on as the client
+/// takes them; a later repeat ends it with an error event.
+pub(super) fn body(reader: Reader, watch: Watch) -> Body {
+    let stream =
+        futures_util::stream::unfold((reader, watch), |(mut reader, mut watch)| async move {
+            loop {
+                if let Some(chunk) = reader.out.pop_front() {
+                    return Some((Ok::<_, std::io::Error>(chunk), (reader, watch)));
+                }
+                if reader.ended {
+                    return None;
+                }
+                if let Found::Repeat(repeat) = reader.until_found(&mut watch).await {
+                    count("refused");
+                    reader.refuse_in_stream(&repeat);
+                }
+            }
+        });
+    Body::from_stream(stream)
+}
