@@ -383,3 +383,25 @@ def test_a_streamed_call_that_repeats_nothing_streams_whole(backstop, scenario, 
                 arguments += delta.function.arguments or ""
     assert (name, json.loads(arguments)) == (tool, args)
     assert backstop.attempts(scenario) == 1
+
+
+def test_a_streamed_responses_repeat_is_corrected_before_the_stream_begins(backstop, scenario):
+    client = openai.OpenAI(api_key=EFFECTS_KEY, base_url=backstop.openai_base_url, max_retries=0, timeout=20)
+    session = scenario
+    tools = [{"type": "function", "name": "send_email", "parameters": {"type": "object"}}]
+    client.responses.create(
+        model="gpt-4o-mini", tools=tools,
+        input=[{"role": "user", "content": "Email Bob."},
+               {"type": "function_call", "call_id": "call_first", "name": "send_email", "arguments": json.dumps(BOB)},
+               {"type": "function_call_output", "call_id": "call_first", "output": "sent"}],
+        extra_headers=_headers(scenario + "-commit", session, "content=done"))
+    kinds = []
+    with client.responses.stream(
+            model="gpt-4o-mini", tools=tools, input="Email Bob.",
+            extra_headers=_headers(scenario, session, f"{_proposes('send_email', BOB_REORDERED)};chunks=3,content=Already sent.")) as stream:
+        for event in stream:
+            kinds.append(event.type)
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" not in kinds
+    assert final.output_text == "Already sent."
+    assert backstop.attempts(scenario) == 2

@@ -13,8 +13,8 @@
 //!
 //! An agent that means to repeat names the tools in `x-backstop-allow-repeat`; a
 //! session narrows its tenant's list with `x-backstop-side-effects`. A streamed answer
-//! is passed on as it comes (its duplicates are not caught yet); its request's results
-//! are journaled all the same. Tenants without the table pay nothing here.
+//! is watched as it flows ([`stream`]): a listed call is held until its arguments are
+//! complete. Tenants without the table pay nothing here.
 
 use std::{collections::HashMap, sync::Arc};
 

@@ -66,7 +66,7 @@ pub(super) enum Found {
     /// The answer began (or ended): what is in `out` may go to the client.
     Begun,
     /// A repeat, before or after the answer began.
-    Repeat(Repeat),
+    Repeat(Box<Repeat>),
 }
 
 impl Reader {
@@ -113,7 +113,7 @@ impl Reader {
                     // Ended: calls still open are complete as they are.
                     for key in self.assembler.finish() {
                         if let Some(repeat) = self.completed(key, watch).await {
-                            return Found::Repeat(repeat);
+                            return Found::Repeat(Box::new(repeat));
                         }
                     }
                     self.release(true);
@@ -123,7 +123,7 @@ impl Reader {
             };
             for event in events {
                 if let Some(repeat) = self.take(event, watch).await {
-                    return Found::Repeat(repeat);
+                    return Found::Repeat(Box::new(repeat));
                 }
             }
         }
