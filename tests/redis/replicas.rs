@@ -2372,3 +2372,115 @@ tools = ["send_email"]
     );
     crate::common::journal::journal_contract(&store, "t").await;
 }
+
+on_one_server_and_a_cluster!(
+    no_interleaving_of_a_commit_and_its_repeat_over_two_replicas_lets_the_repeat_through,
+    no_interleaving_of_a_commit_and_its_repeat_over_two_replicas_lets_the_repeat_through_on_a_cluster,
+    no_interleaving_of_a_commit_and_its_repeat_over_two_replicas_lets_the_repeat_through_with
+);
+
+/// Every interleaving, exhaustively: `on_repeat` correct or refuse; the commit (a
+/// request feeding back the call's result) and the repeat (a replanned request whose
+/// answer proposes the same call) each through either replica; the commit answered
+/// before the repeat is sent, or while the repeat's own call is held at the upstream
+/// (the repeat's answer comes after the commit, though its request came before). In
+/// every case the repeat never reaches the client: corrected (two upstream attempts,
+/// the note naming the committed call) or refused (409, one attempt).
+async fn no_interleaving_of_a_commit_and_its_repeat_over_two_replicas_lets_the_repeat_through_with(
+    redis: Redis,
+) {
+    const CORRECT: &str = "bk-replica-effects-correct";
+    const REFUSE: &str = "bk-replica-effects-refuse";
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "correct"
+api_keys = ["{CORRECT}"]
+[tenants.side_effects]
+tools = ["send_email"]
+[[tenants]]
+name = "refuse"
+api_keys = ["{REFUSE}"]
+[tenants.side_effects]
+tools = ["send_email"]
+on_repeat = "refuse"
+"#
+    );
+    let cluster = Cluster::start(&redis, &[PATIENT, PATIENT], &tenants).await;
+    let args = r#"{"to":"bob"}"#;
+    let b64 = |text: &str| base64::Engine::encode(&base64::engine::general_purpose::STANDARD, text);
+    let mut case = 0;
+    for key in [CORRECT, REFUSE] {
+        for commit_on in [0, 1] {
+            for repeat_on in [0, 1] {
+                for held in [false, true] {
+                    case += 1;
+                    let session = format!("interleaving-{case}");
+                    let call_id = format!("call_{case}");
+                    let sent = json!({"model": "gpt-4o", "messages": [
+                        {"role": "user", "content": "mail bob"},
+                        {"role": "assistant", "content": null, "tool_calls": [
+                            {"id": call_id, "type": "function", "function": {"name": "send_email", "arguments": args}}]},
+                        {"role": "tool", "tool_call_id": call_id, "content": "sent"}
+                    ]});
+                    let replanned = json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "mail bob"}]});
+                    let hold = format!("hold-{case}");
+                    let proposes = format!("tool=send_email;tool_args_b64={}", b64(args));
+                    let fault = if held {
+                        format!("hold={hold};{proposes},content=already sent")
+                    } else {
+                        format!("{proposes},content=already sent")
+                    };
+                    let scenario = format!("{session}-repeat");
+                    let commit = |cluster: &Cluster| {
+                        cluster.call(
+                            commit_on,
+                            key,
+                            &[
+                                ("x-session-id", session.as_str()),
+                                ("x-mock-scenario", "commit"),
+                            ],
+                            &sent,
+                        )
+                    };
+                    let repeat = cluster.call(
+                        repeat_on,
+                        key,
+                        &[
+                            ("x-session-id", session.as_str()),
+                            ("x-mock-scenario", scenario.as_str()),
+                            ("x-mock-fault", fault.as_str()),
+                        ],
+                        &replanned,
+                    );
+                    let answer = if held {
+                        let repeat = tokio::spawn(repeat);
+                        cluster.mock.wait_for(&scenario, 1).await;
+                        let committed = commit(&cluster).await;
+                        assert_eq!(committed.status, 200, "case {case}: {}", committed.text);
+                        cluster.mock.release(&hold).await;
+                        repeat.await.unwrap()
+                    } else {
+                        let committed = commit(&cluster).await;
+                        assert_eq!(committed.status, 200, "case {case}: {}", committed.text);
+                        repeat.await
+                    };
+                    let what = format!("case {case}: {key}, commit on {commit_on}, repeat on {repeat_on}, held {held}");
+                    if key == CORRECT {
+                        assert_eq!(answer.status, 200, "{what}: {}", answer.text);
+                        assert!(
+                            answer.json()["choices"][0]["message"]["tool_calls"].is_null(),
+                            "{what}: {}",
+                            answer.text
+                        );
+                        assert_eq!(cluster.mock.attempts(&scenario).await, 2, "{what}");
+                    } else {
+                        assert_eq!(answer.status, 409, "{what}: {}", answer.text);
+                        assert_eq!(answer.code(), "duplicate_side_effect", "{what}");
+                        assert_eq!(cluster.mock.attempts(&scenario).await, 1, "{what}");
+                    }
+                }
+            }
+        }
+    }
+}
