@@ -25,7 +25,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from backstop_support import ADMIN_TOKEN, FLEET_KEY, GUARDED_KEY
+from backstop_support import ADMIN_TOKEN, EFFECTS_KEY, FLEET_KEY, GUARDED_KEY
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -292,3 +292,38 @@ def test_dashboard_shows_a_hot_failure_signature(backstop, browser, tmp_path):
     assert "fleet_pattern" in summary and "preempt" in summary, summary
     driver.execute_script("document.getElementById('fleet-panel').scrollIntoView()")
     save_screenshot(driver, tmp_path, "dashboard-fleet.png")
+
+
+def test_dashboard_shows_a_sessions_committed_side_effects(backstop, browser):
+    """A session of the `effects` tenant commits one email and its model proposes it again
+    (corrected): the session's trace panel lists the committed call, its result and the
+    repeat."""
+    import json
+
+    from selenium.webdriver.common.by import By
+
+    session = f"effects-{uuid.uuid4().hex[:8]}"
+    client = openai.OpenAI(api_key=EFFECTS_KEY, base_url=backstop.openai_base_url, max_retries=0, timeout=20)
+    args = json.dumps({"to": "bob@example.com"})
+    try:
+        client.chat.completions.create(model="gpt-4o", messages=[
+            {"role": "user", "content": "mail bob"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_dash", "type": "function", "function": {"name": "send_email", "arguments": args}}]},
+            {"role": "tool", "tool_call_id": "call_dash", "content": "sent"},
+        ], extra_headers={"x-session-id": session, "x-mock-scenario": session + "-1"})
+        import base64
+
+        proposes = "tool=send_email;tool_args_b64=" + base64.b64encode(args.encode()).decode()
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "mail bob"}],
+                                       extra_headers={"x-session-id": session, "x-mock-scenario": session + "-2",
+                                                      "x-mock-fault": proposes + ",content=done"})
+    finally:
+        client.close()
+    driver = browser
+    driver.get(f"{backstop.url}/admin/ui")
+    login(driver, ADMIN_TOKEN)
+    click_in_row(driver, session, "button.trace")
+    effects = wait_for("the committed side effects", lambda: driver.find_element(By.ID, "trace-effects").text)
+    assert "send_email" in effects and "call_dash" in effects and "→ sent" in effects, effects
+    assert "proposed again 1×" in effects, effects

@@ -346,7 +346,8 @@ function renderSessions(sessions, tenants) {
       el("td", { class: "num" }, fmt.usd(s.usd)),
       el("td", { class: "trip" }, tripText(s.trip)),
       el("td", {},
-        guarded ? el("button", { type: "button", class: "trace", onclick: () => loadTrace(s.tenant, s.session, true) }, "Trace") : null, " ",
+        // Every session has a panel: the guard's trace and signals, its committed side effects.
+        el("button", { type: "button", class: "trace", onclick: () => loadTrace(s.tenant, s.session, true) }, "Trace"), " ",
         el("button", { type: "button", class: "reset", onclick: () => act("reset", s.tenant, s.session) }, "Reset"), " ",
         guarded && s.state !== "closed" ? el("button", { type: "button", class: "close danger", onclick: () => act("close", s.tenant, s.session) }, "Close") : null));
   }));
@@ -368,6 +369,13 @@ async function loadTrace(tenant, session, scroll) {
         " · identical requests " + sig.max_identical_requests_in_window + " · tool loop " + sig.tool_loop_count +
         (sig.trip ? " · trip: " + tripText(sig.trip) : "") + " · used " + report.used.calls + " calls, " + fmt.usd(report.used.usd)
       : "no guard for this tenant";
+    // Side effects the session committed (`[tenants.side_effects]`), oldest first.
+    const committed = (report.side_effects && report.side_effects.committed) || [];
+    $("trace-effects").hidden = committed.length === 0;
+    $("trace-effects").textContent = committed.length === 0 ? "" : "side effects committed: " +
+      committed.map((e) => e.tool + (e.arguments ? " " + e.arguments : "") + " (" + e.call_id + ")" +
+        (e.result !== null && e.result !== undefined ? " → " + e.result : "") +
+        (e.repeats ? " · proposed again " + e.repeats + "×" : "")).join("; ");
     const entries = guard.trace.slice().reverse();
     $("trace").tBodies[0].replaceChildren(...entries.map((t, i) => el("tr", {},
       el("td", { class: "num" }, guard.trace.length - i),
