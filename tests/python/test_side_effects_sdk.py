@@ -346,8 +346,8 @@ def test_a_streamed_anthropic_repeat_is_refused_before_the_stream_begins(backsto
     assert backstop.attempts(scenario) == 1
 
 
-def test_a_streamed_repeat_after_text_ends_the_stream_with_an_error_event_and_no_call_delta(backstop, scenario):
-    client = _chat_client(backstop, EFFECTS_KEY)
+def test_a_streamed_repeat_after_text_is_refused_with_an_error_event_and_no_call_delta(backstop, scenario):
+    client = _chat_client(backstop, EFFECTS_REFUSE_KEY)
     session = scenario
     _commit_in_chat(backstop, client, scenario, session)
     stream = client.chat.completions.create(
@@ -363,6 +363,32 @@ def test_a_streamed_repeat_after_text_ends_the_stream_with_an_error_event_and_no
     assert text == "Sending now." and calls == 0
     assert "call_first" in str(caught.value)
     assert backstop.attempts(scenario) == 1
+
+
+def test_a_streamed_repeat_after_text_is_corrected_and_the_correction_follows_on(backstop, scenario):
+    """Text went out before the repeat began: the corrective attempt's answer continues
+    the same stream (its own text dropped, its call numbered after what was sent), and the
+    client gets the next email, never the repeated one."""
+    client = _chat_client(backstop, EFFECTS_KEY)
+    session = scenario
+    _commit_in_chat(backstop, client, scenario, session)
+    carol = {**BOB, "to": "carol@example.com"}
+    fault = f"content=Sending now.;{_proposes('send_email', BOB)};chunks=4,{_proposes('send_email', carol)};chunks=2"
+    stream = client.chat.completions.create(
+        model="gpt-4o-mini", stream=True, tools=TOOLS,
+        messages=[{"role": "user", "content": "Email Bob and Carol the invoice."}],
+        extra_headers=_headers(scenario, session, fault))
+    text, names, arguments, indices = "", "", "", set()
+    for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                indices.add(delta.index)
+                names += delta.function.name or "" if delta.function else ""
+                arguments += delta.function.arguments or "" if delta.function else ""
+    assert text == "Sending now."
+    assert (names, json.loads(arguments), indices) == ("send_email", carol, {0})
+    assert backstop.attempts(scenario) == 2
 
 
 @pytest.mark.parametrize("tool", ["get_weather", "send_email"])
@@ -404,4 +430,28 @@ def test_a_streamed_responses_repeat_is_corrected_before_the_stream_begins(backs
         final = stream.get_final_response()
     assert "response.function_call_arguments.delta" not in kinds
     assert final.output_text == "Already sent."
+    assert backstop.attempts(scenario) == 2
+
+
+def test_a_streamed_anthropic_repeat_after_text_is_corrected_in_the_same_message(backstop, scenario):
+    client = anthropic.Anthropic(api_key=EFFECTS_KEY, base_url=backstop.anthropic_base_url, max_retries=0, timeout=20)
+    session = scenario
+    tools = [{"name": "send_email", "input_schema": {"type": "object"}}]
+    sent_turn = [
+        {"role": "user", "content": "Email Bob and Carol."},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_first", "name": "send_email", "input": BOB}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_first", "content": "sent"}]},
+    ]
+    client.messages.create(model="claude-sonnet-4-5", max_tokens=100, messages=sent_turn, tools=tools,
+                           extra_headers=_headers(scenario + "-commit", session, "content=done"))
+    carol = {**BOB, "to": "carol@example.com"}
+    fault = f"content=On it.;{_proposes('send_email', BOB)};chunks=3,{_proposes('send_email', carol)};chunks=2"
+    with client.messages.stream(model="claude-sonnet-4-5", max_tokens=100, tools=tools,
+                                messages=[{"role": "user", "content": "Email Bob and Carol."}],
+                                extra_headers=_headers(scenario, session, fault)) as stream:
+        message = stream.get_final_message()
+    assert [b.type for b in message.content] == ["text", "tool_use"]
+    assert message.content[0].text == "On it."
+    assert message.content[1].input == carol
     assert backstop.attempts(scenario) == 2

@@ -594,8 +594,14 @@ where
         let mut reader = stream::Reader::new(endpoint, body);
         let repeat = match reader.until_found(&mut watch).await {
             stream::Found::Begun => {
-                answered.reply.body = ReplyBody::Stream(stream::body(reader, watch));
                 finish(&mut answered, &corrected, restored);
+                let corrector = stream::Corrector {
+                    inner: inner.clone(),
+                    call: call.clone(),
+                    corrected,
+                    sent,
+                };
+                answered.reply.body = ReplyBody::Stream(stream::body(reader, watch, corrector));
                 return Ok(answered);
             }
             stream::Found::Repeat(repeat) => repeat,

@@ -6,9 +6,12 @@
 //!   first content, as a replanned agent's first move is), the response has not begun:
 //!   `correct` makes the corrective attempt and streams its answer instead, `refuse` is a
 //!   plain 409;
-//! - once the answer has begun (text went out first), the stream ends with a
-//!   `duplicate_side_effect` error event in place of the call, whatever `on_repeat` says
-//!   but `annotate`, which releases it.
+//! - once the answer has begun (text went out first), `correct` makes the corrective
+//!   attempt and its answer follows on from what was sent (its text and opening dropped,
+//!   its calls renumbered after those sent, as a validated stream's correction does);
+//!   `refuse` (or a repeat a correction cannot take) ends the stream with a
+//!   `duplicate_side_effect` error event in place of the call;
+//! - `annotate` releases the call.
 //!
 //! Text and unlisted tools are not held: the opening events wait only for the first
 //! content event after them.
@@ -19,6 +22,9 @@ use axum::body::Body;
 use bytes::Bytes;
 use futures_util::{stream::BoxStream, StreamExt};
 
+use serde_json::{Map, Value};
+use tower::{Service, ServiceExt};
+
 use super::{count, judge, Judged, Watch};
 use crate::{
     api::{
@@ -27,8 +33,14 @@ use crate::{
         tool_calls::{self, ToolCall},
         Endpoint,
     },
+    layers::{
+        context::Call,
+        recovery::{Answered, Unanswered},
+        validate_stream::follow::{Follow, Sent},
+    },
     policy::side_effects::OnRepeat,
     state::journal::Entry,
+    upstream::ReplyBody,
     validation::{stream::Assembler, Format},
 };
 
@@ -47,7 +59,12 @@ pub(super) struct Reader {
     assembler: Assembler,
     endpoint: Endpoint,
     /// Events read and not yet sent, in order.
-    queue: VecDeque<Bytes>,
+    queue: VecDeque<SseEvent>,
+    /// What the client was sent, for a corrective attempt to follow on from.
+    sent: Sent,
+    /// A corrective attempt following on from what was sent: its events mapped and
+    /// renumbered so they continue the answer the client has.
+    follow: Option<Follow>,
     /// Where each held call's first event is in `queue`.
     first: HashMap<u64, usize>,
     /// Listed calls whose arguments are not complete yet.
@@ -77,6 +94,8 @@ impl Reader {
             assembler: Assembler::new(Format::of(endpoint)),
             endpoint,
             queue: VecDeque::new(),
+            sent: Sent::default(),
+            follow: None,
             first: HashMap::new(),
             held: HashSet::new(),
             known: HashSet::new(),
@@ -131,6 +150,10 @@ impl Reader {
 
     /// One event: queued, its call held if it is listed, and judged once complete.
     async fn take(&mut self, event: SseEvent, watch: &mut Watch) -> Option<Repeat> {
+        let event = match self.follow.as_mut() {
+            Some(follow) => follow.map(event)?,
+            None => event,
+        };
         let read = self.assembler.read(&event);
         if let Some(key) = read.call {
             if self.known.insert(key) && self.call(key).is_some_and(|c| watch.policy.lists(&c.tool))
@@ -139,7 +162,7 @@ impl Reader {
                 self.first.insert(key, self.queue.len());
             }
         }
-        self.queue.push_back(event.raw);
+        self.queue.push_back(event);
         for key in read.completed {
             if let Some(repeat) = self.completed(key, watch).await {
                 return Some(repeat);
@@ -176,16 +199,43 @@ impl Reader {
     fn release(&mut self, content: bool) {
         if self.held.is_empty() && (self.begun || content) {
             self.begun = true;
-            self.first.clear();
-            self.out.extend(self.queue.drain(..));
+            self.flush();
         }
+    }
+
+    /// Sends every queued event (renumbered when following on), noting what went out.
+    fn flush(&mut self) {
+        self.first.clear();
+        let format = Format::of(self.endpoint);
+        while let Some(event) = self.queue.pop_front() {
+            let event = match self.follow.as_mut() {
+                Some(follow) => follow.renumber(event),
+                None => event,
+            };
+            self.sent.note(format, &event);
+            self.out.push_back(event.raw);
+        }
+    }
+
+    /// After a repeat once the answer began: what came before the call goes out, and the
+    /// corrective attempt's `body` follows on from it (its text and opening dropped, its
+    /// calls renumbered after those sent).
+    fn follow_on(&mut self, body: Body) {
+        self.flush();
+        self.follow = Some(Follow::after(Format::of(self.endpoint), &self.sent));
+        self.source = Some(body.into_data_stream().boxed());
+        self.splitter = Splitter::default();
+        self.assembler = Assembler::new(Format::of(self.endpoint));
+        self.held.clear();
+        self.known.clear();
+        self.ended = false;
     }
 
     /// After a repeat once the answer began: what came before the call, then the error
     /// event, then the end.
     fn refuse_in_stream(&mut self, repeat: &Repeat) {
         let err = super::duplicate(&repeat.call, &repeat.entry);
-        self.out.extend(self.queue.drain(..));
+        self.flush();
         self.out.push_back(stream_error_event(
             self.endpoint,
             "duplicate_side_effect",
@@ -196,21 +246,88 @@ impl Reader {
     }
 }
 
+/// What correcting a repeat after the answer began needs: the service and the call,
+/// the corrections made so far and the request the last one sent.
+pub(super) struct Corrector<S> {
+    pub(super) inner: S,
+    pub(super) call: Call,
+    pub(super) corrected: Vec<(String, String)>,
+    pub(super) sent: Option<Map<String, Value>>,
+}
+
+impl<S> Corrector<S>
+where
+    S: Service<Call, Response = Answered, Error = Unanswered> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    /// The corrective attempt's stream, if `repeat` may still be corrected and the
+    /// attempt streams.
+    async fn correct(&mut self, repeat: &Repeat, watch: &Watch) -> Option<Body> {
+        let entry = &repeat.entry;
+        if watch.policy.on_repeat != OnRepeat::Correct
+            || self.corrected.len() >= super::MAX_CORRECTIONS
+            || self.corrected.iter().any(|(id, _)| *id == entry.call_id)
+        {
+            return None;
+        }
+        count("corrected");
+        self.corrected
+            .push((entry.call_id.clone(), repeat.call.tool.clone()));
+        let base = self.sent.as_ref().unwrap_or(&self.call.request.json);
+        let json = super::correction(
+            self.call.endpoint(),
+            base,
+            &repeat.call,
+            entry,
+            watch.policy.record,
+        );
+        self.sent = Some(json.clone());
+        let answered = self
+            .inner
+            .clone()
+            .oneshot(self.call.with_json(json))
+            .await
+            .ok()?;
+        match answered.reply.body {
+            ReplyBody::Stream(body) if answered.reply.status.is_success() => Some(body),
+            _ => None,
+        }
+    }
+}
+
 /// The body of an answer that has begun: `reader`'s events, read on as the client
-/// takes them; a later repeat ends it with an error event.
-pub(super) fn body(reader: Reader, watch: Watch) -> Body {
+/// takes them. A later repeat is corrected, following on from what was sent, or ends
+/// the stream with an error event.
+pub(super) fn body<S>(reader: Reader, watch: Watch, corrector: Corrector<S>) -> Body
+where
+    S: Service<Call, Response = Answered, Error = Unanswered> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    let state = (reader, watch, corrector);
     let stream =
-        futures_util::stream::unfold((reader, watch), |(mut reader, mut watch)| async move {
+        futures_util::stream::unfold(state, |(mut reader, mut watch, mut corrector)| async move {
             loop {
                 if let Some(chunk) = reader.out.pop_front() {
-                    return Some((Ok::<_, std::io::Error>(chunk), (reader, watch)));
+                    return Some((Ok::<_, std::io::Error>(chunk), (reader, watch, corrector)));
                 }
                 if reader.ended {
                     return None;
                 }
                 if let Found::Repeat(repeat) = reader.until_found(&mut watch).await {
-                    count("refused");
-                    reader.refuse_in_stream(&repeat);
+                    tracing::warn!(
+                        tenant = &*watch.tenant,
+                        session = &*watch.session_id,
+                        tool = repeat.call.tool,
+                        earlier = repeat.entry.call_id,
+                        "a streamed answer proposed a committed side effect again, after it began"
+                    );
+                    match corrector.correct(&repeat, &watch).await {
+                        Some(body) => reader.follow_on(body),
+                        None => {
+                            count("refused");
+                            reader.refuse_in_stream(&repeat);
+                        }
+                    }
                 }
             }
         });

@@ -12,7 +12,7 @@ use crate::{api::sse::SseEvent, validation::Format};
 
 /// What the client has been sent, for a corrective attempt to follow on from.
 #[derive(Default)]
-pub(super) struct Sent {
+pub(in crate::layers) struct Sent {
     pub(super) any: bool,
     /// OpenAI chat tool-call indices.
     chat_calls: HashSet<u64>,
@@ -31,7 +31,7 @@ pub(super) struct Sent {
 }
 
 impl Sent {
-    pub(super) fn note(&mut self, format: Format, event: &SseEvent) {
+    pub(in crate::layers) fn note(&mut self, format: Format, event: &SseEvent) {
         self.any = true;
         let Some(json) = &event.json else { return };
         match format {
@@ -76,7 +76,7 @@ impl Sent {
 /// [`Follow::map`] drops what the client must not see twice (opening events, text) as
 /// events arrive; [`Follow::renumber`] gives what is released the next indices as it is
 /// sent, so a call dropped in between (a repeat of one already sent) leaves no gap.
-pub(super) struct Follow {
+pub(in crate::layers) struct Follow {
     format: Format,
     next_index: u64,
     remap: HashMap<u64, u64>,
@@ -88,7 +88,7 @@ pub(super) struct Follow {
 }
 
 impl Follow {
-    pub(super) fn after(format: Format, sent: &Sent) -> Follow {
+    pub(in crate::layers) fn after(format: Format, sent: &Sent) -> Follow {
         Follow {
             format,
             next_index: match format {
@@ -115,7 +115,7 @@ impl Follow {
     }
 
     /// The event, or `None` when it must not reach the client (indices unchanged).
-    pub(super) fn map(&mut self, event: SseEvent) -> Option<SseEvent> {
+    pub(in crate::layers) fn map(&mut self, event: SseEvent) -> Option<SseEvent> {
         let Some(mut json) = event.json.clone() else {
             return Some(event);
         };
@@ -187,7 +187,7 @@ impl Follow {
 
     /// The event as the client gets it: indices (and the Responses API's sequence
     /// numbers, final output and id) following what it was sent before.
-    pub(super) fn renumber(&mut self, event: SseEvent) -> SseEvent {
+    pub(in crate::layers) fn renumber(&mut self, event: SseEvent) -> SseEvent {
         let Some(mut json) = event.json.clone() else {
             return event;
         };

@@ -36,7 +36,7 @@ use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use serde_json::{json, Map, Value};
 use tower::{Service, ServiceExt};
 
-mod follow;
+pub(in crate::layers) mod follow;
 mod gate;
 
 use follow::{Follow, Sent};
