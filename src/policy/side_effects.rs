@@ -24,6 +24,16 @@ pub enum OnRepeat {
 }
 
 impl OnRepeat {
+    /// `correct`, `refuse` or `annotate`.
+    pub fn parse(text: &str) -> Option<OnRepeat> {
+        match text {
+            "correct" => Some(OnRepeat::Correct),
+            "refuse" => Some(OnRepeat::Refuse),
+            "annotate" => Some(OnRepeat::Annotate),
+            _ => None,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             OnRepeat::Correct => "correct",

@@ -455,3 +455,21 @@ def test_a_streamed_anthropic_repeat_after_text_is_corrected_in_the_same_message
     assert message.content[0].text == "On it."
     assert message.content[1].input == carol
     assert backstop.attempts(scenario) == 2
+
+
+def test_a_session_may_make_its_tenants_on_repeat_stricter_never_looser(backstop, scenario):
+    client = _chat_client(backstop, EFFECTS_KEY)
+    session = scenario
+    _commit_in_chat(backstop, client, scenario, session)
+    replan = [{"role": "user", "content": "Email Bob the invoice."}]
+    with pytest.raises(openai.ConflictError):
+        client.chat.completions.create(
+            model="gpt-4o-mini", messages=replan, tools=TOOLS,
+            extra_headers=_headers(scenario, session, _proposes("send_email", BOB),
+                                   **{"x-backstop-side-effects-on-repeat": "refuse"}))
+    assert backstop.attempts(scenario) == 1, "refused: no corrective attempt"
+    raw = client.chat.completions.with_raw_response.create(
+        model="gpt-4o-mini", messages=replan, tools=TOOLS,
+        extra_headers=_headers(scenario + "-loose", session, f"{_proposes('send_email', BOB)},content=ok",
+                               **{"x-backstop-side-effects-on-repeat": "annotate"}))
+    assert raw.headers["x-backstop-side-effect"] == "corrected; tool=send_email", "annotate is looser: the tenant's correct holds"

@@ -12,7 +12,8 @@
 //! - `annotate`: passed on, marked `x-backstop-side-effect: duplicate; tool=NAME`.
 //!
 //! An agent that means to repeat names the tools in `x-backstop-allow-repeat`; a
-//! session narrows its tenant's list with `x-backstop-side-effects`. A streamed answer
+//! session narrows its tenant's list with `x-backstop-side-effects`, and its
+//! `on_repeat` with `x-backstop-side-effects-on-repeat` (only ever stricter). A streamed answer
 //! is watched as it flows ([`stream`]): a listed call is held until its arguments are
 //! complete. Tenants without the table pay nothing here.
 
@@ -47,6 +48,9 @@ use crate::{
 pub const ALLOW_REPEAT: &str = "x-backstop-allow-repeat";
 /// A session's own list of side-effecting tools, within its tenant's.
 pub const SESSION_TOOLS: &str = "x-backstop-side-effects";
+/// A session's own `on_repeat`, if stricter than its tenant's (`refuse` is the strictest,
+/// then `correct`, then `annotate`).
+pub const SESSION_ON_REPEAT: &str = "x-backstop-side-effects-on-repeat";
 /// What was done about a repeated side effect.
 pub const SIDE_EFFECT: &str = "x-backstop-side-effect";
 
@@ -392,9 +396,14 @@ where
         ) else {
             return inner.oneshot(call).await;
         };
-        let policy = match names(&call, SESSION_TOOLS) {
-            Some(tools) => Arc::new(tenant_policy.narrowed(tools, None)),
-            None => tenant_policy.clone(),
+        let on_repeat = names(&call, SESSION_ON_REPEAT)
+            .and_then(|v| v.first().and_then(|r| OnRepeat::parse(r)));
+        let policy = match (names(&call, SESSION_TOOLS), on_repeat) {
+            (None, None) => tenant_policy.clone(),
+            (tools, on_repeat) => {
+                let tools = tools.unwrap_or_else(|| tenant_policy.tools.clone());
+                Arc::new(tenant_policy.narrowed(tools, on_repeat))
+            }
         };
         let allowed = names(&call, ALLOW_REPEAT).unwrap_or_default();
         let tenant = call.tenant.clone();
