@@ -1,5 +1,10 @@
 """pytest fixtures: start `backstop mock-upstream` and `backstop serve` once per session.
 
+The mock is strict (`--strict`): it refuses what the real APIs refuse (unknown fields, a
+missing `max_tokens`, a tool result that answers no call), so a request the SDKs or
+Backstop build wrongly fails here as it would against the provider. A test that means
+to send what a provider would refuse says `x-mock-strict: off`.
+
 The binary is taken from $BACKSTOP_BIN, else <repo>/target/debug/backstop. These tests
 never build it: run `cargo build` first.
 """
@@ -116,7 +121,7 @@ def backstop(tmp_path_factory) -> Backstop:
     server_out = open(bs.server_log, "wb")
     try:
         mock_proc = subprocess.Popen(
-            [str(binary), "mock-upstream", "--listen", f"127.0.0.1:{mock_port}"],
+            [str(binary), "mock-upstream", "--listen", f"127.0.0.1:{mock_port}", "--strict"],
             stdout=mock_out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir,
         )
         _wait_until_up("backstop mock-upstream", f"{bs.mock_url}/mock/stats", mock_proc, bs)

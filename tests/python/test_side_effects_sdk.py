@@ -228,7 +228,7 @@ def test_a_responses_call_proposed_then_answered_by_id_alone_is_committed(backst
     entries = _journal(backstop, session, EFFECTS_KEY).json()["entries"]
     assert [(e["call_id"], e["outcome"]) for e in entries] == [(call_id, "proposed")]
     client.responses.create(
-        model="gpt-4o-mini", tools=tools,
+        model="gpt-4o-mini", tools=tools, previous_response_id=first.id,
         input=[{"type": "function_call_output", "call_id": call_id, "output": "sent"}],
         extra_headers=_headers(scenario + "-2", session, "content=done"))
     entries = _journal(backstop, session, EFFECTS_KEY).json()["entries"]
