@@ -365,7 +365,7 @@ fn mark(answered: &mut Answered, value: &str) {
 }
 
 impl SideEffectsLayer {
-    /// Journals what went wrong writing the journal: the request goes on (the guard
+    /// Logs and counts a journal the store could not read or write: the request goes on (the guard
     /// protects against loops, the journal against repeats; neither blocks an agent
     /// because the store is down), counted.
     fn unjournaled(err: &crate::store::StoreError, tenant: &str, session: &str) {
