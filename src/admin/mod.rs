@@ -388,7 +388,16 @@ async fn own_journal(
     Extension(tenant): Extension<Arc<Tenant>>,
     Path(session): Path<String>,
 ) -> Response {
-    answer(&log, journal_view(&state, &tenant.name, &session).await)
+    let view = async {
+        // As `GET /v1/sessions/{id}`: a read of the tenant's, held to its request rate.
+        state
+            .budgets
+            .check_rate(&tenant.name, None)
+            .await
+            .map_err(GatewayError::from)?;
+        journal_view(&state, &tenant.name, &session).await
+    };
+    answer(&log, view.await)
 }
 
 /// `GET /admin/tenants/{tenant}/sessions/{session}/journal`.
