@@ -5,6 +5,7 @@
 
 use serde_json::Value;
 
+use super::{tool_calls, Endpoint};
 use crate::policy::guard::RequestFingerprint;
 
 /// Canonical JSON of a value's parse (so key order and spacing do not matter).
@@ -75,106 +76,26 @@ pub fn fingerprint(json: &serde_json::Map<String, Value>) -> RequestFingerprint 
         }
     }
     let hasher = hasher.0;
-    let messages = json
-        .get("messages")
-        .and_then(Value::as_array)
-        .map_or(&[][..], Vec::as_slice);
-    // Tool calls by id: "name(args)".
+    // Tool calls by id, as "name(args)", and their results, in every API's shape: a
+    // chat or Anthropic conversation's `messages`, a Responses request's `input` items.
     let mut calls: std::collections::HashMap<String, String> = std::collections::HashMap::new();
+    let mut results = Vec::new();
+    for endpoint in [Endpoint::ChatCompletions, Endpoint::Responses] {
+        let (found, answered) = tool_calls::conversation(endpoint, json);
+        for call in found {
+            calls.insert(call.id, format!("{}({})", call.tool, canonical(&call.args)));
+        }
+        results.extend(answered);
+    }
     let mut pairs: std::collections::HashMap<(String, String), (u32, bool)> =
         std::collections::HashMap::new();
-    for m in messages {
-        for c in m
-            .get("tool_calls")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
-            if let (Some(id), Some(name)) = (
-                c.get("id").and_then(Value::as_str),
-                c.pointer("/function/name").and_then(Value::as_str),
-            ) {
-                let args = canonical(
-                    c.pointer("/function/arguments")
-                        .and_then(Value::as_str)
-                        .unwrap_or(""),
-                );
-                calls.insert(id.to_string(), format!("{name}({args})"));
-            }
-        }
-        if m.get("role").and_then(Value::as_str) == Some("tool") {
-            if let Some(call) = m
-                .get("tool_call_id")
-                .and_then(Value::as_str)
-                .and_then(|id| calls.get(id))
-            {
-                let result = text_of(m.get("content"));
-                let error = result.to_ascii_lowercase().contains("error");
-                let entry = pairs.entry((call.clone(), result)).or_insert((0, error));
-                entry.0 += 1;
-            }
-        }
-        for block in m
-            .get("content")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
-            match block.get("type").and_then(Value::as_str) {
-                Some("tool_use") => {
-                    if let (Some(id), Some(name)) = (
-                        block.get("id").and_then(Value::as_str),
-                        block.get("name").and_then(Value::as_str),
-                    ) {
-                        let input = block.get("input").map(Value::to_string).unwrap_or_default();
-                        calls.insert(id.to_string(), format!("{name}({input})"));
-                    }
-                }
-                Some("tool_result") => {
-                    if let Some(call) = block
-                        .get("tool_use_id")
-                        .and_then(Value::as_str)
-                        .and_then(|id| calls.get(id))
-                    {
-                        let result = text_of(block.get("content"));
-                        let error = block
-                            .get("is_error")
-                            .and_then(Value::as_bool)
-                            .unwrap_or(false)
-                            || result.to_ascii_lowercase().contains("error");
-                        let entry = pairs.entry((call.clone(), result)).or_insert((0, error));
-                        entry.0 += 1;
-                    }
-                }
-                _ => {}
-            }
-        }
-    }
-    // The Responses API's `input` items: `function_call` (by `call_id`) and its
-    // `function_call_output`.
-    let items = json
-        .get("input")
-        .and_then(Value::as_array)
-        .map_or(&[][..], Vec::as_slice);
-    for item in items {
-        let call_id = item.get("call_id").and_then(Value::as_str);
-        match (item.get("type").and_then(Value::as_str), call_id) {
-            (Some("function_call"), Some(id)) => {
-                if let Some(name) = item.get("name").and_then(Value::as_str) {
-                    let args =
-                        canonical(item.get("arguments").and_then(Value::as_str).unwrap_or(""));
-                    calls.insert(id.to_string(), format!("{name}({args})"));
-                }
-            }
-            (Some("function_call_output"), Some(id)) => {
-                if let Some(call) = calls.get(id) {
-                    let result = text_of(item.get("output"));
-                    let error = result.to_ascii_lowercase().contains("error");
-                    let entry = pairs.entry((call.clone(), result)).or_insert((0, error));
-                    entry.0 += 1;
-                }
-            }
-            _ => {}
+    for result in results {
+        if let Some(call) = calls.get(&result.call_id) {
+            let error = result.is_error || result.content.to_ascii_lowercase().contains("error");
+            let entry = pairs
+                .entry((call.clone(), result.content))
+                .or_insert((0, error));
+            entry.0 += 1;
         }
     }
     let tool_loop =
