@@ -13,20 +13,6 @@ fn canonical(text: &str) -> String {
     serde_json::from_str::<Value>(text).map_or_else(|_| text.trim().to_string(), |v| v.to_string())
 }
 
-/// The text of a message's `content`: a string, or its parts' `text` joined.
-pub(crate) fn text_of(content: Option<&Value>) -> String {
-    match content {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .collect::<Vec<_>>()
-            .join(""),
-        Some(other) => other.to_string(),
-        None => String::new(),
-    }
-}
-
 /// Feeds serialised JSON straight into an XXH3 hasher, without building a string.
 pub(crate) struct HashWriter(pub xxhash_rust::xxh3::Xxh3);
 

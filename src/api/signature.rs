@@ -18,10 +18,7 @@
 
 use serde_json::{Map, Value};
 
-use super::{
-    fingerprint::{text_of, HashWriter},
-    Endpoint,
-};
+use super::{fingerprint::HashWriter, tool_calls::text_of, Endpoint};
 use crate::policy::fleet::{xxh3, Shape};
 
 /// How much of the system prompt and of the last user message is normalised: enough to

@@ -11,7 +11,21 @@
 
 use serde_json::{Map, Value};
 
-use super::{fingerprint::text_of, Endpoint};
+use super::Endpoint;
+
+/// The text of a message's `content`: a string, or its parts' `text` joined.
+pub(crate) fn text_of(content: Option<&Value>) -> String {
+    match content {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join(""),
+        Some(other) => other.to_string(),
+        None => String::new(),
+    }
+}
 
 /// A tool call: its id, its tool, and its arguments as JSON text.
 #[derive(Debug, Clone, PartialEq, Eq)]
