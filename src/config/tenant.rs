@@ -44,6 +44,15 @@ pub struct SideEffectsConfig {
     /// Entries kept per session, oldest dropped first.
     #[serde(default = "default_max_entries")]
     pub max_entries: u32,
+    /// When the store cannot read or write the journal before a request goes on: `open`
+    /// (the default) lets it go on unjournaled, `closed` refuses it (503
+    /// `store_unavailable`) so that no side effect goes unrecorded.
+    #[serde(default = "journal_fails_open")]
+    pub on_unavailable: super::state::OnUnavailable,
+}
+
+fn journal_fails_open() -> super::state::OnUnavailable {
+    super::state::OnUnavailable::Open
 }
 
 fn default_max_entries() -> u32 {
@@ -113,6 +122,7 @@ impl SideEffectsConfig {
                 RecordConfig::Hash => Record::Hash,
             },
             restore: self.restore == RestoreConfig::Note,
+            fail_closed: self.on_unavailable == super::state::OnUnavailable::Closed,
             max_entries: self.max_entries as usize,
         }
     }

@@ -79,6 +79,9 @@ pub struct SideEffectPolicy {
     /// `restore = "note"`: a replanned conversation (none of the session's committed
     /// calls in it) is reminded of them.
     pub restore: bool,
+    /// A journal the store cannot read or write refuses the request rather than let it
+    /// go on unjournaled.
+    pub fail_closed: bool,
     /// Entries kept per session, oldest dropped first.
     pub max_entries: usize,
 }
@@ -188,6 +191,7 @@ mod tests {
             on_repeat: OnRepeat::Correct,
             record: Record::Full,
             restore: false,
+            fail_closed: false,
             max_entries: 1_000,
         }
     }

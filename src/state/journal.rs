@@ -289,6 +289,7 @@ mod tests {
             on_repeat: OnRepeat::Correct,
             record,
             restore: false,
+            fail_closed: false,
             max_entries,
         }
     }

@@ -565,3 +565,107 @@ fn b64(text: &str) -> String {
     use base64::Engine as _;
     base64::engine::general_purpose::STANDARD.encode(text)
 }
+
+/// `on_unavailable`: a journal the store cannot write (its SQLite file locked by another
+/// connection) lets a result-carrying request go on unjournaled by default, counted; a
+/// tenant with `on_unavailable = "closed"` is refused 503 `store_unavailable` before any
+/// upstream call. Once the lock is gone, the result is journaled.
+#[tokio::test]
+async fn a_journal_the_store_cannot_write_fails_open_or_closed_as_configured() {
+    const OPEN: &str = "bk-effects-open";
+    const CLOSED: &str = "bk-effects-closed";
+    let upstream = mock::spawn(TcpListener::bind("127.0.0.1:0").await.unwrap());
+    let dir = TempDir::new("backstop-journal-locked");
+    let db = dir.0.join("ledger.db");
+    let port = free_port();
+    let config = dir.0.join("backstop.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[server]
+listen = "127.0.0.1:{port}"
+[log]
+level = "warn"
+[store]
+path = "{store}"
+busy_timeout = "100ms"
+[admin]
+token = "{ADMIN}"
+[[upstreams]]
+name = "mock"
+api = "openai"
+forward_headers = ["x-mock-*"]
+base_url = "http://{mock}"
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "mock" }}]
+[[tenants]]
+name = "open"
+api_keys = ["{OPEN}"]
+[tenants.side_effects]
+tools = ["send_email"]
+[[tenants]]
+name = "closed"
+api_keys = ["{CLOSED}"]
+[tenants.side_effects]
+tools = ["send_email"]
+on_unavailable = "closed"
+"#,
+            store = db.display(),
+            mock = upstream.addr,
+        ),
+    )
+    .unwrap();
+    let gw = Binary::start(&config, port).await;
+    let http = reqwest::Client::new();
+    let sent = json!({"model": "gpt-4o", "messages": [
+        {"role": "user", "content": "mail bob"},
+        {"role": "assistant", "content": null, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "send_email", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sent"}
+    ]});
+    let send = |key: &'static str, scenario: &'static str| {
+        http.post(format!("{}/v1/chat/completions", gw.url))
+            .bearer_auth(key)
+            .header("x-session-id", "locked")
+            .header("x-mock-scenario", scenario)
+            .body(sent.to_string())
+            .send()
+    };
+    let lock = rusqlite::Connection::open(&db).unwrap();
+    lock.execute_batch("BEGIN EXCLUSIVE").unwrap();
+    let open = send(OPEN, "open").await.unwrap();
+    assert_eq!(open.status(), 200, "fails open by default");
+    let closed = send(CLOSED, "closed").await.unwrap();
+    assert_eq!(closed.status(), 503);
+    let body: serde_json::Value = serde_json::from_str(&closed.text().await.unwrap()).unwrap();
+    assert_eq!(body["error"]["code"], "store_unavailable", "{body}");
+    assert_eq!(
+        (upstream.attempts("open"), upstream.attempts("closed")),
+        (1, 0),
+        "the closed tenant's request made no upstream call"
+    );
+    let metrics = http
+        .get(format!("{}/metrics", gw.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("backstop_side_effects_total{outcome=\"unjournaled\"}"),
+        "{metrics}"
+    );
+    lock.execute_batch("COMMIT").unwrap();
+    let closed = send(CLOSED, "closed").await.unwrap();
+    assert_eq!(closed.status(), 200);
+    let journal = http
+        .get(format!("{}/v1/sessions/locked/journal", gw.url))
+        .bearer_auth(CLOSED)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(journal.status(), 200, "journaled once the store answers");
+}

@@ -245,6 +245,17 @@ fn correction(
     next
 }
 
+/// `on_unavailable = "closed"`: the request is refused before any upstream call, since
+/// what it carries (or what its answer repeats) could not be journaled.
+fn unavailable(err: &crate::store::StoreError) -> Unanswered {
+    Unanswered {
+        error: GatewayError::StoreUnavailable {
+            detail: format!("the side-effect journal cannot be read or written: {err}"),
+        },
+        trail: Default::default(),
+    }
+}
+
 fn duplicate(call: &ToolCall, entry: &Entry) -> GatewayError {
     GatewayError::DuplicateSideEffect {
         tool: call.tool.clone(),
@@ -411,6 +422,9 @@ where
             Ok(session) => session,
             Err(err) => {
                 Self::unjournaled(&err, &tenant, &session_id);
+                if policy.fail_closed {
+                    return Err(unavailable(&err));
+                }
                 Session::default()
             }
         };
@@ -435,7 +449,12 @@ where
                     });
                 }
             }
-            Err(err) => Self::unjournaled(&err, &tenant, &session_id),
+            Err(err) => {
+                Self::unjournaled(&err, &tenant, &session_id);
+                if policy.fail_closed {
+                    return Err(unavailable(&err));
+                }
+            }
         }
         let restored = if policy.restore {
             restore(endpoint, &mut call, &session, &calls)
