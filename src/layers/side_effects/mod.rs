@@ -40,6 +40,7 @@ use crate::{
         trail::Step,
     },
     state::journal::{Entry, Journal, Session},
+    telemetry::Trail,
     upstream::ReplyBody,
     validation::{append_exchange, Format},
 };
@@ -173,43 +174,6 @@ async fn judge(watch: &mut Watch, call: &ToolCall) -> Judged {
             Judged::New
         }
     }
-}
-
-/// The first committed call an answer's listed calls repeat, and the listed calls that
-/// are new.
-struct Read<'a> {
-    repeat: Option<(ToolCall, &'a Entry)>,
-    deliberate: Vec<&'a Entry>,
-    new: Vec<ToolCall>,
-}
-
-fn read<'a>(
-    endpoint: Endpoint,
-    answer: &Value,
-    session: &'a Session,
-    policy: &SideEffectPolicy,
-    allowed: &[String],
-) -> Read<'a> {
-    let mut read = Read {
-        repeat: None,
-        deliberate: Vec::new(),
-        new: Vec::new(),
-    };
-    for call in tool_calls::proposed(endpoint, answer) {
-        if !policy.lists(&call.tool) {
-            continue;
-        }
-        match session.committed(&call) {
-            Some(entry) if allowed.contains(&call.tool) => read.deliberate.push(entry),
-            Some(entry) => {
-                if read.repeat.is_none() {
-                    read.repeat = Some((call, entry));
-                }
-            }
-            None => read.new.push(call),
-        }
-    }
-    read
 }
 
 /// The request again, with the model's repeat and a note after it: the call was made,
@@ -348,15 +312,88 @@ fn restore(endpoint: Endpoint, call: &mut Call, session: &Session, calls: &[Tool
 
 /// The answer's mark: the tools corrective attempts were made for, else how many
 /// committed calls a restoring note listed.
-fn finish(answered: &mut Answered, corrected: &[(String, String)], restored: usize) {
-    if corrected.is_empty() && restored > 0 {
+fn finish(answered: &mut Answered, corrections: &Corrections, restored: usize) {
+    if corrections.made.is_empty() && restored > 0 {
         mark(answered, &format!("restored; entries={restored}"));
     }
-    mark_corrected(answered, corrected);
+    mark_corrected(answered, &corrections.made);
 }
 
 /// Corrective attempts one request may make: one per committed call its answers repeat.
 const MAX_CORRECTIONS: usize = 8;
+
+/// The corrections of one request: the committed calls a corrective attempt was made for
+/// (with their tools), and the request the last one sent (each correction adds to it).
+#[derive(Default)]
+pub(super) struct Corrections {
+    made: Vec<(String, String)>,
+    sent: Option<Map<String, Value>>,
+}
+
+impl Corrections {
+    /// The corrective attempt for `repeat` of `entry`, when `policy` corrects and this
+    /// call was not corrected already (nor the request's corrections used up).
+    fn next(
+        &mut self,
+        call: &Call,
+        repeat: &ToolCall,
+        entry: &Entry,
+        policy: &SideEffectPolicy,
+    ) -> Option<Call> {
+        if policy.on_repeat != OnRepeat::Correct
+            || self.made.len() >= MAX_CORRECTIONS
+            || self.made.iter().any(|(id, _)| *id == entry.call_id)
+        {
+            return None;
+        }
+        count("corrected");
+        self.made.push((entry.call_id.clone(), repeat.tool.clone()));
+        let base = self.sent.as_ref().unwrap_or(&call.request.json);
+        let json = correction(call.endpoint(), base, repeat, entry, policy.record);
+        self.sent = Some(json.clone());
+        Some(call.with_json(json))
+    }
+}
+
+/// `result`, after what recovery did before it (`trail`, with the repeat that led to it).
+// The recovery service's own result, passed through as it came: not boxed here.
+#[allow(clippy::result_large_err)]
+fn after(trail: &mut Trail, result: Result<Answered, Unanswered>) -> Result<Answered, Unanswered> {
+    let mut trail = std::mem::take(trail);
+    match result {
+        Ok(mut again) => {
+            trail.then(std::mem::take(&mut again.trail));
+            again.trail = trail;
+            Ok(again)
+        }
+        Err(mut failed) => {
+            trail.then(std::mem::take(&mut failed.trail));
+            failed.trail = trail;
+            Err(failed)
+        }
+    }
+}
+
+/// The step a correction of `repeat` (of `entry`) adds to the trail.
+fn repeat_step(repeat: &ToolCall, entry: &Entry) -> Step {
+    Step::Repeat {
+        tool: repeat.tool.as_str().into(),
+        call: entry.call_id.as_str().into(),
+    }
+}
+
+/// Logs a repeat found in an answer.
+fn found(watch: &Watch, repeat: &ToolCall, entry: &Entry, streamed: bool) {
+    tracing::warn!(
+        tenant = &*watch.tenant,
+        session = &*watch.session_id,
+        tool = repeat.tool,
+        earlier = entry.call_id,
+        on_repeat = watch.policy.on_repeat.as_str(),
+        streamed,
+        "an answer proposed a committed side effect again"
+    );
+}
 
 /// Marks an answer that corrective attempts led to with the tools they were made for.
 fn mark_corrected(answered: &mut Answered, corrected: &[(String, String)]) {
@@ -461,136 +498,87 @@ where
         } else {
             0
         };
+        let watch = Watch {
+            policy,
+            allowed,
+            session,
+            journal: self.journal.clone(),
+            tenant,
+            session_id,
+            fresh: false,
+        };
         if call.request.stream {
-            let watch = Watch {
-                policy,
-                allowed,
-                session,
-                journal: self.journal.clone(),
-                tenant,
-                session_id,
-                fresh: false,
-            };
             return streamed(inner, call, watch, restored).await;
         }
-        call.keep_answer = true;
-        let mut answered = inner.clone().oneshot(call.clone()).await?;
-        // The committed calls a corrective attempt was made for (their tools), and the
-        // request the last one sent: each correction adds to it.
-        let mut corrected: Vec<(String, String)> = Vec::new();
-        let mut sent: Option<Map<String, Value>> = None;
-        loop {
-            let Some(answer) = answered
-                .reply
-                .view
-                .as_ref()
-                .and_then(|v| v.json.as_ref())
-                .filter(|_| answered.reply.status.is_success())
-            else {
-                return Ok(answered);
-            };
-            if !tool_calls::proposed(endpoint, answer)
-                .iter()
-                .any(|c| policy.lists(&c.tool))
-            {
-                finish(&mut answered, &corrected, restored);
-                return Ok(answered);
-            }
-            // Read again: a result committed (on any replica) while this call was on its
-            // way upstream is a side effect done before this answer is judged.
-            match self.journal.session(&tenant, &session_id).await {
-                Ok(fresh) => session = fresh,
-                Err(err) => Self::unjournaled(&err, &tenant, &session_id),
-            }
-            let read = read(endpoint, answer, &session, &policy, &allowed);
-            for entry in &read.deliberate {
-                count("allowed");
-                if let Err(err) = self
-                    .journal
-                    .repeated(&tenant, &session_id, entry, true, policy.max_entries)
-                    .await
-                {
-                    Self::unjournaled(&err, &tenant, &session_id);
-                }
-            }
-            if !read.new.is_empty() {
-                let new: Vec<&ToolCall> = read.new.iter().collect();
-                if let Err(err) = self
-                    .journal
-                    .propose(&tenant, &session_id, &session, &policy, &new)
-                    .await
-                {
-                    Self::unjournaled(&err, &tenant, &session_id);
-                }
-            }
-            let Some((repeat, entry)) = read.repeat else {
-                finish(&mut answered, &corrected, restored);
-                return Ok(answered);
-            };
-            if let Err(err) = self
-                .journal
-                .repeated(&tenant, &session_id, entry, false, policy.max_entries)
-                .await
-            {
-                Self::unjournaled(&err, &tenant, &session_id);
-            }
-            tracing::warn!(
-                tenant = &*tenant,
-                session = &*session_id,
-                tool = repeat.tool,
-                earlier = entry.call_id,
-                on_repeat = policy.on_repeat.as_str(),
-                corrections = corrected.len(),
-                "an answer proposed a committed side effect again"
-            );
-            match policy.on_repeat {
-                OnRepeat::Annotate => {
-                    count("annotated");
-                    mark(&mut answered, &format!("duplicate; tool={}", repeat.tool));
-                    return Ok(answered);
-                }
-                OnRepeat::Correct
-                    if corrected.len() < MAX_CORRECTIONS
-                        && !corrected.iter().any(|(id, _)| *id == entry.call_id) =>
-                {
-                    count("corrected");
-                    corrected.push((entry.call_id.clone(), repeat.tool.clone()));
-                    let mut trail = std::mem::take(&mut answered.trail);
-                    trail.steps.push(Step::Repeat {
-                        tool: repeat.tool.as_str().into(),
-                        call: entry.call_id.as_str().into(),
-                    });
-                    let base = sent.as_ref().unwrap_or(&call.request.json);
-                    let json = correction(endpoint, base, &repeat, entry, policy.record);
-                    sent = Some(json.clone());
-                    match inner.clone().oneshot(call.with_json(json)).await {
-                        Ok(mut again) => {
-                            trail.then(std::mem::take(&mut again.trail));
-                            again.trail = trail;
-                            answered = again;
-                        }
-                        Err(mut failed) => {
-                            trail.then(std::mem::take(&mut failed.trail));
-                            failed.trail = trail;
-                            return Err(failed);
-                        }
-                    }
-                }
-                OnRepeat::Correct | OnRepeat::Refuse => {
-                    count("refused");
-                    return Err(Unanswered {
-                        error: duplicate(&repeat, entry),
-                        trail: std::mem::take(&mut answered.trail),
-                    });
-                }
+        whole(inner, call, watch, restored).await
+    }
+}
+
+/// A whole answer: each listed call it proposes judged ([`judge`]); the first repeat is
+/// met as `on_repeat` says, a corrective attempt's answer judged the same way.
+async fn whole<S>(
+    inner: S,
+    mut call: Call,
+    mut watch: Watch,
+    restored: usize,
+) -> Result<Answered, Unanswered>
+where
+    S: Service<Call, Response = Answered, Error = Unanswered> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    let endpoint = call.endpoint();
+    call.keep_answer = true;
+    let mut answered = inner.clone().oneshot(call.clone()).await?;
+    let mut corrections = Corrections::default();
+    loop {
+        let Some(answer) = answered
+            .reply
+            .view
+            .as_ref()
+            .and_then(|v| v.json.as_ref())
+            .filter(|_| answered.reply.status.is_success())
+        else {
+            return Ok(answered);
+        };
+        let listed: Vec<ToolCall> = tool_calls::proposed(endpoint, answer)
+            .into_iter()
+            .filter(|c| watch.policy.lists(&c.tool))
+            .collect();
+        // Each answer reads the journal again: a result committed (on any replica) while
+        // its call was on its way upstream is a side effect done before it is judged.
+        watch.fresh = false;
+        let mut repeat = None;
+        for proposed in listed {
+            if let Judged::Repeat(entry) = judge(&mut watch, &proposed).await {
+                repeat.get_or_insert((proposed, entry));
             }
         }
+        let Some((repeat, entry)) = repeat else {
+            finish(&mut answered, &corrections, restored);
+            return Ok(answered);
+        };
+        found(&watch, &repeat, &entry, false);
+        if watch.policy.on_repeat == OnRepeat::Annotate {
+            count("annotated");
+            mark(&mut answered, &format!("duplicate; tool={}", repeat.tool));
+            return Ok(answered);
+        }
+        let Some(again) = corrections.next(&call, &repeat, &entry, &watch.policy) else {
+            count("refused");
+            return Err(Unanswered {
+                error: duplicate(&repeat, &entry),
+                trail: std::mem::take(&mut answered.trail),
+            });
+        };
+        answered.trail.steps.push(repeat_step(&repeat, &entry));
+        answered = after(&mut answered.trail, inner.clone().oneshot(again).await)?;
     }
 }
 
 /// A streamed call: its answer watched ([`stream`]); a repeat before the answer begins
 /// is corrected (streaming the corrective attempt's answer instead) or refused with a
-/// plain 409, one after it ends the stream with an error event.
+/// plain 409; one after it is corrected following on, or ends the stream with an error
+/// event.
 async fn streamed<S>(
     inner: S,
     call: Call,
@@ -603,8 +591,7 @@ where
 {
     let endpoint = call.endpoint();
     let mut answered = inner.clone().oneshot(call.clone()).await?;
-    let mut corrected: Vec<(String, String)> = Vec::new();
-    let mut sent: Option<Map<String, Value>> = None;
+    let mut corrections = Corrections::default();
     loop {
         if !answered.reply.status.is_success() {
             return Ok(answered);
@@ -622,58 +609,27 @@ where
         let mut reader = stream::Reader::new(endpoint, body);
         let repeat = match reader.until_found(&mut watch).await {
             stream::Found::Begun => {
-                finish(&mut answered, &corrected, restored);
+                finish(&mut answered, &corrections, restored);
                 let corrector = stream::Corrector {
                     inner: inner.clone(),
                     call: call.clone(),
-                    corrected,
-                    sent,
+                    corrections,
                 };
                 answered.reply.body = ReplyBody::Stream(stream::body(reader, watch, corrector));
                 return Ok(answered);
             }
             stream::Found::Repeat(repeat) => repeat,
         };
-        tracing::warn!(
-            tenant = &*watch.tenant,
-            session = &*watch.session_id,
-            tool = repeat.call.tool,
-            earlier = repeat.entry.call_id,
-            on_repeat = watch.policy.on_repeat.as_str(),
-            "a streamed answer proposed a committed side effect again, before it began"
-        );
-        let entry = &repeat.entry;
-        let mut trail = std::mem::take(&mut answered.trail);
-        if watch.policy.on_repeat != OnRepeat::Correct
-            || corrected.len() >= MAX_CORRECTIONS
-            || corrected.iter().any(|(id, _)| *id == entry.call_id)
-        {
+        let (repeat, entry) = (&repeat.call, &repeat.entry);
+        found(&watch, repeat, entry, true);
+        let Some(again) = corrections.next(&call, repeat, entry, &watch.policy) else {
             count("refused");
             return Err(Unanswered {
-                error: duplicate(&repeat.call, entry),
-                trail,
+                error: duplicate(repeat, entry),
+                trail: std::mem::take(&mut answered.trail),
             });
-        }
-        count("corrected");
-        corrected.push((entry.call_id.clone(), repeat.call.tool.clone()));
-        trail.steps.push(Step::Repeat {
-            tool: repeat.call.tool.as_str().into(),
-            call: entry.call_id.as_str().into(),
-        });
-        let base = sent.as_ref().unwrap_or(&call.request.json);
-        let json = correction(endpoint, base, &repeat.call, entry, watch.policy.record);
-        sent = Some(json.clone());
-        answered = match inner.clone().oneshot(call.with_json(json)).await {
-            Ok(mut again) => {
-                trail.then(std::mem::take(&mut again.trail));
-                again.trail = trail;
-                again
-            }
-            Err(mut failed) => {
-                trail.then(std::mem::take(&mut failed.trail));
-                failed.trail = trail;
-                return Err(failed);
-            }
         };
+        answered.trail.steps.push(repeat_step(repeat, entry));
+        answered = after(&mut answered.trail, inner.clone().oneshot(again).await)?;
     }
 }

@@ -22,10 +22,9 @@ use axum::body::Body;
 use bytes::Bytes;
 use futures_util::{stream::BoxStream, StreamExt};
 
-use serde_json::{Map, Value};
 use tower::{Service, ServiceExt};
 
-use super::{count, judge, Judged, Watch};
+use super::{count, judge, Corrections, Judged, Watch};
 use crate::{
     api::{
         sse::{Splitter, SseEvent},
@@ -247,12 +246,11 @@ impl Reader {
 }
 
 /// What correcting a repeat after the answer began needs: the service and the call,
-/// the corrections made so far and the request the last one sent.
+/// and the request's corrections so far.
 pub(super) struct Corrector<S> {
     pub(super) inner: S,
     pub(super) call: Call,
-    pub(super) corrected: Vec<(String, String)>,
-    pub(super) sent: Option<Map<String, Value>>,
+    pub(super) corrections: Corrections,
 }
 
 impl<S> Corrector<S>
@@ -263,31 +261,10 @@ where
     /// The corrective attempt's stream, if `repeat` may still be corrected and the
     /// attempt streams.
     async fn correct(&mut self, repeat: &Repeat, watch: &Watch) -> Option<Body> {
-        let entry = &repeat.entry;
-        if watch.policy.on_repeat != OnRepeat::Correct
-            || self.corrected.len() >= super::MAX_CORRECTIONS
-            || self.corrected.iter().any(|(id, _)| *id == entry.call_id)
-        {
-            return None;
-        }
-        count("corrected");
-        self.corrected
-            .push((entry.call_id.clone(), repeat.call.tool.clone()));
-        let base = self.sent.as_ref().unwrap_or(&self.call.request.json);
-        let json = super::correction(
-            self.call.endpoint(),
-            base,
-            &repeat.call,
-            entry,
-            watch.policy.record,
-        );
-        self.sent = Some(json.clone());
-        let answered = self
-            .inner
-            .clone()
-            .oneshot(self.call.with_json(json))
-            .await
-            .ok()?;
+        let again =
+            self.corrections
+                .next(&self.call, &repeat.call, &repeat.entry, &watch.policy)?;
+        let answered = self.inner.clone().oneshot(again).await.ok()?;
         match answered.reply.body {
             ReplyBody::Stream(body) if answered.reply.status.is_success() => Some(body),
             _ => None,
