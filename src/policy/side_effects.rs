@@ -156,14 +156,26 @@ pub fn call_key(tool: &str, canonical: &str) -> String {
 }
 
 /// Whether a tool result says the side effect failed: Anthropic's `is_error`, or a JSON
-/// object with a top-level `error` or `errors`.
+/// object with a top-level `error` or `errors` that holds something (not `null`,
+/// `false`, `""`, `[]` or `{}`).
 pub fn result_failed(is_error: bool, content: &str) -> bool {
+    use serde_json::Value;
+    // `"error": null`, `false`, `""`, `[]` or `{}` says there was none.
+    let says_error = |v: &Value| match v {
+        Value::Null | Value::Bool(false) => false,
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+        _ => true,
+    };
     is_error
-        || serde_json::from_str::<serde_json::Value>(content)
+        || serde_json::from_str::<Value>(content)
             .ok()
             .and_then(|v| {
-                v.as_object()
-                    .map(|o| o.contains_key("error") || o.contains_key("errors"))
+                v.as_object().map(|o| {
+                    o.get("error").is_some_and(says_error)
+                        || o.get("errors").is_some_and(says_error)
+                })
             })
             .unwrap_or(false)
 }
@@ -262,7 +274,15 @@ mod tests {
     fn a_result_fails_by_is_error_or_a_top_level_error_key() {
         assert!(result_failed(true, "sent"));
         assert!(result_failed(false, r#"{"error": "smtp down"}"#));
-        assert!(result_failed(false, r#"{"errors": []}"#));
+        assert!(result_failed(false, r#"{"errors": ["quota"]}"#));
+        for none in [
+            r#"{"ok": true, "error": null}"#,
+            r#"{"data": 1, "errors": []}"#,
+            r#"{"error": false}"#,
+            r#"{"error": ""}"#,
+        ] {
+            assert!(!result_failed(false, none), "{none}");
+        }
         assert!(!result_failed(
             false,
             r#"{"status": "sent", "detail": {"error": null}}"#

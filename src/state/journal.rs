@@ -248,18 +248,24 @@ impl Journal {
             .await
     }
 
-    /// Counts a repeat of a committed entry (deliberate or not).
+    /// Counts a repeat of the committed entry of `call_id` (deliberate or not), in
+    /// `session` too, so that the next repeat in the same request counts from it. (Two
+    /// requests counting at once may count one repeat fewer: the count is a signal.)
     pub async fn repeated(
         &self,
         tenant: &str,
         session_id: &str,
-        entry: &Entry,
+        session: &mut Session,
+        call_id: &str,
         deliberate: bool,
         max_entries: usize,
     ) -> Result<(), StoreError> {
-        let mut entry = entry.clone();
+        let Some(entry) = session.entries.iter_mut().find(|e| e.call_id == call_id) else {
+            return Ok(());
+        };
         entry.repeats += 1;
         entry.deliberate += u32::from(deliberate);
+        let entry = entry.clone();
         self.write(tenant, session_id, &[entry], max_entries).await
     }
 

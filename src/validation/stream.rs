@@ -329,6 +329,11 @@ impl Assembler {
         }
     }
 
+    /// The keys of every tool call seen so far (an event may open more than one).
+    pub fn call_keys(&self) -> impl Iterator<Item = u64> + '_ {
+        self.calls.keys().copied()
+    }
+
     /// Whether any tool call was seen.
     pub fn has_calls(&self) -> bool {
         !self.calls.is_empty()

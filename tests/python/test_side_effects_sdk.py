@@ -473,3 +473,33 @@ def test_a_session_may_make_its_tenants_on_repeat_stricter_never_looser(backstop
         extra_headers=_headers(scenario + "-loose", session, f"{_proposes('send_email', BOB)},content=ok",
                                **{"x-backstop-side-effects-on-repeat": "annotate"}))
     assert raw.headers["x-backstop-side-effect"] == "corrected; tool=send_email", "annotate is looser: the tenant's correct holds"
+
+
+def _sse(*chunks) -> str:
+    raw = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    return "events_b64=" + base64.b64encode(raw.encode()).decode()
+
+
+def test_a_repeat_sharing_a_chunk_with_another_call_is_caught_before_the_stream_begins(backstop, scenario):
+    """Some OpenAI-compatible servers send whole calls, several to a chunk, after an
+    opening chunk that says nothing (`content: ""`, `refusal: null`): the repeat in the
+    second place is held with its chunk, and the answer, not begun, is a plain 409."""
+    client = _chat_client(backstop, EFFECTS_REFUSE_KEY)
+    session = scenario
+    _commit_in_chat(backstop, client, scenario, session)
+    base = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "gpt-4o-mini"}
+    opening = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "", "refusal": None}, "finish_reason": None}]}
+    both = {**base, "choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "call_w", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}},
+        {"index": 1, "id": "call_r", "type": "function", "function": {"name": "send_email", "arguments": json.dumps(BOB)}},
+    ]}, "finish_reason": None}]}
+    done = {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}
+    with pytest.raises(openai.ConflictError) as caught:
+        stream = client.chat.completions.create(
+            model="gpt-4o-mini", stream=True, tools=TOOLS,
+            messages=[{"role": "user", "content": "Email Bob the invoice."}],
+            extra_headers=_headers(scenario, session, _sse(opening, both, done)))
+        for _ in stream:
+            pass
+    assert caught.value.body["code"] == "duplicate_side_effect"
+    assert backstop.attempts(scenario) == 1

@@ -152,7 +152,14 @@ async fn judge(watch: &mut Watch, call: &ToolCall) -> Judged {
         Some(entry) => {
             let deliberate = allowed.contains(&call.tool);
             if let Err(err) = journal
-                .repeated(tenant, session_id, &entry, deliberate, policy.max_entries)
+                .repeated(
+                    tenant,
+                    session_id,
+                    session,
+                    &entry.call_id,
+                    deliberate,
+                    policy.max_entries,
+                )
                 .await
             {
                 SideEffectsLayer::unjournaled(&err, tenant, session_id);
@@ -606,6 +613,8 @@ where
                 return Ok(answered);
             }
         };
+        // Each answer reads the journal again, as a whole one does.
+        watch.fresh = false;
         let mut reader = stream::Reader::new(endpoint, body);
         let repeat = match reader.until_found(&mut watch).await {
             stream::Found::Begun => {

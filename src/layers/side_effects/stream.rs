@@ -77,6 +77,30 @@ pub(super) struct Reader {
     ended: bool,
 }
 
+/// Whether `event` says nothing a client reads as the answer's content: an SSE comment
+/// or keep-alive (no data), or a chat chunk whose delta holds only empty values (the
+/// role, `content: ""`, `refusal: null`) and no finish. Such events wait with the
+/// opening ones.
+fn says_nothing(format: Format, event: &SseEvent) -> bool {
+    let Some(json) = &event.json else {
+        return !event.done;
+    };
+    if format != Format::Chat {
+        return false;
+    }
+    let Some(choice) = json.pointer("/choices/0") else {
+        return false;
+    };
+    let empty = |v: &serde_json::Value| v.is_null() || v.as_str().is_some_and(str::is_empty);
+    choice
+        .get("finish_reason")
+        .is_none_or(serde_json::Value::is_null)
+        && choice
+            .get("delta")
+            .and_then(serde_json::Value::as_object)
+            .is_some_and(|d| d.iter().all(|(k, v)| k == "role" || empty(v)))
+}
+
 /// What reading on found.
 pub(super) enum Found {
     /// The answer began (or ended): what is in `out` may go to the client.
@@ -154,37 +178,53 @@ impl Reader {
             None => event,
         };
         let read = self.assembler.read(&event);
-        if let Some(key) = read.call {
-            if self.known.insert(key) && self.call(key).is_some_and(|c| watch.policy.lists(&c.tool))
-            {
+        // Every call this event opened (a chunk may carry several whole calls): held
+        // when its tool is listed, or not named yet (decided once it is complete).
+        let opened: Vec<u64> = self
+            .assembler
+            .call_keys()
+            .filter(|key| !self.known.contains(key))
+            .collect();
+        for key in opened {
+            self.known.insert(key);
+            if self.call(key).is_none_or(|c| watch.policy.lists(&c.tool)) {
                 self.held.insert(key);
                 self.first.insert(key, self.queue.len());
             }
         }
+        let content = !read.opening && !says_nothing(Format::of(self.endpoint), &event);
         self.queue.push_back(event);
         for key in read.completed {
             if let Some(repeat) = self.completed(key, watch).await {
                 return Some(repeat);
             }
         }
-        self.release(!read.opening);
+        self.release(content);
         None
     }
 
-    /// A listed call complete: judged; a repeat is cut from the queue with what came
-    /// after it.
+    /// A held call complete: judged when its tool is listed; a repeat is cut from the
+    /// queue with what came after it (and after any other call still held, which the
+    /// correction or refusal supersedes).
     async fn completed(&mut self, key: u64, watch: &mut Watch) -> Option<Repeat> {
         if !self.held.remove(&key) {
             return None;
         }
-        let call = self.call(key)?;
+        let call = self.call(key).filter(|c| watch.policy.lists(&c.tool))?;
         match judge(watch, &call).await {
             Judged::Repeat(_) if watch.policy.on_repeat == OnRepeat::Annotate => {
                 count("annotated");
                 None
             }
             Judged::Repeat(entry) => {
-                let at = self.first.get(&key).copied().unwrap_or(0);
+                let at = self
+                    .held
+                    .iter()
+                    .chain([&key])
+                    .filter_map(|k| self.first.get(k))
+                    .min()
+                    .copied()
+                    .unwrap_or(0);
                 self.queue.truncate(at);
                 self.held.clear();
                 Some(Repeat { call, entry })
@@ -299,7 +339,10 @@ where
                         "a streamed answer proposed a committed side effect again, after it began"
                     );
                     match corrector.correct(&repeat, &watch).await {
-                        Some(body) => reader.follow_on(body),
+                        Some(body) => {
+                            watch.fresh = false;
+                            reader.follow_on(body);
+                        }
                         None => {
                             count("refused");
                             reader.refuse_in_stream(&repeat);
