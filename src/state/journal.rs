@@ -120,6 +120,7 @@ impl Entry {
         JournalRecord {
             call_id: self.call_id.clone(),
             at_ms: self.at_ms,
+            proposed: self.outcome == Outcome::Proposed,
             entry: serde_json::to_string(self).unwrap_or_default(),
         }
     }

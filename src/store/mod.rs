@@ -446,6 +446,8 @@ pub trait Replays: Tier {
 pub struct JournalRecord {
     pub call_id: String,
     pub at_ms: i64,
+    /// Only proposed (no result seen): what a full journal drops first.
+    pub proposed: bool,
     pub entry: String,
 }
 
@@ -459,7 +461,8 @@ pub trait Journals: Send + Sync {
     ) -> StoreFuture<'a, Vec<JournalRecord>>;
 
     /// Writes `records` (each replacing the entry of its call id, if any) and keeps the
-    /// session's newest `max_entries`; committed when it answers. A store that expires
+    /// session's `max_entries`: proposed entries go before the others, the oldest first;
+    /// committed when it answers. A store that expires
     /// what it keeps (Redis) keeps the journal `ttl_ms` after its last write.
     fn write_journal<'a>(
         &'a self,

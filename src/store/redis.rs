@@ -424,7 +424,8 @@ impl GuardStates for RedisStore {
     }
 }
 
-/// A session's journal is one hash (call id → `at_ms` and the entry, a line apart),
+/// A session's journal is one hash (call id → `at_ms`, a tab, `1` for a proposed entry
+/// and `0` for another, then the entry on the next line),
 /// shared by the replicas and expiring with the session.
 impl Journals for RedisStore {
     fn journal<'a>(
@@ -461,7 +462,12 @@ impl Journals for RedisStore {
                     .cmd("HSET")
                     .arg(&key)
                     .arg(&r.call_id)
-                    .arg(format!("{}\n{}", r.at_ms, r.entry))
+                    .arg(format!(
+                        "{}\t{}\n{}",
+                        r.at_ms,
+                        u8::from(r.proposed),
+                        r.entry
+                    ))
                     .ignore();
             }
             write
@@ -481,8 +487,12 @@ impl Journals for RedisStore {
             if len <= max_entries {
                 return Ok(());
             }
-            // Over the bound: the oldest go (rare; every replica trims alike).
-            let journal = self.journal(tenant, session).await?;
+            // Over the bound: proposed entries go first, then the oldest (rare; every
+            // replica trims alike).
+            let mut journal = self.journal(tenant, session).await?;
+            journal.sort_by(|a, b| {
+                (!a.proposed, a.at_ms, &a.call_id).cmp(&(!b.proposed, b.at_ms, &b.call_id))
+            });
             let old: Vec<String> = journal[..journal.len().saturating_sub(max_entries)]
                 .iter()
                 .map(|r| r.call_id.clone())
@@ -510,10 +520,12 @@ fn journal_records(fields: Vec<(String, String)>) -> Vec<JournalRecord> {
     let mut records: Vec<JournalRecord> = fields
         .into_iter()
         .filter_map(|(call_id, value)| {
-            let (at_ms, entry) = value.split_once('\n')?;
+            let (head, entry) = value.split_once('\n')?;
+            let (at_ms, proposed) = head.split_once('\t')?;
             Some(JournalRecord {
                 call_id,
                 at_ms: at_ms.parse().ok()?,
+                proposed: proposed == "1",
                 entry: entry.to_string(),
             })
         })

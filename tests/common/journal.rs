@@ -8,7 +8,15 @@ fn record(call_id: &str, at_ms: i64, entry: &str) -> JournalRecord {
     JournalRecord {
         call_id: call_id.into(),
         at_ms,
+        proposed: false,
         entry: entry.into(),
+    }
+}
+
+fn proposal(call_id: &str, at_ms: i64) -> JournalRecord {
+    JournalRecord {
+        proposed: true,
+        ..record(call_id, at_ms, "{}")
     }
 }
 
@@ -60,6 +68,28 @@ pub async fn journal_contract(store: &dyn Journals, tenant: &str) {
         [("a", 30), ("c", 40), ("d", 50)]
     );
     assert_eq!(kept[0].entry, "{\"n\":1,\"ok\":true}");
+    assert!(kept.iter().all(|r| !r.proposed));
+    // A proposal newer than every entry goes before them when the journal is full: the
+    // committed calls are what it is kept for.
+    store
+        .write_journal(tenant, "s", vec![proposal("p", 60)], 3, 60_000)
+        .await
+        .unwrap();
+    let kept = store.journal(tenant, "s").await.unwrap();
+    assert_eq!(
+        kept.iter().map(|r| r.call_id.as_str()).collect::<Vec<_>>(),
+        ["a", "c", "d"],
+        "the proposal was dropped, not the oldest committed entry"
+    );
+    store
+        .write_journal(tenant, "s", vec![proposal("p", 70)], 4, 60_000)
+        .await
+        .unwrap();
+    let kept = store.journal(tenant, "s").await.unwrap();
+    assert_eq!(
+        kept.last().map(|r| (r.call_id.as_str(), r.proposed)),
+        Some(("p", true))
+    );
     assert!(store.journal(tenant, "other").await.unwrap().is_empty());
     assert!(store
         .journal(&format!("{tenant}-other"), "s")

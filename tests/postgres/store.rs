@@ -1052,5 +1052,5 @@ async fn journals_are_kept_once_per_call_and_shared_by_the_stores_of_one_databas
         .into_iter()
         .map(|r| r.call_id)
         .collect();
-    assert_eq!(seen, ["a", "c", "d"]);
+    assert_eq!(seen, ["a", "c", "d", "p"]);
 }

@@ -951,8 +951,8 @@ impl Journals for PgStore {
             let c = self.client().await?;
             let rows = c
                 .query(
-                    "SELECT call_id, at_ms, entry FROM side_effects WHERE tenant = $1 AND session = $2
-                         ORDER BY at_ms, call_id",
+                    "SELECT call_id, at_ms, proposed, entry FROM side_effects
+                         WHERE tenant = $1 AND session = $2 ORDER BY at_ms, call_id",
                     &[&tenant, &session],
                 )
                 .await?;
@@ -961,7 +961,8 @@ impl Journals for PgStore {
                 .map(|r| JournalRecord {
                     call_id: r.get(0),
                     at_ms: r.get(1),
-                    entry: r.get(2),
+                    proposed: r.get(2),
+                    entry: r.get(3),
                 })
                 .collect())
         }))

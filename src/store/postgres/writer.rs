@@ -371,12 +371,14 @@ const SAVE_GUARD: &str = "INSERT INTO guard_states (tenant, session, closed, unt
      ON CONFLICT (tenant, session) DO UPDATE SET closed = EXCLUDED.closed, until_ms = EXCLUDED.until_ms,
          code = EXCLUDED.code, rule = EXCLUDED.rule, evidence = EXCLUDED.evidence, updated_ms = EXCLUDED.updated_ms";
 const CLEAR_GUARD: &str = "DELETE FROM guard_states WHERE tenant = $1 AND session = $2";
-const JOURNAL: &str = "INSERT INTO side_effects (tenant, session, call_id, at_ms, entry) VALUES ($1, $2, $3, $4, $5)
-     ON CONFLICT (tenant, session, call_id) DO UPDATE SET at_ms = EXCLUDED.at_ms, entry = EXCLUDED.entry";
+const JOURNAL: &str = "INSERT INTO side_effects (tenant, session, call_id, at_ms, proposed, entry)
+     VALUES ($1, $2, $3, $4, $5, $6)
+     ON CONFLICT (tenant, session, call_id) DO UPDATE SET at_ms = EXCLUDED.at_ms,
+         proposed = EXCLUDED.proposed, entry = EXCLUDED.entry";
 const TRIM_JOURNAL: &str =
     "DELETE FROM side_effects WHERE tenant = $1 AND session = $2 AND call_id NOT IN
      (SELECT call_id FROM side_effects WHERE tenant = $1 AND session = $2
-      ORDER BY at_ms DESC, call_id DESC LIMIT $3)";
+      ORDER BY proposed, at_ms DESC, call_id DESC LIMIT $3)";
 
 /// The statements and parameters of one write (owners: one per owner).
 fn statements(op: &Op) -> Vec<(&'static str, Vec<Param>)> {
@@ -508,6 +510,7 @@ fn statements(op: &Op) -> Vec<(&'static str, Vec<Param>)> {
                         Box::new(session.clone()),
                         Box::new(r.call_id.clone()),
                         Box::new(r.at_ms),
+                        Box::new(r.proposed),
                         Box::new(r.entry.clone()),
                     ];
                     (JOURNAL, params)

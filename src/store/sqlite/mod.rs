@@ -206,6 +206,7 @@ CREATE TABLE IF NOT EXISTS side_effects (
     session TEXT NOT NULL,
     call_id TEXT NOT NULL,
     at_ms INTEGER NOT NULL,
+    proposed INTEGER NOT NULL,
     entry TEXT NOT NULL,
     PRIMARY KEY (tenant, session, call_id)
 );
@@ -652,14 +653,15 @@ impl Journals for SqliteStore {
         let (tenant, session) = (tenant.to_string(), session.to_string());
         Box::pin(self.read(move |c| {
             c.prepare_cached(
-                "SELECT call_id, at_ms, entry FROM side_effects WHERE tenant = ?1 AND session = ?2
+                "SELECT call_id, at_ms, proposed, entry FROM side_effects WHERE tenant = ?1 AND session = ?2
                  ORDER BY at_ms, call_id",
             )?
             .query_map(params![tenant, session], |r| {
                 Ok(JournalRecord {
                     call_id: r.get(0)?,
                     at_ms: r.get(1)?,
-                    entry: r.get(2)?,
+                    proposed: r.get::<_, i64>(2)? != 0,
+                    entry: r.get(3)?,
                 })
             })?
             .collect()

@@ -341,16 +341,24 @@ fn commit(conn: &mut Connection, batch: &[Write]) -> rusqlite::Result<()> {
                 max_entries,
             } => {
                 let mut insert = tx.prepare_cached(
-                    "INSERT INTO side_effects (tenant, session, call_id, at_ms, entry) VALUES (?1, ?2, ?3, ?4, ?5)
-                     ON CONFLICT (tenant, session, call_id) DO UPDATE SET at_ms = excluded.at_ms, entry = excluded.entry",
+                    "INSERT INTO side_effects (tenant, session, call_id, at_ms, proposed, entry) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+                     ON CONFLICT (tenant, session, call_id) DO UPDATE SET at_ms = excluded.at_ms,
+                         proposed = excluded.proposed, entry = excluded.entry",
                 )?;
                 for r in records {
-                    insert.execute(params![tenant, session, r.call_id, r.at_ms, r.entry])?;
+                    insert.execute(params![
+                        tenant,
+                        session,
+                        r.call_id,
+                        r.at_ms,
+                        i64::from(r.proposed),
+                        r.entry
+                    ])?;
                 }
                 tx.prepare_cached(
                     "DELETE FROM side_effects WHERE tenant = ?1 AND session = ?2 AND call_id NOT IN
                      (SELECT call_id FROM side_effects WHERE tenant = ?1 AND session = ?2
-                      ORDER BY at_ms DESC, call_id DESC LIMIT ?3)",
+                      ORDER BY proposed, at_ms DESC, call_id DESC LIMIT ?3)",
                 )?
                 .execute(params![tenant, session, to_sql(*max_entries as u64)])?;
             }

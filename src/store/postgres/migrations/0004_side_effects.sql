@@ -6,6 +6,7 @@ CREATE TABLE IF NOT EXISTS side_effects (
     session TEXT NOT NULL,
     call_id TEXT NOT NULL,
     at_ms BIGINT NOT NULL,
+    proposed BOOLEAN NOT NULL,
     entry TEXT NOT NULL,
     PRIMARY KEY (tenant, session, call_id)
 );
