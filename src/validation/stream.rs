@@ -79,6 +79,8 @@ impl Assembler {
             return read;
         }
         let Some(json) = &event.json else {
+            // An SSE comment or keep-alive: nothing for the client to read as content.
+            read.opening = true;
             return read;
         };
         match self.format {
@@ -96,9 +98,12 @@ impl Assembler {
         let says_nothing =
             |v: Option<&Value>| v.is_none_or(|v| v.is_null() || v.as_str() == Some(""));
         let delta = choice.get("delta");
-        read.opening = delta.and_then(Value::as_object).is_some_and(|d| {
-            d.keys().all(|k| k == "role" || k == "content") && says_nothing(d.get("content"))
-        }) && choice.get("finish_reason").is_none_or(Value::is_null);
+        // The role and empty values only (`content: ""`, `refusal: null`, as OpenAI's
+        // first chunk has them).
+        read.opening = delta
+            .and_then(Value::as_object)
+            .is_some_and(|d| d.iter().all(|(k, v)| k == "role" || says_nothing(Some(v))))
+            && choice.get("finish_reason").is_none_or(Value::is_null);
         if let Some(text) = choice.pointer("/delta/content").and_then(Value::as_str) {
             self.text.push_str(text);
         }

@@ -77,30 +77,6 @@ pub(super) struct Reader {
     ended: bool,
 }
 
-/// Whether `event` says nothing a client reads as the answer's content: an SSE comment
-/// or keep-alive (no data), or a chat chunk whose delta holds only empty values (the
-/// role, `content: ""`, `refusal: null`) and no finish. Such events wait with the
-/// opening ones.
-fn says_nothing(format: Format, event: &SseEvent) -> bool {
-    let Some(json) = &event.json else {
-        return !event.done;
-    };
-    if format != Format::Chat {
-        return false;
-    }
-    let Some(choice) = json.pointer("/choices/0") else {
-        return false;
-    };
-    let empty = |v: &serde_json::Value| v.is_null() || v.as_str().is_some_and(str::is_empty);
-    choice
-        .get("finish_reason")
-        .is_none_or(serde_json::Value::is_null)
-        && choice
-            .get("delta")
-            .and_then(serde_json::Value::as_object)
-            .is_some_and(|d| d.iter().all(|(k, v)| k == "role" || empty(v)))
-}
-
 /// What reading on found.
 pub(super) enum Found {
     /// The answer began (or ended): what is in `out` may go to the client.
@@ -192,14 +168,13 @@ impl Reader {
                 self.first.insert(key, self.queue.len());
             }
         }
-        let content = !read.opening && !says_nothing(Format::of(self.endpoint), &event);
         self.queue.push_back(event);
         for key in read.completed {
             if let Some(repeat) = self.completed(key, watch).await {
                 return Some(repeat);
             }
         }
-        self.release(content);
+        self.release(!read.opening);
         None
     }
 
