@@ -66,6 +66,43 @@ def _journal(backstop, session: str, key: str):
     return backstop.get(f"/v1/sessions/{session}/journal", headers={"authorization": f"Bearer {key}"})
 
 
+CLAUDE_TOOLS = [{"name": "send_email", "input_schema": {"type": "object"}}]
+RESPONSES_TOOLS = [{"type": "function", "name": "send_email", "parameters": {"type": "object"}}]
+
+
+def _claude(backstop, key: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(api_key=key, base_url=backstop.anthropic_base_url, max_retries=0, timeout=20)
+
+
+def _claude_turn_that_sent(call_id: str, result: str, is_error: bool = False) -> list[dict]:
+    """An Anthropic conversation whose agent already ran `send_email(BOB)` and fed back `result`."""
+    block = {"type": "tool_result", "tool_use_id": call_id, "content": result}
+    if is_error:
+        block["is_error"] = True
+    return [
+        {"role": "user", "content": "Email Bob the invoice."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": call_id, "name": "send_email", "input": BOB}]},
+        {"role": "user", "content": [block]},
+    ]
+
+
+def _commit_in_claude(client, scenario, session):
+    """The Anthropic turn that feeds back the first send (`toolu_first`): journaled."""
+    client.messages.create(model="claude-sonnet-4-5", max_tokens=100, tools=CLAUDE_TOOLS,
+                           messages=_claude_turn_that_sent("toolu_first", "sent"),
+                           extra_headers=_headers(scenario + "-commit", session, "content=done"))
+
+
+def _commit_in_responses(client, scenario, session):
+    """The Responses turn that feeds back the first send (`call_first`): journaled."""
+    client.responses.create(
+        model="gpt-4o-mini", tools=RESPONSES_TOOLS,
+        input=[{"role": "user", "content": "Email Bob."},
+               {"type": "function_call", "call_id": "call_first", "name": "send_email", "arguments": json.dumps(BOB)},
+               {"type": "function_call_output", "call_id": "call_first", "output": "sent"}],
+        extra_headers=_headers(scenario + "-commit", session, "content=done"))
+
+
 def _commit_in_chat(backstop, client, scenario, session, result="sent: message 42"):
     """The turn that feeds back the first send: journaled, answered with text."""
     client.chat.completions.create(
@@ -146,22 +183,12 @@ def test_what_is_not_a_committed_repeat_is_passed_on(backstop, scenario, case):
 
 
 def test_an_anthropic_repeat_is_refused_in_anthropics_error_shape(backstop, scenario):
-    client = anthropic.Anthropic(api_key=EFFECTS_REFUSE_KEY, base_url=backstop.anthropic_base_url,
-                                 max_retries=0, timeout=20)
+    client = _claude(backstop, EFFECTS_REFUSE_KEY)
     session = scenario
-    tools = [{"name": "send_email", "input_schema": {"type": "object"}}]
-    sent_turn = [
-        {"role": "user", "content": "Email Bob the invoice."},
-        {"role": "assistant", "content": [
-            {"type": "tool_use", "id": "toolu_first", "name": "send_email", "input": BOB}]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_first", "content": "sent"}]},
-    ]
-    client.messages.create(model="claude-sonnet-4-5", max_tokens=100, messages=sent_turn, tools=tools,
-                           extra_headers=_headers(scenario + "-commit", session, "content=done"))
+    _commit_in_claude(client, scenario, session)
     with pytest.raises(anthropic.ConflictError) as caught:
         client.messages.create(
-            model="claude-sonnet-4-5", max_tokens=100, tools=tools,
+            model="claude-sonnet-4-5", max_tokens=100, tools=CLAUDE_TOOLS,
             messages=[{"role": "user", "content": "Email Bob the invoice."}],
             extra_headers=_headers(scenario, session, _proposes("send_email", BOB_REORDERED)))
     err = caught.value
@@ -175,19 +202,11 @@ def test_an_anthropic_repeat_is_refused_in_anthropics_error_shape(backstop, scen
 
 
 def test_an_anthropic_failed_result_is_not_committed(backstop, scenario):
-    client = anthropic.Anthropic(api_key=EFFECTS_REFUSE_KEY, base_url=backstop.anthropic_base_url,
-                                 max_retries=0, timeout=20)
+    client = _claude(backstop, EFFECTS_REFUSE_KEY)
     session = scenario
-    tools = [{"name": "send_email", "input_schema": {"type": "object"}}]
-    failed_turn = [
-        {"role": "user", "content": "Email Bob."},
-        {"role": "assistant", "content": [
-            {"type": "tool_use", "id": "toolu_failed", "name": "send_email", "input": BOB}]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_failed", "content": "mailbox full", "is_error": True}]},
-    ]
+    failed_turn = _claude_turn_that_sent("toolu_failed", "mailbox full", is_error=True)
     answer = client.messages.create(
-        model="claude-sonnet-4-5", max_tokens=100, messages=failed_turn, tools=tools,
+        model="claude-sonnet-4-5", max_tokens=100, messages=failed_turn, tools=CLAUDE_TOOLS,
         extra_headers=_headers(scenario, session, _proposes("send_email", BOB)))
     assert answer.content[-1].type == "tool_use", "a failed side effect may be retried"
     entry = _journal(backstop, session, EFFECTS_REFUSE_KEY).json()["entries"]
@@ -197,15 +216,9 @@ def test_an_anthropic_failed_result_is_not_committed(backstop, scenario):
 def test_a_responses_repeat_is_annotated_and_passed_on(backstop, scenario):
     client = openai.OpenAI(api_key=EFFECTS_ANNOTATE_KEY, base_url=backstop.openai_base_url, max_retries=0, timeout=20)
     session = scenario
-    tools = [{"type": "function", "name": "send_email", "parameters": {"type": "object"}}]
-    client.responses.create(
-        model="gpt-4o-mini", tools=tools,
-        input=[{"role": "user", "content": "Email Bob."},
-               {"type": "function_call", "call_id": "call_first", "name": "send_email", "arguments": json.dumps(BOB)},
-               {"type": "function_call_output", "call_id": "call_first", "output": "sent"}],
-        extra_headers=_headers(scenario + "-commit", session, "content=done"))
+    _commit_in_responses(client, scenario, session)
     raw = client.responses.with_raw_response.create(
-        model="gpt-4o-mini", tools=tools, input="Email Bob.",
+        model="gpt-4o-mini", tools=RESPONSES_TOOLS, input="Email Bob.",
         extra_headers=_headers(scenario, session, _proposes("send_email", BOB_REORDERED)))
     out = raw.parse()
     assert [i.type for i in out.output if i.type == "function_call"] == ["function_call"]
@@ -221,14 +234,13 @@ def test_a_responses_call_proposed_then_answered_by_id_alone_is_committed(backst
     the result commits."""
     client = openai.OpenAI(api_key=EFFECTS_KEY, base_url=backstop.openai_base_url, max_retries=0, timeout=20)
     session = scenario
-    tools = [{"type": "function", "name": "send_email", "parameters": {"type": "object"}}]
-    first = client.responses.create(model="gpt-4o-mini", tools=tools, input="Email Bob.",
+    first = client.responses.create(model="gpt-4o-mini", tools=RESPONSES_TOOLS, input="Email Bob.",
                                     extra_headers=_headers(scenario + "-1", session, _proposes("send_email", BOB)))
     call_id = [i for i in first.output if i.type == "function_call"][0].call_id
     entries = _journal(backstop, session, EFFECTS_KEY).json()["entries"]
     assert [(e["call_id"], e["outcome"]) for e in entries] == [(call_id, "proposed")]
     client.responses.create(
-        model="gpt-4o-mini", tools=tools, previous_response_id=first.id,
+        model="gpt-4o-mini", tools=RESPONSES_TOOLS, previous_response_id=first.id,
         input=[{"type": "function_call_output", "call_id": call_id, "output": "sent"}],
         extra_headers=_headers(scenario + "-2", session, "content=done"))
     entries = _journal(backstop, session, EFFECTS_KEY).json()["entries"]
@@ -293,8 +305,7 @@ def test_a_replanned_conversation_is_reminded_of_its_committed_calls(backstop, s
     assert "call_first" in sent[1]["content"] and "sent: message 42" in sent[1]["content"]
     assert "must not be repeated" in sent[1]["content"]
 
-    claude = anthropic.Anthropic(api_key=EFFECTS_RESTORE_KEY, base_url=backstop.anthropic_base_url,
-                                 max_retries=0, timeout=20)
+    claude = _claude(backstop, EFFECTS_RESTORE_KEY)
     claude.messages.create(model="claude-sonnet-4-5", max_tokens=100, system="Be brief.",
                            messages=[{"role": "user", "content": "Email Bob the invoice."}],
                            extra_headers=_headers(scenario + "-claude", session, "content=ok"))
@@ -322,21 +333,12 @@ def test_a_streamed_repeat_as_the_first_move_is_corrected_and_the_client_streams
 
 
 def test_a_streamed_anthropic_repeat_is_refused_before_the_stream_begins(backstop, scenario):
-    client = anthropic.Anthropic(api_key=EFFECTS_REFUSE_KEY, base_url=backstop.anthropic_base_url,
-                                 max_retries=0, timeout=20)
+    client = _claude(backstop, EFFECTS_REFUSE_KEY)
     session = scenario
-    tools = [{"name": "send_email", "input_schema": {"type": "object"}}]
-    sent_turn = [
-        {"role": "user", "content": "Email Bob the invoice."},
-        {"role": "assistant", "content": [
-            {"type": "tool_use", "id": "toolu_first", "name": "send_email", "input": BOB}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_first", "content": "sent"}]},
-    ]
-    client.messages.create(model="claude-sonnet-4-5", max_tokens=100, messages=sent_turn, tools=tools,
-                           extra_headers=_headers(scenario + "-commit", session, "content=done"))
+    _commit_in_claude(client, scenario, session)
     with pytest.raises(anthropic.ConflictError) as caught:
         with client.messages.stream(
-                model="claude-sonnet-4-5", max_tokens=100, tools=tools,
+                model="claude-sonnet-4-5", max_tokens=100, tools=CLAUDE_TOOLS,
                 messages=[{"role": "user", "content": "Email Bob the invoice."}],
                 extra_headers=_headers(scenario, session, f"{_proposes('send_email', BOB)};chunks=3")) as stream:
             for _ in stream:
@@ -414,16 +416,10 @@ def test_a_streamed_call_that_repeats_nothing_streams_whole(backstop, scenario, 
 def test_a_streamed_responses_repeat_is_corrected_before_the_stream_begins(backstop, scenario):
     client = openai.OpenAI(api_key=EFFECTS_KEY, base_url=backstop.openai_base_url, max_retries=0, timeout=20)
     session = scenario
-    tools = [{"type": "function", "name": "send_email", "parameters": {"type": "object"}}]
-    client.responses.create(
-        model="gpt-4o-mini", tools=tools,
-        input=[{"role": "user", "content": "Email Bob."},
-               {"type": "function_call", "call_id": "call_first", "name": "send_email", "arguments": json.dumps(BOB)},
-               {"type": "function_call_output", "call_id": "call_first", "output": "sent"}],
-        extra_headers=_headers(scenario + "-commit", session, "content=done"))
+    _commit_in_responses(client, scenario, session)
     kinds = []
     with client.responses.stream(
-            model="gpt-4o-mini", tools=tools, input="Email Bob.",
+            model="gpt-4o-mini", tools=RESPONSES_TOOLS, input="Email Bob.",
             extra_headers=_headers(scenario, session, f"{_proposes('send_email', BOB_REORDERED)};chunks=3,content=Already sent.")) as stream:
         for event in stream:
             kinds.append(event.type)
@@ -434,20 +430,12 @@ def test_a_streamed_responses_repeat_is_corrected_before_the_stream_begins(backs
 
 
 def test_a_streamed_anthropic_repeat_after_text_is_corrected_in_the_same_message(backstop, scenario):
-    client = anthropic.Anthropic(api_key=EFFECTS_KEY, base_url=backstop.anthropic_base_url, max_retries=0, timeout=20)
+    client = _claude(backstop, EFFECTS_KEY)
     session = scenario
-    tools = [{"name": "send_email", "input_schema": {"type": "object"}}]
-    sent_turn = [
-        {"role": "user", "content": "Email Bob and Carol."},
-        {"role": "assistant", "content": [
-            {"type": "tool_use", "id": "toolu_first", "name": "send_email", "input": BOB}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_first", "content": "sent"}]},
-    ]
-    client.messages.create(model="claude-sonnet-4-5", max_tokens=100, messages=sent_turn, tools=tools,
-                           extra_headers=_headers(scenario + "-commit", session, "content=done"))
+    _commit_in_claude(client, scenario, session)
     carol = {**BOB, "to": "carol@example.com"}
     fault = f"content=On it.;{_proposes('send_email', BOB)};chunks=3,{_proposes('send_email', carol)};chunks=2"
-    with client.messages.stream(model="claude-sonnet-4-5", max_tokens=100, tools=tools,
+    with client.messages.stream(model="claude-sonnet-4-5", max_tokens=100, tools=CLAUDE_TOOLS,
                                 messages=[{"role": "user", "content": "Email Bob and Carol."}],
                                 extra_headers=_headers(scenario, session, fault)) as stream:
         message = stream.get_final_message()
