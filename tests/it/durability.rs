@@ -470,37 +470,15 @@ async fn a_committed_side_effect_outlives_sigkill() {
     let upstream = mock::spawn(TcpListener::bind("127.0.0.1:0").await.unwrap());
     let dir = TempDir::new("backstop-journal-kill");
     let port = free_port();
-    let config = dir.0.join("backstop.toml");
-    std::fs::write(
-        &config,
-        format!(
-            r#"
-[server]
-listen = "127.0.0.1:{port}"
-[log]
-level = "warn"
-[store]
-path = "{store}"
-[[upstreams]]
-name = "mock"
-api = "openai"
-forward_headers = ["x-mock-*"]
-base_url = "http://{mock}"
-[[routes]]
-model = "gpt-*"
-targets = [{{ upstream = "mock" }}]
-[[tenants]]
-name = "effects"
-api_keys = ["{EFFECTS}"]
-[tenants.side_effects]
-tools = ["send_email"]
-on_repeat = "refuse"
-"#,
-            store = dir.0.join("ledger.db").display(),
-            mock = upstream.addr,
+    let config = effects_config(
+        &dir,
+        port,
+        upstream.addr,
+        "",
+        &format!(
+            "[[tenants]]\nname = \"effects\"\napi_keys = [\"{EFFECTS}\"]\n[tenants.side_effects]\ntools = [\"send_email\"]\non_repeat = \"refuse\"\n"
         ),
-    )
-    .unwrap();
+    );
     let http = reqwest::Client::new();
     let send = |url: &str, scenario: &str, fault: &str, messages: serde_json::Value| {
         http.post(format!("{url}/v1/chat/completions"))
@@ -513,19 +491,9 @@ on_repeat = "refuse"
     };
     let args = r#"{"to":"bob"}"#;
     let gw = Binary::start(&config, port).await;
-    let committed = send(
-        &gw.url,
-        "commit",
-        "ok",
-        json!([
-            {"role": "user", "content": "mail bob"},
-            {"role": "assistant", "content": null, "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "send_email", "arguments": args}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "sent"}
-        ]),
-    )
-    .await
-    .unwrap();
+    let committed = send(&gw.url, "commit", "ok", email_sent(args))
+        .await
+        .unwrap();
     assert_eq!(committed.status(), 200);
     gw.kill();
 
@@ -578,28 +546,13 @@ async fn a_journal_the_store_cannot_write_fails_open_or_closed_as_configured() {
     let dir = TempDir::new("backstop-journal-locked");
     let db = dir.0.join("ledger.db");
     let port = free_port();
-    let config = dir.0.join("backstop.toml");
-    std::fs::write(
-        &config,
-        format!(
+    let config = effects_config(
+        &dir,
+        port,
+        upstream.addr,
+        "busy_timeout = \"100ms\"",
+        &format!(
             r#"
-[server]
-listen = "127.0.0.1:{port}"
-[log]
-level = "warn"
-[store]
-path = "{store}"
-busy_timeout = "100ms"
-[admin]
-token = "{ADMIN}"
-[[upstreams]]
-name = "mock"
-api = "openai"
-forward_headers = ["x-mock-*"]
-base_url = "http://{mock}"
-[[routes]]
-model = "gpt-*"
-targets = [{{ upstream = "mock" }}]
 [[tenants]]
 name = "open"
 api_keys = ["{OPEN}"]
@@ -611,20 +564,12 @@ api_keys = ["{CLOSED}"]
 [tenants.side_effects]
 tools = ["send_email"]
 on_unavailable = "closed"
-"#,
-            store = db.display(),
-            mock = upstream.addr,
+"#
         ),
-    )
-    .unwrap();
+    );
     let gw = Binary::start(&config, port).await;
     let http = reqwest::Client::new();
-    let sent = json!({"model": "gpt-4o", "messages": [
-        {"role": "user", "content": "mail bob"},
-        {"role": "assistant", "content": null, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "send_email", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sent"}
-    ]});
+    let sent = json!({"model": "gpt-4o", "messages": email_sent("{}")});
     let send = |key: &'static str, scenario: &'static str| {
         http.post(format!("{}/v1/chat/completions", gw.url))
             .bearer_auth(key)
@@ -668,4 +613,53 @@ on_unavailable = "closed"
         .await
         .unwrap();
     assert_eq!(journal.status(), 200, "journaled once the store answers");
+}
+
+/// The config file of a side-effects test's gateway, in `dir`: its store `ledger.db`
+/// (with `store` lines), one route to the mock at `mock`, and `tenants`.
+fn effects_config(
+    dir: &TempDir,
+    port: u16,
+    mock: std::net::SocketAddr,
+    store: &str,
+    tenants: &str,
+) -> std::path::PathBuf {
+    let config = dir.0.join("backstop.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[server]
+listen = "127.0.0.1:{port}"
+[log]
+level = "warn"
+[store]
+path = "{path}"
+{store}
+[[upstreams]]
+name = "mock"
+api = "openai"
+forward_headers = ["x-mock-*"]
+base_url = "http://{mock}"
+[[routes]]
+model = "gpt-*"
+targets = [{{ upstream = "mock" }}]
+{tenants}
+"#,
+            path = dir.0.join("ledger.db").display(),
+        ),
+    )
+    .unwrap();
+    config
+}
+
+/// A chat conversation whose agent ran `send_email(args)` as `call_1` and fed back
+/// "sent".
+fn email_sent(args: &str) -> serde_json::Value {
+    json!([
+        {"role": "user", "content": "mail bob"},
+        {"role": "assistant", "content": null, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "send_email", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sent"}
+    ])
 }
