@@ -84,22 +84,31 @@ pub fn fingerprint(json: &serde_json::Map<String, Value>) -> RequestFingerprint 
             entry.0 += 1;
         }
     }
-    let tool_loop =
-        pairs
-            .into_iter()
-            .max_by_key(|(_, (n, _))| *n)
-            .map(|((call, _), (n, error))| {
-                (
-                    format!(
-                        "{call} returned the same {}",
-                        if error { "error" } else { "result" }
-                    ),
-                    n,
-                )
-            });
+    let looping = pairs.into_iter().max_by_key(|(_, (n, _))| *n);
+    let tool_result = looping.as_ref().map(|((_, result), _)| cut(result, RESULT_CHARS));
+    let tool_loop = looping.map(|((call, _), (n, error))| {
+        (
+            format!(
+                "{call} returned the same {}",
+                if error { "error" } else { "result" }
+            ),
+            n,
+        )
+    });
     RequestFingerprint {
         request: hasher.digest(),
         tool_loop,
+        tool_result,
+    }
+}
+
+/// How much of a looping tool's result a guided request's note quotes.
+const RESULT_CHARS: usize = 300;
+
+fn cut(text: &str, chars: usize) -> String {
+    match text.char_indices().nth(chars) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_string(),
     }
 }
 

@@ -144,6 +144,12 @@ pub struct GuardConfig {
     pub max_usd_per_minute: Option<f64>,
     #[serde(with = "super::duration")]
     pub cool_down: std::time::Duration,
+    /// Before a loop rule (identical request, tool loop) trips a session, send the
+    /// request at the limit to the model once with a note naming the evidence.
+    pub guide: bool,
+    /// The provider refusing the request the same way this many times in a row trips the
+    /// session as `unrecoverable`, with a diagnosis (a credential failure trips at once).
+    pub same_error_limit: u32,
     /// Early failure prediction across the tenant's sessions; off unless this table is
     /// present.
     pub fleet: Option<FleetConfig>,
@@ -233,6 +239,8 @@ impl Default for GuardConfig {
             tool_loop_limit: 3,
             max_usd_per_minute: None,
             cool_down: std::time::Duration::from_secs(60),
+            guide: false,
+            same_error_limit: 3,
             fleet: None,
         }
     }
@@ -251,6 +259,10 @@ impl GuardConfig {
         positive_int(
             &format!("{key}.tool_loop_limit"),
             Some(u64::from(self.tool_loop_limit)),
+        )?;
+        positive_int(
+            &format!("{key}.same_error_limit"),
+            Some(u64::from(self.same_error_limit)),
         )?;
         super::budget::positive_f64(
             &format!("{key}.max_usd_per_minute"),
@@ -282,6 +294,8 @@ impl GuardConfig {
             tool_loop_limit: self.tool_loop_limit,
             max_usd_per_minute: self.max_usd_per_minute,
             cool_down: self.cool_down,
+            guide: self.guide,
+            same_error_limit: self.same_error_limit,
         }
     }
 }

@@ -7,8 +7,17 @@
 //!
 //! Rules: consecutive failed requests; the identical request (model + messages + tools)
 //! too often in a window; the same tool call answered by the same result too often in the
-//! conversation; spend velocity. One more is decided outside the session, across the
-//! tenant's fleet ([`crate::policy::fleet`]), and imposed on it ([`SessionGuard::impose`]).
+//! conversation; spend velocity; the provider refusing the request itself the same way
+//! again and again (`unrecoverable`, its diagnosis as the evidence; at once for a
+//! credential failure). One more is decided outside the session, across the tenant's
+//! fleet ([`crate::policy::fleet`]), and imposed on it ([`SessionGuard::impose`]).
+//!
+//! Restart smart: with `guide`, the request at a loop rule's limit (identical request,
+//! tool loop) is not refused but admitted once, `guided` (the caller adds a note naming
+//! the evidence): the session's next request that repeats the loop trips it, one that
+//! changes course is `recovered`. Once per rule per cool-down. When every target's
+//! breaker is open the session is `waiting` (told when to come back), not failed; its
+//! first success after it is `recovered` too. Recovered lasts until the next request.
 
 use std::{collections::VecDeque, time::Duration};
 
@@ -25,6 +34,11 @@ pub struct GuardPolicy {
     pub tool_loop_limit: u32,
     pub max_usd_per_minute: Option<f64>,
     pub cool_down: Duration,
+    /// Guide a session once (per loop rule, per cool-down) before a loop rule trips it.
+    pub guide: bool,
+    /// The same provider refusal of the request this many times in a row trips the
+    /// session (`unrecoverable`).
+    pub same_error_limit: u32,
 }
 
 /// The error code a trip is refused with: a closed set (error codes and metric labels).
@@ -55,6 +69,9 @@ pub enum TripRule {
     /// Enough of the tenant's sessions failed the same way that this session's failure
     /// (or its request, with `preempt`) was taken for the same doomed work.
     FleetPattern,
+    /// The provider kept refusing the request itself the same way (or refused the
+    /// upstream's credentials): retrying cannot help.
+    Unrecoverable,
     /// An operator closed the session.
     Closed,
     /// Read back from the store under a rule name this build does not know.
@@ -68,6 +85,7 @@ impl TripRule {
             TripRule::MaxConsecutiveFailures
             | TripRule::MaxUsdPerMinute
             | TripRule::FleetPattern
+            | TripRule::Unrecoverable
             | TripRule::Closed => TripCode::SessionTripped,
             TripRule::Restored(code) => code,
         }
@@ -81,6 +99,7 @@ impl TripRule {
             TripRule::ToolLoopLimit => "tool_loop_limit",
             TripRule::MaxUsdPerMinute => "max_usd_per_minute",
             TripRule::FleetPattern => "fleet_pattern",
+            TripRule::Unrecoverable => "unrecoverable",
             TripRule::Closed => "closed",
             TripRule::Restored(_) => "restored",
         }
@@ -122,6 +141,9 @@ pub enum Phase {
     Tripped,
     Probing,
     Closed,
+    Guided,
+    Waiting,
+    Recovered,
 }
 
 impl Phase {
@@ -132,8 +154,23 @@ impl Phase {
             Phase::Tripped => "tripped",
             Phase::Probing => "probing",
             Phase::Closed => "closed",
+            Phase::Guided => "guided",
+            Phase::Waiting => "waiting",
+            Phase::Recovered => "recovered",
         }
     }
+
+    /// Every phase, in the order the docs list them.
+    pub const ALL: [Phase; 8] = [
+        Phase::Active,
+        Phase::Guided,
+        Phase::Waiting,
+        Phase::Recovered,
+        Phase::Recovering,
+        Phase::Tripped,
+        Phase::Probing,
+        Phase::Closed,
+    ];
 
     /// A phase whose refusal must outlive the process (it is written to the store).
     pub fn is_kept(self) -> bool {
@@ -152,6 +189,108 @@ pub enum GuardState {
     Tripped { until: Instant, trip: Box<Trip> },
     Probing { trip: Box<Trip> },
     Closed,
+    /// A loop rule fired and the request was let through once with a note.
+    Guided { guide: Box<Guide> },
+    /// Every target's breaker is open: the first probe is due at `until`.
+    Waiting { until: Instant },
+    /// Was guided or waiting, then succeeded (until its next request).
+    Recovered,
+}
+
+/// The loop a guided session was guided out of: the rule and its evidence, and what a
+/// request must show to be that loop again.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Guide {
+    pub rule: TripRule,
+    pub evidence: String,
+    /// The identical request's fingerprint ([`RequestFingerprint::request`]).
+    pub request: u64,
+    /// The tool loop's key and count when guided: the same loop counted more times is
+    /// the loop again.
+    pub tool: Option<(u64, u32)>,
+    /// The result the looping tool kept returning, for the note.
+    pub result: Option<String>,
+}
+
+impl Guide {
+    /// The note the guided request carries to the model.
+    pub fn note(&self) -> String {
+        match (self.rule, &self.result) {
+            (TripRule::ToolLoopLimit, Some(result)) => format!(
+                "Backstop's session guard: this conversation is in a loop. {}; the last result was: {result}. Calling it again with the same arguments will not change that. Try a different approach: other arguments, another tool, or answer the user with what you know.",
+                self.evidence
+            ),
+            (TripRule::ToolLoopLimit, None) => format!(
+                "Backstop's session guard: this conversation is in a loop: {}. Calling it again with the same arguments will not change that. Try a different approach: other arguments, another tool, or answer the user with what you know.",
+                self.evidence
+            ),
+            _ => format!(
+                "Backstop's session guard: {}. Repeating it will get the same answer. Try a different approach.",
+                self.evidence
+            ),
+        }
+    }
+}
+
+/// What the restart strategies remember of a session besides its state (boxed: most
+/// sessions never need it).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Restart {
+    /// When each loop rule last guided the session ([`loop_slot`]).
+    pub guided_at: [Option<Instant>; 2],
+    /// The tool loop guided on, with its count then: a conversation keeps its old
+    /// repeats, so only more of them are the loop again.
+    pub tool_floor: Option<(u64, u32)>,
+    /// When the session's current trouble began (its first failure, guidance or wait).
+    pub troubled_since: Option<Instant>,
+    /// The provider refusal the latest failures repeat (its key), and how many in a row.
+    pub same_error: Option<(u64, u32)>,
+    /// How long the session's last recovery took, from its trouble's start.
+    pub recovered_after: Option<Duration>,
+}
+
+impl Restart {
+    fn is_empty(&self) -> bool {
+        *self == Restart::default()
+    }
+}
+
+/// Which of [`Restart::guided_at`] a loop rule uses.
+fn loop_slot(rule: TripRule) -> Option<usize> {
+    match rule {
+        TripRule::IdenticalRequestLimit => Some(0),
+        TripRule::ToolLoopLimit => Some(1),
+        _ => None,
+    }
+}
+
+/// A tool loop's key: its description's hash.
+pub fn tool_key(description: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(description.as_bytes())
+}
+
+/// How an admitted request ended, for [`SessionGuard::ended`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    Succeeded,
+    /// Failed after Backstop's own recovery.
+    Failed,
+    /// The provider refused the request itself (or the upstream's credentials): `key`
+    /// names the refusal, `diagnosis` says what it means and how to fix it; `at_once`
+    /// trips without waiting for repeats (a credential failure).
+    Refused {
+        key: u64,
+        diagnosis: String,
+        at_once: bool,
+    },
+    /// Every target's breaker was open: the first probe is due after `retry_after`.
+    Unavailable { retry_after: Duration },
+}
+
+impl Outcome {
+    pub fn failed(&self) -> bool {
+        matches!(self, Outcome::Failed | Outcome::Refused { .. })
+    }
 }
 
 impl GuardState {
@@ -162,6 +301,9 @@ impl GuardState {
             GuardState::Tripped { .. } => Phase::Tripped,
             GuardState::Probing { .. } => Phase::Probing,
             GuardState::Closed => Phase::Closed,
+            GuardState::Guided { .. } => Phase::Guided,
+            GuardState::Waiting { .. } => Phase::Waiting,
+            GuardState::Recovered => Phase::Recovered,
         }
     }
 
@@ -184,6 +326,8 @@ pub struct RequestFingerprint {
     pub request: u64,
     /// The most repeated (tool call, result) pair in the conversation, with its count.
     pub tool_loop: Option<(String, u32)>,
+    /// That pair's result (its start), for a guided request's note.
+    pub tool_result: Option<String>,
 }
 
 /// What outlives a session's memory (a restart, idle eviction): an operator's close, or
@@ -203,6 +347,7 @@ pub fn restore_trip(code: &str, rule: &str, evidence: String) -> Trip {
         "tool_loop_limit" => TripRule::ToolLoopLimit,
         "max_usd_per_minute" => TripRule::MaxUsdPerMinute,
         "fleet_pattern" => TripRule::FleetPattern,
+        "unrecoverable" => TripRule::Unrecoverable,
         "closed" => TripRule::Closed,
         _ if code == "loop_detected" => TripRule::Restored(TripCode::LoopDetected),
         _ => TripRule::Restored(TripCode::SessionTripped),
@@ -224,6 +369,8 @@ pub struct SessionGuard {
     /// Saturates (at four billion changes of state); `u32` to share a word with
     /// `consecutive_failures`.
     transitions: u32,
+    /// What the restart strategies remember, once one has acted.
+    restart: Option<Box<Restart>>,
 }
 
 impl SessionGuard {
@@ -237,6 +384,7 @@ impl SessionGuard {
             recent: VecDeque::with_capacity(1),
             spend: Vec::with_capacity(1),
             transitions: 0,
+            restart: None,
         }
     }
 
@@ -276,12 +424,52 @@ impl SessionGuard {
                 remaining: Duration::ZERO,
                 trip: Trip::clone(trip),
             }),
-            GuardState::Active | GuardState::Recovering => None,
+            GuardState::Active
+            | GuardState::Recovering
+            | GuardState::Guided { .. }
+            | GuardState::Waiting { .. }
+            | GuardState::Recovered => None,
         }
     }
 
     pub fn state(&self) -> &GuardState {
         &self.state
+    }
+
+    /// What the restart strategies remember (nothing until one acts).
+    pub fn restart(&self) -> Option<&Restart> {
+        self.restart.as_deref()
+    }
+
+    fn restart_mut(&mut self) -> &mut Restart {
+        self.restart.get_or_insert_with(Box::default)
+    }
+
+    /// The session's trouble began at `now`, unless it had already.
+    fn troubled(&mut self, now: Instant) {
+        self.restart_mut().troubled_since.get_or_insert(now);
+    }
+
+    /// The trouble is over without a restart (a failure recovered by itself).
+    fn untroubled(&mut self) {
+        if let Some(r) = self.restart.as_deref_mut() {
+            r.troubled_since = None;
+            r.same_error = None;
+        }
+        if self.restart.as_deref().is_some_and(Restart::is_empty) {
+            self.restart = None;
+        }
+    }
+
+    /// Recovered at `now`: how long since the trouble began is kept for the report.
+    fn recover(&mut self, now: Instant) -> Option<Transition> {
+        let r = self.restart_mut();
+        r.recovered_after = r
+            .troubled_since
+            .take()
+            .map(|since| now.saturating_duration_since(since));
+        r.same_error = None;
+        self.set(GuardState::Recovered)
     }
 
     fn set(&mut self, state: GuardState) -> Option<Transition> {
@@ -327,7 +515,11 @@ impl SessionGuard {
     /// state adds the request there only then.
     pub fn counts_request(&self, now: Instant) -> bool {
         match &self.state {
-            GuardState::Active | GuardState::Recovering => true,
+            GuardState::Active
+            | GuardState::Recovering
+            | GuardState::Guided { .. }
+            | GuardState::Waiting { .. }
+            | GuardState::Recovered => true,
             GuardState::Tripped { until, .. } => now >= *until,
             GuardState::Probing { .. } | GuardState::Closed => false,
         }
@@ -402,9 +594,65 @@ impl SessionGuard {
                     None,
                 );
             }
-            GuardState::Active | GuardState::Recovering => {}
+            GuardState::Guided { guide } => {
+                // The request after the guided one: the loop again trips the session, a
+                // change of course is a recovery.
+                let again = match guide.rule {
+                    TripRule::ToolLoopLimit => guide.tool.is_some_and(|(key, n)| {
+                        fp.tool_loop
+                            .as_ref()
+                            .is_some_and(|(d, m)| tool_key(d) == key && *m > n)
+                    }),
+                    _ => fp.request == guide.request,
+                };
+                if again {
+                    let trip = Trip::new(
+                        guide.rule,
+                        format!(
+                            "{}; guided once to change course, the session repeated it",
+                            guide.evidence
+                        ),
+                    );
+                    self.recent.push_back((now, fp.request));
+                    let change = self.trip(now, trip.clone());
+                    return (
+                        Err(Refused {
+                            trip,
+                            retry_after: self.config.cool_down,
+                        }),
+                        change,
+                    );
+                }
+                let from = self.state.phase();
+                self.recover(now);
+                let (verdict, _) = self.judge(now, fp, session_usd);
+                let to = self.state.phase();
+                return (verdict, Some((from, to)));
+            }
+            GuardState::Recovered => {
+                let change = self.set(GuardState::Active);
+                let (verdict, later) = self.judge(now, fp, session_usd);
+                let to = self.state.phase();
+                return (
+                    verdict,
+                    later.or(change).map(|_| (Phase::Recovered, to)),
+                );
+            }
+            GuardState::Active | GuardState::Recovering | GuardState::Waiting { .. } => {}
         }
+        self.judge(now, fp, session_usd)
+    }
+
+    /// The rules, on a request of a session in a phase that admits.
+    fn judge(
+        &mut self,
+        now: Instant,
+        fp: &RequestFingerprint,
+        session_usd: f64,
+    ) -> (Result<(), Refused>, Option<Transition>) {
+        let window = self.config.identical_request_window;
         let repeats = self.recent.iter().filter(|(_, h)| *h == fp.request).count() as u32;
+        let floor = self.restart.as_ref().and_then(|r| r.tool_floor);
         let rule = if repeats >= self.config.identical_request_limit {
             Some(Trip::new(
                 TripRule::IdenticalRequestLimit,
@@ -414,11 +662,10 @@ impl SessionGuard {
                     humantime::format_duration(window)
                 ),
             ))
-        } else if let Some((call, n)) = fp
-            .tool_loop
-            .as_ref()
-            .filter(|(_, n)| *n >= self.config.tool_loop_limit)
-        {
+        } else if let Some((call, n)) = fp.tool_loop.as_ref().filter(|(d, n)| {
+            *n >= self.config.tool_loop_limit
+                && !floor.is_some_and(|(key, m)| key == tool_key(d) && *n <= m)
+        }) {
             Some(Trip::new(
                 TripRule::ToolLoopLimit,
                 format!("{call} {n} times"),
@@ -441,6 +688,7 @@ impl SessionGuard {
             self.recent.pop_front();
         }
         match rule {
+            Some(trip) if self.may_guide(now, trip.rule) => (Ok(()), self.guide(now, trip, fp)),
             Some(trip) => {
                 let change = self.trip(now, trip.clone());
                 (
@@ -455,18 +703,124 @@ impl SessionGuard {
         }
     }
 
+    /// Whether a loop rule that fired at `now` guides rather than trips: `guide` is on,
+    /// and the rule has not guided this session within a cool-down.
+    fn may_guide(&self, now: Instant, rule: TripRule) -> bool {
+        let Some(slot) = loop_slot(rule) else {
+            return false;
+        };
+        self.config.guide
+            && self
+                .restart
+                .as_ref()
+                .and_then(|r| r.guided_at[slot])
+                .is_none_or(|at| now.saturating_duration_since(at) >= self.config.cool_down)
+    }
+
+    fn guide(&mut self, now: Instant, trip: Trip, fp: &RequestFingerprint) -> Option<Transition> {
+        let tool = match trip.rule {
+            TripRule::ToolLoopLimit => fp.tool_loop.as_ref().map(|(d, n)| (tool_key(d), *n)),
+            _ => None,
+        };
+        self.troubled(now);
+        let r = self.restart_mut();
+        if let Some(slot) = loop_slot(trip.rule) {
+            r.guided_at[slot] = Some(now);
+        }
+        if tool.is_some() {
+            r.tool_floor = tool;
+        }
+        self.set(GuardState::Guided {
+            guide: Box::new(Guide {
+                rule: trip.rule,
+                evidence: trip.evidence,
+                request: fp.request,
+                tool,
+                result: fp.tool_result.clone().filter(|_| tool.is_some()),
+            }),
+        })
+    }
+
+    /// Records how an admitted request ended: [`SessionGuard::ended`] of a success or a
+    /// failure.
+    pub fn record(&mut self, now: Instant, failed: bool) -> Option<Transition> {
+        let outcome = if failed {
+            Outcome::Failed
+        } else {
+            Outcome::Succeeded
+        };
+        self.ended(now, &outcome)
+    }
+
     /// Records how an admitted request ended. A request admitted before the session was
     /// tripped or closed (by a concurrent request, or an operator) that ends after it
     /// changes nothing: its outcome does not undo a refusal decided meanwhile.
-    pub fn record(&mut self, now: Instant, failed: bool) -> Option<Transition> {
+    pub fn ended(&mut self, now: Instant, outcome: &Outcome) -> Option<Transition> {
         if matches!(self.state, GuardState::Tripped { .. } | GuardState::Closed) {
             return None;
         }
-        if !failed {
-            self.consecutive_failures = 0;
-            return self.set(GuardState::Active);
-        }
+        let failed = match outcome {
+            Outcome::Succeeded => {
+                self.consecutive_failures = 0;
+                return match self.state {
+                    // Guided: its answer is judged by the session's next request.
+                    GuardState::Guided { .. } | GuardState::Recovered => None,
+                    GuardState::Waiting { .. } => self.recover(now),
+                    _ => {
+                        self.untroubled();
+                        self.set(GuardState::Active)
+                    }
+                };
+            }
+            Outcome::Unavailable { retry_after } => {
+                if let GuardState::Guided { guide } = &self.state {
+                    // The note never reached a model: the rule may guide again.
+                    if let Some(slot) = loop_slot(guide.rule) {
+                        self.restart_mut().guided_at[slot] = None;
+                    }
+                }
+                self.troubled(now);
+                return self.set(GuardState::Waiting {
+                    until: now + *retry_after,
+                });
+            }
+            Outcome::Refused {
+                key,
+                diagnosis,
+                at_once,
+            } => Some((*key, diagnosis, *at_once)),
+            Outcome::Failed => None,
+        };
         self.consecutive_failures += 1;
+        self.troubled(now);
+        let limit = self.config.same_error_limit.max(1);
+        let same = self.restart.as_deref_mut().map(|r| &mut r.same_error);
+        let repeats = match (failed, same) {
+            (Some((key, ..)), Some(Some((k, n)))) if *k == key => {
+                *n += 1;
+                *n
+            }
+            (Some((key, ..)), _) => {
+                self.restart_mut().same_error = Some((key, 1));
+                1
+            }
+            (None, same) => {
+                if let Some(same) = same {
+                    *same = None;
+                }
+                0
+            }
+        };
+        if let Some((_, diagnosis, at_once)) = failed {
+            if at_once || repeats >= limit {
+                let evidence = if at_once {
+                    diagnosis.clone()
+                } else {
+                    format!("the provider refused the request the same way {repeats} times in a row: {diagnosis}")
+                };
+                return self.trip(now, Trip::new(TripRule::Unrecoverable, evidence));
+            }
+        }
         if let GuardState::Probing { trip } = &self.state {
             let trip = Trip {
                 evidence: format!(
@@ -487,7 +841,11 @@ impl SessionGuard {
             );
             return self.trip(now, trip);
         }
-        self.set(GuardState::Recovering)
+        match self.state {
+            // Still judged by its next request.
+            GuardState::Guided { .. } => None,
+            _ => self.set(GuardState::Recovering),
+        }
     }
 
     /// Trips the session for `cool_down` on a rule decided outside it (the fleet's), as
@@ -497,7 +855,12 @@ impl SessionGuard {
     pub fn impose(&mut self, now: Instant, trip: Trip, cool_down: Duration) -> Option<Transition> {
         match self.state {
             GuardState::Tripped { .. } | GuardState::Closed => None,
-            GuardState::Active | GuardState::Recovering | GuardState::Probing { .. } => {
+            GuardState::Active
+            | GuardState::Recovering
+            | GuardState::Probing { .. }
+            | GuardState::Guided { .. }
+            | GuardState::Waiting { .. }
+            | GuardState::Recovered => {
                 self.set(GuardState::Tripped {
                     until: now + cool_down,
                     trip: Box::new(trip),
@@ -555,6 +918,7 @@ impl SessionGuard {
             recent: &self.recent,
             spend: &self.spend,
             transitions: u64::from(self.transitions),
+            restart: self.restart.as_deref(),
         }
     }
 
@@ -567,6 +931,7 @@ impl SessionGuard {
             recent: counts.recent.clone(),
             spend: counts.spend.to_vec(),
             transitions: u32::try_from(counts.transitions).unwrap_or(u32::MAX),
+            restart: counts.restart.cloned().map(Box::new),
         }
     }
 }
@@ -580,6 +945,7 @@ pub struct Counts<'a> {
     /// (when, the session's spend total in USD then), oldest first.
     pub spend: &'a [(Instant, f64)],
     pub transitions: u64,
+    pub restart: Option<&'a Restart>,
 }
 
 /// How near a session is to tripping: [`SessionGuard::pressure`].
@@ -606,13 +972,15 @@ pub(crate) mod tests {
             tool_loop_limit: 3,
             max_usd_per_minute: Some(1.0),
             cool_down: Duration::from_secs(60),
+            guide: false,
+            same_error_limit: 3,
         }
     }
 
     pub(crate) fn fp(request: u64) -> RequestFingerprint {
         RequestFingerprint {
             request,
-            tool_loop: None,
+            ..RequestFingerprint::default()
         }
     }
 
@@ -730,6 +1098,7 @@ pub(crate) mod tests {
                 r#"get_weather({"city":"Atlantis"}) returned the same error"#.into(),
                 3,
             )),
+            tool_result: None,
         };
         let refused = g.admit(t0, &looping, 0.0).0.unwrap_err();
         assert_eq!(refused.trip.rule, TripRule::ToolLoopLimit);
@@ -814,5 +1183,231 @@ pub(crate) mod tests {
             g.record(now, step == 6);
         }
         assert_eq!(g.state().label(), "active");
+    }
+
+    fn guiding() -> GuardPolicy {
+        GuardPolicy {
+            guide: true,
+            ..config()
+        }
+    }
+
+    fn looping(n: u32, request: u64) -> RequestFingerprint {
+        RequestFingerprint {
+            request,
+            tool_loop: Some((
+                r#"get_weather({"city":"Atlantis"}) returned the same error"#.into(),
+                n,
+            )),
+            tool_result: Some("Error: city not found".into()),
+        }
+    }
+
+    #[test]
+    fn without_guide_a_loop_trips_as_before() {
+        let t0 = Instant::now();
+        let mut g = SessionGuard::new(config());
+        let (verdict, change) = g.admit(t0, &looping(3, 1), 0.0);
+        assert_eq!(verdict.unwrap_err().trip.rule, TripRule::ToolLoopLimit);
+        assert_eq!(change, Some((Phase::Active, Phase::Tripped)));
+        assert_eq!(g.restart(), None, "nothing remembered");
+    }
+
+    #[test]
+    fn a_guided_tool_loop_that_changes_course_recovers_and_one_that_repeats_trips() {
+        let t0 = Instant::now();
+        // Changes course: its latest tool call differs (the old loop still in history).
+        let mut g = SessionGuard::new(guiding());
+        let (verdict, change) = g.admit(t0, &looping(3, 1), 0.0);
+        assert!(verdict.is_ok(), "guided, not refused");
+        assert_eq!(change, Some((Phase::Active, Phase::Guided)));
+        let GuardState::Guided { guide } = g.state() else {
+            panic!("{:?}", g.state())
+        };
+        let note = guide.note();
+        assert!(
+            note.contains(r#"get_weather({"city":"Atlantis"})"#)
+                && note.contains("3 times")
+                && note.contains("Error: city not found"),
+            "{note}"
+        );
+        assert_eq!(g.record(t0, false), None, "its answer leaves it guided");
+        let t1 = t0 + Duration::from_secs(7);
+        let (verdict, change) = g.admit(t1, &looping(3, 2), 0.0);
+        assert!(verdict.is_ok());
+        assert_eq!(change, Some((Phase::Guided, Phase::Recovered)));
+        assert_eq!(
+            g.restart().unwrap().recovered_after,
+            Some(Duration::from_secs(7)),
+            "from the guidance to the change of course"
+        );
+        // The next request is active again, and the old repeats in history do not fire.
+        let (verdict, change) = g.admit(t1, &looping(3, 3), 0.0);
+        assert!(verdict.is_ok());
+        assert_eq!(change, Some((Phase::Recovered, Phase::Active)));
+
+        // Repeats: the same call answered the same way once more.
+        let mut g = SessionGuard::new(guiding());
+        assert!(g.admit(t0, &looping(3, 1), 0.0).0.is_ok());
+        g.record(t0, false);
+        let (verdict, change) = g.admit(t1, &looping(4, 2), 0.0);
+        let refused = verdict.unwrap_err();
+        assert_eq!(
+            (refused.trip.rule, refused.trip.code()),
+            (TripRule::ToolLoopLimit, TripCode::LoopDetected)
+        );
+        assert!(
+            refused.trip.evidence.contains("guided once"),
+            "{}",
+            refused.trip.evidence
+        );
+        assert_eq!(change, Some((Phase::Guided, Phase::Tripped)));
+    }
+
+    #[test]
+    fn a_guided_identical_request_sent_again_trips_and_a_different_one_recovers() {
+        let t0 = Instant::now();
+        let mut g = SessionGuard::new(guiding());
+        for _ in 0..3 {
+            assert!(g.admit(t0, &fp(42), 0.0).0.is_ok());
+        }
+        let (verdict, change) = g.admit(t0, &fp(42), 0.0);
+        assert!(verdict.is_ok());
+        assert_eq!(change, Some((Phase::Active, Phase::Guided)));
+        let mut repeated = g.clone();
+        let refused = repeated.admit(t0, &fp(42), 0.0).0.unwrap_err();
+        assert_eq!(refused.trip.rule, TripRule::IdenticalRequestLimit);
+        assert!(refused.trip.evidence.contains("4 times"));
+        let (verdict, change) = g.admit(t0, &fp(43), 0.0);
+        assert!(verdict.is_ok());
+        assert_eq!(change, Some((Phase::Guided, Phase::Recovered)));
+    }
+
+    #[test]
+    fn a_rule_guides_once_per_cool_down() {
+        let t0 = Instant::now();
+        let mut g = SessionGuard::new(guiding());
+        for _ in 0..4 {
+            assert!(g.admit(t0, &fp(42), 0.0).0.is_ok());
+        }
+        assert!(g.admit(t0, &fp(7), 0.0).0.is_ok(), "changed course");
+        // The identical request again within the cool-down: no second guidance.
+        let refused = g.admit(t0 + Duration::from_secs(30), &fp(42), 0.0).0;
+        assert_eq!(
+            refused.unwrap_err().trip.rule,
+            TripRule::IdenticalRequestLimit
+        );
+        // The other loop rule still has its own guidance.
+        let mut h = SessionGuard::new(guiding());
+        for _ in 0..4 {
+            assert!(h.admit(t0, &fp(42), 0.0).0.is_ok());
+        }
+        assert!(h.admit(t0, &fp(8), 0.0).0.is_ok());
+        let (verdict, change) = h.admit(t0, &looping(3, 9), 0.0);
+        assert!(verdict.is_ok());
+        assert_eq!(change, Some((Phase::Recovered, Phase::Guided)));
+        // After a cool-down the rule may guide again.
+        let mut k = SessionGuard::new(guiding());
+        for _ in 0..4 {
+            assert!(k.admit(t0, &fp(42), 0.0).0.is_ok());
+        }
+        assert!(k.admit(t0, &fp(7), 0.0).0.is_ok());
+        let later = t0 + Duration::from_secs(61);
+        for _ in 0..3 {
+            assert!(k.admit(later, &fp(50), 0.0).0.is_ok());
+        }
+        let (verdict, change) = k.admit(later, &fp(50), 0.0);
+        assert!(verdict.is_ok());
+        assert_eq!(change, Some((Phase::Active, Phase::Guided)));
+    }
+
+    #[test]
+    fn an_outage_waits_and_the_first_success_after_it_recovers() {
+        let t0 = Instant::now();
+        let mut g = SessionGuard::new(config());
+        assert!(g.admit(t0, &fp(1), 0.0).0.is_ok());
+        let wait = Outcome::Unavailable {
+            retry_after: Duration::from_secs(12),
+        };
+        assert_eq!(g.ended(t0, &wait), Some((Phase::Active, Phase::Waiting)));
+        assert_eq!(
+            g.state(),
+            &GuardState::Waiting {
+                until: t0 + Duration::from_secs(12)
+            }
+        );
+        // Waiting never trips, however long the outage lasts.
+        for k in 1..20 {
+            let now = t0 + Duration::from_secs(k);
+            assert!(g.admit(now, &fp(100 + k), 0.0).0.is_ok());
+            g.ended(now, &wait);
+        }
+        assert_eq!(g.state().phase(), Phase::Waiting);
+        let t1 = t0 + Duration::from_secs(30);
+        assert!(g.admit(t1, &fp(2), 0.0).0.is_ok());
+        assert_eq!(g.record(t1, false), Some((Phase::Waiting, Phase::Recovered)));
+        assert_eq!(
+            g.restart().unwrap().recovered_after,
+            Some(Duration::from_secs(30))
+        );
+        assert_eq!(g.kept(t1), None, "waiting and recovered are not kept");
+    }
+
+    fn refused_by_provider(key: u64, at_once: bool) -> Outcome {
+        Outcome::Refused {
+            key,
+            diagnosis: "invalid_request_error at `messages[1].content`: fix it".into(),
+            at_once,
+        }
+    }
+
+    #[test]
+    fn the_same_provider_refusal_three_times_trips_with_its_diagnosis() {
+        let t0 = Instant::now();
+        let mut g = SessionGuard::new(config());
+        for i in 0..2 {
+            assert!(g.admit(t0, &fp(i), 0.0).0.is_ok());
+            assert_eq!(
+                g.ended(t0, &refused_by_provider(9, false)).map(|c| c.1),
+                (i == 0).then_some(Phase::Recovering)
+            );
+        }
+        assert!(g.admit(t0, &fp(3), 0.0).0.is_ok());
+        assert_eq!(
+            g.ended(t0, &refused_by_provider(9, false)),
+            Some((Phase::Recovering, Phase::Tripped))
+        );
+        let refused = g.admit(t0, &fp(4), 0.0).0.unwrap_err();
+        assert_eq!(
+            (refused.trip.rule, refused.trip.code()),
+            (TripRule::Unrecoverable, TripCode::SessionTripped)
+        );
+        assert!(
+            refused.trip.evidence.contains("3 times in a row")
+                && refused.trip.evidence.contains("messages[1].content"),
+            "{}",
+            refused.trip.evidence
+        );
+        // Another failure between breaks the run; so does a different refusal.
+        let mut g = SessionGuard::new(config());
+        g.ended(t0, &refused_by_provider(9, false));
+        g.ended(t0, &refused_by_provider(9, false));
+        g.ended(t0, &Outcome::Failed);
+        g.ended(t0, &refused_by_provider(9, false));
+        assert_eq!(g.state().phase(), Phase::Recovering);
+        g.record(t0, false);
+        g.ended(t0, &refused_by_provider(9, false));
+        g.ended(t0, &refused_by_provider(8, false));
+        g.ended(t0, &refused_by_provider(9, false));
+        assert_eq!(g.state().phase(), Phase::Recovering);
+        // A success ends it.
+        g.record(t0, false);
+        assert_eq!(g.restart(), None, "nothing left to remember");
+        // A credential failure trips at once.
+        let mut g = SessionGuard::new(config());
+        assert_eq!(
+            g.ended(t0, &refused_by_provider(1, true)),
+            Some((Phase::Active, Phase::Tripped))
+        );
     }
 }

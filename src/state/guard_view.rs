@@ -11,9 +11,12 @@ use tokio::time::Instant;
 use crate::{
     policy::{
         budget::Usd,
-        guard::{restore_trip, Counts, GuardPolicy, GuardState, Phase, SessionGuard, Trip},
+        guard::{
+            restore_trip, Counts, Guide, GuardPolicy, GuardState, Phase, Restart, SessionGuard,
+            Trip,
+        },
     },
-    store::format::{GuardSnapshot, WindowWrite},
+    store::format::{GuardSnapshot, GuideSnapshot, RestartSnapshot, WindowWrite},
 };
 
 pub use crate::store::format::{ADMITTING_PREFIXES, QUIET_PREFIX};
@@ -86,6 +89,7 @@ pub fn joins(before: &SessionGuard, after: &SessionGuard, now: Instant, request:
         && a.state.phase() == b.state.phase()
         && a.consecutive_failures == b.consecutive_failures
         && a.transitions == b.transitions
+        && a.restart == b.restart
         && a.recent.back() == Some(&(now, request))
 }
 
@@ -97,21 +101,13 @@ pub fn snapshot(guard: &SessionGuard, now: Instant, now_ms: i64) -> GuardSnapsho
             i64::try_from(now.saturating_duration_since(t).as_millis()).unwrap_or(i64::MAX),
         )
     };
-    let counts = guard.counts();
-    let (phase, until_ms, trip) = match counts.state {
-        GuardState::Active => (Phase::Active, 0, None),
-        GuardState::Recovering => (Phase::Recovering, 0, None),
-        GuardState::Tripped { until, trip } => (
-            Phase::Tripped,
-            now_ms.saturating_add(
-                i64::try_from(until.saturating_duration_since(now).as_millis()).unwrap_or(i64::MAX),
-            ),
-            Some(&**trip),
-        ),
-        GuardState::Probing { trip } => (Phase::Probing, 0, Some(&**trip)),
-        GuardState::Closed => (Phase::Closed, 0, None),
+    let wall = |until: Instant| {
+        now_ms.saturating_add(
+            i64::try_from(until.saturating_duration_since(now).as_millis()).unwrap_or(i64::MAX),
+        )
     };
-    GuardSnapshot {
+    let counts = guard.counts();
+    let counted = |phase, until_ms, trip: Option<&Trip>| GuardSnapshot {
         phase,
         until_ms,
         code: trip.map(|t| t.code().as_str().to_string()),
@@ -122,6 +118,50 @@ pub fn snapshot(guard: &SessionGuard, now: Instant, now_ms: i64) -> GuardSnapsho
         spend: counts.spend.iter().map(|(t, usd)| (at(*t), *usd)).collect(),
         transitions: counts.transitions,
         signature: trip.and_then(|t| t.signature),
+        restart: counts
+            .restart
+            .map(|r| restart(Some(r), &at))
+            .filter(|r| *r != RestartSnapshot::default()),
+    };
+    let (phase, until_ms, trip) = match counts.state {
+        GuardState::Active => (Phase::Active, 0, None),
+        GuardState::Recovering => (Phase::Recovering, 0, None),
+        GuardState::Tripped { until, trip } => (Phase::Tripped, wall(*until), Some(&**trip)),
+        GuardState::Probing { trip } => (Phase::Probing, 0, Some(&**trip)),
+        GuardState::Closed => (Phase::Closed, 0, None),
+        GuardState::Waiting { until } => (Phase::Waiting, wall(*until), None),
+        GuardState::Recovered => (Phase::Recovered, 0, None),
+        GuardState::Guided { guide } => {
+            return GuardSnapshot {
+                code: Some(guide.rule.code().as_str().to_string()),
+                rule: Some(guide.rule.as_str().to_string()),
+                evidence: Some(guide.evidence.clone()),
+                restart: Some(RestartSnapshot {
+                    guide: Some(GuideSnapshot {
+                        request: guide.request,
+                        tool: guide.tool,
+                        result: guide.result.clone(),
+                    }),
+                    ..restart(counts.restart, &at)
+                }),
+                ..counted(Phase::Guided, 0, None)
+            };
+        }
+    };
+    counted(phase, until_ms, trip)
+}
+
+/// A guard's restart memory on the wall clock (`at` converts a time).
+fn restart(r: Option<&Restart>, at: &impl Fn(Instant) -> i64) -> RestartSnapshot {
+    let Some(r) = r else {
+        return RestartSnapshot::default();
+    };
+    RestartSnapshot {
+        guided_ms: r.guided_at.map(|t| t.map(at)),
+        tool_floor: r.tool_floor,
+        troubled_ms: r.troubled_since.map(at),
+        same_error: r.same_error,
+        guide: None,
     }
 }
 
@@ -158,7 +198,34 @@ pub fn from_snapshot(
             trip: Box::new(trip()),
         },
         Phase::Closed => GuardState::Closed,
+        Phase::Waiting => GuardState::Waiting {
+            until: now
+                + Duration::from_millis(
+                    u64::try_from(snap.until_ms.saturating_sub(now_ms)).unwrap_or(0),
+                ),
+        },
+        Phase::Recovered => GuardState::Recovered,
+        Phase::Guided => {
+            let guide = snap.restart.as_ref().and_then(|r| r.guide.clone());
+            let trip = trip();
+            GuardState::Guided {
+                guide: Box::new(Guide {
+                    rule: trip.rule,
+                    evidence: trip.evidence,
+                    request: guide.as_ref().map_or(0, |g| g.request),
+                    tool: guide.as_ref().and_then(|g| g.tool),
+                    result: guide.and_then(|g| g.result),
+                }),
+            }
+        }
     };
+    let restart = snap.restart.as_ref().map(|r| Restart {
+        guided_at: r.guided_ms.map(|t| t.map(at)),
+        tool_floor: r.tool_floor,
+        troubled_since: r.troubled_ms.map(at),
+        same_error: r.same_error,
+        recovered_after: None,
+    });
     SessionGuard::from_counts(
         config,
         Counts {
@@ -171,6 +238,7 @@ pub fn from_snapshot(
                 .map(|(ms, usd)| (at(*ms), *usd))
                 .collect::<Vec<_>>(),
             transitions: snap.transitions,
+            restart: restart.as_ref().filter(|r| **r != Restart::default()),
         },
     )
 }
@@ -319,5 +387,48 @@ mod tests {
         for _ in 0..3 {
             assert!(old.admit(t0, &fp(7), 0.0).0.is_ok());
         }
+    }
+
+    /// A guided session carried to another replica is judged there: the loop again trips
+    /// it, and what the restart strategies remember comes through.
+    #[test]
+    fn a_guided_state_crosses_to_another_replica() {
+        use crate::policy::guard::RequestFingerprint;
+        let policy = GuardPolicy {
+            guide: true,
+            ..config()
+        };
+        let looping = |n, request| RequestFingerprint {
+            request,
+            tool_loop: Some(("ls({}) returned the same error".into(), n)),
+            tool_result: Some("Error: denied".into()),
+        };
+        let t0 = Instant::now();
+        let mut a = SessionGuard::new(policy.clone());
+        assert!(a.admit(t0, &looping(3, 1), 0.0).0.is_ok());
+        assert_eq!(a.state().phase(), Phase::Guided);
+        let snap = snapshot(&a, t0, 1_000_000);
+        let text = crate::store::format::encode_snapshot(&snap);
+        assert!(text.starts_with(r#"{"v":1,"phase":"guided","#), "{text}");
+        let back = crate::store::format::decode_snapshot(&text).unwrap();
+        assert_eq!(back, snap);
+        let elsewhere = Instant::now() + Duration::from_secs(50);
+        let b = from_snapshot(policy.clone(), back, elsewhere, 1_000_000);
+        assert_eq!(snapshot(&b, elsewhere, 1_000_000), snap);
+        let GuardState::Guided { guide } = b.state() else {
+            panic!("{:?}", b.state())
+        };
+        assert!(guide.note().contains("Error: denied"));
+        let refused = b.clone().admit(elsewhere, &looping(4, 2), 0.0).0.unwrap_err();
+        assert_eq!(refused.trip.rule, TripRule::ToolLoopLimit);
+        // A change of course there recovers, and the floor keeps the old loop quiet.
+        let mut c = b.clone();
+        assert!(c.admit(elsewhere, &looping(3, 3), 0.0).0.is_ok());
+        assert_eq!(c.state().phase(), Phase::Recovered);
+        let moved = from_snapshot(policy, snapshot(&c, elsewhere, 1_000_000), t0, 1_000_000);
+        let mut d = moved.clone();
+        assert!(d.admit(t0, &looping(3, 4), 0.0).0.is_ok());
+        assert_eq!(d.state().phase(), Phase::Active);
+        assert_eq!(d.restart().unwrap().tool_floor, c.restart().unwrap().tool_floor);
     }
 }

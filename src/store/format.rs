@@ -52,6 +52,40 @@ pub struct GuardSnapshot {
     /// trip's refusals to its signature.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub signature: Option<u64>,
+    /// What the restart strategies remember (guidance, the trouble's start, a repeated
+    /// provider refusal). Written only when there is something (every other snapshot's
+    /// bytes are as they were); a guided or waiting snapshot has a phase an older build
+    /// does not read at all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart: Option<RestartSnapshot>,
+}
+
+/// [`GuardSnapshot::restart`]: a guard's [`Restart`](crate::policy::guard::Restart) and
+/// a guided state's loop, times on the wall clock.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RestartSnapshot {
+    /// When the identical-request and tool-loop rules last guided the session.
+    #[serde(default)]
+    pub guided_ms: [Option<i64>; 2],
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_floor: Option<(u64, u32)>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub troubled_ms: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub same_error: Option<(u64, u32)>,
+    /// A guided state's loop: the identical request, the tool loop's key and count, the
+    /// looping result (the rule and evidence are the snapshot's own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guide: Option<GuideSnapshot>,
+}
+
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct GuideSnapshot {
+    pub request: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<(u64, u32)>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<String>,
 }
 
 /// The records with a versioned format (the `record` label of the count).
@@ -542,6 +576,7 @@ mod tests {
             spend: vec![(1_700_000_000_000, 0.25)],
             transitions: 3,
             signature: None,
+            restart: None,
         }
     }
 

@@ -55,7 +55,11 @@ pub(super) fn guard_refuses(state: &GuardState, now: tokio::time::Instant) -> bo
     match state {
         GuardState::Closed | GuardState::Probing { .. } => true,
         GuardState::Tripped { until, .. } => now < *until,
-        GuardState::Active | GuardState::Recovering => false,
+        GuardState::Active
+        | GuardState::Recovering
+        | GuardState::Guided { .. }
+        | GuardState::Waiting { .. }
+        | GuardState::Recovered => false,
     }
 }
 

@@ -155,6 +155,8 @@ mod tests {
             tool_loop_limit: 3,
             max_usd_per_minute: None,
             cool_down: COOL_DOWN,
+            guide: false,
+            same_error_limit: 3,
         }
     }
     #[test]
