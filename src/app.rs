@@ -119,6 +119,7 @@ use crate::{
         body_memory::BodyMemory,
         budgets::{local::LocalBudgets, redis::RedisBudgets, BudgetBackend, Budgets},
         fleet::{Fleet, FleetBackend, LocalFleet, ReplicaFleet},
+        restarts::{Restarts, SharedRestarts},
         health::HealthRegistry,
         journal::Journal,
         owners::ResponseOwners,
@@ -240,7 +241,11 @@ impl AppState {
             clock.clone(),
         )
         .with_backend(guard_backend)
-        .sharing(budgets.live());
+        .sharing(budgets.live())
+        .counting(Arc::new(match &redis {
+            Some(redis) => Restarts::new(Arc::new(SharedRestarts::new(redis.clone()))),
+            None => Restarts::local(),
+        }));
         // The fleet views: this process's, or the replicas' in Redis (this replica's
         // own as the fallback).
         let fleet_backend: Arc<dyn FleetBackend> = match &redis {

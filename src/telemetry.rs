@@ -370,9 +370,10 @@ pub struct Trail {
     pub dropped: Option<Arc<str>>,
     pub attempts: u32,
     pub upstream_time: Duration,
-    /// The upstream's own error code (else its type) when its error was answered as it
-    /// came, for the fleet's failure signatures.
-    pub upstream_code: Option<Arc<str>>,
+    /// The upstream's own error (its code, else its type; its message and field) when
+    /// its error was answered as it came, for the fleet's failure signatures and the
+    /// guard's diagnosis.
+    pub upstream_error: Option<Arc<crate::policy::classify::ProviderError>>,
 }
 
 impl Trail {
@@ -386,7 +387,7 @@ impl Trail {
             self.model = later.model;
             self.dropped = later.dropped;
         }
-        self.upstream_code = later.upstream_code;
+        self.upstream_error = later.upstream_error;
     }
 }
 

@@ -385,3 +385,66 @@ mod tests {
         }
     }
 }
+
+/// Where [`noted`] puts a note in a chat conversation (the other APIs have one place for
+/// instructions).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    /// After the leading system and developer messages.
+    Leading,
+    /// After the last message: what the model reads last.
+    Last,
+}
+
+/// A request with a note for the model in the request's own place for instructions: a
+/// chat system message (at `place`), Anthropic's `system` (appended), the Responses
+/// `instructions` (appended).
+pub fn noted(
+    endpoint: Endpoint,
+    json: &Map<String, Value>,
+    note: &str,
+    place: Place,
+) -> Map<String, Value> {
+    let mut json = json.clone();
+    match endpoint {
+        Endpoint::Messages => {
+            let system = json.remove("system");
+            json.insert(
+                "system".into(),
+                match system {
+                    Some(Value::String(text)) => Value::String(format!("{text}\n\n{note}")),
+                    Some(Value::Array(mut blocks)) => {
+                        blocks.push(serde_json::json!({"type": "text", "text": note}));
+                        Value::Array(blocks)
+                    }
+                    _ => Value::String(note.to_string()),
+                },
+            );
+        }
+        Endpoint::Responses => {
+            let instructions = match json.get("instructions").and_then(Value::as_str) {
+                Some(text) => format!("{text}\n\n{note}"),
+                None => note.to_string(),
+            };
+            json.insert("instructions".into(), Value::String(instructions));
+        }
+        _ => {
+            if let Some(Value::Array(messages)) = json.get_mut("messages") {
+                let at = match place {
+                    Place::Last => messages.len(),
+                    Place::Leading => messages
+                        .iter()
+                        .take_while(|m| {
+                            matches!(
+                                m.get("role").and_then(Value::as_str),
+                                Some("system" | "developer")
+                            )
+                        })
+                        .count(),
+                };
+                messages.insert(at, serde_json::json!({"role": "system", "content": note}));
+            }
+        }
+    }
+    json
+}

@@ -112,6 +112,9 @@ struct ErrorFields {
     status: Option<String>,
     #[serde(default)]
     message: Option<String>,
+    /// OpenAI's: the request field the error is about.
+    #[serde(default)]
+    param: Option<serde_json::Value>,
 }
 
 /// The error code, type and message of an OpenAI or Anthropic error body, lower-cased.
@@ -119,14 +122,7 @@ struct ErrorFields {
 /// (`[{"error": {"code": 429, "status": "RESOURCE_EXHAUSTED", ...}}]`): the first
 /// element is read, and its `status` stands for the type.
 fn error_fields(body: &[u8]) -> (String, String, String) {
-    let envelope = if body.trim_ascii_start().starts_with(b"[") {
-        serde_json::from_slice::<Vec<ErrorEnvelope>>(body)
-            .ok()
-            .and_then(|all| all.into_iter().next())
-    } else {
-        serde_json::from_slice::<ErrorEnvelope>(body).ok()
-    };
-    let fields = envelope.and_then(|e| e.error).unwrap_or_default();
+    let fields = fields(body).unwrap_or_default();
     let code = match fields.code {
         Some(serde_json::Value::String(s)) => s.to_ascii_lowercase(),
         _ => String::new(),
@@ -140,6 +136,60 @@ fn error_fields(body: &[u8]) -> (String, String, String) {
             .to_ascii_lowercase(),
         fields.message.unwrap_or_default().to_ascii_lowercase(),
     )
+}
+
+/// An error body's error object, as the provider wrote it.
+fn fields(body: &[u8]) -> Option<ErrorFields> {
+    let envelope = if body.trim_ascii_start().starts_with(b"[") {
+        serde_json::from_slice::<Vec<ErrorEnvelope>>(body)
+            .ok()
+            .and_then(|all| all.into_iter().next())
+    } else {
+        serde_json::from_slice::<ErrorEnvelope>(body).ok()
+    };
+    envelope.and_then(|e| e.error)
+}
+
+/// A provider's error answer as a diagnosis reads it: its code (else its type, lower
+/// case), its message as written, and the request field it points at: OpenAI's
+/// `param`, else the path an Anthropic message begins with (`messages.1.content: ...`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ProviderError {
+    pub code: String,
+    pub message: String,
+    pub field: Option<String>,
+}
+
+/// The provider's error in an error body; `None` when it is none of theirs.
+pub fn provider_error(body: &[u8]) -> Option<ProviderError> {
+    let f = fields(body)?;
+    let code = match &f.code {
+        Some(serde_json::Value::String(s)) if !s.is_empty() => s.to_ascii_lowercase(),
+        _ => f
+            .kind
+            .clone()
+            .or(f.status.clone())
+            .unwrap_or_default()
+            .to_ascii_lowercase(),
+    };
+    let message = f.message.unwrap_or_default();
+    let field = match f.param {
+        Some(serde_json::Value::String(p)) if !p.is_empty() => Some(p),
+        _ => message
+            .split_once(": ")
+            .map(|(head, _)| head)
+            .filter(|head| {
+                !head.is_empty()
+                    && !head.contains(char::is_whitespace)
+                    && head.contains(['.', '['])
+            })
+            .map(str::to_string),
+    };
+    (!code.is_empty() || !message.is_empty()).then_some(ProviderError {
+        code,
+        message,
+        field,
+    })
 }
 
 /// The error code an OpenAI or Anthropic error body names (else its type), lower-cased:
@@ -488,5 +538,27 @@ mod tests {
                 now,
             );
         }
+    }
+
+    #[test]
+    fn a_provider_error_names_its_code_message_and_field() {
+        let openai = br#"{"error":{"message":"Invalid type for 'messages[1].content'.","type":"invalid_request_error","param":"messages[1].content","code":"invalid_type"}}"#;
+        assert_eq!(
+            provider_error(openai),
+            Some(ProviderError {
+                code: "invalid_type".into(),
+                message: "Invalid type for 'messages[1].content'.".into(),
+                field: Some("messages[1].content".into()),
+            })
+        );
+        let anthropic = br#"{"type":"error","error":{"type":"invalid_request_error","message":"messages.1.content.0.tool_result: unexpected tool_use_id"}}"#;
+        let e = provider_error(anthropic).unwrap();
+        assert_eq!(
+            (&*e.code, e.field.as_deref()),
+            ("invalid_request_error", Some("messages.1.content.0.tool_result"))
+        );
+        let plain = br#"{"error":{"type":"invalid_request_error","message":"max_tokens: Field required"}}"#;
+        assert_eq!(provider_error(plain).unwrap().field, None, "not a path");
+        assert_eq!(provider_error(b"upstream exploded"), None);
     }
 }

@@ -441,6 +441,11 @@ impl SessionGuard {
         self.restart.as_deref()
     }
 
+    /// How long the recovery this guard just made took, once: for the restart record.
+    pub fn take_recovery(&mut self) -> Option<Duration> {
+        self.restart.as_deref_mut()?.recovered_after.take()
+    }
+
     fn restart_mut(&mut self) -> &mut Restart {
         self.restart.get_or_insert_with(Box::default)
     }
@@ -627,7 +632,7 @@ impl SessionGuard {
                 self.recover(now);
                 let (verdict, _) = self.judge(now, fp, session_usd);
                 let to = self.state.phase();
-                return (verdict, Some((from, to)));
+                return (verdict, (from != to).then_some((from, to)));
             }
             GuardState::Recovered => {
                 let change = self.set(GuardState::Active);

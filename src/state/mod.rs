@@ -16,5 +16,6 @@ pub mod journal;
 pub mod live;
 pub mod owners;
 pub mod redis;
+pub mod restarts;
 pub mod sessions;
 pub mod shared;

@@ -16,10 +16,10 @@ use axum::body::Body;
 use http::Response;
 
 use super::{
-    failure::failure_kind,
+    failure::{failure_kind, guard_outcome},
     fleet::{fleet_imposed, fleet_verdict},
     guard::Guarded,
-    trip::{persist, to_keep, transition, trip_detail, tripped},
+    trip::{persist, to_keep, trip_detail},
     AdmissionLayer, Asking,
 };
 use crate::{
@@ -27,7 +27,7 @@ use crate::{
     policy::{
         budget::SessionSeen,
         fleet::{Failed, FailureKind, FleetPolicy, Hot, Shape, Signature, EVIDENCE_MARKS},
-        guard::{Transition, Trip, TripRule},
+        guard::{Outcome, Transition, Trip, TripRule},
         trail,
     },
     state::{
@@ -55,6 +55,10 @@ pub(super) struct Ended {
     /// The failure as the fleet's signature names it (a guarded session of a tenant with
     /// a fleet view only).
     pub(super) failure: Option<FailureKind>,
+    /// How it ended for the session's guard (a guarded session only).
+    pub(super) outcome: Outcome,
+    /// The loop rule that guided it, if one did.
+    pub(super) guided: Option<&'static str>,
     pub(super) facts: Facts,
 }
 
@@ -69,7 +73,11 @@ pub(super) fn status(result: &Result<Response<Body>, GatewayError>) -> (u16, boo
 
 impl Asking {
     /// How the request ended, and what its record holds after the call.
-    pub(super) fn ended(&self, result: &Result<Response<Body>, GatewayError>) -> Ended {
+    pub(super) fn ended(
+        &self,
+        result: &Result<Response<Body>, GatewayError>,
+        guided: Option<&'static str>,
+    ) -> Ended {
         let facts = self.log.facts();
         let (status, failed) = status(result);
         let failure = match &self.guarded {
@@ -78,10 +86,17 @@ impl Asking {
             }
             _ => None,
         };
+        let outcome = match &self.guarded {
+            Some(_) => guard_outcome(result, &facts.recovery, failed),
+            None if failed => Outcome::Failed,
+            None => Outcome::Succeeded,
+        };
         Ended {
             status,
             failed,
             failure,
+            outcome,
+            guided,
             facts,
         }
     }
@@ -120,21 +135,25 @@ impl AdmissionLayer {
             status,
             failed,
             failure,
+            outcome,
+            guided,
             facts,
         } = ended;
         let seen = facts.session_seen;
-        let change = self.outcome(g, shape, failure, failed, &facts, seen).await;
+        let change = self
+            .outcome(g, shape, failure, &outcome, &facts, seen)
+            .await;
         let keep = {
             let mut e = lock(&g.entry);
             if let Some(seen) = seen {
                 e.seen_usd = e.seen_usd.max(seen.settled.usd);
             }
             let now = self.guards.now();
-            transition(&g.tenant, &g.session, change, &g.request_id);
-            tripped(&self.fleet, &g.tenant, &e.guard, change);
+            self.changed(g, &mut e, change);
             let keep = to_keep(change, &e.guard, now);
             let state = e.guard.state().phase();
-            let detail = trip_detail(change, e.guard.state());
+            let detail = trip_detail(change, e.guard.state())
+                .or_else(|| guided.map(|rule| format!("guided: {rule}").into()));
             e.trace(TraceEntry {
                 request_id: TraceId::new(&g.request_id),
                 status,
@@ -164,15 +183,16 @@ impl AdmissionLayer {
         g: &Guarded,
         shape: Option<Shape>,
         failure: Option<FailureKind>,
-        failed: bool,
+        outcome: &Outcome,
         facts: &Facts,
         seen: Option<SessionSeen>,
     ) -> Option<Transition> {
+        let failed = outcome.failed();
         let imposed = match (&g.fleet, failure) {
             (Some(policy), Some(failure)) if failed => {
                 let sig = Signature::new(&shape.unwrap_or_else(|| g.shape()), &failure);
                 match self
-                    .fleet_failed_in_write_back(g, policy, &sig, facts)
+                    .fleet_failed_in_write_back(g, policy, &sig, outcome, facts)
                     .await
                 {
                     WriteBack::Counted(change) => return change,
@@ -184,7 +204,7 @@ impl AdmissionLayer {
         // Shared state that became unreadable meanwhile is left as it is (already logged):
         // this outcome goes uncounted.
         self.guards
-            .record(&g.tenant, &g.session, &g.entry, failed, seen, imposed)
+            .record(&g.tenant, &g.session, &g.entry, outcome, seen, imposed)
             .await
             .unwrap_or_default()
     }
@@ -246,6 +266,7 @@ impl AdmissionLayer {
         g: &Guarded,
         policy: &FleetPolicy,
         sig: &Signature,
+        failure: &Outcome,
         facts: &Facts,
     ) -> WriteBack {
         let marked = Trip {
@@ -267,6 +288,7 @@ impl AdmissionLayer {
                 &g.tenant,
                 &g.session,
                 &g.entry,
+                failure,
                 &(marked, policy.cool_down),
                 &EVIDENCE_MARKS,
                 write,

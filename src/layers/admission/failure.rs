@@ -9,11 +9,108 @@ use crate::{
     api::{signature, ParsedRequest},
     error::{Category, GatewayError},
     policy::{
+        classify::ProviderError,
         fleet::FailureKind,
-        guard::{Trip, TripCode, TripRule},
+        guard::{Outcome, Trip, TripCode, TripRule},
     },
     telemetry::Trail,
 };
+
+/// How a request ended, for its session's guard ([`Outcome`]): every target's breaker
+/// open is an outage to wait out; the provider refusing the request itself (a 4xx but
+/// 408, 409 and 429, answered as it came) or the upstream's credentials is a refusal
+/// with its diagnosis; anything else failed or succeeded.
+pub(super) fn guard_outcome(
+    result: &Result<Response<Body>, GatewayError>,
+    trail: &Trail,
+    failed: bool,
+) -> Outcome {
+    let upstream = trail.upstream.as_deref().unwrap_or("the upstream");
+    match result {
+        Err(GatewayError::CircuitOpen { retry_after }) => Outcome::Unavailable {
+            retry_after: *retry_after,
+        },
+        Err(GatewayError::UpstreamAuth { upstream, status }) => credentials(upstream, *status),
+        Ok(response) => {
+            let status = response.status().as_u16();
+            match status {
+                401 | 403 => credentials(upstream, status),
+                400..=499 if !matches!(status, 408 | 409 | 429) => {
+                    refused(upstream, status, trail.upstream_error.as_deref())
+                }
+                _ if failed => Outcome::Failed,
+                _ => Outcome::Succeeded,
+            }
+        }
+        Err(_) if failed => Outcome::Failed,
+        Err(_) => Outcome::Succeeded,
+    }
+}
+
+fn key(parts: &[&str]) -> u64 {
+    parts.iter().fold(0u64, |h, p| {
+        xxhash_rust::xxh3::xxh3_64_with_seed(p.as_bytes(), h)
+    })
+}
+
+/// A credential failure: nothing the agent sends can fix it, so it trips at once.
+fn credentials(upstream: &str, status: u16) -> Outcome {
+    Outcome::Refused {
+        key: key(&["credentials", upstream]),
+        diagnosis: format!(
+            "`{upstream}` refused Backstop's credentials (HTTP {status}); suggested fix: an operator must fix the upstream's api_key in Backstop's config, the agent cannot"
+        ),
+        at_once: true,
+    }
+}
+
+/// How much of a provider's message a diagnosis quotes.
+const MESSAGE_CHARS: usize = 300;
+
+/// The provider refused the request itself: its error, the field it points at, and
+/// what would fix it.
+fn refused(upstream: &str, status: u16, error: Option<&ProviderError>) -> Outcome {
+    let none = ProviderError::default();
+    let e = error.unwrap_or(&none);
+    let code = if e.code.is_empty() {
+        format!("http_{status}")
+    } else {
+        e.code.clone()
+    };
+    let message: String = e.message.chars().take(MESSAGE_CHARS).collect();
+    let lower = message.to_ascii_lowercase();
+    let fix = if code.contains("context_length")
+        || lower.contains("context length")
+        || lower.contains("prompt is too long")
+    {
+        "the conversation is longer than the model's context: shorten it (drop or summarise old turns) or route to a model with a longer context".to_string()
+    } else if status == 404 || code.contains("not_found") {
+        "the upstream does not have what the request names (its model?): check the model the route sends to this upstream".to_string()
+    } else if status == 413 {
+        "the request is too large for the upstream: send less (fewer or smaller attachments, a shorter history)".to_string()
+    } else if let Some(field) = &e.field {
+        format!("fix the request's `{field}` as the message says; sent again unchanged it gets the same answer")
+    } else {
+        "fix the request as the message says; sent again unchanged it gets the same answer"
+            .to_string()
+    };
+    let field = e
+        .field
+        .as_ref()
+        .map_or_else(String::new, |f| format!(" (field `{f}`)"));
+    Outcome::Refused {
+        key: key(&[
+            upstream,
+            &status.to_string(),
+            &code,
+            e.field.as_deref().unwrap_or(""),
+        ]),
+        diagnosis: format!(
+            "`{upstream}` answered HTTP {status} `{code}`: {message}{field}; suggested fix: {fix}"
+        ),
+        at_once: false,
+    }
+}
 
 /// How a request failed, as the fleet's signature names it: the upstream's error
 /// answered as it came (its code, else `http_<status>`), or a caller fault or malformed
@@ -39,9 +136,10 @@ pub(super) fn failure_kind(
                     "caller_fault"
                 },
                 code: trail
-                    .upstream_code
-                    .as_deref()
-                    .map_or_else(|| format!("http_{status}"), str::to_string),
+                    .upstream_error
+                    .as_ref()
+                    .filter(|e| !e.code.is_empty())
+                    .map_or_else(|| format!("http_{status}"), |e| e.code.clone()),
                 detail: format!("HTTP {status}"),
             })
         }
@@ -122,7 +220,12 @@ mod tests {
         code: Option<&str>,
     ) -> Option<FailureKind> {
         let trail = Trail {
-            upstream_code: code.map(Into::into),
+            upstream_error: code.map(|code| {
+                Arc::new(ProviderError {
+                    code: code.into(),
+                    ..ProviderError::default()
+                })
+            }),
             ..Trail::default()
         };
         failure_kind(&result, &trail, &request())

@@ -14,6 +14,7 @@
 use std::sync::Arc;
 
 use crate::{
+    api::request::{noted, Place},
     error::GatewayError,
     layers::context::Call,
     state::{
@@ -89,7 +90,11 @@ impl GateReply {
     /// nothing was spent).
     pub(super) fn admitted(self) -> Result<Admitted, GatewayError> {
         match self.reply? {
-            Gated::Passed { slot, prepaid, .. } => Ok(Admitted { slot, prepaid }),
+            Gated::Passed { slot, prepaid, .. } => Ok(Admitted {
+                slot,
+                prepaid,
+                guided: None,
+            }),
             Gated::Moved(..) => Ok(Admitted::default()),
         }
     }
@@ -104,9 +109,20 @@ impl GateReply {
                 slot,
                 guard: Some(versions),
                 prepaid,
-            }) if self.written => Saving::Saved(versions, Ok(Admitted { slot, prepaid })),
+            }) if self.written => Saving::Saved(
+                versions,
+                Ok(Admitted {
+                    slot,
+                    prepaid,
+                    guided: None,
+                }),
+            ),
             Ok(Gated::Passed { slot, prepaid, .. }) => {
-                Saving::Local(Ok(Admitted { slot, prepaid }))
+                Saving::Local(Ok(Admitted {
+                    slot,
+                    prepaid,
+                    guided: None,
+                }))
             }
             Ok(Gated::Moved(version, state)) => Saving::Moved(version, state),
             Err(refusal) => Saving::Undone(Err(refusal)),
@@ -121,13 +137,28 @@ pub(super) struct Admitted {
     pub(super) slot: Option<ConcurrencySlot>,
     /// Its first attempt's reservation (replica mode).
     pub(super) prepaid: Option<Arc<Prepaid>>,
+    /// The session's guard guides it: the note goes with the request.
+    pub(super) guided: Option<Guidance>,
+}
+
+/// A guided request's note, and the loop rule it is for.
+pub(super) struct Guidance {
+    pub(super) note: String,
+    pub(super) rule: &'static str,
 }
 
 impl Admitted {
-    /// The reservation goes with the call to its attempts; the slot stays here.
-    pub(super) fn hand_over(self, call: &mut Call) -> Option<ConcurrencySlot> {
+    /// The reservation goes with the call to its attempts, and a guided request's note
+    /// in the request, after its last message where the API allows (never in the
+    /// client's stream); the slot stays here. The guided rule, for the trace.
+    pub(super) fn hand_over(self, call: &mut Call) -> (Option<ConcurrencySlot>, Option<&'static str>) {
         call.prepaid = self.prepaid;
-        self.slot
+        let rule = self.guided.map(|guided| {
+            let json = noted(call.endpoint(), &call.request.json, &guided.note, Place::Last);
+            *call = call.with_json(json);
+            guided.rule
+        });
+        (self.slot, rule)
     }
 }
 

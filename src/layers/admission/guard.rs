@@ -11,8 +11,8 @@ use std::sync::{
 };
 
 use super::{
-    gate::{Admitted, GateRequest},
-    trip::{persist, refusal, refused_entry, to_keep, transition, tripped},
+    gate::{Admitted, GateRequest, Guidance},
+    trip::{persist, refusal, refused_entry, to_keep},
     unreadable, AdmissionLayer,
 };
 use crate::{
@@ -21,7 +21,7 @@ use crate::{
     layers::context::Call,
     policy::{
         fleet::{FleetPolicy, Hot, Shape},
-        guard::{RequestFingerprint, SessionGuard, Trip},
+        guard::{GuardState, Phase, RequestFingerprint, SessionGuard, Trip},
     },
     routing::Route,
     state::{
@@ -154,7 +154,7 @@ impl AdmissionLayer {
             )
             .await
             .map_err(unreadable)?;
-        let slot = match gated {
+        let mut slot = match gated {
             Some(Ok(slot)) => slot,
             Some(Err(refusal)) => return Err(refusal.into()),
             // The gate was not asked (a reload removed the tenant's guard meanwhile): the
@@ -163,11 +163,20 @@ impl AdmissionLayer {
         };
         let keep = {
             let mut e = lock(&g.entry);
-            transition(&g.tenant, &g.session, change, &g.request_id);
-            tripped(&self.fleet, &g.tenant, &e.guard, change);
+            self.changed(g, &mut e, change);
             let keep = to_keep(change, &e.guard, self.guards.now());
             if let Err(refused) = &admitted {
                 g.refused(&mut e, &refused.trip);
+                self.saved(g, &e, &refused.trip);
+            }
+            // The request a loop rule guides goes on with the note naming its loop.
+            if let (Some((_, Phase::Guided)), GuardState::Guided { guide }) =
+                (change, e.guard.state())
+            {
+                slot.guided = Some(Guidance {
+                    note: guide.note(),
+                    rule: guide.rule.as_str(),
+                });
             }
             keep
         };

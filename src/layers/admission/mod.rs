@@ -182,13 +182,14 @@ where
         // Who is asking, and what it must pass before it runs.
         let asking = self.asking(&call).await?;
         let before = self.before(&asking).await;
-        // The first attempt's reservation goes with the call; the slot stays here.
-        let slot = before.admitted?.hand_over(&mut call);
+        // The first attempt's reservation (and a guided request's note) go with the call;
+        // the slot stays here.
+        let (slot, guided) = before.admitted?.hand_over(&mut call);
         let started = Instant::now();
         let result = inner.call(call).await;
         // What the session learns of how it went.
-        self.after(&asking, before.shape, asking.ended(&result), started)
-            .await;
+        let ended = asking.ended(&result, guided);
+        self.after(&asking, before.shape, ended, started).await;
         Ok(holding(result?, slot))
     }
 }

@@ -135,7 +135,12 @@ pub(super) fn answering(
         calls.fetch_add(1, Ordering::SeqCst);
         call.log.set_recovery(Trail {
             attempts: 1,
-            upstream_code: code.map(Into::into),
+            upstream_error: code.map(|code| {
+                Arc::new(crate::policy::classify::ProviderError {
+                    code: code.into(),
+                    ..Default::default()
+                })
+            }),
             ..Trail::default()
         });
         let response = Response::builder().status(status).body(Body::empty());

@@ -3,15 +3,121 @@
 //! written when it happens and forgotten when the session is active again, so it
 //! outlives a restart or the session idling out of memory).
 
+use std::time::Duration;
+
+use super::{guard::Guarded, AdmissionLayer};
 use crate::{
     error::GatewayError,
-    policy::guard::{GuardState, Kept, Phase, Refused, SessionGuard, Transition, Trip},
+    policy::guard::{GuardState, Kept, Phase, Refused, SessionGuard, Transition, Trip, TripRule},
     state::{
         fleet::Fleet,
-        live::{TraceEntry, TraceId},
+        live::{Change, GuardedSession, TraceEntry, TraceId},
+        restarts::{Event, Restarts, Strategy},
         sessions::SessionGuards,
     },
 };
+
+impl AdmissionLayer {
+    /// What a request (`g`) did to its session's state: the change logged and counted
+    /// (trips by rule), the restart record's events, and the change kept for the
+    /// session's report with its evidence.
+    pub(super) fn changed(&self, g: &Guarded, e: &mut GuardedSession, change: Option<Transition>) {
+        transition(&g.tenant, &g.session, change, &g.request_id);
+        tripped(&self.fleet, &g.tenant, &e.guard, change);
+        let restarts = self.guards.restarts();
+        let recovered = e.guard.take_recovery();
+        restarted(restarts, &g.tenant, change, e.guard.state(), recovered);
+        if let (Some((_, Phase::Tripped)), GuardState::Tripped { trip, .. }) = (change, e.guard.state())
+        {
+            restarts.count(&g.tenant, Event::Tripped(trip.rule.as_str()));
+        }
+        if let Some((from, to)) = change {
+            let evidence = evidence(e.guard.state(), recovered, self.guards.now());
+            e.changed(Change {
+                at_ms: self.guards.now_ms(),
+                from,
+                to,
+                request_id: TraceId::new(&g.request_id),
+                evidence,
+            });
+        }
+    }
+
+    /// A request refused by a trip: what it would have cost (its session's mean call
+    /// cost) is counted as saved.
+    pub(super) fn saved(&self, g: &Guarded, e: &GuardedSession, trip: &Trip) {
+        if trip.rule != TripRule::Closed {
+            let usd = e.mean_call_usd();
+            self.guards.restarts().count(&g.tenant, Event::Refused { usd });
+        }
+    }
+}
+
+/// The restart record's events of a change (and of a recovery that took `recovered`,
+/// which a guided session changing course and guided again by another rule makes with
+/// no change of phase).
+fn restarted(
+    restarts: &Restarts,
+    tenant: &str,
+    change: Option<Transition>,
+    state: &GuardState,
+    recovered: Option<Duration>,
+) {
+    let strategy = |phase| match phase {
+        Phase::Guided => Some(Strategy::Guide),
+        Phase::Waiting => Some(Strategy::Wait),
+        _ => None,
+    };
+    if let Some(after) = recovered {
+        let from = change.map_or(Phase::Guided, |(from, _)| from);
+        restarts.count(
+            tenant,
+            Event::Recovered(strategy(from).unwrap_or(Strategy::Guide), after),
+        );
+    }
+    match change {
+        Some((from, to)) if from != to => {
+            if let Some(s) = strategy(to) {
+                restarts.count(tenant, Event::Began(s));
+            }
+            if let (Some(s), Phase::Tripped, None) = (strategy(from), to, recovered) {
+                restarts.count(tenant, Event::TrippedAfter(s));
+            }
+        }
+        // Changed course and guided again at once, by the other loop rule.
+        None if recovered.is_some() && matches!(state, GuardState::Guided { .. }) => {
+            restarts.count(tenant, Event::Began(Strategy::Guide));
+        }
+        _ => {}
+    }
+}
+
+/// What led to the state a change went to, for the session's report.
+fn evidence(
+    state: &GuardState,
+    recovered: Option<Duration>,
+    now: tokio::time::Instant,
+) -> Option<Box<str>> {
+    let text = match state {
+        GuardState::Guided { guide } => format!("{}: {}", guide.rule.as_str(), guide.evidence),
+        GuardState::Tripped { trip, .. } | GuardState::Probing { trip } => {
+            format!("{}: {}", trip.rule.as_str(), trip.evidence)
+        }
+        GuardState::Waiting { until } => format!(
+            "every target's circuit breaker is open; the first probe is due in {}s",
+            until.saturating_duration_since(now).as_secs_f64().ceil()
+        ),
+        GuardState::Recovered => match recovered {
+            Some(after) => format!(
+                "recovered {:.1}s after the session's first failure",
+                after.as_secs_f64()
+            ),
+            None => return None,
+        },
+        GuardState::Active | GuardState::Recovering | GuardState::Closed => return None,
+    };
+    Some(text.into())
+}
 
 /// The trace entry of a request refused before any attempt (status 0).
 pub(super) fn refused_entry(
@@ -68,6 +174,9 @@ pub(super) fn transition(
             request_id,
             "session state transition"
         );
+        metrics::counter!("backstop_guard_state_transitions_total", "from" => from, "to" => to)
+            .increment(1);
+        // The name before the restart states came; kept for existing dashboards.
         metrics::counter!("backstop_session_transitions_total", "from" => from, "to" => to)
             .increment(1);
     }

@@ -790,8 +790,9 @@ where
                 if answered.reply.status.as_u16() >= 400 {
                     // An upstream error answered as it came: its own code, for the fleet's
                     // failure signatures (read on this failure path only).
-                    self.trail.upstream_code =
-                        crate::policy::classify::error_code(answered.reply.bytes()).map(Arc::from);
+                    self.trail.upstream_error =
+                        crate::policy::classify::provider_error(answered.reply.bytes())
+                            .map(Arc::new);
                 }
                 Ok(Answered {
                     trail: self.trail,

@@ -30,6 +30,7 @@ use super::{
 };
 use crate::{
     api::{
+        request::{noted, Place},
         tool_calls::{self, ToolCall},
         Endpoint,
     },
@@ -274,44 +275,7 @@ fn restore(endpoint: Endpoint, call: &mut Call, session: &Session, calls: &[Tool
         "Earlier in this session these actions were already carried out; their side effects are done and must not be repeated:\n{}",
         lines.join("\n")
     );
-    let mut json = call.request.json.clone();
-    match endpoint {
-        Endpoint::Messages => {
-            let system = json.remove("system");
-            json.insert(
-                "system".into(),
-                match system {
-                    Some(Value::String(text)) => Value::String(format!("{text}\n\n{note}")),
-                    Some(Value::Array(mut blocks)) => {
-                        blocks.push(serde_json::json!({"type": "text", "text": note}));
-                        Value::Array(blocks)
-                    }
-                    _ => Value::String(note),
-                },
-            );
-        }
-        Endpoint::Responses => {
-            let instructions = match json.get("instructions").and_then(Value::as_str) {
-                Some(text) => format!("{text}\n\n{note}"),
-                None => note,
-            };
-            json.insert("instructions".into(), Value::String(instructions));
-        }
-        _ => {
-            if let Some(Value::Array(messages)) = json.get_mut("messages") {
-                let at = messages
-                    .iter()
-                    .take_while(|m| {
-                        matches!(
-                            m.get("role").and_then(Value::as_str),
-                            Some("system" | "developer")
-                        )
-                    })
-                    .count();
-                messages.insert(at, serde_json::json!({"role": "system", "content": note}));
-            }
-        }
-    }
+    let json = noted(endpoint, &call.request.json, &note, Place::Leading);
     *call = call.with_json(json);
     count("restored");
     listed.len()

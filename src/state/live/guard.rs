@@ -104,6 +104,33 @@ pub struct GuardedSession {
     /// share theirs, and every live session pays for what is inline here (these 32 bytes
     /// inline put a session's record in jemalloc's 320-byte class, not the 256).
     pub(in crate::state) shared: Option<Box<Sharing>>,
+    /// The session's latest changes of state on this replica, with their evidence
+    /// (boxed: most sessions never change state).
+    pub(in crate::state) changes: Option<Box<VecDeque<Change>>>,
+}
+
+/// Changes of state kept per session.
+const CHANGES_LEN: usize = 32;
+
+/// A change of a session's state, as its report shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Change {
+    /// Wall clock, ms since the epoch.
+    pub at_ms: i64,
+    pub from: Phase,
+    pub to: Phase,
+    pub request_id: TraceId,
+    /// What led to it: the rule and evidence, the wait, the time to recovery.
+    pub evidence: Option<Box<str>>,
+}
+
+impl Change {
+    fn to_json(&self) -> Value {
+        json!({
+            "at_ms": self.at_ms, "from": self.from.label(), "to": self.to.label(),
+            "request_id": self.request_id.to_string(), "evidence": self.evidence,
+        })
+    }
 }
 
 /// A session's guard against its shared state, on this replica.
@@ -132,6 +159,7 @@ impl GuardedSession {
             seen_usd: 0.0,
             generation,
             shared: None,
+            changes: None,
         }
     }
 
@@ -156,6 +184,39 @@ impl GuardedSession {
             self.trace.pop_front();
         }
         self.trace.push_back(item);
+    }
+
+    /// Keeps a change of state for the session's report.
+    pub fn changed(&mut self, change: Change) {
+        let changes = self.changes.get_or_insert_with(Box::default);
+        if changes.len() == CHANGES_LEN {
+            changes.pop_front();
+        }
+        changes.push_back(change);
+    }
+
+    /// The kept changes of state, oldest first, as JSON.
+    pub fn changes_json(&self) -> Vec<Value> {
+        self.changes
+            .iter()
+            .flat_map(|c| c.iter())
+            .map(Change::to_json)
+            .collect()
+    }
+
+    /// The mean cost of the session's traced calls that reached an upstream (0 before
+    /// any did): what one refused request would have cost.
+    pub fn mean_call_usd(&self) -> f64 {
+        let (n, usd) = self
+            .trace
+            .iter()
+            .filter(|t| t.status != 0)
+            .fold((0u32, 0.0), |(n, usd), t| (n + 1, usd + t.cost_usd));
+        if n == 0 {
+            0.0
+        } else {
+            usd / f64::from(n)
+        }
     }
 
     /// The guard's signals (state, risk, the trip and its evidence), as of `now`.

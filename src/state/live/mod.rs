@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use crate::clock::Clock;
 
 pub use book::SessionBook;
-pub use guard::{GuardedSession, TraceEntry, TraceId};
+pub use guard::{Change, GuardedSession, TraceEntry, TraceId};
 
 /// (tenant, session).
 pub type SessionKey = (Arc<str>, String);

@@ -10,7 +10,7 @@ use crate::{
     clock::Clock,
     policy::{
         budget::SessionSeen,
-        guard::{GuardPolicy, Trip},
+        guard::{GuardPolicy, Outcome, Trip},
     },
     state::live::GuardedSession,
     store::format::UnknownFormat,
@@ -58,6 +58,7 @@ impl GuardBackend for LocalGuards {
     fn record_failure<'a>(
         &'a self,
         _at: At<'a>,
+        _failure: &'a Outcome,
         _trip: &'a (Trip, Duration),
         _marks: &'a [&'a str],
         _write: &'a mut dyn FailureWrite,
@@ -69,7 +70,7 @@ impl GuardBackend for LocalGuards {
     fn records_quietly(
         &self,
         _entry: &mut GuardedSession,
-        _failed: bool,
+        _outcome: &Outcome,
         _seen: Option<SessionSeen>,
     ) -> bool {
         false
@@ -170,6 +171,7 @@ mod tests {
                 &tenant,
                 "s",
                 &entry,
+                &Outcome::Failed,
                 &trip,
                 &[],
                 |_| async { panic!("no round trip to fold into") },
@@ -181,6 +183,6 @@ mod tests {
         assert_eq!(lock(&entry).guard.counts().consecutive_failures, 0);
         assert!(!guards
             .backend
-            .records_quietly(&mut lock(&entry), false, None));
+            .records_quietly(&mut lock(&entry), &Outcome::Succeeded, None));
     }
 }

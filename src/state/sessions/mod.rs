@@ -35,11 +35,12 @@ use crate::{
     config::Config,
     policy::{
         budget::SessionSeen,
-        guard::{restore_trip, GuardPolicy, Kept, SessionGuard, Transition, Trip},
+        guard::{restore_trip, GuardPolicy, Kept, Outcome, SessionGuard, Transition, Trip},
     },
     state::{
         guard_view::{self, Write, Written},
         live::{GuardedSession, LiveSessions, Session, SessionKey, TraceEntry},
+        restarts::Restarts,
     },
     store::{
         format::{self, UnknownFormat},
@@ -151,6 +152,7 @@ pub trait GuardBackend: Send + Sync {
     fn record_failure<'a>(
         &'a self,
         at: At<'a>,
+        failure: &'a Outcome,
         trip: &'a (Trip, Duration),
         marks: &'a [&'a str],
         write: &'a mut dyn FailureWrite,
@@ -162,7 +164,7 @@ pub trait GuardBackend: Send + Sync {
     fn records_quietly(
         &self,
         entry: &mut GuardedSession,
-        failed: bool,
+        outcome: &Outcome,
         seen: Option<SessionSeen>,
     ) -> bool;
 
@@ -294,6 +296,8 @@ pub struct SessionGuards {
     clock: Clock,
     /// A session's shared state is forgotten after this long unused, as its memory is.
     idle: Duration,
+    /// How well the tenants' restarts work (kept across reloads).
+    restarts: Arc<Restarts>,
 }
 
 /// Each guarded tenant's policy.
@@ -329,14 +333,14 @@ impl std::ops::Deref for GuardRef {
 fn record_imposing(
     guard: &mut SessionGuard,
     now: Instant,
-    failed: bool,
+    outcome: &Outcome,
     imposed: Option<&(Trip, Duration)>,
 ) -> Option<Transition> {
     let Some((trip, cool_down)) = imposed else {
-        return guard.record(now, failed);
+        return guard.ended(now, outcome);
     };
     let from = guard.state().phase();
-    guard.record(now, failed);
+    guard.ended(now, outcome);
     guard.impose(now, trip.clone(), *cool_down);
     let to = guard.state().phase();
     (from != to).then_some((from, to))
@@ -358,7 +362,19 @@ impl SessionGuards {
             backend: Arc::new(LocalGuards::new(clock.clone())),
             clock,
             idle,
+            restarts: Arc::default(),
         }
+    }
+
+    /// The guards with their restarts counted in `restarts`.
+    pub fn counting(mut self, restarts: Arc<Restarts>) -> Self {
+        self.restarts = restarts;
+        self
+    }
+
+    /// How well the tenants' restarts work.
+    pub fn restarts(&self) -> &Restarts {
+        &self.restarts
     }
 
     /// The guards with their state where `backend` keeps it.
@@ -379,12 +395,18 @@ impl SessionGuards {
             backend: self.backend.clone(),
             clock: self.clock.clone(),
             idle: self.idle,
+            restarts: self.restarts.clone(),
         }
     }
 
     /// Now, on the clock the guards' cool-downs and windows run on.
     pub fn now(&self) -> Instant {
         self.clock.now()
+    }
+
+    /// Now on the wall clock (ms since the epoch), for what reports show.
+    pub fn now_ms(&self) -> i64 {
+        self.clock.now_ms()
     }
 
     pub fn is_guarded(&self, tenant: &str) -> bool {
@@ -505,26 +527,26 @@ impl SessionGuards {
         tenant: &Arc<str>,
         session: &str,
         entry: &Mutex<GuardedSession>,
-        failed: bool,
+        outcome: &Outcome,
         seen: Option<SessionSeen>,
         imposed: Option<(Trip, Duration)>,
     ) -> Result<Option<Transition>, UnknownFormat> {
         if let Some(imposed) = imposed {
             return self
                 .update(tenant, session, entry, |guard, now| {
-                    record_imposing(guard, now, failed, Some(&imposed))
+                    record_imposing(guard, now, outcome, Some(&imposed))
                 })
                 .await;
         }
-        let quiet =
-            self.is_guarded(tenant) && self.backend.records_quietly(&mut lock(entry), failed, seen);
+        let quiet = self.is_guarded(tenant)
+            && self
+                .backend
+                .records_quietly(&mut lock(entry), outcome, seen);
         if quiet {
             return Ok(None);
         }
-        self.update(tenant, session, entry, |guard, now| {
-            guard.record(now, failed)
-        })
-        .await
+        self.update(tenant, session, entry, |guard, now| guard.ended(now, outcome))
+            .await
     }
 
     /// [`SessionGuards::record`] of a failure in replica mode when the round trip that
@@ -544,6 +566,7 @@ impl SessionGuards {
         tenant: &Arc<str>,
         session: &str,
         entry: &Mutex<GuardedSession>,
+        failure: &Outcome,
         trip: &(Trip, Duration),
         marks: &[&str],
         write: impl FnOnce(Candidates) -> Fut + Send,
@@ -570,7 +593,7 @@ impl SessionGuards {
         };
         match self
             .backend
-            .record_failure(at, trip, marks, &mut write)
+            .record_failure(at, failure, trip, marks, &mut write)
             .await?
         {
             Folded::Recorded(change) => {
@@ -724,6 +747,7 @@ impl SessionGuards {
         Some(json!({
             "signals": signals,
             "trace": entry.trace.iter().map(TraceEntry::to_json).collect::<Vec<_>>(),
+            "transitions": entry.changes_json(),
         }))
     }
 

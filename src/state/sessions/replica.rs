@@ -19,7 +19,7 @@ use crate::{
     clock::Clock,
     policy::{
         budget::SessionSeen,
-        guard::{GuardPolicy, SessionGuard, Trip},
+        guard::{GuardPolicy, Outcome, SessionGuard, Trip},
     },
     state::{
         guard_view::{self, Joined, Write, Written},
@@ -326,6 +326,7 @@ impl ReplicaGuards {
     async fn record_failure_shared(
         &self,
         at: At<'_>,
+        failure: &Outcome,
         trip: &(Trip, Duration),
         marks: &[&str],
         write: &mut dyn FailureWrite,
@@ -337,7 +338,7 @@ impl ReplicaGuards {
             let mut e = lock(entry);
             let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
             let mut recorded = e.guard.clone();
-            let change = recorded.record(now, true);
+            let change = recorded.ended(now, failure);
             let mut tripped = recorded.clone();
             tripped.impose(now, trip.0.clone(), trip.1);
             let state =
@@ -387,7 +388,7 @@ impl ReplicaGuards {
         };
         lock(entry).guard = before;
         let mut update = Typed::alone(|guard: &mut SessionGuard, now| {
-            record_imposing(guard, now, true, imposed.as_ref())
+            record_imposing(guard, now, failure, imposed.as_ref())
         });
         self.write_whole(at, &mut update, false, None, newer)
             .await?;
@@ -409,11 +410,12 @@ impl GuardBackend for ReplicaGuards {
     fn record_failure<'a>(
         &'a self,
         at: At<'a>,
+        failure: &'a Outcome,
         trip: &'a (Trip, Duration),
         marks: &'a [&'a str],
         write: &'a mut dyn FailureWrite,
     ) -> BoxFuture<'a, Result<Folded, UnknownFormat>> {
-        Box::pin(self.record_failure_shared(at, trip, marks, write))
+        Box::pin(self.record_failure_shared(at, failure, trip, marks, write))
     }
 
     /// A success of a quiet session (active, no failures in a row; the common case),
@@ -423,10 +425,10 @@ impl GuardBackend for ReplicaGuards {
     fn records_quietly(
         &self,
         e: &mut GuardedSession,
-        failed: bool,
+        outcome: &Outcome,
         seen: Option<SessionSeen>,
     ) -> bool {
-        if !failed && seen.is_some_and(|s| s.guard_quiet) {
+        if *outcome == Outcome::Succeeded && seen.is_some_and(|s| s.guard_quiet) {
             // Nothing to write. This replica's guard, behind the shared state if
             // another replica wrote since, takes the success too; the change, if any,
             // was the other replica's.
@@ -439,7 +441,7 @@ impl GuardBackend for ReplicaGuards {
         let (now, now_ms) = (self.clock.now(), self.clock.now_ms());
         let before = guard_view::snapshot(&e.guard, now, now_ms);
         let mut after = e.guard.clone();
-        let change = after.record(now, failed);
+        let change = after.ended(now, outcome);
         change.is_none() && guard_view::snapshot(&after, now, now_ms) == before
     }
 
