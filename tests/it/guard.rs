@@ -54,68 +54,92 @@ api_keys = ["{ALSO}"]
     .await
 }
 
+/// For the tests of the consecutive-failures rule: the same provider refusal five times
+/// in a row would otherwise be the `unrecoverable` rule's, at its third.
+const CONSECUTIVE: &str = "same_error_limit = 100";
+
 fn step(n: usize) -> Value {
     chat("gpt-4o").saying(format!("step {n}")).json()
 }
 
+/// The compaction loop in miniature: an agent retrying a compaction the provider refuses
+/// every time, the same way (`context_length_exceeded`; each attempt slightly
+/// different). Under the consecutive-failures rule alone (`CONSECUTIVE`) it is tripped
+/// at the fifth failure; by default the provider's third identical refusal trips it as
+/// `unrecoverable`, with a diagnosis naming the error and the fix.
 #[tokio::test]
 async fn the_compaction_loop_in_miniature_is_tripped_at_the_configured_count() {
-    let gw = guarded("60s", "").await;
-    // An agent retrying a compaction that fails every time (each attempt slightly different).
-    for i in 0..5 {
-        let resp = gw
-            .in_session(
-                GUARDED,
-                "compaction",
-                "compaction",
-                "status=400;code=context_length_exceeded",
-                &step(i),
-            )
-            .await;
-        assert_eq!(resp.status(), 400);
-        let state = if i < 4 { "recovering" } else { "tripped" };
-        assert_eq!(
-            resp.headers()["x-backstop-session-state"],
-            state,
-            "after failure {}",
-            i + 1
-        );
-    }
-    for i in 5..50 {
-        let resp = gw
-            .in_session(
-                GUARDED,
-                "compaction",
-                "compaction",
-                "status=400;code=context_length_exceeded",
-                &step(i),
-            )
-            .await;
-        assert_eq!(resp.status(), 429);
-        if i == 5 {
-            assert_eq!(resp.headers()["x-should-retry"], "false");
-            let retry_after: u64 = resp.headers()["retry-after"]
-                .to_str()
-                .unwrap()
-                .parse()
-                .unwrap();
-            assert!((59..=60).contains(&retry_after));
-            let body = json(resp).await;
-            assert_eq!(body["error"]["code"], "session_tripped");
-            assert!(
-                body["error"]["message"]
-                    .as_str()
-                    .unwrap()
-                    .contains("5 requests in a row failed"),
-                "{body}"
+    for (extra, trips_at, names) in [
+        (CONSECUTIVE, 5, "5 requests in a row failed"),
+        (
+            "",
+            3,
+            "unrecoverable): the provider refused the request the same way 3 times in a row",
+        ),
+    ] {
+        let gw = guarded("60s", extra).await;
+        for i in 0..trips_at {
+            let resp = gw
+                .in_session(
+                    GUARDED,
+                    "compaction",
+                    "compaction",
+                    "status=400;code=context_length_exceeded",
+                    &step(i),
+                )
+                .await;
+            assert_eq!(resp.status(), 400);
+            let state = if i + 1 < trips_at {
+                "recovering"
+            } else {
+                "tripped"
+            };
+            assert_eq!(
+                resp.headers()["x-backstop-session-state"],
+                state,
+                "after failure {}",
+                i + 1
             );
         }
+        for i in trips_at..50 {
+            let resp = gw
+                .in_session(
+                    GUARDED,
+                    "compaction",
+                    "compaction",
+                    "status=400;code=context_length_exceeded",
+                    &step(i),
+                )
+                .await;
+            assert_eq!(resp.status(), 429);
+            if i == trips_at {
+                assert_eq!(resp.headers()["x-should-retry"], "false");
+                let retry_after: u64 = resp.headers()["retry-after"]
+                    .to_str()
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                assert!((59..=60).contains(&retry_after));
+                let body = json(resp).await;
+                assert_eq!(body["error"]["code"], "session_tripped");
+                let message = body["error"]["message"].as_str().unwrap();
+                assert!(message.contains(names), "{body}");
+                if trips_at == 3 {
+                    // The diagnosis: the upstream, the provider's error, the fix.
+                    assert!(
+                        message.contains("HTTP 400 `context_length_exceeded`")
+                            && message.contains("suggested fix: the conversation is longer than the model's context"),
+                        "{message}"
+                    );
+                }
+            }
+        }
+        assert_eq!(
+            gw.mock.attempts("compaction"),
+            trips_at as u64,
+            "the rest of the 50 loop calls never reached the upstream"
+        );
     }
-    assert_eq!(
-        gw.mock.attempts("compaction"),
-        5,
-        "45 of 50 loop calls never reached the upstream"
-    );
 }
 
 #[tokio::test]
@@ -197,7 +221,7 @@ async fn after_the_cool_down_one_probe_decides() {
     // The guard's time is the gateway's clock, moved past the cool-down instead of slept
     // through (tokio's own clock cannot be paused under real sockets and store threads).
     let clock = Clock::system();
-    let gw = guarded_with("path = \":memory:\"", "1s", "", clock.clone()).await;
+    let gw = guarded_with("path = \":memory:\"", "1s", CONSECUTIVE, clock.clone()).await;
     for i in 0..5 {
         gw.in_session(GUARDED, "probe", "probe", "status=400", &step(i))
             .await;
@@ -276,7 +300,7 @@ async fn a_healthy_twelve_step_agent_is_never_tripped() {
 
 #[tokio::test]
 async fn sessions_are_per_tenant_and_operators_see_the_trace() {
-    let gw = guarded("60s", "").await;
+    let gw = guarded("60s", CONSECUTIVE).await;
     for i in 0..5 {
         gw.in_session(GUARDED, "shared", "per-tenant", "status=400", &step(i))
             .await;
@@ -389,13 +413,13 @@ async fn close(gw: &Gateway, tenant: &str, session: &str) {
 async fn closes_and_trips_survive_a_restart() {
     let dir = TempDir::new("backstop-guard-restart");
     let store = format!("path = \"{}\"", dir.0.join("ledger.db").display());
-    let gw = guarded_on(&store, "60s", "").await;
+    let gw = guarded_on(&store, "60s", CONSECUTIVE).await;
     trip(&gw, "tripped").await;
     close(&gw, "guarded", "closed").await;
     let Gateway { server, .. } = gw;
     server.shutdown().await;
 
-    let gw = guarded_on(&store, "60s", "").await;
+    let gw = guarded_on(&store, "60s", CONSECUTIVE).await;
     let resp = gw
         .in_session(GUARDED, "closed", "after", "", &step(1))
         .await;
