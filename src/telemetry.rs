@@ -236,8 +236,17 @@ pub fn metrics_handle() -> PrometheusHandle {
                 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
             ];
+            // Time to recovery is seconds to an hour, not a request's latency.
+            let recovery = [1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0];
             let recorder = PrometheusBuilder::new()
                 .set_buckets(&latency)
+                .expect("static bucket list is non-empty")
+                .set_buckets_for_metric(
+                    metrics_exporter_prometheus::Matcher::Full(
+                        "backstop_guard_recovery_seconds".into(),
+                    ),
+                    &recovery,
+                )
                 .expect("static bucket list is non-empty")
                 .build_recorder();
             let handle = recorder.handle();

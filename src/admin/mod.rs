@@ -22,6 +22,7 @@ mod dashboard;
 mod error;
 mod fleet;
 mod reload;
+mod restarts;
 
 use std::{collections::HashMap, convert::Infallible, sync::Arc};
 
@@ -103,6 +104,7 @@ pub fn routes<S: Clone + Send + Sync + 'static>(state: AdminState) -> Router<S> 
         .route("/admin/upstreams", get(upstreams))
         .route("/admin/tenants/{tenant}", get(tenant_view))
         .route("/admin/tenants/{tenant}/fleet", get(fleet::fleet_view))
+        .route("/admin/tenants/{tenant}/guard", get(restarts::guard_view))
         .route("/admin/tenants/{tenant}/sessions/{session}", get(session))
         .route(
             "/admin/tenants/{tenant}/sessions/{session}/journal",

@@ -409,6 +409,11 @@ impl SessionGuards {
         self.clock.now_ms()
     }
 
+    /// The tenant's guard policy, if it has one.
+    pub fn policy(&self, tenant: &str) -> Option<&Arc<GuardPolicy>> {
+        self.configs.get(tenant)
+    }
+
     pub fn is_guarded(&self, tenant: &str) -> bool {
         self.configs.contains_key(tenant)
     }
