@@ -50,6 +50,9 @@ use std::time::Duration;
 pub struct FaultStep {
     pub status: Option<u16>,
     pub code: Option<String>,
+    /// The request field an error names (`param=`): OpenAI's `param`, the start of
+    /// Anthropic's message.
+    pub param: Option<String>,
     pub retry_after: Option<String>,
     pub retry_after_ms: Option<u64>,
     pub delay: Option<Duration>,
@@ -101,6 +104,7 @@ impl FaultStep {
             match key {
                 "status" => out.status = value.parse().ok(),
                 "code" => out.code = Some(value.to_string()),
+                "param" => out.param = Some(value.to_string()),
                 "retry_after" => out.retry_after = Some(value.to_string()),
                 "retry_after_ms" => out.retry_after_ms = value.parse().ok(),
                 "delay" => out.delay = humantime::parse_duration(value).ok(),

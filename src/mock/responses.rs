@@ -603,11 +603,19 @@ pub fn error(api: Api, status: u16, step: &FaultStep) -> Response<Body> {
     };
     let code = step.code.as_deref().unwrap_or(default_type);
     let message = format!("mock upstream fault: status {status} ({code})");
+    let param = step.param.as_deref();
     let body = match api {
         Api::OpenAi | Api::Responses => {
-            json!({"error": {"message": message, "type": code, "code": code, "param": null}})
+            json!({"error": {"message": message, "type": code, "code": code, "param": param}})
         }
-        Api::Anthropic => json!({"type": "error", "error": {"type": code, "message": message}}),
+        // Anthropic names the field at the start of its message.
+        Api::Anthropic => {
+            let message = match param {
+                Some(field) => format!("{field}: {message}"),
+                None => message,
+            };
+            json!({"type": "error", "error": {"type": code, "message": message}})
+        }
     };
     let mut builder = Response::builder()
         .status(StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR))

@@ -272,6 +272,11 @@ impl TenantLimits {
         self.key("guard.max_consecutive_failures", i64::from(n))
     }
 
+    /// `guard.guide = true` (turns the session guard on).
+    pub fn guard_guide(self) -> Self {
+        self.key("guard.guide", true)
+    }
+
     /// The keys written into `config` (the tenant must exist).
     pub fn apply(self, mut config: TestConfig) -> TestConfig {
         for (key, value) in self.keys {

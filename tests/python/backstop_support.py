@@ -42,6 +42,7 @@ TENANT_B_KEY = "bk-test-b"
 CAPPED_KEY = "bk-test-capped"
 THROTTLED_KEY = "bk-test-throttled"
 GUARDED_KEY = "bk-test-guarded"
+GUIDED_KEY = "bk-test-guided"
 FLEET_KEY = "bk-test-fleet"
 BILLED_KEY = "bk-test-billed"
 # Side effects committed once (tests/python/test_side_effects_sdk.py): one tenant per
@@ -159,6 +160,20 @@ base_url = "{mock}"
 api_key = "x"
 attempt_timeout = "300ms"
 
+# Restart smart's outage (tests/python/test_restart_sdk.py): opens after two failures,
+# half-opens 600 ms later.
+[[upstreams]]
+name = "outage"
+api = "openai"
+forward_headers = ["x-mock-*"]
+base_url = "{mock}"
+[upstreams.retry]
+max_attempts = 1
+[upstreams.breaker]
+failure_threshold = 2
+open_for = "600ms"
+open_min = "600ms"
+
 [[upstreams]]
 name = "storm-a"
 api = "openai"
@@ -205,6 +220,10 @@ model = "quota-gpt"
 targets = [{{ upstream = "quota-a" }}, {{ upstream = "quota-b" }}]
 
 # Two targets on the same mock: attempts are counted per scenario across both.
+[[routes]]
+model = "outage-gpt"
+targets = [{{ upstream = "outage" }}]
+
 [[routes]]
 model = "storm-gpt"
 targets = [{{ upstream = "storm-a" }}, {{ upstream = "storm-b" }}]
@@ -282,6 +301,16 @@ name = "guarded"
 api_keys = ["{GUARDED_KEY}"]
 [tenants.guard]
 max_consecutive_failures = 3
+
+# Restart smart (tests/python/test_restart_sdk.py): a loop is guided once before it trips.
+[[tenants]]
+name = "guided"
+api_keys = ["{GUIDED_KEY}"]
+[tenants.guard]
+guide = true
+identical_request_limit = 2
+tool_loop_limit = 3
+max_consecutive_failures = 10
 
 # Side effects committed once (tests/python/test_side_effects_sdk.py).
 [[tenants]]

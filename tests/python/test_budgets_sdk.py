@@ -85,7 +85,10 @@ def test_a_stuck_loop_is_stopped_with_a_typed_error(backstop, scenario):
     with pytest.raises(openai.RateLimitError) as err:
         client.chat.completions.create(model="gpt-4o", messages=_user("compact again"), extra_headers=headers)
     assert err.value.code == "session_tripped"
-    assert "3 requests in a row failed" in err.value.message
+    # The provider refused it the same way three times: unrecoverable, with a diagnosis.
+    assert "session_tripped (unrecoverable)" in err.value.message
+    assert "3 times in a row" in err.value.message
+    assert "suggested fix: the conversation is longer than the model's context" in err.value.message
     assert err.value.response.headers["x-should-retry"] == "false"
     assert backstop.attempts(scenario) == 3
     client.close()

@@ -213,8 +213,8 @@ def test_dashboard_shows_a_tripped_session_and_resets_it(backstop, browser, tmp_
     # The page shows it, state as text, with the rule's evidence.
     wait_for("the tripped session", lambda: state_text(driver, session) == "tripped")
     evidence = wait_for("the trip evidence", lambda: session_row(driver, session).text)
-    assert "session_tripped (max_consecutive_failures)" in evidence, evidence
-    assert "in a row failed" in evidence, evidence
+    assert "session_tripped (unrecoverable)" in evidence, evidence
+    assert "3 times in a row" in evidence, evidence
     wait_for("the retries counted", lambda: int(driver.find_element(By.CSS_SELECTOR, "#total-retries b").text) >= 2)
     refused = driver.find_element(By.ID, "total-refused").text
     assert "session_tripped" in refused, refused
