@@ -167,6 +167,7 @@ pub async fn data(State(state): State<AdminState>, RawQuery(query): RawQuery) ->
         "upstreams": upstreams(&state),
         "tenants": tenants(&state).await,
         "fleet": fleet(&state).await,
+        "restarts": restarts(&state).await,
         "sessions": sessions,
         "recovery": {
             "minute_ms": 60_000,
@@ -234,6 +235,18 @@ async fn fleet(state: &AdminState) -> Vec<Value> {
                 &report,
                 FLEET_SIGNATURES,
             ));
+        }
+    }
+    out
+}
+
+/// Each guarded tenant's restart record, as `GET /admin/tenants/{t}/guard` answers it.
+async fn restarts(state: &AdminState) -> Vec<Value> {
+    let mut out = Vec::new();
+    for tenant in state.budgets.tenant_names() {
+        if let Some(policy) = state.guards.policy(&tenant) {
+            let report = state.guards.restarts().report(&tenant).await;
+            out.push(super::restarts::report_json(&tenant, policy, &report));
         }
     }
     out

@@ -219,6 +219,16 @@ def test_dashboard_shows_a_tripped_session_and_resets_it(backstop, browser, tmp_
     refused = driver.find_element(By.ID, "total-refused").text
     assert "session_tripped" in refused, refused
 
+    # The restart record, beside the fleet prediction: the trip failed the session fast.
+    restarts = wait_for("the guarded tenant's restarts", lambda: next(
+        (t for t in driver.find_elements(By.CSS_SELECTOR, "#restarts [data-tenant='guarded']")
+         if "unrecoverable" in t.text), None))
+    assert driver.find_element(By.ID, "restarts-panel").is_displayed()
+    strategies = [r.get_attribute("data-strategy") for r in restarts.find_elements(By.CSS_SELECTOR, "tr[data-strategy]")]
+    assert strategies == ["guide", "wait", "total"], strategies
+    text = restarts.text
+    assert "trips by rule: unrecoverable" in text and "failed fast" in text and "saved by trips" in text, text
+
     # Its trace: the failures and the refusal, newest first.
     click_in_row(driver, session, "button.trace")
     wait_for("the trace", lambda: driver.find_element(By.ID, "trace-panel").is_displayed())

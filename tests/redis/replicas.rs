@@ -650,6 +650,69 @@ cool_down = "60s"
 }
 
 on_one_server_and_a_cluster!(
+    a_session_guided_on_one_replica_is_judged_on_another,
+    a_session_guided_on_one_replica_is_judged_on_another_on_a_cluster,
+    a_session_guided_on_one_replica_is_judged_on_another_with
+);
+
+/// Restart smart across replicas: a session guided on replica A that sends its loop
+/// again on replica B is tripped there, with no upstream call; one that changes course
+/// on B recovers there; the restart record every replica counts into says so on C.
+async fn a_session_guided_on_one_replica_is_judged_on_another_with(redis: Redis) {
+    let tenants = format!(
+        r#"
+[[tenants]]
+name = "guarded"
+api_keys = ["{GUARDED}"]
+[tenants.guard]
+guide = true
+identical_request_limit = 2
+cool_down = "60s"
+"#
+    );
+    let cluster = Cluster::start(&redis, &[PATIENT, PATIENT, PATIENT], &tenants).await;
+    let (a, b, c) = (0, 1, 2);
+    for (session, turns) in [("repeats", false), ("turns", true)] {
+        let headers = [("x-session-id", session), ("x-mock-scenario", session)];
+        for n in 0..2 {
+            let answer = cluster.call(a, GUARDED, &headers, &step(1)).await;
+            assert_eq!(answer.status, 200, "call {n}: {}", answer.text);
+        }
+        let guided = cluster.call(a, GUARDED, &headers, &step(1)).await;
+        assert_eq!(guided.status, 200, "{}", guided.text);
+        assert_eq!(guided.header("x-backstop-session-state"), Some("guided"));
+        let next = if turns { step(2) } else { step(1) };
+        let answer = cluster.call(b, GUARDED, &headers, &next).await;
+        if turns {
+            assert_eq!(answer.status, 200, "{}", answer.text);
+            assert_eq!(answer.header("x-backstop-session-state"), Some("recovered"));
+            assert_eq!(cluster.mock.attempts(session).await, 4);
+        } else {
+            assert_eq!(answer.status, 429, "{}", answer.text);
+            assert_eq!(answer.code(), "loop_detected");
+            assert!(answer.text.contains("guided once"), "{}", answer.text);
+            assert_eq!(cluster.mock.attempts(session).await, 3, "no upstream call");
+        }
+    }
+    // Counted off the request's path: read until both are in.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let record = cluster
+            .admin(c, reqwest::Method::GET, "/admin/tenants/guarded/guard")
+            .await;
+        assert_eq!(record.status, 200, "{}", record.text);
+        let guide = &record.json()["strategies"]["guide"];
+        if guide["sessions"] == 2 && guide["recovered"] == 1 && guide["tripped_after"] == 1 {
+            assert_eq!(record.json()["backend"], "redis");
+            assert_eq!(guide["success_rate"], 0.5);
+            break;
+        }
+        assert!(Instant::now() < deadline, "{}", record.text);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+on_one_server_and_a_cluster!(
     a_loop_spread_over_the_replicas_trips_at_the_configured_count,
     a_loop_spread_over_the_replicas_trips_at_the_configured_count_on_a_cluster,
     a_loop_spread_over_the_replicas_trips_at_the_configured_count_with

@@ -70,6 +70,8 @@ fn policy(limit: u32) -> GuardPolicy {
         tool_loop_limit: 100,
         max_usd_per_minute: None,
         cool_down: Duration::from_secs(3600),
+        guide: false,
+        same_error_limit: 3,
     }
 }
 
@@ -193,7 +195,7 @@ async fn session(server: &RedisServer) -> Session {
 fn fp(request: u64) -> RequestFingerprint {
     RequestFingerprint {
         request,
-        tool_loop: None,
+        ..RequestFingerprint::default()
     }
 }
 

@@ -37,6 +37,8 @@ const fmt = {
   usd: (v) => (v === null || v === undefined ? "–" : "$" + Number(v).toFixed(v >= 100 ? 0 : 4)),
   int: (v) => (v === null || v === undefined ? "–" : Number(v).toLocaleString("en-US")),
   ms: (v) => (v === null || v === undefined ? "–" : Number(v).toFixed(v >= 100 ? 0 : 1) + " ms"),
+  s: (v) => (v === null || v === undefined ? "–" : Number(v).toFixed(v >= 100 ? 0 : v >= 10 ? 1 : 2) + " s"),
+  pct: (v) => (v === null || v === undefined ? "–" : Math.round(v * 100) + "%"),
   ago: (ms) => {
     const s = Math.round(ms / 1000);
     return s < 60 ? s + " s ago" : Math.round(s / 60) + " min ago";
@@ -162,6 +164,7 @@ function render(data) {
   renderUpstreams(data.upstreams);
   renderTenants(data.tenants);
   renderFleet(data.fleet || []);
+  renderRestarts(data.restarts || []);
   renderSessions(data.sessions, data.tenants);
 }
 
@@ -194,6 +197,35 @@ function renderFleet(fleet) {
       el("td", { class: "num" }, fmt.int(s.record.tripped) + " / " + fmt.int(s.record.preempted)),
       el("td", { class: "num" }, fmt.int(s.record.confirmed) + " / " + fmt.int(s.record.unconfirmed)),
       el("td", { class: "num" }, fmt.int(s.record.avoided_calls) + " calls, " + fmt.usd(s.record.avoided_usd)));
+  }));
+}
+
+// One table per guarded tenant: a row per restart strategy and their total, then the
+// sessions failed fast, trips by rule and what the trips saved.
+function renderRestarts(restarts) {
+  $("restarts-panel").hidden = restarts.length === 0;
+  $("restarts").replaceChildren(...restarts.map((r) => {
+    const trips = Object.entries(r.trips_by_rule).map(([rule, n]) => rule + " " + n).join(", ") || "none";
+    const rows = Object.entries(r.strategies).concat([["total", r.total]]).map(([name, t]) =>
+      el("tr", { "data-strategy": name },
+        el("td", {}, name),
+        el("td", { class: "num" }, fmt.int(t.sessions)),
+        el("td", { class: "num" }, fmt.int(t.recovered)),
+        el("td", { class: "num" }, fmt.int(t.tripped_after)),
+        el("td", { class: "num" }, fmt.pct(t.success_rate)),
+        el("td", { class: "num nowrap" }, fmt.s(t.mttr_seconds.mean) + " / " + fmt.s(t.mttr_seconds.p90))));
+    const p = r.policy;
+    return el("div", { class: "tenant restarts", "data-tenant": r.tenant },
+      el("b", {}, r.tenant), el("span", { class: "muted" }, " · " + r.backend + " · guide " + (p.guide ? "on" : "off") +
+        ", same error x" + p.same_error_limit + ", cool-down " + p.cool_down_seconds + " s" + (r.error ? " · " + r.error : "")),
+      el("table", {},
+        el("thead", {}, el("tr", {}, el("th", {}, "strategy"), el("th", { class: "num" }, "sessions"),
+          el("th", { class: "num" }, "recovered"), el("th", { class: "num" }, "tripped after"),
+          el("th", { class: "num", title: "recovered ÷ sessions" }, "success"),
+          el("th", { class: "num", title: "from the session's first failure to its recovery" }, "MTTR mean / p90"))),
+        el("tbody", {}, rows)),
+      el("div", { class: "restart-trips" }, "failed fast " + fmt.int(r.fail_fast.sessions) + " · trips by rule: " + trips +
+        " · saved by trips " + fmt.int(r.saved_by_trips.calls) + " calls, " + fmt.usd(r.saved_by_trips.usd)));
   }));
 }
 
