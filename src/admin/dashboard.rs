@@ -115,11 +115,14 @@ const UNGUARDED: &str = "unguarded";
 fn urgency(state: &str) -> u8 {
     match state {
         "tripped" => 0,
-        "probing" => 1,
-        "recovering" => 2,
-        "closed" => 3,
-        "active" => 4,
-        _ => 5,
+        "guided" => 1,
+        "probing" => 2,
+        "waiting" => 3,
+        "recovering" => 4,
+        "closed" => 5,
+        "recovered" => 6,
+        "active" => 7,
+        _ => 8,
     }
 }
 

@@ -12,7 +12,7 @@ use crate::{
     policy::{
         budget::Usd,
         guard::{
-            restore_trip, Counts, Guide, GuardPolicy, GuardState, Phase, Restart, SessionGuard,
+            restore_trip, Counts, GuardPolicy, GuardState, Guide, Phase, Restart, SessionGuard,
             Trip,
         },
     },
@@ -419,7 +419,11 @@ mod tests {
             panic!("{:?}", b.state())
         };
         assert!(guide.note().contains("Error: denied"));
-        let refused = b.clone().admit(elsewhere, &looping(4, 2), 0.0).0.unwrap_err();
+        let refused = b
+            .clone()
+            .admit(elsewhere, &looping(4, 2), 0.0)
+            .0
+            .unwrap_err();
         assert_eq!(refused.trip.rule, TripRule::ToolLoopLimit);
         // A change of course there recovers, and the floor keeps the old loop quiet.
         let mut c = b.clone();
@@ -429,6 +433,9 @@ mod tests {
         let mut d = moved.clone();
         assert!(d.admit(t0, &looping(3, 4), 0.0).0.is_ok());
         assert_eq!(d.state().phase(), Phase::Active);
-        assert_eq!(d.restart().unwrap().tool_floor, c.restart().unwrap().tool_floor);
+        assert_eq!(
+            d.restart().unwrap().tool_floor,
+            c.restart().unwrap().tool_floor
+        );
     }
 }

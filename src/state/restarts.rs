@@ -248,7 +248,10 @@ impl RestartBackend for SharedRestarts {
             return;
         };
         let hash = self.redis.key(tenant, "restarts");
-        let list = |s: Strategy| self.redis.key(tenant, &format!("restarts:{}:ms", s.label()));
+        let list = |s: Strategy| {
+            self.redis
+                .key(tenant, &format!("restarts:{}:ms", s.label()))
+        };
         let (field, by, sample) = increments(&event);
         let sample = sample.map(|(s, ms)| (list(s), ms));
         let redis = self.redis.clone();
@@ -262,8 +265,16 @@ impl RestartBackend for SharedRestarts {
                     pipe.atomic();
                     match refused {
                         true => {
-                            pipe.cmd("HINCRBY").arg(&hash).arg("refused").arg(1).ignore();
-                            pipe.cmd("HINCRBYFLOAT").arg(&hash).arg(&field).arg(by).ignore();
+                            pipe.cmd("HINCRBY")
+                                .arg(&hash)
+                                .arg("refused")
+                                .arg(1)
+                                .ignore();
+                            pipe.cmd("HINCRBYFLOAT")
+                                .arg(&hash)
+                                .arg(&field)
+                                .arg(by)
+                                .ignore();
                         }
                         false => {
                             pipe.cmd("HINCRBY").arg(&hash).arg(&field).arg(1).ignore();
@@ -299,7 +310,10 @@ impl RestartBackend for SharedRestarts {
             let hash = self.redis.key(tenant, "restarts");
             let lists: Vec<String> = Strategy::ALL
                 .iter()
-                .map(|s| self.redis.key(tenant, &format!("restarts:{}:ms", s.label())))
+                .map(|s| {
+                    self.redis
+                        .key(tenant, &format!("restarts:{}:ms", s.label()))
+                })
                 .collect();
             let read = self
                 .redis
@@ -326,7 +340,12 @@ impl RestartBackend for SharedRestarts {
 
 /// A report from the tenant's hash and recovery lists.
 fn from_fields(fields: &HashMap<String, String>, samples: [Vec<u64>; 2]) -> RestartReport {
-    let int = |name: &str| fields.get(name).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let int = |name: &str| {
+        fields
+            .get(name)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
     let mut report = RestartReport {
         backend: "redis",
         refused: int("refused"),
@@ -429,7 +448,10 @@ mod tests {
         restarts.count("t", Event::Refused { usd: 0.25 });
         restarts.count("t", Event::Refused { usd: 0.5 });
         let r = restarts.report("t").await;
-        assert_eq!((r.guide.began, r.guide.recovered, r.guide.tripped), (4, 3, 1));
+        assert_eq!(
+            (r.guide.began, r.guide.recovered, r.guide.tripped),
+            (4, 3, 1)
+        );
         assert_eq!(r.guide.success_rate(), Some(0.75));
         assert_eq!(r.guide.mttr_mean(), Some(2.0));
         assert_eq!(r.guide.mttr_p90(), Some(3.0));
@@ -440,7 +462,10 @@ mod tests {
         assert_eq!(r.trips.get("tool_loop_limit"), Some(&1));
         assert_eq!((r.refused, r.saved_usd), (2, 0.75));
         let other = restarts.report("u").await;
-        assert_eq!((other.guide.success_rate(), other.backend), (None, "memory"));
+        assert_eq!(
+            (other.guide.success_rate(), other.backend),
+            (None, "memory")
+        );
     }
 
     #[test]

@@ -117,13 +117,11 @@ impl GateReply {
                     guided: None,
                 }),
             ),
-            Ok(Gated::Passed { slot, prepaid, .. }) => {
-                Saving::Local(Ok(Admitted {
-                    slot,
-                    prepaid,
-                    guided: None,
-                }))
-            }
+            Ok(Gated::Passed { slot, prepaid, .. }) => Saving::Local(Ok(Admitted {
+                slot,
+                prepaid,
+                guided: None,
+            })),
             Ok(Gated::Moved(version, state)) => Saving::Moved(version, state),
             Err(refusal) => Saving::Undone(Err(refusal)),
         }
@@ -151,10 +149,18 @@ impl Admitted {
     /// The reservation goes with the call to its attempts, and a guided request's note
     /// in the request, after its last message where the API allows (never in the
     /// client's stream); the slot stays here. The guided rule, for the trace.
-    pub(super) fn hand_over(self, call: &mut Call) -> (Option<ConcurrencySlot>, Option<&'static str>) {
+    pub(super) fn hand_over(
+        self,
+        call: &mut Call,
+    ) -> (Option<ConcurrencySlot>, Option<&'static str>) {
         call.prepaid = self.prepaid;
         let rule = self.guided.map(|guided| {
-            let json = noted(call.endpoint(), &call.request.json, &guided.note, Place::Last);
+            let json = noted(
+                call.endpoint(),
+                &call.request.json,
+                &guided.note,
+                Place::Last,
+            );
             *call = call.with_json(json);
             guided.rule
         });

@@ -12,7 +12,7 @@ use std::sync::{
 
 use super::{
     gate::{Admitted, GateRequest, Guidance},
-    trip::{persist, refusal, refused_entry, to_keep},
+    trip::{evidence, persist, refusal, refused_entry, restarted, to_keep, transition, tripped},
     unreadable, AdmissionLayer,
 };
 use crate::{
@@ -21,13 +21,14 @@ use crate::{
     layers::context::Call,
     policy::{
         fleet::{FleetPolicy, Hot, Shape},
-        guard::{GuardState, Phase, RequestFingerprint, SessionGuard, Trip},
+        guard::{GuardState, Phase, RequestFingerprint, SessionGuard, Transition, Trip, TripRule},
     },
     routing::Route,
     state::{
         budgets::{reservation::Ask, Refusal},
         guard_view::Write,
-        live::GuardedSession,
+        live::{Change, GuardedSession, TraceId},
+        restarts::Event,
         sessions::{lock, GuardRef, Saving},
     },
 };
@@ -85,6 +86,45 @@ impl Guarded {
             trip,
             state,
         ));
+    }
+}
+
+impl AdmissionLayer {
+    /// What a request (`g`) did to its session's state: the change logged and counted
+    /// (trips by rule), the restart record's events, and the change kept for the
+    /// session's report with its evidence.
+    pub(super) fn changed(&self, g: &Guarded, e: &mut GuardedSession, change: Option<Transition>) {
+        transition(&g.tenant, &g.session, change, &g.request_id);
+        tripped(&self.fleet, &g.tenant, &e.guard, change);
+        let restarts = self.guards.restarts();
+        let recovered = e.guard.take_recovery();
+        restarted(restarts, &g.tenant, change, e.guard.state(), recovered);
+        if let (Some((_, Phase::Tripped)), GuardState::Tripped { trip, .. }) =
+            (change, e.guard.state())
+        {
+            restarts.count(&g.tenant, Event::Tripped(trip.rule.as_str()));
+        }
+        if let Some((from, to)) = change {
+            let evidence = evidence(e.guard.state(), recovered, self.guards.now());
+            e.changed(Change {
+                at_ms: self.guards.now_ms(),
+                from,
+                to,
+                request_id: TraceId::new(&g.request_id),
+                evidence,
+            });
+        }
+    }
+
+    /// A request refused by a trip: what it would have cost (its session's mean call
+    /// cost) is counted as saved.
+    pub(super) fn saved(&self, g: &Guarded, e: &GuardedSession, trip: &Trip) {
+        if trip.rule != TripRule::Closed {
+            let usd = e.mean_call_usd();
+            self.guards
+                .restarts()
+                .count(&g.tenant, Event::Refused { usd });
+        }
     }
 }
 

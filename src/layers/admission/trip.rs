@@ -5,58 +5,21 @@
 
 use std::time::Duration;
 
-use super::{guard::Guarded, AdmissionLayer};
 use crate::{
     error::GatewayError,
-    policy::guard::{GuardState, Kept, Phase, Refused, SessionGuard, Transition, Trip, TripRule},
+    policy::guard::{GuardState, Kept, Phase, Refused, SessionGuard, Transition, Trip},
     state::{
         fleet::Fleet,
-        live::{Change, GuardedSession, TraceEntry, TraceId},
+        live::{TraceEntry, TraceId},
         restarts::{Event, Restarts, Strategy},
         sessions::SessionGuards,
     },
 };
 
-impl AdmissionLayer {
-    /// What a request (`g`) did to its session's state: the change logged and counted
-    /// (trips by rule), the restart record's events, and the change kept for the
-    /// session's report with its evidence.
-    pub(super) fn changed(&self, g: &Guarded, e: &mut GuardedSession, change: Option<Transition>) {
-        transition(&g.tenant, &g.session, change, &g.request_id);
-        tripped(&self.fleet, &g.tenant, &e.guard, change);
-        let restarts = self.guards.restarts();
-        let recovered = e.guard.take_recovery();
-        restarted(restarts, &g.tenant, change, e.guard.state(), recovered);
-        if let (Some((_, Phase::Tripped)), GuardState::Tripped { trip, .. }) = (change, e.guard.state())
-        {
-            restarts.count(&g.tenant, Event::Tripped(trip.rule.as_str()));
-        }
-        if let Some((from, to)) = change {
-            let evidence = evidence(e.guard.state(), recovered, self.guards.now());
-            e.changed(Change {
-                at_ms: self.guards.now_ms(),
-                from,
-                to,
-                request_id: TraceId::new(&g.request_id),
-                evidence,
-            });
-        }
-    }
-
-    /// A request refused by a trip: what it would have cost (its session's mean call
-    /// cost) is counted as saved.
-    pub(super) fn saved(&self, g: &Guarded, e: &GuardedSession, trip: &Trip) {
-        if trip.rule != TripRule::Closed {
-            let usd = e.mean_call_usd();
-            self.guards.restarts().count(&g.tenant, Event::Refused { usd });
-        }
-    }
-}
-
 /// The restart record's events of a change (and of a recovery that took `recovered`,
 /// which a guided session changing course and guided again by another rule makes with
 /// no change of phase).
-fn restarted(
+pub(super) fn restarted(
     restarts: &Restarts,
     tenant: &str,
     change: Option<Transition>,
@@ -93,7 +56,7 @@ fn restarted(
 }
 
 /// What led to the state a change went to, for the session's report.
-fn evidence(
+pub(super) fn evidence(
     state: &GuardState,
     recovered: Option<Duration>,
     now: tokio::time::Instant,

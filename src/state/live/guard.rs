@@ -106,8 +106,12 @@ pub struct GuardedSession {
     pub(in crate::state) shared: Option<Box<Sharing>>,
     /// The session's latest changes of state on this replica, with their evidence
     /// (boxed: most sessions never change state).
-    pub(in crate::state) changes: Option<Box<VecDeque<Change>>>,
+    pub(in crate::state) changes: Option<Box<Changes>>,
 }
+
+/// A session's kept changes of state, oldest first.
+#[derive(Debug, Default)]
+pub(in crate::state) struct Changes(VecDeque<Change>);
 
 /// Changes of state kept per session.
 const CHANGES_LEN: usize = 32;
@@ -188,7 +192,7 @@ impl GuardedSession {
 
     /// Keeps a change of state for the session's report.
     pub fn changed(&mut self, change: Change) {
-        let changes = self.changes.get_or_insert_with(Box::default);
+        let changes = &mut self.changes.get_or_insert_with(Box::default).0;
         if changes.len() == CHANGES_LEN {
             changes.pop_front();
         }
@@ -199,7 +203,7 @@ impl GuardedSession {
     pub fn changes_json(&self) -> Vec<Value> {
         self.changes
             .iter()
-            .flat_map(|c| c.iter())
+            .flat_map(|c| c.0.iter())
             .map(Change::to_json)
             .collect()
     }

@@ -550,8 +550,10 @@ impl SessionGuards {
         if quiet {
             return Ok(None);
         }
-        self.update(tenant, session, entry, |guard, now| guard.ended(now, outcome))
-            .await
+        self.update(tenant, session, entry, |guard, now| {
+            guard.ended(now, outcome)
+        })
+        .await
     }
 
     /// [`SessionGuards::record`] of a failure in replica mode when the round trip that
