@@ -237,7 +237,9 @@ pub fn metrics_handle() -> PrometheusHandle {
                 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
             ];
             // Time to recovery is seconds to an hour, not a request's latency.
-            let recovery = [1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0];
+            let recovery = [
+                1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+            ];
             let recorder = PrometheusBuilder::new()
                 .set_buckets(&latency)
                 .expect("static bucket list is non-empty")

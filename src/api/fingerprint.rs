@@ -85,7 +85,9 @@ pub fn fingerprint(json: &serde_json::Map<String, Value>) -> RequestFingerprint 
         }
     }
     let looping = pairs.into_iter().max_by_key(|(_, (n, _))| *n);
-    let tool_result = looping.as_ref().map(|((_, result), _)| cut(result, RESULT_CHARS));
+    let tool_result = looping
+        .as_ref()
+        .map(|((_, result), _)| cut(result, RESULT_CHARS));
     let tool_loop = looping.map(|((call, _), (n, error))| {
         (
             format!(

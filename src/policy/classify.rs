@@ -179,9 +179,7 @@ pub fn provider_error(body: &[u8]) -> Option<ProviderError> {
             .split_once(": ")
             .map(|(head, _)| head)
             .filter(|head| {
-                !head.is_empty()
-                    && !head.contains(char::is_whitespace)
-                    && head.contains(['.', '['])
+                !head.is_empty() && !head.contains(char::is_whitespace) && head.contains(['.', '['])
             })
             .map(str::to_string),
     };
@@ -555,9 +553,13 @@ mod tests {
         let e = provider_error(anthropic).unwrap();
         assert_eq!(
             (&*e.code, e.field.as_deref()),
-            ("invalid_request_error", Some("messages.1.content.0.tool_result"))
+            (
+                "invalid_request_error",
+                Some("messages.1.content.0.tool_result")
+            )
         );
-        let plain = br#"{"error":{"type":"invalid_request_error","message":"max_tokens: Field required"}}"#;
+        let plain =
+            br#"{"error":{"type":"invalid_request_error","message":"max_tokens: Field required"}}"#;
         assert_eq!(provider_error(plain).unwrap().field, None, "not a path");
         assert_eq!(provider_error(b"upstream exploded"), None);
     }

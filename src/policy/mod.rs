@@ -9,6 +9,7 @@ pub mod classify;
 pub mod fleet;
 pub mod guard;
 pub mod outlier;
+pub mod restart;
 pub mod retry_budget;
 pub mod side_effects;
 pub mod trail;

@@ -11,10 +11,8 @@ use tokio::time::Instant;
 use crate::{
     policy::{
         budget::Usd,
-        guard::{
-            restore_trip, Counts, GuardPolicy, GuardState, Guide, Phase, Restart, SessionGuard,
-            Trip,
-        },
+        guard::{restore_trip, Counts, GuardPolicy, GuardState, Phase, SessionGuard, Trip},
+        restart::{Guide, Restart},
     },
     store::format::{GuardSnapshot, GuideSnapshot, RestartSnapshot, WindowWrite},
 };

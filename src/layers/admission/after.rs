@@ -27,7 +27,8 @@ use crate::{
     policy::{
         budget::SessionSeen,
         fleet::{Failed, FailureKind, FleetPolicy, Hot, Shape, Signature, EVIDENCE_MARKS},
-        guard::{Outcome, Transition, Trip, TripRule},
+        guard::{Transition, Trip, TripRule},
+        restart::Outcome,
         trail,
     },
     state::{

@@ -11,7 +11,8 @@ use crate::{
     policy::{
         classify::ProviderError,
         fleet::FailureKind,
-        guard::{Outcome, Trip, TripCode, TripRule},
+        guard::{Trip, TripCode, TripRule},
+        restart::Outcome,
     },
     telemetry::Trail,
 };

@@ -10,7 +10,8 @@ use crate::{
     clock::Clock,
     policy::{
         budget::SessionSeen,
-        guard::{GuardPolicy, Outcome, Trip},
+        guard::{GuardPolicy, Trip},
+        restart::Outcome,
     },
     state::live::GuardedSession,
     store::format::UnknownFormat,

@@ -35,7 +35,8 @@ use crate::{
     config::Config,
     policy::{
         budget::SessionSeen,
-        guard::{restore_trip, GuardPolicy, Kept, Outcome, SessionGuard, Transition, Trip},
+        guard::{restore_trip, GuardPolicy, Kept, SessionGuard, Transition, Trip},
+        restart::Outcome,
     },
     state::{
         guard_view::{self, Write, Written},

@@ -19,7 +19,8 @@ use crate::{
     clock::Clock,
     policy::{
         budget::SessionSeen,
-        guard::{GuardPolicy, Outcome, SessionGuard, Trip},
+        guard::{GuardPolicy, SessionGuard, Trip},
+        restart::Outcome,
     },
     state::{
         guard_view::{self, Joined, Write, Written},
