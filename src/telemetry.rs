@@ -434,6 +434,11 @@ impl RequestLog {
         self.write(|f| f.recovery = recovery);
     }
 
+    /// A step taken before the recovery's own (the session guard's guidance).
+    pub fn precede_recovery(&self, step: Step) {
+        self.write(|f| f.recovery.steps.insert(0, step));
+    }
+
     pub fn set_error(&self, code: ErrorCode) {
         self.write(|f| f.error = Some(code));
     }

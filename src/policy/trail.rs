@@ -63,6 +63,9 @@ pub enum Step {
     Repeat { tool: Arc<str>, call: Arc<str> },
     /// Corrections exhausted on one target: the next target is asked.
     Switch(Arc<str>),
+    /// The session guard let a request at a loop rule's limit (its name) through once,
+    /// with a note naming the loop.
+    Guided(&'static str),
     /// A target of the other API that cannot carry this request exactly: skipped
     /// before any attempt, with the JSON paths it would lose (space-separated).
     Untranslatable { upstream: Arc<str>, paths: Arc<str> },
@@ -88,6 +91,7 @@ impl fmt::Display for Step {
             Step::Correct(kind) => write!(f, "correct:{kind}"),
             Step::Repeat { tool, call } => write!(f, "repeat:{tool}@{call}"),
             Step::Switch(to) => write!(f, "switch:{to}"),
+            Step::Guided(rule) => write!(f, "guided:{rule}"),
             Step::Untranslatable { upstream, paths } => {
                 write!(f, "skip:{upstream}(untranslatable: {paths})")
             }

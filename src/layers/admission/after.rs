@@ -58,8 +58,6 @@ pub(super) struct Ended {
     pub(super) failure: Option<FailureKind>,
     /// How it ended for the session's guard (a guarded session only).
     pub(super) outcome: Outcome,
-    /// The loop rule that guided it, if one did.
-    pub(super) guided: Option<&'static str>,
     pub(super) facts: Facts,
 }
 
@@ -74,11 +72,7 @@ pub(super) fn status(result: &Result<Response<Body>, GatewayError>) -> (u16, boo
 
 impl Asking {
     /// How the request ended, and what its record holds after the call.
-    pub(super) fn ended(
-        &self,
-        result: &Result<Response<Body>, GatewayError>,
-        guided: Option<&'static str>,
-    ) -> Ended {
+    pub(super) fn ended(&self, result: &Result<Response<Body>, GatewayError>) -> Ended {
         let facts = self.log.facts();
         let (status, failed) = status(result);
         let failure = match &self.guarded {
@@ -97,7 +91,6 @@ impl Asking {
             failed,
             failure,
             outcome,
-            guided,
             facts,
         }
     }
@@ -137,7 +130,6 @@ impl AdmissionLayer {
             failed,
             failure,
             outcome,
-            guided,
             facts,
         } = ended;
         let seen = facts.session_seen;
@@ -153,8 +145,7 @@ impl AdmissionLayer {
             self.changed(g, &mut e, change);
             let keep = to_keep(change, &e.guard, now);
             let state = e.guard.state().phase();
-            let detail = trip_detail(change, e.guard.state())
-                .or_else(|| guided.map(|rule| format!("guided: {rule}").into()));
+            let detail = trip_detail(change, e.guard.state());
             e.trace(TraceEntry {
                 request_id: TraceId::new(&g.request_id),
                 status,

@@ -60,7 +60,7 @@ use tower::{Layer, Service};
 use super::{context::Call, Holding, Middleware, Stack};
 use crate::{
     error::GatewayError,
-    policy::fleet::Shape,
+    policy::{fleet::Shape, trail::Step},
     state::{
         budgets::{reservation::Ask, Budgets, ConcurrencySlot},
         fleet::Fleet,
@@ -187,8 +187,11 @@ where
         let (slot, guided) = before.admitted?.hand_over(&mut call);
         let started = Instant::now();
         let result = inner.call(call).await;
+        if let Some(rule) = guided {
+            asking.log.precede_recovery(Step::Guided(rule));
+        }
         // What the session learns of how it went.
-        let ended = asking.ended(&result, guided);
+        let ended = asking.ended(&result);
         self.after(&asking, before.shape, ended, started).await;
         Ok(holding(result?, slot))
     }

@@ -198,6 +198,10 @@ async fn a_loop_at_its_limit_is_guided_once_with_a_note_and_a_repeat_trips_it() 
         .unwrap();
     assert_eq!(guided.status(), 200);
     assert_eq!(state_of(&log), Some(Phase::Guided));
+    assert_eq!(
+        log.facts().recovery_header().as_deref(),
+        Some("guided:identical_request_limit")
+    );
     assert_eq!(inner.count(), 3);
     let sent = &inner.received()[2].body["messages"];
     let last = sent.as_array().unwrap().last().unwrap();
@@ -208,21 +212,27 @@ async fn a_loop_at_its_limit_is_guided_once_with_a_note_and_a_repeat_trips_it() 
         "{note}"
     );
     assert_eq!(
-        inner.received()[1].body["messages"].as_array().unwrap().len(),
+        inner.received()[1].body["messages"]
+            .as_array()
+            .unwrap()
+            .len(),
         1,
         "the requests before carried no note"
     );
     // The same request again: tripped, no upstream call.
-    let err = service
-        .clone()
-        .oneshot(looping.build())
-        .await
-        .unwrap_err();
+    let err = service.clone().oneshot(looping.build()).await.unwrap_err();
     assert_eq!(refused(&err), (429, "loop_detected"));
     assert!(err.to_string().contains("guided once"), "{err}");
     assert_eq!(inner.count(), 3);
     let record = kit.state.guards.restarts().report(TENANT).await;
-    assert_eq!((record.guide.began, record.guide.recovered, record.guide.tripped), (1, 0, 1));
+    assert_eq!(
+        (
+            record.guide.began,
+            record.guide.recovered,
+            record.guide.tripped
+        ),
+        (1, 0, 1)
+    );
     assert_eq!(record.trips.get("identical_request_limit"), Some(&1));
     assert_eq!(record.refused, 1);
 }
@@ -240,7 +250,15 @@ async fn a_guided_session_that_changes_course_recovers() {
     let service = kit.admission().layer(inner.clone());
     let looping = kit.call().session("turning").saying("same again");
     for _ in 0..3 {
-        assert_eq!(service.clone().oneshot(looping.build()).await.unwrap().status(), 200);
+        assert_eq!(
+            service
+                .clone()
+                .oneshot(looping.build())
+                .await
+                .unwrap()
+                .status(),
+            200
+        );
     }
     tokio::time::advance(Duration::from_secs(4)).await;
     let log = Arc::new(RequestLog::default());
@@ -257,22 +275,45 @@ async fn a_guided_session_that_changes_course_recovers() {
         .unwrap();
     assert_eq!(turned.status(), 200);
     assert_eq!(state_of(&log), Some(Phase::Recovered));
-    let last = inner.received()[3].body["messages"].as_array().unwrap().len();
+    let last = inner.received()[3].body["messages"]
+        .as_array()
+        .unwrap()
+        .len();
     assert_eq!(last, 1, "no note once it changed course");
     let record = kit.state.guards.restarts().report(TENANT).await;
-    assert_eq!((record.guide.began, record.guide.recovered, record.guide.tripped), (1, 1, 0));
+    assert_eq!(
+        (
+            record.guide.began,
+            record.guide.recovered,
+            record.guide.tripped
+        ),
+        (1, 1, 0)
+    );
     assert_eq!(record.guide.success_rate(), Some(1.0));
-    assert_eq!(record.guide.mttr_mean(), Some(4.0), "from the guidance to the turn");
+    assert_eq!(
+        record.guide.mttr_mean(),
+        Some(4.0),
+        "from the guidance to the turn"
+    );
     // Its next request is active again.
     let log = Arc::new(RequestLog::default());
-    let next = kit.call().session("turning").saying("and on").log(log.clone());
+    let next = kit
+        .call()
+        .session("turning")
+        .saying("and on")
+        .log(log.clone());
     assert_eq!(service.oneshot(next.build()).await.unwrap().status(), 200);
     assert_eq!(state_of(&log), Some(Phase::Active));
 }
 
 #[tokio::test(start_paused = true)]
 async fn an_outage_puts_the_session_in_waiting_and_its_first_success_recovers_it() {
-    let kit = Kit::with(TenantLimits::of(TENANT).guard_consecutive_failures(2).edit()).await;
+    let kit = Kit::with(
+        TenantLimits::of(TENANT)
+            .guard_consecutive_failures(2)
+            .edit(),
+    )
+    .await;
     let open = || GatewayError::CircuitOpen {
         retry_after: Duration::from_secs(12),
     };
@@ -298,12 +339,22 @@ async fn an_outage_puts_the_session_in_waiting_and_its_first_success_recovers_it
             .unwrap_err();
         assert_eq!(refused(&err), (503, "circuit_open"));
         assert_eq!(err.retry_after(), Some(Duration::from_secs(12)));
-        assert_eq!(state_of(&log), Some(Phase::Waiting), "waiting, never tripped");
+        assert_eq!(
+            state_of(&log),
+            Some(Phase::Waiting),
+            "waiting, never tripped"
+        );
         tokio::time::advance(Duration::from_secs(5)).await;
     }
     let log = Arc::new(RequestLog::default());
     let back = service
-        .oneshot(kit.call().session("outage").saying("try 3").log(log.clone()).build())
+        .oneshot(
+            kit.call()
+                .session("outage")
+                .saying("try 3")
+                .log(log.clone())
+                .build(),
+        )
         .await
         .unwrap();
     assert_eq!(back.status(), 200);
@@ -311,6 +362,10 @@ async fn an_outage_puts_the_session_in_waiting_and_its_first_success_recovers_it
     assert_eq!(inner.count(), 4);
     let record = kit.state.guards.restarts().report(TENANT).await;
     assert_eq!((record.wait.began, record.wait.recovered), (1, 1));
-    assert_eq!(record.wait.mttr_mean(), Some(15.0), "from the first refusal: 3 × 5s");
+    assert_eq!(
+        record.wait.mttr_mean(),
+        Some(15.0),
+        "from the first refusal: 3 × 5s"
+    );
     assert!(record.trips.is_empty());
 }
