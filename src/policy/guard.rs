@@ -517,14 +517,14 @@ impl SessionGuard {
             GuardState::Guided { guide } => {
                 // The request after the guided one: the loop again trips the session, a
                 // change of course is a recovery.
-                let again = match guide.rule {
-                    TripRule::ToolLoopLimit => guide.tool.is_some_and(|(key, n)| {
+                // The guided request itself again (its answer dropped) is the loop again
+                // too.
+                let again = fp.request == guide.request
+                    || guide.tool.is_some_and(|(key, n)| {
                         fp.tool_loop
                             .as_ref()
                             .is_some_and(|(d, m)| tool_key(d) == key && *m > n)
-                    }),
-                    _ => fp.request == guide.request,
-                };
+                    });
                 if again {
                     let trip = Trip::new(
                         guide.rule,
@@ -570,7 +570,9 @@ impl SessionGuard {
         let window = self.config.identical_request_window;
         let repeats = self.recent.iter().filter(|(_, h)| *h == fp.request).count() as u32;
         let floor = self.restart.as_ref().and_then(|r| r.tool_floor);
-        let rule = if repeats >= self.config.identical_request_limit {
+        // A waiting session was told to come back: the same request again is no loop.
+        let waiting = matches!(self.state, GuardState::Waiting { .. });
+        let rule = if repeats >= self.config.identical_request_limit && !waiting {
             Some(Trip::new(
                 TripRule::IdenticalRequestLimit,
                 format!(
@@ -673,6 +675,13 @@ impl SessionGuard {
     /// tripped or closed (by a concurrent request, or an operator) that ends after it
     /// changes nothing: its outcome does not undo a refusal decided meanwhile.
     pub fn ended(&mut self, now: Instant, outcome: &Outcome) -> Option<Transition> {
+        let from = self.state.phase();
+        self.end(now, outcome);
+        let to = self.state.phase();
+        (from != to).then_some((from, to))
+    }
+
+    fn end(&mut self, now: Instant, outcome: &Outcome) -> Option<Transition> {
         if matches!(self.state, GuardState::Tripped { .. } | GuardState::Closed) {
             return None;
         }
@@ -689,12 +698,15 @@ impl SessionGuard {
                     }
                 };
             }
-            Outcome::Unavailable { retry_after } => {
-                if let GuardState::Guided { guide } = &self.state {
-                    // The note never reached a model: the rule may guide again.
-                    if let Some(slot) = loop_slot(guide.rule) {
-                        self.restart_mut().guided_at[slot] = None;
-                    }
+            Outcome::Unavailable {
+                retry_after,
+                request,
+            } => {
+                self.unguide();
+                // Never sent: the request does not count as a repeat of itself (an agent
+                // told to come back sends the same request again).
+                if let Some(at) = self.recent.iter().rposition(|(_, h)| h == request) {
+                    self.recent.remove(at);
                 }
                 self.troubled(now);
                 return self.set(GuardState::Waiting {
@@ -710,6 +722,7 @@ impl SessionGuard {
         };
         self.consecutive_failures += 1;
         self.troubled(now);
+        self.unguide();
         let limit = self.config.same_error_limit.max(1);
         let same = self.restart.as_deref_mut().map(|r| &mut r.same_error);
         let repeats = match (failed, same) {
@@ -758,11 +771,25 @@ impl SessionGuard {
             );
             return self.trip(now, trip);
         }
-        match self.state {
-            // Still judged by its next request.
-            GuardState::Guided { .. } => None,
-            _ => self.set(GuardState::Recovering),
+        self.set(GuardState::Recovering)
+    }
+
+    /// A guided request that failed or met an outage: its note never had an answer, so
+    /// it was no guidance (the rule may guide again, the same request with the note).
+    fn unguide(&mut self) {
+        let GuardState::Guided { guide } = &self.state else {
+            return;
+        };
+        let (slot, tool) = (loop_slot(guide.rule), guide.tool.is_some());
+        let r = self.restart_mut();
+        if let Some(slot) = slot {
+            r.guided_at[slot] = None;
         }
+        if tool {
+            r.tool_floor = None;
+        }
+        self.state = GuardState::Recovering;
+        self.transitions = self.transitions.saturating_add(1);
     }
 
     /// Trips the session for `cool_down` on a rule decided outside it (the fleet's), as
@@ -1243,6 +1270,7 @@ pub(crate) mod tests {
         assert!(g.admit(t0, &fp(1), 0.0).0.is_ok());
         let wait = Outcome::Unavailable {
             retry_after: Duration::from_secs(12),
+            request: 1,
         };
         assert_eq!(g.ended(t0, &wait), Some((Phase::Active, Phase::Waiting)));
         assert_eq!(
@@ -1326,6 +1354,81 @@ pub(crate) mod tests {
         assert_eq!(
             g.ended(t0, &refused_by_provider(1, true)),
             Some((Phase::Active, Phase::Tripped))
+        );
+    }
+
+    #[test]
+    fn a_guided_request_that_fails_or_meets_an_outage_was_no_guidance() {
+        let t0 = Instant::now();
+        // It failed: the same request again is guided again, note and all.
+        let mut g = SessionGuard::new(guiding());
+        assert!(g.admit(t0, &looping(3, 1), 0.0).0.is_ok());
+        assert_eq!(
+            g.ended(t0, &Outcome::Failed),
+            Some((Phase::Guided, Phase::Recovering))
+        );
+        assert_eq!(g.restart().unwrap().guided_at, [None, None]);
+        let (verdict, change) = g.admit(t0, &looping(3, 1), 0.0);
+        assert!(verdict.is_ok());
+        assert_eq!(change, Some((Phase::Recovering, Phase::Guided)));
+        // Answered, then sent again as it was (its answer dropped): the loop again.
+        g.record(t0, false);
+        let refused = g.admit(t0, &looping(3, 1), 0.0).0.unwrap_err();
+        assert_eq!(refused.trip.rule, TripRule::ToolLoopLimit);
+
+        // An outage: waiting, and the rule may guide again.
+        let mut g = SessionGuard::new(guiding());
+        for _ in 0..2 {
+            assert!(g.admit(t0, &fp(42), 0.0).0.is_ok());
+        }
+        assert!(g.admit(t0, &fp(42), 0.0).0.is_ok());
+        assert!(g.admit(t0, &fp(42), 0.0).0.is_ok());
+        assert_eq!(g.state().phase(), Phase::Guided);
+        let wait = Outcome::Unavailable {
+            retry_after: Duration::from_secs(5),
+            request: 42,
+        };
+        assert_eq!(g.ended(t0, &wait), Some((Phase::Guided, Phase::Waiting)));
+        assert_eq!(g.restart().unwrap().guided_at, [None, None]);
+    }
+
+    /// An agent told to come back sends the same request again: while the session
+    /// waits, and after, that is no loop.
+    #[test]
+    fn requests_refused_by_an_outage_are_not_repeats() {
+        let t0 = Instant::now();
+        let mut g = SessionGuard::new(config());
+        let wait = Outcome::Unavailable {
+            retry_after: Duration::from_secs(5),
+            request: 42,
+        };
+        for k in 0..10 {
+            let now = t0 + Duration::from_secs(k);
+            assert!(g.admit(now, &fp(42), 0.0).0.is_ok(), "resend {k}");
+            g.ended(now, &wait);
+        }
+        assert_eq!(g.counts().recent.len(), 0, "none of them was sent");
+        assert!(g.admit(t0, &fp(42), 0.0).0.is_ok());
+        assert_eq!(
+            g.record(t0, false),
+            Some((Phase::Waiting, Phase::Recovered))
+        );
+        // While waiting, even repeats counted before the outage do not fire.
+        let mut h = SessionGuard::new(config());
+        for _ in 0..3 {
+            assert!(h.admit(t0, &fp(7), 0.0).0.is_ok());
+            h.record(t0, true);
+        }
+        h.ended(
+            t0,
+            &Outcome::Unavailable {
+                retry_after: Duration::from_secs(5),
+                request: 1,
+            },
+        );
+        assert!(
+            h.admit(t0, &fp(7), 0.0).0.is_ok(),
+            "the fourth, while waiting"
         );
     }
 }

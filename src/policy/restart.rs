@@ -30,8 +30,9 @@ impl Guide {
     pub fn note(&self) -> String {
         match (self.rule, &self.result) {
             (TripRule::ToolLoopLimit, Some(result)) => format!(
-                "Backstop's session guard: this conversation is in a loop. {}; the last result was: {result}. Calling it again with the same arguments will not change that. Try a different approach: other arguments, another tool, or answer the user with what you know.",
-                self.evidence
+                "Backstop's session guard: this conversation is in a loop. {}; the last result was: {}. Calling it again with the same arguments will not change that. Try a different approach: other arguments, another tool, or answer the user with what you know.",
+                self.evidence,
+                result.trim_end().trim_end_matches('.')
             ),
             (TripRule::ToolLoopLimit, None) => format!(
                 "Backstop's session guard: this conversation is in a loop: {}. Calling it again with the same arguments will not change that. Try a different approach: other arguments, another tool, or answer the user with what you know.",
@@ -96,9 +97,11 @@ pub enum Outcome {
         diagnosis: String,
         at_once: bool,
     },
-    /// Every target's breaker was open: the first probe is due after `retry_after`.
+    /// Every target's breaker was open: the first probe is due after `retry_after`;
+    /// `request` (its fingerprint) was never sent.
     Unavailable {
         retry_after: Duration,
+        request: u64,
     },
 }
 

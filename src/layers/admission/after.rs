@@ -19,7 +19,7 @@ use super::{
     failure::{failure_kind, guard_outcome},
     fleet::{fleet_imposed, fleet_verdict},
     guard::Guarded,
-    trip::{persist, to_keep, trip_detail},
+    trip::{guidance_answered, persist, to_keep, trip_detail},
     AdmissionLayer, Asking,
 };
 use crate::{
@@ -82,7 +82,7 @@ impl Asking {
             _ => None,
         };
         let outcome = match &self.guarded {
-            Some(_) => guard_outcome(result, &facts.recovery, failed),
+            Some(g) => guard_outcome(result, &facts.recovery, failed, g.fp.request),
             None if failed => Outcome::Failed,
             None => Outcome::Succeeded,
         };
@@ -143,6 +143,12 @@ impl AdmissionLayer {
             }
             let now = self.guards.now();
             self.changed(g, &mut e, change);
+            guidance_answered(
+                self.guards.restarts(),
+                &g.tenant,
+                &e.guard,
+                &facts.recovery.steps,
+            );
             let keep = to_keep(change, &e.guard, now);
             let state = e.guard.state().phase();
             let detail = trip_detail(change, e.guard.state());

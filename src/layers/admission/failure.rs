@@ -25,11 +25,13 @@ pub(super) fn guard_outcome(
     result: &Result<Response<Body>, GatewayError>,
     trail: &Trail,
     failed: bool,
+    request: u64,
 ) -> Outcome {
     let upstream = trail.upstream.as_deref().unwrap_or("the upstream");
     match result {
         Err(GatewayError::CircuitOpen { retry_after }) => Outcome::Unavailable {
             retry_after: *retry_after,
+            request,
         },
         Err(GatewayError::UpstreamAuth { upstream, status }) => credentials(upstream, *status),
         Ok(response) => {

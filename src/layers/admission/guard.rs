@@ -98,7 +98,7 @@ impl AdmissionLayer {
         tripped(&self.fleet, &g.tenant, &e.guard, change);
         let restarts = self.guards.restarts();
         let recovered = e.guard.take_recovery();
-        restarted(restarts, &g.tenant, change, e.guard.state(), recovered);
+        restarted(restarts, &g.tenant, change, &e.guard, recovered);
         if let (Some((_, Phase::Tripped)), GuardState::Tripped { trip, .. }) =
             (change, e.guard.state())
         {

@@ -7,7 +7,10 @@ use std::time::Duration;
 
 use crate::{
     error::GatewayError,
-    policy::guard::{GuardState, Kept, Phase, Refused, SessionGuard, Transition, Trip},
+    policy::{
+        guard::{GuardState, Kept, Phase, Refused, SessionGuard, Transition, Trip},
+        trail::Step,
+    },
     state::{
         fleet::Fleet,
         live::{TraceEntry, TraceId},
@@ -18,12 +21,14 @@ use crate::{
 
 /// The restart record's events of a change (and of a recovery that took `recovered`,
 /// which a guided session changing course and guided again by another rule makes with
-/// no change of phase).
+/// no change of phase). Guidance begins when its request is answered
+/// ([`guidance_answered`]): a guided request that fails or meets an outage is no
+/// guidance, and what trips after it is not counted against guiding.
 pub(super) fn restarted(
     restarts: &Restarts,
     tenant: &str,
     change: Option<Transition>,
-    state: &GuardState,
+    guard: &SessionGuard,
     recovered: Option<Duration>,
 ) {
     let strategy = |phase| match phase {
@@ -38,20 +43,38 @@ pub(super) fn restarted(
             Event::Recovered(strategy(from).unwrap_or(Strategy::Guide), after),
         );
     }
-    match change {
-        Some((from, to)) if from != to => {
-            if let Some(s) = strategy(to) {
-                restarts.count(tenant, Event::Began(s));
-            }
-            if let (Some(s), Phase::Tripped, None) = (strategy(from), to, recovered) {
-                restarts.count(tenant, Event::TrippedAfter(s));
-            }
+    let Some((from, to)) = change.filter(|(from, to)| from != to) else {
+        return;
+    };
+    if to == Phase::Waiting {
+        restarts.count(tenant, Event::Began(Strategy::Wait));
+    }
+    let delivered = guard
+        .restart()
+        .is_some_and(|r| r.guided_at.iter().any(Option::is_some));
+    match (strategy(from), to) {
+        (Some(Strategy::Guide), Phase::Tripped) if recovered.is_none() && delivered => {
+            restarts.count(tenant, Event::TrippedAfter(Strategy::Guide));
         }
-        // Changed course and guided again at once, by the other loop rule.
-        None if recovered.is_some() && matches!(state, GuardState::Guided { .. }) => {
-            restarts.count(tenant, Event::Began(Strategy::Guide));
+        (Some(Strategy::Wait), Phase::Tripped) if recovered.is_none() => {
+            restarts.count(tenant, Event::TrippedAfter(Strategy::Wait));
         }
         _ => {}
+    }
+}
+
+/// A guided request answered (it ended with its session still guided): the guidance
+/// begins, counted in the restart record.
+pub(super) fn guidance_answered(
+    restarts: &Restarts,
+    tenant: &str,
+    guard: &SessionGuard,
+    steps: &[Step],
+) {
+    if matches!(steps.first(), Some(Step::Guided(_)))
+        && matches!(guard.state(), GuardState::Guided { .. })
+    {
+        restarts.count(tenant, Event::Began(Strategy::Guide));
     }
 }
 

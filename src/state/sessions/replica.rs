@@ -285,6 +285,10 @@ impl ReplicaGuards {
                         request,
                         since_ms: window_start(config, now_ms),
                     },
+                    // An outcome that took a request out of the window (one never sent).
+                    None if e.guard.counts().recent.len() != before.counts().recent.len() => {
+                        WindowWrite::Replace
+                    }
                     _ => WindowWrite::Keep,
                 };
                 let write = Write::Whole {
