@@ -23,7 +23,7 @@ use std::{collections::VecDeque, time::Duration};
 
 use tokio::time::Instant;
 
-use super::restart::{loop_slot, tool_key, Guide, Outcome, Restart};
+use super::restart::{Outcome, Restart};
 
 /// Requests remembered per session for the identical-request rule.
 pub const RECENT_CAP: usize = 256;
@@ -206,6 +206,56 @@ pub enum GuardState {
     },
     /// Was guided or waiting, then succeeded (until its next request).
     Recovered,
+}
+
+/// The loop a guided session was guided out of: the rule and its evidence, and what a
+/// request must show to be that loop again.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Guide {
+    pub rule: TripRule,
+    pub evidence: String,
+    /// The identical request's fingerprint ([`RequestFingerprint::request`]).
+    pub request: u64,
+    /// The tool loop's key and count when guided: the same loop counted more times is
+    /// the loop again.
+    pub tool: Option<(u64, u32)>,
+    /// The result the looping tool kept returning, for the note.
+    pub result: Option<String>,
+}
+
+impl Guide {
+    /// The note the guided request carries to the model.
+    pub fn note(&self) -> String {
+        match (self.rule, &self.result) {
+            (TripRule::ToolLoopLimit, Some(result)) => format!(
+                "Backstop's session guard: this conversation is in a loop. {}; the last result was: {}. Calling it again with the same arguments will not change that. Try a different approach: other arguments, another tool, or answer the user with what you know.",
+                self.evidence,
+                result.trim_end().trim_end_matches('.')
+            ),
+            (TripRule::ToolLoopLimit, None) => format!(
+                "Backstop's session guard: this conversation is in a loop: {}. Calling it again with the same arguments will not change that. Try a different approach: other arguments, another tool, or answer the user with what you know.",
+                self.evidence
+            ),
+            _ => format!(
+                "Backstop's session guard: {}. Repeating it will get the same answer. Try a different approach.",
+                self.evidence
+            ),
+        }
+    }
+}
+
+/// Which of [`Restart::guided_at`] a loop rule uses.
+fn loop_slot(rule: TripRule) -> Option<usize> {
+    match rule {
+        TripRule::IdenticalRequestLimit => Some(0),
+        TripRule::ToolLoopLimit => Some(1),
+        _ => None,
+    }
+}
+
+/// A tool loop's key: its description's hash.
+pub fn tool_key(description: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(description.as_bytes())
 }
 
 impl GuardState {

@@ -11,8 +11,8 @@ use tokio::time::Instant;
 use crate::{
     policy::{
         budget::Usd,
-        guard::{restore_trip, Counts, GuardPolicy, GuardState, Phase, SessionGuard, Trip},
-        restart::{Guide, Restart},
+        guard::{restore_trip, Counts, GuardPolicy, GuardState, Guide, Phase, SessionGuard, Trip},
+        restart::Restart,
     },
     store::format::{GuardSnapshot, GuideSnapshot, RestartSnapshot, WindowWrite},
 };
