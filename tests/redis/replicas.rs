@@ -2078,8 +2078,15 @@ on_one_server_and_a_cluster!(
 /// from the call: before it, its session's kept state read (its first request on a
 /// replica) and the gate (limits and the guard's admission; twice when the session's
 /// state moved since this replica's last write); in the background, the fleet's read of
-/// its watched shapes (at most once a second) and its count of trips by reason.
-const NOT_AFTER_THE_CALL: [&str; 4] = ["gate", "guard_state", "fleet_watch", "fleet_tripped"];
+/// its watched shapes (at most once a second), its count of trips by reason, and the
+/// restart record's count of the trip (`state::restarts`, never waited for).
+const NOT_AFTER_THE_CALL: [&str; 5] = [
+    "gate",
+    "guard_state",
+    "fleet_watch",
+    "fleet_tripped",
+    "restarts_count",
+];
 
 /// What a failing request added to replica `i`'s round trips after its call.
 async fn failure_round_trips(
