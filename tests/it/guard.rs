@@ -78,16 +78,22 @@ async fn the_compaction_loop_in_miniature_is_tripped_at_the_configured_count() {
         ),
     ] {
         let gw = guarded("60s", extra).await;
-        for i in 0..trips_at {
-            let resp = gw
-                .in_session(
+        let compact = |i| {
+            let body = step(i);
+            let gw = &gw;
+            async move {
+                gw.in_session(
                     GUARDED,
                     "compaction",
                     "compaction",
                     "status=400;code=context_length_exceeded",
-                    &step(i),
+                    &body,
                 )
-                .await;
+                .await
+            }
+        };
+        for i in 0..trips_at {
+            let resp = compact(i).await;
             assert_eq!(resp.status(), 400);
             let state = if i + 1 < trips_at {
                 "recovering"
@@ -102,15 +108,7 @@ async fn the_compaction_loop_in_miniature_is_tripped_at_the_configured_count() {
             );
         }
         for i in trips_at..50 {
-            let resp = gw
-                .in_session(
-                    GUARDED,
-                    "compaction",
-                    "compaction",
-                    "status=400;code=context_length_exceeded",
-                    &step(i),
-                )
-                .await;
+            let resp = compact(i).await;
             assert_eq!(resp.status(), 429);
             if i == trips_at {
                 assert_eq!(resp.headers()["x-should-retry"], "false");
