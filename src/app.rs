@@ -615,7 +615,7 @@ fn admin_state(state: &AppState, reload: Weak<dyn Reload>) -> AdminState {
             state
                 .upstreams
                 .iter()
-                .map(|(name, upstream)| (name.clone(), upstream.api))
+                .map(|(name, upstream)| (name.clone(), upstream.provider))
                 .collect(),
         ),
         budgets: state.budgets.clone(),
@@ -651,7 +651,7 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
 
 /// A known path with the wrong method: 405 in the caller's API shape, never an empty body.
 async fn method_not_allowed(req: Request<Body>) -> Response {
-    let api = Endpoint::api_for(req.uri().path(), req.headers());
+    let api = Endpoint::wire_for(req.uri().path(), req.headers());
     let err = GatewayError::MethodNotAllowed {
         method: req.method().to_string(),
         path: req.uri().path().to_string(),

@@ -27,3 +27,4 @@ pub mod telemetry;
 pub mod translate;
 pub mod upstream;
 pub mod validation;
+pub mod wire;

@@ -4,7 +4,7 @@ use std::{collections::HashMap, sync::Arc};
 
 use wildmatch::WildMatch;
 
-use crate::{config::Config, upstream::Upstream};
+use crate::{config::Config, upstream::Upstream, wire::Wire};
 
 /// One target of a route, resolved to its upstream.
 #[derive(Debug)]
@@ -15,6 +15,19 @@ pub struct Target {
     pub model: Option<Arc<str>>,
     /// The answer cap for a translated request that sets none (Anthropic targets).
     pub max_tokens: Option<u64>,
+}
+
+impl Target {
+    /// The model this target asks for: its own, or the client's.
+    pub fn model_for<'a>(&'a self, client_model: &'a str) -> &'a str {
+        self.model.as_deref().unwrap_or(client_model)
+    }
+
+    /// The wire format this target is sent a request in, for a caller speaking `caller`
+    /// and asking for `client_model`.
+    pub fn wire(&self, client_model: &str, caller: Wire) -> Wire {
+        self.upstream.wire(self.model_for(client_model), caller)
+    }
 }
 
 #[derive(Debug)]

@@ -79,7 +79,7 @@ where
         match self.check(&req) {
             Ok(()) => Either::Right(self.inner.call(req)),
             Err(err) => {
-                let api = Endpoint::api_for(req.uri().path(), req.headers());
+                let api = Endpoint::wire_for(req.uri().path(), req.headers());
                 let log = req.extensions().get::<Arc<RequestLog>>();
                 Either::Left(ready(Ok(refuse(log.map(|l| &**l), &err, api))))
             }

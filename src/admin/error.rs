@@ -9,13 +9,13 @@ use std::time::Duration;
 use axum::{body::Body, response::Response};
 
 use crate::{
-    api::ApiKind,
     error::{
         respond::{error_response, ClientError},
         ErrorCode, GatewayError,
     },
     store::StoreError,
     telemetry::RequestLog,
+    wire::Wire,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -80,7 +80,7 @@ impl From<StoreError> for AdminError {
 
 /// The refusal in `api`'s shape, with its code in the request's log line, as the
 /// respond layer does for the proxy's errors.
-pub fn refuse(log: Option<&RequestLog>, err: &AdminError, api: ApiKind) -> Response<Body> {
+pub fn refuse(log: Option<&RequestLog>, err: &AdminError, api: Wire) -> Response<Body> {
     if let Some(log) = log {
         log.set_error(err.code());
     }

@@ -41,7 +41,6 @@ pub use error::AdminError;
 pub use reload::{no_reload, ConfigStamp, Reload, Reloaded};
 
 use crate::{
-    api::ApiKind,
     error::GatewayError,
     layers::{
         auth::{AuthLayer, Tenant, TenantKeys},
@@ -57,6 +56,7 @@ use crate::{
         sessions::SessionGuards,
     },
     telemetry::RequestLog,
+    wire::Wire,
 };
 
 /// What the admin API reads and changes, and nothing else of the gateway.
@@ -67,7 +67,7 @@ pub struct AdminState {
     pub reload: std::sync::Weak<dyn Reload>,
     pub health: Arc<HealthRegistry>,
     /// Each upstream's API, by upstream name.
-    pub upstream_apis: Arc<HashMap<String, ApiKind>>,
+    pub upstream_apis: Arc<HashMap<String, crate::config::UpstreamApi>>,
     pub budgets: Arc<Budgets>,
     pub guards: Arc<SessionGuards>,
     /// Sessions' side-effect journals.
@@ -164,7 +164,7 @@ fn json_response(value: Value) -> Response {
 fn answer(log: &RequestLog, result: Result<Value, AdminError>) -> Response {
     match result {
         Ok(value) => json_response(value),
-        Err(err) => error::refuse(Some(log), &err, ApiKind::OpenAi),
+        Err(err) => error::refuse(Some(log), &err, Wire::Chat),
     }
 }
 

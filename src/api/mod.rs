@@ -9,42 +9,21 @@ pub mod prompt;
 pub mod refs;
 pub mod request;
 pub mod scan;
-mod shape;
 pub mod signature;
-pub mod sse;
 pub mod tool_calls;
 pub mod usage;
 
 pub use answer::{AnswerView, ReportedUsage};
 pub use refs::StoredRefs;
 pub use request::{ParsedRequest, RequestError, MAX_OUTPUT_TOKENS};
-pub use shape::{error_body, stream_error_event, ErrorParts};
 
-use serde::Deserialize;
+use crate::wire::Wire;
 
 /// The authenticated caller (the auth layer puts it in a request's extensions; the
 /// layers and the stored-response forwarder read it there).
 #[derive(Debug)]
 pub struct Tenant {
     pub name: std::sync::Arc<str>,
-}
-
-/// The wire API an upstream speaks; it decides the credential header and error shape.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Hash)]
-#[serde(rename_all = "lowercase")]
-pub enum ApiKind {
-    #[serde(rename = "openai")]
-    OpenAi,
-    Anthropic,
-}
-
-impl ApiKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ApiKind::OpenAi => "openai",
-            ApiKind::Anthropic => "anthropic",
-        }
-    }
 }
 
 /// A proxied endpoint. The path decides the API (and so the error shape) the caller speaks.
@@ -71,12 +50,13 @@ impl Endpoint {
         }
     }
 
-    pub fn api(self) -> ApiKind {
+    /// The wire format the caller speaks on this endpoint: what its answers and errors
+    /// are shaped as (embeddings answer errors as chat does, `count_tokens` as messages).
+    pub fn wire(self) -> Wire {
         match self {
-            Endpoint::Messages | Endpoint::CountTokens => ApiKind::Anthropic,
-            Endpoint::ChatCompletions | Endpoint::Embeddings | Endpoint::Responses => {
-                ApiKind::OpenAi
-            }
+            Endpoint::Messages | Endpoint::CountTokens => Wire::Messages,
+            Endpoint::ChatCompletions | Endpoint::Embeddings => Wire::Chat,
+            Endpoint::Responses => Wire::Responses,
         }
     }
 
@@ -122,21 +102,19 @@ impl Endpoint {
     }
 
     /// The error shape for a request path, before the endpoint is known to be valid.
-    pub fn api_for_path(path: &str) -> ApiKind {
-        Endpoint::from_path(path).map_or(ApiKind::OpenAi, Endpoint::api)
+    pub fn wire_for_path(path: &str) -> Wire {
+        Endpoint::from_path(path).map_or(Wire::Chat, Endpoint::wire)
     }
 
     /// The error shape a caller speaks, for any path (an unknown one included): Anthropic
     /// on `/v1/messages` paths or when the caller sent `anthropic-version` (the Anthropic
     /// SDK always does), else OpenAI.
-    pub fn api_for(path: &str, headers: &http::HeaderMap) -> ApiKind {
+    pub fn wire_for(path: &str, headers: &http::HeaderMap) -> Wire {
         match Endpoint::from_path(path) {
-            Some(endpoint) => endpoint.api(),
-            None if path == "/v1/messages" || path.starts_with("/v1/messages/") => {
-                ApiKind::Anthropic
-            }
-            None if headers.contains_key("anthropic-version") => ApiKind::Anthropic,
-            None => ApiKind::OpenAi,
+            Some(endpoint) => endpoint.wire(),
+            None if path == "/v1/messages" || path.starts_with("/v1/messages/") => Wire::Messages,
+            None if headers.contains_key("anthropic-version") => Wire::Messages,
+            None => Wire::Chat,
         }
     }
 

@@ -1,3 +1,4 @@
+use crate::wire::Wire;
 use std::collections::HashMap;
 
 use super::*;
@@ -657,7 +658,8 @@ fn azure_needs_its_api_version_and_the_others_refuse_one() {
     let c = load(&format!("{BASE}{AZURE}")).unwrap();
     let azure = &c.upstreams[1];
     assert_eq!(azure.api, UpstreamApi::Azure);
-    assert_eq!(azure.api.wire(), crate::api::ApiKind::OpenAi);
+    assert_eq!(azure.api.wire("gpt-4o", Wire::Messages), Wire::Chat);
+    assert_eq!(azure.api.wire("gpt-4o", Wire::Responses), Wire::Responses);
     assert_eq!(azure.api_version.as_deref(), Some("2024-10-21"));
 
     let err = error_of(&format!(

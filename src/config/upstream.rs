@@ -3,7 +3,7 @@ use std::{collections::HashSet, time::Duration};
 use serde::Deserialize;
 
 use super::{BreakerConfig, ConfigError, RetryConfig, Secret};
-use crate::api::ApiKind;
+use crate::wire::Wire;
 
 /// `upstreams[].api`: the kind of provider. Azure OpenAI speaks OpenAI's wire format
 /// (so it is an OpenAI upstream to every layer but the leaf) at its own per-deployment
@@ -18,11 +18,16 @@ pub enum UpstreamApi {
 }
 
 impl UpstreamApi {
-    /// The wire API it speaks: what translation, error shapes and validation go by.
-    pub fn wire(self) -> ApiKind {
+    /// The wire format this provider is sent `model` in, for a caller speaking `caller`:
+    /// the caller's own where the provider serves it natively, else the one the request is
+    /// translated to. What translation, error shapes and validation go by.
+    pub fn wire(self, _model: &str, caller: Wire) -> Wire {
         match self {
-            UpstreamApi::OpenAi | UpstreamApi::Azure => ApiKind::OpenAi,
-            UpstreamApi::Anthropic => ApiKind::Anthropic,
+            UpstreamApi::OpenAi | UpstreamApi::Azure => match caller {
+                Wire::Responses => Wire::Responses,
+                _ => Wire::Chat,
+            },
+            UpstreamApi::Anthropic => Wire::Messages,
         }
     }
 

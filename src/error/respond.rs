@@ -7,10 +7,7 @@ use axum::body::Body;
 use http::{header, HeaderValue, Response, StatusCode};
 
 use super::{ErrorCode, GatewayError};
-use crate::{
-    api::ApiKind,
-    api::{error_body, ErrorParts},
-};
+use crate::wire::{error_body, ErrorParts, Wire};
 
 /// An error a client is answered with: the proxy's [`GatewayError`] and the admin API's
 /// own. Its `Display` is the message.
@@ -38,7 +35,7 @@ impl ClientError for GatewayError {
     }
 }
 
-pub fn error_response(err: &(impl ClientError + ?Sized), api: ApiKind) -> Response<Body> {
+pub fn error_response(err: &(impl ClientError + ?Sized), api: Wire) -> Response<Body> {
     let code = err.code();
     if code.is_refusal() {
         metrics::counter!("backstop_refusals_total", "reason" => code.as_str()).increment(1);

@@ -29,7 +29,7 @@ use tower::{Layer, Service};
 
 use super::{Middleware, Stack};
 use crate::{
-    api::{prompt::MediaRules, ApiKind, Endpoint, ParsedRequest, ReportedUsage},
+    api::{prompt::MediaRules, Endpoint, ParsedRequest, ReportedUsage},
     billing::Tokens,
     error::GatewayError,
     policy::classify::TransportFailure,
@@ -39,6 +39,7 @@ use crate::{
     },
     telemetry::RequestLog,
     upstream::{stream::StreamEnd, Attempt, AttemptError, Reply},
+    wire::Wire,
 };
 
 /// An attempt and who pays for it: what recovery hands the meter, which hands the leaf
@@ -65,13 +66,13 @@ pub fn ask(
     budgets: &Budgets,
     tenant: &str,
     model: &str,
-    api: ApiKind,
+    api: Wire,
     request: &ParsedRequest,
     held: HeldContext,
 ) -> Ask {
     let rules = match api {
-        ApiKind::Anthropic => MediaRules::Anthropic { model },
-        ApiKind::OpenAi => MediaRules::OpenAi { model },
+        Wire::Messages => MediaRules::Anthropic { model },
+        Wire::Chat | Wire::Responses | Wire::Converse => MediaRules::OpenAi { model },
     };
     let prompt = &request.prompt;
     Ask {
@@ -174,7 +175,7 @@ where
             budgets,
             &tenant,
             model,
-            attempt.upstream.api,
+            attempt.upstream.wire(model, request.endpoint.wire()),
             &request,
             held,
         );

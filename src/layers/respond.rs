@@ -72,7 +72,7 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let api = Endpoint::api_for(req.uri().path(), req.headers());
+        let api = Endpoint::wire_for(req.uri().path(), req.headers());
         let log = req.extensions().get::<Arc<RequestLog>>().cloned();
         // A panic while *creating* the future is caught too.
         let future = match self.not_ready.take() {

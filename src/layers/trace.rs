@@ -130,7 +130,11 @@ fn request_attributes(
         ));
     }
     if let Some(endpoint) = endpoint {
-        out.extend(provider(endpoint.api()));
+        out.extend(provider(if endpoint.wire().openai_errors() {
+            "openai"
+        } else {
+            "anthropic"
+        }));
     }
     let text = |key: &'static str, value: Option<String>| value.map(|v| KeyValue::new(key, v));
     out.extend(

@@ -20,9 +20,9 @@ use tower::{Layer, Service};
 
 use crate::translate::{answer, stream, AnswerContext, StreamTranslator};
 use crate::{
-    api::sse::Splitter,
     policy::classify::TransportFailure,
     upstream::{Attempt, Reply, ReplyBody},
+    wire::sse::Splitter,
 };
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -105,8 +105,8 @@ fn back(cx: &AnswerContext, reply: Reply, keep_answer: bool) -> Reply {
             };
             // Anthropic's 529 (overloaded) is not a status OpenAI clients know: it is the
             // 503 an OpenAI server answers when it is overloaded.
-            let status = match (status.as_u16(), endpoint.api()) {
-                (529, crate::api::ApiKind::OpenAi) => http::StatusCode::SERVICE_UNAVAILABLE,
+            let status = match status.as_u16() {
+                529 if endpoint.wire().openai_errors() => http::StatusCode::SERVICE_UNAVAILABLE,
                 _ => status,
             };
             let mut reply = Reply::whole(endpoint, status, headers, body, keep_answer);

@@ -41,7 +41,7 @@ use crate::{
     policy::trail::Step,
     telemetry::Trail,
     upstream::{Reply, ReplyBody},
-    validation::{corrective_request, Expectations, Format, Invalid, Schemas},
+    validation::{corrective_request, Expectations, Invalid, Schemas},
 };
 
 #[derive(Clone)]
@@ -91,7 +91,7 @@ where
     async fn call(&self, inner: S, call: Call) -> Result<Response<Body>, GatewayError> {
         let layer = self;
         let pending = Expectations::collect(
-            Format::of(call.endpoint()),
+            call.endpoint().wire(),
             &call.request.json,
             call.route.response_schema.as_ref(),
             &layer.schemas,
@@ -232,11 +232,7 @@ where
                 trail.steps.push(Step::Correct(invalid.problem.label()));
                 metrics::counter!("backstop_corrective_retries_total", "kind" => invalid.problem.label()).increment(1);
                 let sent = json.as_ref().unwrap_or(&call.request.json);
-                json = Some(corrective_request(
-                    Format::of(call.endpoint()),
-                    sent,
-                    &invalid,
-                ));
+                json = Some(corrective_request(call.endpoint().wire(), sent, &invalid));
             }
             last = Some(invalid);
         }

@@ -37,7 +37,7 @@ use opentelemetry_sdk::{
 };
 
 use crate::{
-    api::{ApiKind, Endpoint},
+    api::Endpoint,
     config::TelemetryConfig,
     policy::classify::{Class, TransportFailure},
 };
@@ -143,10 +143,10 @@ pub fn operation(endpoint: Option<Endpoint>) -> &'static str {
 }
 
 /// `gen_ai.provider.name` and its older name `gen_ai.system`.
-pub fn provider(api: ApiKind) -> [KeyValue; 2] {
+pub fn provider(name: &'static str) -> [KeyValue; 2] {
     [
-        KeyValue::new("gen_ai.provider.name", api.as_str()),
-        KeyValue::new("gen_ai.system", api.as_str()),
+        KeyValue::new("gen_ai.provider.name", name),
+        KeyValue::new("gen_ai.system", name),
     ]
 }
 
@@ -155,7 +155,7 @@ impl RequestTrace {
     pub fn attempt(
         &self,
         upstream: &str,
-        api: ApiKind,
+        provider_name: &'static str,
         endpoint: Endpoint,
         model: &str,
     ) -> AttemptSpan {
@@ -167,7 +167,7 @@ impl RequestTrace {
             KeyValue::new("backstop.attempt", i64::from(number)),
             KeyValue::new("backstop.upstream", upstream.to_string()),
         ];
-        attributes.extend(provider(api));
+        attributes.extend(provider(provider_name));
         let span = self
             .tracer
             .span_builder(format!("{op} {model}"))

@@ -25,7 +25,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use crate::api::{sse::SseEvent, ApiKind, Endpoint, ParsedRequest};
+use crate::api::{Endpoint, ParsedRequest};
+use crate::wire::{sse::SseEvent, Wire};
 
 /// Which way a request is translated: the caller's endpoint and the target's API.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -42,12 +43,12 @@ impl Direction {
     /// The translation a caller's endpoint needs to reach an upstream speaking `target`:
     /// `Ok(None)` when none is needed, `Err(())` when there is none.
     #[allow(clippy::result_unit_err)]
-    pub fn between(caller: Endpoint, target: ApiKind) -> Result<Option<Direction>, ()> {
+    pub fn between(caller: Endpoint, target: Wire) -> Result<Option<Direction>, ()> {
         match (caller, target) {
-            (e, t) if e.api() == t => Ok(None),
-            (Endpoint::ChatCompletions, ApiKind::Anthropic) => Ok(Some(Direction::ChatToMessages)),
-            (Endpoint::Messages, ApiKind::OpenAi) => Ok(Some(Direction::MessagesToChat)),
-            (Endpoint::Responses, ApiKind::Anthropic) => Ok(Some(Direction::ResponsesToMessages)),
+            (e, t) if e.wire() == t => Ok(None),
+            (Endpoint::ChatCompletions, Wire::Messages) => Ok(Some(Direction::ChatToMessages)),
+            (Endpoint::Messages, Wire::Chat) => Ok(Some(Direction::MessagesToChat)),
+            (Endpoint::Responses, Wire::Messages) => Ok(Some(Direction::ResponsesToMessages)),
             _ => Err(()),
         }
     }

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
 use super::{finish, ids, AnswerContext, AnswerError, Judge, StreamTranslator};
-use crate::api::sse::SseEvent;
+use crate::wire::sse::SseEvent;
 
 // ---------------------------------------------------------------------------------------
 // Requests
@@ -1081,7 +1081,7 @@ enum OutEvent<'a> {
     Incomplete { response: &'a ResponseObject },
     #[serde(rename = "response.failed")]
     Failed { response: &'a ResponseObject },
-    /// The stream's own failure, shaped as `crate::api::stream_error_event` writes it.
+    /// The stream's own failure, shaped as `crate::wire::stream_error_event` writes it.
     #[serde(rename = "error")]
     Error {
         code: &'a str,
@@ -1574,8 +1574,9 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::api::{sse::Splitter, Endpoint, ParsedRequest};
+    use crate::api::{Endpoint, ParsedRequest};
     use crate::translate::Direction;
+    use crate::wire::sse::Splitter;
 
     const FIXTURES: &str = concat!(
         env!("CARGO_MANIFEST_DIR"),

@@ -17,7 +17,7 @@ use super::answer::{
     UsageOut,
 };
 use super::{ids, AnswerContext, AnswerError, Direction, StreamTranslator};
-use crate::api::{sse::SseEvent, stream_error_event, Endpoint};
+use crate::wire::{sse::SseEvent, stream_error_event, Wire};
 
 /// The state machine for a context's direction.
 pub fn translator(cx: &AnswerContext) -> Box<dyn StreamTranslator> {
@@ -329,11 +329,7 @@ impl StreamTranslator for MessagesToChunks {
         });
         let step = step.and_then(|event| self.step(event, out));
         if let Err(AnswerError(why)) = step {
-            out.push(stream_error_event(
-                Endpoint::ChatCompletions,
-                MALFORMED,
-                &why,
-            ));
+            out.push(stream_error_event(Wire::Chat, MALFORMED, &why));
             self.side = ChatSide::Ended;
         }
     }
@@ -345,7 +341,7 @@ impl StreamTranslator for MessagesToChunks {
     fn finish(&mut self, out: &mut Vec<Bytes>) {
         if !matches!(self.side, ChatSide::Ended) {
             out.push(stream_error_event(
-                Endpoint::ChatCompletions,
+                Wire::Chat,
                 INCOMPLETE,
                 "the upstream stream ended before message_stop",
             ));
@@ -914,7 +910,7 @@ impl OpenMessage {
 impl StreamTranslator for ChunksToMessages {
     fn event(&mut self, event: &SseEvent, out: &mut Vec<Bytes>) {
         if let Err(AnswerError(why)) = self.step(event, out) {
-            out.push(stream_error_event(Endpoint::Messages, MALFORMED, &why));
+            out.push(stream_error_event(Wire::Messages, MALFORMED, &why));
             self.side = MessagesSide::Ended;
         }
     }
@@ -926,7 +922,7 @@ impl StreamTranslator for ChunksToMessages {
     fn finish(&mut self, out: &mut Vec<Bytes>) {
         if !matches!(self.side, MessagesSide::Ended) {
             out.push(stream_error_event(
-                Endpoint::Messages,
+                Wire::Messages,
                 INCOMPLETE,
                 "the upstream stream ended before [DONE]",
             ));
@@ -947,7 +943,8 @@ mod tests {
     use serde_json::{json, Map};
 
     use super::*;
-    use crate::api::{sse::Splitter, ParsedRequest};
+    use crate::api::{Endpoint, ParsedRequest};
+    use crate::wire::sse::Splitter;
 
     pub(crate) fn context(direction: Direction, wants_usage: bool) -> AnswerContext {
         let (endpoint, body) = match direction {

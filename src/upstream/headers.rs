@@ -18,7 +18,7 @@
 use http::{header, HeaderMap, HeaderName, HeaderValue};
 
 use super::Upstream;
-use crate::api::ApiKind;
+use crate::config::UpstreamApi;
 
 /// Client request headers every upstream receives (exact names).
 const REQUEST_ALLOWED: &[&str] = &[
@@ -79,7 +79,7 @@ pub(super) fn upstream_request_headers(client: &HeaderMap, upstream: &Upstream) 
     if let Some((name, credential)) = &upstream.credential {
         out.insert(name.clone(), credential.clone());
     }
-    if upstream.api == ApiKind::Anthropic && !out.contains_key("anthropic-version") {
+    if upstream.provider == UpstreamApi::Anthropic && !out.contains_key("anthropic-version") {
         out.insert(
             HeaderName::from_static("anthropic-version"),
             upstream.anthropic_version.clone(),
@@ -111,7 +111,7 @@ pub(super) fn client_response_headers(upstream: &HeaderMap) -> HeaderMap {
 mod tests {
     use super::*;
 
-    fn upstream(api: ApiKind) -> Upstream {
+    fn upstream(api: UpstreamApi) -> Upstream {
         upstream_of(api.as_str(), "")
     }
 
@@ -149,7 +149,7 @@ mod tests {
 
     #[test]
     fn openai_gets_provider_bearer_and_no_tenant_key() {
-        let out = upstream_request_headers(&client_headers(), &upstream(ApiKind::OpenAi));
+        let out = upstream_request_headers(&client_headers(), &upstream(UpstreamApi::OpenAi));
         assert_eq!(out[header::AUTHORIZATION], "Bearer sk-provider");
         assert!(out.get("x-api-key").is_none());
         for gone in [
@@ -207,7 +207,7 @@ mod tests {
 
     #[test]
     fn anthropic_gets_x_api_key_and_default_version() {
-        let out = upstream_request_headers(&client_headers(), &upstream(ApiKind::Anthropic));
+        let out = upstream_request_headers(&client_headers(), &upstream(UpstreamApi::Anthropic));
         assert_eq!(out["x-api-key"], "sk-provider");
         assert!(out.get(header::AUTHORIZATION).is_none());
         assert_eq!(out["anthropic-version"], "2023-06-01");
@@ -215,7 +215,7 @@ mod tests {
 
         let mut h = client_headers();
         h.insert("anthropic-version", HeaderValue::from_static("2099-01-01"));
-        let out = upstream_request_headers(&h, &upstream(ApiKind::Anthropic));
+        let out = upstream_request_headers(&h, &upstream(UpstreamApi::Anthropic));
         assert_eq!(out["anthropic-version"], "2099-01-01");
     }
 
@@ -236,7 +236,7 @@ mod tests {
 
     #[test]
     fn credential_is_sensitive() {
-        let out = upstream_request_headers(&HeaderMap::new(), &upstream(ApiKind::OpenAi));
+        let out = upstream_request_headers(&HeaderMap::new(), &upstream(UpstreamApi::OpenAi));
         assert!(out[header::AUTHORIZATION].is_sensitive());
     }
 }

@@ -37,9 +37,10 @@ use futures_util::{future::BoxFuture, StreamExt};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 
 use crate::{
-    api::{AnswerView, ApiKind, Endpoint, ParsedRequest},
-    config::Config,
+    api::{AnswerView, Endpoint, ParsedRequest},
+    config::{Config, UpstreamApi},
     policy::{backoff::Backoff, classify::TransportFailure},
+    wire::Wire,
 };
 
 pub use url_style::{Unserved, UrlStyle};
@@ -48,9 +49,9 @@ pub use url_style::{Unserved, UrlStyle};
 #[derive(Debug)]
 pub struct Upstream {
     pub name: Arc<str>,
-    /// The wire API it speaks (Azure OpenAI speaks OpenAI's): what the layers compare
-    /// with the caller's.
-    pub api: ApiKind,
+    /// The kind of provider: what decides the wire format a model is sent in
+    /// ([`Upstream::wire`]), the credential and the URLs.
+    pub provider: UpstreamApi,
     /// Where its calls go (URLs parsed once: parsing, IDNA included, showed up in
     /// profiles when done per request).
     url_style: UrlStyle,
@@ -68,10 +69,16 @@ pub struct Upstream {
 }
 
 impl Upstream {
+    /// The wire format `model` is sent to this upstream in, for a caller speaking
+    /// `caller` (see [`UpstreamApi::wire`]).
+    pub fn wire(&self, model: &str, caller: Wire) -> Wire {
+        self.provider.wire(model, caller)
+    }
+
     pub fn new(config: &crate::config::UpstreamConfig) -> Self {
         Upstream {
             name: config.name.as_str().into(),
-            api: config.api.wire(),
+            provider: config.api,
             url_style: UrlStyle::new(config),
             origin: config.base_url.origin(),
             credential: config.api_key.header(config.api),

@@ -25,8 +25,9 @@ use futures_util::{stream, StreamExt};
 use serde_json::Value;
 
 use crate::{
-    api::{sse::first_boundary, stream_error_event, usage::RawUsage, Endpoint, ReportedUsage},
+    api::{usage::RawUsage, Endpoint, ReportedUsage},
     billing::Tokens,
+    wire::{sse::first_boundary, stream_error_event},
 };
 
 type OnEnd = Box<dyn FnOnce(StreamEnd) + Send>;
@@ -525,7 +526,11 @@ impl RelayState {
             _ => BytesMut::new(),
         };
         self.pending.clear();
-        out.extend_from_slice(&stream_error_event(self.relay.endpoint, code, message));
+        out.extend_from_slice(&stream_error_event(
+            self.relay.endpoint.wire(),
+            code,
+            message,
+        ));
         out.freeze()
     }
 }
@@ -533,6 +538,7 @@ impl RelayState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::Wire;
 
     fn relay(strip: bool, endpoint: Endpoint) -> Relay {
         Relay {
@@ -661,7 +667,7 @@ mod tests {
 
     #[test]
     fn a_responses_stream_ends_with_a_responses_error_event() {
-        let event = stream_error_event(Endpoint::Responses, "upstream_stream_error", "cut");
+        let event = stream_error_event(Wire::Responses, "upstream_stream_error", "cut");
         let text = std::str::from_utf8(&event).unwrap();
         let data: Value = serde_json::from_str(
             text.strip_prefix("event: error\ndata: ")
@@ -774,7 +780,7 @@ mod tests {
             } else {
                 // What was relayed is a prefix of what came (whole events only), then
                 // the one error event.
-                let error = stream_error_event(Endpoint::Messages, "upstream_stream_error", End::EventTooLarge.describe().2);
+                let error = stream_error_event(Wire::Messages, "upstream_stream_error", End::EventTooLarge.describe().2);
                 proptest::prop_assert!(out.ends_with(&error), "{text}");
                 let relayed = &out[..out.len() - error.len()];
                 proptest::prop_assert!(bytes.starts_with(relayed));

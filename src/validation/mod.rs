@@ -18,37 +18,7 @@ use serde_json::{json, Map, Value};
 
 pub use schemas::{fingerprint, RequestLimits, SchemaFingerprint, SchemaSettings, Schemas};
 
-use crate::api::{ApiKind, Endpoint};
-
-/// The wire shape a request and its answer are in: where the format, the tools' schemas,
-/// the answer's text and its tool calls are found, and how a correction is appended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
-    /// OpenAI chat completions.
-    Chat,
-    /// Anthropic messages.
-    Messages,
-    /// The OpenAI Responses API: `text.format`, flat function tools, `output` items.
-    Responses,
-}
-
-impl From<ApiKind> for Format {
-    fn from(api: ApiKind) -> Self {
-        match api {
-            ApiKind::OpenAi => Format::Chat,
-            ApiKind::Anthropic => Format::Messages,
-        }
-    }
-}
-
-impl Format {
-    pub fn of(endpoint: Endpoint) -> Format {
-        match endpoint {
-            Endpoint::Responses => Format::Responses,
-            other => other.api().into(),
-        }
-    }
-}
+use crate::wire::Wire;
 
 /// What was wrong, by kind (the `x-backstop-recovery` token and metric label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,7 +60,7 @@ enum ContentRule {
 
 /// What one request's answers must satisfy.
 pub struct Expectations {
-    format: Format,
+    format: Wire,
     content: Option<ContentRule>,
     tools: HashMap<String, Arc<Validator>>,
 }
@@ -118,7 +88,7 @@ enum PendingContent {
 /// A request's schemas, found and fingerprinted on the async worker (cheap, bounded by
 /// the limits); those not cached are compiled by [`Pending::compile`], blocking work.
 pub struct Pending {
-    format: Format,
+    format: Wire,
     tenant: Arc<str>,
     content: Option<PendingContent>,
     tools: Vec<(String, Wanted)>,
@@ -172,7 +142,7 @@ impl Expectations {
     /// any compilation, more tools than `validation.max_tools` and schemas larger than
     /// `validation.max_schema_bytes` or, together, `validation.max_request_schema_bytes`.
     pub fn collect(
-        format: impl Into<Format>,
+        format: impl Into<Wire>,
         request: &Map<String, Value>,
         route_schema: Option<&Arc<Value>>,
         schemas: &Schemas,
@@ -222,7 +192,7 @@ impl Expectations {
         let mut content = None;
         // Chat: `response_format.json_schema.schema`; Responses: `text.format.schema`.
         let (asked, at) = match format {
-            Format::Responses => (
+            Wire::Responses => (
                 request.get("text").and_then(|t| t.get("format")),
                 "text.format.schema",
             ),
@@ -235,7 +205,7 @@ impl Expectations {
             match asked.get("type").and_then(Value::as_str) {
                 Some("json_schema") => {
                     let pointer = match format {
-                        Format::Responses => "/schema",
+                        Wire::Responses => "/schema",
                         _ => "/json_schema/schema",
                     };
                     let schema = asked
@@ -247,7 +217,7 @@ impl Expectations {
                 Some("text") => {}
                 // Chat leaves an unknown `response_format` to the upstream; the Responses
                 // API's `text.format` is refused here, so it never costs a call.
-                _ if format == Format::Responses => {
+                _ if format == Wire::Responses => {
                     return Err(BadSchema(format!(
                         "text.format.type must be one of text, json_schema, json_object; got {}",
                         asked
@@ -260,7 +230,7 @@ impl Expectations {
         }
         // Anthropic's structured output: `output_config.format` (the SDK's `parse` and
         // `output_config`), or the beta's `output_format`.
-        if content.is_none() && format == Format::Messages {
+        if content.is_none() && format == Wire::Messages {
             let formats = [
                 (
                     request.get("output_config").and_then(|c| c.get("format")),
@@ -297,13 +267,14 @@ impl Expectations {
         let mut tools = Vec::new();
         for tool in listed.into_iter().flatten() {
             let (name, schema) = match format {
-                Format::Chat => (
+                Wire::Chat => (
                     tool.pointer("/function/name"),
                     tool.pointer("/function/parameters"),
                 ),
-                Format::Messages => (tool.get("name"), tool.get("input_schema")),
+                Wire::Messages => (tool.get("name"), tool.get("input_schema")),
                 // Built-in tools (web_search, file_search, ...) carry no parameters.
-                Format::Responses => (tool.get("name"), tool.get("parameters")),
+                Wire::Responses => (tool.get("name"), tool.get("parameters")),
+                Wire::Converse => continue,
             };
             if let (Some(Value::String(name)), Some(schema)) = (name, schema) {
                 tools.push((name.clone(), want(format!("tool {name}"), schema, false)?));
@@ -322,7 +293,7 @@ impl Expectations {
 
     /// [`Expectations::collect`] and [`Pending::compile`] on this thread, for tenant `-`.
     pub fn from_request(
-        format: impl Into<Format>,
+        format: impl Into<Wire>,
         request: &Map<String, Value>,
         route_schema: Option<&Arc<Value>>,
         schemas: &Schemas,
@@ -473,16 +444,16 @@ fn output_items<'a>(answer: &'a Value, kind: &'a str) -> impl Iterator<Item = &'
         .filter(move |item| item.get("type").and_then(Value::as_str) == Some(kind))
 }
 
-fn tool_calls(format: Format, answer: &Value) -> Vec<(String, ToolArgs)> {
+fn tool_calls(format: Wire, answer: &Value) -> Vec<(String, ToolArgs)> {
     match format {
-        Format::Responses => output_items(answer, "function_call")
+        Wire::Responses => output_items(answer, "function_call")
             .filter_map(|item| {
                 let name = item.get("name")?.as_str()?.to_string();
                 let args = item.get("arguments").and_then(Value::as_str).unwrap_or("");
                 Some((name, ToolArgs::Raw(args.to_string())))
             })
             .collect(),
-        Format::Chat => answer
+        Wire::Chat => answer
             .pointer("/choices/0/message/tool_calls")
             .and_then(Value::as_array)
             .into_iter()
@@ -497,7 +468,7 @@ fn tool_calls(format: Format, answer: &Value) -> Vec<(String, ToolArgs)> {
                 Some((name, ToolArgs::Raw(args)))
             })
             .collect(),
-        Format::Messages => answer
+        Wire::Messages => answer
             .get("content")
             .and_then(Value::as_array)
             .into_iter()
@@ -510,31 +481,33 @@ fn tool_calls(format: Format, answer: &Value) -> Vec<(String, ToolArgs)> {
                 ))
             })
             .collect(),
+        Wire::Converse => Vec::new(),
     }
 }
 
 /// The answer's text: OpenAI `message.content`, Anthropic's text blocks joined, the
 /// Responses API's `output_text` parts of its message items joined.
-fn content_text(format: Format, answer: &Value) -> String {
+fn content_text(format: Wire, answer: &Value) -> String {
     match format {
-        Format::Responses => output_items(answer, "message")
+        Wire::Responses => output_items(answer, "message")
             .filter_map(|item| item.get("content").and_then(Value::as_array))
             .flatten()
             .filter(|part| part.get("type").and_then(Value::as_str) == Some("output_text"))
             .filter_map(|part| part.get("text").and_then(Value::as_str))
             .collect(),
-        Format::Chat => answer
+        Wire::Chat => answer
             .pointer("/choices/0/message/content")
             .and_then(Value::as_str)
             .unwrap_or("")
             .to_string(),
-        Format::Messages => answer
+        Wire::Messages => answer
             .get("content")
             .and_then(Value::as_array)
             .into_iter()
             .flatten()
             .filter_map(|b| b.get("text").and_then(Value::as_str))
             .collect(),
+        Wire::Converse => String::new(),
     }
 }
 
@@ -543,7 +516,7 @@ fn content_text(format: Format, answer: &Value) -> String {
 /// Anthropic `messages`; the Responses API's `input` items, a string `input` becoming
 /// the first user item, on top of the same `previous_response_id` if there is one).
 pub fn corrective_request(
-    format: Format,
+    format: Wire,
     request: &Map<String, Value>,
     invalid: &Invalid,
 ) -> Map<String, Value> {
@@ -576,13 +549,13 @@ pub fn corrective_request(
 /// messages, or a Responses request's `input`, made a list if it was text): the model's
 /// turn (`said`), then the user's (`asked`). What a corrective attempt sends.
 pub fn append_exchange(
-    format: Format,
+    format: Wire,
     request: &mut Map<String, Value>,
     said: String,
     asked: String,
 ) {
     let turns = match format {
-        Format::Responses => {
+        Wire::Responses => {
             let input = request
                 .entry("input")
                 .or_insert_with(|| Value::Array(Vec::new()));
@@ -591,7 +564,7 @@ pub fn append_exchange(
             }
             input
         }
-        Format::Chat | Format::Messages => request
+        Wire::Chat | Wire::Converse | Wire::Messages => request
             .entry("messages")
             .or_insert_with(|| Value::Array(Vec::new())),
     };
@@ -621,7 +594,7 @@ mod tests {
         let Value::Object(request) = request else {
             panic!()
         };
-        Expectations::from_request(ApiKind::OpenAi, &request, None, &schemas())
+        Expectations::from_request(Wire::Chat, &request, None, &schemas())
             .unwrap()
             .unwrap()
     }
@@ -663,7 +636,7 @@ mod tests {
         }) else {
             unreachable!()
         };
-        let e = Expectations::from_request(Format::Responses, &request, None, &schemas())
+        let e = Expectations::from_request(Wire::Responses, &request, None, &schemas())
             .unwrap()
             .unwrap();
         let text = |t: &str| json!({"output": [{"type": "reasoning", "summary": []}, {"type": "message", "content": [{"type": "output_text", "text": t}]}]});
@@ -681,7 +654,7 @@ mod tests {
         let Value::Object(request) = json!({"input": "hi", "previous_response_id": "r1"}) else {
             unreachable!()
         };
-        let next = corrective_request(Format::Responses, &request, &invalid);
+        let next = corrective_request(Wire::Responses, &request, &invalid);
         assert_eq!(next["previous_response_id"], "r1");
         let input = next["input"].as_array().unwrap();
         assert_eq!(input[0], json!({"role": "user", "content": "hi"}));
@@ -726,7 +699,7 @@ mod tests {
         else {
             panic!()
         };
-        let e = Expectations::from_request(ApiKind::Anthropic, &request, None, &schemas())
+        let e = Expectations::from_request(Wire::Messages, &request, None, &schemas())
             .unwrap()
             .unwrap();
         let answer = json!({"content": [{"type": "text", "text": "calling"}, {"type": "tool_use", "name": "get_weather", "input": {"city": "Rome", "temp_c": "warm"}}]});
@@ -751,7 +724,7 @@ mod tests {
             let Value::Object(request) = request else {
                 panic!()
             };
-            let e = Expectations::from_request(ApiKind::Anthropic, &request, None, &schemas())
+            let e = Expectations::from_request(Wire::Messages, &request, None, &schemas())
                 .unwrap()
                 .expect("a JSON-schema output format is validated");
             let text = |t: &str| json!({"content": [{"type": "text", "text": t}]});
@@ -769,11 +742,11 @@ mod tests {
             panic!()
         };
         assert!(
-            Expectations::from_request(ApiKind::OpenAi, &request, None, &schemas())
+            Expectations::from_request(Wire::Chat, &request, None, &schemas())
                 .unwrap()
                 .is_none()
         );
-        let err = Expectations::from_request(ApiKind::Anthropic, &request, None, &schemas())
+        let err = Expectations::from_request(Wire::Messages, &request, None, &schemas())
             .err()
             .unwrap();
         assert!(err.0.contains("output_config.format.schema"), "{}", err.0);
@@ -790,7 +763,7 @@ mod tests {
         let schemas = schemas();
         let (one, two): (Arc<str>, Arc<str>) = (Arc::from("one"), Arc::from("two"));
         let collect = |tenant: &Arc<str>| {
-            Expectations::collect(ApiKind::OpenAi, &request, None, &schemas, tenant)
+            Expectations::collect(Wire::Chat, &request, None, &schemas, tenant)
                 .unwrap()
                 .unwrap()
         };
@@ -807,13 +780,13 @@ mod tests {
             panic!()
         };
         assert!(
-            Expectations::from_request(ApiKind::OpenAi, &request, None, &schemas())
+            Expectations::from_request(Wire::Chat, &request, None, &schemas())
                 .unwrap()
                 .is_none()
         );
         let route = Arc::new(weather_schema());
         assert!(
-            Expectations::from_request(ApiKind::OpenAi, &request, Some(&route), &schemas())
+            Expectations::from_request(Wire::Chat, &request, Some(&route), &schemas())
                 .unwrap()
                 .is_some()
         );
@@ -832,7 +805,7 @@ mod tests {
             output: r#"{"city":"Paris"}"#.into(),
             tool: None,
         };
-        let next = corrective_request(Format::Chat, &request, &invalid);
+        let next = corrective_request(Wire::Chat, &request, &invalid);
         let messages = next["messages"].as_array().unwrap();
         assert_eq!(messages.len(), 3);
         assert_eq!(

@@ -10,8 +10,8 @@ use std::collections::BTreeMap;
 
 use serde_json::{json, Value};
 
-use super::Format;
-use crate::api::sse::SseEvent;
+use crate::wire::sse::SseEvent;
+use crate::wire::Wire;
 
 /// One tool call being streamed.
 #[derive(Debug, Clone, Default)]
@@ -41,13 +41,13 @@ pub struct Read {
 /// A streamed answer, assembled event by event.
 #[derive(Debug, Clone)]
 pub struct Assembler {
-    format: Format,
+    format: Wire,
     text: String,
     calls: BTreeMap<u64, Call>,
 }
 
 impl Assembler {
-    pub fn new(format: Format) -> Assembler {
+    pub fn new(format: Wire) -> Assembler {
         Assembler {
             format,
             text: String::new(),
@@ -84,9 +84,10 @@ impl Assembler {
             return read;
         };
         match self.format {
-            Format::Chat => self.read_chat(json, &mut read),
-            Format::Messages => self.read_messages(json, &mut read),
-            Format::Responses => self.read_responses(json, &mut read),
+            Wire::Chat => self.read_chat(json, &mut read),
+            Wire::Messages => self.read_messages(json, &mut read),
+            Wire::Responses => self.read_responses(json, &mut read),
+            Wire::Converse => {}
         }
         read
     }
@@ -289,7 +290,7 @@ impl Assembler {
     fn shaped<'a>(&self, calls: impl Iterator<Item = &'a Call>, with_text: bool) -> Value {
         let text = if with_text { self.text.as_str() } else { "" };
         match self.format {
-            Format::Chat => {
+            Wire::Chat | Wire::Converse => {
                 let calls: Vec<Value> = calls
                     .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.args}}))
                     .collect();
@@ -299,7 +300,7 @@ impl Assembler {
                 }
                 json!({"choices": [{"index": 0, "message": message}]})
             }
-            Format::Messages => {
+            Wire::Messages => {
                 let mut content = Vec::new();
                 if !text.is_empty() || with_text {
                     content.push(json!({"type": "text", "text": text}));
@@ -320,7 +321,7 @@ impl Assembler {
                 }
                 json!({"content": content})
             }
-            Format::Responses => {
+            Wire::Responses => {
                 let mut output = Vec::new();
                 if with_text {
                     output.push(json!({"type": "message", "role": "assistant",
@@ -351,13 +352,13 @@ mod tests {
     use bytes::Bytes;
 
     fn events(raw: &str) -> Vec<SseEvent> {
-        let mut s = crate::api::sse::Splitter::default();
+        let mut s = crate::wire::sse::Splitter::default();
         s.push(raw.as_bytes())
     }
 
     #[test]
     fn chat_tool_calls_complete_at_the_next_index_and_at_finish() {
-        let mut a = Assembler::new(Format::Chat);
+        let mut a = Assembler::new(Wire::Chat);
         let raw = concat!(
             "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"hi \"}}]}\n\n",
             "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"c0\",\"function\":{\"name\":\"f\",\"arguments\":\"{\\\"a\\\"\"}}]}}]}\n\n",
@@ -390,7 +391,7 @@ mod tests {
 
     #[test]
     fn anthropic_and_responses_calls_complete_at_their_own_stop_events() {
-        let mut a = Assembler::new(Format::Messages);
+        let mut a = Assembler::new(Wire::Messages);
         let raw = concat!(
             "event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":1,\"content_block\":{\"type\":\"tool_use\",\"id\":\"t\",\"name\":\"f\",\"input\":{}}}\n\n",
             "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":1,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"{\\\"a\\\":1}\"}}\n\n",
@@ -402,7 +403,7 @@ mod tests {
         assert!(reads[3].terminal && reads[3].completed.is_empty());
         assert_eq!(a.call_answer(1)["content"][0]["input"]["a"], 1);
 
-        let mut r = Assembler::new(Format::Responses);
+        let mut r = Assembler::new(Wire::Responses);
         let raw = concat!(
             "event: response.output_item.added\ndata: {\"type\":\"response.output_item.added\",\"output_index\":0,\"item\":{\"type\":\"function_call\",\"name\":\"f\",\"call_id\":\"c\",\"arguments\":\"\"}}\n\n",
             "event: response.function_call_arguments.delta\ndata: {\"type\":\"response.function_call_arguments.delta\",\"output_index\":0,\"delta\":\"{}\"}\n\n",

@@ -19,7 +19,8 @@ use crate::{
 pub(super) fn first_target(call: &Call) -> Option<(&Target, &str)> {
     let request = &call.request;
     let target = call.route.targets.get(call.start.0)?;
-    if target.upstream.api != request.endpoint.api() || request.refs.previous_response.is_some() {
+    let caller = request.endpoint.wire();
+    if target.wire(&request.model, caller) != caller || request.refs.previous_response.is_some() {
         return None;
     }
     Some((target, target.model.as_deref().unwrap_or(&request.model)))
@@ -47,7 +48,7 @@ impl AdmissionLayer {
             &self.budgets,
             &call.tenant,
             model,
-            target.upstream.api,
+            target.wire(&call.request.model, call.request.endpoint.wire()),
             &call.request,
             held,
         ))

@@ -98,14 +98,14 @@ impl RecoveryLayer {
     /// Where a hedge goes: the first target after the call's start that speaks its API
     /// and whose breaker is closed.
     pub(super) fn hedge_target(&self, call: &Call) -> Option<TargetIndex> {
-        let api = call.endpoint().api();
+        let caller = call.endpoint().wire();
         call.route
             .targets
             .iter()
             .enumerate()
             .skip(call.start.0 + 1)
             .find(|(_, t)| {
-                t.upstream.api == api
+                t.wire(&call.request.model, caller) == caller
                     && self
                         .health
                         .get(&t.upstream.name)

@@ -49,7 +49,7 @@ use super::{
     Middleware, Stack,
 };
 use crate::{
-    api::{ApiKind, ParsedRequest},
+    api::ParsedRequest,
     error::GatewayError,
     policy::{
         backoff::{next_wait, Wait},
@@ -62,6 +62,7 @@ use crate::{
     telemetry::Trail,
     translate::{self, AnswerContext, Direction},
     upstream::{Attempt, AttemptError, Reply, Upstream},
+    wire::Wire,
 };
 
 /// How transient failures are retried: each upstream's [`RetryRules`], and the jitter.
@@ -348,13 +349,13 @@ where
             }
             // Nothing past `start` speaks the caller's API or translates to it: a
             // route/endpoint mismatch (embeddings, `count_tokens`).
-            let other = route.targets[0].upstream.api;
+            let other = &route.targets[0];
             return self.finish(Err(GatewayError::ApiMismatch {
                 model: call.request.model.clone(),
-                upstream_api: other.as_str(),
-                path: match other {
-                    ApiKind::OpenAi => "/v1/chat/completions",
-                    ApiKind::Anthropic => "/v1/messages",
+                upstream_api: other.upstream.provider.as_str(),
+                path: match other.wire(&call.request.model, Wire::Chat) {
+                    Wire::Messages => "/v1/messages",
+                    Wire::Chat | Wire::Responses | Wire::Converse => "/v1/chat/completions",
                 },
             }));
         }
@@ -471,7 +472,8 @@ where
         untranslatable: &mut Vec<String>,
     ) -> Fit {
         let upstream = &target.upstream;
-        let direction = match Direction::between(call.endpoint(), upstream.api) {
+        let target_wire = target.wire(&call.request.model, call.endpoint().wire());
+        let direction = match Direction::between(call.endpoint(), target_wire) {
             Ok(None) => return Fit::Usable { translation: None },
             Ok(Some(direction)) => direction,
             Err(()) => return Fit::Unfit,
@@ -632,7 +634,12 @@ where
         let span = call.log.trace().map(|trace| {
             let asked = model.as_deref().unwrap_or(&call.request.model);
             let upstream = &target.upstream;
-            trace.attempt(&upstream.name, upstream.api, request.endpoint, asked)
+            trace.attempt(
+                &upstream.name,
+                upstream.provider.as_str(),
+                request.endpoint,
+                asked,
+            )
         });
         let billed = Billed {
             attempt: Attempt {

@@ -43,7 +43,7 @@ use crate::{
     state::journal::{Entry, Journal, Session},
     telemetry::Trail,
     upstream::ReplyBody,
-    validation::{append_exchange, Format},
+    validation::append_exchange,
 };
 
 /// The caller's list of tools it means to call again.
@@ -213,7 +213,7 @@ fn correction(
         tool = call.tool,
         id = entry.call_id,
     );
-    append_exchange(Format::of(endpoint), &mut next, said, note);
+    append_exchange(endpoint.wire(), &mut next, said, note);
     next
 }
 

@@ -27,8 +27,6 @@ use tower::{Service, ServiceExt};
 use super::{count, judge, Corrections, Judged, Watch};
 use crate::{
     api::{
-        sse::{Splitter, SseEvent},
-        stream_error_event,
         tool_calls::{self, ToolCall},
         Endpoint,
     },
@@ -40,7 +38,11 @@ use crate::{
     policy::side_effects::OnRepeat,
     state::journal::Entry,
     upstream::ReplyBody,
-    validation::{stream::Assembler, Format},
+    validation::stream::Assembler,
+    wire::{
+        sse::{Splitter, SseEvent},
+        stream_error_event,
+    },
 };
 
 type Source = BoxStream<'static, Result<Bytes, axum::Error>>;
@@ -90,7 +92,7 @@ impl Reader {
         Reader {
             source: Some(body.into_data_stream().boxed()),
             splitter: Splitter::default(),
-            assembler: Assembler::new(Format::of(endpoint)),
+            assembler: Assembler::new(endpoint.wire()),
             endpoint,
             queue: VecDeque::new(),
             sent: Sent::default(),
@@ -220,7 +222,7 @@ impl Reader {
     /// Sends every queued event (renumbered when following on), noting what went out.
     fn flush(&mut self) {
         self.first.clear();
-        let format = Format::of(self.endpoint);
+        let format = self.endpoint.wire();
         while let Some(event) = self.queue.pop_front() {
             let event = match self.follow.as_mut() {
                 Some(follow) => follow.renumber(event),
@@ -236,10 +238,10 @@ impl Reader {
     /// calls renumbered after those sent).
     fn follow_on(&mut self, body: Body) {
         self.flush();
-        self.follow = Some(Follow::after(Format::of(self.endpoint), &self.sent));
+        self.follow = Some(Follow::after(self.endpoint.wire(), &self.sent));
         self.source = Some(body.into_data_stream().boxed());
         self.splitter = Splitter::default();
-        self.assembler = Assembler::new(Format::of(self.endpoint));
+        self.assembler = Assembler::new(self.endpoint.wire());
         self.held.clear();
         self.known.clear();
         self.ended = false;
@@ -251,7 +253,7 @@ impl Reader {
         let err = super::duplicate(&repeat.call, &repeat.entry);
         self.flush();
         self.out.push_back(stream_error_event(
-            self.endpoint,
+            self.endpoint.wire(),
             "duplicate_side_effect",
             &err.to_string(),
         ));

@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 
 use serde_json::{json, Value};
 
-use crate::{api::sse::SseEvent, validation::Format};
+use crate::wire::{sse::SseEvent, Wire};
 
 /// What the client has been sent, for a corrective attempt to follow on from.
 #[derive(Default)]
@@ -31,11 +31,11 @@ pub(in crate::layers) struct Sent {
 }
 
 impl Sent {
-    pub(in crate::layers) fn note(&mut self, format: Format, event: &SseEvent) {
+    pub(in crate::layers) fn note(&mut self, format: Wire, event: &SseEvent) {
         self.any = true;
         let Some(json) = &event.json else { return };
         match format {
-            Format::Chat => {
+            Wire::Chat => {
                 for tc in json
                     .pointer("/choices/0/delta/tool_calls")
                     .and_then(Value::as_array)
@@ -46,13 +46,13 @@ impl Sent {
                         .insert(tc.get("index").and_then(Value::as_u64).unwrap_or(0));
                 }
             }
-            Format::Messages => {
+            Wire::Messages => {
                 if event.kind() == Some("content_block_start") {
                     let index = json.get("index").and_then(Value::as_u64).unwrap_or(0);
                     self.blocks = self.blocks.max(index + 1);
                 }
             }
-            Format::Responses => {
+            Wire::Responses => {
                 if let Some(i) = json.get("output_index").and_then(Value::as_u64) {
                     self.outputs = self.outputs.max(i + 1);
                 }
@@ -68,6 +68,7 @@ impl Sent {
                     }
                 }
             }
+            Wire::Converse => {}
         }
     }
 }
@@ -77,7 +78,7 @@ impl Sent {
 /// events arrive; [`Follow::renumber`] gives what is released the next indices as it is
 /// sent, so a call dropped in between (a repeat of one already sent) leaves no gap.
 pub(in crate::layers) struct Follow {
-    format: Format,
+    format: Wire,
     next_index: u64,
     remap: HashMap<u64, u64>,
     dropped: HashSet<u64>,
@@ -88,13 +89,14 @@ pub(in crate::layers) struct Follow {
 }
 
 impl Follow {
-    pub(in crate::layers) fn after(format: Format, sent: &Sent) -> Follow {
+    pub(in crate::layers) fn after(format: Wire, sent: &Sent) -> Follow {
         Follow {
             format,
             next_index: match format {
-                Format::Chat => sent.chat_calls.len() as u64,
-                Format::Messages => sent.blocks,
-                Format::Responses => sent.outputs,
+                Wire::Chat => sent.chat_calls.len() as u64,
+                Wire::Messages => sent.blocks,
+                Wire::Responses => sent.outputs,
+                Wire::Converse => 0,
             },
             remap: HashMap::new(),
             dropped: HashSet::new(),
@@ -120,7 +122,7 @@ impl Follow {
             return Some(event);
         };
         match self.format {
-            Format::Chat => {
+            Wire::Chat | Wire::Converse => {
                 let Some(choice) = json.pointer_mut("/choices/0") else {
                     return Some(event);
                 };
@@ -142,7 +144,7 @@ impl Follow {
                 }
                 Some(event.rewritten(json))
             }
-            Format::Messages => {
+            Wire::Messages => {
                 let index = json.get("index").and_then(Value::as_u64);
                 match event.kind() {
                     Some("message_start" | "ping") => None,
@@ -161,7 +163,7 @@ impl Follow {
                     _ => Some(event),
                 }
             }
-            Format::Responses => {
+            Wire::Responses => {
                 let kind = event.kind().unwrap_or("");
                 if matches!(
                     kind,
@@ -192,7 +194,7 @@ impl Follow {
             return event;
         };
         match self.format {
-            Format::Chat => {
+            Wire::Chat | Wire::Converse => {
                 let Some(calls) = json
                     .pointer_mut("/choices/0/delta/tool_calls")
                     .and_then(Value::as_array_mut)
@@ -204,13 +206,13 @@ impl Follow {
                     tc["index"] = json!(self.index(from));
                 }
             }
-            Format::Messages => {
+            Wire::Messages => {
                 let Some(from) = json.get("index").and_then(Value::as_u64) else {
                     return event;
                 };
                 json["index"] = json!(self.index(from));
             }
-            Format::Responses => {
+            Wire::Responses => {
                 let kind = event.kind().unwrap_or("").to_owned();
                 if let Some(from) = json.get("output_index").and_then(Value::as_u64) {
                     json["output_index"] = json!(self.index(from));
@@ -248,7 +250,7 @@ mod tests {
     use super::*;
 
     /// What the client was sent: these events, in this format.
-    fn sent(format: Format, events: &[SseEvent]) -> Sent {
+    fn sent(format: Wire, events: &[SseEvent]) -> Sent {
         let mut sent = Sent::default();
         for event in events {
             sent.note(format, event);
@@ -276,8 +278,8 @@ mod tests {
 
     #[test]
     fn a_chat_correction_drops_its_text_and_numbers_its_calls_after_those_sent() {
-        let before = sent(Format::Chat, &[chat_call(0, "a"), chat_call(1, "b")]);
-        let mut f = Follow::after(Format::Chat, &before);
+        let before = sent(Wire::Chat, &[chat_call(0, "a"), chat_call(1, "b")]);
+        let mut f = Follow::after(Wire::Chat, &before);
         let text = SseEvent::write(
             None,
             &json!({"choices": [{"delta": {"role": "assistant", "content": "again"}}]}),
@@ -303,8 +305,8 @@ mod tests {
                 &json!({"type": "content_block_delta", "index": index}),
             )
         };
-        let before = sent(Format::Messages, &[start(0, "text"), delta(0)]);
-        let mut f = Follow::after(Format::Messages, &before);
+        let before = sent(Wire::Messages, &[start(0, "text"), delta(0)]);
+        let mut f = Follow::after(Wire::Messages, &before);
         let opening = SseEvent::write(Some("message_start"), &json!({"type": "message_start"}));
         let out = follow(
             &mut f,
@@ -337,10 +339,10 @@ mod tests {
             )
         };
         let before = sent(
-            Format::Responses,
+            Wire::Responses,
             &[created("resp_1", 0), item(0, "msg_1", "message", 1)],
         );
-        let mut f = Follow::after(Format::Responses, &before);
+        let mut f = Follow::after(Wire::Responses, &before);
         let added = SseEvent::write(
             Some("response.output_item.added"),
             &json!({"type": "response.output_item.added", "output_index": 0,

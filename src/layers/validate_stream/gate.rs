@@ -5,7 +5,7 @@
 use std::collections::{HashSet, VecDeque};
 
 use super::Plan;
-use crate::{api::sse::SseEvent, validation::stream::Read};
+use crate::{validation::stream::Read, wire::sse::SseEvent};
 
 /// An event waiting to be released.
 pub(super) struct Queued {

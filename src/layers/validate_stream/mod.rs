@@ -47,15 +47,15 @@ use super::{
     recovery::{follow_trail, Answered, Unanswered},
 };
 use crate::{
-    api::{
-        sse::{Splitter, SseEvent},
-        stream_error_event,
-    },
     error::GatewayError,
     policy::trail::Step,
     telemetry::Trail,
     upstream::ReplyBody,
-    validation::{corrective_request, stream::Assembler, Expectations, Format, Invalid},
+    validation::{corrective_request, stream::Assembler, Expectations, Invalid},
+    wire::{
+        sse::{Splitter, SseEvent},
+        stream_error_event, Wire,
+    },
 };
 
 /// How the whole-answer verdict is applied to a stream.
@@ -89,7 +89,7 @@ pub(super) struct StreamRun<S> {
     call: Call,
     expectations: Arc<Expectations>,
     settings: Settings,
-    format: Format,
+    format: Wire,
     original: Map<String, Value>,
     json: Map<String, Value>,
     start: TargetIndex,
@@ -134,7 +134,7 @@ where
         expectations: Arc<Expectations>,
         settings: Settings,
     ) -> Self {
-        let format = Format::of(call.endpoint());
+        let format = call.endpoint().wire();
         let original = call.request.json.clone();
         let checks_content = expectations.checks_content();
         StreamRun {
@@ -188,7 +188,11 @@ where
                 };
                 run.stage = Stage::Over;
                 return Some((
-                    stream_error_event(run.call.endpoint(), code, "the stream could not continue"),
+                    stream_error_event(
+                        run.call.endpoint().wire(),
+                        code,
+                        "the stream could not continue",
+                    ),
                     run,
                 ));
             }
@@ -250,7 +254,11 @@ where
                 ),
             ),
         };
-        self.end_with(stream_error_event(self.call.endpoint(), code, &message));
+        self.end_with(stream_error_event(
+            self.call.endpoint().wire(),
+            code,
+            &message,
+        ));
         Ok(())
     }
 
@@ -352,7 +360,7 @@ where
                     invalid.errors.join("; ")
                 );
                 self.end_with(stream_error_event(
-                    self.call.endpoint(),
+                    self.call.endpoint().wire(),
                     "output_invalid",
                     &message,
                 ));
@@ -463,16 +471,16 @@ where
     fn flag(&self, invalid: &Invalid) -> Bytes {
         let (kind, errors) = (invalid.problem.label(), &invalid.errors);
         let event = match self.format {
-            Format::Chat => SseEvent::write(
+            Wire::Chat | Wire::Converse => SseEvent::write(
                 None,
                 &json!({"object": "chat.completion.chunk", "choices": [],
                     "backstop_validation": {"outcome": "invalid", "kind": kind, "errors": errors}}),
             ),
-            Format::Messages => SseEvent::write(
+            Wire::Messages => SseEvent::write(
                 Some("backstop_validation"),
                 &json!({"type": "backstop_validation", "outcome": "invalid", "kind": kind, "errors": errors}),
             ),
-            Format::Responses => SseEvent::write(
+            Wire::Responses => SseEvent::write(
                 Some("backstop.validation"),
                 &json!({"type": "backstop.validation", "outcome": "invalid", "kind": kind, "errors": errors}),
             ),
@@ -519,7 +527,7 @@ where
                         errors.join("; ")
                     );
                     self.end_with(stream_error_event(
-                        self.call.endpoint(),
+                        self.call.endpoint().wire(),
                         "output_invalid",
                         &message,
                     ));
