@@ -43,11 +43,13 @@ pub fn whole(cx: &AnswerContext, body: &[u8]) -> Result<Bytes, AnswerError> {
 /// A target's error answer (any non-2xx), in the caller's error shape.
 pub fn error(cx: &AnswerContext, status: StatusCode, body: &[u8]) -> Bytes {
     let error = UpstreamError::read(Some(status), body);
-    let bytes = match caller_shape(cx.direction) {
-        Shape::OpenAi => serde_json::to_vec(&OpenAiErrorBody {
+    // The Responses API uses OpenAI's error body.
+    let bytes = if cx.direction.caller_endpoint().wire().openai_errors() {
+        serde_json::to_vec(&OpenAiErrorBody {
             error: error.openai(),
-        }),
-        Shape::Anthropic => serde_json::to_vec(&error.anthropic()),
+        })
+    } else {
+        serde_json::to_vec(&error.anthropic())
     };
     Bytes::from(bytes.expect("an error body serialises"))
 }
@@ -518,21 +520,6 @@ fn anthropic_message(completion: ChatCompletion) -> Result<MessageOut, AnswerErr
 
 // ---------------------------------------------------------------------------------------
 // Errors: a closed table from what the target said to what the caller reads.
-
-/// The caller's error shape.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Shape {
-    OpenAi,
-    Anthropic,
-}
-
-/// The Responses API uses OpenAI's error body.
-pub(super) fn caller_shape(direction: Direction) -> Shape {
-    match direction {
-        Direction::ChatToMessages | Direction::ResponsesToMessages => Shape::OpenAi,
-        Direction::MessagesToChat => Shape::Anthropic,
-    }
-}
 
 /// What an upstream error is, whatever shape it came in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
