@@ -23,7 +23,7 @@ pub(super) fn first_target(call: &Call) -> Option<(&Target, &str)> {
     if target.wire(&request.model, caller) != caller || request.refs.previous_response.is_some() {
         return None;
     }
-    Some((target, target.model.as_deref().unwrap_or(&request.model)))
+    Some((target, target.model_for(&request.model)))
 }
 
 impl AdmissionLayer {
