@@ -40,7 +40,9 @@ pub use state::{OnUnavailable, StateBackend, StateConfig};
 pub use store::{StoreBackend, StoreConfig};
 pub use telemetry::TelemetryConfig;
 pub use tenant::{FleetConfig, GuardConfig, TenantConfig};
-pub use upstream::{BaseUrl, ProviderKey, UpstreamApi, UpstreamConfig, NEVER_FORWARDED};
+pub use upstream::{
+    is_bedrock_anthropic, BaseUrl, ProviderKey, UpstreamApi, UpstreamConfig, NEVER_FORWARDED,
+};
 pub use validation::{StreamValidation, ValidationConfig, ValidationMode};
 
 /// The whole configuration file.

@@ -615,9 +615,9 @@ fn base_url_and_api_key_are_parsed_once_into_typed_values() {
     let prefixed = BASE.replace("https://api.openai.com", "https://proxy.example/openai/");
     let c = load(&prefixed).unwrap();
     let upstream = &c.upstreams[0];
-    assert_eq!(upstream.base_url.origin(), "https://proxy.example/openai");
+    assert_eq!(upstream.base().origin(), "https://proxy.example/openai");
     assert_eq!(
-        upstream.base_url.join("/v1/chat/completions").as_str(),
+        upstream.base().join("/v1/chat/completions").as_str(),
         "https://proxy.example/openai/v1/chat/completions"
     );
     let (name, bearer) = upstream.api_key.header(UpstreamApi::OpenAi).unwrap();

@@ -7,7 +7,10 @@ use crate::wire::Wire;
 
 /// `upstreams[].api`: the kind of provider. Azure OpenAI speaks OpenAI's wire format
 /// (so it is an OpenAI upstream to every layer but the leaf) at its own per-deployment
-/// URLs, with its key in `api-key`.
+/// URLs, with its key in `api-key`. Amazon Bedrock serves Anthropic's models over
+/// InvokeModel, whose body is Anthropic's Messages (so a Claude on Bedrock is a messages
+/// target to every layer but the leaf, which signs it with SigV4 and unframes its
+/// event-stream).
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum UpstreamApi {
@@ -15,19 +18,22 @@ pub enum UpstreamApi {
     OpenAi,
     Anthropic,
     Azure,
+    Bedrock,
 }
 
 impl UpstreamApi {
     /// The wire format this provider is sent `model` in, for a caller speaking `caller`:
     /// the caller's own where the provider serves it natively, else the one the request is
     /// translated to. What translation, error shapes and validation go by.
-    pub fn wire(self, _model: &str, caller: Wire) -> Wire {
+    pub fn wire(self, model: &str, caller: Wire) -> Wire {
         match self {
             UpstreamApi::OpenAi | UpstreamApi::Azure => match caller {
                 Wire::Responses => Wire::Responses,
                 _ => Wire::Chat,
             },
             UpstreamApi::Anthropic => Wire::Messages,
+            UpstreamApi::Bedrock if is_bedrock_anthropic(model) => Wire::Messages,
+            UpstreamApi::Bedrock => Wire::Converse,
         }
     }
 
@@ -36,8 +42,21 @@ impl UpstreamApi {
             UpstreamApi::OpenAi => "openai",
             UpstreamApi::Anthropic => "anthropic",
             UpstreamApi::Azure => "azure",
+            UpstreamApi::Bedrock => "bedrock",
         }
     }
+}
+
+/// Whether a Bedrock model id names one of Anthropic's models (sent over InvokeModel in
+/// Anthropic's own body): `anthropic.claude-...`, a cross-region inference profile
+/// (`us.anthropic...`, `global.anthropic...`), or the ARN of either.
+pub fn is_bedrock_anthropic(model: &str) -> bool {
+    let id = model.rsplit('/').next().unwrap_or(model);
+    let id = match id.split_once('.') {
+        Some((prefix, rest)) if prefix != "anthropic" && !prefix.contains(':') => rest,
+        _ => id,
+    };
+    id.starts_with("anthropic.")
 }
 
 /// `[[upstreams]]`: one model provider.
@@ -51,7 +70,20 @@ pub struct UpstreamConfig {
     #[serde(default)]
     pub api_version: Option<String>,
     /// An origin with an optional path prefix; the client's path (`/v1/...`) is appended.
-    pub base_url: BaseUrl,
+    /// Required, except for Bedrock ([`UpstreamConfig::base`]).
+    #[serde(default)]
+    pub base_url: Option<BaseUrl>,
+    /// Bedrock: the AWS region, the endpoint's and the signature's (`us-east-1`).
+    #[serde(default)]
+    pub region: Option<String>,
+    /// Bedrock: explicit AWS keys, used as a set (with them the environment and the
+    /// standard chain are not read; a session token is sent only when given here).
+    #[serde(default)]
+    pub access_key_id: Option<Secret>,
+    #[serde(default)]
+    pub secret_access_key: Option<Secret>,
+    #[serde(default)]
+    pub session_token: Option<Secret>,
     /// The provider key Backstop injects. May be empty for keyless upstreams (the mock).
     #[serde(default)]
     pub api_key: ProviderKey,
@@ -124,6 +156,96 @@ fn default_anthropic_version() -> String {
 }
 
 impl UpstreamConfig {
+    /// Where this upstream's calls go: `base_url`, else Bedrock's regional endpoint
+    /// (`https://bedrock-runtime.{region}.amazonaws.com`). Validation makes sure one of
+    /// them is there.
+    pub fn base(&self) -> BaseUrl {
+        match (&self.base_url, &self.region) {
+            (Some(base), _) => base.clone(),
+            (None, Some(region)) => {
+                BaseUrl::parse(&format!("https://bedrock-runtime.{region}.amazonaws.com"))
+                    .expect("a validated region makes a valid host")
+            }
+            // Not reached: validation requires `base_url` or (for Bedrock) `region`.
+            (None, None) => BaseUrl::parse("http://invalid").expect("a valid URL"),
+        }
+    }
+
+    /// The keys only some providers read: present where they mean something, absent
+    /// where they would be ignored.
+    fn validate_provider(&self, key: &str) -> Result<(), ConfigError> {
+        let bedrock = self.api == UpstreamApi::Bedrock;
+        if self.base_url.is_none() && !bedrock {
+            return Err(ConfigError::invalid(
+                format!("{key}.base_url"),
+                "is required (an http(s) origin such as \"https://api.openai.com\")",
+            ));
+        }
+        let aws_keys = [
+            ("region", self.region.is_some()),
+            ("access_key_id", self.access_key_id.is_some()),
+            ("secret_access_key", self.secret_access_key.is_some()),
+            ("session_token", self.session_token.is_some()),
+        ];
+        if !bedrock {
+            if let Some((name, _)) = aws_keys.iter().find(|(_, set)| *set) {
+                return Err(ConfigError::invalid(
+                    format!("{key}.{name}"),
+                    format_args!(
+                        "is only for api = \"bedrock\" (this upstream has api = \"{}\")",
+                        self.api.as_str()
+                    ),
+                ));
+            }
+            return Ok(());
+        }
+        let region_ok = self.region.as_deref().is_some_and(|r| {
+            !r.is_empty()
+                && r.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        });
+        if !region_ok {
+            return Err(ConfigError::invalid(
+                format!("{key}.region"),
+                "is required when api = \"bedrock\": an AWS region such as \"us-east-1\"",
+            ));
+        }
+        if !self.api_key.expose().is_empty() {
+            return Err(ConfigError::invalid(
+                format!("{key}.api_key"),
+                "is not read for api = \"bedrock\": calls are signed with AWS credentials (access_key_id and secret_access_key, or the standard AWS chain)",
+            ));
+        }
+        let empty = |s: &Option<Secret>| s.as_ref().is_some_and(|s| s.expose().is_empty());
+        for (name, secret) in [
+            ("access_key_id", &self.access_key_id),
+            ("secret_access_key", &self.secret_access_key),
+            ("session_token", &self.session_token),
+        ] {
+            if empty(secret) {
+                return Err(ConfigError::invalid(
+                    format!("{key}.{name}"),
+                    "must not be empty (leave all three keys out to use the standard AWS chain)",
+                ));
+            }
+        }
+        match (&self.access_key_id, &self.secret_access_key) {
+            (Some(_), None) => Err(ConfigError::invalid(
+                format!("{key}.secret_access_key"),
+                "is required with access_key_id (explicit keys are used as a set)",
+            )),
+            (None, Some(_)) => Err(ConfigError::invalid(
+                format!("{key}.access_key_id"),
+                "is required with secret_access_key (explicit keys are used as a set)",
+            )),
+            (None, None) if self.session_token.is_some() => Err(ConfigError::invalid(
+                format!("{key}.session_token"),
+                "is only read with access_key_id and secret_access_key",
+            )),
+            _ => Ok(()),
+        }
+    }
+
     pub(super) fn validate(&self, key: &str) -> Result<(), ConfigError> {
         if self.name.trim().is_empty() {
             return Err(ConfigError::invalid(
@@ -131,6 +253,7 @@ impl UpstreamConfig {
                 "must not be empty",
             ));
         }
+        self.validate_provider(key)?;
         match (self.api, &self.api_version) {
             (UpstreamApi::Azure, None) => {
                 return Err(ConfigError::invalid(
@@ -205,6 +328,21 @@ impl UpstreamConfig {
 pub struct BaseUrl(reqwest::Url);
 
 impl BaseUrl {
+    /// `text` checked as `base_url` is checked at load.
+    pub fn parse(text: &str) -> Result<Self, &'static str> {
+        if !text.starts_with("http://") && !text.starts_with("https://") {
+            return Err("expected a URL that starts with http:// or https://");
+        }
+        let url = reqwest::Url::parse(text).ok().filter(|url| {
+            url.host_str().is_some_and(|h| !h.is_empty())
+                && !text.contains(['?', '#'])
+                && text.parse::<http::Uri>().is_ok()
+        });
+        url.map(BaseUrl).ok_or(
+            "expected an http(s) origin with an optional path prefix, and no query or fragment",
+        )
+    }
+
     /// The URL of `path` (`/v1/...`) under this base.
     pub fn join(&self, path: &str) -> reqwest::Url {
         let mut url = self.0.clone();
@@ -228,21 +366,7 @@ impl<'de> Deserialize<'de> for BaseUrl {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         use serde::de::Error;
         let text = String::deserialize(d)?;
-        if !text.starts_with("http://") && !text.starts_with("https://") {
-            return Err(D::Error::custom(
-                "expected a URL that starts with http:// or https://",
-            ));
-        }
-        let url = reqwest::Url::parse(&text).ok().filter(|url| {
-            url.host_str().is_some_and(|h| !h.is_empty())
-                && !text.contains(['?', '#'])
-                && text.parse::<http::Uri>().is_ok()
-        });
-        url.map(BaseUrl).ok_or_else(|| {
-            D::Error::custom(
-                "expected an http(s) origin with an optional path prefix, and no query or fragment",
-            )
-        })
+        BaseUrl::parse(&text).map_err(D::Error::custom)
     }
 }
 
@@ -269,6 +393,8 @@ impl ProviderKey {
             UpstreamApi::OpenAi => (http::header::AUTHORIZATION, bearer.clone()),
             UpstreamApi::Anthropic => (http::HeaderName::from_static("x-api-key"), bare.clone()),
             UpstreamApi::Azure => (http::HeaderName::from_static("api-key"), bare.clone()),
+            // Signed per call instead (validation refuses an `api_key` here).
+            UpstreamApi::Bedrock => return None,
         })
     }
 }

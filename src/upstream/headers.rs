@@ -65,6 +65,13 @@ pub(super) fn upstream_request_headers(client: &HeaderMap, upstream: &Upstream) 
     let mut out = HeaderMap::with_capacity(8);
     for (name, value) in client {
         let n = name.as_str();
+        // Bedrock reads Anthropic's version and betas in the body, and answers what the
+        // URL asks for.
+        if upstream.provider == UpstreamApi::Bedrock
+            && matches!(n, "anthropic-version" | "anthropic-beta" | "accept")
+        {
+            continue;
+        }
         let allowed = REQUEST_ALLOWED.contains(&n)
             || REQUEST_ALLOWED_PREFIXES.iter().any(|p| n.starts_with(p))
             || upstream.forward_headers.iter().any(|p| matches(n, p));

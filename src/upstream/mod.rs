@@ -19,8 +19,10 @@
 //! redirects off: about 27,000 instructions a call (9% of the every-policy path) that a
 //! plain-HTTP exchange does not need.
 
+pub mod bedrock;
 mod headers;
 pub mod objects;
+mod refresh;
 pub mod stream;
 mod url_style;
 
@@ -66,6 +68,8 @@ pub struct Upstream {
     anthropic_version: HeaderValue,
     /// Extra client headers forwarded (names or `prefix-*` globs).
     forward_headers: Vec<String>,
+    /// Bedrock's signing state (Bedrock upstreams only).
+    bedrock: Option<Arc<bedrock::Bedrock>>,
 }
 
 impl Upstream {
@@ -80,7 +84,7 @@ impl Upstream {
             name: config.name.as_str().into(),
             provider: config.api,
             url_style: UrlStyle::new(config),
-            origin: config.base_url.origin(),
+            origin: config.base().origin(),
             credential: config.api_key.header(config.api),
             attempt_timeout: config.attempt_timeout,
             retry: RetryRules::from_config(&config.retry),
@@ -92,6 +96,7 @@ impl Upstream {
             anthropic_version: HeaderValue::from_str(&config.anthropic_version)
                 .unwrap_or(HeaderValue::from_static("2023-06-01")),
             forward_headers: config.forward_headers.clone(),
+            bedrock: bedrock::Bedrock::new(config),
         }
     }
 }
@@ -499,23 +504,52 @@ async fn send(
     let (request, upstream) = (&attempt.request, &attempt.upstream);
     let limits = upstream.limits;
     let asked = attempt.model.as_deref().unwrap_or(&request.model);
-    let url = match upstream.url_style.url(request.endpoint, asked) {
+    let url = match upstream
+        .url_style
+        .url(request.endpoint, asked, request.stream)
+    {
         Ok(url) => url,
-        Err(unserved) => return Ok(unserved_reply(upstream, request.endpoint, unserved)),
+        Err(unserved) => return Ok(unserved_reply(upstream, request.endpoint, asked, unserved)),
     };
-    let body = request.upstream_body(
-        attempt.model.as_deref(),
-        attempt.stream_usage && request.endpoint == Endpoint::ChatCompletions,
-    );
+    let body = match &upstream.bedrock {
+        Some(_) => bedrock::invoke_body(&request.json, attempt.headers.get("anthropic-beta")),
+        None => request.upstream_body(
+            attempt.model.as_deref(),
+            attempt.stream_usage && request.endpoint == Endpoint::ChatCompletions,
+        ),
+    };
     let mut headers = headers::upstream_request_headers(&attempt.headers, upstream);
     if let Some(cx) = &attempt.trace {
         crate::otel::inject(cx, &mut headers);
     }
     let deadline = tokio::time::Instant::now() + attempt.timeout;
+    if let Some(bedrock) = &upstream.bedrock {
+        let signed = match tokio::time::timeout_at(deadline, bedrock.credentials()).await {
+            Err(_) => return Err(TransportFailure::Timeout),
+            Ok(Err(why)) => Err(why),
+            Ok(Ok(credentials)) => bedrock.sign(
+                &credentials,
+                &url,
+                &mut headers,
+                &body,
+                std::time::SystemTime::now(),
+            ),
+        };
+        if let Err(why) = signed {
+            tracing::warn!(upstream = %upstream.name, reason = %why, "no AWS signature for a Bedrock call");
+            return Ok(unsigned_reply(request.endpoint, &why));
+        }
+    }
     let send = client.post(url, headers, body);
-    let response = tokio::time::timeout_at(deadline, send)
+    let mut response = tokio::time::timeout_at(deadline, send)
         .await
         .map_err(|_| TransportFailure::Timeout)??;
+    if upstream.bedrock.is_some() {
+        let adapted = bedrock::answer(response, limits);
+        response = tokio::time::timeout_at(deadline, adapted)
+            .await
+            .map_err(|_| TransportFailure::Timeout)??;
+    }
 
     let status = response.status;
     let headers = headers::client_response_headers(&response.headers);
@@ -572,8 +606,22 @@ async fn send(
 /// Responses API): a 400 in OpenAI's error shape, made here without touching the network,
 /// so recovery treats it as the caller's fault (no retry, no breaker) and the caller
 /// reads why.
-fn unserved_reply(upstream: &Upstream, endpoint: Endpoint, unserved: Unserved) -> Reply {
+fn unserved_reply(
+    upstream: &Upstream,
+    endpoint: Endpoint,
+    model: &str,
+    unserved: Unserved,
+) -> Reply {
     let message = match unserved {
+        Unserved::Endpoint if upstream.provider == UpstreamApi::Bedrock => format!(
+            "Backstop does not send {} to upstream {:?}: a Bedrock upstream serves Anthropic's Messages (chat and Responses callers are translated to them)",
+            endpoint.path(),
+            &*upstream.name
+        ),
+        Unserved::Converse => format!(
+            "the Bedrock model {model:?} is not one of Anthropic's: Backstop reaches Bedrock's other models over the Converse API, which it does not speak yet (upstream {:?})",
+            &*upstream.name
+        ),
         Unserved::Endpoint => format!(
             "Backstop does not send {} to upstream {:?}: an Azure OpenAI upstream serves /v1/chat/completions and /v1/embeddings only",
             endpoint.path(),
@@ -584,11 +632,39 @@ fn unserved_reply(upstream: &Upstream, endpoint: Endpoint, unserved: Unserved) -
             &*upstream.name
         ),
     };
-    let body = serde_json::json!({"error": {
-        "message": message,
-        "type": "invalid_request_error",
-        "code": "unsupported_endpoint",
-    }});
+    let parts = crate::wire::ErrorParts {
+        category: "invalid_request_error",
+        code: "unsupported_endpoint",
+        anthropic_type: "invalid_request_error",
+        message: &message,
+        param: None,
+    };
+    // In the target's format: the translate layer brings it into the caller's.
+    let wire = match upstream.provider {
+        UpstreamApi::Bedrock => Wire::Messages,
+        _ => Wire::Chat,
+    };
+    let body = crate::wire::error_body(wire, &parts);
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    Reply::whole(endpoint, StatusCode::BAD_REQUEST, headers, body, false)
+}
+
+/// The answer to a Bedrock call that could not be signed (no credentials from the
+/// chain): a 401 in Anthropic's shape, so recovery classes it as the upstream's
+/// credentials (the next target is tried; the client reads `upstream_auth_failed`).
+fn unsigned_reply(endpoint: Endpoint, why: &str) -> Reply {
+    let message = format!("Backstop could not sign the Bedrock call: {why}");
+    let parts = crate::wire::ErrorParts {
+        category: "authentication_error",
+        code: "upstream_auth_failed",
+        anthropic_type: "authentication_error",
+        message: &message,
+        param: None,
+    };
     let mut headers = HeaderMap::new();
     headers.insert(
         http::header::CONTENT_TYPE,
@@ -596,9 +672,9 @@ fn unserved_reply(upstream: &Upstream, endpoint: Endpoint, unserved: Unserved) -
     );
     Reply::whole(
         endpoint,
-        StatusCode::BAD_REQUEST,
+        StatusCode::UNAUTHORIZED,
         headers,
-        Bytes::from(body.to_string()),
+        crate::wire::error_body(Wire::Messages, &parts),
         false,
     )
 }
