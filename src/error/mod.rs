@@ -39,6 +39,14 @@ pub enum GatewayError {
         upstream_api: &'static str,
         path: &'static str,
     },
+    /// The route's only targets are Bedrock models that are not Anthropic's: they are
+    /// served over Bedrock's Converse API, which Backstop does not speak yet.
+    #[error("model `{model}` is served by the Bedrock model `{target_model}` of upstream `{upstream}`, which needs Bedrock's Converse API: Backstop does not speak it yet (Anthropic's models on Bedrock are served)")]
+    ConverseUnsupported {
+        model: String,
+        upstream: String,
+        target_model: String,
+    },
     /// No target of the route can carry the request exactly in its API: the JSON paths
     /// with no equivalent, per target.
     #[error("no target of model `{model}` can take this request without losing {}: \
@@ -205,7 +213,7 @@ impl GatewayError {
             ItemNotFound { .. } => ErrorCode::ItemNotFound,
             ConversationNotFound(_) => ErrorCode::ConversationNotFound,
             ModelNotFound(_) => ErrorCode::ModelNotFound,
-            ApiMismatch { .. } => ErrorCode::ApiMismatch,
+            ApiMismatch { .. } | ConverseUnsupported { .. } => ErrorCode::ApiMismatch,
             UnsupportedConversion { .. } => ErrorCode::UnsupportedConversion,
             BodyTooLarge { .. } => ErrorCode::RequestTooLarge,
             TooManyItems { .. } => ErrorCode::TooManyItems,

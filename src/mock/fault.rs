@@ -18,6 +18,7 @@ use std::time::Duration;
 /// | `content_b64=B64` | the answer's text, base64 (for JSON answers) |
 /// | `tool=NAME` / `tool_args_b64=B64` | answer with a call to tool NAME with these arguments |
 /// | `cut=N` | a stream that breaks after N chunks |
+/// | `exception=NAME` | Bedrock: a stream that ends with exception frame NAME (`throttlingException`) after `cut` events (default 1) |
 /// | `usage=IN/OUT` | the token usage reported |
 /// | `usage_b64=B64` | the answer's `usage` value, exactly this JSON (base64): cache and reasoning counts, odd shapes some servers send; a stream reports it where the API does (Anthropic's split between `message_start` and `message_delta`) |
 /// | `chunks=N` / `chunk_delay=50ms` | how a stream is cut up and paced |
@@ -85,6 +86,8 @@ pub struct FaultStep {
     pub future: bool,
     /// Raw SSE bytes to stream verbatim (`events_b64`).
     pub events: Option<Vec<u8>>,
+    /// Bedrock: the exception frame a stream ends with after `cut` events.
+    pub exception: Option<String>,
 }
 
 impl FaultStep {
@@ -117,6 +120,7 @@ impl FaultStep {
                 "tool" => out.tool = Some(value.to_string()),
                 "tool_args_b64" => out.tool_args = decode_b64(value),
                 "cut" => out.cut = value.parse().ok(),
+                "exception" => out.exception = Some(value.to_string()),
                 "usage" => {
                     out.usage = value
                         .split_once('/')

@@ -19,10 +19,15 @@
 //!   `backstop mock-upstream --strict`; it is off by default. Scripted redirects and
 //!   errors still come first, so fault scripts play the same in both modes.
 //!
+//! It also plays Amazon Bedrock's InvokeModel for Anthropic's models
+//! (`/model/{id}/invoke`, `/invoke-with-response-stream`), SigV4 signatures checked: see
+//! [`bedrock`].
+//!
 //! Introspection: `GET /mock/stats`, `GET /mock/last?scenario=NAME`, `POST /mock/reset`;
 //! `POST /mock/release?hold=NAME` lets the attempts scripted `hold=NAME` go on.
 //! It logs nothing per request, so it is never the bottleneck of a load test.
 
+pub mod bedrock;
 mod fault;
 mod responses;
 mod responses_api;
@@ -321,7 +326,11 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
     // Azure OpenAI's deployment paths answer as the OpenAI paths they stand for; the
     // path as sent (deployment, `api-version` query) is what `last_request` records.
     let served = azure_path(&path).unwrap_or(&path);
+    let invoke = (parts.method == Method::POST)
+        .then(|| bedrock::route(&path))
+        .flatten();
     let api = match served {
+        _ if invoke.is_some() => responses::Api::Anthropic,
         "/v1/chat/completions" | "/v1/embeddings" => responses::Api::OpenAi,
         "/v1/messages" | "/v1/messages/count_tokens" => responses::Api::Anthropic,
         "/v1/responses" => responses::Api::Responses,
@@ -378,15 +387,30 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
         None => state.strict,
     };
     let strict = strict && parts.method == Method::POST;
-    let mut response = answer(
-        api,
-        &parts.method,
-        served,
-        parts.uri.query(),
-        &request,
-        &step,
-        strict,
-    );
+    let mut response = match &invoke {
+        Some(invoke) => {
+            let signed = parts
+                .uri
+                .path_and_query()
+                .map_or(path.as_str(), |pq| pq.as_str());
+            match bedrock::verify(&parts.headers, signed, &bytes) {
+                Err(refusal) => refusal,
+                Ok(()) => match step.status.filter(|s| *s >= 400) {
+                    Some(status) => bedrock::scripted_error(status, &step),
+                    None => bedrock::answer(invoke, &request, &step),
+                },
+            }
+        }
+        None => answer(
+            api,
+            &parts.method,
+            served,
+            parts.uri.query(),
+            &request,
+            &step,
+            strict,
+        ),
+    };
     for (name, value) in &step.headers {
         if let (Ok(name), Ok(value)) = (
             http::HeaderName::from_bytes(name.as_bytes()),

@@ -6,11 +6,14 @@
 //! - [`messages`]: Anthropic messages (also Bedrock's InvokeModel and Vertex's rawPredict);
 //! - [`responses`]: the OpenAI Responses API;
 //! - [`converse`]: Amazon Bedrock's Converse API;
-//! - [`sse`]: server-sent events, whatever format they carry.
+//! - [`sse`]: server-sent events, whatever format they carry;
+//! - [`eventstream`]: AWS's binary event-stream framing (Bedrock's streams), unframed
+//!   into the SSE of the format the frames carry.
 
 pub mod chat;
 pub mod converse;
 mod errors;
+pub mod eventstream;
 pub mod messages;
 pub mod responses;
 pub mod sse;

@@ -15,6 +15,7 @@
 mod common;
 
 mod azure;
+mod bedrock;
 mod billing;
 mod budgets;
 mod dashboard;

@@ -350,6 +350,13 @@ where
             // Nothing past `start` speaks the caller's API or translates to it: a
             // route/endpoint mismatch (embeddings, `count_tokens`).
             let other = &route.targets[0];
+            if other.wire(&call.request.model, call.endpoint().wire()) == Wire::Converse {
+                return self.finish(Err(GatewayError::ConverseUnsupported {
+                    model: call.request.model.clone(),
+                    upstream: other.upstream.name.to_string(),
+                    target_model: other.model_for(&call.request.model).to_string(),
+                }));
+            }
             return self.finish(Err(GatewayError::ApiMismatch {
                 model: call.request.model.clone(),
                 upstream_api: other.upstream.provider.as_str(),

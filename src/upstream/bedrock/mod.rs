@@ -9,12 +9,10 @@
 //! - the call is signed with SigV4 ([`sign`]) with credentials from the upstream's
 //!   explicit keys or the standard AWS chain ([`Credentials`]);
 //! - a streamed answer's binary event-stream is unframed into Anthropic's SSE
-//!   ([`eventstream`]); an exception frame ends the stream as a cut connection does;
+//!   ([`crate::wire::eventstream`]); an exception frame ends the stream as a cut connection does;
 //! - an error answer (`{"message"}` with its type in `x-amzn-ErrorType`) becomes
 //!   Anthropic's error, with the status that puts it in the right class of the taxonomy
 //!   ([`error_answer`]).
-
-pub mod eventstream;
 
 use std::{sync::Arc, time::Duration};
 
@@ -358,7 +356,7 @@ pub(crate) async fn answer(
             status,
             headers,
             content_length: None,
-            chunks: eventstream::unframe(chunks, limits.max_event_bytes),
+            chunks: crate::wire::eventstream::unframe(chunks, limits.max_event_bytes),
         });
     }
     let raw = Fetched {

@@ -15,7 +15,11 @@ use bytes::{Buf, Bytes, BytesMut};
 use futures_util::StreamExt;
 use serde::Deserialize;
 
-use crate::upstream::{ChunkError, Chunks};
+/// Why a body stopped short (the leaf's `ChunkError`).
+pub type ChunkError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A body, chunk by chunk (the leaf's `Chunks`).
+pub type Chunks = futures_util::stream::BoxStream<'static, Result<Bytes, ChunkError>>;
 
 /// Why a Bedrock stream ended short.
 #[derive(Debug, thiserror::Error)]
