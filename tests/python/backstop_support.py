@@ -61,6 +61,17 @@ EXACT_ROUTE_MODELS = ["quota-gpt", "storm-gpt", "storm-claude", "rewrite-me", "d
 WILDCARD_ROUTE_MODELS = ["gpt-*", "text-embedding-*", "claude-*"]
 
 
+# The identities the mock's Bedrock accepts (src/mock/bedrock.rs).
+BEDROCK_ACCESS_KEY_ID = "AKIAMOCKBEDROCK00001"
+BEDROCK_SECRET_ACCESS_KEY = "mock/Bedrock+Secret/Access/Key0000000001"
+BEDROCK_SESSION = {
+    "AWS_ACCESS_KEY_ID": "ASIAMOCKBEDROCK00002",
+    "AWS_SECRET_ACCESS_KEY": "mock/Bedrock+Session/Secret/Key000000002",
+    "AWS_SESSION_TOKEN": "IQoJb3JpZ2luX2VjEMOCKSESSIONTOKEN//////////wEaCXVzLWVhc3QtMQ==",
+}
+BEDROCK_SONNET = "anthropic.claude-sonnet-4-5-20250929-v1:0"
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (bind port 0, then close)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -214,6 +225,39 @@ name = "quota-b"
 api = "openai"
 forward_headers = ["x-mock-*"]
 base_url = "{mock}"
+
+# Amazon Bedrock (tests/python/test_bedrock_sdk.py): the mock plays InvokeModel and
+# checks every SigV4 signature. `bedrock-chain` names no keys: the standard AWS chain
+# finds the session credentials conftest puts in the server's environment.
+[[upstreams]]
+name = "bedrock-chain"
+api = "bedrock"
+region = "us-east-1"
+forward_headers = ["x-mock-*"]
+base_url = "{mock}"
+attempt_timeout = "5s"
+
+[[upstreams]]
+name = "bedrock-keys"
+api = "bedrock"
+region = "eu-central-1"
+forward_headers = ["x-mock-*"]
+base_url = "{mock}"
+access_key_id = "{BEDROCK_ACCESS_KEY_ID}"
+secret_access_key = "{BEDROCK_SECRET_ACCESS_KEY}"
+attempt_timeout = "5s"
+
+[[routes]]
+model = "bedrock-claude"
+targets = [{{ upstream = "bedrock-chain", model = "{BEDROCK_SONNET}", max_tokens = 1024 }}]
+
+[[routes]]
+model = "bedrock-keys-claude"
+targets = [{{ upstream = "bedrock-keys", model = "us.anthropic.claude-3-5-haiku-20241022-v1:0", max_tokens = 1024 }}]
+
+[[routes]]
+model = "openai-then-bedrock"
+targets = [{{ upstream = "dead" }}, {{ upstream = "bedrock-chain", model = "{BEDROCK_SONNET}", max_tokens = 1024 }}]
 
 [[routes]]
 model = "quota-gpt"

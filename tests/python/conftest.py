@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from backstop_support import (
+    BEDROCK_SESSION,
     TENANT_A_KEY,
     TENANT_B_KEY,
     Backstop,
@@ -126,9 +127,16 @@ def backstop(tmp_path_factory) -> Backstop:
         )
         _wait_until_up("backstop mock-upstream", f"{bs.mock_url}/mock/stats", mock_proc, bs)
 
+        # The standard AWS chain of `bedrock-chain` reads its credentials here; no
+        # profile or instance metadata of the machine may stand in for them.
+        server_env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        server_env.update(BEDROCK_SESSION)
+        server_env["AWS_CONFIG_FILE"] = server_env["AWS_SHARED_CREDENTIALS_FILE"] = "/dev/null"
+        server_env["AWS_EC2_METADATA_DISABLED"] = "true"
         server_proc = subprocess.Popen(
             [str(binary), "serve", "--config", str(config_path)],
             stdout=server_out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workdir,
+            env=server_env,
         )
         _wait_until_up("backstop serve", f"{bs.url}/readyz", server_proc, bs)
 
