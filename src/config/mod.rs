@@ -337,6 +337,20 @@ impl Config {
         let mut patterns = HashSet::new();
         for (i, route) in self.routes.iter().enumerate() {
             route.validate(&format!("routes[{i}]"), &names)?;
+            for (j, target) in route.targets.iter().enumerate() {
+                let bedrock = self
+                    .upstreams
+                    .iter()
+                    .any(|u| u.name == target.upstream && u.api == UpstreamApi::Bedrock);
+                if let Some(model) = target.model.as_deref().filter(|_| bedrock) {
+                    if !is_bedrock_anthropic(model) {
+                        return Err(ConfigError::invalid(
+                            format!("routes[{i}].targets[{j}].model"),
+                            format_args!("{model:?} is not one of Anthropic's Bedrock models (`anthropic.*`, or an inference profile of one): the others need Bedrock's Converse API, which Backstop does not speak yet"),
+                        ));
+                    }
+                }
+            }
             if !patterns.insert(route.model.as_str()) {
                 return Err(ConfigError::invalid(
                     format!("routes[{i}].model"),

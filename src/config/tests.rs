@@ -382,7 +382,7 @@ fn errors_never_show_a_value_from_the_environment() {
         (
             BASE.replace("api = \"openai\"", "api = \"${LEAK}\""),
             "upstreams[0].api",
-            "unknown variant, expected one of `openai`, `anthropic`, `azure`",
+            "unknown variant, expected one of `openai`, `anthropic`, `azure`, `bedrock`",
         ),
         (
             BASE.replace(
@@ -488,7 +488,7 @@ fn every_enumerated_value_names_its_key_and_the_allowed_values() {
     let err = error_of(&BASE.replace("api = \"openai\"", "api = \"gemini\""));
     assert_eq!(
         err,
-        "upstreams[0].api: unknown variant, expected one of `openai`, `anthropic`, `azure`"
+        "upstreams[0].api: unknown variant, expected one of `openai`, `anthropic`, `azure`, `bedrock`"
     );
 }
 
@@ -686,6 +686,97 @@ fn azure_needs_its_api_version_and_the_others_refuse_one() {
         err,
         "upstreams[0].api_version: is only for api = \"azure\" (this upstream has api = \"openai\")"
     );
+}
+
+const BEDROCK: &str =
+    "\n[[upstreams]]\nname = \"bedrock\"\napi = \"bedrock\"\nregion = \"eu-west-1\"\n";
+
+#[test]
+fn bedrock_needs_a_region_and_takes_explicit_keys_only_as_a_set() {
+    let c = load(&format!("{BASE}{BEDROCK}")).unwrap();
+    let bedrock = &c.upstreams[1];
+    assert_eq!(bedrock.api, UpstreamApi::Bedrock);
+    assert_eq!(
+        bedrock.base().origin(),
+        "https://bedrock-runtime.eu-west-1.amazonaws.com"
+    );
+    assert_eq!(
+        bedrock
+            .api
+            .wire("anthropic.claude-3-haiku-20240307-v1:0", Wire::Chat),
+        Wire::Messages
+    );
+    assert_eq!(
+        bedrock.api.wire(
+            "global.anthropic.claude-sonnet-4-5-20250929-v1:0",
+            Wire::Responses
+        ),
+        Wire::Messages
+    );
+    assert_eq!(
+        bedrock.api.wire("amazon.nova-pro-v1:0", Wire::Messages),
+        Wire::Converse
+    );
+    assert_eq!(bedrock.api_key.header(bedrock.api), None);
+
+    let refused = [
+        (
+            BEDROCK.replace("region = \"eu-west-1\"\n", ""),
+            "upstreams[1].region: is required when api = \"bedrock\"",
+        ),
+        (
+            BEDROCK.replace("eu-west-1", "EU West"),
+            "upstreams[1].region: is required when api = \"bedrock\"",
+        ),
+        (
+            format!("{BEDROCK}api_key = \"k\"\n"),
+            "upstreams[1].api_key: is not read for api = \"bedrock\"",
+        ),
+        (
+            format!("{BEDROCK}access_key_id = \"AKID\"\n"),
+            "upstreams[1].secret_access_key: is required with access_key_id",
+        ),
+        (
+            format!("{BEDROCK}secret_access_key = \"s\"\n"),
+            "upstreams[1].access_key_id: is required with secret_access_key",
+        ),
+        (
+            format!("{BEDROCK}session_token = \"t\"\n"),
+            "upstreams[1].session_token: is only read with access_key_id and secret_access_key",
+        ),
+        (
+            format!("{BEDROCK}access_key_id = \"\"\nsecret_access_key = \"s\"\n"),
+            "upstreams[1].access_key_id: must not be empty",
+        ),
+    ];
+    for (upstream, expected) in refused {
+        let err = error_of(&format!("{BASE}{upstream}"));
+        assert!(err.starts_with(expected), "{err}");
+    }
+    let err = error_of(&BASE.replace(
+        "api = \"openai\"",
+        "api = \"openai\"\nregion = \"us-east-1\"",
+    ));
+    assert_eq!(
+        err,
+        "upstreams[0].region: is only for api = \"bedrock\" (this upstream has api = \"openai\")"
+    );
+    let err = error_of(&BASE.replace("base_url = \"https://api.openai.com\"\n", ""));
+    assert!(
+        err.starts_with("upstreams[0].base_url: is required"),
+        "{err}"
+    );
+
+    // A target naming a model Bedrock serves over Converse only is refused at load.
+    let converse = format!(
+        "{}{BEDROCK}",
+        BASE.replace(
+            "{ upstream = \"openai\", model = \"gpt-4.1-mini\" }",
+            "{ upstream = \"bedrock\", model = \"amazon.nova-pro-v1:0\" }"
+        )
+    );
+    let err = error_of(&converse);
+    assert!(err.starts_with("routes[0].targets[1].model: \"amazon.nova-pro-v1:0\" is not one of Anthropic's Bedrock models"), "{err}");
 }
 
 #[test]
