@@ -62,8 +62,8 @@ model = "br-wrong"
 targets = [{{ upstream = "bedrock-wrong", model = "{SONNET}" }}]
 
 [[routes]]
-model = "br-nova"
-targets = [{{ upstream = "bedrock", model = "amazon.nova-pro-v1:0" }}]
+model = "amazon.*"
+targets = [{{ upstream = "bedrock" }}]
 
 [[routes]]
 model = "br-then-anthropic"
@@ -389,12 +389,13 @@ async fn an_exception_in_mid_stream_ends_the_stream_with_an_error_event() {
     assert_eq!(gw.mock.attempts("br-exception"), 1);
 }
 
-/// A Bedrock model that is not Anthropic's needs Converse: refused with a clear 400, the
-/// network untouched.
+/// A Bedrock model that is not Anthropic's needs Converse: a target naming one is refused
+/// at load (config tests); one a client names through a target without a `model` is
+/// refused with a clear 400, the network untouched.
 #[tokio::test]
 async fn a_converse_model_is_refused_clearly() {
     let gw = start_with(bedrock).await;
-    let resp = send_messages(&gw, "br-nova", "", messages("br-nova", false)).await;
+    let resp = send_messages(&gw, "br-nova", "", messages("amazon.nova-pro-v1:0", false)).await;
     let status = resp.status();
     let text = resp.text().await.unwrap();
     assert_eq!(status, 400, "{text}");
