@@ -109,30 +109,33 @@ pub(super) fn scripted_error(status: u16, step: &FaultStep) -> Response<Body> {
     )
 }
 
+/// Why AWS refuses a call's signature: its 403's exception and message.
+pub(super) struct Refused(&'static str, &'static str);
+
+impl Refused {
+    pub(super) fn response(&self) -> Response<Body> {
+        error(403, self.0, self.1)
+    }
+}
+
 /// Checks the call's SigV4 signature; `Err` is AWS's 403.
 pub(super) fn verify(
     headers: &HeaderMap,
     path_and_query: &str,
     body: &[u8],
-) -> Result<(), Response<Body>> {
+) -> Result<(), Refused> {
     let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
     let unrecognized = || {
-        error(
-            403,
+        Refused(
             "UnrecognizedClientException",
             "The security token included in the request is invalid.",
         )
     };
     let mismatch = || {
-        error(
-            403,
-            "InvalidSignatureException",
-            "The request signature we calculated does not match the signature you provided. Check your AWS Secret Access Key and signing method. Consult the service documentation for details.",
-        )
+        Refused("InvalidSignatureException", "The request signature we calculated does not match the signature you provided. Check your AWS Secret Access Key and signing method. Consult the service documentation for details.")
     };
     let Some(authorization) = text("authorization") else {
-        return Err(error(
-            403,
+        return Err(Refused(
             "MissingAuthenticationTokenException",
             "Missing Authentication Token",
         ));
@@ -151,11 +154,7 @@ pub(super) fn verify(
         field("SignedHeaders"),
         field("Signature"),
     ) else {
-        return Err(error(
-            403,
-            "IncompleteSignatureException",
-            "Authorization header requires 'Credential', 'Signature' and 'SignedHeaders' parameters.",
-        ));
+        return Err(Refused("IncompleteSignatureException", "Authorization header requires 'Credential', 'Signature' and 'SignedHeaders' parameters."));
     };
     let scope: Vec<&str> = credential.split('/').collect();
     let [key_id, date, region, service, "aws4_request"] = scope[..] else {
@@ -178,11 +177,7 @@ pub(super) fn verify(
         .duration_since(signed_at)
         .unwrap_or_else(|e| e.duration());
     if skew > Duration::from_secs(300) {
-        return Err(error(
-            403,
-            "InvalidSignatureException",
-            "Signature expired: the request's x-amz-date is more than 5 minutes from the server's time.",
-        ));
+        return Err(Refused("InvalidSignatureException", "Signature expired: the request's x-amz-date is more than 5 minutes from the server's time."));
     }
     if service != "bedrock" || !text("x-amz-date").is_some_and(|d| d.starts_with(date)) {
         return Err(mismatch());

@@ -394,7 +394,7 @@ async fn handle(state: Arc<MockState>, req: Request<Incoming>) -> Result<Respons
                 .path_and_query()
                 .map_or(path.as_str(), |pq| pq.as_str());
             match bedrock::verify(&parts.headers, signed, &bytes) {
-                Err(refusal) => refusal,
+                Err(refused) => refused.response(),
                 Ok(()) => match step.status.filter(|s| *s >= 400) {
                     Some(status) => bedrock::scripted_error(status, &step),
                     None => bedrock::answer(invoke, &request, &step),
