@@ -37,6 +37,17 @@ impl UpstreamApi {
         }
     }
 
+    /// OpenTelemetry's `gen_ai.provider.name` for this provider (the GenAI semantic
+    /// conventions' well-known values).
+    pub fn gen_ai_provider(self) -> &'static str {
+        match self {
+            UpstreamApi::OpenAi => "openai",
+            UpstreamApi::Anthropic => "anthropic",
+            UpstreamApi::Azure => "azure.ai.openai",
+            UpstreamApi::Bedrock => "aws.bedrock",
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             UpstreamApi::OpenAi => "openai",

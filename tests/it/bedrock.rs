@@ -49,6 +49,18 @@ secret_access_key = "not-the-secret"
 forward_headers = ["x-mock-*"]
 attempt_timeout = "5s"
 
+[[upstreams]]
+name = "bedrock-chain"
+api = "bedrock"
+region = "us-east-1"
+base_url = "{mock}"
+forward_headers = ["x-mock-*"]
+attempt_timeout = "5s"
+
+[[routes]]
+model = "br-chain"
+targets = [{{ upstream = "bedrock-chain", model = "{SONNET}" }}]
+
 [[routes]]
 model = "br-sonnet"
 targets = [{{ upstream = "bedrock", model = "{SONNET}", max_tokens = 256 }}]
@@ -409,4 +421,41 @@ async fn a_converse_model_is_refused_clearly() {
         "{body}"
     );
     assert_eq!(gw.mock.attempts("br-nova"), 0);
+}
+
+/// No keys in the config and none in the standard chain (taken out of this process's
+/// environment; profile files and instance metadata switched off): the call is not sent,
+/// and the client reads the upstream's auth failure, not a 401 of its own.
+#[tokio::test]
+async fn no_credentials_from_the_chain_is_the_upstreams_auth_failure_without_a_call() {
+    for (name, value) in [
+        ("AWS_CONFIG_FILE", "/dev/null"),
+        ("AWS_SHARED_CREDENTIALS_FILE", "/dev/null"),
+        ("AWS_EC2_METADATA_DISABLED", "true"),
+    ] {
+        // Read by no other test: the other Bedrock upstreams name their keys.
+        std::env::set_var(name, value);
+    }
+    for name in [
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    ] {
+        std::env::remove_var(name);
+    }
+    let gw = start_with(bedrock).await;
+    let resp = send_messages(&gw, "br-chain", "", messages("br-chain", false)).await;
+    let status = resp.status();
+    let body = json(resp).await;
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(body["error"]["type"], "upstream_auth_failed", "{body}");
+    // As for a provider refusing Backstop's key: the upstream's breaker is open now.
+    let resp = send_messages(&gw, "br-chain", "", messages("br-chain", false)).await;
+    assert_eq!(resp.status(), 503);
+    assert!(resp.headers().contains_key("retry-after"));
+    assert_eq!(gw.mock.attempts("br-chain"), 0);
 }

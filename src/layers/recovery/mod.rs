@@ -643,7 +643,7 @@ where
             let upstream = &target.upstream;
             trace.attempt(
                 &upstream.name,
-                upstream.provider.as_str(),
+                upstream.provider.gen_ai_provider(),
                 request.endpoint,
                 asked,
             )

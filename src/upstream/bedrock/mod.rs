@@ -44,7 +44,9 @@ impl std::fmt::Debug for Bedrock {
     }
 }
 
-/// Where a Bedrock upstream's AWS credentials come from.
+/// Where a Bedrock upstream's AWS credentials come from. One per Bedrock upstream, made
+/// at load and never moved: its size does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Credentials {
     /// `access_key_id`, `secret_access_key` (and `session_token`) from the config.
     Explicit(AwsCredentials),
@@ -55,12 +57,18 @@ enum Credentials {
             aws_config::default_provider::credentials::DefaultCredentialsChain,
         >,
         cache: Refreshing<AwsCredentials>,
+        /// The last fetch that failed, and why: for [`CHAIN_RETRY`] the chain is not
+        /// asked again (a missing instance metadata service costs seconds a call).
+        failed: std::sync::Mutex<Option<(tokio::time::Instant, String)>>,
     },
 }
 
 /// How long fetching credentials from the chain may take (instance metadata that is not
 /// there must not hold a request for the SDK's own minutes).
 const CHAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a chain that found no credentials is not asked again.
+const CHAIN_RETRY: Duration = Duration::from_secs(5);
 
 impl Bedrock {
     /// `None` for an upstream that is not Bedrock's.
@@ -82,6 +90,7 @@ impl Bedrock {
             _ => Credentials::Chain {
                 chain: tokio::sync::OnceCell::new(),
                 cache: Refreshing::default(),
+                failed: std::sync::Mutex::new(None),
             },
         };
         Some(Arc::new(Bedrock {
@@ -95,9 +104,27 @@ impl Bedrock {
     pub async fn credentials(&self) -> Result<AwsCredentials, String> {
         match &self.credentials {
             Credentials::Explicit(creds) => Ok(creds.clone()),
-            Credentials::Chain { chain, cache } => {
+            Credentials::Chain {
+                chain,
+                cache,
+                failed,
+            } => {
+                let recent_failure = || {
+                    let failed = failed.lock().unwrap_or_else(|e| e.into_inner());
+                    failed
+                        .as_ref()
+                        .filter(|(at, _)| at.elapsed() < CHAIN_RETRY)
+                        .map(|(_, why)| why.clone())
+                };
+                let remember = |why: &String| {
+                    *failed.lock().unwrap_or_else(|e| e.into_inner()) =
+                        Some((tokio::time::Instant::now(), why.clone()));
+                };
                 cache
                     .get(|| async {
+                        if let Some(why) = recent_failure() {
+                            return Err(why);
+                        }
                         let chain = chain
                             .get_or_init(|| async {
                                 let http = aws_smithy_http_client::Builder::new()
@@ -114,10 +141,12 @@ impl Bedrock {
                                     .await
                             })
                             .await;
-                        let fetched = tokio::time::timeout(CHAIN_TIMEOUT, chain.provide_credentials())
-                            .await
-                            .map_err(|_| format!("the AWS credential chain did not answer within {CHAIN_TIMEOUT:?}"))?
-                            .map_err(|err| format!("the AWS credential chain found no credentials: {err}"))?;
+                        let fetched = match tokio::time::timeout(CHAIN_TIMEOUT, chain.provide_credentials()).await {
+                            Err(_) => Err(format!("the AWS credential chain did not answer within {CHAIN_TIMEOUT:?}")),
+                            Ok(Err(err)) => Err(format!("the AWS credential chain found no credentials: {err}")),
+                            Ok(Ok(credentials)) => Ok(credentials),
+                        };
+                        let fetched = fetched.inspect_err(remember)?;
                         let lifetime = fetched.expiry().map(|at| {
                             at.duration_since(std::time::SystemTime::now())
                                 .unwrap_or(Duration::ZERO)
