@@ -603,7 +603,8 @@ async fn send(
 }
 
 /// The answer to a call this upstream cannot be sent (an Azure upstream reached for the
-/// Responses API): a 400 in OpenAI's error shape, made here without touching the network,
+/// Responses API, a Bedrock model that needs Converse): a 400 in the target's error
+/// shape (OpenAI's, Anthropic's for Bedrock), made here without touching the network,
 /// so recovery treats it as the caller's fault (no retry, no breaker) and the caller
 /// reads why.
 fn unserved_reply(
